@@ -1,0 +1,85 @@
+"""Run a function on N local processes joined in one torch.distributed group (gloo).
+
+Used by the math tests and the sync benchmarks: real multi-process collectives on one machine, without Ray.
+Each process gets ``(rank, world_size, *args)``; the return values come back in rank order. A rank that
+raises, dies or outlives ``timeout_s`` fails the whole run with a message that names it, and every other
+process is killed: a test never hangs on a peer stuck in a collective.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+
+class RankFailed(RuntimeError):
+    """A rank raised, died or timed out."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: tuple, results: Any) -> None:
+    import torch
+    import torch.distributed as dist
+
+    # One intra-op thread per rank: N ranks share the machine's cores, and oversubscription makes
+    # timings noisy without making anything faster.
+    torch.set_num_threads(int(os.environ.get("MERIDIAN_THREADS_PER_RANK", "1")))
+    try:
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+        )
+        out = fn(rank, world_size, *args)
+        results.put((rank, True, out))
+    except BaseException:  # noqa: BLE001 - report any failure to the parent, with the traceback
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_processes(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 300.0) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` processes; return the results in rank order.
+
+    ``fn`` and ``args`` must be picklable (a module-level function). Raises :class:`RankFailed`.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, args, results), daemon=True) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    out: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(out) < world_size:
+            try:
+                rank, ok, value = results.get(timeout=0.5)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in out]
+                if dead:
+                    raise RankFailed(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}") from None
+                if time.monotonic() > deadline:
+                    missing = sorted(set(range(world_size)) - set(out))
+                    raise RankFailed(f"ranks {missing} did not finish within {timeout_s:.0f} s") from None
+                continue
+            if not ok:
+                raise RankFailed(f"rank {rank} failed:\n{value}")
+            out[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=5 if len(out) == world_size else 0.1)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return [out[r] for r in range(world_size)]
