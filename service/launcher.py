@@ -6,6 +6,7 @@ stuck actor turns into an error the supervisor can report instead of a hung cont
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import replace
 from typing import Any
 
@@ -66,17 +67,13 @@ class Launcher:
 
     def cancel(self, job_id: str) -> None:
         """Ask the runner to abort training (returns once the request is delivered)."""
-        try:
+        with contextlib.suppress(RunnerLost):
             self._actor(job_id).cancel.remote()
-        except RunnerLost:
-            pass
 
     def release(self, job_id: str) -> None:
         """Kill the runner (and with it anything it still owns) once its job is over."""
-        try:
+        with contextlib.suppress(RunnerLost):
             ray.kill(self._actor(job_id), no_restart=True)
-        except RunnerLost:
-            pass
 
     def exists(self, job_id: str) -> bool:
         try:

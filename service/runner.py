@@ -8,6 +8,7 @@ is detached and named ``meridian-job-<id>``, training outlives the service proce
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import traceback
@@ -84,10 +85,9 @@ class JobRunner:
         self._cancel.set()
         controller = self._controller
         if controller is not None:
-            try:
+            # abort() ends the controller process, so the call itself always "fails": that is success.
+            with contextlib.suppress(Exception):
                 ray.get(controller.abort.remote(), timeout=30)
-            except Exception:  # noqa: BLE001 - abort ends the controller process, so its call "fails"
-                pass
 
     # -- called by the workers and the Train controller -------------------------------------------------
     def set_controller(self, controller: Any) -> None:
