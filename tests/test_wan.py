@@ -36,6 +36,7 @@ from meridian.workers.wan import (
     send,
 )
 from meridian.workers.wan_link import SharedLink
+from meridian.workers.wan_probe import probe, probe_link
 
 MB = 1 << 20
 AB = DCLayout(("dc-a", "dc-b"))
@@ -181,6 +182,7 @@ def test_bad_key_is_refused() -> None:
 CHUNK = 256 * 1024  # bytes: 2.1 ms on the wire at 1 Gbit/s, against 10 ms one way
 K = 8
 BIG = 2 * MB
+PROBE_WAN = WanConfig(rtt_ms=60.0, gbps=2.0)
 
 
 def _two_dc(rank: int, world: int, key: str) -> dict:
@@ -249,7 +251,11 @@ def _two_dc(rank: int, world: int, key: str) -> dict:
     h.wait()
     out["off_counted"] = off.counter.ops
 
+    dist.barrier()
+    probe_emu = WanEmulator(PROBE_WAN, AB, rank, key=key + ".probe")
+    out["probe"] = probe_link(probe_emu, peer, bulk_bytes=16 * MB)
     emu.close()
+    probe_emu.close()
     return out
 
 
@@ -260,6 +266,7 @@ def two_dc() -> list[dict]:
         yield run_processes(_two_dc, 2, key, timeout_s=120)
     finally:
         cleanup(key)
+        cleanup(key + ".probe")
 
 
 def test_results_equal_the_plain_collective_bit_for_bit(two_dc) -> None:
@@ -305,6 +312,22 @@ def test_no_wan_config_is_the_plain_collective(two_dc) -> None:
     for r in two_dc:
         assert r["off_handle_type"] != "EmulatedWork"
         assert r["off_counted"] == 0
+
+
+def test_probe_measures_the_configured_link(two_dc) -> None:
+    p = two_dc[0]["probe"]
+    assert p == two_dc[1]["probe"]
+    assert (p["rtt_ms_configured"], p["gbps_configured"]) == (60.0, 2.0)
+    assert p["rtt_ms_measured"] == pytest.approx(60.0, rel=0.10)
+    assert p["gbps_measured"] == pytest.approx(2.0, rel=0.10)
+    assert p["rtt_ms_measured"] >= 60.0  # never faster than configured
+
+
+def test_probe_helper_at_21ms_1gbps() -> None:
+    p = probe(WanConfig(rtt_ms=21.0, gbps=1.0), bulk_bytes=16 * MB, timeout_s=120)
+    assert p["rtt_ms_measured"] == pytest.approx(21.0, rel=0.10)
+    assert p["gbps_measured"] == pytest.approx(1.0, rel=0.10)
+    assert p["rtt_ms_measured"] >= 21.0
 
 
 # ------------------------------------------------------------------------------- two DCs, two ranks each
