@@ -11,7 +11,7 @@ from starlette.concurrency import run_in_threadpool
 
 import meridian
 from meridian.api.errors import install_error_handlers
-from meridian.api.routes import cluster, jobs
+from meridian.api.routes import cluster, diagnostics, jobs
 from meridian.service.core import MeridianService, ServiceConfig
 
 
@@ -42,6 +42,7 @@ def create_app(config: ServiceConfig, *, service: MeridianService | None = None)
     install_error_handlers(app)
     app.include_router(jobs.router)
     app.include_router(cluster.router)
+    app.include_router(diagnostics.router)
 
     @app.get("/healthz", tags=["health"])
     def healthz() -> dict[str, Any]:

@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from meridian.service.jobs import JobRequest, TopologyRequest
+from meridian.service.jobs import DeclaredLink, JobRequest, ParallelismRequest, TopologyRequest
 from meridian.service.store import Event, JobRecord
 from meridian.workers.config import (
     MODEL_PRESETS,
@@ -74,10 +74,26 @@ class TrainingSpec(Strict):
     precision: Literal["auto", "fp32", "bf16"] = "auto"
 
 
+class LinkSpec(Strict):
+    """Declared figures of the link between two datacenters (used when no probe was run)."""
+
+    between: list[DCName] = Field(..., min_length=2, max_length=2)
+    rtt_ms: float = Field(..., ge=0, le=10_000)
+    gbps: float = Field(..., gt=0, le=10_000)
+
+
 class TopologySpec(Strict):
     datacenters: list[DCName] | Literal["auto"] = Field("auto", max_length=64)
     workers_per_datacenter: Annotated[int, Field(ge=1, le=4096)] | dict[DCName, Annotated[int, Field(ge=1, le=4096)]] | Literal["auto"] = "auto"
     min_workers: int = Field(1, ge=1, le=65536)
+    links: list[LinkSpec] = Field(default_factory=list, max_length=256)
+
+
+class ParallelismSpec(Strict):
+    tp: Annotated[int, Field(ge=1, le=64)] | Literal["auto"] = "auto"
+    pp: Annotated[int, Field(ge=1, le=128)] | Literal["auto"] = "auto"
+    schedule: Literal["1f1b", "gpipe"] = "1f1b"
+    stages_span_datacenters: bool | Literal["auto"] = "auto"
 
 
 class SyncSpec(Strict):
@@ -106,6 +122,7 @@ class JobSpec(Strict):
     data: DataSpec = DataSpec()
     training: TrainingSpec
     topology: TopologySpec = TopologySpec()
+    parallelism: ParallelismSpec = ParallelismSpec()
     sync: SyncSpec = SyncSpec()
     wan: WanSpec | None = None
     checkpoint: CheckpointSpec = CheckpointSpec()
@@ -132,6 +149,14 @@ class JobSpec(Strict):
             workers_req: int | tuple[tuple[str, int], ...] | None = tuple(workers.items())
         else:
             workers_req = None if workers == "auto" else workers
+        for link in topo.links:
+            if link.between[0] == link.between[1]:
+                raise ValueError(f"topology.links: a link joins two different datacenters, got {link.between}")
+        par = self.parallelism
+        if par.tp != "auto" and (self.model.to_config().n_heads % par.tp):
+            raise ValueError(f"parallelism.tp ({par.tp}) must divide model.n_heads ({self.model.to_config().n_heads})")
+        if par.pp != "auto" and par.pp > self.model.to_config().n_layers:
+            raise ValueError(f"parallelism.pp ({par.pp}) must be <= model.n_layers ({self.model.to_config().n_layers})")
         if self.sync.strategy == "flat" and self.sync.compression != "none":
             raise ValueError("sync.compression applies only to the 'hierarchical' strategy's inter-DC step")
         return JobRequest(
@@ -144,6 +169,12 @@ class JobSpec(Strict):
                 datacenters=None if topo.datacenters == "auto" else tuple(topo.datacenters),
                 workers_per_datacenter=workers_req, min_workers=topo.min_workers,
             ),
+            parallelism=ParallelismRequest(
+                tp=None if par.tp == "auto" else par.tp, pp=None if par.pp == "auto" else par.pp,
+                schedule=par.schedule,
+                stages_span_dcs=None if par.stages_span_datacenters == "auto" else par.stages_span_datacenters,
+            ),
+            links=tuple(DeclaredLink(a=lk.between[0], b=lk.between[1], rtt_ms=lk.rtt_ms, gbps=lk.gbps) for lk in topo.links),
             sync_strategy=None if self.sync.strategy == "auto" else SyncStrategy(self.sync.strategy),
             sync=SyncConfig(bucket_mb=self.sync.bucket_mb, shard_optimizer=self.sync.shard_optimizer,
                             overlap=self.sync.overlap, inter_dc_chunk_mb=self.sync.inter_dc_chunk_mb,

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from meridian.service.cluster import LocalCluster, connect
+from meridian.service.diagnostics import ProbeCache, run_probe
 from meridian.service.launcher import Launcher
 from meridian.service.store import JobStore
 from meridian.service.supervisor import Supervisor
@@ -48,6 +49,7 @@ class MeridianService:
         self.local_cluster: LocalCluster | None = None
         self.store: JobStore | None = None
         self.supervisor: Supervisor | None = None
+        self.probe_cache: ProbeCache | None = None
 
     def start(self) -> MeridianService:
         cfg = self.config
@@ -58,16 +60,23 @@ class MeridianService:
             address = self.local_cluster.start()
         connect(address)
         self.store = JobStore(cfg.db_url)
+        self.probe_cache = ProbeCache(cfg.data_dir)
         launcher = Launcher(storage_path=str(Path(cfg.data_dir).resolve() / "ray-train"))
         self.supervisor = Supervisor(
             self.store, launcher, read_topology,
             checkpoint_root=str(Path(cfg.data_dir).resolve() / "checkpoints"), poll_interval_s=cfg.poll_interval_s,
+            probe_report=self.probe_cache.latest,
         )
         self.supervisor.start()
         return self
 
     def topology(self) -> ClusterTopology:
         return read_topology()
+
+    def probe_links(self, tiers: tuple[str, ...], max_bytes: int) -> dict:
+        """Run the collective benchmark on every link tier now; the result also feeds the planner."""
+        report = run_probe(read_topology(), tiers=tiers, max_bytes=max_bytes)
+        return self.probe_cache.store(report)  # type: ignore[union-attr]
 
     def stop(self) -> None:
         import ray

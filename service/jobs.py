@@ -84,6 +84,35 @@ class TopologyRequest:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ParallelismRequest:
+    """Model parallelism; ``None`` sizes mean "let the planner choose"."""
+
+    tp: int | None = None
+    """Tensor-parallel size (devices of one node that split every layer)."""
+    pp: int | None = None
+    """Pipeline stages (groups of layers, may span datacenters)."""
+    schedule: str = "1f1b"
+    """Pipeline schedule: ``1f1b`` or ``gpipe``."""
+    stages_span_dcs: bool | None = None
+    """Put pipeline stages in different datacenters (``True``), keep whole replicas inside one (``False``),
+    or let the planner decide (``None``)."""
+
+    @property
+    def is_data_parallel_only(self) -> bool:
+        return self.tp == 1 and self.pp == 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeclaredLink:
+    """Inter-datacenter link figures given by the user instead of (or before) a probe."""
+
+    a: str
+    b: str
+    rtt_ms: float
+    gbps: float
+
+
+@dataclass(frozen=True, kw_only=True)
 class JobRequest:
     """A validated job submission, as the service receives it from the API."""
 
@@ -98,6 +127,9 @@ class JobRequest:
     precision: str = "auto"
     """``auto`` (bf16 where the device supports it, else fp32), ``fp32`` or ``bf16``."""
     topology: TopologyRequest = field(default_factory=TopologyRequest)
+    parallelism: ParallelismRequest = field(default_factory=ParallelismRequest)
+    links: tuple[DeclaredLink, ...] = ()
+    """Declared inter-DC link figures (per DC pair) for the planner."""
     sync_strategy: SyncStrategy | None = None
     """``None`` = auto: hierarchical across datacenters, flat inside one."""
     sync: SyncConfig = field(default_factory=SyncConfig)
@@ -132,6 +164,8 @@ class JobRequest:
                 workers_per_datacenter=w,
                 min_workers=topo.get("min_workers", 1),
             ),
+            parallelism=ParallelismRequest(**(d.get("parallelism") or {})),
+            links=tuple(DeclaredLink(**link) for link in d.get("links") or ()),
             sync_strategy=SyncStrategy(d["sync_strategy"]) if d.get("sync_strategy") else None,
             sync=SyncConfig(**sync),
             wan=WanConfig(**d["wan"]) if d.get("wan") else None,

@@ -13,9 +13,11 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from meridian.service.errors import InvalidTransition
+from meridian.service.figures import figures_for
 from meridian.service.jobs import JobRequest, JobState, JobStatus
 from meridian.service.launcher import Launcher, RunnerLost, build_train_config
 from meridian.service.planner import Plan, admission, plan_job
@@ -50,8 +52,10 @@ class Supervisor:
     def __init__(
         self, store: JobStore, launcher: Launcher, read_topology: Callable[[], ClusterTopology], *,
         checkpoint_root: str, poll_interval_s: float = 0.5,
+        probe_report: Callable[[], dict[str, Any] | None] = lambda: None,
     ) -> None:
         self.store = store
+        self.probe_report = probe_report
         self.launcher = launcher
         self.read_topology = read_topology
         self.checkpoint_root = checkpoint_root
@@ -62,9 +66,12 @@ class Supervisor:
         self.last_tick_error: str = ""
 
     # -- API-facing actions -------------------------------------------------------------------------------
-    def plan(self, request: JobRequest) -> Plan:
-        """Dry run: the plan this request would get now (raises if the cluster can never hold it)."""
-        return plan_job(request, self.read_topology())
+    def plan(self, request: JobRequest, topo: ClusterTopology | None = None) -> Plan:
+        """The plan this request gets on the cluster now (raises if the cluster can never hold it)."""
+        topo = topo or self.read_topology()
+        figures, sources = figures_for(request, topo, self.probe_report())
+        plan = plan_job(request, topo, figures)
+        return replace(plan, explanation=f"{plan.explanation} Figures from: {', '.join(sources)}.")
 
     def submit(self, request: JobRequest, spec: dict[str, Any], *, idempotency_key: str | None = None) -> tuple[JobRecord, bool]:
         plan = self.plan(request)  # reject what can never fit before anything is stored
@@ -100,7 +107,7 @@ class Supervisor:
             return
         for job in self.store.queued_in_order():
             try:
-                plan = plan_job(job.request, topo)
+                plan = self.plan(job.request, topo)
             except Exception as e:  # noqa: BLE001 - the cluster shrank below what the job can ever use
                 self._set(job.id, JobStatus(JobState.QUEUED, "Unschedulable", f"{e} (the job stays queued until the cluster can hold it)"))
                 return

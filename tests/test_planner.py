@@ -24,7 +24,8 @@ def test_auto_uses_every_datacenter_with_contiguous_ranks_and_hierarchical_sync(
     plan = plan_job(req(), topology(dc_a=2, dc_b=3))
     assert plan.rank_datacenters == ("dc-a", "dc-a", "dc-b", "dc-b", "dc-b")
     assert plan.sync_strategy is SyncStrategy.HIERARCHICAL and not plan.use_gpu
-    assert "2 in dc-a, 3 in dc-b" in plan.explanation
+    assert "2 replica(s) in dc-a, 3 replica(s) in dc-b" in plan.explanation
+    assert "Sync 'hierarchical' (chosen" in plan.explanation
 
 
 def test_single_datacenter_defaults_to_flat_and_respects_an_explicit_strategy():

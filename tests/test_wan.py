@@ -17,6 +17,7 @@ import uuid
 import pytest
 import torch
 import torch.distributed as dist
+
 from meridian.workers.config import WanConfig
 from meridian.workers.layout import DCGroups, DCLayout
 from meridian.workers.multiproc import run_processes
