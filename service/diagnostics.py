@@ -103,6 +103,42 @@ def run_probe(topo: ClusterTopology, *, tiers: tuple[str, ...] = TIERS, max_byte
     return ProbeReport(time.time(), tuple(results), tuple(skipped))
 
 
+def compute_key(model: dict[str, Any], micro_batch: int) -> str:
+    return f"L{model['n_layers']}-d{model['d_model']}-h{model['n_heads']}-s{model['seq_len']}-v{model['vocab_size']}-b{micro_batch}"
+
+
+def run_compute_probe(topo: ClusterTopology, model: dict[str, Any], micro_batch: int, *,
+                      use_gpu: bool = False, min_seconds: float = 3.0) -> dict[str, Any]:
+    """Forward + backward throughput of ``model`` on every worker slot at once (as training runs)."""
+    import statistics
+
+    import ray
+
+    from meridian.workers.probe_actor import ProbeActor
+
+    actor_cls = ray.remote(num_cpus=0)(ProbeActor)
+    actors = []
+    for dc in topo.datacenters:
+        for n in topo.nodes_in(dc):
+            slots = int(n.gpus) if use_gpu else int(n.cpus)
+            actors += [actor_cls.options(label_selector={NODE_ID_LABEL: n.node_id}, num_gpus=1 if use_gpu else 0).remote()
+                       for _ in range(slots)]
+    if not actors:
+        raise ValueError("no worker slot to measure: no labelled live node has CPUs/GPUs")
+    try:
+        ray.get([a.__ray_ready__.remote() for a in actors], timeout=120)  # start together, measure together
+        rows = ray.get([a.compute.remote(model, micro_batch, min_seconds) for a in actors], timeout=300)
+    finally:
+        for a in actors:
+            ray.kill(a)
+    return {
+        "key": compute_key(model, micro_batch), "slots": len(rows), "measured_at": time.time(),
+        "flops": statistics.median(r["flops"] for r in rows),
+        "optimizer_step_s": statistics.median(r["optimizer_step_s"] for r in rows),
+        "per_slot_flops": [r["flops"] for r in rows],
+    }
+
+
 class ProbeCache:
     """The latest probe report, kept in memory and in ``<data_dir>/diagnostics/collectives.json``."""
 
@@ -117,6 +153,15 @@ class ProbeCache:
 
     def store(self, report: ProbeReport) -> dict[str, Any]:
         data = report.to_dict()
+        data["compute"] = (self.latest() or {}).get("compute", {})  # keep compute figures measured earlier
+        return self._write(data)
+
+    def store_compute(self, entry: dict[str, Any]) -> dict[str, Any]:
+        data = dict(self.latest() or {"measured_at": entry["measured_at"], "tiers": [], "skipped": []})
+        data["compute"] = {**data.get("compute", {}), entry["key"]: entry}
+        return self._write(data)
+
+    def _write(self, data: dict[str, Any]) -> dict[str, Any]:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps(data))

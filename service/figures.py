@@ -8,13 +8,16 @@ from the probe when there is one.
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 from typing import Any
 
 from meridian.service.cost_model import Figures, Link
+from meridian.service.diagnostics import compute_key
 from meridian.service.jobs import JobRequest
 from meridian.service.planner import default_figures
 from meridian.service.topology import ClusterTopology
+from meridian.workers.config import to_plain
 
 
 def _link(summary: dict[str, float]) -> Link:
@@ -35,9 +38,12 @@ def figures_for(request: JobRequest, topo: ClusterTopology, probe: dict[str, Any
             if t["tier"] not in tiers or link.bytes_per_s < tiers[t["tier"]].bytes_per_s:
                 tiers[t["tier"]] = link
         fig = replace(fig, **{k: v for k, v in tiers.items() if k in ("intra_node", "intra_dc", "inter_dc")})
-        if probe.get("compute"):
-            fig = replace(fig, device_flops=probe["compute"]["flops"], step_overhead_s=probe["compute"].get("step_overhead_s", 0.0))
-        sources = [f"probe of {probe.get('measured_at', 0):.0f}"]
+        sources = [f"link probe of {time.strftime('%Y-%m-%d %H:%M', time.localtime(probe.get('measured_at', 0)))}"] if tiers else []
+        compute = (probe.get("compute") or {}).get(compute_key(to_plain(request.model), request.micro_batch))
+        if compute:
+            fig = replace(fig, device_flops=compute["flops"], step_overhead_s=compute["optimizer_step_s"])
+            sources.append("compute probe of this model shape")
+        sources = sources or ["defaults"]
     relevant = [lk for lk in request.links if lk.a in dcs and lk.b in dcs] if request.topology.datacenters else list(request.links)
     if relevant:
         slowest = min(relevant, key=lambda lk: lk.gbps)

@@ -38,6 +38,16 @@ class ProbeActor:
         finally:
             dist.destroy_process_group()
 
+    def compute(self, model: dict[str, Any], micro_batch: int, min_seconds: float = 2.0) -> dict[str, float]:
+        """Forward + backward throughput of this model shape on this worker's device."""
+        import torch
+
+        from meridian.workers.compute_bench import training_flops
+        from meridian.workers.config import ModelConfig
+
+        device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+        return training_flops(ModelConfig(**model), micro_batch, min_seconds=min_seconds, device=device, threads=1)
+
     def run_intra_node(self, sizes: list[int], procs: int = 2, timeout_s: float = 120) -> list[dict[str, Any]]:
         """Benchmark ``procs`` processes on this node talking over loopback/shared memory."""
         return run_processes(_local_bench, procs, sizes, timeout_s=timeout_s)[0]
