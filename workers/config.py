@@ -28,6 +28,7 @@ class Compression(str, enum.Enum):
 
 
 class Precision(str, enum.Enum):
+    AUTO = "auto"  # bf16 where the device supports it, else fp32 (resolved on the worker)
     FP32 = "fp32"
     BF16 = "bf16"  # bf16 autocast for matmuls; parameters and optimizer state stay fp32
 
@@ -241,7 +242,7 @@ class TrainConfig:
         return self.global_batch * self.model.seq_len
 
     def to_dict(self) -> dict[str, Any]:
-        return _to_plain(self)
+        return to_plain(self)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
@@ -261,15 +262,15 @@ class TrainConfig:
         return cls(**data)
 
 
-def _to_plain(obj: Any) -> Any:
+def to_plain(obj: Any) -> Any:
     if is_dataclass(obj):
-        return {f.name: _to_plain(getattr(obj, f.name)) for f in fields(obj)}
+        return {f.name: to_plain(getattr(obj, f.name)) for f in fields(obj)}
     if isinstance(obj, enum.Enum):
         return obj.value
     if isinstance(obj, tuple | list):
-        return [_to_plain(x) for x in obj]
+        return [to_plain(x) for x in obj]
     if isinstance(obj, dict):
-        return {k: _to_plain(v) for k, v in obj.items()}
+        return {k: to_plain(v) for k, v in obj.items()}
     return obj
 
 

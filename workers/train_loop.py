@@ -47,8 +47,17 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return o.lr * (o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+def resolve_precision(precision: Precision, device: torch.device) -> Precision:
+    """``auto`` → bf16 on a GPU that supports it, fp32 elsewhere (bf16 autocast on CPU is slower)."""
+    if precision is not Precision.AUTO:
+        return precision
+    if device.type == "cuda" and torch.cuda.is_bf16_supported():
+        return Precision.BF16
+    return Precision.FP32
+
+
 def autocast_context(precision: Precision, device: torch.device):
-    if precision is Precision.BF16:
+    if resolve_precision(precision, device) is Precision.BF16:
         return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
     return nullcontext()
 

@@ -1,0 +1,28 @@
+# Two commands on a fresh machine: `make demo` runs the main job, `make test` runs the tests.
+# Both create .venv and install everything first (torch before the rest, so pip keeps the CPU wheel).
+PYTHON ?= python3
+TORCH ?= torch==2.13.0
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.meridian-installed
+export RAY_USAGE_STATS_ENABLED := 0
+
+.PHONY: demo test lint bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q "$(TORCH)"
+	$(BIN)/pip install -q -e ".[test]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/meridian demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check api service workers bench tests
+
+clean:
+	rm -rf $(VENV) .meridian .pytest_cache

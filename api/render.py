@@ -1,0 +1,92 @@
+"""Plain-text views of API responses for the CLI and the demo (no colours, no dependencies)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "--:--"
+    seconds = int(round(seconds))
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
+
+
+def si(x: float | None, unit: str = "") -> str:
+    if x is None:
+        return "-"
+    for factor, prefix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(x) >= factor:
+            return f"{x / factor:.1f}{prefix}{unit}"
+    return f"{x:.0f}{unit}"
+
+
+def progress_line(job: dict[str, Any], width: int = 24) -> str:
+    p = job["progress"]
+    total, step = p.get("total_steps") or 0, p.get("step") or 0
+    if job["state"] in ("queued", "placing") or not total:
+        return f"{job['state']:<9} {job['message']}"
+    filled = int(width * step / total)
+    loss = f"{p['loss']:.3f}" if p.get("loss") is not None else "-"
+    return (
+        f"[{'#' * filled}{'.' * (width - filled)}] step {step}/{total}  loss {loss}  "
+        f"{si(p.get('tokens_per_s'), ' tok/s')}  ETA {duration(p.get('eta_s'))}"
+    )
+
+
+def table(rows: list[list[Any]], header: list[str]) -> str:
+    cells = [[str(c) for c in header]] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def placement_table(job: dict[str, Any]) -> str:
+    rows = [[p["rank"], p["datacenter"], p["node_id"][:12], p.get("hostname", ""), p.get("pid", ""), p.get("device", "")]
+            for p in job["placement"]]
+    return table(rows, ["rank", "datacenter", "node", "host", "pid", "device"])
+
+
+def job_table(jobs: list[dict[str, Any]]) -> str:
+    rows = []
+    for j in jobs:
+        p = j["progress"]
+        rows.append([j["id"], j["name"][:24], j["state"], f"{p.get('step') or 0}/{p.get('total_steps') or '-'}",
+                     f"{p['loss']:.3f}" if p.get("loss") is not None else "-", j["reason"]])
+    return table(rows, ["id", "name", "state", "step", "loss", "reason"])
+
+
+def cluster_view(cluster: dict[str, Any]) -> str:
+    rows = []
+    for dc in cluster["datacenters"]:
+        for n in dc["nodes"]:
+            r = n["resources"]
+            rows.append([dc["name"], n["node_id"][:12], "alive" if n["alive"] else "DEAD", r["CPU"], r["GPU"],
+                         f"{n['available']['CPU']:g}", n["address"]])
+    for n in cluster.get("unlabelled_nodes", []):
+        rows.append(["(none)", n["node_id"][:12], "alive" if n["alive"] else "DEAD", n["resources"]["CPU"],
+                     n["resources"]["GPU"], f"{n['available']['CPU']:g}", n["address"] + (" head" if n["is_head"] else "")])
+    return table(rows, ["datacenter", "node", "state", "CPUs", "GPUs", "free CPUs", "address"])
+
+
+def summary(job: dict[str, Any], wall_s: float | None = None) -> str:
+    r, p = job.get("result") or {}, job["progress"]
+    lines = [f"job {job['id']} ({job['name']}): {job['state']} — {job['message']}"]
+    if r:
+        lines += [
+            f"  loss            {r['first_loss']:.3f} → {r['final_loss']:.3f} (held-out {r['eval_loss']:.3f})",
+            f"  throughput      {si(r['tokens_per_s'], ' tokens/s')} over {r['steps']} steps",
+            f"  inter-DC bytes  {si(r['inter_dc_bytes_per_step'], 'B')} per step (all ranks)",
+        ]
+    elif p.get("step"):
+        lines.append(f"  reached step {p['step']}/{p['total_steps']}, loss {p.get('loss')}")
+    if wall_s is not None:
+        lines.append(f"  wall time       {duration(wall_s)}")
+    if job.get("plan"):
+        lines.append(f"  plan            {job['plan']['explanation']}")
+    if job["placement"]:
+        lines += ["", placement_table(job)]
+    return "\n".join(lines)

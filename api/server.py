@@ -1,0 +1,38 @@
+"""Serve the API from a background thread (the demo and the tests use this; `meridian serve` does not)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import uvicorn
+
+from meridian.api.app import create_app
+from meridian.service.core import MeridianService
+
+
+@contextmanager
+def serve_in_thread(service: MeridianService, *, host: str = "127.0.0.1", port: int = 0,
+                    start_timeout_s: float = 30.0) -> Iterator[str]:
+    """Run uvicorn for an already-started service; yields the base URL and stops the server on exit."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    url = f"http://{host}:{sock.getsockname()[1]}"
+    server = uvicorn.Server(uvicorn.Config(create_app(service.config, service=service), log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="meridian-api", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + start_timeout_s
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError(f"the API server did not start on {url} within {start_timeout_s:.0f} s")
+        time.sleep(0.05)
+    try:
+        yield url
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        sock.close()

@@ -1,0 +1,91 @@
+"""The control plane as one object: store + Ray connection + launcher + supervisor, started and stopped
+together. The API holds one :class:`MeridianService`; so do the tests that skip HTTP.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from meridian.service.cluster import LocalCluster, connect
+from meridian.service.diagnostics import ProbeCache, run_probe
+from meridian.service.launcher import Launcher
+from meridian.service.store import JobStore
+from meridian.service.supervisor import Supervisor
+from meridian.service.topology import ClusterTopology, read_topology
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServiceConfig:
+    data_dir: str = field(default_factory=lambda: os.path.expanduser("~/.meridian"))
+    """Database, checkpoints and Ray Train run folders live here."""
+    database_url: str = ""
+    """SQLAlchemy URL of the job store; empty: ``sqlite:///<data_dir>/meridian.db``."""
+    ray_address: str | None = None
+    """Existing cluster to join (``None``: ``RAY_ADDRESS`` / a local ``ray start``)."""
+    local_datacenters: dict[str, int] | None = None
+    """Start an embedded cluster with these simulated datacenters (name → nodes) instead."""
+    cpus_per_node: int = 1
+    poll_interval_s: float = 0.5
+
+    def __post_init__(self) -> None:
+        if self.poll_interval_s <= 0:
+            raise ValueError(f"poll_interval_s must be > 0, got {self.poll_interval_s}")
+        if self.cpus_per_node < 1:
+            raise ValueError(f"cpus_per_node must be >= 1, got {self.cpus_per_node}")
+
+    @property
+    def db_url(self) -> str:
+        return self.database_url or f"sqlite:///{Path(self.data_dir) / 'meridian.db'}"
+
+
+class MeridianService:
+    def __init__(self, config: ServiceConfig) -> None:
+        self.config = config
+        self.local_cluster: LocalCluster | None = None
+        self.store: JobStore | None = None
+        self.supervisor: Supervisor | None = None
+        self.probe_cache: ProbeCache | None = None
+
+    def start(self) -> MeridianService:
+        cfg = self.config
+        Path(cfg.data_dir).mkdir(parents=True, exist_ok=True)
+        address = cfg.ray_address
+        if cfg.local_datacenters:
+            self.local_cluster = LocalCluster(cfg.local_datacenters, cpus_per_node=cfg.cpus_per_node)
+            address = self.local_cluster.start()
+        connect(address)
+        self.store = JobStore(cfg.db_url)
+        self.probe_cache = ProbeCache(cfg.data_dir)
+        launcher = Launcher(storage_path=str(Path(cfg.data_dir).resolve() / "ray-train"))
+        self.supervisor = Supervisor(
+            self.store, launcher, read_topology,
+            checkpoint_root=str(Path(cfg.data_dir).resolve() / "checkpoints"), poll_interval_s=cfg.poll_interval_s,
+            probe_report=self.probe_cache.latest,
+        )
+        self.supervisor.start()
+        return self
+
+    def topology(self) -> ClusterTopology:
+        return read_topology()
+
+    def probe_links(self, tiers: tuple[str, ...], max_bytes: int) -> dict:
+        """Run the collective benchmark on every link tier now; the result also feeds the planner."""
+        report = run_probe(read_topology(), tiers=tiers, max_bytes=max_bytes)
+        return self.probe_cache.store(report)  # type: ignore[union-attr]
+
+    def stop(self) -> None:
+        import ray
+
+        if self.supervisor is not None:
+            self.supervisor.stop()
+        if self.store is not None:
+            self.store.close()
+        if ray.is_initialized():
+            ray.shutdown()
+        if self.local_cluster is not None:
+            self.local_cluster.shutdown()

@@ -1,0 +1,139 @@
+"""Membership of an elastic job: who trains in each epoch, decided apart from doing.
+
+Workers join (at start, or as a replacement once capacity returns) and rejoin (after a peer failed, or at
+a step boundary when a newcomer waits). The coordinator (the job's runner actor) calls :func:`decide` with
+what it knows; the decision says whether a new epoch forms now, with which members in which rank order, or
+why everyone must keep waiting. Pure functions: tested without Ray.
+
+Rules:
+- A new epoch forms when every live member of the current epoch has rejoined, or when the grace period
+  since the first rejoin has passed (a member that does not come back by then is treated as lost).
+- Ranks are ordered by datacenter (the plan's datacenter order, then any new one), then by join order, so
+  each datacenter's ranks are contiguous; a datacenter with no member left drops out.
+- Below ``min_workers`` the job waits, with a reason, instead of training on too little.
+- The first epoch waits for the planned number of workers (up to ``start_timeout_s``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Member:
+    worker_id: str
+    datacenter: str
+    node_id: str
+    address: str
+    """IP reachable by the other workers (rank 0 of an epoch hosts the rendezvous store)."""
+    joined_at: float
+    last_step: int = 0
+    """Optimizer steps this worker has completed (its newest in-memory snapshot)."""
+
+
+@dataclass(frozen=True)
+class Epoch:
+    number: int
+    members: tuple[Member, ...]
+    """In rank order."""
+    resume_step: int
+    """Every member restores its snapshot of this step and trains from here."""
+    newcomers: tuple[str, ...] = ()
+    """Members without state: they receive it from the others."""
+    from_checkpoint: bool = False
+    """No member holds the state in memory: everyone loads the latest durable checkpoint."""
+
+    @property
+    def datacenters(self) -> tuple[str, ...]:
+        return tuple(m.datacenter for m in self.members)
+
+    def rank_of(self, worker_id: str) -> int:
+        return next(i for i, m in enumerate(self.members) if m.worker_id == worker_id)
+
+
+@dataclass(frozen=True)
+class Form:
+    epoch: Epoch
+    lost: tuple[Member, ...] = ()
+    """Members of the previous epoch that did not come back."""
+
+
+@dataclass(frozen=True)
+class Wait:
+    reason: str
+
+
+@dataclass
+class MembershipState:
+    """What the coordinator knows; mutated only by the runner, read by :func:`decide`."""
+
+    planned_workers: int
+    min_workers: int
+    dc_order: tuple[str, ...]
+    epoch: Epoch | None = None
+    waiting: dict[str, Member] = field(default_factory=dict)
+    """Workers blocked in join/rejoin, by worker id."""
+    first_join_at: float | None = None
+    """When the first worker of the first epoch joined."""
+    first_rejoin_at: float | None = None
+    """When the first member of the current epoch asked to re-form it."""
+
+    def newcomers_waiting(self) -> bool:
+        """A worker waits to join: members should re-form at their next step boundary."""
+        ids = {m.worker_id for m in self.epoch.members} if self.epoch else set()
+        return any(w not in ids for w in self.waiting)
+
+
+def _ordered(members: list[Member], dc_order: tuple[str, ...]) -> tuple[Member, ...]:
+    order = {dc: i for i, dc in enumerate(dc_order)}
+    return tuple(sorted(members, key=lambda m: (order.get(m.datacenter, len(order)), m.datacenter, m.joined_at, m.worker_id)))
+
+
+def decide(state: MembershipState, now: float, *, alive_nodes: set[str], grace_s: float,
+           start_timeout_s: float) -> Form | Wait | None:
+    """``Form`` a new epoch, ``Wait`` (with why), or ``None`` when there is nothing to decide.
+
+    ``alive_nodes``: nodes Ray currently reports alive; a member on a dead node is not waited for.
+    """
+    if not state.waiting:
+        return None
+    waiting = list(state.waiting.values())
+    current = state.epoch
+    if current is None:
+        started = now - (state.first_join_at or now)
+        if len(waiting) < state.planned_workers and started < start_timeout_s:
+            return Wait(f"{len(waiting)} of {state.planned_workers} workers have started")
+        if len(waiting) < state.min_workers:
+            return Wait(f"only {len(waiting)} worker(s) started; the job needs at least {state.min_workers}")
+        members = _ordered(waiting, state.dc_order)
+        return Form(Epoch(1, members, resume_step=0, newcomers=tuple(m.worker_id for m in members)))
+
+    old = {m.worker_id: m for m in current.members}
+    back = [m for m in waiting if m.worker_id in old]
+    new = [m for m in waiting if m.worker_id not in old]
+    reachable = [m for m in current.members if m.node_id in alive_nodes]
+    if not back:
+        if reachable:
+            # Members are training: they re-form at their next step boundary (newcomers_waiting()).
+            return Wait(f"{len(new)} new worker(s) wait for the next step boundary")
+        # Every member's node is gone: nobody holds the state in memory any more.
+        if len(new) < state.min_workers:
+            return Wait(f"every worker of the job was lost; waiting for {state.min_workers} worker(s) to restart it")
+        members = _ordered(new, state.dc_order)
+        return Form(Epoch(current.number + 1, members, resume_step=0, newcomers=tuple(m.worker_id for m in members),
+                          from_checkpoint=True), lost=current.members)
+    expected = {m.worker_id for m in reachable} | {m.worker_id for m in back}
+    everyone_back = {m.worker_id for m in back} >= expected
+    grace_over = now - (state.first_rejoin_at or now) >= grace_s
+    if not everyone_back and not grace_over:
+        return Wait(f"{len(back)} of {len(expected)} reachable workers are back; waiting up to {grace_s:.0f} s for the rest")
+    lost = tuple(m for m in current.members if m.worker_id not in {b.worker_id for b in back})
+    survivors = back + new
+    if len(survivors) < state.min_workers:
+        return Wait(
+            f"{len(survivors)} worker(s) left after losing {len(lost)}; the job needs at least "
+            f"{state.min_workers} (topology.min_workers) and waits for capacity to return"
+        )
+    resume = min(m.last_step for m in back)
+    members = _ordered(survivors, state.dc_order)
+    return Form(Epoch(current.number + 1, members, resume_step=resume, newcomers=tuple(m.worker_id for m in new)), lost)

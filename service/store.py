@@ -1,0 +1,287 @@
+"""The job store: every job, its events and its metric time series, in a real database.
+
+SQLite file by default (``sqlite:///<data_dir>/meridian.db``); any SQLAlchemy URL works. Every state change
+goes through :func:`meridian.service.jobs.transition` inside one transaction, so concurrent writers cannot
+skip a state. A restart of the service loses nothing that was committed here.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.pool import StaticPool
+
+from meridian.service.errors import JobNotFound
+from meridian.service.jobs import JobRequest, JobState, JobStatus, transition
+
+metadata = sa.MetaData()
+
+jobs_table = sa.Table(
+    "jobs", metadata,
+    sa.Column("seq", sa.Integer, primary_key=True, autoincrement=True),  # submission order, for FIFO
+    sa.Column("id", sa.String(32), unique=True, nullable=False),
+    sa.Column("name", sa.String(200), nullable=False),
+    sa.Column("owner", sa.String(200), nullable=False, default=""),
+    sa.Column("priority", sa.Integer, nullable=False, default=0),
+    sa.Column("state", sa.String(16), nullable=False, index=True),
+    sa.Column("reason", sa.String(64), nullable=False, default=""),
+    sa.Column("message", sa.Text, nullable=False, default=""),
+    sa.Column("request", sa.Text, nullable=False),
+    sa.Column("spec", sa.Text, nullable=False),
+    sa.Column("plan", sa.Text),
+    sa.Column("placement", sa.Text),
+    sa.Column("progress", sa.Text),
+    sa.Column("result", sa.Text),
+    sa.Column("runner", sa.String(128)),
+    sa.Column("idempotency_key", sa.String(200)),
+    sa.Column("created_at", sa.Float, nullable=False),
+    sa.Column("updated_at", sa.Float, nullable=False),
+    sa.Column("started_at", sa.Float),
+    sa.Column("finished_at", sa.Float),
+    sa.UniqueConstraint("owner", "idempotency_key", name="uq_owner_idempotency_key"),
+)
+
+events_table = sa.Table(
+    "events", metadata,
+    sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+    sa.Column("job_id", sa.String(32), sa.ForeignKey("jobs.id"), nullable=False, index=True),
+    sa.Column("time", sa.Float, nullable=False),
+    sa.Column("kind", sa.String(64), nullable=False),
+    sa.Column("message", sa.Text, nullable=False),
+    sa.Column("data", sa.Text, nullable=False),
+)
+
+metrics_table = sa.Table(
+    "metrics", metadata,
+    sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+    sa.Column("job_id", sa.String(32), sa.ForeignKey("jobs.id"), nullable=False, index=True),
+    sa.Column("step", sa.Integer, nullable=False),
+    sa.Column("time", sa.Float, nullable=False),
+    sa.Column("data", sa.Text, nullable=False),
+)
+
+
+@dataclass(frozen=True)
+class JobRecord:
+    id: str
+    seq: int
+    name: str
+    owner: str
+    priority: int
+    status: JobStatus
+    request: JobRequest
+    spec: dict[str, Any]
+    plan: dict[str, Any] | None
+    placement: list[dict[str, Any]] | None
+    progress: dict[str, Any] | None
+    result: dict[str, Any] | None
+    runner: str | None
+    created_at: float
+    updated_at: float
+    started_at: float | None
+    finished_at: float | None
+
+
+@dataclass(frozen=True)
+class Event:
+    id: int
+    job_id: str
+    time: float
+    kind: str
+    message: str
+    data: dict[str, Any]
+
+
+def _loads(text: str | None) -> Any:
+    return json.loads(text) if text else None
+
+
+def _record(row: sa.Row) -> JobRecord:
+    m = row._mapping
+    return JobRecord(
+        id=m["id"], seq=m["seq"], name=m["name"], owner=m["owner"], priority=m["priority"],
+        status=JobStatus(JobState(m["state"]), m["reason"], m["message"]),
+        request=JobRequest.from_dict(json.loads(m["request"])), spec=json.loads(m["spec"]),
+        plan=_loads(m["plan"]), placement=_loads(m["placement"]), progress=_loads(m["progress"]),
+        result=_loads(m["result"]), runner=m["runner"],
+        created_at=m["created_at"], updated_at=m["updated_at"],
+        started_at=m["started_at"], finished_at=m["finished_at"],
+    )
+
+
+class JobStore:
+    def __init__(self, url: str) -> None:
+        kwargs: dict[str, Any] = {}
+        if url.startswith("sqlite"):
+            kwargs["connect_args"] = {"check_same_thread": False, "timeout": 30}
+            if url in ("sqlite://", "sqlite:///:memory:"):
+                kwargs["poolclass"] = StaticPool
+        self.engine = sa.create_engine(url, **kwargs)
+        if url.startswith("sqlite"):
+            @sa.event.listens_for(self.engine, "connect")
+            def _pragmas(conn: Any, _record: Any) -> None:
+                cur = conn.cursor()
+                cur.execute("PRAGMA journal_mode=WAL")  # readers never block the writer
+                cur.execute("PRAGMA foreign_keys=ON")
+                cur.close()
+        metadata.create_all(self.engine)
+
+    # -- jobs -------------------------------------------------------------------------------------------
+    def create_job(
+        self, request: JobRequest, spec: dict[str, Any], *, status: JobStatus, idempotency_key: str | None = None,
+    ) -> tuple[JobRecord, bool]:
+        """Insert a job; returns (record, created). With an idempotency key already used by this owner,
+        returns the existing job and ``created=False`` instead of a duplicate."""
+        if idempotency_key:
+            existing = self._by_idempotency_key(request.owner, idempotency_key)
+            if existing is not None:
+                return existing, False
+        try:
+            return self._insert_job(request, spec, status, idempotency_key), True
+        except sa.exc.IntegrityError:
+            # A concurrent request with the same key won the race: answer with its job.
+            existing = self._by_idempotency_key(request.owner, idempotency_key or "")
+            if existing is None:
+                raise
+            return existing, False
+
+    def _by_idempotency_key(self, owner: str, key: str) -> JobRecord | None:
+        with self.engine.connect() as conn:
+            row = conn.execute(
+                sa.select(jobs_table).where(jobs_table.c.owner == owner, jobs_table.c.idempotency_key == key)
+            ).first()
+        return _record(row) if row is not None else None
+
+    def _insert_job(
+        self, request: JobRequest, spec: dict[str, Any], status: JobStatus, idempotency_key: str | None,
+    ) -> JobRecord:
+        now = time.time()
+        job_id = uuid.uuid4().hex[:12]
+        with self.engine.begin() as conn:
+            conn.execute(jobs_table.insert().values(
+                id=job_id, name=request.name, owner=request.owner, priority=request.priority,
+                state=status.state.value, reason=status.reason, message=status.message,
+                request=json.dumps(request.to_dict()), spec=json.dumps(spec), idempotency_key=idempotency_key,
+                created_at=now, updated_at=now,
+            ))
+            conn.execute(events_table.insert().values(
+                job_id=job_id, time=now, kind="state", message=f"job submitted: {status.state.value}",
+                data=json.dumps({"state": status.state.value, "reason": status.reason, "message": status.message}),
+            ))
+            row = conn.execute(sa.select(jobs_table).where(jobs_table.c.id == job_id)).one()
+        return _record(row)
+
+    def get_job(self, job_id: str) -> JobRecord:
+        with self.engine.connect() as conn:
+            row = conn.execute(sa.select(jobs_table).where(jobs_table.c.id == job_id)).first()
+        if row is None:
+            raise JobNotFound(job_id)
+        return _record(row)
+
+    def list_jobs(
+        self, *, states: set[JobState] | None = None, owner: str | None = None, limit: int = 100, offset: int = 0,
+    ) -> list[JobRecord]:
+        """Newest first."""
+        q = sa.select(jobs_table).order_by(jobs_table.c.seq.desc()).limit(limit).offset(offset)
+        if states:
+            q = q.where(jobs_table.c.state.in_([s.value for s in states]))
+        if owner is not None:
+            q = q.where(jobs_table.c.owner == owner)
+        with self.engine.connect() as conn:
+            return [_record(r) for r in conn.execute(q)]
+
+    def queued_in_order(self) -> list[JobRecord]:
+        """Queued jobs in admission order: higher priority first, then first submitted first."""
+        q = (
+            sa.select(jobs_table).where(jobs_table.c.state == JobState.QUEUED.value)
+            .order_by(jobs_table.c.priority.desc(), jobs_table.c.seq.asc())
+        )
+        with self.engine.connect() as conn:
+            return [_record(r) for r in conn.execute(q)]
+
+    def set_status(self, job_id: str, status: JobStatus) -> JobRecord:
+        """Move a job to ``status`` (validated by :func:`transition`) and record the change as an event."""
+        now = time.time()
+        with self.engine.begin() as conn:
+            row = conn.execute(sa.select(jobs_table).where(jobs_table.c.id == job_id)).first()
+            if row is None:
+                raise JobNotFound(job_id)
+            current = _record(row).status
+            new = transition(current, status)
+            values: dict[str, Any] = {
+                "state": new.state.value, "reason": new.reason, "message": new.message, "updated_at": now,
+            }
+            if new.state is JobState.RUNNING and row._mapping["started_at"] is None:
+                values["started_at"] = now
+            if new.state.is_terminal:
+                values["finished_at"] = now
+            conn.execute(jobs_table.update().where(jobs_table.c.id == job_id).values(**values))
+            if (new.state, new.reason, new.message) != (current.state, current.reason, current.message):
+                conn.execute(events_table.insert().values(
+                    job_id=job_id, time=now, kind="state",
+                    message=f"{new.state.value}" + (f": {new.message}" if new.message else ""),
+                    data=json.dumps({"state": new.state.value, "reason": new.reason, "message": new.message,
+                                     "previous": current.state.value}),
+                ))
+            row = conn.execute(sa.select(jobs_table).where(jobs_table.c.id == job_id)).one()
+        return _record(row)
+
+    def update_fields(self, job_id: str, **fields: Any) -> None:
+        """Set JSON fields (plan, placement, progress, result) and plain ones (runner)."""
+        values: dict[str, Any] = {"updated_at": time.time()}
+        for key, value in fields.items():
+            if key in ("plan", "placement", "progress", "result"):
+                values[key] = json.dumps(value) if value is not None else None
+            elif key == "runner":
+                values[key] = value
+            else:
+                raise KeyError(f"unknown job field {key!r}")
+        with self.engine.begin() as conn:
+            if conn.execute(jobs_table.update().where(jobs_table.c.id == job_id).values(**values)).rowcount == 0:
+                raise JobNotFound(job_id)
+
+    # -- events -----------------------------------------------------------------------------------------
+    def add_event(self, job_id: str, kind: str, message: str, data: dict[str, Any] | None = None,
+                  *, at: float | None = None) -> int:
+        with self.engine.begin() as conn:
+            res = conn.execute(events_table.insert().values(
+                job_id=job_id, time=at or time.time(), kind=kind, message=message, data=json.dumps(data or {}),
+            ))
+            return int(res.inserted_primary_key[0])
+
+    def list_events(self, job_id: str, *, after: int = 0, limit: int = 1000) -> list[Event]:
+        q = (
+            sa.select(events_table).where(events_table.c.job_id == job_id, events_table.c.id > after)
+            .order_by(events_table.c.id).limit(limit)
+        )
+        with self.engine.connect() as conn:
+            return [
+                Event(r.id, r.job_id, r.time, r.kind, r.message, json.loads(r.data)) for r in conn.execute(q)
+            ]
+
+    # -- metrics ----------------------------------------------------------------------------------------
+    def add_metrics(self, job_id: str, records: list[dict[str, Any]]) -> None:
+        if not records:
+            return
+        with self.engine.begin() as conn:
+            conn.execute(metrics_table.insert(), [
+                {"job_id": job_id, "step": int(r["step"]), "time": float(r.get("time", time.time())),
+                 "data": json.dumps(r)}
+                for r in records
+            ])
+
+    def list_metrics(self, job_id: str, *, after_step: int = 0, limit: int = 10_000) -> list[dict[str, Any]]:
+        q = (
+            sa.select(metrics_table.c.data).where(metrics_table.c.job_id == job_id, metrics_table.c.step > after_step)
+            .order_by(metrics_table.c.step, metrics_table.c.id).limit(limit)
+        )
+        with self.engine.connect() as conn:
+            return [json.loads(r.data) for r in conn.execute(q)]
+
+    def close(self) -> None:
+        self.engine.dispose()

@@ -1,0 +1,42 @@
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+sys.path.insert(0, str(Path(__file__).parent))  # for `import fakes`
+
+from fakes import FakeLauncher, topology  # noqa: E402
+
+from meridian.service.store import JobStore  # noqa: E402
+from meridian.service.supervisor import Supervisor  # noqa: E402
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = JobStore(f"sqlite:///{tmp_path / 'jobs.db'}")
+    yield s
+    s.close()
+
+
+class TopologyBox:
+    """A mutable holder, so a test can change the cluster between ticks."""
+
+    def __init__(self, topo):
+        self.topo = topo
+
+    def __call__(self):
+        return self.topo
+
+
+@pytest.fixture
+def cluster_view():
+    return TopologyBox(topology(dc_a=2, dc_b=2))
+
+
+@pytest.fixture
+def supervisor(store, cluster_view, tmp_path):
+    return Supervisor(store, FakeLauncher(), cluster_view, checkpoint_root=str(tmp_path / "ckpt"))

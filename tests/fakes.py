@@ -1,0 +1,91 @@
+"""Fakes of Ray-facing pieces, so the control plane is tested tick by tick without a cluster."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from meridian.service.launcher import RunnerLost
+from meridian.service.topology import ClusterTopology, NodeInfo
+
+
+def node(node_id: str, dc: str | None, *, cpus: float = 1, gpus: float = 0, alive: bool = True,
+         free_cpus: float | None = None, free_gpus: float | None = None) -> NodeInfo:
+    return NodeInfo(
+        node_id=node_id, datacenter=dc, alive=alive, address="127.0.0.1", is_head=dc is None, cpus=cpus,
+        gpus=gpus, memory_bytes=2**30, available_cpus=cpus if free_cpus is None else free_cpus,
+        available_gpus=gpus if free_gpus is None else free_gpus,
+        labels={"datacenter": dc} if dc else {},
+    )
+
+
+def topology(**dcs: int) -> ClusterTopology:
+    """``topology(dc_a=2, dc_b=2)`` → nodes n-dc-a-0 … with one CPU each (underscores become dashes)."""
+    nodes = [node("head", None, cpus=0)]
+    for name, count in dcs.items():
+        dc = name.replace("_", "-")
+        nodes += [node(f"n-{dc}-{i}", dc) for i in range(count)]
+    return ClusterTopology(tuple(nodes))
+
+
+@dataclass
+class FakeRunner:
+    state: str = "starting"
+    error: str = ""
+    result: dict[str, Any] | None = None
+    items: list[tuple[int, str, dict[str, Any]]] = field(default_factory=list)  # (seq, "record"|"event", data)
+    cancelled: bool = False
+
+    def push(self, kind: str, data: dict[str, Any]) -> None:
+        self.items.append((len(self.items) + 1, kind, data))
+
+
+class FakeLauncher:
+    def __init__(self) -> None:
+        self.runners: dict[str, FakeRunner] = {}
+        self.launched: list[tuple[str, Any, Any]] = []
+        self.released: list[str] = []
+
+    def launch(self, job_id: str, config: Any, plan: Any) -> str:
+        self.runners[job_id] = FakeRunner()
+        self.launched.append((job_id, config, plan))
+        return f"meridian-job-{job_id}"
+
+    def poll(self, job_id: str, after: int) -> dict[str, Any]:
+        r = self.runners.get(job_id)
+        if r is None:
+            raise RunnerLost(job_id)
+        return {
+            "state": r.state, "error": r.error, "result": r.result,
+            "records": [(s, d) for s, k, d in r.items if k == "record" and s > after],
+            "events": [(s, d) for s, k, d in r.items if k == "event" and s > after],
+            "cursor": len(r.items),
+        }
+
+    def cancel(self, job_id: str) -> None:
+        if job_id in self.runners:
+            self.runners[job_id].cancelled = True
+
+    def release(self, job_id: str) -> None:
+        self.released.append(job_id)
+        self.runners.pop(job_id, None)
+
+    def exists(self, job_id: str) -> bool:
+        return job_id in self.runners
+
+
+def step_record(step: int, total: int, loss: float) -> dict[str, Any]:
+    return {"step": step, "total_steps": total, "loss": loss, "lr": 1e-3, "step_s": 0.1, "tokens_per_s": 1000.0,
+            "grad_norm": 1.0, "inter_dc_bytes": 100, "sync_wait_s": 0.0, "time": 1000.0 + step}
+
+
+def spec(**overrides: Any) -> dict[str, Any]:
+    """A small valid job spec (JSON form)."""
+    s: dict[str, Any] = {"name": "t", "model": {"preset": "nano"},
+                         "training": {"steps": 4, "global_batch": 4, "micro_batch": 2}}
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(s.get(key), dict):
+            s[key] = {**s[key], **value}
+        else:
+            s[key] = value
+    return s

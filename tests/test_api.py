@@ -1,0 +1,99 @@
+"""The REST API over HTTP, with the control plane running against a fake cluster and launcher."""
+
+from __future__ import annotations
+
+import pytest
+from fakes import spec
+from fastapi.testclient import TestClient
+
+from meridian.api.app import create_app
+from meridian.service.core import ServiceConfig
+
+
+class FakeService:
+    def __init__(self, store, supervisor, cluster_view):
+        self.config = ServiceConfig(data_dir="/tmp")
+        self.store, self.supervisor, self._view = store, supervisor, cluster_view
+
+    def topology(self):
+        return self._view()
+
+
+@pytest.fixture
+def client(store, supervisor, cluster_view):
+    app = create_app(FakeService(store, supervisor, cluster_view).config,
+                     service=FakeService(store, supervisor, cluster_view))
+    with TestClient(app) as c:
+        yield c
+
+
+def test_submit_read_list_and_plan(client):
+    r = client.post("/v1/jobs", json=spec())
+    assert r.status_code == 201, r.text
+    job = r.json()
+    assert job["state"] == "queued" and job["plan"]["workers_per_datacenter"] == {"dc-a": 2, "dc-b": 2}
+    assert r.headers["location"] == f"/v1/jobs/{job['id']}"
+    assert client.get(f"/v1/jobs/{job['id']}").json()["id"] == job["id"]
+    assert client.get("/v1/jobs").json()["count"] == 1
+    assert client.get("/v1/jobs", params={"state": "running"}).json()["count"] == 0
+    plan = client.post("/v1/plans", json=spec()).json()
+    assert plan["num_workers"] == 4 and plan["sync_strategy"] == "hierarchical"
+
+
+@pytest.mark.parametrize("body, field", [
+    (spec(training={"steps": 0}), "training.steps"),
+    (spec(training={"micro_batch": 8}), "training.micro_batch"),
+    (spec(modle={"preset": "nano"}), "modle"),
+    (spec(model={"preset": "huge"}), "model.preset"),
+    (spec(model={"preset": "nano", "n_heads": 3}), "model.d_model"),
+    (spec(sync={"strategy": "flat", "compression": "int8"}), "sync.compression"),
+    (spec(wan={"rtt_ms": -1, "gbps": 1}), "wan.rtt_ms"),
+    (spec(topology={"datacenters": ["bad name!"]}), "topology.datacenters"),
+    ({"name": "x"}, "training"),
+])
+def test_bad_specs_are_422_naming_the_field(client, body, field):
+    r = client.post("/v1/jobs", json=body)
+    assert r.status_code == 422, r.text
+    assert field in r.json()["detail"]
+    assert client.get("/v1/jobs").json()["count"] == 0  # nothing stored
+
+
+def test_job_the_cluster_can_never_hold_is_409_with_reason(client):
+    r = client.post("/v1/jobs", json=spec(topology={"datacenters": ["dc-a", "dc-x"]}))
+    assert r.status_code == 409
+    assert "'dc-x' have no live node" in r.json()["detail"] and "'dc-a', 'dc-b'" in r.json()["detail"]
+
+
+def test_malformed_json_and_unknown_job_are_clear_4xx(client):
+    r = client.post("/v1/jobs", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 422 and r.json()["detail"]
+    r = client.get("/v1/jobs/doesnotexist")
+    assert r.status_code == 404 and "GET /v1/jobs" in r.json()["detail"]
+
+
+def test_cancel_queued_then_cancel_again_is_409(client):
+    job = client.post("/v1/jobs", json=spec()).json()
+    r = client.delete(f"/v1/jobs/{job['id']}")
+    assert r.status_code == 202 and r.json()["state"] == "cancelled"
+    r = client.delete(f"/v1/jobs/{job['id']}")
+    assert r.status_code == 409 and "already cancelled" in r.json()["detail"]
+
+
+def test_idempotency_key_returns_the_same_job(client):
+    a = client.post("/v1/jobs", json=spec(), headers={"Idempotency-Key": "abc"})
+    b = client.post("/v1/jobs", json=spec(), headers={"Idempotency-Key": "abc"})
+    assert (a.status_code, b.status_code) == (201, 200) and a.json()["id"] == b.json()["id"]
+
+
+def test_cluster_lists_nodes_by_datacenter(client):
+    data = client.get("/v1/cluster").json()
+    assert [dc["name"] for dc in data["datacenters"]] == ["dc-a", "dc-b"]
+    n = data["datacenters"][0]["nodes"][0]
+    assert {"node_id", "alive", "resources", "labels"} <= set(n) and n["labels"] == {"datacenter": "dc-a"}
+
+
+def test_events_and_metrics_of_a_job(client, supervisor):
+    job = client.post("/v1/jobs", json=spec()).json()
+    events = client.get(f"/v1/jobs/{job['id']}/events").json()["events"]
+    assert events[0]["kind"] == "state" and events[0]["data"]["state"] == "queued"
+    assert client.get(f"/v1/jobs/{job['id']}/metrics").json()["points"] == []

@@ -1,0 +1,78 @@
+"""The rendezvous coordinator with real threads standing in for workers (no Ray)."""
+
+from __future__ import annotations
+
+import threading
+
+from meridian.service.coordinator import Coordinator
+
+
+def member(i, dc, step=0):
+    return {"worker_id": f"w{i}", "datacenter": dc, "node_id": f"n{i}", "address": "127.0.0.1", "port": 29500 + i,
+            "last_step": step}
+
+
+def join_all(coord, members, known_epoch=0):
+    out = {}
+
+    def go(m):
+        while True:
+            a = coord.join(m, known_epoch=known_epoch, poll_s=0.2)
+            if a["status"] == "assigned":
+                out[m["worker_id"]] = a
+                return
+
+    threads = [threading.Thread(target=go, args=(m,)) for m in members]
+    for t in threads:
+        t.start()
+    return threads, out
+
+
+def test_workers_get_ranks_grouped_by_datacenter_and_rank0_hosts_the_store():
+    events = []
+    c = Coordinator(planned_workers=4, min_workers=1, dc_order=("dc-a", "dc-b"), on_event=lambda *e: events.append(e))
+    threads, out = join_all(c, [member(0, "dc-b"), member(1, "dc-a"), member(2, "dc-b"), member(3, "dc-a")])
+    for t in threads:
+        t.join(10)
+    assert sorted(a["rank"] for a in out.values()) == [0, 1, 2, 3]
+    assert out["w1"]["datacenters"] == ["dc-a", "dc-a", "dc-b", "dc-b"]
+    rank0 = next(w for w, a in out.items() if a["rank"] == 0)
+    assert out["w0"]["master_port"] == 29500 + int(rank0[1])
+    assert [e[0] for e in events][-1] == "epoch_formed"
+
+
+def test_survivors_re_form_without_the_dead_member_and_resume_from_the_oldest_snapshot():
+    events = []
+    c = Coordinator(planned_workers=4, min_workers=1, dc_order=("dc-a", "dc-b"), on_event=lambda *e: events.append(e),
+                    grace_s=30)
+    threads, _ = join_all(c, [member(i, dc) for i, dc in enumerate(["dc-a", "dc-a", "dc-b", "dc-b"])])
+    for t in threads:
+        t.join(10)
+    threads, out = join_all(c, [member(0, "dc-a", step=9), member(2, "dc-b", step=10), member(3, "dc-b", step=10)],
+                            known_epoch=1)
+    c.tick({"n0", "n1", "n2", "n3"})  # n1 still looks alive: keep waiting (grace 30 s)
+    assert not out
+    c.tick({"n0", "n2", "n3"})  # Ray reports n1 dead: form at once
+    for t in threads:
+        t.join(10)
+    a = out["w2"]
+    assert a["epoch"] == 2 and a["world_size"] == 3 and a["datacenters"] == ["dc-a", "dc-b", "dc-b"]
+    assert a["resume_step"] == 9
+    kinds = [e[0] for e in events]
+    assert "worker_lost" in kinds and kinds[-1] == "epoch_formed"
+
+
+def test_newcomer_is_signalled_to_members_and_joins_at_the_next_boundary():
+    c = Coordinator(planned_workers=2, min_workers=1, dc_order=("dc-a",), on_event=lambda *e: None)
+    threads, _ = join_all(c, [member(0, "dc-a"), member(1, "dc-a")])
+    for t in threads:
+        t.join(10)
+    assert not c.pending_change(1)
+    newcomer_threads, newcomer = join_all(c, [member(5, "dc-a")])
+    assert c.join(member(5, "dc-a"), poll_s=0.1)["status"] == "wait"
+    assert c.pending_change(1)
+    threads, out = join_all(c, [member(0, "dc-a", step=4), member(1, "dc-a", step=4)], known_epoch=1)
+    for t in threads + newcomer_threads:
+        t.join(10)
+    assert newcomer["w5"]["newcomer_ranks"] == [2] and newcomer["w5"]["world_size"] == 3
+    assert out["w0"]["resume_step"] == 4

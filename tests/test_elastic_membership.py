@@ -1,0 +1,99 @@
+"""Membership decisions of an elastic job, without Ray."""
+
+from __future__ import annotations
+
+from meridian.service.elastic import Epoch, Form, Member, MembershipState, Wait, decide
+
+
+def m(wid, dc, node=None, t=0.0, step=0):
+    return Member(worker_id=wid, datacenter=dc, node_id=node or f"node-{wid}", address="127.0.0.1", joined_at=t, last_step=step)
+
+
+ALL = {f"node-w{i}" for i in range(10)}
+
+
+def first_epoch(state):
+    for i, dc in enumerate(["dc-b", "dc-a", "dc-b", "dc-a"]):
+        state.waiting[f"w{i}"] = m(f"w{i}", dc, t=i)
+    d = decide(state, 1.0, alive_nodes=ALL, grace_s=5, start_timeout_s=60)
+    state.epoch, state.waiting = d.epoch, {}
+    return d
+
+
+def test_first_epoch_waits_for_the_planned_workers_then_orders_by_datacenter():
+    s = MembershipState(planned_workers=4, min_workers=1, dc_order=("dc-a", "dc-b"), first_join_at=0.0)
+    s.waiting["w0"] = m("w0", "dc-b")
+    assert isinstance(decide(s, 1.0, alive_nodes=ALL, grace_s=5, start_timeout_s=60), Wait)
+    d = first_epoch(s)
+    assert isinstance(d, Form) and d.epoch.number == 1
+    assert d.epoch.datacenters == ("dc-a", "dc-a", "dc-b", "dc-b")
+    assert [x.worker_id for x in d.epoch.members] == ["w1", "w3", "w0", "w2"]
+
+
+def test_a_lost_member_is_not_waited_for_once_its_node_is_dead():
+    s = MembershipState(planned_workers=4, min_workers=1, dc_order=("dc-a", "dc-b"), first_join_at=0.0)
+    first_epoch(s)
+    s.first_rejoin_at = 10.0
+    for wid, dc in [("w0", "dc-b"), ("w2", "dc-b"), ("w3", "dc-a")]:
+        s.waiting[wid] = m(wid, dc, step=7)
+    # w1's node still looks alive: wait for it (within grace)
+    assert isinstance(decide(s, 10.5, alive_nodes=ALL, grace_s=5, start_timeout_s=60), Wait)
+    # Ray reports its node dead: form now, without w1, resuming from step 7
+    d = decide(s, 10.6, alive_nodes=ALL - {"node-w1"}, grace_s=5, start_timeout_s=60)
+    assert isinstance(d, Form) and [x.worker_id for x in d.lost] == ["w1"]
+    assert d.epoch.datacenters == ("dc-a", "dc-b", "dc-b") and d.epoch.resume_step == 7 and d.epoch.number == 2
+
+
+def test_grace_period_bounds_the_wait_for_a_silent_member():
+    s = MembershipState(planned_workers=4, min_workers=1, dc_order=("dc-a", "dc-b"), first_join_at=0.0)
+    first_epoch(s)
+    s.first_rejoin_at = 10.0
+    for wid, dc in [("w0", "dc-b"), ("w1", "dc-a"), ("w2", "dc-b")]:
+        s.waiting[wid] = m(wid, dc, step=3)
+    assert isinstance(decide(s, 14.0, alive_nodes=ALL, grace_s=5, start_timeout_s=60), Wait)
+    assert isinstance(decide(s, 15.1, alive_nodes=ALL, grace_s=5, start_timeout_s=60), Form)
+
+
+def test_resume_step_is_the_oldest_snapshot_among_survivors():
+    s = MembershipState(planned_workers=4, min_workers=1, dc_order=("dc-a", "dc-b"), first_join_at=0.0)
+    first_epoch(s)
+    s.first_rejoin_at = 1.0
+    for wid, dc, step in [("w0", "dc-b", 12), ("w1", "dc-a", 11), ("w2", "dc-b", 12), ("w3", "dc-a", 11)]:
+        s.waiting[wid] = m(wid, dc, step=step)
+    assert decide(s, 1.0, alive_nodes=ALL, grace_s=5, start_timeout_s=60).epoch.resume_step == 11
+
+
+def test_whole_datacenter_lost_drops_out_and_min_workers_makes_the_job_wait():
+    s = MembershipState(planned_workers=4, min_workers=2, dc_order=("dc-a", "dc-b"), first_join_at=0.0)
+    first_epoch(s)
+    s.first_rejoin_at = 1.0
+    for wid, dc in [("w1", "dc-a"), ("w3", "dc-a")]:
+        s.waiting[wid] = m(wid, dc, step=5)
+    d = decide(s, 1.0, alive_nodes=ALL - {"node-w0", "node-w2"}, grace_s=5, start_timeout_s=60)
+    assert isinstance(d, Form) and d.epoch.datacenters == ("dc-a", "dc-a")
+    s.epoch, s.waiting = d.epoch, {"w1": m("w1", "dc-a", step=9)}
+    s.first_rejoin_at = 2.0
+    w = decide(s, 2.0, alive_nodes=ALL - {"node-w0", "node-w2", "node-w3"}, grace_s=5, start_timeout_s=60)
+    assert isinstance(w, Wait) and "needs at least 2" in w.reason
+
+
+def test_newcomer_waits_for_a_step_boundary_then_joins_without_state():
+    s = MembershipState(planned_workers=4, min_workers=1, dc_order=("dc-a", "dc-b"), first_join_at=0.0)
+    first_epoch(s)
+    s.waiting["w9"] = m("w9", "dc-a", t=50)
+    assert s.newcomers_waiting()
+    assert isinstance(decide(s, 51, alive_nodes=ALL, grace_s=5, start_timeout_s=60), Wait)
+    s.first_rejoin_at = 60.0
+    for wid, dc in [("w0", "dc-b"), ("w1", "dc-a"), ("w2", "dc-b"), ("w3", "dc-a")]:
+        s.waiting[wid] = m(wid, dc, t=float(wid[1]), step=20)
+    d = decide(s, 60.0, alive_nodes=ALL, grace_s=5, start_timeout_s=60)
+    assert isinstance(d, Form) and d.epoch.newcomers == ("w9",) and len(d.epoch.members) == 5
+    assert d.epoch.datacenters == ("dc-a", "dc-a", "dc-a", "dc-b", "dc-b")
+
+
+def test_every_member_lost_restarts_newcomers_from_the_durable_checkpoint():
+    s = MembershipState(planned_workers=2, min_workers=1, dc_order=("dc-a",), first_join_at=0.0)
+    s.epoch = Epoch(3, (m("w0", "dc-a"), m("w1", "dc-a")), resume_step=10)
+    s.waiting["w5"] = m("w5", "dc-a")
+    d = decide(s, 1.0, alive_nodes=set(), grace_s=5, start_timeout_s=60)
+    assert isinstance(d, Form) and d.epoch.from_checkpoint and d.epoch.newcomers == ("w5",)

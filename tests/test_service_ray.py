@@ -1,0 +1,87 @@
+"""The service through HTTP against a real local Ray cluster with two labelled datacenters."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+import ray
+from fakes import spec
+
+from meridian.api.server import serve_in_thread
+from meridian.service.cluster import FAST_FAILURE_DETECTION
+from meridian.service.core import MeridianService, ServiceConfig
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def api(tmp_path_factory):
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 0, "include_dashboard": False, "_system_config": FAST_FAILURE_DETECTION})
+    for dc in ("dc-a", "dc-a", "dc-b", "dc-b"):
+        cluster.add_node(num_cpus=1, labels={"datacenter": dc})
+    cluster.wait_for_nodes()
+    service = MeridianService(ServiceConfig(data_dir=str(tmp_path_factory.mktemp("meridian")),
+                                            ray_address=cluster.address, poll_interval_s=0.3)).start()
+    try:
+        with serve_in_thread(service) as url, httpx.Client(base_url=url, timeout=30) as client:
+            yield client
+    finally:
+        service.stop()
+        cluster.shutdown()
+
+
+def wait_for(client, job_id, states, timeout_s, seen=None):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        job = client.get(f"/v1/jobs/{job_id}").json()
+        if seen is not None:
+            seen.append(job)
+        if job["state"] in states:
+            return job
+        time.sleep(0.3)
+    raise AssertionError(f"job {job_id} not in {states} after {timeout_s} s: {job['state']} {job['message']}")
+
+
+def test_two_datacenter_job_succeeds_with_workers_in_both_and_lower_loss(api):
+    r = api.post("/v1/jobs", json=spec(training={"steps": 40, "global_batch": 8, "micro_batch": 2, "lr": 3e-3}))
+    assert r.status_code == 201, r.text
+    seen: list[dict] = []
+    job = wait_for(api, r.json()["id"], {"succeeded", "failed", "cancelled"}, timeout_s=240, seen=seen)
+    assert job["state"] == "succeeded", job["message"]
+
+    # Live progress reached the service while the job ran, not only at the end.
+    assert any(j["state"] == "running" and 0 < j["progress"]["step"] < 40 for j in seen)
+    # Workers ran where the labels put them: two in each datacenter, on four distinct nodes.
+    node_dc = {n["node_id"]: dc["name"] for dc in api.get("/v1/cluster").json()["datacenters"] for n in dc["nodes"]}
+    placement = job["placement"]
+    assert [p["datacenter"] for p in placement] == ["dc-a", "dc-a", "dc-b", "dc-b"]
+    assert all(node_dc[p["node_id"]] == p["datacenter"] for p in placement)
+    assert len({p["node_id"] for p in placement}) == 4
+    # It learned something, and every step's record was stored exactly once.
+    assert job["result"]["final_loss"] < job["result"]["first_loss"] - 0.5
+    points = api.get(f"/v1/jobs/{job['id']}/metrics").json()["points"]
+    assert [p["step"] for p in points] == list(range(1, 41))
+    assert job["result"]["inter_dc_bytes_per_step"] > 0
+    kinds = [e["kind"] for e in api.get(f"/v1/jobs/{job['id']}/events").json()["events"]]
+    assert kinds.count("worker_started") == 4
+
+
+def test_cancel_stops_workers_and_frees_the_placement(api):
+    r = api.post("/v1/jobs", json=spec(training={"steps": 100_000, "global_batch": 8, "micro_batch": 2}))
+    job_id = r.json()["id"]
+    wait_for(api, job_id, {"running"}, timeout_s=180)
+    assert ray.available_resources().get("CPU", 0) == 0  # the job holds all four CPUs
+    r = api.delete(f"/v1/jobs/{job_id}")
+    assert r.status_code == 202
+    job = wait_for(api, job_id, {"cancelled", "failed", "succeeded"}, timeout_s=60)
+    assert job["state"] == "cancelled" and job["progress"]["step"] < 100_000
+    deadline = time.monotonic() + 30
+    while ray.available_resources().get("CPU", 0) < 4 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert ray.available_resources().get("CPU", 0) == 4
+    assert all(pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values())

@@ -1,0 +1,96 @@
+"""The job store: records survive a reopen, transitions are validated, idempotency keys dedupe."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from meridian.service.errors import InvalidTransition, JobNotFound
+from meridian.service.jobs import JobRequest, JobState, JobStatus
+from meridian.service.store import JobStore
+from meridian.workers.config import model_preset
+
+QUEUED = JobStatus(JobState.QUEUED, "Admitting", "")
+
+
+def request(name: str = "j", priority: int = 0, owner: str = "") -> JobRequest:
+    return JobRequest(name=name, model=model_preset("nano"), steps=3, global_batch=4, micro_batch=2,
+                      priority=priority, owner=owner)
+
+
+def test_job_survives_reopen_with_request_intact(tmp_path):
+    url = f"sqlite:///{tmp_path / 'm.db'}"
+    s = JobStore(url)
+    job, created = s.create_job(request("persist"), {"name": "persist"}, status=QUEUED)
+    s.update_fields(job.id, progress={"step": 2, "cursor": 7}, plan={"num_workers": 4})
+    s.add_metrics(job.id, [{"step": 1, "loss": 5.0}, {"step": 2, "loss": 4.0}])
+    s.close()
+
+    again = JobStore(url).get_job(job.id)
+    assert created and again.name == "persist"
+    assert again.request == request("persist")
+    assert again.progress == {"step": 2, "cursor": 7} and again.plan == {"num_workers": 4}
+    assert [m["loss"] for m in JobStore(url).list_metrics(job.id)] == [5.0, 4.0]
+
+
+def test_transitions_are_validated_and_recorded(store):
+    job, _ = store.create_job(request(), {}, status=QUEUED)
+    store.set_status(job.id, JobStatus(JobState.PLACING, "Placing", "starting"))
+    store.set_status(job.id, JobStatus(JobState.RUNNING, "Training", ""))
+    done = store.set_status(job.id, JobStatus(JobState.SUCCEEDED, "Completed", ""))
+    assert done.started_at is not None and done.finished_at is not None
+    with pytest.raises(InvalidTransition, match="succeeded job cannot become running"):
+        store.set_status(job.id, JobStatus(JobState.RUNNING))
+    states = [e.data["state"] for e in store.list_events(job.id) if e.kind == "state"]
+    assert states == ["queued", "placing", "running", "succeeded"]
+
+
+def test_unknown_job_raises_not_found(store):
+    with pytest.raises(JobNotFound, match="no job with id 'nope'"):
+        store.get_job("nope")
+    with pytest.raises(JobNotFound):
+        store.update_fields("nope", progress={})
+
+
+def test_queue_order_is_priority_then_fifo(store):
+    ids = [store.create_job(request(f"j{i}", priority=p), {}, status=QUEUED)[0].id for i, p in enumerate([0, 5, 0, 5])]
+    assert [j.id for j in store.queued_in_order()] == [ids[1], ids[3], ids[0], ids[2]]
+
+
+def test_idempotency_key_returns_the_first_job_even_under_concurrency(store):
+    results = []
+
+    def submit():
+        results.append(store.create_job(request(owner="alice"), {}, status=QUEUED, idempotency_key="k1"))
+
+    threads = [threading.Thread(target=submit) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len({job.id for job, _ in results}) == 1
+    assert sum(created for _, created in results) == 1
+    # the same key from another owner is another job
+    other, created = store.create_job(request(owner="bob"), {}, status=QUEUED, idempotency_key="k1")
+    assert created and other.id != results[0][0].id
+
+
+def test_concurrent_submissions_lose_nothing(store):
+    def submit(i):
+        store.create_job(request(f"c{i}"), {}, status=QUEUED)
+
+    threads = [threading.Thread(target=submit, args=(i,)) for i in range(20)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    jobs = store.list_jobs(limit=100)
+    assert sorted(j.name for j in jobs) == sorted(f"c{i}" for i in range(20))
+    assert len({j.seq for j in jobs}) == 20
+
+
+def test_events_page_by_id(store):
+    job, _ = store.create_job(request(), {}, status=QUEUED)
+    ids = [store.add_event(job.id, "note", f"n{i}") for i in range(5)]
+    assert [e.message for e in store.list_events(job.id, after=ids[2])] == ["n3", "n4"]
