@@ -1,10 +1,12 @@
 """What the inter-DC sync engine costs and saves, on local gloo processes. Prints one JSON object.
 
-    .venv/bin/python -m meridian.bench.sync_engine [--model tiny] [--steps 12] [--layout a,a,b]
+    .venv/bin/python -m meridian.bench.sync_engine [--model tiny] [--steps 12] [--layout a,a,b] \
+        [--wan-rtt-ms 40 --wan-gbps 1]
 
 - ``optimizer_bytes_per_rank``: sharded vs replicated AdamW state on every rank (ratio ≈ 1/N).
 - ``overlap``: mean ``overlap_fraction`` / ``comm_s`` / ``exposed_s`` of the overlapped sharded engine
-  (steps after the first), on loopback, where communication is cheap and there is little to hide.
+  (steps after the first): on loopback communication is cheap and there is little to hide; with
+  ``--wan-rtt-ms`` every inter-DC collective waits for the emulated link (:mod:`meridian.workers.wan`).
 - ``compression``: final-5-step mean loss and inter-DC bytes per step for none / bf16 / int8.
 Timings are this machine's, not assertions; the tests assert the maths.
 """
@@ -15,7 +17,7 @@ import argparse
 import json
 import statistics
 
-from meridian.workers.config import Compression, OptimConfig, SyncConfig, TrainConfig, model_preset
+from meridian.workers.config import Compression, OptimConfig, SyncConfig, TrainConfig, WanConfig, model_preset
 from meridian.workers.multiproc import run_processes
 from meridian.workers.train_loop import ListSink, train
 
@@ -34,13 +36,16 @@ def main() -> None:
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--layout", default="a,a,b")
+    ap.add_argument("--wan-rtt-ms", type=float, default=None, help="emulate a WAN with this round trip")
+    ap.add_argument("--wan-gbps", type=float, default=1.0)
     args = ap.parse_args()
+    wan = WanConfig(rtt_ms=args.wan_rtt_ms, gbps=args.wan_gbps) if args.wan_rtt_ms is not None else None
     dcs = tuple(args.layout.split(","))
 
     def cfg(**sync) -> TrainConfig:
         return TrainConfig(
             job_id="bench", model=model_preset(args.model), steps=args.steps, global_batch=4 * len(dcs),
-            micro_batch=2, datacenters=dcs, sync=SyncConfig(**sync), optim=OptimConfig(warmup_steps=2),
+            micro_batch=2, datacenters=dcs, sync=SyncConfig(**sync), optim=OptimConfig(warmup_steps=2), wan=wan,
         )  # fmt: skip
 
     configs = {
@@ -60,7 +65,8 @@ def main() -> None:
         for c in Compression
     }
     print(json.dumps({
-        "model": args.model, "params": model_preset(args.model).num_params, "layout": dcs, "steps": args.steps,
+        "model": args.model, "params": model_preset(args.model).num_params, "layout": ",".join(dcs),
+        "steps": args.steps, "wan": None if wan is None else {"rtt_ms": wan.rtt_ms, "gbps": wan.gbps},
         "optimizer_bytes_per_rank": {
             "replicated": [r["replicated"]["result"].optimizer_state_bytes for r in per_rank],
             "sharded": [r["sharded"]["result"].optimizer_state_bytes for r in per_rank],

@@ -7,6 +7,8 @@ micro-batches are the default, because that is where a sync engine deadlocks or 
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import time
 
 import pytest
@@ -16,18 +18,21 @@ from sync_helpers import micro_batches, params_of, share_loss, toy_model, train_
 from torch import nn
 
 from meridian.workers.config import (
+    Compression,
     OptimConfig,
     Precision,
     SyncConfig,
     SyncStrategy,
     TrainConfig,
+    WanConfig,
     model_preset,
 )
 from meridian.workers.hierarchical import HierarchicalSync
-from meridian.workers.inter_dc import CommHandle, InterDCComm
 from meridian.workers.layout import DCGroups, DCLayout
 from meridian.workers.multiproc import run_processes
 from meridian.workers.train_loop import ListSink, train
+from meridian.workers.wan import WanEmulator, cleanup, shm_dir
+from meridian.workers.wan_link import FILE_PREFIX
 
 OPTIM = OptimConfig(lr=0.05, weight_decay=0.1, grad_clip=0.5, warmup_steps=0)
 UNEVEN = ("a", "a", "b")
@@ -115,26 +120,11 @@ def test_accumulation_communicates_only_on_the_last_micro_batch():
             assert calls_many == calls1 > 0 and bytes_many == bytes1 > 0
 
 
-# -- overlap is measured (with an emulated slow link behind the InterDCComm seam) -------------------------------
+# -- overlap is measured, under the WAN emulator -------------------------------------------------------------
 
 LINK_DELAY_S = 0.05
+WAN = WanConfig(rtt_ms=2000 * LINK_DELAY_S, gbps=100.0)  # 50 ms one way; bandwidth time is negligible
 COMPUTE_S = 2 * LINK_DELAY_S  # backward per layer: compute-bound, so each bucket's sync can hide
-
-
-class SlowLink(InterDCComm):
-    """Every inter-DC collective completes LINK_DELAY_S after it was issued, as the WAN emulator will."""
-
-    def all_reduce_async(self, tensor, group, segment, *, key=None) -> CommHandle:
-        handle = super().all_reduce_async(tensor, group, segment, key=key)
-        deadline = time.perf_counter() + LINK_DELAY_S
-        inner = handle.wait
-
-        def wait() -> None:
-            inner()
-            time.sleep(max(0.0, deadline - time.perf_counter()))
-
-        handle.wait = wait  # type: ignore[method-assign]
-        return handle
 
 
 class SleepInBackward(torch.autograd.Function):
@@ -161,35 +151,54 @@ class Layers(nn.Module):
         return x
 
 
-def _measure_overlap(rank, world, overlap):
-    torch.manual_seed(0)
-    sync = SyncConfig(bucket_mb=300 / 2**20, overlap=overlap, shard_optimizer=True)  # one bucket per layer
-    e = HierarchicalSync(Layers(), DCGroups(DCLayout(("a", "b")), rank), sync, OPTIM)
-    e.comm = SlowLink()
-    assert len(e.buffer.buckets) == 4
-    stats = []
-    for step in range(3):
-        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step * 10 + rank))
-        e.backward(e.model(x).square().sum(), last_micro_batch=True)
-        stats.append(e.step(0.01))
-    return stats, _close(e)
+OVERLAP_RUNS = {
+    "exposed": SyncConfig(overlap=False),
+    "hidden": SyncConfig(overlap=True),
+    "hidden int8": SyncConfig(overlap=True, compression=Compression.INT8),  # the emulated all-gather path
+}
 
 
-def test_overlap_fraction_hides_all_but_the_last_bucket():
-    hidden = run_processes(_measure_overlap, 2, True)
-    exposed = run_processes(_measure_overlap, 2, False)
-    for rank in range(2):
-        # 4 buckets of 50 ms link time each; backward computes 100 ms more after each of the first three
-        # is ready, so ~3/4 of the link time hides. Without overlap all of it is exposed.
+def _measure_overlap(rank, world, key):
+    layout = DCLayout(("a", "b"))
+    emulator = WanEmulator(WAN, layout, rank, key=key)
+    out = {}
+    for name, sync in OVERLAP_RUNS.items():
+        torch.manual_seed(0)
+        sync = dataclasses.replace(sync, bucket_mb=300 / 2**20)  # one bucket per layer
+        e = HierarchicalSync(Layers(), DCGroups(layout, rank), sync, OPTIM, emulator=emulator)
+        assert len(e.buffer.buckets) == 4
+        stats = []
+        for step in range(3):
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step * 10 + rank))
+            e.backward(e.model(x).square().sum(), last_micro_batch=True)
+            stats.append(e.step(0.01))
+        out[name] = (stats, _close(e), emulator.counter.reset().tensor_bytes)
+    emulator.close()
+    return out
+
+
+def test_overlap_fraction_under_the_wan_emulator():
+    key = f"test-overlap.{os.getpid()}"
+    try:
+        per_rank = run_processes(_measure_overlap, 2, key)
+    finally:
+        cleanup(key)
+    for out in per_rank:
+        # 4 buckets, each one 50 ms round on the emulated link; backward computes 100 ms more after each of
+        # the first three is ready, so ~3/4 of the link time hides. Without overlap all four start in
+        # step() and are in flight together: one round (not four), all of it exposed.
         # Step 0 is left out: one rank reaches backward later (first-call costs), and a collective's time
         # includes waiting for the slowest peer, so comm_s and exposed_s grow by that skew.
-        for s in hidden[rank][0][1:]:
-            assert s.comm_s >= 4 * LINK_DELAY_S and s.overlap_fraction > 0.5, s
-            assert s.exposed_s < 2 * LINK_DELAY_S, s
-        for s in exposed[rank][0]:
-            assert s.comm_s >= 4 * LINK_DELAY_S and s.overlap_fraction == 0.0, s
-        for name, p in hidden[rank][1].items():
-            assert torch.equal(p, exposed[rank][1][name]), name
+        for name in ("hidden", "hidden int8"):
+            for s in out[name][0][1:]:
+                assert s.comm_s >= 4 * LINK_DELAY_S and s.overlap_fraction > 0.5, (name, s)
+                assert s.exposed_s < 2 * LINK_DELAY_S, (name, s)
+        for s in out["exposed"][0][1:]:
+            assert LINK_DELAY_S <= s.comm_s < 2 * LINK_DELAY_S and s.overlap_fraction == 0.0, s
+        for name, p in out["hidden"][1].items():  # the emulator delays results, never changes them
+            assert torch.equal(p, out["exposed"][1][name]), name
+        for name, (stats, _, emulated_bytes) in out.items():  # both counters see the same payload bytes
+            assert emulated_bytes == sum(s.inter_dc_bytes for s in stats) > 0, name
 
 
 # -- full training runs ------------------------------------------------------------------------------------
@@ -294,3 +303,21 @@ def test_build_sync_picks_the_engine_from_sync_config():
         "har sharded": ("HierarchicalSync", True, False),
         "har sharded overlap": ("HierarchicalSync", True, True),
     }
+
+
+def test_train_under_an_emulated_wan(single_process):
+    # train() builds the emulator from TrainConfig.wan: flat goes through the DDP comm hook, HAR through
+    # InterDCComm. Results are the same; only time passes. The shared link files are removed at the end.
+    job = f"wan-{os.getpid()}"
+    wan = WanConfig(rtt_ms=40.0, gbps=1.0)
+    configs = {
+        name: dataclasses.replace(_config(("a", "b"), ENGINES[name]), wan=wan, job_id=job)
+        for name in ("flat", "har sharded overlap")
+    }
+    out = run_processes(_train_all, 2, configs)[0]
+    ref = [r["loss"] for r in single_process[Precision.FP32][1]]
+    for name, (_, records) in out.items():
+        assert [r["loss"] for r in records] == pytest.approx(ref, rel=2e-5), name
+        assert all(r["step_s"] >= wan.one_way_s for r in records), name  # a round trip is at least one way
+    assert all(r["comm_s"] >= wan.one_way_s for r in out["har sharded overlap"][1])
+    assert not [f for f in os.listdir(shm_dir()) if f.startswith(f"{FILE_PREFIX}job-{job}")]

@@ -2,7 +2,8 @@
 
 One all-reduce per gradient bucket over all ranks, overlapped with backward by DDP itself. The baseline the
 hierarchical engine is measured against; it ignores ``shard_optimizer`` and ``overlap`` (DDP always
-overlaps and never shards) and has no compression.
+overlaps and never shards) and has no compression. Under an emulated WAN its all-reduce goes through
+:func:`meridian.workers.wan.flat_ddp_comm_hook`.
 """
 
 from __future__ import annotations
@@ -19,17 +20,30 @@ from meridian.workers.adamw import build_adamw, full_state_of, load_full_state, 
 from meridian.workers.config import OptimConfig, SyncConfig
 from meridian.workers.engine import GradientSync, StepStats
 from meridian.workers.layout import DCGroups
+from meridian.workers.wan import FlatHookState, flat_ddp_comm_hook
+from meridian.workers.wan_model import WanEmulator
 
 
 class FlatSync(GradientSync):
     """Plain DDP: one all-reduce of every gradient bucket over all ranks, overlapped with backward."""
 
-    def __init__(self, model: nn.Module, groups: DCGroups, sync: SyncConfig, optim: OptimConfig) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        groups: DCGroups,
+        sync: SyncConfig,
+        optim: OptimConfig,
+        *,
+        emulator: WanEmulator | None = None,
+    ) -> None:
         self.groups = groups
         self.optim_cfg = optim
         self.model = DistributedDataParallel(
             model, bucket_cap_mb=sync.bucket_mb, gradient_as_bucket_view=True
         )
+        if emulator is not None and emulator.enabled:
+            # DDP's own all-reduce, completed when the emulated WAN would deliver a flat ring all-reduce.
+            self.model.register_comm_hook(FlatHookState(emulator), flat_ddp_comm_hook)
         self.optimizer = build_adamw(self.model.module, optim)
         self._cross_dc = groups.num_dcs > 1
         self._grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)

@@ -3,12 +3,13 @@
 Per step, on every rank (``last`` = the last micro-batch; earlier ones only accumulate, no communication)::
 
     backward(loss, last_micro_batch=last)
-        last: each bucket, once complete, goes to the comm thread (overlap) — or waits for step():
+        last: each bucket, once complete, is started on the comm thread (overlap) — or in step():
             # 1) reduce-scatter inside the DC
-            # 2) all-reduce the shard across DCs, in chunks, all in flight (InterDCComm: compression, bytes)
-            # 3) all-gather inside the DC                 (replicated optimizer only)
+            # 2) all-reduce the shard across DCs, in chunks, all in flight (InterDCComm: compression,
+            #    bytes, WAN emulation); buckets stay in flight together
     step(lr)
-        wait for what is still outstanding
+        wait for what is still outstanding, bucket by bucket:
+            # 3) all-gather inside the DC                 (replicated optimizer only)
         replicated: clip_grad_norm_ + AdamW on every parameter
         sharded:    clip + AdamW on this rank's shard, then all-gather updated parameters in the DC;
                     with overlap each module's forward pre-hook waits for its own buckets, so the gather
@@ -30,23 +31,32 @@ from meridian.workers.config import OptimConfig, SyncConfig
 from meridian.workers.dist_optimizer import ShardedAdamW
 from meridian.workers.engine import GradientSync, StepStats, broadcast_parameters
 from meridian.workers.grad_buffer import Bucket, GradBuffer
-from meridian.workers.har import all_gather_in_dc, all_reduce_across_dcs, reduce_scatter_in_dc
+from meridian.workers.har import all_gather_in_dc, reduce_scatter_in_dc, start_all_reduce_across_dcs
 from meridian.workers.inter_dc import InterDCComm
 from meridian.workers.layout import DCGroups
-from meridian.workers.overlap import BucketPipeline
+from meridian.workers.overlap import BucketPipeline, InFlight
+from meridian.workers.wan_model import WanEmulator
 
 
 class HierarchicalSync(GradientSync):
     """Bucketed HAR of gradients, then AdamW: replicated, or sharded inside each DC (``shard_optimizer``)."""
 
-    def __init__(self, model: nn.Module, groups: DCGroups, sync: SyncConfig, optim: OptimConfig) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        groups: DCGroups,
+        sync: SyncConfig,
+        optim: OptimConfig,
+        *,
+        emulator: WanEmulator | None = None,
+    ) -> None:
         self.model = model
         self.groups = groups
         self.optim_cfg = optim
         self.overlap = sync.overlap
         broadcast_parameters(model)
         self.buffer = GradBuffer(model, bucket_mb=sync.bucket_mb, pad_to=groups.layout.units)
-        self.comm = InterDCComm(sync.compression)
+        self.comm = InterDCComm(sync.compression, emulator=emulator)  # the only inter-DC traffic
         self.chunk_bytes = sync.inter_dc_chunk_mb * 2**20
         self.sharded: ShardedAdamW | None = None
         self.optimizer: torch.optim.AdamW | None = None
@@ -56,15 +66,20 @@ class HierarchicalSync(GradientSync):
                 self.sharded.install_prefetch_hooks(model)
         else:
             self.optimizer = build_adamw(model, optim)
-        self.pipeline = BucketPipeline(self.buffer, self._sync_bucket, overlap=sync.overlap)
+        self.pipeline = BucketPipeline(self.buffer, self._start_bucket, overlap=sync.overlap)
 
-    def _sync_bucket(self, bucket: Bucket) -> None:
+    def _start_bucket(self, bucket: Bucket) -> InFlight:
         g = bucket.grad
         reduce_scatter_in_dc(g, self.groups)  # 1) reduce-scatter inside the DC
         # 2) all-reduce the shard across DCs: chunked, every chunk in flight, through InterDCComm
-        all_reduce_across_dcs(g, self.groups, self.comm, chunk_bytes=self.chunk_bytes, bucket=bucket.index)
-        if self.sharded is None:  # 3) all-gather inside the DC (sharded: the parameters, after AdamW)
-            all_gather_in_dc(g, self.groups)
+        handles = start_all_reduce_across_dcs(
+            g, self.groups, self.comm, chunk_bytes=self.chunk_bytes, bucket=bucket.index
+        )
+        if self.sharded is not None:  # 3) is the all-gather of updated parameters, after AdamW
+            return InFlight(list(handles))
+        return InFlight(
+            list(handles), then=lambda: all_gather_in_dc(g, self.groups)
+        )  # 3) all-gather in the DC
 
     def backward(self, loss: torch.Tensor, *, last_micro_batch: bool) -> None:
         if not last_micro_batch:

@@ -2,8 +2,8 @@
 
 :meth:`InterDCComm.all_reduce_async` sums one chunk with its owners in the other datacenters and returns a
 handle; ``handle.wait()`` leaves the sum in the chunk, identical on every owner. Compression, byte counting
-and (next) WAN emulation live here and nowhere else, so plugging the emulator in means wrapping the
-``dist`` call below and its ``Work`` handle.
+and WAN emulation (:mod:`meridian.workers.wan`: the handle's ``wait()`` returns when the emulated link would
+have delivered the data) live here and nowhere else.
 
 Encodings (``SyncConfig.compression``):
 
@@ -28,13 +28,24 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
+from meridian.workers import wan
 from meridian.workers.compression import Bf16Codec, ErrorFeedback, Int8Codec
 from meridian.workers.config import Compression
 from meridian.workers.layout import Segment
+from meridian.workers.wan_model import WanEmulator
+
+
+class Waitable(Protocol):
+    """``dist.Work`` or the WAN emulator's ``EmulatedWork``."""
+
+    def wait(self) -> object: ...
+
+    def is_completed(self) -> bool: ...
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -45,9 +56,13 @@ def _nbytes(t: torch.Tensor) -> int:
 class CommHandle:
     """An in-flight inter-DC collective. ``wait()`` completes it and writes the sum into the chunk."""
 
-    work: dist.Work | None
+    work: Waitable | None
     nbytes: int
     finish: Callable[[], None] | None = None
+
+    def is_completed(self) -> bool:
+        """Whether the data has arrived (``wait`` may still have a decode to do); never blocks."""
+        return self.work is None or self.work.is_completed()
 
     def wait(self) -> None:
         if self.work is not None:
@@ -61,8 +76,11 @@ class CommHandle:
 class InterDCComm:
     """This rank's inter-DC all-reduce: encoding, error-feedback state, byte counter."""
 
-    def __init__(self, compression: Compression = Compression.NONE) -> None:
+    def __init__(
+        self, compression: Compression = Compression.NONE, *, emulator: WanEmulator | None = None
+    ) -> None:
         self.compression = compression
+        self.emulator = emulator
         self.bytes_sent = 0
         self.calls = 0
         self._int8 = Int8Codec()
@@ -82,22 +100,42 @@ class InterDCComm:
         """
         self.calls += 1
         if self._feedback is None:
-            work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
-            return self._count(CommHandle(work, _nbytes(tensor)))
+            return self._count(CommHandle(self._all_reduce(tensor, group, segment), _nbytes(tensor)))
 
         key = (segment, key if key is not None else (tensor.data_ptr(), tensor.numel()))
         payload = self._feedback.encode(key, tensor)
         if self.compression is Compression.BF16:
-            work = dist.all_reduce(payload, op=dist.ReduceOp.SUM, group=group, async_op=True)
+            work = self._all_reduce(payload, group, segment)
             return self._count(CommHandle(work, _nbytes(payload), lambda: tensor.copy_(payload)))
 
         k = dist.get_world_size(group)
         gathered = torch.empty(k * payload.numel(), dtype=payload.dtype, device=payload.device)
-        work = dist.all_gather_single(gathered, payload, group=group, async_op=True)
+        work = self._all_gather(gathered, payload, group, segment)
         rows = gathered.view(k, payload.numel())  # gloo wants the flat output; row j is DC j's payload
         return self._count(
             CommHandle(work, _nbytes(payload), lambda: tensor.copy_(self._int8.decode_sum(rows)))
         )
+
+    # The two collectives that cross DCs, each through the WAN emulator when there is one.
+
+    def _all_reduce(self, t: torch.Tensor, group: dist.ProcessGroup, segment: Segment) -> Waitable:
+        if self.emulator is None:
+            return dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group, async_op=True)
+        return wan.all_reduce(t, group, emulator=self.emulator, group_ranks=segment.owners, async_op=True)
+
+    def _all_gather(
+        self, out: torch.Tensor, t: torch.Tensor, group: dist.ProcessGroup, segment: Segment
+    ) -> Waitable:
+        work = dist.all_gather_single(out, t, group=group, async_op=True)
+        emu = self.emulator
+        plan = emu.plan(group, segment.owners) if emu is not None and emu.enabled else None
+        if emu is None or plan is None or not plan.crosses:
+            return work
+        # Gathering S bytes from one owner per DC is the emulator's EXCHANGE pattern (every owner sends
+        # its S bytes to every other DC, one round), the same model as an all-reduce of S bytes.
+        cost = emu.cost(wan.Algorithm.EXCHANGE, plan.ranks, _nbytes(t))
+        emu.counter.add(_nbytes(t), cost.bytes_of(emu.rank))
+        return wan.EmulatedWork(work, emu, cost, plan.tag, emu.next_seq(plan.tag))
 
     def _count(self, handle: CommHandle) -> CommHandle:
         self.bytes_sent += handle.nbytes

@@ -18,13 +18,23 @@ from meridian.workers.engine import GradientSync, StepStats, broadcast_parameter
 from meridian.workers.flat import FlatSync
 from meridian.workers.hierarchical import HierarchicalSync
 from meridian.workers.layout import DCGroups
+from meridian.workers.wan_model import WanEmulator
 
 
-def build_sync(model: nn.Module, groups: DCGroups, sync: SyncConfig, optim: OptimConfig) -> GradientSync:
-    """The engine ``sync`` asks for. Build it after the model is on its device: it takes the device from there."""
+def build_sync(
+    model: nn.Module,
+    groups: DCGroups,
+    sync: SyncConfig,
+    optim: OptimConfig,
+    *,
+    emulator: WanEmulator | None = None,
+) -> GradientSync:
+    """The engine ``sync`` asks for. Build it after the model is on its device: it takes the device from there.
+
+    ``emulator`` (:mod:`meridian.workers.wan`) delays every inter-DC collective to the emulated link's pace."""
     if sync.strategy is SyncStrategy.FLAT:
-        return FlatSync(model, groups, sync, optim)
-    return HierarchicalSync(model, groups, sync, optim)
+        return FlatSync(model, groups, sync, optim, emulator=emulator)
+    return HierarchicalSync(model, groups, sync, optim, emulator=emulator)
 
 
 __all__ = [

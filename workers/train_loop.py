@@ -21,6 +21,7 @@ from meridian.workers.data import TextDataset
 from meridian.workers.layout import DCGroups, DCLayout
 from meridian.workers.model import GPT, per_sample_loss
 from meridian.workers.sync import StepStats, build_sync
+from meridian.workers.wan import WanEmulator, agree_key, cleanup
 
 
 class ProgressSink(Protocol):
@@ -99,7 +100,10 @@ def train(cfg: TrainConfig, *, sink: ProgressSink, device: torch.device | None =
 
     torch.manual_seed(cfg.seed)
     model = GPT(cfg.model).to(device)
-    engine = build_sync(model, groups, cfg.sync, cfg.optim)
+    emulator = None
+    if cfg.wan is not None and layout.num_dcs > 1:  # every inter-DC collective waits for the emulated link
+        emulator = WanEmulator(cfg.wan, layout, rank, key=agree_key(f"job-{cfg.job_id}"))
+    engine = build_sync(model, groups, cfg.sync, cfg.optim, emulator=emulator)
     data = TextDataset(cfg.data, cfg.model.seq_len, cfg.seed)
     held_out = TextDataset(cfg.data, cfg.model.seq_len, cfg.seed, split="eval")
 
@@ -168,6 +172,11 @@ def train(cfg: TrainConfig, *, sink: ProgressSink, device: torch.device | None =
     totals = torch.tensor([float(inter_dc_total)])
     dist.all_reduce(totals)
     engine.close()
+    if emulator is not None:
+        emulator.close()
+        dist.barrier()  # every rank is done with the shared link files
+        if rank == 0:
+            cleanup(emulator.key)
     groups.destroy()
     return TrainResult(
         first_loss=first_loss,
