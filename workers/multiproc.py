@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import socket
 import time
@@ -40,7 +41,9 @@ def _entry(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: 
             "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
         )
         out = fn(rank, world_size, *args)
-        results.put((rank, True, out))
+        # Plain pickle, by value: through the queue torch would share tensors by file descriptor, and
+        # this process exits before the parent opens them ("connection reset by peer").
+        results.put((rank, True, pickle.dumps(out)))
     except BaseException:  # noqa: BLE001 - report any failure to the parent, with the traceback
         results.put((rank, False, traceback.format_exc()))
     finally:
@@ -75,7 +78,7 @@ def run_processes(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s
                 continue
             if not ok:
                 raise RankFailed(f"rank {rank} failed:\n{value}")
-            out[rank] = value
+            out[rank] = pickle.loads(value)
     finally:
         for p in procs:
             p.join(timeout=5 if len(out) == world_size else 0.1)

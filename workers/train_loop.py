@@ -20,7 +20,8 @@ from meridian.workers.config import Precision, TrainConfig
 from meridian.workers.data import TextDataset
 from meridian.workers.layout import DCGroups, DCLayout
 from meridian.workers.model import GPT, per_sample_loss
-from meridian.workers.sync import build_sync
+from meridian.workers.sync import StepStats, build_sync
+from meridian.workers.wan import WanEmulator, agree_key, cleanup
 
 
 class ProgressSink(Protocol):
@@ -72,10 +73,14 @@ class TrainResult:
     """Mean training throughput over the steps after the first (which includes warm-up costs)."""
     inter_dc_bytes_per_step: float
     """Mean tensor bytes per step put into collectives crossing a DC boundary, summed over ranks."""
+    optimizer_state_bytes: int = 0
+    """Optimizer state held on this rank after the last step (1/N of replicated AdamW when sharded)."""
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, data: TextDataset, cfg: TrainConfig, device: torch.device, batches: int = 4) -> float:
+def evaluate(
+    model: torch.nn.Module, data: TextDataset, cfg: TrainConfig, device: torch.device, batches: int = 4
+) -> float:
     model.eval()
     losses = []
     for b in range(batches):
@@ -95,25 +100,42 @@ def train(cfg: TrainConfig, *, sink: ProgressSink, device: torch.device | None =
 
     torch.manual_seed(cfg.seed)
     model = GPT(cfg.model).to(device)
-    engine = build_sync(model, groups, cfg.sync, cfg.optim)
+    emulator = None
+    if cfg.wan is not None and layout.num_dcs > 1:  # every inter-DC collective waits for the emulated link
+        emulator = WanEmulator(cfg.wan, layout, rank, key=agree_key(f"job-{cfg.job_id}"))
+    engine = build_sync(model, groups, cfg.sync, cfg.optim, emulator=emulator)
     data = TextDataset(cfg.data, cfg.model.seq_len, cfg.seed)
     held_out = TextDataset(cfg.data, cfg.model.seq_len, cfg.seed, split="eval")
 
     first_loss = final_loss = float("nan")
     timed_tokens, timed_s, inter_dc_total = 0, 0.0, 0
-    pending: tuple[torch.Tensor, dist.Work, float, Any, int] | None = None
+    pending: tuple[torch.Tensor, dist.Work, float, StepStats, int] | None = None
 
-    def publish(stats_tensor: torch.Tensor, work: dist.Work, step_s: float, step_stats: Any, step: int) -> float:
+    def publish(
+        stats_tensor: torch.Tensor, work: dist.Work, step_s: float, step_stats: StepStats, step: int
+    ) -> float:
         # The global loss is summed with an async all-reduce and read one step later, so reporting it
         # never puts a latency round on the critical path.
         work.wait()
         loss, inter_dc = stats_tensor[0].item(), int(stats_tensor[1].item())
         if rank == 0:
-            sink.step({
-                "step": step + 1, "total_steps": cfg.steps, "loss": loss, "lr": lr_at(step, cfg),
-                "step_s": step_s, "tokens_per_s": cfg.tokens_per_step / step_s, "grad_norm": step_stats.grad_norm,
-                "inter_dc_bytes": inter_dc, "sync_wait_s": step_stats.sync_wait_s, "time": time.time(),
-            })
+            sink.step(
+                {
+                    "step": step + 1,
+                    "total_steps": cfg.steps,
+                    "loss": loss,
+                    "lr": lr_at(step, cfg),
+                    "step_s": step_s,
+                    "tokens_per_s": cfg.tokens_per_step / step_s,
+                    "grad_norm": step_stats.grad_norm,
+                    "inter_dc_bytes": inter_dc,
+                    "sync_wait_s": step_stats.sync_wait_s,
+                    "comm_s": step_stats.comm_s,
+                    "exposed_s": step_stats.exposed_s,
+                    "overlap_fraction": step_stats.overlap_fraction,
+                    "time": time.time(),
+                }
+            )
         return loss
 
     for step in range(cfg.steps):
@@ -121,10 +143,12 @@ def train(cfg: TrainConfig, *, sink: ProgressSink, device: torch.device | None =
         loss_sum = torch.zeros((), device=device)
         batches = data.step_batches(step, cfg.global_batch, cfg.micro_batch, rank, world)
         for i, (x, y) in enumerate(batches):
-            with autocast_context(cfg.precision, device):
-                losses = per_sample_loss(engine.model(x.to(device)), y.to(device))
-            share = losses.sum() / cfg.global_batch
-            engine.backward(share, last_micro_batch=i == len(batches) - 1)
+            last = i == len(batches) - 1
+            with engine.micro_batch(last_micro_batch=last):
+                with autocast_context(cfg.precision, device):
+                    losses = per_sample_loss(engine.model(x.to(device)), y.to(device))
+                share = losses.sum() / cfg.global_batch
+                engine.backward(share, last_micro_batch=last)
             loss_sum += share.detach()
         stats = engine.step(lr_at(step, cfg))
         step_s = time.perf_counter() - t0
@@ -144,12 +168,22 @@ def train(cfg: TrainConfig, *, sink: ProgressSink, device: torch.device | None =
     if math.isnan(first_loss):
         first_loss = final_loss
     eval_loss = evaluate(engine.model, held_out, cfg, device)
+    state_bytes = engine.optimizer_state_nbytes()
     totals = torch.tensor([float(inter_dc_total)])
     dist.all_reduce(totals)
     engine.close()
+    if emulator is not None:
+        emulator.close()
+        dist.barrier()  # every rank is done with the shared link files
+        if rank == 0:
+            cleanup(emulator.key)
     groups.destroy()
     return TrainResult(
-        first_loss=first_loss, final_loss=final_loss, eval_loss=eval_loss, steps=cfg.steps,
+        first_loss=first_loss,
+        final_loss=final_loss,
+        eval_loss=eval_loss,
+        steps=cfg.steps,
         tokens_per_s=timed_tokens / timed_s if timed_s else 0.0,
         inter_dc_bytes_per_step=totals.item() / cfg.steps,
+        optimizer_state_bytes=state_bytes,
     )

@@ -1,0 +1,137 @@
+"""A toy model, its data, and a single-process AdamW reference, shared by the sync-engine tests.
+
+Module-level functions only: the multi-process tests pickle them into spawned gloo ranks.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from meridian.workers.adamw import build_adamw, make_adamw, param_groups
+from meridian.workers.config import OptimConfig
+from meridian.workers.data import rank_slice
+from meridian.workers.engine import GradientSync
+
+GLOBAL_BATCH = 10
+
+
+class Toy(nn.Module):
+    """Odd-sized parameters in both AdamW groups: matrices (decay), biases / norm / ``pos_emb`` (no decay)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1 = nn.Linear(6, 7)
+        self.norm = nn.LayerNorm(7)
+        self.pos_emb = nn.Parameter(torch.randn(1, 7) * 0.1)  # 2-D but named like a position embedding
+        self.l2 = nn.Linear(7, 3)
+        self.gain = nn.Parameter(torch.ones(1))  # one element: smaller than any unit count
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.l2(self.norm(F.gelu(self.l1(x)) + self.pos_emb)) * self.gain
+
+
+def toy_model(seed: int = 0, dtype: torch.dtype = torch.float32) -> Toy:
+    torch.manual_seed(seed)
+    return Toy().to(dtype)
+
+
+def toy_batch(
+    step: int, start: int, stop: int, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Global samples ``[start, stop)`` of step ``step``: the same numbers whoever computes them."""
+    g = torch.Generator().manual_seed(1000 + step)
+    x, y = torch.randn(GLOBAL_BATCH, 6, generator=g), torch.randn(GLOBAL_BATCH, 3, generator=g)
+    return x[start:stop].to(dtype), y[start:stop].to(dtype)
+
+
+def share_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """This rank's share of the global-batch mean of per-sample squared errors."""
+    return ((model(x).float() - y.float()) ** 2).sum(dim=1).sum() / GLOBAL_BATCH
+
+
+def micro_batches(step: int, rank: int, world: int, micro: int, dtype: torch.dtype = torch.float32):
+    share = rank_slice(GLOBAL_BATCH, rank, world)
+    return [
+        toy_batch(step, a, min(a + micro, share.stop), dtype) for a in range(share.start, share.stop, micro)
+    ]
+
+
+def lr_of(step: int) -> float:
+    return 0.05 * (1 + step) / (2 + step)
+
+
+def train_steps(
+    engine: GradientSync,
+    rank: int,
+    world: int,
+    steps: int,
+    micro: int,
+    first_step: int = 0,
+    dtype=torch.float32,
+):
+    """Run ``steps`` engine steps on the toy data; returns the StepStats."""
+    stats = []
+    for step in range(first_step, first_step + steps):
+        batches = micro_batches(step, rank, world, micro, dtype)
+        for i, (x, y) in enumerate(batches):
+            last = i == len(batches) - 1
+            with engine.micro_batch(last_micro_batch=last):
+                engine.backward(share_loss(engine.model, x, y), last_micro_batch=last)
+        stats.append(engine.step(lr_of(step)))
+    return stats
+
+
+def reference_params(steps: int, cfg: OptimConfig, micro: int = 3, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Plain single-process AdamW (same groups, clipping) on the whole global batch, accumulated in micro-batches."""
+    model = toy_model(seed)
+    opt = build_adamw(model, cfg)
+    for step in range(steps):
+        for a in range(0, GLOBAL_BATCH, micro):
+            x, y = toy_batch(step, a, min(a + micro, GLOBAL_BATCH))
+            share_loss(model, x, y).backward()
+        clip = cfg.grad_clip
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip > 0 else float("inf"))
+        for group in opt.param_groups:
+            group["lr"] = lr_of(step)
+        opt.step()
+        opt.zero_grad()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def params_of(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def max_rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """max over parameters of max|a - b| / max|b|."""
+    return max(
+        float((a[n].float() - b[n].float()).abs().max() / b[n].float().abs().max().clamp_min(1e-12))
+        for n in b
+    )
+
+
+def reference_bf16_master(
+    steps: int, cfg: OptimConfig, micro: int = 3, seed: int = 0
+) -> dict[str, torch.Tensor]:
+    """Single-process mixed precision by hand: bf16 model and gradients, AdamW on fp32 master copies."""
+    model = toy_model(seed, torch.bfloat16)
+    named = list(model.named_parameters())
+    masters = [(n, p.detach().float().clone()) for n, p in named]
+    opt = make_adamw(param_groups(masters, model, cfg), cfg)
+    for step in range(steps):
+        for a in range(0, GLOBAL_BATCH, micro):
+            x, y = toy_batch(step, a, min(a + micro, GLOBAL_BATCH), torch.bfloat16)
+            share_loss(model, x, y).backward()
+        for (_, p), (_, m) in zip(named, masters, strict=True):
+            m.grad = p.grad.float()
+        clip = cfg.grad_clip
+        torch.nn.utils.clip_grad_norm_([m for _, m in masters], clip if clip > 0 else float("inf"))
+        for group in opt.param_groups:
+            group["lr"] = lr_of(step)
+        opt.step()
+        for (_, p), (_, m) in zip(named, masters, strict=True):
+            p.data.copy_(m)
+            p.grad = None
+    return {n: m.clone() for n, m in masters}

@@ -1,0 +1,141 @@
+"""Inter-DC compression: the codecs, error feedback, honest byte counts, and training with it.
+
+Tolerances, all measured on this machine and stated with each test:
+- int8 round trip: each element within half a quantisation step (absmax / 127 / 2).
+- error feedback on a fixed 200-step stream: accumulated error ≤ 1/20 of the error without feedback.
+- nano GPT, 30 steps on 1 + 1 DCs: the mean loss of the last 5 steps within 0.02 (bf16) and 0.10 (int8)
+  of uncompressed training (measured: +0.0004 and +0.029).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from meridian.workers.compression import Bf16Codec, ErrorFeedback, Int8Codec
+from meridian.workers.config import Compression, OptimConfig, SyncConfig, TrainConfig, model_preset
+from meridian.workers.inter_dc import InterDCComm
+from meridian.workers.layout import DCGroups, DCLayout
+from meridian.workers.multiproc import run_processes
+from meridian.workers.train_loop import ListSink, train
+
+
+def test_int8_payload_is_one_byte_per_element_plus_a_scale():
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(0))
+    codec = Int8Codec()
+    payload = codec.encode(x)
+    assert payload.dtype == torch.uint8 and payload.numel() == 1000 + 4
+    step = float(x.abs().max()) / 127
+    assert float((codec.decode(payload) - x).abs().max()) <= step / 2 + 1e-7
+    assert torch.equal(codec.decode(codec.encode(torch.zeros(5))), torch.zeros(5))  # no division by zero
+
+
+def test_bf16_payload_is_two_bytes_per_element():
+    x = torch.randn(100)
+    payload = Bf16Codec().encode(x)
+    assert payload.dtype == torch.bfloat16 and payload.element_size() == 2
+    assert float(((Bf16Codec().decode(payload) - x) / x).abs().max()) <= 2**-8
+
+
+@pytest.mark.parametrize("codec", [Int8Codec(), Bf16Codec()], ids=["int8", "bf16"])
+def test_error_feedback_beats_no_feedback_on_a_fixed_stream(codec):
+    # A gradient-like stream with a steady part each codec rounds away every time: 1e-3 is below int8's
+    # step next to entries of 1.001, and 1.001 is 1.0 in bf16 (its step at 1 is 2^-7). Without feedback
+    # that bias adds up with the steps; with feedback the sum sent differs from the true sum by the last
+    # residual only. Measured ratios: int8 78x, bf16 85x.
+    g = torch.Generator().manual_seed(0)
+    steady = torch.full((512,), 1e-3)
+    steady[:8] = 1.0 + 1e-3
+    true_sum, sent_ef, sent_plain = torch.zeros(512), torch.zeros(512), torch.zeros(512)
+    feedback = ErrorFeedback(codec)
+    for _ in range(200):
+        x = steady + 1e-4 * torch.randn(512, generator=g)
+        true_sum += x
+        sent_ef += codec.decode(feedback.encode("chunk", x))
+        sent_plain += codec.decode(codec.encode(x))
+    err_ef = float((sent_ef - true_sum).norm())
+    err_plain = float((sent_plain - true_sum).norm())
+    print(f"{type(codec).__name__}: error with feedback {err_ef:.4f}, without {err_plain:.4f}")
+    assert err_ef <= err_plain / 20, (err_ef, err_plain)
+    # Telescoping: Σ sent = Σ x − final residual, exactly up to fp32 rounding.
+    assert torch.allclose(sent_ef + feedback.residuals["chunk"], true_sum, atol=1e-4)
+
+
+def _compressed_sums(rank, world, compression):
+    layout = DCLayout(("a", "b", "c"))  # three DCs: the int8 all-gather sums three payloads
+    groups = DCGroups(layout, rank)
+    comm = InterDCComm(compression)
+    ((seg, group),) = groups.inter_dc.items()
+    out = []
+    for step in range(3):
+        g = torch.Generator().manual_seed(100 * step + rank)
+        chunks = [torch.randn(300, generator=g), torch.randn(77, generator=g)]
+        exact = [c.clone() for c in chunks]
+        for e in exact:
+            dist.all_reduce(e, group=group)
+        handles = [comm.all_reduce_async(c, group, seg, key=i) for i, c in enumerate(chunks)]
+        for h in handles:
+            h.wait()
+        everyone = [torch.empty(3 * c.numel()) for c in chunks]
+        for e, c in zip(everyone, chunks, strict=True):
+            dist.all_gather_single(e, c, group=group)
+        out.append(
+            {
+                "err": max(
+                    float((c - e).abs().max() / e.abs().max()) for c, e in zip(chunks, exact, strict=True)
+                ),
+                "same_on_every_owner": all(
+                    (e.view(3, -1) == c).all().item() for e, c in zip(everyone, chunks, strict=True)
+                ),
+                "bytes": comm.take_bytes(),
+            }
+        )
+    groups.destroy()
+    return out
+
+
+@pytest.mark.parametrize(
+    "compression, bytes_per_step, tol",
+    [
+        (Compression.NONE, 4 * 377, 1e-6),
+        (Compression.BF16, 2 * 377, 2e-2),  # bf16 partial sums round too
+        (Compression.INT8, 377 + 2 * 4, 2e-2),  # ≤ 3 half-steps of absmax/127 against a sum of 3
+    ],
+)
+def test_inter_dc_sum_is_close_identical_everywhere_and_bytes_are_the_payload(
+    compression, bytes_per_step, tol
+):
+    for per_step in run_processes(_compressed_sums, 3, compression):
+        for r in per_step:
+            assert r["same_on_every_owner"]
+            assert r["err"] <= tol, r
+            assert r["bytes"] == bytes_per_step
+
+
+def _train(rank, world, configs):
+    out = {}
+    for name, cfg in configs.items():
+        sink = ListSink()
+        result = train(cfg, sink=sink)
+        out[name] = ([r["loss"] for r in sink.records], result.inter_dc_bytes_per_step)
+    return out
+
+
+def test_compressed_training_tracks_uncompressed():
+    def cfg(compression):
+        sync = SyncConfig(compression=compression, inter_dc_chunk_mb=0.05)
+        return TrainConfig(
+            job_id="c", model=model_preset("nano"), steps=30, global_batch=8, micro_batch=4,
+            datacenters=("a", "b"), sync=sync, optim=OptimConfig(warmup_steps=5, lr=3e-3),
+        )  # fmt: skip
+
+    out = run_processes(_train, 2, {c: cfg(c) for c in Compression})[0]
+    tail = {c: sum(losses[-5:]) / 5 for c, (losses, _) in out.items()}
+    assert out[Compression.NONE][0][-1] < out[Compression.NONE][0][0] - 1.0  # it does learn
+    assert abs(tail[Compression.BF16] - tail[Compression.NONE]) <= 0.02, tail
+    assert abs(tail[Compression.INT8] - tail[Compression.NONE]) <= 0.10, tail
+    # Bytes are what was sent: bf16 half of fp32, int8 a quarter plus one scale per chunk.
+    fp32 = out[Compression.NONE][1]
+    assert out[Compression.BF16][1] == pytest.approx(fp32 / 2, rel=1e-3)
+    assert out[Compression.INT8][1] == pytest.approx(fp32 / 4, rel=0.01)

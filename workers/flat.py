@@ -1,0 +1,85 @@
+"""The ``flat`` strategy: PyTorch DDP over every rank, as Ray Train's ``prepare_model`` sets it up.
+
+One all-reduce per gradient bucket over all ranks, overlapped with backward by DDP itself. The baseline the
+hierarchical engine is measured against; it ignores ``shard_optimizer`` and ``overlap`` (DDP always
+overlaps and never shards) and has no compression. Under an emulated WAN its all-reduce goes through
+:func:`meridian.workers.wan.flat_ddp_comm_hook`.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from meridian.workers.adamw import build_adamw, full_state_of, load_full_state, set_lr, state_nbytes
+from meridian.workers.config import OptimConfig, SyncConfig
+from meridian.workers.engine import GradientSync, StepStats
+from meridian.workers.layout import DCGroups
+from meridian.workers.wan import FlatHookState, flat_ddp_comm_hook
+from meridian.workers.wan_model import WanEmulator
+
+
+class FlatSync(GradientSync):
+    """Plain DDP: one all-reduce of every gradient bucket over all ranks, overlapped with backward."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        groups: DCGroups,
+        sync: SyncConfig,
+        optim: OptimConfig,
+        *,
+        emulator: WanEmulator | None = None,
+    ) -> None:
+        self.groups = groups
+        self.optim_cfg = optim
+        self.model = DistributedDataParallel(
+            model, bucket_cap_mb=sync.bucket_mb, gradient_as_bucket_view=True
+        )
+        if emulator is not None and emulator.enabled:
+            # DDP's own all-reduce, completed when the emulated WAN would deliver a flat ring all-reduce.
+            self.model.register_comm_hook(FlatHookState(emulator), flat_ddp_comm_hook)
+        self.optimizer = build_adamw(self.model.module, optim)
+        self._cross_dc = groups.num_dcs > 1
+        self._grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+
+    def micro_batch(self, *, last_micro_batch: bool) -> AbstractContextManager[object]:
+        # DDP decides in forward whether the next backward all-reduces. Run forward outside no_sync and
+        # every micro-batch is all-reduced; ranks with different micro-batch counts then hang (measured).
+        return nullcontext() if last_micro_batch else self.model.no_sync()
+
+    def backward(self, loss: torch.Tensor, *, last_micro_batch: bool) -> None:
+        # DDP averages over ranks; our loss is this rank's share of the global mean, so undo the average.
+        (loss * dist.get_world_size()).backward()
+
+    def step(self, lr: float) -> StepStats:
+        params = self._params()
+        clip = self.optim_cfg.grad_clip
+        norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
+        set_lr(self.optimizer, lr)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=False)
+        # DDP's all-reduce spans every rank: with several DCs all of it crosses a DC boundary.
+        return StepStats(
+            grad_norm=float(norm), inter_dc_bytes=self._grad_bytes if self._cross_dc else 0, sync_wait_s=0.0
+        )
+
+    def _params(self) -> list[nn.Parameter]:
+        return [p for p in self.model.module.parameters() if p.requires_grad]
+
+    def _named(self) -> list[tuple[str, nn.Parameter]]:
+        return [(n, p) for n, p in self.model.module.named_parameters() if p.requires_grad]
+
+    def optimizer_state(self) -> dict[str, Any]:
+        return full_state_of(self.optimizer, self._named())
+
+    def load_optimizer_state(self, state: dict[str, Any]) -> None:
+        load_full_state(self.optimizer, self._named(), state)
+
+    def optimizer_state_nbytes(self) -> int:
+        return state_nbytes(self.optimizer)
