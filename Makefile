@@ -18,7 +18,15 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/meridian demo
 
-test: $(STAMP)
+# The web page test drives Debian's chromium through Playwright; install it when missing and root.
+CHROMIUM := /usr/bin/chromium
+
+$(CHROMIUM):
+	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		apt-get update -q && apt-get install -y -q chromium; \
+	else echo "chromium missing and not root: the browser test will be skipped"; fi
+
+test: $(STAMP) $(CHROMIUM)
 	$(BIN)/python -m pytest -q
 
 lint: $(STAMP)

@@ -4,22 +4,34 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI
+from fastapi.responses import FileResponse
+from fastapi.staticfiles import StaticFiles
 from starlette.concurrency import run_in_threadpool
 
 import meridian
+from meridian.api.auth import AuthSettings, get_caller
 from meridian.api.errors import install_error_handlers
+from meridian.api.limits import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
+from meridian.api.prometheus import install_metrics
 from meridian.api.routes import cluster, diagnostics, jobs
 from meridian.service.core import MeridianService, ServiceConfig
 
+STATIC = Path(__file__).parent / "static"
 
-def create_app(config: ServiceConfig, *, service: MeridianService | None = None) -> FastAPI:
+
+def create_app(
+    config: ServiceConfig, *, service: MeridianService | None = None, auth: AuthSettings | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+) -> FastAPI:
     """An app that starts (and on shutdown stops) a :class:`MeridianService` for ``config``.
 
     Pass ``service`` to serve one that is already started (tests, the demo); the app then leaves its
-    life cycle to the caller.
+    life cycle to the caller. ``auth`` off (the default) suits a loopback-only workstation; every route
+    but ``/healthz`` checks the bearer token when it is on.
     """
     owned = service is None
     service = service or MeridianService(config)
@@ -39,15 +51,24 @@ def create_app(config: ServiceConfig, *, service: MeridianService | None = None)
         description="Train one model across several datacenters as if they were one.",
     )
     app.state.service = service
+    app.state.auth = auth or AuthSettings()
     install_error_handlers(app)
-    app.include_router(jobs.router)
-    app.include_router(cluster.router)
-    app.include_router(diagnostics.router)
+    app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
+    for router in (jobs.router, cluster.router, diagnostics.router):
+        app.include_router(router, dependencies=[Depends(get_caller)])
 
     @app.get("/healthz", tags=["health"])
     def healthz() -> dict[str, Any]:
         sup = service.supervisor
         return {"status": "ok" if sup is not None else "starting", "version": meridian.__version__,
                 "last_tick_error": sup.last_tick_error if sup else ""}
+
+    install_metrics(app, lambda: service.store.count_by_state() if service.store is not None else None)
+    app.mount("/static", StaticFiles(directory=STATIC), name="static")
+
+    @app.get("/", include_in_schema=False)
+    def index() -> FileResponse:
+        """The live page: jobs, datacenter map, loss/throughput charts (assets ship with the package)."""
+        return FileResponse(STATIC / "index.html")
 
     return app

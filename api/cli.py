@@ -20,6 +20,11 @@ from meridian.api.client import ApiError, Client
 TERMINAL = {"succeeded", "failed", "cancelled"}
 
 
+def default_token_file() -> str:
+    # Same default as meridian.api.auth, without importing the server side into every CLI call.
+    return os.environ.get("MERIDIAN_TOKEN_FILE") or os.path.expanduser("~/.meridian/tokens.json")
+
+
 def load_spec(path: str) -> dict[str, Any]:
     """A job spec from a JSON or YAML file."""
     try:
@@ -27,7 +32,10 @@ def load_spec(path: str) -> dict[str, Any]:
     except OSError as e:
         raise SystemExit(f"cannot read job spec {path!r}: {e.strerror}") from None
     if path.endswith((".yaml", ".yml")):
-        import yaml
+        try:
+            import yaml
+        except ImportError:
+            raise SystemExit(f"{path}: reading YAML needs PyYAML (`pip install pyyaml`); or give the spec as JSON") from None
 
         try:
             data = yaml.safe_load(text)
@@ -81,14 +89,33 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from meridian.api.app import create_app
+    from meridian.api.auth import AuthSettings, UnsafeDeployment, check_bind, is_loopback
     from meridian.service.cluster import parse_datacenters
     from meridian.service.core import ServiceConfig
 
+    try:
+        # Auth is forced on for any non-loopback bind; with no tokens there the service refuses to start.
+        auth = AuthSettings.load(enabled=args.auth or not is_loopback(args.host), token_file=args.token_file)
+        check_bind(args.host, auth)
+    except (UnsafeDeployment, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     local = parse_datacenters(args.local_datacenters) if args.local_datacenters else None
     config = ServiceConfig(data_dir=args.data_dir, database_url=args.database_url, ray_address=args.address,
                            local_datacenters=local, cpus_per_node=args.cpus_per_node)
-    print(f"Meridian API on http://{args.host}:{args.port} (docs at /docs); data in {config.data_dir}", flush=True)
-    uvicorn.run(create_app(config), host=args.host, port=args.port, log_level=args.log_level)
+    who = f"auth on, {len(auth.hashes)} token(s) from {auth.token_file}" if auth.enabled else "auth off (loopback only)"
+    print(f"Meridian API on http://{args.host}:{args.port} (docs at /docs); data in {config.data_dir}; {who}", flush=True)
+    uvicorn.run(create_app(config, auth=auth), host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+def cmd_token_create(args: argparse.Namespace) -> int:
+    from meridian.api.auth import create_token
+
+    token = create_token(args.token_file, args.owner)
+    data = {"owner": args.owner, "token": token, "token_file": args.token_file}
+    emit(args, data, f"{token}\n(owner {args.owner}; only its hash is stored in {args.token_file}. It is shown once: "
+                     "keep it in MERIDIAN_TOKEN. A running service reads new tokens when it restarts.)")
     return 0
 
 
@@ -171,11 +198,39 @@ def cmd_plan(args: argparse.Namespace, client: Client) -> int:
     return 0
 
 
+def _event_line(e: dict[str, Any]) -> str:
+    return f"{e['id']:>6}  {time.strftime('%H:%M:%S', time.localtime(e['time']))}  {e['kind']:<16} {e['message']}"
+
+
 def cmd_events(args: argparse.Namespace, client: Client) -> int:
+    if args.follow:
+        for e in client.stream_events(args.id, after=args.after):
+            print(json.dumps(e) if args.json else _event_line(e), flush=True)
+        return 0
     data = client.events(args.id, after=args.after)
-    text = "\n".join(f"{e['id']:>6}  {time.strftime('%H:%M:%S', time.localtime(e['time']))}  {e['kind']:<16} {e['message']}"
-                     for e in data["events"])
+    text = "\n".join(_event_line(e) for e in data["events"])
     emit(args, data, text or "no events")
+    return 0
+
+
+def cmd_logs(args: argparse.Namespace, client: Client) -> int:
+    params: dict[str, Any] = {"tail_kb": args.tail_kb}
+    if args.rank is not None:
+        params["rank"] = args.rank
+    def show(entry: dict[str, Any]) -> None:
+        print(json.dumps(entry) if args.json else f"rank {entry['rank']} {entry['stream']}| {entry['line']}", flush=True)
+    if args.follow:
+        for entry in client.follow_logs(args.id, **params):
+            show(entry)
+        return 0
+    data = client.logs(args.id, **params)
+    if args.json:
+        print(json.dumps(data, indent=2))
+    else:
+        for entry in data["lines"]:
+            show(entry)
+        if not data["lines"]:
+            print("no log lines yet (the job has no running workers, or they printed nothing)")
     return 0
 
 
@@ -201,7 +256,18 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--data-dir", default=os.path.expanduser("~/.meridian"), help="database, checkpoints, run folders")
     s.add_argument("--database-url", default="", help="SQLAlchemy URL of the job store (default: SQLite in --data-dir)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    s.add_argument("--auth", action="store_true", help="require bearer tokens (always on for a non-loopback --host)")
+    s.add_argument("--token-file", default=default_token_file(), help="token hashes (default: $MERIDIAN_TOKEN_FILE "
+                   "or ~/.meridian/tokens.json)")
     s.set_defaults(run=cmd_serve)
+
+    t = sub.add_parser("token", help="manage API tokens", description="manage API tokens")
+    tsub = t.add_subparsers(dest="token_verb", required=True, metavar="ACTION")
+    tc = tsub.add_parser("create", help="print a new bearer token for an owner; store only its hash")
+    tc.add_argument("--json", action="store_true", help="machine-readable output")
+    tc.add_argument("--owner", required=True, help="who the token acts for (jobs are owned by this name)")
+    tc.add_argument("--token-file", default=default_token_file())
+    tc.set_defaults(run=cmd_token_create)
 
     d = verb("demo", "start a local 2-datacenter cluster, submit the example job over REST, watch it", remote=False)
     d.add_argument("--datacenters", default="dc-a:2,dc-b:2", metavar="DC:N,...")
@@ -233,10 +299,18 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--timeout", type=float, default=24 * 3600)
     s.set_defaults(run=cmd_watch)
 
-    s = verb("events", "list a job's events")
+    s = verb("events", "list a job's events (-f: follow them live until the job ends)")
     s.add_argument("id")
     s.add_argument("--after", type=int, default=0)
+    s.add_argument("-f", "--follow", action="store_true")
     s.set_defaults(run=cmd_events)
+
+    s = verb("logs", "print a job's worker logs (-f: follow them until the job ends)")
+    s.add_argument("id")
+    s.add_argument("-f", "--follow", action="store_true")
+    s.add_argument("--rank", type=int, action="append", help="only this rank; repeat for several")
+    s.add_argument("--tail-kb", type=int, default=64, help="start this many kB before the end of each log")
+    s.set_defaults(run=cmd_logs)
 
     verb("cluster", "show datacenters, nodes and resources").set_defaults(run=cmd_cluster)
 
@@ -258,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
         return bench_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
-        if args.verb in ("serve", "demo"):
+        if args.verb in ("serve", "demo", "token"):
             return args.run(args)
         client = Client(args.url)
         try:
@@ -271,6 +345,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # e.g. a token file in a folder we cannot write
+        print(f"error: {e.filename or ''}: {e.strerror or e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
 

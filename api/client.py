@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import httpx
@@ -25,21 +29,71 @@ class Client:
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._http = httpx.Client(base_url=self.url, timeout=timeout, headers=headers)
 
-    def request(self, method: str, path: str, **kwargs: Any) -> Any:
+    @contextmanager
+    def _errors(self) -> Iterator[None]:
         try:
-            r = self._http.request(method, path, **kwargs)
+            yield
         except httpx.ConnectError:
             raise ApiError(0, f"cannot reach the Meridian service at {self.url}: is `meridian serve` running? "
                               "(set --url or MERIDIAN_URL)") from None
         except httpx.TimeoutException:
             raise ApiError(0, f"the Meridian service at {self.url} did not answer in time") from None
+        except httpx.RemoteProtocolError as e:
+            raise ApiError(0, f"the connection to {self.url} broke: {e}") from None
+
+    @staticmethod
+    def _raise_for(r: httpx.Response) -> None:
         if r.status_code >= 400:
             try:
                 detail = r.json().get("detail", r.text)
             except ValueError:
                 detail = r.text
             raise ApiError(r.status_code, str(detail))
+
+    def request(self, method: str, path: str, **kwargs: Any) -> Any:
+        with self._errors():
+            r = self._http.request(method, path, **kwargs)
+        self._raise_for(r)
         return r.json() if r.content else None
+
+    def stream_events(self, job_id: str, after: int = 0, *, reconnects: int = 5) -> Iterator[dict[str, Any]]:
+        """A job's events live (Server-Sent Events) until it ends. A dropped connection is resumed with
+        ``Last-Event-ID``, so no event is lost or repeated."""
+        last, failures = after, 0
+        while True:
+            headers = {"Accept": "text/event-stream", "Last-Event-ID": str(last)}
+            try:
+                with self._errors(), self._http.stream("GET", f"/v1/jobs/{job_id}/events", headers=headers,
+                                                       timeout=httpx.Timeout(30.0, read=60.0)) as r:
+                    if r.status_code >= 400:
+                        r.read()
+                        self._raise_for(r)
+                    for kind, data in parse_sse(r.iter_lines()):
+                        if kind == "end":
+                            return
+                        event = json.loads(data)
+                        last = event["id"]
+                        failures = 0
+                        yield event
+            except ApiError as e:
+                if e.status or failures >= reconnects:
+                    raise
+            # The stream ended without its `end` event: the connection dropped; resume after `last`.
+            failures += 1
+            if failures > reconnects:
+                raise ApiError(0, f"the event stream of job {job_id} dropped {failures} times in a row; giving up")
+            time.sleep(min(0.5 * 2**failures, 8.0))
+
+    def follow_logs(self, job_id: str, **params: Any) -> Iterator[dict[str, Any]]:
+        """Worker log lines as they are written, until the job ends."""
+        with self._errors(), self._http.stream("GET", f"/v1/jobs/{job_id}/logs", params={**params, "follow": "true"},
+                                               timeout=httpx.Timeout(30.0, read=120.0)) as r:
+            if r.status_code >= 400:
+                r.read()
+                self._raise_for(r)
+            for line in r.iter_lines():
+                if line.strip():
+                    yield json.loads(line)
 
     def submit(self, spec: dict[str, Any], *, idempotency_key: str | None = None) -> dict[str, Any]:
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
@@ -63,6 +117,9 @@ class Client:
     def events(self, job_id: str, after: int = 0) -> dict[str, Any]:
         return self.request("GET", f"/v1/jobs/{job_id}/events", params={"after": after})
 
+    def logs(self, job_id: str, **params: Any) -> dict[str, Any]:
+        return self.request("GET", f"/v1/jobs/{job_id}/logs", params=params)
+
     def metrics(self, job_id: str) -> dict[str, Any]:
         return self.request("GET", f"/v1/jobs/{job_id}/metrics")
 
@@ -71,3 +128,22 @@ class Client:
 
     def close(self) -> None:
         self._http.close()
+
+
+def parse_sse(lines: Iterator[str]) -> Iterator[tuple[str, str]]:
+    """(event, data) for each message of a Server-Sent Events stream (comments and ``retry`` skipped)."""
+    kind, data = "message", []
+    for line in lines:
+        if not line:
+            if data:
+                yield kind, "\n".join(data)
+            kind, data = "message", []
+        elif line.startswith(":"):
+            continue
+        else:
+            name, _, value = line.partition(":")
+            value = value[1:] if value.startswith(" ") else value
+            if name == "event":
+                kind = value
+            elif name == "data":
+                data.append(value)

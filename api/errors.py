@@ -20,6 +20,8 @@ from meridian.service.errors import (
     InvalidTransition,
     JobNotFound,
     MeridianError,
+    PayloadTooLarge,
+    Unauthorized,
     Unschedulable,
 )
 
@@ -32,6 +34,8 @@ STATUS: dict[type[MeridianError], int] = {
     InvalidTransition: 409,
     Forbidden: 403,
     ClusterUnavailable: 503,
+    Unauthorized: 401,
+    PayloadTooLarge: 413,
 }
 
 
@@ -49,7 +53,8 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(MeridianError)
     async def _meridian(_: Request, exc: MeridianError) -> JSONResponse:
         status = next((code for cls, code in STATUS.items() if isinstance(exc, cls)), 400)
-        return JSONResponse({"detail": str(exc)}, status_code=status)
+        headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+        return JSONResponse({"detail": str(exc)}, status_code=status, headers=headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:

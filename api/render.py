@@ -32,8 +32,16 @@ def progress_line(job: dict[str, Any], width: int = 24) -> str:
     loss = f"{p['loss']:.3f}" if p.get("loss") is not None else "-"
     return (
         f"[{'#' * filled}{'.' * (width - filled)}] step {step}/{total}  loss {loss}  "
-        f"{si(p.get('tokens_per_s'), ' tok/s')}  ETA {duration(p.get('eta_s'))}"
+        f"{si(p.get('tokens_per_s'), ' tok/s')}  ETA {duration(p.get('eta_s'))}{step_split(p)}"
     )
+
+
+def step_split(p: dict[str, Any]) -> str:
+    """Where the last step went: a large data share means the devices sit idle waiting for input."""
+    if not p.get("step_s") or p.get("data_s") is None:
+        return ""
+    out = f"  data {100 * p['data_s'] / p['step_s']:.0f}% compute {100 * (p.get('compute_s') or 0) / p['step_s']:.0f}%"
+    return out + (f"  MFU {100 * p['mfu']:.1f}%" if p.get("mfu") is not None else "")
 
 
 def table(rows: list[list[Any]], header: list[str]) -> str:

@@ -18,6 +18,7 @@ from meridian.workers.config import (
     MODEL_PRESETS,
     Compression,
     DataConfig,
+    DiLoCoConfig,
     ModelConfig,
     OptimConfig,
     SyncConfig,
@@ -96,13 +97,26 @@ class ParallelismSpec(Strict):
     stages_span_datacenters: bool | Literal["auto"] = "auto"
 
 
+class DiLoCoSpec(Strict):
+    """Knobs of the 'diloco' / 'streaming-diloco' strategies (defaults: DiLoCoConfig's)."""
+
+    inner_steps: int = Field(50, ge=1, le=100_000, description="H: inner steps between syncs of a fragment")
+    fragments: int = Field(1, ge=1, le=1024, description="streaming: fragments synced on a staggered schedule")
+    outer_lr: float = Field(0.7, gt=0, le=10)
+    outer_momentum: float = Field(0.9, ge=0, lt=1)
+    nesterov: bool = True
+    overlap_steps: int = Field(0, ge=0, le=100_000, description="streaming: inner steps a sync stays in flight")
+    mix_alpha: float = Field(0.5, ge=0, le=1)
+
+
 class SyncSpec(Strict):
-    strategy: Literal["auto", "flat", "hierarchical"] = "auto"
+    strategy: Literal["auto", "flat", "hierarchical", "diloco", "streaming-diloco"] = "auto"
     bucket_mb: float = Field(4.0, gt=0, le=1024)
     shard_optimizer: bool = True
     overlap: bool = True
     inter_dc_chunk_mb: float = Field(1.0, gt=0, le=1024)
     compression: Literal["none", "bf16", "int8"] = "none"
+    diloco: DiLoCoSpec | None = None
 
 
 class WanSpec(Strict):
@@ -159,6 +173,11 @@ class JobSpec(Strict):
             raise ValueError(f"parallelism.pp ({par.pp}) must be <= model.n_layers ({self.model.to_config().n_layers})")
         if self.sync.strategy == "flat" and self.sync.compression != "none":
             raise ValueError("sync.compression applies only to the 'hierarchical' strategy's inter-DC step")
+        forced_diloco = self.sync.strategy in ("diloco", "streaming-diloco")
+        if self.sync.diloco is not None and not forced_diloco:
+            raise ValueError("sync.diloco needs sync.strategy 'diloco' or 'streaming-diloco' (with 'auto' the "
+                             "planner picks H and fragments itself)")
+        diloco = DiLoCoConfig(**self.sync.diloco.model_dump()) if self.sync.diloco else None
         return JobRequest(
             name=self.name, model=self.model.to_config(),
             data=DataConfig(source=self.data.source, max_bytes=self.data.max_bytes),
@@ -176,7 +195,8 @@ class JobSpec(Strict):
             ),
             links=tuple(DeclaredLink(a=lk.between[0], b=lk.between[1], rtt_ms=lk.rtt_ms, gbps=lk.gbps) for lk in topo.links),
             sync_strategy=None if self.sync.strategy == "auto" else SyncStrategy(self.sync.strategy),
-            sync=SyncConfig(bucket_mb=self.sync.bucket_mb, shard_optimizer=self.sync.shard_optimizer,
+            sync=SyncConfig(strategy=SyncStrategy(self.sync.strategy) if forced_diloco else SyncStrategy.HIERARCHICAL,
+                            diloco=diloco, bucket_mb=self.sync.bucket_mb, shard_optimizer=self.sync.shard_optimizer,
                             overlap=self.sync.overlap, inter_dc_chunk_mb=self.sync.inter_dc_chunk_mb,
                             compression=Compression(self.sync.compression)),
             wan=WanConfig(rtt_ms=self.wan.rtt_ms, gbps=self.wan.gbps) if self.wan else None,
@@ -194,6 +214,13 @@ class Progress(BaseModel):
     lr: float | None = None
     inter_dc_bytes: float | None = None
     eta_s: float | None = None
+    data_s: float | None = None
+    """Seconds of the last step spent waiting for the data loader (rank 0)."""
+    compute_s: float | None = None
+    """Seconds of the last step spent computing (rank 0): step time minus data and communication waits."""
+    step_s: float | None = None
+    mfu: float | None = None
+    """Model FLOPs utilisation vs the measured matmul peak of the workers' devices."""
     updated_at: float | None = None
 
 
@@ -260,3 +287,18 @@ class EventList(BaseModel):
 
 class ErrorBody(BaseModel):
     detail: str
+
+
+class LogLine(BaseModel):
+    rank: int
+    stream: Literal["out", "err"]
+    line: str
+
+
+class LogList(BaseModel):
+    job_id: str
+    lines: list[LogLine]
+
+    @classmethod
+    def from_entries(cls, job_id: str, entries: list[Any]) -> LogList:
+        return cls(job_id=job_id, lines=[LogLine(rank=e.rank, stream=e.stream, line=e.line) for e in entries])

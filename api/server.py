@@ -7,6 +7,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import uvicorn
 
@@ -16,13 +17,14 @@ from meridian.service.core import MeridianService
 
 @contextmanager
 def serve_in_thread(service: MeridianService, *, host: str = "127.0.0.1", port: int = 0,
-                    start_timeout_s: float = 30.0) -> Iterator[str]:
-    """Run uvicorn for an already-started service; yields the base URL and stops the server on exit."""
+                    start_timeout_s: float = 30.0, **app_options: Any) -> Iterator[str]:
+    """Run uvicorn for an already-started service; yields the base URL and stops the server on exit.
+    ``app_options`` go to :func:`create_app` (e.g. ``auth``)."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
     url = f"http://{host}:{sock.getsockname()[1]}"
-    server = uvicorn.Server(uvicorn.Config(create_app(service.config, service=service), log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(create_app(service.config, service=service, **app_options), log_level="warning"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="meridian-api", daemon=True)
     thread.start()
     deadline = time.monotonic() + start_timeout_s

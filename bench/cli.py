@@ -12,7 +12,14 @@ import json
 import sys
 
 # name → module (imported lazily: a benchmark's heavy imports only load when it runs)
-BENCHMARKS: dict[str, str] = {}
+BENCHMARKS: dict[str, str] = {
+    "sync": "meridian.bench.sync",
+    "scaling": "meridian.bench.scaling",
+    "api": "meridian.bench.api",
+    "consistency": "meridian.bench.consistency",
+    "plan": "meridian.bench.plan",
+    "recovery": "meridian.bench.recovery",
+}
 
 
 def _module(name: str):

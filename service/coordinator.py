@@ -41,6 +41,8 @@ class Coordinator:
         or ``{"status": "wait", "reason": ...}`` after ``poll_s`` (the worker calls again)."""
         wid = member["worker_id"]
         with self._cond:
+            if self.job_finished:
+                return {"status": "finished"}  # a late worker (a replacement, one left out) has nothing to do
             now = self.clock()
             self._ports[wid] = int(member["port"])
             m = Member(worker_id=wid, datacenter=member["datacenter"], node_id=member["node_id"],
@@ -58,6 +60,8 @@ class Coordinator:
                 a = self._assignment_locked(wid, known_epoch)
                 if a is not None:
                     return a
+                if self.job_finished:
+                    return {"status": "finished"}
                 left = deadline - self.clock()
                 if left <= 0:
                     return {"status": "wait", "reason": self.wait_reason}
@@ -69,8 +73,16 @@ class Coordinator:
             return self.state.epoch is not None and self.state.epoch.number == epoch and self.state.newcomers_waiting()
 
     def finish(self, worker_id: str) -> None:
+        """A member trained the job's last step."""
         with self._cond:
             self.finished.add(worker_id)
+            self._cond.notify_all()
+
+    @property
+    def job_finished(self) -> bool:
+        """Every member of the current epoch has trained the last step."""
+        e = self.state.epoch
+        return e is not None and all(m.worker_id in self.finished for m in e.members)
 
     # -- called by the runner ---------------------------------------------------------------------------
     def tick(self, alive_nodes: set[str]) -> None:
@@ -140,6 +152,8 @@ class Coordinator:
                 + (f"; {len(e.newcomers)} joined" if e.number > 1 and e.newcomers else ""),
                 {"epoch": e.number, "datacenters": list(e.datacenters), "resume_step": e.resume_step,
                  "lost": [m.worker_id for m in decision.lost], "newcomers": list(e.newcomers),
-                 "from_checkpoint": e.from_checkpoint, "time": time.time()},
+                 "from_checkpoint": e.from_checkpoint, "time": time.time(),
+                 "placement": [{"rank": r, "worker_id": m.worker_id, "node_id": m.node_id, "datacenter": m.datacenter}
+                               for r, m in enumerate(e.members)]},
             )
             self._cond.notify_all()

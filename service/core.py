@@ -12,6 +12,7 @@ from pathlib import Path
 from meridian.service.cluster import LocalCluster, connect
 from meridian.service.diagnostics import ProbeCache, run_probe
 from meridian.service.launcher import Launcher
+from meridian.service.logs import LogEntry, WorkerLogs
 from meridian.service.store import JobStore
 from meridian.service.supervisor import Supervisor
 from meridian.service.topology import ClusterTopology, read_topology
@@ -50,6 +51,7 @@ class MeridianService:
         self.store: JobStore | None = None
         self.supervisor: Supervisor | None = None
         self.probe_cache: ProbeCache | None = None
+        self.worker_logs: WorkerLogs | None = None
 
     def start(self) -> MeridianService:
         cfg = self.config
@@ -67,8 +69,14 @@ class MeridianService:
             checkpoint_root=str(Path(cfg.data_dir).resolve() / "checkpoints"), poll_interval_s=cfg.poll_interval_s,
             probe_report=self.probe_cache.latest,
         )
+        self.worker_logs = WorkerLogs()
         self.supervisor.start()
         return self
+
+    def read_logs(self, placement: list[dict], offsets: dict[str, int] | None, *, tail_bytes: int,
+                  ranks: set[int] | None = None) -> tuple[list[LogEntry], dict[str, int]]:
+        """New worker log lines since ``offsets`` (see :class:`~meridian.service.logs.WorkerLogs`)."""
+        return self.worker_logs.read(placement, offsets, tail_bytes=tail_bytes, ranks=ranks)  # type: ignore[union-attr]
 
     def topology(self) -> ClusterTopology:
         return read_topology()

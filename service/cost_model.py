@@ -47,6 +47,9 @@ class Figures:
     """One direction of the link between two datacenters, shared by all ranks of a datacenter."""
     step_overhead_s: float = 0.0
     """Fixed per-step cost outside the model (optimizer, Python, logging), measured."""
+    inter_dc_known: bool = False
+    """``inter_dc`` was measured, declared or emulated (not a default): only then may the planner trade
+    per-step sync for DiLoCo (:mod:`meridian.service.sync_choice`)."""
 
 
 @dataclass(frozen=True)
@@ -132,12 +135,22 @@ def estimate(model: ModelConfig, lay: Layout, fig: Figures, global_batch: int) -
         inter_dc += grads * lay.devices
     backward = compute * 2 / 3
     exposed = max(dp_comm - backward, last_bucket) if lay.overlap else dp_comm
-    step = compute + tp_comm + pp_comm + exposed + fig.step_overhead_s
     shards = lay.dp_per_dc if lay.dp_per_dc else lay.dp
+    # The measured overhead is AdamW over the whole model on one device; a rank updates only its stage's
+    # TP slice, and with the sharded optimizer only its 1/N of that.
+    sharded = lay.shard_optimizer and lay.dp > 1 and runs_hierarchical(lay)
+    updated = 1 / (lay.tp * lay.pp) / (max(1, shards) if sharded else 1)
+    step = compute + tp_comm + pp_comm + exposed + fig.step_overhead_s * updated
     return Estimate(
         memory_bytes=memory_per_device(model, lay, max(1, shards)), compute_s=compute, tp_comm_s=tp_comm,
         pp_comm_s=pp_comm, dp_comm_s=dp_comm, exposed_dp_s=exposed, step_s=step, inter_dc_bytes=inter_dc,
     )
+
+
+def runs_hierarchical(lay: Layout) -> bool:
+    """Whether the workers run ``lay`` with the hierarchical engine when the planner picks the strategy:
+    across DCs when asked, and always under pipeline stages (DDP cannot follow a pipeline schedule)."""
+    return (lay.hierarchical and lay.num_dcs > 1 and not lay.pp_spans_dcs) or lay.pp > 1
 
 
 def _dp_comm(lay: Layout, fig: Figures, grads: float) -> tuple[float, float]:

@@ -35,3 +35,11 @@ class ClusterUnavailable(MeridianError):
 
 class Forbidden(MeridianError):
     """The caller may not act on this resource."""
+
+
+class Unauthorized(MeridianError):
+    """No credentials, or ones the service does not know."""
+
+
+class PayloadTooLarge(MeridianError):
+    """The request body is larger than the service accepts."""

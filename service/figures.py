@@ -37,7 +37,8 @@ def figures_for(request: JobRequest, topo: ClusterTopology, probe: dict[str, Any
             link = _link(t["summary"])
             if t["tier"] not in tiers or link.bytes_per_s < tiers[t["tier"]].bytes_per_s:
                 tiers[t["tier"]] = link
-        fig = replace(fig, **{k: v for k, v in tiers.items() if k in ("intra_node", "intra_dc", "inter_dc")})
+        fig = replace(fig, **{k: v for k, v in tiers.items() if k in ("intra_node", "intra_dc", "inter_dc")},
+                      inter_dc_known="inter_dc" in tiers)
         sources = [f"link probe of {time.strftime('%Y-%m-%d %H:%M', time.localtime(probe.get('measured_at', 0)))}"] if tiers else []
         compute = (probe.get("compute") or {}).get(compute_key(to_plain(request.model), request.micro_batch))
         if compute:
@@ -47,9 +48,9 @@ def figures_for(request: JobRequest, topo: ClusterTopology, probe: dict[str, Any
     relevant = [lk for lk in request.links if lk.a in dcs and lk.b in dcs] if request.topology.datacenters else list(request.links)
     if relevant:
         slowest = min(relevant, key=lambda lk: lk.gbps)
-        fig = replace(fig, inter_dc=Link(slowest.rtt_ms / 2000, slowest.gbps * 1e9 / 8))
+        fig = replace(fig, inter_dc=Link(slowest.rtt_ms / 2000, slowest.gbps * 1e9 / 8), inter_dc_known=True)
         sources.append("declared inter-DC links")
     if request.wan:
-        fig = replace(fig, inter_dc=Link(request.wan.one_way_s, request.wan.bytes_per_s))
+        fig = replace(fig, inter_dc=Link(request.wan.one_way_s, request.wan.bytes_per_s), inter_dc_known=True)
         sources.append("the job's emulated WAN")
     return fig, sources

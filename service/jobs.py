@@ -15,6 +15,7 @@ from meridian.service.errors import InvalidTransition
 from meridian.workers.config import (
     Compression,
     DataConfig,
+    DiLoCoConfig,
     ModelConfig,
     OptimConfig,
     SyncConfig,
@@ -152,6 +153,7 @@ class JobRequest:
         sync = dict(d.get("sync") or {})
         sync["strategy"] = SyncStrategy(sync.get("strategy", "hierarchical"))
         sync["compression"] = Compression(sync.get("compression", "none"))
+        sync["diloco"] = DiLoCoConfig(**sync["diloco"]) if sync.get("diloco") else None
         return cls(
             name=d["name"],
             model=ModelConfig(**d["model"]),

@@ -16,7 +16,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from meridian.service.jobs import JobRequest
 from meridian.service.planner import Plan
 from meridian.service.runner import NAMESPACE, JobRunner, runner_name
-from meridian.workers.config import Precision, TrainConfig
+from meridian.workers.config import ParallelConfig, PipelineSchedule, Precision, TrainConfig
 
 CALL_TIMEOUT_S = 10.0
 
@@ -29,11 +29,20 @@ def build_train_config(job_id: str, request: JobRequest, plan: Plan, checkpoint_
     """The service → workers boundary: a frozen config with everything a rank needs."""
     return TrainConfig(
         job_id=job_id, model=request.model, data=request.data, optim=request.optim,
-        sync=replace(request.sync, strategy=plan.sync_strategy), wan=request.wan,
+        sync=replace(request.sync, strategy=plan.sync_strategy, diloco=plan.diloco), wan=request.wan,
         steps=request.steps, global_batch=request.global_batch, micro_batch=request.micro_batch,
         seed=request.seed, precision=Precision(request.precision), checkpoint_every=request.checkpoint_every,
         checkpoint_dir=checkpoint_dir, datacenters=plan.rank_datacenters,
+        parallel=ParallelConfig(tp=plan.tp, pp=plan.pp, schedule=PipelineSchedule(plan.schedule)),
     )
+
+
+def _head_node_id() -> str:
+    """The head node (where the GCS runs); a driver's own node may be any node of a local cluster."""
+    for n in ray.nodes():
+        if n.get("Alive") and "node:__internal_head__" in (n.get("Resources") or {}):
+            return n["NodeID"]
+    return ray.get_runtime_context().get_node_id()
 
 
 class Launcher:
@@ -41,15 +50,16 @@ class Launcher:
         self.storage_path = storage_path
         self._actor_cls = ray.remote(JobRunner)
 
-    def launch(self, job_id: str, config: TrainConfig, plan: Plan) -> str:
+    def launch(self, job_id: str, config: TrainConfig, plan: Plan, *, min_workers: int = 1) -> str:
         name = runner_name(job_id)
         actor = self._actor_cls.options(
-            name=name, namespace=NAMESPACE, lifetime="detached", num_cpus=0, max_concurrency=16,
+            name=name, namespace=NAMESPACE, lifetime="detached", num_cpus=0, max_concurrency=64,
             max_restarts=0,
-            # Next to the service (the head node on a workstation): the runner holds no training state,
-            # only the Train controller, which Ray places on the runner's node.
-            scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True),
-        ).remote(job_id, config.to_dict(), plan.to_dict(), self.storage_path)
+            # On the head node: the runner holds no training state, only the rendezvous and the Train
+            # controller (which Ray places on the runner's node), so it must not share a worker's fate.
+            # Hard affinity: measured here, a soft one put the runner on a worker node of a local cluster.
+            scheduling_strategy=NodeAffinitySchedulingStrategy(_head_node_id(), soft=False),
+        ).remote(job_id, config.to_dict(), plan.to_dict(), self.storage_path, min_workers)
         ray.get(actor.start.remote(), timeout=60)
         return name
 
@@ -62,6 +72,16 @@ class Launcher:
     def poll(self, job_id: str, after: int) -> dict[str, Any]:
         try:
             return ray.get(self._actor(job_id).poll.remote(after), timeout=CALL_TIMEOUT_S)
+        except ray.exceptions.ActorUnavailableError:
+            raise  # unreachable for a moment (a busy node, a lost connection): the next poll retries
+        except ray.exceptions.RayActorError as e:
+            raise RunnerLost(str(e)) from e
+
+    def resume(self, job_id: str) -> None:
+        """Make sure a found runner is training: a service killed between creating the actor and starting
+        it leaves one that never starts (``JobRunner.start`` does nothing if it already runs)."""
+        try:
+            ray.get(self._actor(job_id).start.remote(), timeout=CALL_TIMEOUT_S)
         except ray.exceptions.RayActorError as e:
             raise RunnerLost(str(e)) from e
 

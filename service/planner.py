@@ -20,18 +20,20 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from meridian.service.cost_model import Estimate, Figures, Layout, estimate
+from meridian.service.cost_model import Estimate, Figures, Layout, estimate, runs_hierarchical
 from meridian.service.errors import InvalidJob, Unschedulable
 from meridian.service.jobs import JobRequest
+from meridian.service.sync_choice import choose_sync
 from meridian.service.topology import ClusterTopology, NodeInfo
-from meridian.workers.config import SyncStrategy
+from meridian.workers.config import DiLoCoConfig, SyncStrategy, to_plain
 
 CPUS_PER_WORKER = 1.0
 TP_SIZES = (1, 2, 4, 8)
 MAX_PP = 8
-# The trainer runs tensor/pipeline parallelism only once workers/ can execute it; until then the planner
-# offers data-parallel layouts alone, so every plan it returns is one the workers can run.
-MODEL_PARALLEL_EXECUTION = False
+# The workers execute tensor parallelism (workers/tensor_parallel.py) and pipeline stages
+# (workers/pipeline.py) combined with the data-parallel sync, so the planner offers those layouts. Set to
+# False to restrict it to data-parallel layouts.
+MODEL_PARALLEL_EXECUTION = True
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,8 @@ class Plan:
     use_gpu: bool
     sync_strategy: SyncStrategy
     explanation: str
+    diloco: DiLoCoConfig | None = None
+    """H, fragments, overlap when ``sync_strategy`` is a DiLoCo one (:mod:`meridian.service.sync_choice`)."""
     resources_per_worker: dict[str, float] = field(default_factory=dict)
     tp: int = 1
     pp: int = 1
@@ -102,6 +106,7 @@ class Plan:
             "use_gpu": self.use_gpu,
             "resources_per_worker": self.resources_per_worker,
             "sync_strategy": self.sync_strategy.value,
+            "diloco": None if self.diloco is None else to_plain(self.diloco),
             "estimate": self.estimate,
             "alternatives": list(self.alternatives),
             "explanation": self.explanation,
@@ -191,6 +196,8 @@ def enumerate_candidates(request: JobRequest, dcs: tuple[str, ...], devices: dic
         if not any(groups.values()):
             continue
         for pp in pps:
+            if pp > 1 and request.sync_strategy is SyncStrategy.FLAT:
+                continue  # DDP (flat) cannot follow a pipeline schedule; the workers refuse that combination
             spans_options = [False, True] if par.stages_span_dcs is None else [par.stages_span_dcs]
             for spans in spans_options:
                 if spans:
@@ -208,7 +215,8 @@ def enumerate_candidates(request: JobRequest, dcs: tuple[str, ...], devices: dic
                 if dp < 1 or dp > request.global_batch:
                     continue
                 dp_per_dc_values = set(replicas) if not spans else {0}
-                strategies = [True] if spans or len(dcs_here) == 1 else [True, False]
+                # pp > 1 runs the hierarchical engine only (DDP cannot follow a pipeline schedule)
+                strategies = [True] if spans or len(dcs_here) == 1 or pp > 1 else [True, False]
                 if request.sync_strategy is not None and not spans and len(dcs_here) > 1:
                     strategies = [request.sync_strategy is SyncStrategy.HIERARCHICAL]
                 for hierarchical in strategies:
@@ -270,8 +278,8 @@ def plan_job(request: JobRequest, topo: ClusterTopology, figures: Figures | None
             "every worker needs at least one sample per step"
         )
     cands = enumerate_candidates(request, dcs, devices, figures)
-    if dp_only and request.topology.workers_per_datacenter is not None:
-        # Explicit worker counts with pure data parallelism: use every requested device.
+    if request.topology.workers_per_datacenter is not None:
+        # Explicit worker counts: use every requested device.
         cands = [c for c in cands if c.layout.devices == total]
     if not cands:
         raise Unschedulable(_no_layout_reason(request, devices, unit))
@@ -285,22 +293,40 @@ def plan_job(request: JobRequest, topo: ClusterTopology, figures: Figures | None
             "use a smaller model, a smaller micro_batch, or devices with more memory"
         )
     best = feasible[0]
+    choice = None  # per-step sync across DCs, or DiLoCo? Only on a link that was measured or declared.
+    data_parallel = [c for c in feasible if c.layout.num_dcs > 1 and c.layout.pp == 1 and c.layout.tp == 1]
+    if request.sync_strategy is None and figures.inter_dc_known and data_parallel:
+        dp = data_parallel[0]
+        choice = choose_sync(rtt_ms=figures.inter_dc.latency_s * 2000, gbps=figures.inter_dc.bytes_per_s * 8 / 1e9,
+                             num_params=request.model.num_params, compute_s=dp.estimate.compute_s,
+                             num_dcs=dp.layout.num_dcs, overlap=request.sync.overlap, bucket_mb=request.sync.bucket_mb)
+        if choice.strategy.is_diloco:
+            # DiLoCo hides the link behind H inner steps: it beats any per-step layout (a stage-spanning
+            # pipeline included) when its compute plus the amortised outer sync is shorter.
+            assert choice.diloco is not None
+            if dp.estimate.compute_s + choice.outer_sync_s / choice.diloco.inner_steps < best.estimate.step_s:
+                best = dp
+            else:
+                choice = None
+        elif best is not dp:
+            choice = None
     if best.layout.devices < request.topology.min_workers:
         raise Unschedulable(
             f"the job needs at least topology.min_workers={request.topology.min_workers} workers "
             f"but the best layout uses {best.layout.devices} (the cluster holds {total})"
         )
     rank_dcs, rank_nodes = _rank_placement(best, devices, {dc: list(topo.nodes_in(dc)) for dc in best.datacenters}, use_gpu)
-    strategy = request.sync_strategy or (
-        SyncStrategy.HIERARCHICAL if best.layout.hierarchical and best.layout.num_dcs > 1 and not best.layout.pp_spans_dcs
-        else SyncStrategy.FLAT if best.layout.num_dcs == 1 or best.layout.pp_spans_dcs else SyncStrategy.FLAT
-    )
+    strategy = request.sync_strategy or strategy_for(best.layout)
+    reason = _sync_reason(strategy, requested=request.sync_strategy is not None, num_dcs=best.layout.num_dcs,
+                          pp=best.layout.pp, spans=best.layout.pp_spans_dcs)
+    diloco = request.sync.diloco if strategy.is_diloco else None
+    if choice is not None and (choice.strategy.is_diloco or strategy is SyncStrategy.HIERARCHICAL):
+        strategy, diloco, reason = choice.strategy, choice.diloco, " " + choice.explanation
     resources = {"CPU": CPUS_PER_WORKER, **({"GPU": 1.0} if use_gpu else {})}
     alternatives = tuple(c.summary() for c in sorted(cands, key=lambda c: (bool(c.rejected), c.estimate.step_s))[:8])
     return Plan(
         datacenters=best.datacenters, rank_datacenters=rank_dcs, use_gpu=use_gpu, sync_strategy=strategy,
-        explanation=explain(best, feasible[1:], [c for c in cands if c.rejected], unit)
-        + _sync_reason(strategy, requested=request.sync_strategy is not None, num_dcs=best.layout.num_dcs),
+        explanation=explain(best, feasible[1:], [c for c in cands if c.rejected], unit) + reason, diloco=diloco,
         resources_per_worker=resources, tp=best.layout.tp, pp=best.layout.pp,
         schedule=request.parallelism.schedule, stages_span_dcs=best.layout.pp_spans_dcs,
         micro_batches=best.layout.micro_batches, rank_nodes=rank_nodes,
@@ -308,14 +334,43 @@ def plan_job(request: JobRequest, topo: ClusterTopology, figures: Figures | None
     )
 
 
-def _sync_reason(strategy: SyncStrategy, *, requested: bool, num_dcs: int) -> str:
+def strategy_for(lay: Layout) -> SyncStrategy:
+    """The data-parallel engine that runs ``lay`` when the job leaves the choice to the planner."""
+    # With pipeline stages the DP sync must be the hierarchical engine (DDP cannot follow a schedule);
+    # inside one DC it is a reduce-scatter + all-gather, the same traffic as a ring all-reduce.
+    return SyncStrategy.HIERARCHICAL if runs_hierarchical(lay) else SyncStrategy.FLAT
+
+
+def ranked_layouts(
+    request: JobRequest, topo: ClusterTopology, figures: Figures
+) -> list[tuple[Candidate, tuple[str, ...]]]:
+    """Every layout that fits, fastest estimate first, with the datacenter of each rank: what
+    ``meridian bench plan`` runs to check the estimates against measured step times."""
+    dcs = _choose_datacenters(request, topo)
+    use_gpu = topo.has_gpus(dcs)
+    devices = _devices_per_dc(request, topo, dcs, use_gpu)
+    total = sum(sum(v) for v in devices.values())
+    cands = [c for c in enumerate_candidates(request, dcs, devices, figures) if not c.rejected]
+    if request.topology.workers_per_datacenter is not None:
+        cands = [c for c in cands if c.layout.devices == total]
+    nodes = {dc: list(topo.nodes_in(dc)) for dc in dcs}
+    return [(c, _rank_placement(c, devices, nodes, use_gpu)[0])
+            for c in sorted(cands, key=lambda c: (c.estimate.step_s, -c.layout.devices))]
+
+
+def _sync_reason(strategy: SyncStrategy, *, requested: bool, num_dcs: int, pp: int = 1, spans: bool = True) -> str:
     if requested:
         return f" Sync '{strategy.value}' (as requested)."
+    if strategy is SyncStrategy.HIERARCHICAL and pp > 1 and num_dcs == 1:
+        return (" Sync 'hierarchical' inside the datacenter (chosen: pipeline stages need it; in one datacenter "
+                "it is a reduce-scatter + all-gather, the traffic of a flat all-reduce).")
     if strategy is SyncStrategy.HIERARCHICAL:
         return (" Sync 'hierarchical' (chosen: reduce-scatter inside each datacenter, all-reduce of 1/N of the "
                 "gradients across, all-gather inside).")
     if num_dcs == 1:
         return " Sync 'flat' (chosen: one datacenter, so a flat all-reduce is the shortest path)."
+    if not spans:
+        return " Sync 'flat' (chosen: its estimated step time beat hierarchical sync for this layout)."
     return " Sync 'flat' inside each datacenter (chosen: pipeline stages, not gradients, cross datacenters)."
 
 

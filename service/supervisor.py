@@ -21,12 +21,15 @@ from meridian.service.figures import figures_for
 from meridian.service.jobs import JobRequest, JobState, JobStatus
 from meridian.service.launcher import Launcher, RunnerLost, build_train_config
 from meridian.service.planner import Plan, admission, plan_job
+from meridian.service.stall import StallPolicy, find_stalls
 from meridian.service.store import JobRecord, JobStore
 from meridian.service.topology import ClusterTopology
 
 log = logging.getLogger(__name__)
 
 ACTIVE = {JobState.PLACING, JobState.RUNNING}
+PROGRESS_EVENT_EVERY_S = 1.0
+PROGRESS_FIELDS = ("step", "total_steps", "loss", "tokens_per_s", "lr", "inter_dc_bytes", "eta_s")
 RUNNER_TERMINAL = {
     "succeeded": JobStatus(JobState.SUCCEEDED, "Completed", "training finished"),
     "cancelled": JobStatus(JobState.CANCELLED, "Cancelled", "cancelled by request; workers stopped and placement freed"),
@@ -40,7 +43,8 @@ def _progress(previous: dict[str, Any] | None, records: list[dict[str, Any]], cu
         ema = p.get("step_s_ema")
         p["step_s_ema"] = r["step_s"] if ema is None else 0.8 * ema + 0.2 * r["step_s"]
         p.update(step=r["step"], total_steps=r["total_steps"], loss=r["loss"], tokens_per_s=r["tokens_per_s"],
-                 lr=r["lr"], inter_dc_bytes=r.get("inter_dc_bytes", 0), updated_at=r["time"])
+                 lr=r["lr"], inter_dc_bytes=r.get("inter_dc_bytes", 0), updated_at=r["time"],
+                 step_s=r["step_s"], data_s=r.get("data_s"), compute_s=r.get("compute_s"), mfu=r.get("mfu"))
         p.setdefault("first_loss", r["loss"])
     if "step" in p:
         p["eta_s"] = max(0.0, (p["total_steps"] - p["step"]) * p["step_s_ema"])
@@ -64,6 +68,10 @@ class Supervisor:
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self.last_tick_error: str = ""
+        self._last_progress_event: dict[str, float] = {}
+        self._followed: set[str] = set()  # jobs this instance launched or already reattached to
+        self.stall_policy = StallPolicy()
+        self._stalls_named: dict[str, set[tuple[int, int]]] = {}  # job → (rank, step) already in its events
 
     # -- API-facing actions -------------------------------------------------------------------------------
     def plan(self, request: JobRequest, topo: ClusterTopology | None = None) -> Plan:
@@ -125,50 +133,106 @@ class Supervisor:
         where = ", ".join(f"{plan.workers_in(dc)} in {dc}" for dc in plan.datacenters)
         self._set(job.id, JobStatus(JobState.PLACING, "Placing", f"starting {plan.num_workers} workers ({where})"))
         try:
-            runner = self.launcher.launch(job.id, config, plan)
+            runner = self.launcher.launch(job.id, config, plan, min_workers=job.request.topology.min_workers)
         except Exception as e:  # noqa: BLE001 - report any launch failure on the job
             self._set(job.id, JobStatus(JobState.FAILED, "LaunchFailed", f"could not start the job on Ray: {e}"))
             return
         self.store.update_fields(job.id, runner=runner)
+        self._followed.add(job.id)
 
     def _follow(self, job: JobRecord) -> None:
         cursor = int((job.progress or {}).get("cursor", 0))
         try:
             poll = self.launcher.poll(job.id, cursor)
-        except RunnerLost:
+        except RunnerLost as lost:
+            self._forget(job.id)
             if job.status.reason == "Cancelling":
                 self._set(job.id, RUNNER_TERMINAL["cancelled"])
             else:
                 self._set(job.id, JobStatus(JobState.FAILED, "RunnerLost",
                                             "the job's runner actor is gone (its node died or the Ray cluster "
-                                            "restarted); resubmit the job"))
+                                            f"restarted); resubmit the job. Ray said: {str(lost)[:300]}"))
             return
         except Exception as e:  # noqa: BLE001 - a slow poll is retried next tick
             log.warning("polling job %s failed: %s", job.id, e)
             return
         records = [r for _, r in poll["records"]]
-        self.store.add_metrics(job.id, records)
+        events = [ev for _, ev in poll["events"]]
+        if job.id not in self._followed:
+            # A job this instance did not launch: the service restarted while it was active.
+            if poll["state"] == "starting" and job.status.reason != "Cancelling":
+                try:
+                    self.launcher.resume(job.id)
+                except Exception as e:  # noqa: BLE001 - retried next tick, like a slow poll
+                    log.warning("resuming the runner of job %s failed: %s", job.id, e)
+                    return
+            self._followed.add(job.id)
+            events.insert(0, {"kind": "reattached", "time": time.time(), "data": {"cursor": cursor, "runner_state": poll["state"]},
+                              "message": f"service restarted; reattached to {job.runner or 'the runner'} "
+                                         f"({poll['state']}), resuming after record {cursor}"})
         placement = list(job.placement or [])
-        for _, ev in poll["events"]:
-            self.store.add_event(job.id, ev["kind"], ev["message"], ev["data"], at=ev["time"])
-            if ev["kind"] == "worker_started":
+        for ev in events:
+            if ev["kind"] == "epoch_formed":  # the ranks of the current membership
+                placement = self._placement(job.id, ev["data"]["placement"], events)
+            elif ev["kind"] == "worker_started" and "rank" in ev["data"]:  # a runner that ranks workers itself
                 placement = [p for p in placement if p["rank"] != ev["data"]["rank"]] + [ev["data"]]
-        fields: dict[str, Any] = {"progress": _progress(job.progress, records, poll["cursor"])}
+        self._name_stalls(job.id, poll, placement)
+        progress = _progress(job.progress, records, poll["cursor"])
+        if records and time.monotonic() - self._last_progress_event.get(job.id, -1e9) >= PROGRESS_EVENT_EVERY_S:
+            # Live progress for event streams, rate-limited so a long job does not fill the event table.
+            self._last_progress_event[job.id] = time.monotonic()
+            loss = progress.get("loss")
+            loss_text = f"{loss:.4f}" if isinstance(loss, (int, float)) else "-"
+            events.append({"kind": "progress", "time": progress.get("updated_at"),
+                           "message": f"step {progress['step']}/{progress['total_steps']} loss {loss_text}",
+                           "data": {k: progress[k] for k in PROGRESS_FIELDS if k in progress}})
+        fields: dict[str, Any] = {"progress": progress}
         if placement != (job.placement or []):
             fields["placement"] = sorted(placement, key=lambda p: p["rank"])
         if poll["result"] is not None:
             fields["result"] = poll["result"]
-        self.store.update_fields(job.id, **fields)
-
         state = poll["state"]
-        if state == "running" and job.status.state is JobState.PLACING:
+        waiting = (poll.get("membership") or {}).get("wait_reason", "")
+        if state == "running" and waiting and job.status.state is JobState.RUNNING:
+            # e.g. after losing nodes: below min_workers the job waits for capacity instead of failing
+            if job.status.message != waiting:
+                self._set(job.id, JobStatus(JobState.RUNNING, "WaitingForWorkers", waiting))
+        elif state == "running" and (job.status.state is JobState.PLACING or job.status.reason == "WaitingForWorkers"):
+            # Before the poll's records, so the event log reads "running" and then the first progress.
             self._set(job.id, JobStatus(JobState.RUNNING, "Training", "training steps are running"))
-        elif state in RUNNER_TERMINAL:
+        self.store.record_poll(job.id, records=records, events=events, **fields)
+
+        if state in RUNNER_TERMINAL:
             self._set(job.id, RUNNER_TERMINAL[state])
             self.launcher.release(job.id)
+            self._forget(job.id)
         elif state == "failed":
             self._set(job.id, JobStatus(JobState.FAILED, "TrainingError", poll["error"] or "training failed"))
             self.launcher.release(job.id)
+            self._forget(job.id)
+
+    def _forget(self, job_id: str) -> None:
+        self._followed.discard(job_id)
+        self._last_progress_event.pop(job_id, None)
+        self._stalls_named.pop(job_id, None)
+
+    def _name_stalls(self, job_id: str, poll: dict[str, Any], placement: list[dict[str, Any]]) -> None:
+        """Record each rank that stopped finishing steps as a ``stall`` event, once per (rank, step)."""
+        if not poll.get("heartbeats"):
+            return
+        where = {p["rank"]: p for p in placement}
+        named = self._stalls_named.setdefault(job_id, set())
+        for stall in find_stalls(poll["heartbeats"], poll["recent_step_s"], poll["now"], where, self.stall_policy):
+            if (stall.rank, stall.step) not in named:
+                named.add((stall.rank, stall.step))
+                self.store.add_event(job_id, "stall", stall.message(), stall.to_dict(), at=poll["now"])
+
+    def _placement(self, job_id: str, members: list[dict[str, Any]], batch: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Each rank of an epoch with what its worker said when it started (host, pid, device)."""
+        started = {e.data.get("worker_id"): e.data for e in self.store.list_events(job_id, limit=100_000)
+                   if e.kind == "worker_started"}
+        started.update({e["data"].get("worker_id"): e["data"] for e in batch if e["kind"] == "worker_started"})
+        return [{**started.get(m["worker_id"], {}), **m} for m in members]
 
     def _set(self, job_id: str, status: JobStatus) -> None:
         try:

@@ -35,6 +35,8 @@ class FakeRunner:
     result: dict[str, Any] | None = None
     items: list[tuple[int, str, dict[str, Any]]] = field(default_factory=list)  # (seq, "record"|"event", data)
     cancelled: bool = False
+    observe: dict[str, Any] = field(default_factory=dict)  # heartbeats/recent_step_s/now, as JobRunner.poll
+    wait_reason: str = ""
 
     def push(self, kind: str, data: dict[str, Any]) -> None:
         self.items.append((len(self.items) + 1, kind, data))
@@ -45,8 +47,9 @@ class FakeLauncher:
         self.runners: dict[str, FakeRunner] = {}
         self.launched: list[tuple[str, Any, Any]] = []
         self.released: list[str] = []
+        self.resumed: list[str] = []
 
-    def launch(self, job_id: str, config: Any, plan: Any) -> str:
+    def launch(self, job_id: str, config: Any, plan: Any, *, min_workers: int = 1) -> str:
         self.runners[job_id] = FakeRunner()
         self.launched.append((job_id, config, plan))
         return f"meridian-job-{job_id}"
@@ -59,8 +62,14 @@ class FakeLauncher:
             "state": r.state, "error": r.error, "result": r.result,
             "records": [(s, d) for s, k, d in r.items if k == "record" and s > after],
             "events": [(s, d) for s, k, d in r.items if k == "event" and s > after],
-            "cursor": len(r.items),
+            "cursor": len(r.items), "membership": {"wait_reason": r.wait_reason},
+            **r.observe,
         }
+
+    def resume(self, job_id: str) -> None:
+        if job_id not in self.runners:
+            raise RunnerLost(job_id)
+        self.resumed.append(job_id)
 
     def cancel(self, job_id: str) -> None:
         if job_id in self.runners:
@@ -89,3 +98,33 @@ def spec(**overrides: Any) -> dict[str, Any]:
         else:
             s[key] = value
     return s
+
+
+class FakeService:
+    """What the API needs of a :class:`~meridian.service.core.MeridianService`, over a real store and
+    supervisor but a fake cluster, launcher and worker logs (``logs[(rank, stream)]`` = lines so far)."""
+
+    def __init__(self, store: Any, supervisor: Any, cluster_view: Any) -> None:
+        from meridian.service.core import ServiceConfig
+
+        self.config = ServiceConfig(data_dir="/tmp")
+        self.store, self.supervisor, self._view = store, supervisor, cluster_view
+        self.logs: dict[tuple[int, str], list[str]] = {}
+        self.probe_cache = None  # no collective benchmark has run
+
+    def topology(self) -> ClusterTopology:
+        return self._view()
+
+    def read_logs(self, placement: list[dict[str, Any]], offsets: dict[str, int] | None, *, tail_bytes: int,
+                  ranks: set[int] | None = None) -> tuple[list[Any], dict[str, int]]:
+        from meridian.service.logs import LogEntry
+
+        offsets = dict(offsets or {})
+        entries = []
+        for p in placement:
+            for stream in ("out", "err"):
+                key, lines = f"{p['rank']}:{stream}", self.logs.get((p["rank"], stream), [])
+                if ranks is None or p["rank"] in ranks:
+                    entries += [LogEntry(p["rank"], stream, line) for line in lines[offsets.get(key, 0):]]
+                    offsets[key] = len(lines)
+        return entries, offsets

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from fakes import node, topology
 
 from meridian.service.errors import InvalidJob, Unschedulable
-from meridian.service.jobs import JobRequest, TopologyRequest
+from meridian.service.jobs import JobRequest, ParallelismRequest, TopologyRequest
 from meridian.service.planner import admission, plan_job
 from meridian.service.topology import ClusterTopology
 from meridian.workers.config import SyncStrategy, model_preset
@@ -50,8 +52,13 @@ def test_per_datacenter_counts_and_uneven_layouts():
 
 
 def test_global_batch_smaller_than_explicit_workers_is_invalid_but_auto_shrinks():
+    dp_only = replace(req(workers=2, global_batch=2), parallelism=ParallelismRequest(tp=1, pp=1))
     with pytest.raises(InvalidJob, match="global_batch \\(2\\) is smaller than the number of workers \\(4\\)"):
-        plan_job(req(workers=2, global_batch=2), topology(dc_a=2, dc_b=2))
+        plan_job(dp_only, topology(dc_a=2, dc_b=2))
+    # With model parallelism allowed, 4 workers and 2 samples per step fit as 2 replicas of 2 stages.
+    staged = plan_job(req(workers=2, global_batch=2), topology(dc_a=2, dc_b=2))
+    assert (staged.num_workers, staged.pp * staged.tp, staged.dp) == (4, 2, 2)
+    assert staged.sync_strategy is SyncStrategy.HIERARCHICAL
     assert plan_job(req(global_batch=3), topology(dc_a=2, dc_b=2)).num_workers == 3
 
 
@@ -82,3 +89,58 @@ def test_admission_says_what_is_missing_where():
                             node("b1", "dc-b", free_cpus=0)))
     assert admission(plan, busy) == "waiting for 2 CPUs in dc-b"
     assert admission(plan, topology(dc_a=2, dc_b=2)) is None
+
+
+def _two_slot_nodes() -> ClusterTopology:
+    from fakes import node
+
+    return ClusterTopology((node("n-a", "dc-a", cpus=2), node("n-b", "dc-b", cpus=2)))
+
+
+def test_planner_offers_tensor_and_pipeline_layouts_the_workers_can_run():
+    from meridian.service.planner import default_figures, ranked_layouts, strategy_for
+    from meridian.workers.parallel import ParallelDims
+
+    topo = _two_slot_nodes()
+    request = req(global_batch=8)
+    ranked = ranked_layouts(request, topo, default_figures(topo, ("dc-a", "dc-b"), False))
+    shapes = {(c.layout.tp, c.layout.pp, c.layout.pp_spans_dcs) for c, _ in ranked}
+    assert {(2, 1, False), (1, 2, False), (1, 2, True), (1, 1, False)} <= shapes
+    for cand, rank_dcs in ranked:
+        # Every offered placement is one the workers accept: TP groups inside one DC, stage-major ranks.
+        dims = ParallelDims(cand.layout.tp, cand.layout.pp, rank_dcs)
+        assert dims.dp == cand.layout.dp
+        if cand.layout.pp > 1:
+            assert strategy_for(cand.layout) is SyncStrategy.HIERARCHICAL
+    spans = next(dcs for c, dcs in ranked if c.layout.pp_spans_dcs)
+    assert spans == ("dc-a", "dc-a", "dc-b", "dc-b")  # stage 0 (2 replicas) in dc-a, stage 1 in dc-b
+    est = [c.estimate.step_s for c, _ in ranked]
+    assert est == sorted(est)
+
+
+def test_plan_with_tp_pins_each_tensor_parallel_group_to_one_node():
+    from meridian.service.jobs import ParallelismRequest
+
+    plan = plan_job(replace(req(global_batch=8), parallelism=ParallelismRequest(tp=2, pp=1)), _two_slot_nodes())
+    assert (plan.tp, plan.pp, plan.dp) == (2, 1, 2)
+    assert plan.rank_nodes == ("n-a", "n-a", "n-b", "n-b")
+    assert plan.to_dict()["parallelism"]["tp"] == 2
+
+
+def test_flat_sync_request_never_gets_a_pipeline():
+    from meridian.service.planner import default_figures, ranked_layouts
+
+    topo = _two_slot_nodes()
+    ranked = ranked_layouts(req(strategy=SyncStrategy.FLAT), topo, default_figures(topo, ("dc-a", "dc-b"), False))
+    assert ranked and all(c.layout.pp == 1 for c, _ in ranked)
+
+
+def test_the_plan_s_tp_and_pp_reach_the_workers_config():
+    from meridian.service.jobs import ParallelismRequest
+    from meridian.service.launcher import build_train_config
+
+    request = replace(req(global_batch=8), parallelism=ParallelismRequest(tp=2, pp=1, schedule="gpipe"))
+    plan = plan_job(request, _two_slot_nodes())
+    cfg = build_train_config("j", request, plan, "")
+    assert (cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.schedule.value) == (2, 1, "gpipe")
+    assert cfg.datacenters == plan.rank_datacenters

@@ -59,7 +59,8 @@ def test_two_datacenter_job_succeeds_with_workers_in_both_and_lower_loss(api):
     # Workers ran where the labels put them: two in each datacenter, on four distinct nodes.
     node_dc = {n["node_id"]: dc["name"] for dc in api.get("/v1/cluster").json()["datacenters"] for n in dc["nodes"]}
     placement = job["placement"]
-    assert [p["datacenter"] for p in placement] == ["dc-a", "dc-a", "dc-b", "dc-b"]
+    events = [f"{e['kind']}: {e['message']}" for e in api.get(f"/v1/jobs/{job['id']}/events").json()["events"]]
+    assert [p["datacenter"] for p in placement] == ["dc-a", "dc-a", "dc-b", "dc-b"], events
     assert all(node_dc[p["node_id"]] == p["datacenter"] for p in placement)
     assert len({p["node_id"] for p in placement}) == 4
     # It learned something, and every step's record was stored exactly once.

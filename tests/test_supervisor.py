@@ -25,16 +25,17 @@ def test_job_runs_from_queue_to_success_with_progress_placement_and_result(super
     assert config.datacenters == ("dc-a", "dc-a", "dc-b", "dc-b") and config.sync.strategy.value == "hierarchical"
 
     runner = supervisor.launcher.runners[job.id]
-    runner.push("event", {"kind": "worker_started", "message": "rank 1", "time": 1.0,
-                          "data": {"rank": 1, "node_id": "n-dc-a-1", "datacenter": "dc-a"}})
-    runner.push("event", {"kind": "worker_started", "message": "rank 0", "time": 1.0,
-                          "data": {"rank": 0, "node_id": "n-dc-a-0", "datacenter": "dc-a"}})
+    runner.push("event", {"kind": "worker_started", "message": "started", "time": 1.0,
+                          "data": {"worker_id": "w1", "node_id": "n-dc-a-1", "datacenter": "dc-a", "pid": 11}})
+    runner.push("event", {"kind": "epoch_formed", "message": "epoch 1", "time": 1.0, "data": {"placement": [
+        {"rank": 0, "worker_id": "w0", "node_id": "n-dc-a-0", "datacenter": "dc-a"},
+        {"rank": 1, "worker_id": "w1", "node_id": "n-dc-a-1", "datacenter": "dc-a"}]}})
     runner.state = "running"
     runner.push("record", step_record(1, 3, 5.0))
     supervisor.tick()
     job = store.get_job(job.id)
     assert job.status.state is JobState.RUNNING
-    assert [p["rank"] for p in job.placement] == [0, 1]
+    assert [p["rank"] for p in job.placement] == [0, 1] and job.placement[1]["pid"] == 11
     assert job.progress["step"] == 1 and job.progress["eta_s"] > 0
 
     runner.push("record", step_record(2, 3, 4.0))
@@ -121,3 +122,19 @@ def test_training_error_reaches_the_job(supervisor, store):
     job = store.get_job(job.id)
     assert job.status.state is JobState.FAILED and job.status.reason == "TrainingError"
     assert "cannot be read" in job.status.message
+
+
+def test_a_job_below_min_workers_says_it_waits_for_workers_then_trains_again(supervisor, store):
+    job, _ = supervisor.submit(req(), {"name": "j"})
+    supervisor.tick()
+    runner = supervisor.launcher.runners[job.id]
+    runner.state = "running"
+    supervisor.tick()
+    assert store.get_job(job.id).status.reason == "Training"
+    runner.wait_reason = "1 worker(s) left after losing 3; the job needs at least 2 (topology.min_workers)"
+    supervisor.tick()
+    status = store.get_job(job.id).status
+    assert (status.state, status.reason, status.message) == (JobState.RUNNING, "WaitingForWorkers", runner.wait_reason)
+    runner.wait_reason = ""
+    supervisor.tick()
+    assert store.get_job(job.id).status.reason == "Training"

@@ -17,6 +17,12 @@ class SyncStrategy(str, enum.Enum):
 
     FLAT = "flat"  # one all-reduce over every rank, as plain DDP does
     HIERARCHICAL = "hierarchical"  # reduce-scatter in DC → all-reduce shard across DCs → all-gather in DC
+    DILOCO = "diloco"  # per-step HAR inside each DC; every H steps an outer Nesterov step across DCs
+    STREAMING_DILOCO = "streaming-diloco"  # DiLoCo with fragments synced on a staggered, overlapped schedule
+
+    @property
+    def is_diloco(self) -> bool:
+        return self in (SyncStrategy.DILOCO, SyncStrategy.STREAMING_DILOCO)
 
 
 class Compression(str, enum.Enum):
@@ -173,6 +179,56 @@ class WanConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class DiLoCoConfig:
+    """DiLoCo (Douillard et al. 2023, arXiv:2311.08105) and its streaming variant (Douillard et al. 2025,
+    arXiv:2501.18512). Defaults are the papers': H in the hundreds on real models, outer Nesterov with lr 0.7
+    and momentum 0.9; a smaller H here because CPU runs are short."""
+
+    inner_steps: int = 50
+    """H: inner optimizer steps between two syncs of the same parameters across DCs."""
+    fragments: int = 1
+    """Streaming: the parameters are cut into this many fragments (groups of whole buckets, so whole
+    parameters), each synced once per H steps at its own offset. 1 is plain DiLoCo."""
+    outer_lr: float = 0.7
+    """Learning rate of the outer SGD step on the averaged parameter delta (1 with no momentum: plain
+    averaging of the DC replicas)."""
+    outer_momentum: float = 0.9
+    """Nesterov momentum of the outer step; 0 disables momentum."""
+    nesterov: bool = True
+    """Nesterov (the papers' choice) or heavy-ball momentum."""
+    overlap_steps: int = 0
+    """Streaming: inner steps a fragment's all-reduce stays in flight before it is applied (tau)."""
+    mix_alpha: float = 0.5
+    """Streaming with overlap: the fragment becomes ``alpha * local + (1 - alpha) * outer`` when the
+    all-reduce lands (the paper's merge); ignored when ``overlap_steps`` is 0."""
+
+    def __post_init__(self) -> None:
+        if self.inner_steps < 1:
+            raise ValueError(f"sync.diloco.inner_steps (H) must be >= 1, got {self.inner_steps}")
+        if self.fragments < 1:
+            raise ValueError(f"sync.diloco.fragments must be >= 1, got {self.fragments}")
+        if self.fragments > self.inner_steps:
+            raise ValueError(
+                f"sync.diloco.fragments ({self.fragments}) must be <= inner_steps ({self.inner_steps}): each "
+                "fragment needs its own step in the H-step cycle; raise inner_steps or lower fragments"
+            )
+        _positive("sync.diloco.outer_lr", self.outer_lr)
+        if not 0 <= self.outer_momentum < 1:
+            raise ValueError(f"sync.diloco.outer_momentum must be in [0, 1), got {self.outer_momentum}")
+        if self.overlap_steps < 0:
+            raise ValueError(f"sync.diloco.overlap_steps must be >= 0, got {self.overlap_steps}")
+        spacing = self.inner_steps // self.fragments
+        if self.overlap_steps >= spacing:
+            raise ValueError(
+                f"sync.diloco.overlap_steps ({self.overlap_steps}) must be < inner_steps // fragments "
+                f"({spacing}) so a fragment's sync lands before its next one starts; lower overlap_steps or "
+                "raise inner_steps"
+            )
+        if not 0 <= self.mix_alpha <= 1:
+            raise ValueError(f"sync.diloco.mix_alpha must be in [0, 1], got {self.mix_alpha}")
+
+
+@dataclass(frozen=True, kw_only=True)
 class SyncConfig:
     """The gradient-sync engine's knobs."""
 
@@ -186,13 +242,83 @@ class SyncConfig:
     inter_dc_chunk_mb: float = 1.0
     """The inter-DC all-reduce of a shard is split in chunks of this size, all in flight together."""
     compression: Compression = Compression.NONE
-    """Encoding of the inter-DC step."""
+    """Encoding of the inter-DC step (for the DiLoCo strategies: of the outer parameter delta)."""
+    diloco: DiLoCoConfig | None = None
+    """Knobs of the ``diloco`` / ``streaming-diloco`` strategies; ``None`` takes :class:`DiLoCoConfig`'s
+    defaults for them and is required for the others."""
 
     def __post_init__(self) -> None:
         _positive("sync.bucket_mb", self.bucket_mb)
         _positive("sync.inter_dc_chunk_mb", self.inter_dc_chunk_mb)
         if self.strategy is SyncStrategy.FLAT and self.compression is not Compression.NONE:
             raise ValueError("sync.compression applies to the inter-DC step of 'hierarchical' sync only")
+        if self.strategy is SyncStrategy.DILOCO and self.diloco is not None and (
+            self.diloco.fragments != 1 or self.diloco.overlap_steps
+        ):
+            raise ValueError(
+                "sync.diloco.fragments > 1 or overlap_steps > 0 is streaming DiLoCo: set sync.strategy to "
+                "'streaming-diloco'"
+            )
+        if self.diloco is not None and not self.strategy.is_diloco:
+            raise ValueError(
+                f"sync.diloco is set but sync.strategy is {self.strategy.value!r}; use 'diloco' or "
+                "'streaming-diloco', or drop sync.diloco"
+            )
+
+    @property
+    def outer(self) -> DiLoCoConfig:
+        """The DiLoCo knobs in force (defaults for the strategy when none were given)."""
+        if self.diloco is not None:
+            return self.diloco
+        if self.strategy is SyncStrategy.STREAMING_DILOCO:
+            return DiLoCoConfig(fragments=4, overlap_steps=1)
+        return DiLoCoConfig()
+
+
+class PipelineSchedule(str, enum.Enum):
+    """Order of micro-batch forwards and backwards on a pipeline stage."""
+
+    GPIPE = "gpipe"  # every forward, then every backward: pp micro-batches' worth of bubble, m activations kept
+    ONE_F_ONE_B = "1f1b"  # warm-up forwards, then one forward / one backward: same bubble, <= pp activations
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelConfig:
+    """Model parallelism of every replica (:mod:`meridian.workers.parallel` turns it into process groups).
+
+    World ranks are ordered (pipeline stage, data-parallel replica, tensor-parallel rank), tensor-parallel
+    fastest, the order the planner places them in."""
+
+    tp: int = 1
+    """Tensor-parallel size: ranks of one node that split every attention and MLP layer (Megatron-style)."""
+    pp: int = 1
+    """Pipeline stages: consecutive groups of transformer blocks, micro-batches flowing between them."""
+    schedule: PipelineSchedule = PipelineSchedule.ONE_F_ONE_B
+    """Pipeline schedule (ignored with ``pp=1``)."""
+
+    def __post_init__(self) -> None:
+        _positive("parallelism.tp", self.tp)
+        _positive("parallelism.pp", self.pp)
+
+    @property
+    def model_parallel(self) -> int:
+        """Ranks holding one replica of the model."""
+        return self.tp * self.pp
+
+    def check(self, model: ModelConfig, world: int) -> None:
+        """Raise ``ValueError`` naming the field when ``model`` cannot be split this way over ``world`` ranks."""
+        if model.n_heads % self.tp:
+            raise ValueError(f"parallelism.tp ({self.tp}) must divide model.n_heads ({model.n_heads})")
+        if (model.mlp_ratio * model.d_model) % self.tp:
+            raise ValueError(
+                f"parallelism.tp ({self.tp}) must divide the MLP width ({model.mlp_ratio * model.d_model})"
+            )
+        if self.pp > model.n_layers:
+            raise ValueError(f"parallelism.pp ({self.pp}) must be <= model.n_layers ({model.n_layers})")
+        if world % self.model_parallel:
+            raise ValueError(
+                f"{world} workers cannot be split into replicas of tp × pp = {self.tp} × {self.pp} ranks"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -220,6 +346,8 @@ class TrainConfig:
     """Directory for durable checkpoints; empty disables them."""
     datacenters: tuple[str, ...] = ()
     """Datacenter of each world rank, in rank order (the plan's placement)."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Tensor and pipeline parallelism inside each data-parallel replica."""
 
     def __post_init__(self) -> None:
         _positive("training.steps", self.steps)
@@ -231,11 +359,18 @@ class TrainConfig:
             )
         if self.checkpoint_every < 0:
             raise ValueError(f"checkpoint_every must be >= 0, got {self.checkpoint_every}")
-        if self.datacenters and len(self.datacenters) > self.global_batch:
+        replicas = len(self.datacenters) // self.parallel.model_parallel
+        if self.datacenters and replicas > self.global_batch:
             raise ValueError(
-                f"training.global_batch ({self.global_batch}) must be at least the number of workers "
-                f"({len(self.datacenters)}) so every worker gets a sample"
+                f"training.global_batch ({self.global_batch}) must be at least the number of data-parallel "
+                f"replicas ({replicas}) so every replica gets a sample"
             )
+        if self.datacenters:
+            self.parallel.check(self.model, len(self.datacenters))
+        if self.parallel.pp > 1 and self.sync.strategy is SyncStrategy.FLAT:
+            # DDP decides in each forward whether the next backward syncs; a pipeline schedule runs several
+            # forwards before their backwards, which DDP cannot follow.
+            raise ValueError("sync.strategy 'flat' cannot run with parallelism.pp > 1; use 'hierarchical'")
 
     @property
     def tokens_per_step(self) -> int:
@@ -255,10 +390,16 @@ class TrainConfig:
             sync["strategy"] = SyncStrategy(sync["strategy"])
         if "compression" in sync:
             sync["compression"] = Compression(sync["compression"])
+        if sync.get("diloco"):
+            sync["diloco"] = DiLoCoConfig(**sync["diloco"])
         data["sync"] = SyncConfig(**sync)
         data["wan"] = WanConfig(**data["wan"]) if data.get("wan") else None
         data["precision"] = Precision(data.get("precision", "fp32"))
         data["datacenters"] = tuple(data.get("datacenters", ()))
+        par = dict(data.get("parallel", {}))
+        if "schedule" in par:
+            par["schedule"] = PipelineSchedule(par["schedule"])
+        data["parallel"] = ParallelConfig(**par)
         return cls(**data)
 
 
@@ -277,9 +418,12 @@ def to_plain(obj: Any) -> Any:
 __all__ = [
     "Compression",
     "DataConfig",
+    "DiLoCoConfig",
     "MODEL_PRESETS",
     "ModelConfig",
     "OptimConfig",
+    "ParallelConfig",
+    "PipelineSchedule",
     "Precision",
     "SyncConfig",
     "SyncStrategy",

@@ -43,6 +43,7 @@ from meridian.workers.config import OptimConfig
 from meridian.workers.grad_buffer import Bucket, GradBuffer, ParamSlot
 from meridian.workers.har import all_gather_in_dc
 from meridian.workers.layout import DCGroups, DCLayout
+from meridian.workers.replica_state import LocalShard, piece_of
 
 
 @dataclass(frozen=True)
@@ -127,6 +128,7 @@ class ShardedAdamW:
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         # Norm vector: one entry per (bucket, segment), filled by that segment's owner in this DC.
         self._entries = [(b, seg) for b in buffer.buckets for seg in groups.layout.segments]
+        self._masks: dict[int, torch.Tensor] = {}
 
     def _piece_tensor(self, piece: ShardPiece) -> torch.Tensor:
         bucket = self.buffer.buckets[piece.bucket]
@@ -169,6 +171,7 @@ class ShardedAdamW:
 
     def _global_norm(self) -> torch.Tensor:
         layout = self.groups.layout
+        mp = self.groups.model_parallel
         device = self.buffer.buckets[0].grad.device
         sumsq = torch.zeros(len(self._entries), dtype=torch.float64, device=device)
         for i, (bucket, seg) in enumerate(self._entries):
@@ -178,13 +181,33 @@ class ShardedAdamW:
             lo, _ = self.bounds[bucket.index]
             start, stop = seg.lo * u, min(seg.hi * u, bucket.numel)  # padding excluded
             if start < stop:
-                sumsq[i] = self._shard_grad(bucket.index)[start - lo : stop - lo].float().square().sum()
+                square = self._shard_grad(bucket.index)[start - lo : stop - lo].float().square()
+                if mp is not None:
+                    square = square * self._counted_mask(bucket.index)[start - lo : stop - lo]
+                sumsq[i] = square.sum()
         if self.groups.dc_size > 1:
             t0 = time.perf_counter()
             # One non-zero contributor per entry: the DC-sum is exact, identical in every DC.
             dist.all_reduce(sumsq, op=dist.ReduceOp.SUM, group=self.groups.intra_dc)
             self.wait_s += time.perf_counter() - t0
-        return sumsq.sum().sqrt().float()
+        total = sumsq.sum()
+        if mp is not None:  # the other tensor/pipeline-parallel parts of this replica
+            total = mp.reduce(total)
+        return total.sqrt().float()
+
+    def _counted_mask(self, b: int) -> torch.Tensor:
+        """1 where this rank's shard of bucket ``b`` holds a parameter it counts in the model-parallel norm."""
+        mask = self._masks.get(b)
+        if mask is None:
+            mp = self.groups.model_parallel
+            assert mp is not None
+            lo, hi = self.bounds[b]
+            mask = torch.zeros(hi - lo, dtype=torch.float32, device=self.buffer.buckets[b].grad.device)
+            for piece in self.pieces:
+                if piece.bucket == b and mp.counted(piece.slot.name):
+                    mask[piece.start - lo : piece.stop - lo] = 1.0
+            self._masks[b] = mask
+        return mask
 
     # -- 3) parameters back to every rank of the DC -------------------------------------------------------------
 
@@ -237,6 +260,14 @@ class ShardedAdamW:
     def state_nbytes(self) -> int:
         """Bytes of optimizer state on this rank: moments, step counters and fp32 masters."""
         return sum(m.numel() * m.element_size() for m in self.master.values()) + state_nbytes(self.optimizer)
+
+    def local_shard(self, step: int) -> LocalShard:
+        """Copies of what this rank owns: its pieces' values (fp32 master where there is one) and moments."""
+        pieces = []
+        for piece, t in zip(self.pieces, self.tensors, strict=True):
+            st = self.optimizer.state.get(t) if self.optimizer is not None else None
+            pieces.append(piece_of(piece.slot.name, piece.in_param.start, piece.in_param.stop, t, st))
+        return LocalShard(step, self.steps, tuple(pieces))
 
     def full_state(self) -> dict[str, Any]:
         """The whole (unsharded) state, gathered inside the DC; every rank of the DC gets it."""

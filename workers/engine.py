@@ -13,8 +13,9 @@ The loss each rank passes is its *share* of the global-batch mean, so summing gr
 exactly the single-process gradient however the samples are split (uneven shares included). Only the
 last micro-batch communicates. ``micro_batch`` exists for DDP, which decides in *forward* whether the
 next backward all-reduces (a forward outside ``no_sync`` makes the backward sync, whatever ``no_sync``
-says around the backward). Engines live in :mod:`meridian.workers.flat` and
-:mod:`meridian.workers.hierarchical`; :func:`meridian.workers.sync.build_sync` picks one.
+says around the backward). Engines live in :mod:`meridian.workers.flat`,
+:mod:`meridian.workers.hierarchical` and :mod:`meridian.workers.diloco`; :func:`meridian.workers.sync.build_sync`
+picks one.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from meridian.workers.replica_state import LocalShard
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,12 @@ class StepStats:
     including waits for slower peers. 0 for the flat engine, whose collectives DDP runs out of sight."""
     exposed_s: float = 0.0
     """Seconds ``step`` blocked waiting for that gradient sync."""
+    intra_dc_comm_s: float = 0.0
+    """Of ``comm_s``: seconds the intra-DC reduce-scatters (HAR step 1) took on the comm thread; the rest is
+    the inter-DC all-reduce (step 2) and its waits. 0 for the flat engine."""
+    shard: LocalShard | None = None
+    """What this rank owns of the updated state, when ``step(..., snapshot_as=n)``
+    (:mod:`meridian.workers.replica_state`)."""
 
     @property
     def overlap_fraction(self) -> float:
@@ -52,10 +61,10 @@ class StepStats:
         return min(1.0, max(0.0, 1.0 - self.exposed_s / self.comm_s))
 
 
-def broadcast_parameters(model: nn.Module, src: int = 0) -> None:
-    """Make every replica start from rank ``src``'s weights."""
+def broadcast_parameters(model: nn.Module, src: int = 0, group: dist.ProcessGroup | None = None) -> None:
+    """Make every replica start from (world) rank ``src``'s weights; ``group``: the data-parallel ranks."""
     for p in model.parameters():
-        dist.broadcast(p.data, src=src)
+        dist.broadcast(p.data, src=src, group=group)
 
 
 class GradientSync(ABC):
@@ -72,7 +81,14 @@ class GradientSync(ABC):
         """Accumulate this micro-batch's gradients; on the last one, start the sync."""
 
     @abstractmethod
-    def step(self, lr: float) -> StepStats: ...
+    def step(self, lr: float, *, snapshot_as: int | None = None) -> StepStats:
+        """Sync, clip and update. With ``snapshot_as`` (the training steps done after this one) also copy what
+        this rank owns of the new state into ``StepStats.shard`` — before any parameter all-gather, so the
+        copy never waits for communication."""
+
+    @abstractmethod
+    def local_shard(self, step: int) -> LocalShard:
+        """What this rank owns of the current state (parameters and optimizer), as of ``step`` steps done."""
 
     @abstractmethod
     def optimizer_state(self) -> dict[str, Any]:

@@ -1,10 +1,12 @@
-"""What one Ray Train worker runs: learn where it is, build the groups from that, train, report.
+"""What one Ray Train worker runs: learn where it is, join the job's rendezvous, train until the job is done.
 
 Each worker reads its datacenter from its node's ``datacenter`` label (never from its IP or rank: local
-simulated nodes share one IP). The layout the process groups are built from is what the labels say; the
-plan's intended layout is only checked against it. Progress goes to the job's runner actor (named
-``runner_name`` in namespace ``namespace``) with fire-and-forget calls, so a slow service never slows a
-step. Must not import ``meridian.api`` or ``meridian.service``: this runs on remote nodes.
+simulated nodes share one IP). It does not train in Ray Train's own process group: it runs an
+:class:`~meridian.workers.agent.Agent`, which joins *epochs* formed by the coordinator in the job's runner
+actor and trains in a child process, so when a node dies the survivors re-form over each other within
+seconds instead of waiting for Ray Train to restart the whole worker group. Progress and events go to the
+runner with fire-and-forget calls, so a slow service never slows a step. Must not import ``meridian.api`` or
+``meridian.service``: this runs on remote nodes.
 """
 
 from __future__ import annotations
@@ -12,18 +14,17 @@ from __future__ import annotations
 import os
 import socket
 import time
-from dataclasses import replace
 from typing import Any
 
 import ray
-import ray.train
 import torch
-import torch.distributed as dist
 
+from meridian.workers.agent import Agent
 from meridian.workers.config import TrainConfig
-from meridian.workers.train_loop import train
 
 DATACENTER_LABEL = "datacenter"
+CALL_TIMEOUT_S = 60.0
+"""A rendezvous call returns within its poll period (2 s); far longer means the runner is gone."""
 
 
 class RunnerSink:
@@ -35,47 +36,65 @@ class RunnerSink:
     def step(self, record: dict[str, Any]) -> None:
         self.runner.push_progress.remote([record])
 
+    def rank_step(self, beat: dict[str, Any]) -> None:
+        """Every rank's per-step heartbeat (stall detection, per-datacenter step times)."""
+        self.runner.push_heartbeat.remote(beat)
+
 
 def _device() -> torch.device:
     try:
         from ray.train.torch import get_device
 
         return get_device()
-    except Exception:  # noqa: BLE001 - no accelerator assigned: train on CPU
-        return torch.device("cpu")
+    except Exception:  # noqa: BLE001 - outside a Train worker (a replacement): the GPU Ray assigned, if any
+        return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def backend_for(device: torch.device) -> str:
+    """NCCL where the worker has a GPU, gloo on CPU."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def _rendezvous_call(runner: Any) -> Any:
+    def call(method: str, *args: Any) -> Any:
+        return ray.get(getattr(runner, f"rdzv_{method}").remote(*args), timeout=CALL_TIMEOUT_S)
+
+    return call
 
 
 def ray_train_entry(loop_config: dict[str, Any]) -> None:
-    """``train_loop_per_worker`` of the job's TorchTrainer."""
+    """``train_loop_per_worker`` of the job's TorchTrainer (also the body of a replacement worker)."""
     cfg = TrainConfig.from_dict(loop_config["config"])
     runner = ray.get_actor(loop_config["runner_name"], namespace=loop_config["namespace"])
-    ctx = ray.train.get_context()
-    rank = ctx.get_world_rank()
     rt = ray.get_runtime_context()
+    node_id = rt.get_node_id()
     dc = rt.get_node_labels().get(DATACENTER_LABEL)
     if not dc:
-        raise RuntimeError(
-            f"worker {rank} runs on node {rt.get_node_id()} which has no '{DATACENTER_LABEL}' label; "
-            "start every worker node with `ray start --labels datacenter=<name>`"
-        )
+        message = (f"a worker runs on node {node_id} which has no '{DATACENTER_LABEL}' label; "
+                   "start every worker node with `ray start --labels datacenter=<name>`")
+        ray.get(runner.fail.remote(message), timeout=CALL_TIMEOUT_S)
+        raise RuntimeError(message)
     device = _device()
-    placed = [None] * dist.get_world_size()
-    dist.all_gather_object(placed, dc)
-    if cfg.datacenters and tuple(placed) != cfg.datacenters:
-        raise RuntimeError(
-            f"workers landed in datacenters {placed} but the plan placed them in {list(cfg.datacenters)}; "
-            "the label selectors were not honoured — check the nodes' 'datacenter' labels"
-        )
-    runner.push_event.remote("worker_started", f"rank {rank} started in {dc} on node {rt.get_node_id()[:12]}", {
-        "rank": rank, "node_id": rt.get_node_id(), "datacenter": dc, "hostname": socket.gethostname(),
+    worker_id = rt.get_actor_id() or f"{node_id[:12]}-{os.getpid()}"
+    runner.push_event.remote("worker_started", f"a worker started in {dc} on node {node_id[:12]}", {
+        "worker_id": worker_id, "node_id": node_id, "datacenter": dc, "hostname": socket.gethostname(),
         "pid": os.getpid(), "device": str(device), "time": time.time(),
     })
-    result = train(replace(cfg, datacenters=tuple(placed)), sink=RunnerSink(runner), device=device)
-    summary = {
-        "first_loss": result.first_loss, "final_loss": result.final_loss, "eval_loss": result.eval_loss,
-        "steps": result.steps, "tokens_per_s": result.tokens_per_s,
-        "inter_dc_bytes_per_step": result.inter_dc_bytes_per_step,
-    }
-    if rank == 0:
-        ray.get(runner.push_result.remote(summary))
-    ray.train.report(summary)
+    agent = Agent(
+        cfg, _rendezvous_call(runner), worker_id=worker_id, datacenter=dc, node_id=node_id,
+        address=ray.util.get_node_ip_address(), backend=backend_for(device), device=str(device),
+        sink=RunnerSink(runner), on_event=lambda kind, message, data: runner.push_event.remote(kind, message, data),
+    )  # fmt: skip
+    try:
+        result = agent.run()
+    except Exception as e:
+        # A failure that is not a lost peer (bad data path, out of memory...): retrying cannot fix it.
+        ray.get(runner.fail.remote(f"{type(e).__name__}: {e}"), timeout=CALL_TIMEOUT_S)
+        raise
+    if result is not None:  # None: the job finished before this (replacement) worker was needed
+        summary = {
+            "first_loss": result.first_loss, "final_loss": result.final_loss, "eval_loss": result.eval_loss,
+            "steps": result.steps, "tokens_per_s": result.tokens_per_s,
+            "inter_dc_bytes_per_step": result.inter_dc_bytes_per_step, "recoveries": agent.restarts,
+        }
+        ray.get(runner.push_result.remote(summary), timeout=CALL_TIMEOUT_S)

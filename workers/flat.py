@@ -20,6 +20,8 @@ from meridian.workers.adamw import build_adamw, full_state_of, load_full_state, 
 from meridian.workers.config import OptimConfig, SyncConfig
 from meridian.workers.engine import GradientSync, StepStats
 from meridian.workers.layout import DCGroups
+from meridian.workers.mp_norm import clip_grad_norm
+from meridian.workers.replica_state import LocalShard, replicated_shard
 from meridian.workers.wan import FlatHookState, flat_ddp_comm_hook
 from meridian.workers.wan_model import WanEmulator
 
@@ -38,12 +40,14 @@ class FlatSync(GradientSync):
     ) -> None:
         self.groups = groups
         self.optim_cfg = optim
+        # groups.world: the data-parallel ranks (all ranks unless tensor/pipeline parallelism splits replicas).
         self.model = DistributedDataParallel(
-            model, bucket_cap_mb=sync.bucket_mb, gradient_as_bucket_view=True
+            model, bucket_cap_mb=sync.bucket_mb, gradient_as_bucket_view=True, process_group=groups.world
         )
         if emulator is not None and emulator.enabled:
             # DDP's own all-reduce, completed when the emulated WAN would deliver a flat ring all-reduce.
-            self.model.register_comm_hook(FlatHookState(emulator), flat_ddp_comm_hook)
+            group_ranks = tuple(range(groups.layout.world_size))  # layout indices, as the emulator's layout
+            self.model.register_comm_hook(FlatHookState(emulator, groups.world, group_ranks), flat_ddp_comm_hook)
         self.optimizer = build_adamw(self.model.module, optim)
         self._cross_dc = groups.num_dcs > 1
         self._grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
@@ -55,19 +59,23 @@ class FlatSync(GradientSync):
 
     def backward(self, loss: torch.Tensor, *, last_micro_batch: bool) -> None:
         # DDP averages over ranks; our loss is this rank's share of the global mean, so undo the average.
-        (loss * dist.get_world_size()).backward()
+        (loss * dist.get_world_size(self.groups.world)).backward()
 
-    def step(self, lr: float) -> StepStats:
-        params = self._params()
-        clip = self.optim_cfg.grad_clip
-        norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
+    def step(self, lr: float, *, snapshot_as: int | None = None) -> StepStats:
+        norm = clip_grad_norm(self._named(), self.optim_cfg.grad_clip, self.groups.model_parallel)
         set_lr(self.optimizer, lr)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=False)
         # DDP's all-reduce spans every rank: with several DCs all of it crosses a DC boundary.
         return StepStats(
-            grad_norm=float(norm), inter_dc_bytes=self._grad_bytes if self._cross_dc else 0, sync_wait_s=0.0
+            grad_norm=float(norm),
+            inter_dc_bytes=self._grad_bytes if self._cross_dc else 0,
+            sync_wait_s=0.0,
+            shard=None if snapshot_as is None else self.local_shard(snapshot_as),
         )
+
+    def local_shard(self, step: int) -> LocalShard:
+        return replicated_shard(self.optimizer, self._named(), step)
 
     def _params(self) -> list[nn.Parameter]:
         return [p for p in self.model.module.parameters() if p.requires_grad]

@@ -21,6 +21,7 @@ sizes work without deadlock. Never builds process groups: it gets them from :cla
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -34,7 +35,9 @@ from meridian.workers.grad_buffer import Bucket, GradBuffer
 from meridian.workers.har import all_gather_in_dc, reduce_scatter_in_dc, start_all_reduce_across_dcs
 from meridian.workers.inter_dc import InterDCComm
 from meridian.workers.layout import DCGroups
+from meridian.workers.mp_norm import clip_grad_norm
 from meridian.workers.overlap import BucketPipeline, InFlight
+from meridian.workers.replica_state import LocalShard, replicated_shard
 from meridian.workers.wan_model import WanEmulator
 
 
@@ -54,7 +57,8 @@ class HierarchicalSync(GradientSync):
         self.groups = groups
         self.optim_cfg = optim
         self.overlap = sync.overlap
-        broadcast_parameters(model)
+        # Inside one data-parallel group only: with tensor/pipeline parallelism other ranks hold other parts.
+        broadcast_parameters(model, src=groups.world_ranks[0], group=groups.world)
         self.buffer = GradBuffer(model, bucket_mb=sync.bucket_mb, pad_to=groups.layout.units)
         self.comm = InterDCComm(sync.compression, emulator=emulator)  # the only inter-DC traffic
         self.chunk_bytes = sync.inter_dc_chunk_mb * 2**20
@@ -67,10 +71,13 @@ class HierarchicalSync(GradientSync):
         else:
             self.optimizer = build_adamw(model, optim)
         self.pipeline = BucketPipeline(self.buffer, self._start_bucket, overlap=sync.overlap)
+        self._intra_dc_s = 0.0  # HAR step 1 time this step, for the per-tier metrics
 
     def _start_bucket(self, bucket: Bucket) -> InFlight:
         g = bucket.grad
+        t0 = time.perf_counter()
         reduce_scatter_in_dc(g, self.groups)  # 1) reduce-scatter inside the DC
+        self._intra_dc_s += time.perf_counter() - t0
         # 2) all-reduce the shard across DCs: chunked, every chunk in flight, through InterDCComm
         handles = start_all_reduce_across_dcs(
             g, self.groups, self.comm, chunk_bytes=self.chunk_bytes, bucket=bucket.index
@@ -91,20 +98,24 @@ class HierarchicalSync(GradientSync):
         finally:
             self.pipeline.backward_done()
 
-    def step(self, lr: float) -> StepStats:
+    def step(self, lr: float, *, snapshot_as: int | None = None) -> StepStats:
         comm_s, exposed_s = self.pipeline.finish()
+        intra_dc_s, self._intra_dc_s = self._intra_dc_s, 0.0  # every bucket has finished
+        shard = None
         if self.sharded is not None:
             norm = float(self.sharded.step(lr))
+            if snapshot_as is not None:  # before the all-gather: this rank's shard is already final
+                shard = self.sharded.local_shard(snapshot_as)
             self.sharded.gather_params(async_op=self.overlap)
             waited = self.sharded.take_wait_s()  # norm all-reduce, gathers, and last step's forward waits
         else:
             assert self.optimizer is not None
-            clip = self.optim_cfg.grad_clip
-            params = [s.param for s in self.buffer.slots]
-            norm = float(torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf")))
+            norm = float(clip_grad_norm(self._named(), self.optim_cfg.grad_clip, self.groups.model_parallel))
             set_lr(self.optimizer, lr)
             self.optimizer.step()
             waited = 0.0
+            if snapshot_as is not None:
+                shard = replicated_shard(self.optimizer, self._named(), snapshot_as)
         self.buffer.zero()
         return StepStats(
             grad_norm=norm,
@@ -112,7 +123,16 @@ class HierarchicalSync(GradientSync):
             sync_wait_s=exposed_s + waited,
             comm_s=comm_s,
             exposed_s=exposed_s,
+            intra_dc_comm_s=intra_dc_s,
+            shard=shard,
         )
+
+    def local_shard(self, step: int) -> LocalShard:
+        if self.sharded is not None:
+            self.sharded.wait_params()
+            return self.sharded.local_shard(step)
+        assert self.optimizer is not None
+        return replicated_shard(self.optimizer, self._named(), step)
 
     def synchronize(self) -> None:
         if self.sharded is not None:

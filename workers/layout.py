@@ -21,6 +21,8 @@ from functools import cached_property
 
 import torch.distributed as dist
 
+from meridian.workers.mp_norm import ModelParallelNorm
+
 
 @dataclass(frozen=True)
 class Segment:
@@ -101,26 +103,33 @@ class DCGroups:
     """The process groups of one layout, as seen from one rank.
 
     ``intra_dc``: the ranks of this rank's datacenter. ``inter_dc[segment]``: the owners of each segment this
-    rank takes part in (absent with a single datacenter). ``world``: every rank (flat sync, barriers).
+    rank takes part in (absent with a single datacenter). ``world``: every rank of the layout (flat sync,
+    barriers). ``rank`` and segment owners are *layout* indices; ``world_ranks[i]`` is the torch.distributed
+    rank of layout index ``i`` — the identity unless the layout is one data-parallel group among several
+    (tensor/pipeline parallelism: :mod:`meridian.workers.parallel`). ``model_parallel``, when set, makes
+    the engines' gradient norm cover the other parts of the replica (:mod:`meridian.workers.mp_norm`).
     """
 
-    def __init__(self, layout: DCLayout, rank: int, *, backend: str | None = None) -> None:
-        if dist.get_world_size() != layout.world_size:
-            raise ValueError(
-                f"layout has {layout.world_size} ranks but the process group has {dist.get_world_size()}"
-            )
+    def __init__(
+        self, layout: DCLayout, rank: int, *, backend: str | None = None,
+        world_ranks: tuple[int, ...] | None = None,
+    ) -> None:
+        if world_ranks is None:
+            if dist.get_world_size() != layout.world_size:
+                raise ValueError(
+                    f"layout has {layout.world_size} ranks but the process group has {dist.get_world_size()}"
+                )
+        elif len(world_ranks) != layout.world_size:
+            raise ValueError(f"layout has {layout.world_size} ranks but world_ranks lists {len(world_ranks)}")
         self.layout = layout
         self.rank = rank
-        self.world = dist.group.WORLD
-        # Every rank must call new_group for every group, in the same order, even for groups it is not in.
-        intra = {dc: dist.new_group(list(layout.ranks_in(dc)), backend=backend) for dc in layout.dcs}
+        self.world_ranks = world_ranks or tuple(range(layout.world_size))
+        self.model_parallel: ModelParallelNorm | None = None
+        self.world, intra, inter = make_groups(layout, self.world_ranks, backend=backend)
         self.intra_dc = intra[layout.dc_of(rank)]
-        self.inter_dc: dict[Segment, dist.ProcessGroup] = {}
-        if layout.num_dcs > 1:
-            for seg in layout.segments:
-                group = dist.new_group(list(seg.owners), backend=backend)
-                if rank in seg.owners:
-                    self.inter_dc[seg] = group
+        self.inter_dc: dict[Segment, dist.ProcessGroup] = {
+            seg: group for seg, group in inter.items() if rank in seg.owners
+        }
 
     @property
     def dc(self) -> str:
@@ -139,6 +148,23 @@ class DCGroups:
         return self.layout.num_dcs
 
     def destroy(self) -> None:
-        for group in {self.intra_dc, *self.inter_dc.values()}:
+        for group in {self.world, self.intra_dc, *self.inter_dc.values()}:
             if group is not None and group is not dist.group.WORLD:
                 dist.destroy_process_group(group)
+
+
+def make_groups(
+    layout: DCLayout, world_ranks: tuple[int, ...], *, backend: str | None = None
+) -> tuple[dist.ProcessGroup, dict[str, dist.ProcessGroup], dict[Segment, dist.ProcessGroup]]:
+    """(all ranks, per-DC, per-segment) groups of ``layout``. Every rank of the default group must call this
+    for every layout, in the same order, even for layouts it is not in (torch.distributed's rule)."""
+    whole = world_ranks == tuple(range(dist.get_world_size()))
+    world = dist.group.WORLD if whole else dist.new_group(list(world_ranks), backend=backend)
+    intra = {
+        dc: dist.new_group([world_ranks[r] for r in layout.ranks_in(dc)], backend=backend) for dc in layout.dcs
+    }
+    inter: dict[Segment, dist.ProcessGroup] = {}
+    if layout.num_dcs > 1:
+        for seg in layout.segments:
+            inter[seg] = dist.new_group([world_ranks[r] for r in seg.owners], backend=backend)
+    return world, intra, inter

@@ -46,6 +46,10 @@ class RendezvousTimeout(RuntimeError):
     pass
 
 
+class JobFinished(Exception):
+    """The job's last step is done: a worker still waiting to join has nothing to do."""
+
+
 class Rendezvous:
     def __init__(self, call: Call, *, worker_id: str, datacenter: str, node_id: str, address: str | None = None,
                  backend: str = "gloo", collective_timeout_s: float = 300.0) -> None:
@@ -66,6 +70,8 @@ class Rendezvous:
             member = {"worker_id": self.worker_id, "datacenter": self.datacenter, "node_id": self.node_id,
                       "address": self.address, "port": free_port(), "last_step": last_step}
             a = self.call("join", member, self.epoch)
+            if a["status"] == "finished":
+                raise JobFinished()
             if a["status"] == "assigned":
                 assignment = Assignment(
                     epoch=a["epoch"], rank=a["rank"], world_size=a["world_size"], datacenters=tuple(a["datacenters"]),
@@ -86,6 +92,9 @@ class Rendezvous:
             self.backend, init_method=f"tcp://{a.master_addr}:{a.master_port}", rank=a.rank, world_size=a.world_size,
             timeout=timedelta(seconds=self.collective_timeout_s),
         )
+
+    def finish(self) -> None:
+        self.call("finish", self.worker_id)
 
     def pending_change(self) -> bool:
         return bool(self.call("pending_change", self.epoch))

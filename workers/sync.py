@@ -4,6 +4,8 @@
 - ``hierarchical``: :class:`HierarchicalSync` (:mod:`meridian.workers.hierarchical`): bucketed
   hierarchical all-reduce, overlapped with backward (``overlap``), with a replicated or DC-sharded AdamW
   (``shard_optimizer``) and an optionally compressed inter-DC step (``compression``).
+- ``diloco`` / ``streaming-diloco``: :class:`DiLoCoSync` (:mod:`meridian.workers.diloco`): that HAR inside
+  each DC every step, and an outer Nesterov step on parameter deltas across DCs every H steps (per fragment).
 
 The interface and call order are in :mod:`meridian.workers.engine`.
 """
@@ -14,6 +16,7 @@ from torch import nn
 
 from meridian.workers.adamw import build_adamw
 from meridian.workers.config import OptimConfig, SyncConfig, SyncStrategy
+from meridian.workers.diloco import DiLoCoSync
 from meridian.workers.engine import GradientSync, StepStats, broadcast_parameters
 from meridian.workers.flat import FlatSync
 from meridian.workers.hierarchical import HierarchicalSync
@@ -34,10 +37,13 @@ def build_sync(
     ``emulator`` (:mod:`meridian.workers.wan`) delays every inter-DC collective to the emulated link's pace."""
     if sync.strategy is SyncStrategy.FLAT:
         return FlatSync(model, groups, sync, optim, emulator=emulator)
+    if sync.strategy.is_diloco:
+        return DiLoCoSync(model, groups, sync, optim, emulator=emulator)
     return HierarchicalSync(model, groups, sync, optim, emulator=emulator)
 
 
 __all__ = [
+    "DiLoCoSync",
     "FlatSync",
     "GradientSync",
     "HierarchicalSync",

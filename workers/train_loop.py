@@ -20,7 +20,8 @@ from meridian.workers.config import Precision, TrainConfig
 from meridian.workers.data import TextDataset
 from meridian.workers.layout import DCGroups, DCLayout
 from meridian.workers.model import GPT, per_sample_loss
-from meridian.workers.sync import StepStats, build_sync
+from meridian.workers.observe import DevicePeak, StepTimes, computed_beat, heartbeat, measure_peak_flops, mfu
+from meridian.workers.sync import GradientSync, StepStats, build_sync
 from meridian.workers.wan import WanEmulator, agree_key, cleanup
 
 
@@ -75,6 +76,64 @@ class TrainResult:
     """Mean tensor bytes per step put into collectives crossing a DC boundary, summed over ranks."""
     optimizer_state_bytes: int = 0
     """Optimizer state held on this rank after the last step (1/N of replicated AdamW when sharded)."""
+    final_params: dict[str, torch.Tensor] | None = None
+    """The model's parameters after the last step (CPU copies), when ``train(..., keep_params=True)``."""
+
+
+def forward_backward(
+    engine: GradientSync, data: TextDataset, cfg: TrainConfig, step: int, rank: int, world: int,
+    device: torch.device, timings: dict[str, float] | None = None,
+) -> torch.Tensor:
+    """This rank's micro-batches of step ``step``, forward and backward; returns its share of the loss.
+    ``timings["data_s"]`` receives the seconds spent producing the batches (the data loader's share)."""
+    loss_sum = torch.zeros((), device=device)
+    t0 = time.perf_counter()
+    batches = data.step_batches(step, cfg.global_batch, cfg.micro_batch, rank, world)
+    if timings is not None:
+        timings["data_s"] = time.perf_counter() - t0
+    for i, (x, y) in enumerate(batches):
+        last = i == len(batches) - 1
+        with engine.micro_batch(last_micro_batch=last):
+            with autocast_context(cfg.precision, device):
+                losses = per_sample_loss(engine.model(x.to(device)), y.to(device))
+            share = losses.sum() / cfg.global_batch
+            engine.backward(share, last_micro_batch=last)
+        loss_sum += share.detach()
+    return loss_sum
+
+
+def progress_record(
+    cfg: TrainConfig, step: int, loss: float, step_s: float, stats: StepStats, inter_dc: int, done_at: float,
+    *, data_s: float = 0.0, peak: DevicePeak | None = None, world: int = 1,
+) -> dict[str, Any]:
+    """What rank 0 reports of step ``step`` (0-based; reported as ``step + 1`` steps done)."""
+    times = StepTimes(step_s=step_s, data_s=data_s, sync_wait_s=stats.sync_wait_s)
+    tokens_per_s = cfg.tokens_per_step / step_s
+    observed = {
+        "data_s": data_s,
+        "compute_s": times.compute_s,
+        "mfu": mfu(cfg.model.flops_per_token, tokens_per_s, world, peak),
+        "peak_flops": peak.flops if peak else None,
+        "peak_source": peak.source if peak else "",
+    }
+    return observed | {
+        "step": step + 1,
+        "total_steps": cfg.steps,
+        "loss": loss,
+        "lr": lr_at(step, cfg),
+        "step_s": step_s,
+        "tokens_per_s": cfg.tokens_per_step / step_s,
+        "grad_norm": stats.grad_norm,
+        "inter_dc_bytes": inter_dc,
+        "sync_wait_s": stats.sync_wait_s,
+        "comm_s": stats.comm_s,
+        "comm_intra_dc_s": stats.intra_dc_comm_s,
+        "comm_inter_dc_s": max(0.0, stats.comm_s - stats.intra_dc_comm_s),
+        "exposed_s": stats.exposed_s,
+        "overlap_fraction": stats.overlap_fraction,
+        "time": done_at,
+        "workers": world,
+    }
 
 
 @torch.no_grad()
@@ -91,9 +150,15 @@ def evaluate(
     return sum(losses) / len(losses)
 
 
-def train(cfg: TrainConfig, *, sink: ProgressSink, device: torch.device | None = None) -> TrainResult:
+def train(
+    cfg: TrainConfig, *, sink: ProgressSink, device: torch.device | None = None, keep_params: bool = False
+) -> TrainResult:
     """Run the job on this rank. Every rank of the default process group must call it."""
     device = device or torch.device("cpu")
+    if cfg.parallel.model_parallel > 1:  # tensor/pipeline parallelism: stages and slices, same contract
+        from meridian.workers.parallel_loop import train_parallel
+
+        return train_parallel(cfg, sink=sink, device=device, keep_params=keep_params)
     rank, world = dist.get_rank(), dist.get_world_size()
     layout = DCLayout(cfg.datacenters or ("local",) * world)
     groups = DCGroups(layout, rank)
@@ -109,56 +174,42 @@ def train(cfg: TrainConfig, *, sink: ProgressSink, device: torch.device | None =
 
     first_loss = final_loss = float("nan")
     timed_tokens, timed_s, inter_dc_total = 0, 0.0, 0
-    pending: tuple[torch.Tensor, dist.Work, float, StepStats, int] | None = None
+    pending: tuple[torch.Tensor, dist.Work, float, StepStats, int, float, float] | None = None
+    # Per-rank heartbeats go out of band (not through a collective), so the service can name a rank that
+    # stopped finishing steps even while every other rank sits blocked in the collective waiting for it.
+    rank_step = getattr(sink, "rank_step", None)
+    peak = measure_peak_flops(device) if rank_step is not None and rank == 0 else None
 
     def publish(
-        stats_tensor: torch.Tensor, work: dist.Work, step_s: float, step_stats: StepStats, step: int
+        stats_tensor: torch.Tensor, work: dist.Work, step_s: float, step_stats: StepStats, step: int, done_at: float,
+        data_s: float,
     ) -> float:
         # The global loss is summed with an async all-reduce and read one step later, so reporting it
         # never puts a latency round on the critical path.
         work.wait()
         loss, inter_dc = stats_tensor[0].item(), int(stats_tensor[1].item())
         if rank == 0:
-            sink.step(
-                {
-                    "step": step + 1,
-                    "total_steps": cfg.steps,
-                    "loss": loss,
-                    "lr": lr_at(step, cfg),
-                    "step_s": step_s,
-                    "tokens_per_s": cfg.tokens_per_step / step_s,
-                    "grad_norm": step_stats.grad_norm,
-                    "inter_dc_bytes": inter_dc,
-                    "sync_wait_s": step_stats.sync_wait_s,
-                    "comm_s": step_stats.comm_s,
-                    "exposed_s": step_stats.exposed_s,
-                    "overlap_fraction": step_stats.overlap_fraction,
-                    "time": time.time(),
-                }
-            )
+            sink.step(progress_record(cfg, step, loss, step_s, step_stats, inter_dc, done_at, data_s=data_s,
+                                      peak=peak, world=world))
         return loss
 
     for step in range(cfg.steps):
         t0 = time.perf_counter()
-        loss_sum = torch.zeros((), device=device)
-        batches = data.step_batches(step, cfg.global_batch, cfg.micro_batch, rank, world)
-        for i, (x, y) in enumerate(batches):
-            last = i == len(batches) - 1
-            with engine.micro_batch(last_micro_batch=last):
-                with autocast_context(cfg.precision, device):
-                    losses = per_sample_loss(engine.model(x.to(device)), y.to(device))
-                share = losses.sum() / cfg.global_batch
-                engine.backward(share, last_micro_batch=last)
-            loss_sum += share.detach()
+        timings: dict[str, float] = {}
+        loss_sum = forward_backward(engine, data, cfg, step, rank, world, device, timings)
+        if rank_step is not None:
+            rank_step(computed_beat(rank, step + 1))
         stats = engine.step(lr_at(step, cfg))
         step_s = time.perf_counter() - t0
+        if rank_step is not None:
+            rank_step(heartbeat(rank, step + 1, StepTimes(step_s, timings["data_s"], stats.sync_wait_s)))
 
         stats_tensor = torch.stack([loss_sum.float().cpu(), torch.tensor(float(stats.inter_dc_bytes))])
         work = dist.all_reduce(stats_tensor, async_op=True)
         if pending is not None:
             loss = publish(*pending)
             first_loss = loss if math.isnan(first_loss) else first_loss
-        pending = (stats_tensor, work, step_s, stats, step)
+        pending = (stats_tensor, work, step_s, stats, step, time.time(), timings["data_s"])
         if step > 0:
             timed_tokens += cfg.tokens_per_step
             timed_s += step_s
@@ -169,6 +220,10 @@ def train(cfg: TrainConfig, *, sink: ProgressSink, device: torch.device | None =
         first_loss = final_loss
     eval_loss = evaluate(engine.model, held_out, cfg, device)
     state_bytes = engine.optimizer_state_nbytes()
+    final_params = None
+    if keep_params:
+        engine.synchronize()
+        final_params = {name: p.detach().cpu().clone() for name, p in model.named_parameters()}
     totals = torch.tensor([float(inter_dc_total)])
     dist.all_reduce(totals)
     engine.close()
@@ -186,4 +241,5 @@ def train(cfg: TrainConfig, *, sink: ProgressSink, device: torch.device | None =
         tokens_per_s=timed_tokens / timed_s if timed_s else 0.0,
         inter_dc_bytes_per_step=totals.item() / cfg.steps,
         optimizer_state_bytes=state_bytes,
+        final_params=final_params,
     )

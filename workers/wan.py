@@ -249,6 +249,9 @@ class FlatHookState:
 
     emulator: WanEmulator
     group: dist.ProcessGroup | None = None
+    group_ranks: Sequence[int] | None = None
+    """The group's ranks in the emulator's layout, when that layout is not the world's (one data-parallel
+    group of a tensor/pipeline-parallel job)."""
 
     @property
     def layout(self) -> DCLayout:
@@ -269,7 +272,9 @@ def flat_ddp_comm_hook(state: FlatHookState, bucket: dist.GradBucket) -> torch.f
     # (reducer.cpp, mul_out with a wrapped 1/div_factor scalar), so gradients equal plain DDP bit for bit
     # for any world size, not only powers of two.
     buf.mul_(1.0 / dist.get_world_size(state.group))
-    return all_reduce_future(buf, state.group, emulator=state.emulator, algorithm=Algorithm.RING)
+    return all_reduce_future(
+        buf, state.group, emulator=state.emulator, algorithm=Algorithm.RING, group_ranks=state.group_ranks
+    )
 
 
 def send(

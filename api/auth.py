@@ -1,0 +1,155 @@
+"""Bearer-token auth: who is calling, and may they touch this job.
+
+Tokens are random 256-bit strings shown once by ``meridian token create``; the token file keeps only their
+SHA-256 (a fast hash is enough for high-entropy secrets: there is nothing to brute-force the way there is for
+passwords). A token is never logged, never stored in plain text and never echoed in an error.
+
+Auth is on when the settings say so, and always when the service binds a non-loopback address: the service
+refuses to start there without tokens (:func:`check_bind`). With auth off every caller is the anonymous
+owner ``""``, who sees every job (a workstation).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import ipaddress
+import json
+import os
+import re
+import secrets
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated
+
+from fastapi import Depends, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from meridian.service.errors import Forbidden, Unauthorized
+from meridian.service.store import JobRecord
+
+TOKEN_PREFIX = "mrd_"
+OWNER_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.@-]{0,99}$"
+
+
+class UnsafeDeployment(ValueError):
+    """The service would serve a non-loopback address without auth."""
+
+
+def hash_token(token: str) -> str:
+    return "sha256:" + hashlib.sha256(token.encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class TokenEntry:
+    owner: str
+    hash: str
+    created_at: float
+
+
+def read_tokens(path: str | Path) -> tuple[TokenEntry, ...]:
+    """The entries of a token file (missing file: none)."""
+    p = Path(path)
+    if not p.exists():
+        return ()
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as e:
+        raise ValueError(f"cannot read token file {p}: {e.strerror}") from None
+    try:
+        data = json.loads(text)
+        return tuple(TokenEntry(owner=e["owner"], hash=e["hash"], created_at=float(e.get("created_at", 0)))
+                     for e in data["tokens"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"token file {p} is not a Meridian token file ({e}); fix or remove it") from None
+
+
+def create_token(path: str | Path, owner: str) -> str:
+    """Add a new token for ``owner`` to the token file (only its hash) and return the token itself."""
+    if not re.match(OWNER_PATTERN, owner):
+        raise ValueError(f"owner {owner!r} must match {OWNER_PATTERN}")
+    p = Path(path)
+    entries = list(read_tokens(p))
+    token = TOKEN_PREFIX + secrets.token_urlsafe(32)
+    entries.append(TokenEntry(owner=owner, hash=hash_token(token), created_at=time.time()))
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_suffix(p.suffix + ".tmp")
+    # Owner-only permissions from the first byte: the hashes are not secrets, but the owner list is private.
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        json.dump({"tokens": [e.__dict__ for e in entries]}, f, indent=2)
+    os.replace(tmp, p)
+    return token
+
+
+@dataclass(frozen=True, kw_only=True)
+class AuthSettings:
+    enabled: bool = False
+    token_file: str = ""
+    """JSON file of token hashes (``meridian token create`` writes it)."""
+    hashes: dict[str, str] = field(default_factory=dict)
+    """token hash → owner, loaded once at start-up."""
+
+    @classmethod
+    def load(cls, *, enabled: bool, token_file: str) -> AuthSettings:
+        entries = read_tokens(token_file) if enabled else ()
+        if enabled and not entries:
+            raise UnsafeDeployment(
+                f"auth is on but {token_file} holds no tokens: create one with "
+                f"`meridian token create --owner NAME --token-file {token_file}`")
+        return cls(enabled=enabled, token_file=token_file, hashes={e.hash: e.owner for e in entries})
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a hostname that may resolve anywhere: treat as exposed
+
+
+def check_bind(host: str, auth: AuthSettings) -> None:
+    """Refuse to serve a non-loopback address without auth (anyone on the network could run jobs)."""
+    if not is_loopback(host) and not auth.enabled:
+        raise UnsafeDeployment(
+            f"refusing to serve {host} without auth: anyone who can reach it could run and cancel jobs. "
+            "Pass --auth with a token file (`meridian token create`), or bind 127.0.0.1")
+
+
+@dataclass(frozen=True)
+class Caller:
+    owner: str
+    """``""`` when auth is off: the workstation user, who sees every job."""
+    authenticated: bool
+
+    def check_owns(self, job: JobRecord) -> JobRecord:
+        if self.authenticated and job.owner != self.owner:
+            raise Forbidden(f"job {job.id} belongs to another owner")
+        return job
+
+    @property
+    def owner_filter(self) -> str | None:
+        return self.owner if self.authenticated else None
+
+
+_bearer = HTTPBearer(auto_error=False, description="a token from `meridian token create`")
+
+
+def get_caller(
+    request: Request, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
+) -> Caller:
+    auth: AuthSettings = request.app.state.auth
+    if not auth.enabled:
+        return Caller(owner="", authenticated=False)
+    if credentials is None or credentials.scheme.lower() != "bearer" or not credentials.credentials:
+        raise Unauthorized("this endpoint needs a bearer token: send 'Authorization: Bearer <token>' "
+                           "(create one with `meridian token create`; the CLI reads $MERIDIAN_TOKEN)")
+    owner = auth.hashes.get(hash_token(credentials.credentials))
+    if owner is None:
+        raise Unauthorized("the bearer token is not valid here (unknown or revoked); create a new one with "
+                           "`meridian token create`")
+    return Caller(owner=owner, authenticated=True)
+
+
+CallerDep = Annotated[Caller, Depends(get_caller)]

@@ -1,0 +1,77 @@
+"""The service's own Prometheus ``/metrics``: HTTP requests, queue length, jobs by state.
+
+Not to be confused with ``GET /v1/jobs/{id}/metrics`` (a job's stored training series) nor with the job
+metrics the runners export on the Ray metrics endpoint (:mod:`meridian.service.job_metrics`). Each app gets
+its own registry, so several apps in one process (tests) never clash. :data:`SERVICE_METRICS` is the one
+list of names the dashboards test checks panels against.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from fastapi import FastAPI, Request, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from meridian.service.job_metrics import MetricDef
+from meridian.service.jobs import JobState
+
+SERVICE_METRICS: tuple[MetricDef, ...] = (
+    MetricDef("meridian_service_http_requests_total", "counter", "HTTP requests served",
+              tags=("method", "route", "status")),
+    MetricDef("meridian_service_http_request_duration_seconds", "histogram", "HTTP request latency",
+              tags=("method", "route"), boundaries=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)),
+    MetricDef("meridian_service_queue_length", "gauge", "Jobs queued, waiting for admission", tags=()),
+    MetricDef("meridian_service_jobs", "gauge", "Jobs in each state", tags=("state",)),
+)
+_DEFS = {d.name: d for d in SERVICE_METRICS}
+
+
+class _JobsCollector(Collector):
+    """Reads the store at scrape time, so the gauges are never stale and cost nothing between scrapes."""
+
+    def __init__(self, counts: Callable[[], dict[JobState, int] | None]) -> None:
+        self.counts = counts
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        counts = self.counts()
+        if counts is None:  # the service is still starting: export nothing rather than zeros
+            return
+        queue = _DEFS["meridian_service_queue_length"]
+        yield GaugeMetricFamily(queue.name, queue.description, value=counts.get(JobState.QUEUED, 0))
+        jobs = _DEFS["meridian_service_jobs"]
+        family = GaugeMetricFamily(jobs.name, jobs.description, labels=list(jobs.tags))
+        for state, n in sorted(counts.items(), key=lambda kv: kv[0].value):
+            family.add_metric([state.value], n)
+        yield family
+
+
+def install_metrics(app: FastAPI, counts: Callable[[], dict[JobState, int] | None]) -> CollectorRegistry:
+    """Count every request by route template (not raw path: job ids would explode the label set) and
+    serve ``GET /metrics`` in the Prometheus text format."""
+    registry = CollectorRegistry()
+    req, dur = _DEFS["meridian_service_http_requests_total"], _DEFS["meridian_service_http_request_duration_seconds"]
+    # prometheus_client appends _total itself to a counter's name.
+    requests = Counter(req.name.removesuffix("_total"), req.description, list(req.tags), registry=registry)
+    latency = Histogram(dur.name, dur.description, list(dur.tags), buckets=dur.boundaries, registry=registry)
+    registry.register(_JobsCollector(counts))
+
+    @app.middleware("http")
+    async def count_requests(request: Request, call_next: Callable[[Request], Any]) -> Response:
+        t0 = time.perf_counter()
+        response = await call_next(request)
+        route = getattr(request.scope.get("route"), "path", None) or "unmatched"
+        requests.labels(request.method, route, str(response.status_code)).inc()
+        latency.labels(request.method, route).observe(time.perf_counter() - t0)
+        return response
+
+    @app.get("/metrics", tags=["health"], include_in_schema=True)
+    def prometheus_metrics() -> Response:
+        """The service's metrics in the Prometheus text format (scrape config: ``dashboards/prometheus.yml``)."""
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    return registry

@@ -1,0 +1,84 @@
+"""Long-lived responses: a job's events as Server-Sent Events, and its worker logs followed as JSON lines.
+
+Both read the store (or the nodes) in short polls off the event loop, end by themselves when the job is
+finished and everything was sent, stop when the client goes away, and send a keep-alive while quiet so
+proxies do not cut an idle stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from starlette.concurrency import run_in_threadpool
+
+from meridian.api.schemas import EventPublic
+from meridian.service.store import JobStore
+
+POLL_S = 0.25
+KEEPALIVE_S = 15.0
+BATCH = 500
+
+
+def sse_message(event: EventPublic) -> str:
+    # Event kinds are identifiers, but a newline in one would end the SSE field early: keep it on one line.
+    kind = "".join(ch for ch in event.kind if ch.isprintable()) or "message"
+    return f"id: {event.id}\nevent: {kind}\ndata: {event.model_dump_json()}\n\n"
+
+
+async def job_event_stream(request: Request, store: JobStore, job_id: str, after: int) -> AsyncIterator[str]:
+    """Every event with an id above ``after``, live, each exactly once; ends after the job's last event."""
+    yield "retry: 2000\n\n"
+    last, quiet_since = after, time.monotonic()
+    while True:
+        # Read the state before the events: once a terminal state is seen, every event the job will
+        # ever have is already committed, so the read below drains it completely.
+        job = await run_in_threadpool(store.get_job, job_id)
+        events = await run_in_threadpool(store.list_events, job_id, after=last, limit=BATCH)
+        for e in events:
+            yield sse_message(EventPublic.from_event(e))
+            last = e.id
+        if events:
+            quiet_since = time.monotonic()
+            if len(events) == BATCH:
+                continue
+        if job.status.state.is_terminal:
+            yield f"event: end\ndata: {json.dumps({'state': job.status.state.value, 'last_event_id': last})}\n\n"
+            return
+        if await request.is_disconnected():
+            return
+        if time.monotonic() - quiet_since > KEEPALIVE_S:
+            yield ": keep-alive\n\n"
+            quiet_since = time.monotonic()
+        await asyncio.sleep(POLL_S)
+
+
+async def follow_logs(
+    request: Request, store: JobStore, service: Any, job_id: str, tail_bytes: int, ranks: set[int] | None,
+    poll_s: float = 1.0,
+) -> AsyncIterator[str]:
+    """Worker log lines as JSON lines until the job ends (then one final read, so the last lines arrive)."""
+    offsets: dict[str, int] | None = None
+    last_keepalive = time.monotonic()
+    while True:
+        job = await run_in_threadpool(store.get_job, job_id)
+        try:
+            entries, offsets = await run_in_threadpool(
+                service.read_logs, job.placement or [], offsets, tail_bytes=tail_bytes, ranks=ranks)
+        except Exception as e:  # noqa: BLE001 - a node that cannot be read now is retried, and said so
+            yield json.dumps({"rank": -1, "stream": "err", "line": f"(meridian: could not read logs: {e})"}) + "\n"
+            entries = []
+        for e in entries:
+            yield json.dumps({"rank": e.rank, "stream": e.stream, "line": e.line}) + "\n"
+        if job.status.state.is_terminal:
+            return
+        if await request.is_disconnected():
+            return
+        if not entries and time.monotonic() - last_keepalive > KEEPALIVE_S:
+            yield "\n"  # an empty line: JSON-lines readers skip it
+            last_keepalive = time.monotonic()
+        await asyncio.sleep(poll_s)

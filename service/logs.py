@@ -1,0 +1,115 @@
+"""Worker logs: read what a job's Ray Train workers printed, from the node each worker runs on.
+
+Ray writes every worker process's stdout and stderr to ``<session>/logs/worker-<id>-<job>-<pid>.out|.err``
+on that worker's node. The job's placement records each rank's node and pid, so a tiny task pinned to that
+node (``num_cpus=0``: it runs even when training holds every CPU) reads the files from a byte offset. The
+caller keeps the offsets, so following a log is repeated reads that never repeat or skip a byte.
+Chosen over ``ray.util.state.get_log`` because that needs the dashboard, which clusters may run without.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+from meridian.service.errors import ClusterUnavailable
+
+STREAMS = ("out", "err")
+READ_TIMEOUT_S = 20.0
+
+
+@dataclass(frozen=True)
+class LogEntry:
+    rank: int
+    stream: str
+    line: str
+
+
+def _logs_dir() -> str:
+    """This process's Ray logs folder: where its own stdout goes (Ray redirects worker stdout there)."""
+    try:
+        import ray._private.worker as rw
+
+        return rw._global_node.get_logs_dir_path()
+    except Exception:  # noqa: BLE001 - private API; fall back to the file behind our own stdout
+        return os.path.dirname(os.readlink("/proc/self/fd/1"))
+
+
+def read_files_here(wanted: list[tuple[str, int, str, int | None]], tail_bytes: int, max_bytes: int) -> list[tuple[str, int, str]]:
+    """For (key, pid, stream, offset) read ``worker-*-<pid>.<stream>`` in this node's logs folder from
+    ``offset`` (``None``: the last ``tail_bytes``), at most ``max_bytes``, ending on a whole line.
+    Returns (key, new offset, text)."""
+    logs = _logs_dir()
+    out = []
+    for key, pid, stream, offset in wanted:
+        paths = glob.glob(os.path.join(logs, f"worker-*-{int(pid)}.{stream}"))
+        if not paths:
+            out.append((key, offset or 0, ""))
+            continue
+        path = max(paths, key=os.path.getmtime)
+        size = os.path.getsize(path)
+        start = max(0, size - tail_bytes) if offset is None else min(offset, size)
+        with open(path, "rb") as f:
+            f.seek(start)
+            data = f.read(max_bytes)
+        if offset is None and start > 0:
+            skip = data.find(b"\n") + 1  # a tail starts mid-line: drop the fragment
+            data, start = data[skip:], start + skip
+        cut = data.rfind(b"\n") + 1  # keep a partial last line for the next read ...
+        if cut == 0 and len(data) >= max_bytes:
+            cut = len(data)  # ... unless one line is longer than max_bytes: hand it over in pieces
+        data = data[:cut]
+        out.append((key, start + len(data), data.decode("utf-8", errors="replace")))
+    return out
+
+
+class WorkerLogs:
+    """Reads a job's worker logs on the nodes where its ranks run."""
+
+    def __init__(self) -> None:
+        import ray
+
+        self._read = ray.remote(num_cpus=0, max_retries=0)(read_files_here)
+
+    def read(
+        self, placement: list[dict[str, Any]], offsets: dict[str, int] | None, *, tail_bytes: int = 64 * 1024,
+        max_bytes: int = 256 * 1024, ranks: set[int] | None = None,
+    ) -> tuple[list[LogEntry], dict[str, int]]:
+        """New log lines of every rank since ``offsets`` (``None``: the tail), and the offsets to pass next."""
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        offsets = dict(offsets or {})
+        first = not offsets
+        by_node: dict[str, list[tuple[str, int, str, int | None]]] = defaultdict(list)
+        ranks_of: dict[str, int] = {}
+        for p in placement:
+            if ranks is not None and p["rank"] not in ranks or not p.get("pid"):
+                continue
+            for stream in STREAMS:
+                key = f"{p['rank']}:{stream}"
+                ranks_of[key] = p["rank"]
+                by_node[p["node_id"]].append((key, p["pid"], stream, None if first else offsets.get(key, 0)))
+        refs = [
+            self._read.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote(
+                wanted, tail_bytes, max_bytes)
+            for node_id, wanted in by_node.items()
+        ]
+        try:
+            results = ray.get(refs, timeout=READ_TIMEOUT_S) if refs else []
+        except (ray.exceptions.RayError, TimeoutError) as e:
+            for ref in refs:
+                ray.cancel(ref, force=True)
+            raise ClusterUnavailable(
+                f"could not read worker logs on nodes {sorted(n[:12] for n in by_node)} within {READ_TIMEOUT_S:.0f} s "
+                f"({type(e).__name__}); a node may be down — GET /v1/cluster shows which") from None
+        entries: list[LogEntry] = []
+        for result in results:
+            for key, offset, text in result:
+                offsets[key] = offset
+                entries += [LogEntry(ranks_of[key], key.split(":")[1], line) for line in text.splitlines()]
+        entries.sort(key=lambda e: (e.rank, e.stream))
+        return entries, offsets

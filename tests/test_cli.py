@@ -1,0 +1,83 @@
+"""The `meridian` CLI against a live HTTP server over the fake cluster: every verb, --json, friendly errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from fakes import FakeService, spec
+
+from meridian.api.auth import AuthSettings, create_token
+from meridian.api.cli import main
+from meridian.api.server import serve_in_thread
+
+
+@pytest.fixture
+def served(store, supervisor, cluster_view, tmp_path, monkeypatch):
+    fake = FakeService(store, supervisor, cluster_view)
+    token = create_token(tmp_path / "tokens.json", "dana")
+    monkeypatch.setenv("MERIDIAN_TOKEN", token)
+    with serve_in_thread(fake, auth=AuthSettings.load(enabled=True, token_file=str(tmp_path / "tokens.json"))) as url:
+        monkeypatch.setenv("MERIDIAN_URL", url)
+        yield fake
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_verbs_with_json(served, capsys, tmp_path):
+    job_file = tmp_path / "job.json"
+    job_file.write_text(json.dumps(spec(name="cli")))
+    yaml_file = tmp_path / "job.yaml"
+    yaml_file.write_text("name: cli-yaml\nmodel: {preset: nano}\ntraining: {steps: 4, global_batch: 4, micro_batch: 2}\n")
+
+    code, out, _ = run(capsys, "submit", str(job_file), "--json")
+    job = json.loads(out)
+    assert code == 0 and job["owner"] == "dana" and job["state"] == "queued"
+    code, out, _ = run(capsys, "submit", str(yaml_file), "--json")
+    assert code == 0 and json.loads(out)["name"] == "cli-yaml"
+    code, out, _ = run(capsys, "ls", "--json")
+    assert code == 0 and json.loads(out)["count"] == 2
+    code, out, _ = run(capsys, "get", job["id"], "--json")
+    assert json.loads(out)["id"] == job["id"]
+    code, out, _ = run(capsys, "plan", str(job_file), "--json")
+    assert json.loads(out)["num_workers"] == 4
+    code, out, _ = run(capsys, "cluster", "--json")
+    assert [dc["name"] for dc in json.loads(out)["datacenters"]] == ["dc-a", "dc-b"]
+    code, out, _ = run(capsys, "logs", job["id"], "--json")
+    assert code == 0 and json.loads(out)["lines"] == []
+    code, out, _ = run(capsys, "cancel", job["id"], "--json")
+    assert json.loads(out)["state"] == "cancelled"
+    # The job is over, so following its events prints them all and returns.
+    code, out, _ = run(capsys, "events", job["id"], "-f", "--json")
+    states = [json.loads(line)["data"].get("state") for line in out.splitlines()]
+    assert code == 0 and states == ["queued", "cancelled"]
+    code, out, _ = run(capsys, "watch", job["id"], "--json")
+    assert code == 1 and json.loads(out.splitlines()[-1])["state"] == "cancelled"
+
+
+def test_friendly_errors(served, capsys, monkeypatch):
+    code, _, err = run(capsys, "get", "nope")
+    assert code == 1 and err.startswith("error: no job with id 'nope'")
+    monkeypatch.setenv("MERIDIAN_TOKEN", "mrd_wrong")
+    code, _, err = run(capsys, "ls")
+    assert code == 1 and "not valid" in err
+    code, _, err = run(capsys, "ls", "--url", "http://127.0.0.1:9")
+    assert code == 1 and "cannot reach the Meridian service at http://127.0.0.1:9" in err and "Traceback" not in err
+    code, _, err = run(capsys, "logs", "x", "-f", "--url", "http://127.0.0.1:9")
+    assert code == 1 and "cannot reach" in err
+
+
+def test_every_example_job_file_is_a_valid_spec():
+    from pathlib import Path
+
+    from meridian.api.cli import load_spec
+    from meridian.api.schemas import JobSpec
+
+    files = sorted(p for p in (Path(__file__).parents[1] / "examples").iterdir() if p.suffix in (".json", ".yaml"))
+    assert len(files) >= 2
+    for path in files:
+        JobSpec.model_validate(load_spec(str(path)))  # raises naming the field if an example went stale

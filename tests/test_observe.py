@@ -1,0 +1,236 @@
+"""Metrics and diagnostics without Ray: the runner's metric fold, the stall detector, the supervisor's stall
+events, the service's Prometheus /metrics, and the data/compute split in step records."""
+
+from __future__ import annotations
+
+import pytest
+from fakes import spec, step_record
+from fastapi.testclient import TestClient
+
+from meridian.api.app import create_app
+from meridian.service.job_metrics import JobMetricsState, _key
+from meridian.service.jobs import JobState
+from meridian.service.stall import StallPolicy, find_stalls
+from meridian.workers.config import model_preset
+from meridian.workers.observe import DevicePeak, StepTimes, measure_peak_flops, mfu
+
+
+def beat(rank, step, t, step_s=1.0, data_s=0.1, sync=0.2):
+    times = StepTimes(step_s, data_s, sync)
+    return {"rank": rank, "step": step, "step_s": step_s, "data_s": data_s, "compute_s": times.compute_s,
+            "sync_wait_s": sync, "time": t}
+
+
+# -- stall detector (pure) --------------------------------------------------------------------------------
+PLACE = {0: {"node_id": "n-dc-a-0" + "0" * 40, "datacenter": "dc-a"}, 1: {"node_id": "n-dc-b-0" + "1" * 40, "datacenter": "dc-b"}}
+
+
+def test_a_rank_silent_for_more_than_n_medians_is_named_with_node_and_dc():
+    beats = {0: {"step": 10, "time": 100.0}, 1: {"step": 7, "time": 94.0}}
+    stalls = find_stalls(beats, [1.0, 1.2, 0.8], now=101.0, placement=PLACE, policy=StallPolicy(factor=5, floor_s=2))
+    assert [s.rank for s in stalls] == [1]
+    s = stalls[0]
+    assert (s.step, s.silent_s, s.threshold_s, s.median_step_s, s.datacenter) == (7, 7.0, 5.0, 1.0, "dc-b")
+    assert "rank 1 in dc-b on node n-dc-b-01111" in s.message() and "step 7" in s.message()
+
+
+def test_the_rank_behind_is_named_not_the_ranks_waiting_for_it_in_the_sync():
+    # Rank 1 stopped in step 8's forward; ranks 0 and 2 computed step 8 and wait in its gradient sync.
+    beats = {0: {"step": 7, "computed": 8, "time": 90.0}, 1: {"step": 7, "computed": 7, "time": 89.5},
+             2: {"step": 7, "computed": 8, "time": 90.1}}
+    stalls = find_stalls(beats, [1.0] * 5, now=100.0, placement=PLACE, policy=StallPolicy(factor=5, floor_s=1))
+    assert [(s.rank, s.step, s.silent_s) for s in stalls] == [(1, 7, 10.5)]
+    # Every rank equally far and silent: the collective itself hangs, all are named.
+    beats[1] = {"step": 7, "computed": 8, "time": 89.5}
+    assert [s.rank for s in find_stalls(beats, [1.0], now=100.0, placement=PLACE)] == [0, 1, 2]
+
+
+def test_no_stall_below_threshold_floor_or_before_any_step():
+    beats = {0: {"step": 3, "time": 100.0}}
+    assert find_stalls(beats, [0.1], now=104.0, placement=PLACE, policy=StallPolicy(factor=5, floor_s=5)) == []
+    assert find_stalls(beats, [0.1], now=105.5, placement=PLACE, policy=StallPolicy(factor=5, floor_s=5))[0].rank == 0
+    assert find_stalls(beats, [], now=1e9, placement=PLACE) == []
+
+
+def test_stall_policy_rejects_nonsense():
+    with pytest.raises(ValueError, match="factor"):
+        StallPolicy(factor=1)
+
+
+def test_supervisor_records_one_stall_event_per_rank_and_step(store, supervisor):
+    job, _ = supervisor.submit(*_request())
+    supervisor.tick()
+    runner = supervisor.launcher.runners[job.id]
+    runner.state = "running"
+    for rank, dc in ((0, "dc-a"), (1, "dc-b")):
+        runner.push("event", {"kind": "worker_started", "message": "", "time": 1.0,
+                              "data": {"rank": rank, "node_id": f"node-{dc}", "datacenter": dc}})
+    runner.observe = {"heartbeats": {0: {"step": 5, "time": 100.0}, 1: {"step": 2, "time": 80.0}},
+                      "recent_step_s": [1.0] * 10, "now": 100.5}
+    supervisor.tick()
+    supervisor.tick()  # the same stall is not repeated
+    stalls = [e for e in store.list_events(job.id) if e.kind == "stall"]
+    assert len(stalls) == 1
+    assert stalls[0].data["rank"] == 1 and stalls[0].data["node_id"] == "node-dc-b"
+    assert stalls[0].data["datacenter"] == "dc-b" and stalls[0].data["silent_s"] == pytest.approx(20.5)
+
+
+def _request():
+    from meridian.api.schemas import JobSpec
+
+    s = JobSpec.model_validate(spec())
+    return s.to_request(), s.model_dump(mode="json")
+
+
+# -- the runner's metric fold -----------------------------------------------------------------------------
+def test_metric_state_tags_job_and_datacenter_and_splits_step_time():
+    m = JobMetricsState("j1", policy=StallPolicy(factor=3, floor_s=0.5))
+    for rank, dc in ((0, "dc-a"), (1, "dc-a"), (2, "dc-b")):
+        m.on_event("worker_started", {"rank": rank, "datacenter": dc})
+    rec = step_record(1, 10, 2.5) | {"step_s": 0.5, "inter_dc_bytes": 1000, "data_s": 0.05, "compute_s": 0.3,
+                                     "comm_s": 0.2, "mfu": 0.25, "overlap_fraction": 0.4,
+                                     "comm_intra_dc_s": 0.05, "comm_inter_dc_s": 0.15}
+    m.on_record(rec)
+    m.on_heartbeat({"rank": 0, "phase": "computed", "step": 1, "time": 9.5})
+    m.on_heartbeat(beat(0, 1, 10.0, step_s=1.0, data_s=0.1))
+    m.on_heartbeat({"rank": 2, "phase": "computed", "step": 2, "time": 11.0})
+    m.on_heartbeat(beat(1, 1, 10.0, step_s=2.0, data_s=0.3))
+    m.on_heartbeat(beat(2, 1, 10.0, step_s=4.0, data_s=0.5, sync=0.5))
+    m.on_event("worker_lost", {"datacenter": "dc-b"})
+    m.refresh_live(now=10.0 + 3 * 2.0 + 0.1)  # median step 2 s → 6 s threshold; all silent 6.1 s
+    gauges, counts, obs = m.drain()
+    assert gauges[_key("meridian_job_loss", job_id="j1", datacenter="all")] == 2.5
+    assert gauges[_key("meridian_job_inter_dc_bytes_per_second", job_id="j1", datacenter="all")] == 2000
+    assert gauges[_key("meridian_job_mfu", job_id="j1", datacenter="all")] == 0.25
+    assert gauges[_key("meridian_job_step_seconds", job_id="j1", datacenter="dc-a")] == 1.5
+    assert gauges[_key("meridian_job_comm_seconds", job_id="j1", datacenter="all", tier="inter_dc")] == 0.15
+    assert gauges[_key("meridian_job_step_phase_seconds", job_id="j1", datacenter="dc-a", phase="data")] == pytest.approx(0.2)
+    assert gauges[_key("meridian_job_step_phase_seconds", job_id="j1", datacenter="dc-b", phase="compute")] == pytest.approx(3.0)
+    assert gauges[_key("meridian_job_live_workers", job_id="j1", datacenter="dc-a")] == 0
+    assert counts == {_key("meridian_job_steps_total", job_id="j1", datacenter="all"): 1,
+                      _key("meridian_job_recoveries_total", job_id="j1", datacenter="dc-b"): 1}
+    assert obs == [(_key("meridian_job_step_duration_seconds", job_id="j1", datacenter="all"), 0.5)]
+    m.refresh_live(now=10.0 + 5.0)
+    gauges, counts, obs = m.drain()
+    assert gauges[_key("meridian_job_live_workers", job_id="j1", datacenter="dc-a")] == 2
+    assert gauges[_key("meridian_job_live_workers", job_id="j1", datacenter="all")] == 3
+    assert counts == {} and obs == []  # increments are handed over once
+    assert m.stall_view()[2] == {"step": 1, "computed": 2, "time": 11.0}
+    assert m.stall_view()[0] == {"step": 1, "computed": 1, "time": 10.0}
+
+
+# -- worker-side figures ----------------------------------------------------------------------------------
+def test_step_times_and_mfu():
+    t = StepTimes(step_s=1.0, data_s=0.25, sync_wait_s=0.5)
+    assert t.compute_s == 0.25
+    assert StepTimes(0.1, 0.2, 0.3).compute_s == 0.0
+    assert mfu(600, 100.0, 2, DevicePeak(flops=1e5, source="x")) == pytest.approx(0.3)
+    assert mfu(600, 100.0, 2, None) is None
+
+
+def test_measured_peak_is_positive_and_says_how():
+    peak = measure_peak_flops(__import__("torch").device("cpu"), n=128, bursts=2, burst_s=0.01)
+    assert peak.flops > 1e6 and "matmul on cpu" in peak.source
+
+
+def test_records_split_data_and_compute_time():
+    from meridian.workers.multiproc import run_processes
+
+    (records,) = run_processes(_train_records, 1, timeout_s=300)
+    assert len(records) == 3
+    for r in records:
+        assert r["data_s"] > 0 and r["compute_s"] > 0
+        assert r["data_s"] + r["compute_s"] + r["sync_wait_s"] == pytest.approx(r["step_s"], rel=1e-6)
+        # MFU is relative to the matmul peak measured on this (shared, noisy) machine: check the arithmetic.
+        assert "matmul" in r["peak_source"] and r["peak_flops"] > 0
+        assert r["mfu"] == pytest.approx(r["tokens_per_s"] * model_preset("nano").flops_per_token / r["peak_flops"])
+
+
+class _BeatSink:
+    def __init__(self):
+        self.records, self.beats = [], []
+
+    def step(self, record):
+        self.records.append(record)
+
+    def rank_step(self, b):
+        self.beats.append(b)
+
+
+def _train_records(rank, world):
+    from meridian.workers.config import TrainConfig, model_preset
+    from meridian.workers.train_loop import train
+
+    sink = _BeatSink()
+    train(TrainConfig(job_id="o", model=model_preset("nano"), steps=3, global_batch=2, micro_batch=2), sink=sink)
+    assert [(b["phase"], b["step"]) for b in sink.beats] == [
+        ("computed", 1), ("done", 1), ("computed", 2), ("done", 2), ("computed", 3), ("done", 3)]
+    assert all(b["rank"] == 0 for b in sink.beats)
+    return sink.records
+
+
+# -- the service's Prometheus /metrics --------------------------------------------------------------------
+class _Svc:
+    def __init__(self, store, supervisor, view):
+        from meridian.service.core import ServiceConfig
+
+        self.config = ServiceConfig(data_dir="/tmp")
+        self.store, self.supervisor, self._view, self.probe_cache = store, supervisor, view, None
+
+    def topology(self):
+        return self._view()
+
+
+def test_service_metrics_count_requests_queue_and_states(store, supervisor, cluster_view):
+    svc = _Svc(store, supervisor, cluster_view)
+    with TestClient(create_app(svc.config, service=svc)) as c:
+        for _ in range(2):
+            assert c.post("/v1/jobs", json=spec()).status_code == 201
+        assert c.get("/v1/jobs/nope").status_code == 404
+        text = c.get("/metrics").text
+    assert "meridian_service_queue_length 2.0" in text
+    assert 'meridian_service_jobs{state="queued"} 2.0' in text and 'meridian_service_jobs{state="running"} 0.0' in text
+    assert 'meridian_service_http_requests_total{method="POST",route="/v1/jobs",status="201"} 2.0' in text
+    assert 'meridian_service_http_requests_total{method="GET",route="/v1/jobs/{job_id}",status="404"} 1.0' in text
+    assert store.count_by_state()[JobState.QUEUED] == 2
+
+
+def test_cli_progress_bar_shows_eta_and_where_the_step_went():
+    from meridian.api.render import progress_line
+
+    job = {"state": "running", "message": "", "progress": {
+        "step": 30, "total_steps": 120, "loss": 2.5, "tokens_per_s": 5000.0, "eta_s": 95.0, "step_s": 0.5,
+        "data_s": 0.2, "compute_s": 0.25, "mfu": 0.123}}
+    line = progress_line(job, width=12)
+    assert line.startswith("[###.........] step 30/120  loss 2.500  5.0k tok/s  ETA 1:35")
+    assert line.endswith("data 40% compute 50%  MFU 12.3%")
+
+
+def test_supervisor_progress_keeps_the_split_and_a_smoothed_eta():
+    from meridian.service.supervisor import _progress
+
+    recs = [step_record(s, 10, 3.0) | {"step_s": st, "data_s": 0.1, "compute_s": 0.3, "mfu": 0.2}
+            for s, st in ((1, 1.0), (2, 0.5))]
+    p = _progress(None, recs, cursor=2)
+    assert p["step_s_ema"] == pytest.approx(0.9)  # 0.8 * 1.0 + 0.2 * 0.5
+    assert p["eta_s"] == pytest.approx(8 * 0.9) and p["data_s"] == 0.1 and p["mfu"] == 0.2
+
+
+def _har_records(rank, world):
+    from meridian.workers.config import SyncConfig, SyncStrategy, TrainConfig, model_preset
+    from meridian.workers.train_loop import ListSink, train
+
+    sink = ListSink()
+    cfg = TrainConfig(job_id="h", model=model_preset("nano"), steps=3, global_batch=4, micro_batch=2,
+                      datacenters=("a", "a", "b", "b"), sync=SyncConfig(strategy=SyncStrategy("hierarchical")))
+    train(cfg, sink=sink)
+    return sink.records
+
+
+def test_hierarchical_records_split_sync_time_by_tier():
+    from meridian.workers.multiproc import run_processes
+
+    records = run_processes(_har_records, 4, timeout_s=300)[0]
+    for r in records:
+        assert r["comm_intra_dc_s"] > 0 and r["comm_inter_dc_s"] >= 0
+        assert r["comm_intra_dc_s"] + r["comm_inter_dc_s"] == pytest.approx(r["comm_s"], rel=1e-9, abs=1e-12)

@@ -1,0 +1,117 @@
+"""Node loss on a real Ray cluster, through the service's HTTP API.
+
+Two datacenters of two one-CPU nodes each. One job (min_workers=3) loses a node of dc-a (killed: no grace),
+then the rest of dc-a with rank 0 (drained gracefully), which leaves it below min_workers, then gets a dc-a
+node back. It must keep training through all of it — re-forming over the survivors, a datacenter dropping
+out, waiting with a reason, scaling back up — and end where a job with no failure ends: same data order,
+same final and held-out loss within fp32 round-off.
+"""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+from fakes import spec
+
+from meridian.api.server import serve_in_thread
+from meridian.service.cluster import FAST_FAILURE_DETECTION
+from meridian.service.core import MeridianService, ServiceConfig
+
+pytestmark = pytest.mark.slow
+
+STEPS = 90
+TRAINING = {"steps": STEPS, "global_batch": 12, "micro_batch": 2, "lr": 3e-3}
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 0, "include_dashboard": False, "_system_config": FAST_FAILURE_DETECTION})
+    nodes = {dc: [cluster.add_node(num_cpus=1, labels={"datacenter": dc}) for _ in range(2)] for dc in ("dc-a", "dc-b")}
+    cluster.wait_for_nodes()
+    service = MeridianService(ServiceConfig(data_dir=str(tmp_path_factory.mktemp("meridian")),
+                                            ray_address=cluster.address, poll_interval_s=0.3)).start()
+    try:
+        with serve_in_thread(service) as url, httpx.Client(base_url=url, timeout=30) as client:
+            yield cluster, nodes, client
+    finally:
+        service.stop()
+        cluster.shutdown()
+
+
+def until(client, job_id, what, timeout_s, describe):
+    """Poll the job until ``what(job, events)`` is truthy; fail with the job's state and last events."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        job = client.get(f"/v1/jobs/{job_id}").json()
+        events = client.get(f"/v1/jobs/{job_id}/events").json()["events"]
+        got = what(job, events)
+        if got:
+            return got
+        if job["state"] in ("failed", "cancelled"):
+            break
+        time.sleep(0.3)
+    tail = [f"{e['kind']}: {e['message']}" for e in events[-8:]]
+    raise AssertionError(f"{describe} not seen in {timeout_s} s; job {job['state']}: {job['message']}; events: {tail}")
+
+
+def epochs(events):
+    return [e["data"] for e in events if e["kind"] == "epoch_formed"]
+
+
+def node_of(cluster_nodes, node_id):
+    return next(n for ns in cluster_nodes.values() for n in ns if n.node_id == node_id)
+
+
+@pytest.mark.timeout(1500)  # two jobs and three re-formations: ~6 min on an idle 2-core machine
+def test_job_survives_node_losses_waits_below_min_workers_and_scales_back_up(env):
+    cluster, nodes, api = env
+    # The reference: the same job with no failure.
+    ref_id = api.post("/v1/jobs", json=spec(name="reference", training=TRAINING)).json()["id"]
+    ref = until(api, ref_id, lambda j, _: j if j["state"] == "succeeded" else None, 300, "reference success")
+
+    job_id = api.post("/v1/jobs", json=spec(name="elastic", training=TRAINING, topology={"min_workers": 3})).json()["id"]
+    job = until(api, job_id, lambda j, _: j if (j["progress"]["step"] or 0) >= 10 else None, 300, "step 10")
+    # 1) Kill the node of a dc-a worker that is not rank 0, with no grace: the survivors re-form on 2 + 1.
+    victim = next(p for p in job["placement"] if p["datacenter"] == "dc-a" and p["rank"] != 0)
+    cluster.remove_node(node_of(nodes, victim["node_id"]), allow_graceful=False)
+    second = until(api, job_id, lambda j, ev: next((e for e in epochs(ev) if e["epoch"] == 2), None), 120, "epoch 2")
+    assert second["datacenters"] == ["dc-a", "dc-b", "dc-b"]
+    assert second["resume_step"] >= 10 and not second["from_checkpoint"]
+
+    # 2) A second loss takes the rest of dc-a, rank 0 (host of the epoch's store) included, drained gracefully.
+    #    Two workers are left, below the job's min_workers=3: it waits for capacity and says why.
+    until(api, job_id, lambda j, _: (j["progress"]["step"] or 0) >= second["resume_step"] + 5, 120, "training in epoch 2")
+    rank0 = next(p for p in api.get(f"/v1/jobs/{job_id}").json()["placement"] if p["rank"] == 0)
+    cluster.remove_node(node_of(nodes, rank0["node_id"]), allow_graceful=True)
+    waiting = until(api, job_id, lambda j, _: j if j["reason"] == "WaitingForWorkers" else None, 120, "waiting")
+    assert waiting["state"] == "running" and "min_workers" in waiting["message"]
+
+    # 3) A dc-a node comes back: a worker starts on it and the job grows into it. dc-b's two ranks still hold
+    #    a whole replica, so the state comes from memory, not from a checkpoint.
+    cluster.add_node(num_cpus=1, labels={"datacenter": "dc-a"})
+    grown = until(api, job_id, lambda j, ev: next((e for e in epochs(ev) if e["epoch"] == 3), None),
+                  240, "a worker joining in dc-a")
+    assert grown["datacenters"] == ["dc-a", "dc-b", "dc-b"] and len(grown["newcomers"]) == 1
+    assert not grown["from_checkpoint"] and grown["resume_step"] >= second["resume_step"] + 5
+
+    job = until(api, job_id, lambda j, _: j if j["state"] in ("succeeded", "failed") else None, 300, "the end")
+    assert job["state"] == "succeeded", job["message"]
+    events = api.get(f"/v1/jobs/{job_id}/events").json()["events"]
+    kinds = [e["kind"] for e in events]
+    assert kinds.count("node_lost") == 2 and kinds.count("worker_lost") == 2 and "node_joined" in kinds
+    assert "restarted" not in kinds and "state_incomplete" not in kinds
+    assert [p["datacenter"] for p in job["placement"]] == ["dc-a", "dc-b", "dc-b"]  # the last membership
+    # Every step was trained once more at most; rank 0 reports a step's loss one step late (an async
+    # all-reduce), so the records of the last steps before a break can be missing — at most two per break
+    # (measured: 3 missing over 2 breaks) — though their state was kept and training resumed after them.
+    points = api.get(f"/v1/jobs/{job_id}/metrics").json()["points"]
+    missing = set(range(1, STEPS + 1)) - {p["step"] for p in points}
+    assert len(missing) <= 2 * 2 and STEPS not in missing, sorted(missing)
+    # Same samples in the same order as the reference: the same model at the end, up to fp32 sum order.
+    assert abs(job["result"]["final_loss"] - ref["result"]["final_loss"]) < 2e-2
+    assert abs(job["result"]["eval_loss"] - ref["result"]["eval_loss"]) < 2e-2

@@ -1,0 +1,132 @@
+"""In-memory snapshots: the shards of the survivors rebuild the whole state, which resumes anywhere.
+
+Every rank trains the toy model on 2 + 2 (sharded AdamW, overlapped) and snapshots its shard after the last
+step. Pooling the shards of any set of ranks that still covers one element of everything (e.g. one whole
+DC plus a rank of the other) gives back exactly the full state; a set that misses a shard says which
+element is gone. The pooled state loaded into 2 + 1 continues like an uninterrupted single-process run.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from sync_helpers import (
+    lr_of,
+    max_rel_diff,
+    micro_batches,
+    params_of,
+    reference_params,
+    share_loss,
+    toy_model,
+    train_steps,
+)
+
+from meridian.workers.config import OptimConfig, SyncConfig, SyncStrategy
+from meridian.workers.layout import DCGroups, DCLayout
+from meridian.workers.multiproc import run_processes
+from meridian.workers.replica_state import IncompleteState, assemble
+from meridian.workers.sync import build_sync
+
+OPTIM = OptimConfig(lr=0.05, weight_decay=0.1, grad_clip=0.5, warmup_steps=0)
+STEPS, MICRO = 3, 2
+FP32_TOL = 1e-5
+
+
+def _engine(rank, dcs, strategy=SyncStrategy.HIERARCHICAL):
+    sync = SyncConfig(strategy=strategy, overlap=True, bucket_mb=64 / 2**20, inter_dc_chunk_mb=40 / 2**20)
+    return build_sync(toy_model(0), DCGroups(DCLayout(dcs), rank), sync, OPTIM)
+
+
+def _snapshot_run(rank, world, dcs, strategy):
+    engine = _engine(rank, dcs, strategy)
+    train_steps(engine, rank, world, STEPS - 1, MICRO)
+    batches = micro_batches(STEPS - 1, rank, world, MICRO)  # the last step by hand, to snapshot it
+    for i, (x, y) in enumerate(batches):
+        last = i == len(batches) - 1
+        with engine.micro_batch(last_micro_batch=last):
+            engine.backward(share_loss(engine.model, x, y), last_micro_batch=last)
+    shard = engine.step(lr_of(STEPS - 1), snapshot_as=STEPS).shard
+    full = engine.optimizer_state()
+    engine.synchronize()
+    params = params_of(engine.model.module if hasattr(engine.model, "module") else engine.model)
+    engine.close()
+    engine.groups.destroy()
+    return {"shard": shard, "full": full, "params": params}
+
+
+def _resume_run(rank, world, dcs, params, optimizer):
+    engine = _engine(rank, dcs)
+    with torch.no_grad():
+        for name, p in engine.model.named_parameters():
+            p.copy_(params[name])
+    engine.load_optimizer_state(optimizer)
+    train_steps(engine, rank, world, STEPS, MICRO, first_step=STEPS)
+    engine.synchronize()
+    out = params_of(engine.model)
+    engine.close()
+    engine.groups.destroy()
+    return out
+
+
+@pytest.fixture(scope="module")
+def sharded():
+    return run_processes(_snapshot_run, 4, ("a", "a", "b", "b"), SyncStrategy.HIERARCHICAL)
+
+
+def _shapes():
+    return {n: p.shape for n, p in toy_model(0).named_parameters()}
+
+
+def test_shard_is_one_nth_and_taken_at_the_step(sharded):
+    assert all(out["shard"].step == STEPS and out["shard"].adam_step == STEPS for out in sharded)
+    whole = sum(p.numel() for p in toy_model(0).parameters())
+    for dc in ((0, 1), (2, 3)):
+        assert sum(sum(p.stop - p.start for p in sharded[r]["shard"].pieces) for r in dc) == whole
+
+
+@pytest.mark.parametrize("survivors", [(0, 2, 3), (1, 2, 3), (0, 1, 3), (0, 1), (0, 3), (1, 2)])
+def test_survivors_that_cover_every_shard_rebuild_the_exact_state(sharded, survivors):
+    params, optimizer = assemble([sharded[r]["shard"] for r in survivors], _shapes())
+    full = sharded[0]["full"]
+    assert optimizer["step"] == full["step"] == STEPS
+    for name, p in sharded[0]["params"].items():
+        assert torch.equal(params[name], p), name
+        for m in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(optimizer["params"][name][m], full["params"][name][m]), (name, m)
+
+
+@pytest.mark.parametrize("survivors", [(0, 2), (1, 3), (0,), ()])
+def test_survivors_missing_a_shard_are_refused_by_name(sharded, survivors):
+    with pytest.raises(IncompleteState, match="no surviving rank holds|no rank holds"):
+        assemble([sharded[r]["shard"] for r in survivors], _shapes())
+
+
+def test_pooled_state_resumes_on_2_plus_1_like_one_uninterrupted_run(sharded):
+    params, optimizer = assemble([sharded[r]["shard"] for r in (0, 2, 3)], _shapes())
+    resumed = run_processes(_resume_run, 3, ("a", "a", "b"), params, optimizer)
+    ref = reference_params(2 * STEPS, OPTIM)
+    for out in resumed:
+        assert max_rel_diff(out, ref) < FP32_TOL
+
+
+def test_flat_engine_snapshots_the_whole_replica():
+    outs = run_processes(_snapshot_run, 2, ("a", "b"), SyncStrategy.FLAT)
+    params, optimizer = assemble([outs[1]["shard"]], _shapes())  # one survivor is enough
+    for name, p in outs[0]["params"].items():
+        assert torch.equal(params[name], p), name
+    assert optimizer["step"] == STEPS
+
+
+@pytest.mark.parametrize("dcs", [("a", "b"), ("a", "a", "a", "b")], ids=["1+1", "3+1"])
+def test_durable_checkpoint_of_2_plus_2_reshards_onto_other_dc_sizes(sharded, tmp_path, dcs):
+    from meridian.workers import checkpoint as ckpt_io
+
+    written = ckpt_io.Checkpoint(step=STEPS, model=sharded[0]["params"], optimizer=sharded[0]["full"],
+                                 fingerprint={"toy": True})
+    ckpt_io.save(str(tmp_path), written)
+    loaded = ckpt_io.load_latest(str(tmp_path))
+    assert loaded is not None and loaded.step == STEPS
+    resumed = run_processes(_resume_run, len(dcs), dcs, loaded.model, loaded.optimizer)
+    ref = reference_params(2 * STEPS, OPTIM)
+    for out in resumed:
+        assert max_rel_diff(out, ref) < FP32_TOL

@@ -1,0 +1,260 @@
+"""The worker agent: training runs in a child process that can die cleanly when its epoch breaks.
+
+Why a child: gloo cannot abort a collective in flight. When a peer dies, a rank whose other operations
+are still pending (its communication thread, an async all-gather) keeps its sockets open however its
+process groups are destroyed (measured: a blocked peer waited until the process exited), so ranks that
+wait on *it* hang until the collective timeout. A process exit closes every socket at once, so a failure
+propagates through the whole job in well under a second. The agent — the Ray Train worker itself, which
+Ray Train must not lose — stays; it restarts the child, which rejoins in ~2 s (interpreter + torch import).
+
+What survives the child: the in-memory snapshots, written after each step to a tmpfs folder (``/dev/shm``,
+RAM) that the next child reads, and the epoch number it last belonged to. The child reaches the
+coordinator, the progress sink and the event sink through the agent, over one pipe
+(:class:`PipeClient`), so it never touches Ray.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from meridian.workers.config import TrainConfig
+from meridian.workers.replica_state import LocalShard
+from meridian.workers.train_loop import TrainResult
+
+RESTART_EXIT_CODE = 75
+"""The child's exit code for "my epoch broke (a peer failed): start me again"."""
+
+Call = Callable[..., Any]
+
+
+# -- snapshots that outlive the child ----------------------------------------------------------------------
+class SnapshotStore:
+    """The newest ``keep`` shards, in memory (``directory=None``) or as files in a RAM-backed folder."""
+
+    def __init__(self, keep: int, directory: str | None = None) -> None:
+        self.keep = keep
+        self.directory = Path(directory) if directory else None
+        self._memory: list[LocalShard] = []
+        if self.directory is not None:
+            self.directory.mkdir(parents=True, exist_ok=True)
+
+    def _files(self) -> list[Path]:
+        assert self.directory is not None
+        return sorted(self.directory.glob("shard-*.pt"))
+
+    def append(self, shard: LocalShard) -> None:
+        if self.directory is None:
+            self._memory = [s for s in self._memory if s.step != shard.step][-(self.keep - 1) :] + [shard]
+            return
+        tmp = self.directory / f"partial-{shard.step:010d}.tmp"
+        torch.save(shard, tmp)
+        os.replace(tmp, self.directory / f"shard-{shard.step:010d}.pt")
+        for old in self._files()[: -self.keep]:
+            old.unlink(missing_ok=True)
+
+    def get(self, step: int) -> LocalShard | None:
+        if self.directory is None:
+            return next((s for s in self._memory if s.step == step), None)
+        path = self.directory / f"shard-{step:010d}.pt"
+        return torch.load(path, weights_only=False) if path.exists() else None
+
+    @property
+    def last_step(self) -> int:
+        if self.directory is None:
+            return self._memory[-1].step if self._memory else 0
+        files = self._files()
+        return int(files[-1].stem.split("-")[1]) if files else 0
+
+    def discard_after(self, step: int) -> None:
+        """Forget shards newer than ``step`` (an epoch resumed at ``step`` will train those steps again)."""
+        if self.directory is None:
+            self._memory = [s for s in self._memory if s.step <= step]
+            return
+        for f in self._files():
+            if int(f.stem.split("-")[1]) > step:
+                f.unlink(missing_ok=True)
+
+    def clear(self) -> None:
+        if self.directory is None:
+            self._memory.clear()
+            return
+        for f in self._files():
+            f.unlink(missing_ok=True)
+
+
+def snapshot_dir(job_id: str, worker_id: str) -> str:
+    """A per-worker folder in RAM where there is one (``/dev/shm``), else in the temp folder."""
+    root = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in f"{job_id}.{worker_id}")
+    return os.path.join(root, f"meridian-snapshots.{safe}")
+
+
+# -- the pipe between agent and child ----------------------------------------------------------------------
+def _send(conn: Any, message: Any) -> None:
+    # Plain pickle: a Connection's own pickler shares tensors by file descriptor, which dies with the sender.
+    conn.send_bytes(pickle.dumps(message))
+
+
+def _recv(conn: Any) -> Any:
+    return pickle.loads(conn.recv_bytes())
+
+
+class PipeClient:
+    """The child's end: request/response calls (thread-safe) and one-way messages."""
+
+    def __init__(self, conn: Any) -> None:
+        self.conn = conn
+        self._lock = threading.Lock()
+
+    def call(self, method: str, *args: Any) -> Any:
+        with self._lock:
+            _send(self.conn, ("call", method, args))
+            ok, value = _recv(self.conn)
+        if not ok:
+            raise RuntimeError(value)
+        return value
+
+    def tell(self, kind: str, *payload: Any) -> None:
+        with self._lock:
+            _send(self.conn, (kind, *payload))
+
+
+class PipeSink:
+    def __init__(self, client: PipeClient) -> None:
+        self.client = client
+
+    def step(self, record: dict[str, Any]) -> None:
+        self.client.tell("progress", record)
+
+    def rank_step(self, beat: dict[str, Any]) -> None:
+        self.client.tell("beat", beat)
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """If the agent is killed (its node dies), this process must not live on training alone."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def _child_main(conn: Any, cfg: TrainConfig, ids: dict[str, Any], store_dir: str, device: str, threads: int) -> None:
+    from meridian.workers.elastic_loop import ElasticTrainer
+    from meridian.workers.rendezvous import Rendezvous
+
+    _die_with_parent(ids["parent_pid"])
+    torch.set_num_threads(threads)
+    client = PipeClient(conn)
+    rdzv = Rendezvous(
+        client.call, worker_id=ids["worker_id"], datacenter=ids["datacenter"], node_id=ids["node_id"],
+        address=ids["address"], backend=ids["backend"], collective_timeout_s=ids["collective_timeout_s"],
+    )  # fmt: skip
+    rdzv.epoch = ids["epoch"]
+    trainer = ElasticTrainer(
+        cfg, rdzv, sink=PipeSink(client), on_event=lambda k, m, d: client.tell("event", k, m, d),
+        device=torch.device(device), join_timeout_s=ids["join_timeout_s"],
+        snapshots=SnapshotStore(ids["keep"], store_dir), exit_on_failure=True,
+        on_epoch=lambda n: client.tell("epoch", n), keep_params=ids["keep_params"],
+    )  # fmt: skip
+    try:
+        result = trainer.run()
+    except BaseException:  # noqa: BLE001 - the agent reports it
+        client.tell("error", traceback.format_exc())
+        conn.close()
+        os._exit(1)
+    client.tell("done", result)
+    conn.close()
+
+
+class Agent:
+    """Runs the job's training in child processes until it finishes; restarts a child whose epoch broke."""
+
+    def __init__(
+        self, cfg: TrainConfig, call: Call, *, worker_id: str, datacenter: str, node_id: str, address: str,
+        backend: str = "gloo", device: str = "cpu", sink: Any = None, on_event: Callable[..., None] | None = None,
+        join_timeout_s: float = 600.0, collective_timeout_s: float = 300.0, threads: int | None = None,
+        max_restarts: int = 100, keep_params: bool = False,
+    ) -> None:  # fmt: skip
+        from meridian.workers.elastic_loop import KEEP_SNAPSHOTS
+
+        self.cfg, self.call, self.sink = cfg, call, sink
+        self.on_event = on_event or (lambda *a: None)
+        self.ids = {
+            "worker_id": worker_id, "datacenter": datacenter, "node_id": node_id, "address": address,
+            "backend": backend, "collective_timeout_s": collective_timeout_s, "join_timeout_s": join_timeout_s,
+            "keep": KEEP_SNAPSHOTS, "epoch": 0, "keep_params": keep_params, "parent_pid": os.getpid(),
+        }  # fmt: skip
+        self.device = device
+        self.threads = threads or torch.get_num_threads()
+        self.max_restarts = max_restarts
+        self.store_dir = snapshot_dir(cfg.job_id, worker_id)
+        self.restarts = 0
+
+    def run(self) -> TrainResult | None:
+        ctx = mp.get_context("spawn")
+        try:
+            while True:
+                parent, child = ctx.Pipe()
+                proc = ctx.Process(
+                    target=_child_main, args=(child, self.cfg, dict(self.ids), self.store_dir, self.device, self.threads),
+                    name=f"meridian-trainer-{self.ids['worker_id']}", daemon=True,
+                )  # fmt: skip
+                proc.start()
+                child.close()
+                outcome = self._serve(parent, proc)
+                proc.join()
+                if outcome is not None:
+                    return outcome[1]
+                if proc.exitcode != RESTART_EXIT_CODE:
+                    raise RuntimeError(f"the training process exited with code {proc.exitcode}")
+                self.restarts += 1
+                if self.restarts > self.max_restarts:
+                    raise RuntimeError(f"gave up after {self.max_restarts} restarts of the training process")
+        finally:
+            shutil.rmtree(self.store_dir, ignore_errors=True)
+
+    def _serve(self, conn: Any, proc: Any) -> tuple[str, TrainResult | None] | None:
+        """Relay the child's messages until it ends; ``("done", result)`` when training finished."""
+        while True:
+            try:
+                msg = _recv(conn)
+            except (EOFError, ConnectionResetError):
+                return None  # the child exited (to be restarted, or it crashed: the exit code says)
+            kind = msg[0]
+            if kind == "call":
+                _, method, args = msg
+                try:
+                    reply = (True, self.call(method, *args))
+                except Exception as e:  # noqa: BLE001 - the child raises it
+                    reply = (False, f"{type(e).__name__}: {e}")
+                _send(conn, reply)
+            elif kind == "progress":
+                if self.sink is not None:
+                    self.sink.step(msg[1])
+            elif kind == "beat":
+                rank_step = getattr(self.sink, "rank_step", None)
+                if rank_step is not None:
+                    rank_step(msg[1])
+            elif kind == "event":
+                self.on_event(*msg[1:])
+            elif kind == "epoch":
+                self.ids["epoch"] = msg[1]
+            elif kind == "done":
+                return ("done", msg[1])
+            elif kind == "error":
+                raise RuntimeError(f"training failed:\n{msg[1]}")

@@ -1,0 +1,78 @@
+"""When each part of the model crosses the WAN under (streaming) DiLoCo: a pure schedule, no torch.
+
+Streaming DiLoCo (Douillard et al. 2025, arXiv:2501.18512, §2) cuts the parameters into P fragments and
+syncs fragment p after inner steps ``t`` with ``t ≡ offset_p (mod H)``, offsets spread evenly over the
+cycle, so the WAN carries 1/P of the model every H/P steps instead of all of it every H steps. Plain DiLoCo
+(arXiv:2311.08105) is P = 1, offset 0. A fragment's all-reduce is issued after inner step ``t`` and applied
+``overlap_steps`` (tau) steps later, so it runs behind tau steps of compute.
+
+Fragments are groups of whole gradient buckets (buckets are cut at parameter boundaries, so a fragment
+holds whole parameters), balanced by element count in bucket order. Every rank computes the same schedule
+from the same numbers, which is what keeps their inter-DC collectives in the same order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+def split_fragments(bucket_numels: list[int], fragments: int) -> tuple[tuple[int, ...], ...]:
+    """Contiguous groups of bucket indices, as even in elements as whole buckets allow, none empty."""
+    if fragments < 1:
+        raise ValueError(f"fragments must be >= 1, got {fragments}")
+    if fragments > len(bucket_numels):
+        raise ValueError(
+            f"{fragments} fragments need at least as many gradient buckets, the model has "
+            f"{len(bucket_numels)}; lower sync.diloco.fragments or sync.bucket_mb"
+        )
+    total = sum(bucket_numels)
+    out: list[tuple[int, ...]] = []
+    current: list[int] = []
+    done = 0
+    for i, n in enumerate(bucket_numels):
+        current.append(i)
+        done += n
+        left_buckets, left_frags = len(bucket_numels) - i - 1, fragments - len(out) - 1
+        # close the fragment once it reached its share, or when every later bucket must start its own
+        if left_frags and (done >= total * (len(out) + 1) / fragments or left_buckets == left_frags):
+            out.append(tuple(current))
+            current = []
+    out.append(tuple(current))
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class FragmentSchedule:
+    """Which fragment's sync starts, and which lands, after each inner step."""
+
+    inner_steps: int
+    """H: each fragment is synced once every H inner steps."""
+    fragments: int
+    overlap_steps: int = 0
+
+    def __post_init__(self) -> None:
+        if self.inner_steps < 1 or self.fragments < 1 or self.fragments > self.inner_steps:
+            raise ValueError(
+                f"need 1 <= fragments ({self.fragments}) <= inner_steps ({self.inner_steps})"
+            )
+        if not 0 <= self.overlap_steps < self.inner_steps // self.fragments:
+            raise ValueError(
+                f"overlap_steps ({self.overlap_steps}) must be in [0, inner_steps // fragments = "
+                f"{self.inner_steps // self.fragments})"
+            )
+
+    def offset(self, fragment: int) -> int:
+        """Inner steps into each cycle after which ``fragment``'s sync starts (the last ones sync at H)."""
+        return (fragment + 1) * self.inner_steps // self.fragments
+
+    def starting(self, done: int) -> list[int]:
+        """Fragments whose all-reduce is issued once ``done`` inner steps are complete (``done`` >= 1)."""
+        return [p for p in range(self.fragments) if done >= 1 and done % self.inner_steps == self.offset(p) % self.inner_steps]
+
+    def landing(self, done: int) -> list[int]:
+        """Fragments whose all-reduce, issued ``overlap_steps`` steps earlier, is applied at ``done``."""
+        return self.starting(done - self.overlap_steps) if done - self.overlap_steps >= 1 else []
+
+    def cycle(self, start: int = 1) -> list[tuple[int, int]]:
+        """``(inner step, fragment)`` of every sync started in the H steps from ``start``: each fragment once."""
+        return [(t, p) for t in range(start, start + self.inner_steps) for p in self.starting(t)]
