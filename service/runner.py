@@ -26,6 +26,7 @@ from collections import deque
 from typing import Any
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from meridian.service.coordinator import Coordinator
 from meridian.service.job_metrics import JobMetricsState, RayJobMetrics
@@ -328,6 +329,31 @@ class JobRunner:
                 self._finish("cancelled")
             else:
                 self._finish("failed", _describe_failure(e) or traceback.format_exc(limit=3))
+        finally:
+            _sweep_snapshots(self.job_id)
+
+
+# -- in-memory snapshots left behind -----------------------------------------------------------------------
+def _remove_snapshot_dirs(job_id: str) -> list[str]:
+    from meridian.workers.agent import remove_snapshot_dirs
+
+    return remove_snapshot_dirs(job_id)
+
+
+def _sweep_snapshots(job_id: str, timeout_s: float = 30.0) -> list[str]:
+    """Remove the job's snapshot folders on every live node: a worker killed without its node (a crashed
+    process, a simulated node on one host) leaves its folder in RAM behind."""
+    remove = ray.remote(num_cpus=0, max_retries=0)(_remove_snapshot_dirs)
+    refs = [
+        remove.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote(job_id)
+        for n in ray.nodes() if n.get("Alive")
+    ]  # fmt: skip
+    removed: list[str] = []
+    deadline = time.monotonic() + timeout_s
+    for ref in refs:
+        with contextlib.suppress(Exception):  # best effort: a node that died meanwhile took its RAM with it
+            removed += ray.get(ref, timeout=max(0.1, deadline - time.monotonic()))
+    return removed
 
 
 # -- replacement workers ---------------------------------------------------------------------------------

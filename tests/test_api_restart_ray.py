@@ -15,8 +15,7 @@ import time
 import httpx
 import pytest
 from fakes import spec
-
-from meridian.service.cluster import FAST_FAILURE_DETECTION
+from ray_env import local_cluster
 
 pytestmark = pytest.mark.slow
 
@@ -66,15 +65,8 @@ class ServiceProcess:
 
 @pytest.fixture(scope="module")
 def cluster():
-    from ray.cluster_utils import Cluster
-
-    c = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 0, "include_dashboard": False, "_system_config": FAST_FAILURE_DETECTION})
-    for dc in ("dc-a", "dc-b"):
-        c.add_node(num_cpus=1, labels={"datacenter": dc})
-    c.wait_for_nodes()
-    yield c
-    c.shutdown()
+    with local_cluster(("dc-a", "dc-b")) as c:
+        yield c
 
 
 def wait_job(url, job_id, until, timeout_s):

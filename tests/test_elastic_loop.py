@@ -12,8 +12,10 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import shutil
 import signal
 import time
+import uuid
 from multiprocessing.managers import BaseManager
 
 import pytest
@@ -30,9 +32,9 @@ LONG_STEPS = 200
 TIMEOUT_S = 240
 
 
-def job(datacenters=("dc-a", "dc-a", "dc-b", "dc-b"), steps=STEPS) -> TrainConfig:
+def job(datacenters=("dc-a", "dc-a", "dc-b", "dc-b"), steps=STEPS, job_id="elastic-test") -> TrainConfig:
     return TrainConfig(
-        job_id="elastic-test", model=model_preset("nano"), steps=steps, global_batch=8, micro_batch=2,
+        job_id=job_id, model=model_preset("nano"), steps=steps, global_batch=8, micro_batch=2,
         datacenters=datacenters, optim=OptimConfig(warmup_steps=1),
         sync=SyncConfig(overlap=True, bucket_mb=0.05, inter_dc_chunk_mb=0.02),
     )  # fmt: skip
@@ -98,11 +100,13 @@ class ElasticRun:
         self.ctx = mp.get_context("spawn")
         self.results = self.ctx.Queue()
         self.procs: dict[int, mp.Process] = {}
+        self.snapshot_dirs: list[str] = []
 
     def start(self, i: int, dc: str, cfg: TrainConfig) -> None:
         p = self.ctx.Process(target=_elastic_worker, args=(i, dc, self.manager.address, cfg, self.results))
         p.start()
         self.procs[i] = p
+        self.snapshot_dirs.append(snapshot_dir(cfg.job_id, f"w{i}"))
 
     def collect(self, expected: set[int]) -> dict[int, dict]:
         out: dict[int, dict] = {}
@@ -131,6 +135,8 @@ class ElasticRun:
                 p.kill()
             p.join(5)
         self.manager.shutdown()
+        for folder in self.snapshot_dirs:
+            shutil.rmtree(folder, ignore_errors=True)  # a killed worker's folder outlives it
 
 
 @pytest.fixture
@@ -144,6 +150,12 @@ def elastic_run():
     yield make
     for r in runs:
         r.close()
+
+
+def _unique_job_id() -> str:
+    """Snapshot folders are named by job and worker id: a fresh id per run keeps a folder that an earlier,
+    killed run left behind from passing for this run's progress."""
+    return f"elastic-test-{uuid.uuid4().hex[:8]}"
 
 
 def _wait_for_step(cfg: TrainConfig, worker_id: str, step: int) -> None:
@@ -174,7 +186,7 @@ def test_losing_a_rank_mid_run_reforms_on_the_survivors_and_matches_an_uninterru
     elastic_run, reference
 ):
     run = elastic_run(4)
-    cfg = job()
+    cfg = job(job_id=_unique_job_id())
     for i, dc in enumerate(DCS):
         run.start(i, dc, cfg)
     run.kill_after_step(1, cfg, 3)
@@ -200,7 +212,7 @@ def long_reference():
 def test_a_newcomer_joins_at_a_step_boundary_and_gets_the_state(elastic_run, long_reference):
     # Long enough that the newcomer (two interpreters and torch to start) arrives before the end.
     run = elastic_run(3)
-    cfg = job(steps=LONG_STEPS)
+    cfg = job(steps=LONG_STEPS, job_id=_unique_job_id())
     for i, dc in enumerate(("dc-a", "dc-b", "dc-b")):
         run.start(i, dc, cfg)
     _wait_for_step(cfg, "w0", 2)

@@ -4,35 +4,19 @@ from __future__ import annotations
 
 import time
 
-import httpx
 import pytest
 import ray
 from fakes import spec
-
-from meridian.api.server import serve_in_thread
-from meridian.service.cluster import FAST_FAILURE_DETECTION
-from meridian.service.core import MeridianService, ServiceConfig
+from ray_env import local_cluster, service_client
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def api(tmp_path_factory):
-    from ray.cluster_utils import Cluster
-
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 0, "include_dashboard": False, "_system_config": FAST_FAILURE_DETECTION})
-    for dc in ("dc-a", "dc-a", "dc-b", "dc-b"):
-        cluster.add_node(num_cpus=1, labels={"datacenter": dc})
-    cluster.wait_for_nodes()
-    service = MeridianService(ServiceConfig(data_dir=str(tmp_path_factory.mktemp("meridian")),
-                                            ray_address=cluster.address, poll_interval_s=0.3)).start()
-    try:
-        with serve_in_thread(service) as url, httpx.Client(base_url=url, timeout=30) as client:
-            yield client
-    finally:
-        service.stop()
-        cluster.shutdown()
+    with local_cluster(("dc-a", "dc-a", "dc-b", "dc-b")) as cluster, \
+            service_client(cluster.address, str(tmp_path_factory.mktemp("meridian"))) as client:  # fmt: skip
+        yield client
 
 
 def wait_for(client, job_id, states, timeout_s, seen=None):

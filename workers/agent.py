@@ -15,6 +15,7 @@ coordinator, the progress sink and the event sink through the agent, over one pi
 
 from __future__ import annotations
 
+import glob
 import multiprocessing as mp
 import os
 import pickle
@@ -95,11 +96,26 @@ class SnapshotStore:
             f.unlink(missing_ok=True)
 
 
+def _snapshot_root() -> str:
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+
+
+def _safe(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
+
+
 def snapshot_dir(job_id: str, worker_id: str) -> str:
     """A per-worker folder in RAM where there is one (``/dev/shm``), else in the temp folder."""
-    root = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
-    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in f"{job_id}.{worker_id}")
-    return os.path.join(root, f"meridian-snapshots.{safe}")
+    return os.path.join(_snapshot_root(), f"meridian-snapshots.{_safe(job_id)}.{_safe(worker_id)}")
+
+
+def remove_snapshot_dirs(job_id: str) -> list[str]:
+    """Remove this host's snapshot folders of ``job_id`` (a killed worker's folder outlives it); the removed."""
+    pattern = os.path.join(_snapshot_root(), f"meridian-snapshots.{glob.escape(_safe(job_id))}.*")
+    removed = glob.glob(pattern)
+    for folder in removed:
+        shutil.rmtree(folder, ignore_errors=True)
+    return removed
 
 
 # -- the pipe between agent and child ----------------------------------------------------------------------
@@ -207,6 +223,9 @@ class Agent:
 
     def run(self) -> TrainResult | None:
         ctx = mp.get_context("spawn")
+        # A new agent holds no state: whatever lies in its folder was left by a killed worker of an earlier
+        # run with the same job and worker id, and must not pass for this run's snapshots.
+        shutil.rmtree(self.store_dir, ignore_errors=True)
         try:
             while True:
                 parent, child = ctx.Pipe()
