@@ -52,6 +52,7 @@ def create_app(
     )
     app.state.service = service
     app.state.auth = auth or AuthSettings()
+    app.state.job_pages = jobs.JobPageCache()
     install_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
     for router in (jobs.router, cluster.router, diagnostics.router):

@@ -8,6 +8,7 @@ skip a state. A restart of the service loses nothing that was committed here.
 from __future__ import annotations
 
 import json
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -128,6 +129,8 @@ class JobStore:
             if url in ("sqlite://", "sqlite:///:memory:"):
                 kwargs["poolclass"] = StaticPool
         self.engine = sa.create_engine(url, **kwargs)
+        self._version_lock = threading.Lock()
+        self._jobs_version = 0
         if url.startswith("sqlite"):
             @sa.event.listens_for(self.engine, "connect")
             def _pragmas(conn: Any, _record: Any) -> None:
@@ -141,6 +144,17 @@ class JobStore:
         metadata.create_all(self.engine)
 
     # -- jobs -------------------------------------------------------------------------------------------
+    @property
+    def jobs_version(self) -> int:
+        """Grows after every committed change to a job record made through this store (the service is the
+        database's only writer): a reader that saw version ``v`` before reading jobs may cache what it read
+        until the version moves on."""
+        return self._jobs_version
+
+    def _jobs_changed(self) -> None:
+        with self._version_lock:
+            self._jobs_version += 1
+
     def create_job(
         self, request: JobRequest, spec: dict[str, Any], *, status: JobStatus, idempotency_key: str | None = None,
     ) -> tuple[JobRecord, bool]:
@@ -183,6 +197,7 @@ class JobStore:
                 data=json.dumps({"state": status.state.value, "reason": status.reason, "message": status.message}),
             ))
             row = conn.execute(sa.select(jobs_table).where(jobs_table.c.id == job_id)).one()
+        self._jobs_changed()
         return _record(row)
 
     def get_job(self, job_id: str) -> JobRecord:
@@ -247,6 +262,7 @@ class JobStore:
                                      "previous": current.state.value}),
                 ))
             row = conn.execute(sa.select(jobs_table).where(jobs_table.c.id == job_id)).one()
+        self._jobs_changed()
         return _record(row)
 
     def update_fields(self, job_id: str, **fields: Any) -> None:
@@ -255,6 +271,7 @@ class JobStore:
         with self.engine.begin() as conn:
             if conn.execute(jobs_table.update().where(jobs_table.c.id == job_id).values(**values)).rowcount == 0:
                 raise JobNotFound(job_id)
+        self._jobs_changed()
 
     def record_poll(
         self, job_id: str, *, records: list[dict[str, Any]], events: list[dict[str, Any]], **fields: Any,
@@ -277,6 +294,7 @@ class JobStore:
                 ))
             if conn.execute(jobs_table.update().where(jobs_table.c.id == job_id).values(**values)).rowcount == 0:
                 raise JobNotFound(job_id)
+        self._jobs_changed()
 
     @staticmethod
     def _field_values(fields: dict[str, Any], now: float) -> dict[str, Any]:

@@ -97,3 +97,18 @@ def test_events_and_metrics_of_a_job(client, supervisor):
     events = client.get(f"/v1/jobs/{job['id']}/events").json()["events"]
     assert events[0]["kind"] == "state" and events[0]["data"]["state"] == "queued"
     assert client.get(f"/v1/jobs/{job['id']}/metrics").json()["points"] == []
+
+
+def test_job_list_pages_follow_every_change_to_a_job(client, store):
+    # GET /v1/jobs serves cached pages between changes; every change must show on the next read.
+    first = client.post("/v1/jobs", json=spec()).json()
+    assert [j["id"] for j in client.get("/v1/jobs").json()["jobs"]] == [first["id"]]
+    assert client.get("/v1/jobs").content == client.get("/v1/jobs").content  # no change: the same page
+    second = client.post("/v1/jobs", json=spec()).json()
+    assert [j["id"] for j in client.get("/v1/jobs").json()["jobs"]] == [second["id"], first["id"]]
+    store.update_fields(first["id"], progress={"step": 3, "total_steps": 20})  # as the supervisor's poll does
+    by_id = {j["id"]: j for j in client.get("/v1/jobs").json()["jobs"]}
+    assert by_id[first["id"]]["progress"]["step"] == 3
+    client.delete(f"/v1/jobs/{second['id']}")
+    assert client.get("/v1/jobs", params={"state": "cancelled"}).json()["jobs"][0]["id"] == second["id"]
+    assert [j["id"] for j in client.get("/v1/jobs", params={"limit": 1, "offset": 1}).json()["jobs"]] == [first["id"]]

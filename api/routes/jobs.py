@@ -6,6 +6,7 @@ and another owner gets 403.
 
 from __future__ import annotations
 
+import threading
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, Query, Request, Response, status
@@ -45,16 +46,52 @@ def submit_job(
                      headers={"Location": f"/v1/jobs/{job.id}"})
 
 
+class JobPageCache:
+    """Serialized pages of ``GET /v1/jobs`` for the store's current :attr:`~JobStore.jobs_version`.
+
+    Many people (and ``meridian watch``, and the web page) poll the same list every half second; between two
+    changes to any job they all get the same bytes, so the page is built once per change instead of once per
+    request (a page of 100 jobs costs ~20 ms of CPU to read and serialize, a cached one ~1 ms)."""
+
+    MAX_PAGES = 256
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._version = -1
+        self._pages: dict[tuple[Any, ...], bytes] = {}
+
+    def get(self, version: int, key: tuple[Any, ...]) -> bytes | None:
+        with self._lock:
+            return self._pages.get(key) if version == self._version else None
+
+    def put(self, version: int, key: tuple[Any, ...], body: bytes) -> None:
+        with self._lock:
+            if version < self._version:
+                return  # built from an older read: a newer page may already be here
+            if version > self._version or len(self._pages) >= self.MAX_PAGES:
+                self._pages.clear()
+                self._version = version
+            self._pages[key] = body
+
+
 @router.get("", response_model=JobList, responses=ERRORS)
 def list_jobs(
-    store: StoreDep, caller: CallerDep,
+    request: Request, store: StoreDep, caller: CallerDep,
     state: Annotated[list[JobState] | None, Query(description="filter by state; repeat for several")] = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
     offset: Annotated[int, Query(ge=0, le=10**9)] = 0,
 ) -> Response:
     """The caller's jobs (every job when auth is off), newest first."""
-    jobs = store.list_jobs(states=set(state) if state else None, owner=caller.owner_filter, limit=limit, offset=offset)
-    return json_body(JobList(jobs=[JobPublic.from_record(j) for j in jobs], count=len(jobs)))
+    cache: JobPageCache = request.app.state.job_pages
+    key = (caller.owner_filter, tuple(sorted(s.value for s in state or ())), limit, offset)
+    version = store.jobs_version  # read before the jobs: the page is at least this new
+    body = cache.get(version, key)
+    if body is None:
+        jobs = store.list_jobs(states=set(state) if state else None, owner=caller.owner_filter, limit=limit,
+                               offset=offset)  # fmt: skip
+        body = JobList(jobs=[JobPublic.from_record(j) for j in jobs], count=len(jobs)).model_dump_json().encode()
+        cache.put(version, key, body)
+    return Response(body, media_type="application/json")
 
 
 @router.get("/{job_id}", response_model=JobPublic, responses=ERRORS)
