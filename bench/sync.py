@@ -240,7 +240,7 @@ def add_common_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--global-batch", type=int, default=0, help="samples per step (default 8 per worker)")
     p.add_argument("--micro-batch", type=int, default=4, help="samples per forward/backward (default 4)")
     p.add_argument("--bucket-mb", type=float, default=1.0, help="gradient bucket size (default 1)")
-    p.add_argument("--chunk-mb", type=float, default=0.0625, help="inter-DC chunk size (default 0.0625)")
+    p.add_argument("--chunk-mb", type=float, default=0.25, help="inter-DC chunk size (default 0.25)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout-s", type=float, default=1800.0, help="give up after this long (default 1800)")
 
