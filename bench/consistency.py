@@ -24,10 +24,12 @@ HELP = "same seed on every replica: identical initial loss and gradients per ran
 
 
 def nudge_first_weight(model: torch.nn.Module, eps: float) -> None:
-    """Shift every element of the first parameter (the token embedding) by ``eps``: a replica that drifted.
-    (One element alone may belong to a token the batch never uses, leaving loss and gradients unchanged.)"""
+    """Shift the first feature of every row of the first parameter (the token embedding) by ``eps``: a replica
+    that drifted. Every row, because one alone may belong to a token the batch never uses; one feature, because
+    shifting all of a row's features alike is invisible to the model (LayerNorm subtracts the mean), which
+    left loss and gradients equal up to rounding."""
     with torch.no_grad():
-        next(model.parameters()).add_(eps)
+        next(model.parameters())[..., 0].add_(eps)
 
 
 def _rank(rank: int, world: int, cfg: TrainConfig, perturb_rank: int | None, eps: float) -> dict:

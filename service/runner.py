@@ -111,6 +111,7 @@ class JobRunner:
         self._records: deque[tuple[int, dict[str, Any]]] = deque(maxlen=KEEP_RECORDS)
         self._events: deque[tuple[int, dict[str, Any]]] = deque(maxlen=KEEP_RECORDS)
         self._state = "starting"  # starting → running → succeeded | failed | cancelled
+        self._finishing = False
         self._error = ""
         self._result: dict[str, Any] | None = None
         self._controller: Any = None
@@ -276,8 +277,12 @@ class JobRunner:
     # -- the fit thread ---------------------------------------------------------------------------------
     def _finish(self, state: str, error: str = "") -> None:
         with self._lock:
-            if self._state in ("succeeded", "failed", "cancelled"):
+            if self._finishing:
                 return  # the first outcome wins (training finished, then the aborted controller returns)
+            self._finishing = True
+        # Before the outcome is visible: once it is, the service releases (kills) this actor.
+        _sweep_snapshots(self.job_id)
+        with self._lock:
             self._state, self._error = state, error
         self._done.set()
 
@@ -329,8 +334,6 @@ class JobRunner:
                 self._finish("cancelled")
             else:
                 self._finish("failed", _describe_failure(e) or traceback.format_exc(limit=3))
-        finally:
-            _sweep_snapshots(self.job_id)
 
 
 # -- in-memory snapshots left behind -----------------------------------------------------------------------

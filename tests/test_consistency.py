@@ -28,8 +28,8 @@ def test_perturbed_replica_is_flagged_with_per_rank_numbers():
     good, bad = report.ranks[0], report.ranks[1]
     assert report.ranks[2].loss == good.loss and report.ranks[2].grad_norm == good.grad_norm  # bit-identical
     assert report.ranks[2].max_param_diff == 0 and report.ranks[2].max_grad_diff == 0
-    # Every element of the 256x64 token embedding shifted by 1e-4 (rounded to fp32): the sum moves by ~1.6384.
-    assert bad.param_checksum - good.param_checksum == pytest.approx(256 * 64 * 1e-4, rel=1e-5)
+    # The first feature of each of the 256 token embeddings shifted by 1e-4 (rounded to fp32).
+    assert bad.param_checksum - good.param_checksum == pytest.approx(256 * 1e-4, rel=1e-3)
     assert bad.loss != good.loss and bad.max_grad_diff > 0
 
 

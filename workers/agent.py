@@ -5,7 +5,9 @@ are still pending (its communication thread, an async all-gather) keeps its sock
 process groups are destroyed (measured: a blocked peer waited until the process exited), so ranks that
 wait on *it* hang until the collective timeout. A process exit closes every socket at once, so a failure
 propagates through the whole job in well under a second. The agent — the Ray Train worker itself, which
-Ray Train must not lose — stays; it restarts the child, which rejoins in ~2 s (interpreter + torch import).
+Ray Train must not lose — stays; it hands training to a *standby* child that it started earlier, which has
+already paid for the interpreter and the torch import (~2 s idle, far more on a loaded machine), and starts
+the next standby while the new child trains. A restart is therefore a pipe message, not a process start.
 
 What survives the child: the in-memory snapshots, written after each step to a tmpfs folder (``/dev/shm``,
 RAM) that the next child reads, and the epoch number it last belonged to. The child reaches the
@@ -15,6 +17,7 @@ coordinator, the progress sink and the event sink through the agent, over one pi
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import multiprocessing as mp
 import os
@@ -197,6 +200,44 @@ def _child_main(conn: Any, cfg: TrainConfig, ids: dict[str, Any], store_dir: str
     conn.close()
 
 
+def _standby_main(conn: Any, parent_pid: int) -> None:
+    """A training process that has started and imported everything, waiting for the agent's ``go``."""
+    import meridian.workers.elastic_loop  # noqa: F401 - the heavy imports, paid for before they are needed
+    import meridian.workers.rendezvous  # noqa: F401
+
+    _die_with_parent(parent_pid)
+    try:
+        msg = _recv(conn)
+    except (EOFError, ConnectionResetError):
+        os._exit(0)  # the agent is done with us
+    if msg[0] != "go":
+        os._exit(0)
+    _, cfg, ids, store_dir, device, threads = msg
+    _child_main(conn, cfg, ids, store_dir, device, threads)
+
+
+class _Standby:
+    """A started training process and the agent's end of its pipe."""
+
+    def __init__(self, ctx: Any, worker_id: str) -> None:
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_standby_main, args=(child, os.getpid()), name=f"meridian-trainer-{worker_id}",
+                                daemon=True)  # fmt: skip
+        self.proc.start()
+        child.close()
+
+    def go(self, *args: Any) -> None:
+        _send(self.conn, ("go", *args))
+
+    def discard(self) -> None:
+        with contextlib.suppress(OSError):
+            self.conn.close()  # the standby reads EOF and exits
+        self.proc.join(5)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(5)
+
+
 class Agent:
     """Runs the job's training in child processes until it finishes; restarts a child whose epoch broke."""
 
@@ -220,22 +261,20 @@ class Agent:
         self.max_restarts = max_restarts
         self.store_dir = snapshot_dir(cfg.job_id, worker_id)
         self.restarts = 0
+        self._ctx: Any = None
+        self._standby: _Standby | None = None
 
     def run(self) -> TrainResult | None:
         ctx = mp.get_context("spawn")
         # A new agent holds no state: whatever lies in its folder was left by a killed worker of an earlier
         # run with the same job and worker id, and must not pass for this run's snapshots.
         shutil.rmtree(self.store_dir, ignore_errors=True)
+        self._ctx = ctx
         try:
             while True:
-                parent, child = ctx.Pipe()
-                proc = ctx.Process(
-                    target=_child_main, args=(child, self.cfg, dict(self.ids), self.store_dir, self.device, self.threads),
-                    name=f"meridian-trainer-{self.ids['worker_id']}", daemon=True,
-                )  # fmt: skip
-                proc.start()
-                child.close()
-                outcome = self._serve(parent, proc)
+                current = self._take_standby()
+                outcome = self._serve(current.conn, current.proc)
+                proc = current.proc
                 proc.join()
                 if outcome is not None:
                     return outcome[1]
@@ -245,7 +284,24 @@ class Agent:
                 if self.restarts > self.max_restarts:
                     raise RuntimeError(f"gave up after {self.max_restarts} restarts of the training process")
         finally:
+            if self._standby is not None:
+                self._standby.discard()
+                self._standby = None
             shutil.rmtree(self.store_dir, ignore_errors=True)
+
+    def _take_standby(self) -> _Standby:
+        """The started standby (or, the first time or if it died, a new one), told to train now."""
+        args = (self.cfg, dict(self.ids), self.store_dir, self.device, self.threads)
+        standby, self._standby = self._standby, None
+        if standby is not None:
+            try:
+                standby.go(*args)
+                return standby
+            except OSError:  # it died while waiting (killed, out of memory): start one now
+                standby.discard()
+        standby = _Standby(self._ctx, self.ids["worker_id"])
+        standby.go(*args)
+        return standby
 
     def _serve(self, conn: Any, proc: Any) -> tuple[str, TrainResult | None] | None:
         """Relay the child's messages until it ends; ``("done", result)`` when training finished."""
@@ -266,6 +322,9 @@ class Agent:
                 if self.sink is not None:
                     self.sink.step(msg[1])
             elif kind == "beat":
+                if self._standby is None:
+                    # The child trains: start the next one now, so its import never competes with a re-formation.
+                    self._standby = _Standby(self._ctx, self.ids["worker_id"])
                 rank_step = getattr(self.sink, "rank_step", None)
                 if rank_step is not None:
                     rank_step(msg[1])
