@@ -7,9 +7,12 @@ Each benchmark is a module of this package exposing ``NAME``, ``HELP``, ``add_ar
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
+import os
 import sys
+from collections.abc import Iterator
 
 # name → module (imported lazily: a benchmark's heavy imports only load when it runs)
 BENCHMARKS: dict[str, str] = {
@@ -37,11 +40,27 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+@contextlib.contextmanager
+def _stdout_to_stderr() -> Iterator[None]:
+    """While a bench runs, whatever writes to stdout — Ray's forwarded worker and raylet logs, C++ code —
+    goes to stderr instead, so ``--json`` output is the one JSON object and nothing else."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     mod = _module(args.bench)
     try:
-        result = mod.run(args)
+        with _stdout_to_stderr() if args.json else contextlib.nullcontext():
+            result = mod.run(args)
     except (ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -103,10 +103,8 @@ def measure_figures(args: argparse.Namespace, slots: int) -> dict[str, Any]:
 def to_figures(args: argparse.Namespace, probes: list[dict[str, Any]]) -> tuple[Figures, dict[str, Any]]:
     """The median of each probed figure over the rounds, and the emulated inter-DC link as configured."""
     med = {k: statistics.median(p[k] for p in probes) for k in probes[0]}
-    # The probe's latency is the time of a whole small all-reduce over all slots, which a ring runs in
-    # 2(n-1) rounds; Link.latency_s is per round (the cost model multiplies it by the rounds it charges).
-    slots = args.dcs * args.nodes_per_dc * args.slots_per_node
-    local = Link(med["local_latency_us"] / 1e6 / max(1, 2 * (slots - 1)), med["local_bandwidth_gbps"] * 1e9 / 8)
+    # summarise() already gives the latency per ring round, which is what Link.latency_s is.
+    local = Link(med["local_latency_us"] / 1e6, med["local_bandwidth_gbps"] * 1e9 / 8)
     wan = WanConfig(rtt_ms=args.rtt_ms, gbps=args.inter_dc_gbps)
     fig = Figures(device_flops=med["device_gflops"] * 1e9, device_memory_bytes=8 * 2**30, intra_node=local,
                   intra_dc=local, inter_dc=Link(wan.one_way_s, wan.bytes_per_s),

@@ -10,9 +10,11 @@ health checks Meridian sets on clusters it starts (the same for both sides), twi
   elastic path (``num_workers=(min, max)``, ``FailureConfig``), checkpointing to disk every
   ``--checkpoint-every`` steps (what it needs to resume); the same kill at the same step.
 
-For each: ``kill_to_next_step_s`` = wall time from the kill to the end of the first step completed after it
-(step end times are stamped by the workers); ``steps_lost`` = the last step completed before the kill minus
-the step training resumed from (steps trained twice). Sides run one after the other, so their timings share
+For each: ``kill_to_next_step_s`` = wall time from the kill to the end of the first step completed by the
+re-formed group (Meridian: the first step of the next epoch; Ray Train: the first step of the restarted
+worker group) — not merely the first step stamped after the kill, since the victim's processes can outlive
+the kill of their node by a few steps; step end times are stamped by the workers. ``steps_lost`` = the last
+step completed before the re-formation minus the step training resumed from (steps trained twice). Sides run one after the other, so their timings share
 the machine's state; on a loaded 2-core machine the absolute seconds move, the ratio less.
 """
 
@@ -49,25 +51,27 @@ def _cluster(args: argparse.Namespace):
 
     from meridian.service.cluster import FAST_FAILURE_DETECTION
 
+    # The dashboard is on for both sides: the baseline finds a worker's node through the state API.
     cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 0, "include_dashboard": False, "_system_config": FAST_FAILURE_DETECTION})
+        "num_cpus": 0, "include_dashboard": True, "_system_config": FAST_FAILURE_DETECTION})
     nodes = [cluster.add_node(num_cpus=1, labels={"datacenter": f"dc-{chr(ord('a') + d)}"})
              for d in range(args.dcs) for _ in range(args.nodes_per_dc)]
     cluster.wait_for_nodes()
     return cluster, nodes
 
 
-def _measure(records: list[dict[str, Any]], kill_time: float, resume_step: int) -> dict[str, Any]:
-    before = [r["step"] for r in records if r["time"] <= kill_time]
-    after = sorted((r for r in records if r["time"] > kill_time), key=lambda r: r["time"])
-    if not after:
-        raise RuntimeError("no training step completed after the kill")
-    last_before = max(before) if before else 0
+def _measure(old: list[dict[str, Any]], new: list[dict[str, Any]], kill_time: float, resume_step: int) -> dict[str, Any]:
+    """``old``: the step records of the group that lost a node; ``new``: those of the group formed after."""
+    if not new:
+        raise RuntimeError("no training step completed after the re-formation")
+    first = min(new, key=lambda r: r["time"])
+    last_old = max((r["step"] for r in old), default=0)
     return {
-        "kill_to_next_step_s": round(after[0]["time"] - kill_time, 2),
-        "last_step_before_kill": last_before,
+        "kill_to_next_step_s": round(first["time"] - kill_time, 2),
+        "last_step_before_kill": max((r["step"] for r in old if r["time"] <= kill_time), default=0),
+        "last_step_before_reforming": last_old,
         "resumed_from_step": resume_step,
-        "steps_lost": max(0, last_before - resume_step),
+        "steps_lost": max(0, last_old - resume_step),
     }
 
 
@@ -101,7 +105,12 @@ def _meridian(args: argparse.Namespace) -> dict[str, Any]:
             events = api.get(f"/v1/jobs/{job_id}/events").json()["events"]
             formed = [e["data"] for e in events if e["kind"] == "epoch_formed" and e["data"]["epoch"] == 2]
             records = api.get(f"/v1/jobs/{job_id}/metrics").json()["points"]
-            out = _measure(records, kill_time, formed[0]["resume_step"])
+            old = [r for r in records if r.get("epoch", 1) < 2]
+            new = [r for r in records if r.get("epoch", 1) >= 2]
+            # Rank 0 reports a step's record one step late, so the last step of epoch 1 can lack a record:
+            # the survivors resumed from the newest step they all held, which they had completed.
+            old.append({"step": formed[0]["resume_step"], "time": kill_time})
+            out = _measure(old, new, kill_time, formed[0]["resume_step"])
             out["workers_after"] = formed[0]["datacenters"]
             out["final_loss"] = job["result"]["final_loss"]
             return out
@@ -121,20 +130,21 @@ def _wait(api: Any, job_id: str, ok: Any, deadline: float) -> dict[str, Any]:
 
 # -- Ray Train's elastic path -----------------------------------------------------------------------------
 class _StepLog:
-    """Collects (step, end time, restored-from step) from the baseline's rank 0 across restarts."""
+    """Collects (step, end time, worker group) from the baseline's rank 0 across restarts, and the step
+    each worker group started from."""
 
     def __init__(self) -> None:
         self.records: list[dict[str, Any]] = []
-        self.restored: list[int] = []
+        self.starts: list[int] = []
+
+    def start(self, step: int) -> None:
+        self.starts.append(step)
 
     def step(self, step: int, at: float) -> None:
-        self.records.append({"step": step, "time": at})
-
-    def restore(self, step: int) -> None:
-        self.restored.append(step)
+        self.records.append({"step": step, "time": at, "group": len(self.starts)})
 
     def get(self) -> tuple[list[dict[str, Any]], list[int]]:
-        return self.records, self.restored
+        return self.records, self.starts
 
 
 def _baseline_loop(config: dict[str, Any]) -> None:
@@ -162,8 +172,8 @@ def _baseline_loop(config: dict[str, Any]) -> None:
         model.module.load_state_dict(state["model"]) if hasattr(model, "module") else model.load_state_dict(state["model"])
         opt.load_state_dict(state["opt"])
         start = state["step"]
-        if rank == 0:
-            ray.get(log.restore.remote(start))
+    if rank == 0:
+        ray.get(log.start.remote(start))
     data = TextDataset(cfg.data, cfg.model.seq_len, cfg.seed)
     for step in range(start, cfg.steps):
         opt.zero_grad(set_to_none=True)
@@ -222,8 +232,12 @@ def _ray_train_elastic(args: argparse.Namespace) -> dict[str, Any]:
             raise RuntimeError(f"Ray Train's elastic run did not finish within {args.timeout_s:.0f} s")
         if outcome["result"].error is not None:
             raise RuntimeError(f"Ray Train's elastic run failed: {outcome['result'].error}")
-        records, restored = ray.get(log.get.remote())
-        return _measure(records, kill_time, restored[-1] if restored else 0)
+        records, starts = ray.get(log.get.remote())
+        if len(starts) < 2:
+            raise RuntimeError("Ray Train's run finished without restarting its worker group after the kill")
+        old = [r for r in records if r["group"] < len(starts)]
+        new = [r for r in records if r["group"] == len(starts)]
+        return _measure(old, new, kill_time, starts[-1])
     finally:
         ray.shutdown()
         cluster.shutdown()

@@ -91,7 +91,9 @@ class LinkFigures:
     """A link tier summarised as the two numbers a cost model needs."""
 
     latency_s: float
-    """Time of the smallest all-reduce (≈ per-message latency of the tier)."""
+    """Per-message latency of the tier: the smallest all-reduce's time divided by the 2(n-1) steps in which
+    a ring all-reduce over n ranks sends its messages one after another (what the cost model charges per
+    round)."""
     bandwidth_gbps: float
     """Bus bandwidth at the largest message (what one link carries when saturated)."""
 
@@ -108,4 +110,12 @@ def summarise(rows: list[PerfRow]) -> LinkFigures:
         raise ValueError("no benchmark rows to summarise")
     smallest = min(rows, key=lambda r: r.size_bytes)
     largest = max(rows, key=lambda r: r.size_bytes)
-    return LinkFigures(latency_s=smallest.time_us / 1e6, bandwidth_gbps=largest.busbw_gbps)
+    rounds = max(1, 2 * (ring_ranks(smallest) - 1))
+    return LinkFigures(latency_s=smallest.time_us / 1e6 / rounds, bandwidth_gbps=largest.busbw_gbps)
+
+
+def ring_ranks(row: PerfRow) -> int:
+    """The ranks a row was measured over, from its bus/algorithm bandwidth ratio, 2(n-1)/n by definition."""
+    if row.algbw_gbps <= 0:
+        return 1
+    return max(1, round(2 / (2 - min(row.busbw_gbps / row.algbw_gbps, 1.999))))
