@@ -99,6 +99,7 @@ class Coordinator:
                 "datacenters": list(e.datacenters) if e else [],
                 "waiting": sorted(self.state.waiting),
                 "wait_reason": self.wait_reason,
+                "finished": self.job_finished,
             }
 
     @property

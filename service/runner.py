@@ -337,19 +337,17 @@ class JobRunner:
 
 
 # -- in-memory snapshots left behind -----------------------------------------------------------------------
-def _remove_snapshot_dirs(job_id: str) -> list[str]:
-    from meridian.workers.agent import remove_snapshot_dirs
-
-    return remove_snapshot_dirs(job_id)
-
-
 def _sweep_snapshots(job_id: str, timeout_s: float = 30.0) -> list[str]:
-    """Remove the job's snapshot folders on every live node: a worker killed without its node (a crashed
-    process, a simulated node on one host) leaves its folder in RAM behind."""
-    remove = ray.remote(num_cpus=0, max_retries=0)(_remove_snapshot_dirs)
+    """Remove the job's snapshot folders on every live host: a worker killed without its node (a crashed
+    process, a simulated node on one host) leaves its folder in RAM behind. One task per address: nodes
+    on one host share its RAM folder."""
+    from meridian.workers.snapshot_paths import remove_snapshot_dirs  # no torch: the task starts fast
+
+    remove = ray.remote(num_cpus=0, max_retries=0)(remove_snapshot_dirs)
+    one_per_host = {n["NodeManagerAddress"]: n["NodeID"] for n in ray.nodes() if n.get("Alive")}
     refs = [
-        remove.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote(job_id)
-        for n in ray.nodes() if n.get("Alive")
+        remove.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(job_id)
+        for node in one_per_host.values()
     ]  # fmt: skip
     removed: list[str] = []
     deadline = time.monotonic() + timeout_s

@@ -217,8 +217,12 @@ class Supervisor:
         self._stalls_named.pop(job_id, None)
 
     def _name_stalls(self, job_id: str, poll: dict[str, Any], placement: list[dict[str, Any]]) -> None:
-        """Record each rank that stopped finishing steps as a ``stall`` event, once per (rank, step)."""
-        if not poll.get("heartbeats"):
+        """Record each rank that stopped finishing steps as a ``stall`` event, once per (rank, step).
+
+        Not while the membership waits (for workers, or for a re-formation) or after the last step: ranks are
+        idle then by design, and the events already say why."""
+        membership = poll.get("membership") or {}
+        if not poll.get("heartbeats") or membership.get("wait_reason") or membership.get("finished"):
             return
         where = {p["rank"]: p for p in placement}
         named = self._stalls_named.setdefault(job_id, set())

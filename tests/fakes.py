@@ -37,6 +37,7 @@ class FakeRunner:
     cancelled: bool = False
     observe: dict[str, Any] = field(default_factory=dict)  # heartbeats/recent_step_s/now, as JobRunner.poll
     wait_reason: str = ""
+    finished: bool = False
 
     def push(self, kind: str, data: dict[str, Any]) -> None:
         self.items.append((len(self.items) + 1, kind, data))
@@ -62,7 +63,7 @@ class FakeLauncher:
             "state": r.state, "error": r.error, "result": r.result,
             "records": [(s, d) for s, k, d in r.items if k == "record" and s > after],
             "events": [(s, d) for s, k, d in r.items if k == "event" and s > after],
-            "cursor": len(r.items), "membership": {"wait_reason": r.wait_reason},
+            "cursor": len(r.items), "membership": {"wait_reason": r.wait_reason, "finished": r.finished},
             **r.observe,
         }
 

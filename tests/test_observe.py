@@ -234,3 +234,21 @@ def test_hierarchical_records_split_sync_time_by_tier():
     for r in records:
         assert r["comm_intra_dc_s"] > 0 and r["comm_inter_dc_s"] >= 0
         assert r["comm_intra_dc_s"] + r["comm_inter_dc_s"] == pytest.approx(r["comm_s"], rel=1e-9, abs=1e-12)
+
+
+@pytest.mark.parametrize("idle", ["waiting", "finished"])
+def test_no_stall_is_named_while_the_job_waits_or_after_its_last_step(store, supervisor, idle):
+    # Ranks are idle by design then: below min_workers, mid re-formation, or done and shutting down.
+    job, _ = supervisor.submit(*_request())
+    supervisor.tick()
+    runner = supervisor.launcher.runners[job.id]
+    runner.state = "running"
+    runner.push("event", {"kind": "worker_started", "message": "", "time": 1.0,
+                          "data": {"rank": 0, "node_id": "node-dc-a", "datacenter": "dc-a"}})
+    if idle == "waiting":
+        runner.wait_reason = "2 worker(s) left after losing 1; the job needs at least 3 (topology.min_workers)"
+    else:
+        runner.finished = True
+    runner.observe = {"heartbeats": {0: {"step": 5, "time": 80.0}}, "recent_step_s": [1.0] * 10, "now": 100.5}
+    supervisor.tick()
+    assert not [e for e in store.list_events(job.id) if e.kind == "stall"]

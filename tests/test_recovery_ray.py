@@ -92,6 +92,8 @@ def test_job_survives_node_losses_waits_below_min_workers_and_scales_back_up(env
     assert job["state"] == "succeeded", job["message"]
     events = api.get(f"/v1/jobs/{job_id}/events").json()["events"]
     kinds = [e["kind"] for e in events]
+    t0 = events[0]["time"]
+    print("\nTIMELINE", *(f"{e['time'] - t0:7.1f} {e['kind']}: {e['message'][:90]}" for e in events), sep="\n")
     assert kinds.count("node_lost") == 2 and kinds.count("worker_lost") == 2 and "node_joined" in kinds
     assert "restarted" not in kinds and "state_incomplete" not in kinds
     assert [p["datacenter"] for p in job["placement"]] == ["dc-a", "dc-b", "dc-b"]  # the last membership

@@ -18,14 +18,12 @@ coordinator, the progress sink and the event sink through the agent, over one pi
 from __future__ import annotations
 
 import contextlib
-import glob
 import multiprocessing as mp
 import os
 import pickle
 import shutil
 import signal
 import sys
-import tempfile
 import threading
 import traceback
 from collections.abc import Callable
@@ -36,6 +34,7 @@ import torch
 
 from meridian.workers.config import TrainConfig
 from meridian.workers.replica_state import LocalShard
+from meridian.workers.snapshot_paths import snapshot_dir
 from meridian.workers.train_loop import TrainResult
 
 RESTART_EXIT_CODE = 75
@@ -97,28 +96,6 @@ class SnapshotStore:
             return
         for f in self._files():
             f.unlink(missing_ok=True)
-
-
-def _snapshot_root() -> str:
-    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
-
-
-def _safe(name: str) -> str:
-    return "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
-
-
-def snapshot_dir(job_id: str, worker_id: str) -> str:
-    """A per-worker folder in RAM where there is one (``/dev/shm``), else in the temp folder."""
-    return os.path.join(_snapshot_root(), f"meridian-snapshots.{_safe(job_id)}.{_safe(worker_id)}")
-
-
-def remove_snapshot_dirs(job_id: str) -> list[str]:
-    """Remove this host's snapshot folders of ``job_id`` (a killed worker's folder outlives it); the removed."""
-    pattern = os.path.join(_snapshot_root(), f"meridian-snapshots.{glob.escape(_safe(job_id))}.*")
-    removed = glob.glob(pattern)
-    for folder in removed:
-        shutil.rmtree(folder, ignore_errors=True)
-    return removed
 
 
 # -- the pipe between agent and child ----------------------------------------------------------------------
