@@ -8,8 +8,10 @@ why everyone must keep waiting. Pure functions: tested without Ray.
 Rules:
 - A new epoch forms when every live member of the current epoch has rejoined, or when the grace period
   since the first rejoin has passed (a member that does not come back by then is treated as lost).
-- Ranks are ordered by datacenter (the plan's datacenter order, then any new one), then by join order, so
-  each datacenter's ranks are contiguous; a datacenter with no member left drops out.
+- Ranks are ordered by datacenter (the plan's datacenter order, then any new one), then by node (in the
+  order nodes first had a member join), then by join order, so each datacenter's ranks are contiguous and so
+  are each node's: a tensor-parallel group, pinned to one node, gets consecutive ranks. A datacenter with no
+  member left drops out.
 - Below ``min_workers`` the job waits, with a reason, instead of training on too little.
 - The first epoch waits for the planned number of workers (up to ``start_timeout_s``).
 """
@@ -86,7 +88,11 @@ class MembershipState:
 
 def _ordered(members: list[Member], dc_order: tuple[str, ...]) -> tuple[Member, ...]:
     order = {dc: i for i, dc in enumerate(dc_order)}
-    return tuple(sorted(members, key=lambda m: (order.get(m.datacenter, len(order)), m.datacenter, m.joined_at, m.worker_id)))
+    node_first: dict[str, float] = {}
+    for m in members:
+        node_first[m.node_id] = min(node_first.get(m.node_id, m.joined_at), m.joined_at)
+    return tuple(sorted(members, key=lambda m: (order.get(m.datacenter, len(order)), m.datacenter,
+                                                node_first[m.node_id], m.node_id, m.joined_at, m.worker_id)))
 
 
 def decide(state: MembershipState, now: float, *, alive_nodes: set[str], grace_s: float,

@@ -34,6 +34,7 @@ from meridian.service.topology import ClusterTopology, read_topology
 
 NAMESPACE = "meridian"
 KEEP_RECORDS = 20_000
+NODE_ID_LABEL = "ray.io/node-id"
 TICK_S = 0.5
 GRACE_S = 30.0
 """How long re-forming waits for a member whose node is alive but which has not rejoined. Survivors restart
@@ -303,7 +304,7 @@ class JobRunner:
 
             from meridian.workers.entry import ray_train_entry
 
-            labels = [{"datacenter": dc} for dc in self.plan["rank_datacenters"]]
+            labels = worker_label_selectors(self.plan)
             resources = dict(self.plan["resources_per_worker"])
             trainer = TorchTrainer(
                 ray_train_entry,
@@ -355,6 +356,14 @@ def _sweep_snapshots(job_id: str, timeout_s: float = 30.0) -> list[str]:
         with contextlib.suppress(Exception):  # best effort: a node that died meanwhile took its RAM with it
             removed += ray.get(ref, timeout=max(0.1, deadline - time.monotonic()))
     return removed
+
+
+def worker_label_selectors(plan: dict[str, Any]) -> list[dict[str, str]]:
+    """One label selector per Train worker: its datacenter, and for a rank of a tensor-parallel group the
+    node the planner gave the group (Ray's ``ray.io/node-id`` label), so the group shares one node."""
+    nodes = plan.get("rank_nodes") or [None] * len(plan["rank_datacenters"])
+    return [{"datacenter": dc, **({NODE_ID_LABEL: node} if node else {})}
+            for dc, node in zip(plan["rank_datacenters"], nodes, strict=True)]
 
 
 # -- replacement workers ---------------------------------------------------------------------------------

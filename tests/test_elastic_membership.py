@@ -97,3 +97,14 @@ def test_every_member_lost_restarts_newcomers_from_the_durable_checkpoint():
     s.waiting["w5"] = m("w5", "dc-a")
     d = decide(s, 1.0, alive_nodes=set(), grace_s=5, start_timeout_s=60)
     assert isinstance(d, Form) and d.epoch.from_checkpoint and d.epoch.newcomers == ("w5",)
+
+
+def test_ranks_of_one_node_are_consecutive_inside_their_datacenter():
+    # Two tensor-parallel pairs pinned to nodes x and y of dc-a, joining interleaved: each pair gets adjacent
+    # ranks, so tp groups (consecutive ranks) never straddle two nodes.
+    s = MembershipState(planned_workers=5, min_workers=1, dc_order=("dc-a", "dc-b"), first_join_at=0.0)
+    joins = [("w0", "dc-a", "x"), ("w1", "dc-a", "y"), ("w2", "dc-b", "z"), ("w3", "dc-a", "y"), ("w4", "dc-a", "x")]
+    for t, (wid, dc, node) in enumerate(joins):
+        s.waiting[wid] = m(wid, dc, node=node, t=t)
+    d = decide(s, 10.0, alive_nodes={"x", "y", "z"}, grace_s=5, start_timeout_s=60)
+    assert [x.worker_id for x in d.epoch.members] == ["w0", "w4", "w1", "w3", "w2"]

@@ -125,6 +125,14 @@ def test_plan_with_tp_pins_each_tensor_parallel_group_to_one_node():
     assert (plan.tp, plan.pp, plan.dp) == (2, 1, 2)
     assert plan.rank_nodes == ("n-a", "n-a", "n-b", "n-b")
     assert plan.to_dict()["parallelism"]["tp"] == 2
+    # The runner asks Ray Train for each rank on its node, not just its datacenter.
+    from meridian.service.runner import worker_label_selectors
+
+    assert worker_label_selectors(plan.to_dict()) == [
+        {"datacenter": "dc-a", "ray.io/node-id": "n-a"}, {"datacenter": "dc-a", "ray.io/node-id": "n-a"},
+        {"datacenter": "dc-b", "ray.io/node-id": "n-b"}, {"datacenter": "dc-b", "ray.io/node-id": "n-b"}]
+    dp_only = plan_job(replace(req(global_batch=8), parallelism=ParallelismRequest(tp=1, pp=1)), _two_slot_nodes()).to_dict()
+    assert all(set(sel) == {"datacenter"} for sel in worker_label_selectors(dp_only))
 
 
 def test_flat_sync_request_never_gets_a_pipeline():
