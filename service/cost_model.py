@@ -5,12 +5,15 @@ link tier, so the planner can rank layouts and say why. The formulas, per optimi
 
     compute   = tokens per replica x FLOPs/token / (tp x pp) / device FLOP/s, x (m + pp - 1) / m pipeline bubble
     tp comm   = 4 all-reduces per layer per micro-batch of (b x s x d) activations on the intra-node link
-    pp comm   = 2 (m + pp - 1) point-to-point transfers of (b x s x d) on the link between stages
+    pp comm   = (m + pp - 1) point-to-point transfers of (b x s x d) on the link between stages with 1F1B
+                (activations down and gradients up share a tick: the link is full duplex), 2 (m + pp - 1)
+                with GPipe
     dp comm   = hierarchical: reduce-scatter + all-gather of the gradients inside the DC, plus each DC's
                 copy of the gradients over the shared inter-DC link (1 latency round for two DCs),
                 flat: a ring over every replica, paced by the slowest link it crosses
-    exposed   = dp comm not hidden behind the backward pass (2/3 of compute) when overlap is on,
-                plus the last bucket, which no backward can hide
+    exposed   = dp comm not hidden behind the last micro-batch's backward pass (2/3 of its compute; earlier
+                micro-batches only accumulate) when overlap is on, and at least the last bucket's share
+                (bucket size / gradient bytes), which no backward can hide
 
 The numbers are estimates, checked against measured step times by ``meridian bench plan``.
 """
@@ -68,6 +71,10 @@ class Layout:
     hierarchical: bool
     shard_optimizer: bool
     overlap: bool
+    schedule: str = "1f1b"
+    """Pipeline schedule, ``1f1b`` or ``gpipe`` (when ``pp`` > 1)."""
+    bucket_bytes: float = 4 * 2**20
+    """Gradient bucket size (``sync.bucket_mb``): a model smaller than one bucket syncs only after backward."""
 
     @property
     def devices(self) -> int:
@@ -121,7 +128,10 @@ def estimate(model: ModelConfig, lay: Layout, fig: Figures, global_batch: int) -
     inter_dc = 0.0
     if lay.pp > 1:
         link = fig.inter_dc if lay.pp_spans_dcs else fig.intra_dc
-        pp_comm = 2 * (lay.micro_batches + lay.pp - 1) * link.time(act / lay.tp)
+        # One activation hop per schedule tick; 1F1B's steady state sends activations downstream and
+        # gradients upstream in the same tick (the link is full duplex), GPipe runs the two phases apart.
+        phases = 1 if lay.schedule == "1f1b" else 2
+        pp_comm = phases * (lay.micro_batches + lay.pp - 1) * link.time(act / lay.tp)
         if lay.pp_spans_dcs:
             boundaries = lay.num_dcs - 1
             inter_dc += 2 * boundaries * lay.micro_batches * act * lay.dp  # fwd activations + bwd grads
@@ -133,7 +143,9 @@ def estimate(model: ModelConfig, lay: Layout, fig: Figures, global_batch: int) -
         inter_dc += (lay.num_dcs * grads * lay.tp * lay.pp) if lay.hierarchical else grads * lay.devices
     elif lay.dp > 1 and lay.pp_spans_dcs and lay.hierarchical is False:
         inter_dc += grads * lay.devices
-    backward = compute * 2 / 3
+    # Gradients sync only during the last micro-batch's backward (earlier ones only accumulate): that is
+    # the window the sync can hide behind.
+    backward = compute * 2 / 3 / lay.micro_batches
     exposed = max(dp_comm - backward, last_bucket) if lay.overlap else dp_comm
     shards = lay.dp_per_dc if lay.dp_per_dc else lay.dp
     # The measured overhead is AdamW over the whole model on one device; a rank updates only its stage's
@@ -157,7 +169,7 @@ def _dp_comm(lay: Layout, fig: Figures, grads: float) -> tuple[float, float]:
     """(total data-parallel sync time, the part that is always exposed: the last bucket's sync)."""
     if lay.dp <= 1:
         return 0.0, 0.0
-    last_fraction = 1 / 8  # buckets are a few MB: the last one is a small share of the gradients
+    last_fraction = min(1.0, lay.bucket_bytes / grads)  # the last bucket's share of the gradients
     if lay.pp_spans_dcs or lay.num_dcs == 1:
         n = lay.dp
         ring = fig.intra_dc.time(2 * (n - 1) / n * grads, rounds=2 * (n - 1))
@@ -169,7 +181,9 @@ def _dp_comm(lay: Layout, fig: Figures, grads: float) -> tuple[float, float]:
         rounds = 1 if lay.num_dcs == 2 else 2 * (lay.num_dcs - 1)
         cross = fig.inter_dc.time(grads * (lay.num_dcs - 1) if lay.num_dcs == 2 else 2 * (lay.num_dcs - 1) / lay.num_dcs * grads, rounds=rounds)
         total = intra + cross
-        return total, intra * last_fraction + fig.inter_dc.latency_s + cross * last_fraction
+        # The last bucket pays the inter-DC latency rounds whole and its share of the transfer.
+        latency = rounds * fig.inter_dc.latency_s
+        return total, intra * last_fraction + latency + (cross - latency) * last_fraction
     w = lay.dp
     # a flat ring over all replicas crosses each DC boundary; every step of the ring waits for the slow link
     ring = fig.inter_dc.time(2 * (w - 1) / w * grads, rounds=2 * (w - 1))

@@ -226,6 +226,7 @@ def enumerate_candidates(request: JobRequest, dcs: tuple[str, ...], devices: dic
                         dp_per_dc=0 if spans else min(dp_per_dc_values), pp_spans_dcs=spans,
                         micro_batch=request.micro_batch, micro_batches=m, hierarchical=hierarchical,
                         shard_optimizer=request.sync.shard_optimizer, overlap=request.sync.overlap,
+                        schedule=request.parallelism.schedule, bucket_bytes=request.sync.bucket_mb * 2**20,
                     )
                     est = estimate(model, lay, figures, request.global_batch)
                     rejected = ""

@@ -152,3 +152,48 @@ def test_the_plan_s_tp_and_pp_reach_the_workers_config():
     cfg = build_train_config("j", request, plan, "")
     assert (cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.schedule.value) == (2, 1, "gpipe")
     assert cfg.datacenters == plan.rank_datacenters
+
+
+def _figures():
+    from meridian.service.cost_model import Figures, Link
+
+    lan, wan = Link(1e-4, 1e9), Link(0.01, 125e6)
+    return Figures(device_flops=50e9, device_memory_bytes=8 * 2**30, intra_node=lan, intra_dc=lan, inter_dc=wan,
+                   inter_dc_known=True)
+
+
+def _layout(**kw):
+    from meridian.service.cost_model import Layout
+
+    base = dict(tp=1, pp=1, dp=2, num_dcs=2, dp_per_dc=1, pp_spans_dcs=False, micro_batch=2, micro_batches=1,
+                hierarchical=True, shard_optimizer=True, overlap=True)
+    return Layout(**{**base, **kw})
+
+
+def test_a_model_smaller_than_one_bucket_cannot_hide_its_sync():
+    from meridian.service.cost_model import estimate
+
+    tiny = model_preset("tiny")  # 3.5 MB of fp32 gradients
+    whole = estimate(tiny, _layout(bucket_bytes=4 * 2**20), _figures(), 8)
+    assert whole.exposed_dp_s == pytest.approx(whole.dp_comm_s)  # one bucket: ready when backward ends
+    split = estimate(tiny, _layout(bucket_bytes=2**19), _figures(), 8)
+    assert split.exposed_dp_s < whole.exposed_dp_s
+
+
+def test_only_the_last_micro_batch_s_backward_hides_the_sync():
+    from meridian.service.cost_model import estimate
+
+    small = model_preset("small")
+    one = estimate(small, _layout(micro_batches=1, bucket_bytes=2**18), _figures(), 8)
+    four = estimate(small, _layout(micro_batches=4, bucket_bytes=2**18), _figures(), 8)
+    # the same sync, a quarter of the backward to hide it behind
+    assert four.dp_comm_s == pytest.approx(one.dp_comm_s) and four.exposed_dp_s > one.exposed_dp_s
+
+
+def test_1f1b_pays_one_activation_hop_per_tick_gpipe_two():
+    from meridian.service.cost_model import estimate
+
+    kw = dict(pp=2, dp=1, dp_per_dc=0, pp_spans_dcs=True, micro_batches=4)
+    f1b = estimate(model_preset("tiny"), _layout(schedule="1f1b", **kw), _figures(), 8)
+    gpipe = estimate(model_preset("tiny"), _layout(schedule="gpipe", **kw), _figures(), 8)
+    assert gpipe.pp_comm_s == pytest.approx(2 * f1b.pp_comm_s) and f1b.pp_comm_s > 0
