@@ -37,7 +37,7 @@ from meridian.workers.config import TrainConfig
 from meridian.workers.data import TextDataset
 from meridian.workers.layout import DCGroups, DCLayout
 from meridian.workers.model import GPT
-from meridian.workers.observe import StepTimes, computed_beat, heartbeat, measure_peak_flops
+from meridian.workers.observe import measure_peak_flops
 from meridian.workers.rendezvous import Assignment, JobFinished, Rendezvous
 from meridian.workers.replica_state import IncompleteState, LocalShard, assemble
 from meridian.workers.sync import GradientSync, build_sync
@@ -45,9 +45,8 @@ from meridian.workers.train_loop import (
     ProgressSink,
     TrainResult,
     evaluate,
-    forward_backward,
-    lr_at,
     progress_record,
+    timed_step,
     train,
 )
 from meridian.workers.wan import WanEmulator, agree_key, cleanup
@@ -301,15 +300,8 @@ class ElasticTrainer:
 
         step = start
         while step < cfg.steps:
-            t0 = time.perf_counter()
-            timings: dict[str, float] = {}
-            loss_sum = forward_backward(engine, data, cfg, step, rank, world, device, timings)
-            if rank_step is not None:
-                rank_step(computed_beat(rank, step + 1))
-            stats = engine.step(lr_at(step, cfg), snapshot_as=step + 1)
-            step_s = time.perf_counter() - t0
-            if rank_step is not None:
-                rank_step(heartbeat(rank, step + 1, StepTimes(step_s, timings["data_s"], stats.sync_wait_s)))
+            loss_sum, stats, step_s, data_s = timed_step(engine, data, cfg, step, rank, world, device, rank_step,
+                                                         snapshot=True)  # fmt: skip
             assert stats.shard is not None
             self.snapshots.append(stats.shard)
             flag = 1.0 if watch is not None and watch.flag.is_set() else 0.0
@@ -320,7 +312,7 @@ class ElasticTrainer:
             if pending is not None:
                 loss = publish(*pending)
                 first_loss = loss if math.isnan(first_loss) else first_loss
-            pending = (stats_tensor, work, step_s, stats, step, time.time(), timings["data_s"])
+            pending = (stats_tensor, work, step_s, stats, step, time.time(), data_s)
             if steps_here > 0:
                 timed_tokens += cfg.tokens_per_step
                 timed_s += step_s

@@ -102,6 +102,25 @@ def forward_backward(
     return loss_sum
 
 
+def timed_step(
+    engine: GradientSync, data: TextDataset, cfg: TrainConfig, step: int, rank: int, world: int,
+    device: torch.device, rank_step: Any = None, *, snapshot: bool = False,
+) -> tuple[torch.Tensor, StepStats, float, float]:
+    """Optimizer step ``step`` on this rank: forward/backward, then the engine's sync and update, with the
+    per-rank heartbeats around them (``rank_step``, when given). Returns this rank's loss share, the engine's
+    stats (with this rank's shard of the new state when ``snapshot``), the step's seconds and its data seconds."""
+    t0 = time.perf_counter()
+    timings: dict[str, float] = {}
+    loss_sum = forward_backward(engine, data, cfg, step, rank, world, device, timings)
+    if rank_step is not None:
+        rank_step(computed_beat(rank, step + 1))
+    stats = engine.step(lr_at(step, cfg), snapshot_as=step + 1 if snapshot else None)
+    step_s = time.perf_counter() - t0
+    if rank_step is not None:
+        rank_step(heartbeat(rank, step + 1, StepTimes(step_s, timings["data_s"], stats.sync_wait_s)))
+    return loss_sum, stats, step_s, timings["data_s"]
+
+
 def progress_record(
     cfg: TrainConfig, step: int, loss: float, step_s: float, stats: StepStats, inter_dc: int, done_at: float,
     *, data_s: float = 0.0, peak: DevicePeak | None = None, world: int = 1,
@@ -194,22 +213,13 @@ def train(
         return loss
 
     for step in range(cfg.steps):
-        t0 = time.perf_counter()
-        timings: dict[str, float] = {}
-        loss_sum = forward_backward(engine, data, cfg, step, rank, world, device, timings)
-        if rank_step is not None:
-            rank_step(computed_beat(rank, step + 1))
-        stats = engine.step(lr_at(step, cfg))
-        step_s = time.perf_counter() - t0
-        if rank_step is not None:
-            rank_step(heartbeat(rank, step + 1, StepTimes(step_s, timings["data_s"], stats.sync_wait_s)))
-
+        loss_sum, stats, step_s, data_s = timed_step(engine, data, cfg, step, rank, world, device, rank_step)
         stats_tensor = torch.stack([loss_sum.float().cpu(), torch.tensor(float(stats.inter_dc_bytes))])
         work = dist.all_reduce(stats_tensor, async_op=True)
         if pending is not None:
             loss = publish(*pending)
             first_loss = loss if math.isnan(first_loss) else first_loss
-        pending = (stats_tensor, work, step_s, stats, step, time.time(), timings["data_s"])
+        pending = (stats_tensor, work, step_s, stats, step, time.time(), data_s)
         if step > 0:
             timed_tokens += cfg.tokens_per_step
             timed_s += step_s
