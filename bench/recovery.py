@@ -14,8 +14,9 @@ For each: ``kill_to_next_step_s`` = wall time from the kill to the end of the fi
 re-formed group (Meridian: the first step of the next epoch; Ray Train: the first step of the restarted
 worker group) — not merely the first step stamped after the kill, since the victim's processes can outlive
 the kill of their node by a few steps; step end times are stamped by the workers. ``steps_lost`` = the last
-step completed before the re-formation minus the step training resumed from (steps trained twice). Sides run one after the other, so their timings share
-the machine's state; on a loaded 2-core machine the absolute seconds move, the ratio less.
+step completed before the re-formation minus the step training resumed from (steps trained twice). Sides run
+one after the other, so their timings share the machine's state; on a loaded 2-core machine the absolute
+seconds move, the ratio less.
 """
 
 from __future__ import annotations
@@ -61,11 +62,13 @@ def _cluster(args: argparse.Namespace):
 
 
 def _measure(old: list[dict[str, Any]], new: list[dict[str, Any]], kill_time: float, resume_step: int) -> dict[str, Any]:
-    """``old``: the step records of the group that lost a node; ``new``: those of the group formed after."""
+    """``old``: the step records of the group that lost a node; ``new``: those of the group formed after,
+    which resumed from ``resume_step`` — a step the old group completed even where its record is missing
+    (Meridian's rank 0 reports a step one step late, so a break can swallow the last record)."""
     if not new:
         raise RuntimeError("no training step completed after the re-formation")
     first = min(new, key=lambda r: r["time"])
-    last_old = max((r["step"] for r in old), default=0)
+    last_old = max([r["step"] for r in old] + [resume_step])
     return {
         "kill_to_next_step_s": round(first["time"] - kill_time, 2),
         "last_step_before_kill": max((r["step"] for r in old if r["time"] <= kill_time), default=0),
@@ -107,9 +110,6 @@ def _meridian(args: argparse.Namespace) -> dict[str, Any]:
             records = api.get(f"/v1/jobs/{job_id}/metrics").json()["points"]
             old = [r for r in records if r.get("epoch", 1) < 2]
             new = [r for r in records if r.get("epoch", 1) >= 2]
-            # Rank 0 reports a step's record one step late, so the last step of epoch 1 can lack a record:
-            # the survivors resumed from the newest step they all held, which they had completed.
-            old.append({"step": formed[0]["resume_step"], "time": kill_time})
             out = _measure(old, new, kill_time, formed[0]["resume_step"])
             out["workers_after"] = formed[0]["datacenters"]
             out["final_loss"] = job["result"]["final_loss"]

@@ -12,7 +12,6 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
-import shutil
 import signal
 import time
 import uuid
@@ -22,9 +21,10 @@ import pytest
 import torch
 
 from meridian.service.coordinator import Coordinator
-from meridian.workers.agent import Agent, snapshot_dir
+from meridian.workers.agent import Agent
 from meridian.workers.config import OptimConfig, SyncConfig, TrainConfig, model_preset
 from meridian.workers.multiproc import run_processes
+from meridian.workers.snapshot_paths import remove_snapshot_dirs, snapshot_dir
 from meridian.workers.train_loop import ListSink, train
 
 STEPS = 8
@@ -100,13 +100,13 @@ class ElasticRun:
         self.ctx = mp.get_context("spawn")
         self.results = self.ctx.Queue()
         self.procs: dict[int, mp.Process] = {}
-        self.snapshot_dirs: list[str] = []
+        self.job_ids: set[str] = set()
 
     def start(self, i: int, dc: str, cfg: TrainConfig) -> None:
         p = self.ctx.Process(target=_elastic_worker, args=(i, dc, self.manager.address, cfg, self.results))
         p.start()
         self.procs[i] = p
-        self.snapshot_dirs.append(snapshot_dir(cfg.job_id, f"w{i}"))
+        self.job_ids.add(cfg.job_id)
 
     def collect(self, expected: set[int]) -> dict[int, dict]:
         out: dict[int, dict] = {}
@@ -135,8 +135,8 @@ class ElasticRun:
                 p.kill()
             p.join(5)
         self.manager.shutdown()
-        for folder in self.snapshot_dirs:
-            shutil.rmtree(folder, ignore_errors=True)  # a killed worker's folder outlives it
+        for job_id in self.job_ids:
+            remove_snapshot_dirs(job_id)  # a killed worker's folder outlives it
 
 
 @pytest.fixture

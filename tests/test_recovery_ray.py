@@ -9,15 +9,13 @@ same final and held-out loss within fp32 round-off.
 
 from __future__ import annotations
 
-import glob
-import os
 import time
 
 import pytest
 from fakes import spec
 from ray_env import local_cluster, service_client
 
-from meridian.workers.agent import snapshot_dir
+from meridian.workers.snapshot_paths import snapshot_dirs
 
 pytestmark = pytest.mark.slow
 
@@ -107,8 +105,7 @@ def test_job_survives_node_losses_waits_below_min_workers_and_scales_back_up(env
     assert abs(job["result"]["final_loss"] - ref["result"]["final_loss"]) < 2e-2
     assert abs(job["result"]["eval_loss"] - ref["result"]["eval_loss"]) < 2e-2
     # The killed worker's in-memory snapshots (its node shares this host's RAM) are swept when the run ends.
-    leftover = os.path.join(os.path.dirname(snapshot_dir(job_id, "w")), f"meridian-snapshots.{job_id}.*")
     deadline = time.monotonic() + 60
-    while glob.glob(leftover) and time.monotonic() < deadline:
+    while snapshot_dirs(job_id) and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert not glob.glob(leftover)
+    assert not snapshot_dirs(job_id)

@@ -238,25 +238,22 @@ class Agent:
         self.max_restarts = max_restarts
         self.store_dir = snapshot_dir(cfg.job_id, worker_id)
         self.restarts = 0
-        self._ctx: Any = None
+        self._ctx = mp.get_context("spawn")
         self._standby: _Standby | None = None
 
     def run(self) -> TrainResult | None:
-        ctx = mp.get_context("spawn")
         # A new agent holds no state: whatever lies in its folder was left by a killed worker of an earlier
         # run with the same job and worker id, and must not pass for this run's snapshots.
         shutil.rmtree(self.store_dir, ignore_errors=True)
-        self._ctx = ctx
         try:
             while True:
                 current = self._take_standby()
                 outcome = self._serve(current.conn, current.proc)
-                proc = current.proc
-                proc.join()
+                current.proc.join()
                 if outcome is not None:
                     return outcome[1]
-                if proc.exitcode != RESTART_EXIT_CODE:
-                    raise RuntimeError(f"the training process exited with code {proc.exitcode}")
+                if current.proc.exitcode != RESTART_EXIT_CODE:
+                    raise RuntimeError(f"the training process exited with code {current.proc.exitcode}")
                 self.restarts += 1
                 if self.restarts > self.max_restarts:
                     raise RuntimeError(f"gave up after {self.max_restarts} restarts of the training process")

@@ -24,10 +24,14 @@ def snapshot_dir(job_id: str, worker_id: str) -> str:
     return os.path.join(_snapshot_root(), f"meridian-snapshots.{_safe(job_id)}.{_safe(worker_id)}")
 
 
+def snapshot_dirs(job_id: str) -> list[str]:
+    """This host's snapshot folders of ``job_id``, every worker's."""
+    return glob.glob(os.path.join(_snapshot_root(), f"meridian-snapshots.{glob.escape(_safe(job_id))}.*"))
+
+
 def remove_snapshot_dirs(job_id: str) -> list[str]:
     """Remove this host's snapshot folders of ``job_id`` (a killed worker's folder outlives it); the removed."""
-    pattern = os.path.join(_snapshot_root(), f"meridian-snapshots.{glob.escape(_safe(job_id))}.*")
-    removed = glob.glob(pattern)
+    removed = snapshot_dirs(job_id)
     for folder in removed:
         shutil.rmtree(folder, ignore_errors=True)
     return removed
