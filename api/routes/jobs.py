@@ -51,7 +51,7 @@ class JobPageCache:
 
     Many people (and ``meridian watch``, and the web page) poll the same list every half second; between two
     changes to any job they all get the same bytes, so the page is built once per change instead of once per
-    request (a page of 100 jobs costs ~20 ms of CPU to read and serialize, a cached one ~1 ms)."""
+    request (reading and serializing a page of 100 jobs measured 6.4 ms of CPU; a cached page is a dict lookup)."""
 
     MAX_PAGES = 256
 
