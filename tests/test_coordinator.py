@@ -76,3 +76,23 @@ def test_newcomer_is_signalled_to_members_and_joins_at_the_next_boundary():
         t.join(10)
     assert newcomer["w5"]["newcomer_ranks"] == [2] and newcomer["w5"]["world_size"] == 3
     assert out["w0"]["resume_step"] == 4
+
+
+def test_every_poll_of_one_join_offers_the_same_store_port():
+    # The epoch can form between two polls; the others are told the port of the last poll they saw, so a
+    # worker that offered a new port on every poll could host its store where nobody connects.
+    from meridian.workers.rendezvous import Rendezvous
+
+    ports = []
+
+    def call(method, member, epoch):
+        ports.append(member["port"])
+        if len(ports) < 3:
+            return {"status": "wait", "reason": "2 of 3 workers have started"}
+        return {"status": "assigned", "epoch": 1, "rank": 0, "world_size": 3, "datacenters": ["a", "a", "b"],
+                "master_addr": "127.0.0.1", "master_port": ports[-1], "resume_step": 0, "from_checkpoint": False,
+                "newcomer_ranks": [0, 1, 2]}
+
+    rdzv = Rendezvous(call, worker_id="w0", datacenter="a", node_id="n0", address="127.0.0.1")
+    assert rdzv.join(last_step=0, timeout_s=10).master_port == ports[0]
+    assert len(ports) == 3 and len(set(ports)) == 1

@@ -75,7 +75,9 @@ def test_job_survives_node_losses_waits_below_min_workers_and_scales_back_up(env
     until(api, job_id, lambda j, _: (j["progress"]["step"] or 0) >= second["resume_step"] + 5, 120, "training in epoch 2")
     rank0 = next(p for p in api.get(f"/v1/jobs/{job_id}").json()["placement"] if p["rank"] == 0)
     cluster.remove_node(node_of(nodes, rank0["node_id"]), allow_graceful=True)
-    waiting = until(api, job_id, lambda j, _: j if j["reason"] == "WaitingForWorkers" else None, 120, "waiting")
+    # (First it waits up to 30 s for rank 0 to rejoin, then below min_workers: wait for the latter.)
+    waiting = until(api, job_id, lambda j, _: j if j["reason"] == "WaitingForWorkers" and "min_workers" in j["message"]
+                    else None, 120, "waiting below min_workers")
     assert waiting["state"] == "running" and "min_workers" in waiting["message"]
 
     # 3) A dc-a node comes back: a worker starts on it and the job grows into it. dc-b's two ranks still hold

@@ -66,9 +66,12 @@ class Rendezvous:
         """Block until the coordinator puts this worker in an epoch newer than the one it knows."""
         deadline = time.monotonic() + timeout_s
         reason = ""
+        # One port for every poll of this join: the epoch can form between two polls, and the others are then
+        # told the port of the poll before — a rank 0 hosting its store on a newer one would never be reached.
+        port = free_port()
         while True:
             member = {"worker_id": self.worker_id, "datacenter": self.datacenter, "node_id": self.node_id,
-                      "address": self.address, "port": free_port(), "last_step": last_step}
+                      "address": self.address, "port": port, "last_step": last_step}
             a = self.call("join", member, self.epoch)
             if a["status"] == "finished":
                 raise JobFinished()
