@@ -9,7 +9,7 @@ export RAY_USAGE_STATS_ENABLED := 0
 
 .PHONY: demo test lint bench clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q "$(TORCH)"
 	$(BIN)/pip install -q -e ".[test]"

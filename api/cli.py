@@ -90,7 +90,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from meridian.api.app import create_app
     from meridian.api.auth import AuthSettings, UnsafeDeployment, check_bind, is_loopback
-    from meridian.service.cluster import parse_datacenters
+    from meridian.service.cluster.connect import parse_datacenters
     from meridian.service.core import ServiceConfig
 
     try:
@@ -121,7 +121,7 @@ def cmd_token_create(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from meridian.api.server import serve_in_thread
-    from meridian.service.cluster import parse_datacenters
+    from meridian.service.cluster.connect import parse_datacenters
     from meridian.service.core import MeridianService, ServiceConfig
 
     dcs = parse_datacenters(args.datacenters)

@@ -9,7 +9,7 @@ from fastapi import Depends, Request
 from meridian.service.core import MeridianService
 from meridian.service.errors import ClusterUnavailable
 from meridian.service.store import JobStore
-from meridian.service.supervisor import Supervisor
+from meridian.service.supervision.supervisor import Supervisor
 
 
 def get_service(request: Request) -> MeridianService:

@@ -1,7 +1,7 @@
 """The service's own Prometheus ``/metrics``: HTTP requests, queue length, jobs by state.
 
 Not to be confused with ``GET /v1/jobs/{id}/metrics`` (a job's stored training series) nor with the job
-metrics the runners export on the Ray metrics endpoint (:mod:`meridian.service.job_metrics`). Each app gets
+metrics the runners export on the Ray metrics endpoint (:mod:`meridian.service.runner.metrics`). Each app gets
 its own registry, so several apps in one process (tests) never clash. :data:`SERVICE_METRICS` is the one
 list of names the dashboards test checks panels against.
 """
@@ -17,8 +17,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from meridian.service.job_metrics import MetricDef
 from meridian.service.jobs import JobState
+from meridian.service.runner.metrics import MetricDef
 
 SERVICE_METRICS: tuple[MetricDef, ...] = (
     MetricDef("meridian_service_http_requests_total", "counter", "HTTP requests served",

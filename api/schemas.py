@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from meridian.service.jobs import DeclaredLink, JobRequest, ParallelismRequest, TopologyRequest
 from meridian.service.store import Event, JobRecord
-from meridian.workers.config import (
+from meridian.workers.contracts.config import (
     MODEL_PRESETS,
     Compression,
     DataConfig,

@@ -20,10 +20,10 @@ import uvicorn
 
 from meridian.api.app import create_app
 from meridian.api.auth import AuthSettings
+from meridian.service.cluster.topology import ClusterTopology, NodeInfo
 from meridian.service.core import ServiceConfig
 from meridian.service.store import JobStore
-from meridian.service.supervisor import Supervisor
-from meridian.service.topology import ClusterTopology, NodeInfo
+from meridian.service.supervision.supervisor import Supervisor
 
 
 def static_topology(dcs: int, nodes_per_dc: int, cpus: int) -> ClusterTopology:

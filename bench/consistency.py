@@ -15,9 +15,9 @@ import functools
 
 import torch
 
-from meridian.workers.config import TrainConfig, model_preset
-from meridian.workers.consistency import check_consistency
-from meridian.workers.multiproc import run_processes
+from meridian.workers.contracts.config import TrainConfig, model_preset
+from meridian.workers.distributed.multiproc import run_processes
+from meridian.workers.probes.consistency import check_consistency
 
 NAME = "consistency"
 HELP = "same seed on every replica: identical initial loss and gradients per rank? (flags a perturbed one)"

@@ -5,9 +5,9 @@ slots, a 20 ms / 1 Gbit/s inter-DC link).
 
 1. Measure the figures the planner needs on this machine, with every slot busy at once (as training runs):
    per-device training FLOP/s and the optimizer step of the model's own shape
-   (:mod:`meridian.workers.compute_bench`), and the local link (gloo all-reduce latency and bus bandwidth,
-   :mod:`meridian.workers.collective_bench`). The inter-DC link is the emulated WAN's configuration
-   (:mod:`meridian.workers.wan`), which is what the collectives crossing DCs are paced by.
+   (:mod:`meridian.workers.probes.compute_bench`), and the local link (gloo all-reduce latency and bus bandwidth,
+   :mod:`meridian.workers.probes.collective_bench`). The inter-DC link is the emulated WAN's configuration
+   (:mod:`meridian.workers.wan.collectives`), which is what the collectives crossing DCs are paced by.
 2. Ask the planner for every layout of the job on that (fake, local) topology, ranked by estimated step
    time, and take the top ``--top``.
 3. Train each for real on local gloo processes (tensor/pipeline parallel as the layout says, the WAN
@@ -18,7 +18,7 @@ slots, a 20 ms / 1 Gbit/s inter-DC link).
 
 Reports, per candidate, predicted vs measured step time and the relative error ``(predicted − measured) /
 measured``, and whether the planner's ranking matches the measured one. Nothing here is tuned to the
-answer: the estimates come from :func:`meridian.service.cost_model.estimate` with the measured figures.
+answer: the estimates come from :func:`meridian.service.planning.cost_model.estimate` with the measured figures.
 """
 
 from __future__ import annotations
@@ -27,13 +27,11 @@ import argparse
 import statistics
 from typing import Any
 
-from meridian.service.cost_model import Figures, Link, estimate
+from meridian.service.cluster.topology import ClusterTopology, NodeInfo
 from meridian.service.jobs import JobRequest, TopologyRequest
-from meridian.service.planner import Candidate, ranked_layouts, strategy_for
-from meridian.service.topology import ClusterTopology, NodeInfo
-from meridian.workers.collective_bench import all_reduce_perf, message_sizes, summarise
-from meridian.workers.compute_bench import training_flops
-from meridian.workers.config import (
+from meridian.service.planning.cost_model import Figures, Link, estimate
+from meridian.service.planning.planner import Candidate, ranked_layouts, strategy_for
+from meridian.workers.contracts.config import (
     OptimConfig,
     ParallelConfig,
     PipelineSchedule,
@@ -42,8 +40,11 @@ from meridian.workers.config import (
     WanConfig,
     model_preset,
 )
-from meridian.workers.multiproc import run_processes
-from meridian.workers.train_loop import ListSink, train
+from meridian.workers.contracts.link_perf import message_sizes, summarise
+from meridian.workers.distributed.multiproc import run_processes
+from meridian.workers.loop.train import ListSink, train
+from meridian.workers.probes.collective_bench import all_reduce_perf
+from meridian.workers.probes.compute_bench import training_flops
 
 NAME = "plan"
 HELP = "run the planner's top layouts on local processes: predicted vs measured step time, ranking, error"

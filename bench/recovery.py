@@ -50,7 +50,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _cluster(args: argparse.Namespace):
     from ray.cluster_utils import Cluster
 
-    from meridian.service.cluster import FAST_FAILURE_DETECTION
+    from meridian.service.cluster.connect import FAST_FAILURE_DETECTION
 
     # The dashboard is on for both sides: the baseline finds a worker's node through the state API.
     cluster = Cluster(initialize_head=True, head_node_args={
@@ -154,8 +154,8 @@ def _baseline_loop(config: dict[str, Any]) -> None:
     import torch
     from ray.train.torch import prepare_model
 
-    from meridian.workers.data import TextDataset
-    from meridian.workers.model import GPT, per_sample_loss
+    from meridian.workers.data.text import TextDataset
+    from meridian.workers.model.gpt import GPT, per_sample_loss
 
     cfg = config["train"]
     log = ray.get_actor(config["log"], namespace="meridian-bench")
@@ -198,7 +198,7 @@ def _ray_train_elastic(args: argparse.Namespace) -> dict[str, Any]:
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    from meridian.workers.config import DataConfig, OptimConfig, TrainConfig, model_preset
+    from meridian.workers.contracts.config import DataConfig, OptimConfig, TrainConfig, model_preset
 
     cluster, nodes = _cluster(args)
     try:

@@ -22,7 +22,7 @@ from meridian.bench.sync import (
     measure_link,
     run_strategies,
 )
-from meridian.workers.config import SyncConfig, SyncStrategy, WanConfig
+from meridian.workers.contracts.config import SyncConfig, SyncStrategy, WanConfig
 
 NAME = "scaling"
 HELP = "throughput of the same workers across datacenters (emulated WAN) vs in one datacenter"

@@ -1,7 +1,7 @@
 """``meridian bench sync``: every sync strategy trained for real on local gloo processes, in one run.
 
 For each strategy the same job (model, data order, seed) runs ``--steps`` optimizer steps on
-``--dcs × --workers-per-dc`` processes, the inter-DC link emulated by :mod:`meridian.workers.wan`
+``--dcs × --workers-per-dc`` processes, the inter-DC link emulated by :mod:`meridian.workers.wan.collectives`
 (``--rtt-ms``, ``--inter-dc-gbps``; ``--no-wan`` puts every rank in one DC with no emulation: the
 single-DC baseline). Reported per strategy, all measured:
 
@@ -17,7 +17,7 @@ single-DC baseline). Reported per strategy, all measured:
   on the same samples of the real text corpus): mean global training loss of the last 5 steps, and the
   held-out loss of rank 0's parameters after the last step (for DiLoCo: its DC's replica).
 
-``diloco`` and ``streaming-diloco`` (:mod:`meridian.workers.diloco`, H = ``--diloco-h``) sync across DCs only
+``diloco`` and ``streaming-diloco`` (:mod:`meridian.workers.sync.diloco`, H = ``--diloco-h``) sync across DCs only
 every H steps (per fragment), so their ``inter_dc_bytes_theoretical`` is the HAR minimum divided by H, and
 their ``max_abs_diff_vs_flat`` measures how far training drifted from exact data parallelism, not an error.
 ``quality`` puts every strategy's losses next to per-step ``hierarchical+overlap``'s.
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from meridian.workers.config import (
+from meridian.workers.contracts.config import (
     Compression,
     DiLoCoConfig,
     OptimConfig,
@@ -44,8 +44,8 @@ from meridian.workers.config import (
     WanConfig,
     model_preset,
 )
-from meridian.workers.multiproc import run_processes
-from meridian.workers.train_loop import ListSink, train
+from meridian.workers.distributed.multiproc import run_processes
+from meridian.workers.loop.train import ListSink, train
 
 NAME = "sync"
 HELP = "train every sync strategy on local gloo processes behind an emulated WAN; step time, bytes, overlap"
@@ -142,7 +142,7 @@ def wan_of(args: argparse.Namespace) -> WanConfig | None:
 def measure_link(wan: WanConfig | None) -> dict | None:
     if wan is None:
         return None
-    from meridian.workers.wan_probe import probe
+    from meridian.workers.wan.probe import probe
 
     got = probe(wan)
     return {"rtt_ms_measured": round(got["rtt_ms_measured"], 3), "gbps_measured": round(got["gbps_measured"], 4)}
@@ -150,7 +150,7 @@ def measure_link(wan: WanConfig | None) -> dict | None:
 
 def count_params(model: str) -> int:
     """Parameters the engines actually sync (trainable tensors of the built model)."""
-    from meridian.workers.model import GPT
+    from meridian.workers.model.gpt import GPT
 
     return sum(p.numel() for p in GPT(model_preset(model)).parameters() if p.requires_grad)
 

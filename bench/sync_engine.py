@@ -6,7 +6,7 @@
 - ``optimizer_bytes_per_rank``: sharded vs replicated AdamW state on every rank (ratio ≈ 1/N).
 - ``overlap``: mean ``overlap_fraction`` / ``comm_s`` / ``exposed_s`` of the overlapped sharded engine
   (steps after the first): on loopback communication is cheap and there is little to hide; with
-  ``--wan-rtt-ms`` every inter-DC collective waits for the emulated link (:mod:`meridian.workers.wan`).
+  ``--wan-rtt-ms`` every inter-DC collective waits for the emulated link (:mod:`meridian.workers.wan.collectives`).
 - ``compression``: final-5-step mean loss and inter-DC bytes per step for none / bf16 / int8.
 Timings are this machine's, not assertions; the tests assert the maths.
 """
@@ -17,9 +17,16 @@ import argparse
 import json
 import statistics
 
-from meridian.workers.config import Compression, OptimConfig, SyncConfig, TrainConfig, WanConfig, model_preset
-from meridian.workers.multiproc import run_processes
-from meridian.workers.train_loop import ListSink, train
+from meridian.workers.contracts.config import (
+    Compression,
+    OptimConfig,
+    SyncConfig,
+    TrainConfig,
+    WanConfig,
+    model_preset,
+)
+from meridian.workers.distributed.multiproc import run_processes
+from meridian.workers.loop.train import ListSink, train
 
 
 def _runs(rank: int, world: int, configs: dict[str, TrainConfig]) -> dict:

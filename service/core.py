@@ -9,13 +9,13 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from meridian.service.cluster import LocalCluster, connect
-from meridian.service.diagnostics import ProbeCache, run_probe
+from meridian.service.cluster.connect import LocalCluster, connect
+from meridian.service.cluster.link_probe import ProbeCache, run_probe
+from meridian.service.cluster.logs import LogEntry, WorkerLogs
+from meridian.service.cluster.topology import ClusterTopology, read_topology
 from meridian.service.launcher import Launcher
-from meridian.service.logs import LogEntry, WorkerLogs
 from meridian.service.store import JobStore
-from meridian.service.supervisor import Supervisor
-from meridian.service.topology import ClusterTopology, read_topology
+from meridian.service.supervision.supervisor import Supervisor
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ class MeridianService:
 
     def read_logs(self, placement: list[dict], offsets: dict[str, int] | None, *, tail_bytes: int,
                   ranks: set[int] | None = None) -> tuple[list[LogEntry], dict[str, int]]:
-        """New worker log lines since ``offsets`` (see :class:`~meridian.service.logs.WorkerLogs`)."""
+        """New worker log lines since ``offsets`` (see :class:`~meridian.service.cluster.logs.WorkerLogs`)."""
         return self.worker_logs.read(placement, offsets, tail_bytes=tail_bytes, ranks=ranks)  # type: ignore[union-attr]
 
     def topology(self) -> ClusterTopology:

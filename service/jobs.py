@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from meridian.service.errors import InvalidTransition
-from meridian.workers.config import (
+from meridian.workers.contracts.config import (
     Compression,
     DataConfig,
     DiLoCoConfig,

@@ -14,9 +14,9 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from meridian.service.jobs import JobRequest
-from meridian.service.planner import Plan
-from meridian.service.runner import NAMESPACE, JobRunner, runner_name
-from meridian.workers.config import ParallelConfig, PipelineSchedule, Precision, TrainConfig
+from meridian.service.planning.planner import Plan
+from meridian.service.runner.actor import NAMESPACE, JobRunner, runner_name
+from meridian.workers.contracts.config import ParallelConfig, PipelineSchedule, Precision, TrainConfig
 
 CALL_TIMEOUT_S = 10.0
 

@@ -12,7 +12,7 @@ sys.path.insert(0, str(Path(__file__).parent))  # for `import fakes`
 from fakes import FakeLauncher, topology  # noqa: E402
 
 from meridian.service.store import JobStore  # noqa: E402
-from meridian.service.supervisor import Supervisor  # noqa: E402
+from meridian.service.supervision.supervisor import Supervisor  # noqa: E402
 
 
 @pytest.fixture

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from meridian.service.cluster.topology import ClusterTopology, NodeInfo
 from meridian.service.launcher import RunnerLost
-from meridian.service.topology import ClusterTopology, NodeInfo
 
 
 def node(node_id: str, dc: str | None, *, cpus: float = 1, gpus: float = 0, alive: bool = True,
@@ -118,7 +118,7 @@ class FakeService:
 
     def read_logs(self, placement: list[dict[str, Any]], offsets: dict[str, int] | None, *, tail_bytes: int,
                   ranks: set[int] | None = None) -> tuple[list[Any], dict[str, int]]:
-        from meridian.service.logs import LogEntry
+        from meridian.service.cluster.logs import LogEntry
 
         offsets = dict(offsets or {})
         entries = []

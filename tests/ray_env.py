@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 
 from meridian.api.server import serve_in_thread
-from meridian.service.cluster import FAST_FAILURE_DETECTION
+from meridian.service.cluster.connect import FAST_FAILURE_DETECTION
 from meridian.service.core import MeridianService, ServiceConfig
 
 

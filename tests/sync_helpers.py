@@ -9,10 +9,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from meridian.workers.adamw import build_adamw, make_adamw, param_groups
-from meridian.workers.config import OptimConfig
-from meridian.workers.data import rank_slice
-from meridian.workers.engine import GradientSync
+from meridian.workers.contracts.config import OptimConfig
+from meridian.workers.data.text import rank_slice
+from meridian.workers.optim.adamw import build_adamw, make_adamw, param_groups
+from meridian.workers.sync.engine import GradientSync
 
 GLOBAL_BATCH = 10
 

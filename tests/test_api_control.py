@@ -27,9 +27,9 @@ from meridian.api.auth import (
 from meridian.api.cli import main as cli_main
 from meridian.api.client import Client, parse_sse
 from meridian.api.server import serve_in_thread
+from meridian.service.cluster.topology import ClusterTopology
 from meridian.service.store import JobStore
-from meridian.service.supervisor import Supervisor
-from meridian.service.topology import ClusterTopology
+from meridian.service.supervision.supervisor import Supervisor
 
 
 def app_for(service, **options):

@@ -1,10 +1,19 @@
-"""Imports flow api → service → workers: the service never pulls in the HTTP stack, and worker code
-(which runs on remote nodes) never imports the control plane."""
+"""Imports flow api → service → workers, one way and without cycles.
+
+The service never pulls in the HTTP stack or torch (it runs on the head node and answers the API; the torch
+import alone costs seconds); worker code (which runs on remote nodes) never imports the control plane; and
+no two modules import each other, directly or through others, even from inside a function."""
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+FOLDERS = {"api": "meridian.api", "service": "meridian.service", "workers": "meridian.workers",
+           "bench": "meridian.bench"}  # fmt: skip
 
 
 def _modules_after(import_line: str) -> set[str]:
@@ -13,12 +22,94 @@ def _modules_after(import_line: str) -> set[str]:
     return set(out.split())
 
 
-def test_service_does_not_import_the_http_stack():
-    mods = _modules_after("import meridian.service.core, meridian.service.supervisor")
+def _service_modules() -> list[str]:
+    return sorted(_module_name(p) for p in (ROOT / "service").rglob("*.py"))
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = [FOLDERS[rel.parts[0]], *rel.parts[1:]]
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def test_service_does_not_import_the_http_stack_or_torch():
+    mods = _modules_after("import " + ", ".join(_service_modules()))
     assert not {m for m in mods if m.split(".")[0] in ("fastapi", "starlette", "uvicorn")}
     assert not {m for m in mods if m.startswith("meridian.api")}
+    assert "torch" not in mods, "a module the service imports loads torch: keep it in workers' torch-free contracts"
 
 
 def test_workers_do_not_import_service_or_api():
-    mods = _modules_after("import meridian.workers.entry, meridian.workers.train_loop, meridian.workers.sync")
+    workers = [_module_name(p) for p in (ROOT / "workers").rglob("*.py")]
+    mods = _modules_after("import " + ", ".join(sorted(workers)))
     assert not {m for m in mods if m.startswith(("meridian.service", "meridian.api"))}
+
+
+def _imports(path: Path, known: set[str]) -> set[str]:
+    """Every meridian module ``path`` imports, at any depth of the file except ``if TYPE_CHECKING:``."""
+    tree = ast.parse(path.read_text())
+    type_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+                 and getattr(node.test, "id", getattr(node.test, "attr", "")) == "TYPE_CHECKING"
+                 for n in ast.walk(node)}  # fmt: skip
+    found = set()
+    for node in ast.walk(tree):
+        if id(node) in type_only:
+            continue
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found.add(node.module)
+            found |= {f"{node.module}.{a.name}" for a in node.names}
+    return {m for m in found if m in known}
+
+
+def import_graph() -> dict[str, set[str]]:
+    paths = {_module_name(p): p for folder in FOLDERS for p in (ROOT / folder).rglob("*.py")}
+    known = set(paths)
+    graph = {}
+    for name, path in paths.items():
+        # importing a.b.c runs a/__init__ and a/b/__init__ too, but those are docstrings: edges only to modules
+        graph[name] = {m for m in _imports(path, known) if m != name}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}  # 1 on the stack, 2 done
+    stack: list[str] = []
+
+    def visit(n: str) -> list[str] | None:
+        state[n] = 1
+        stack.append(n)
+        for m in sorted(graph.get(n, ())):
+            if state.get(m) == 1:
+                return stack[stack.index(m):] + [m]
+            if m not in state and (c := visit(m)):
+                return c
+        stack.pop()
+        state[n] = 2
+        return None
+
+    for n in sorted(graph):
+        if n not in state and (c := visit(n)):
+            return c
+    return None
+
+
+def test_find_cycle_sees_one():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_no_import_cycles():
+    cycle = find_cycle(import_graph())
+    assert cycle is None, "import cycle: " + " → ".join(cycle or [])
+
+
+def test_package_inits_import_nothing():
+    """Package ``__init__`` files are docstrings, so importing one module never drags in its siblings (and
+    torch-free contracts stay torch-free)."""
+    for init in (ROOT / "workers").rglob("__init__.py"):
+        tree = ast.parse(init.read_text())
+        assert not [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))], init

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from meridian.workers.collective_bench import PerfRow, all_reduce_perf, message_sizes, ring_ranks, summarise
-from meridian.workers.multiproc import run_processes
+from meridian.workers.contracts.link_perf import PerfRow, message_sizes, ring_ranks, summarise
+from meridian.workers.distributed.multiproc import run_processes
+from meridian.workers.probes.collective_bench import all_reduce_perf
 
 
 def _perf(rank, world):

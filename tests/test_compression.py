@@ -13,12 +13,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from meridian.workers.compression import Bf16Codec, ErrorFeedback, Int8Codec
-from meridian.workers.config import Compression, OptimConfig, SyncConfig, TrainConfig, model_preset
-from meridian.workers.inter_dc import InterDCComm
-from meridian.workers.layout import DCGroups, DCLayout
-from meridian.workers.multiproc import run_processes
-from meridian.workers.train_loop import ListSink, train
+from meridian.workers.contracts.config import Compression, OptimConfig, SyncConfig, TrainConfig, model_preset
+from meridian.workers.distributed.layout import DCGroups, DCLayout
+from meridian.workers.distributed.multiproc import run_processes
+from meridian.workers.loop.train import ListSink, train
+from meridian.workers.sync.compression import Bf16Codec, ErrorFeedback, Int8Codec
+from meridian.workers.sync.inter_dc import InterDCComm
 
 
 def test_int8_payload_is_one_byte_per_element_plus_a_scale():

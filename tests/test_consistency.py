@@ -7,9 +7,9 @@ import functools
 import pytest
 
 from meridian.bench.consistency import nudge_first_weight
-from meridian.workers.config import TrainConfig, model_preset
-from meridian.workers.consistency import check_consistency
-from meridian.workers.multiproc import run_processes
+from meridian.workers.contracts.config import TrainConfig, model_preset
+from meridian.workers.distributed.multiproc import run_processes
+from meridian.workers.probes.consistency import check_consistency
 
 CFG = TrainConfig(job_id="c", model=model_preset("nano"), steps=1, global_batch=2, micro_batch=2, seed=3)
 

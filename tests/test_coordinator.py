@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from meridian.service.coordinator import Coordinator
+from meridian.service.runner.coordinator import Coordinator
 
 
 def member(i, dc, step=0):
@@ -81,7 +81,7 @@ def test_newcomer_is_signalled_to_members_and_joins_at_the_next_boundary():
 def test_every_poll_of_one_join_offers_the_same_store_port():
     # The epoch can form between two polls; the others are told the port of the last poll they saw, so a
     # worker that offered a new port on every poll could host its store where nobody connects.
-    from meridian.workers.rendezvous import Rendezvous
+    from meridian.workers.elastic.rendezvous import Rendezvous
 
     ports = []
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from meridian.api.prometheus import SERVICE_METRICS
-from meridian.service.job_metrics import JOB_METRICS, MetricDef
+from meridian.service.runner.metrics import JOB_METRICS, MetricDef
 
 DASHBOARDS = Path(__file__).parent.parent / "dashboards"
 PROMQL_WORDS = {"rate", "irate", "increase", "sum", "by", "without", "avg", "max", "min", "count", "le",

@@ -12,16 +12,16 @@ import torch
 from sync_helpers import GLOBAL_BATCH, lr_of, params_of, share_loss, toy_batch, toy_model, train_steps
 from test_elastic_loop import elastic_run  # noqa: F401 - the fixture
 
-from meridian.workers import checkpoint as ckpt_io
-from meridian.workers.adamw import build_adamw
-from meridian.workers.config import DiLoCoConfig, OptimConfig, SyncConfig, SyncStrategy
-from meridian.workers.data import rank_slice
-from meridian.workers.diloco import DiLoCoSync
-from meridian.workers.diloco_schedule import FragmentSchedule, split_fragments
-from meridian.workers.grad_buffer import GradBuffer
-from meridian.workers.layout import DCGroups, DCLayout
-from meridian.workers.multiproc import run_processes
-from meridian.workers.replica_state import assemble
+from meridian.workers.contracts.config import DiLoCoConfig, OptimConfig, SyncConfig, SyncStrategy
+from meridian.workers.data.text import rank_slice
+from meridian.workers.distributed.layout import DCGroups, DCLayout
+from meridian.workers.distributed.multiproc import run_processes
+from meridian.workers.optim.adamw import build_adamw
+from meridian.workers.state import checkpoint as ckpt_io
+from meridian.workers.state.replica_state import assemble
+from meridian.workers.sync.diloco import DiLoCoSync
+from meridian.workers.sync.diloco_schedule import FragmentSchedule, split_fragments
+from meridian.workers.sync.grad_buffer import GradBuffer
 
 OPTIM = OptimConfig(lr=0.05, weight_decay=0.1, grad_clip=0.5, warmup_steps=0)
 SMALL_BUCKETS = 64 / 2**20  # 16 fp32 elements: the toy model spreads over 5 buckets

@@ -20,12 +20,12 @@ from multiprocessing.managers import BaseManager
 import pytest
 import torch
 
-from meridian.service.coordinator import Coordinator
-from meridian.workers.agent import Agent
-from meridian.workers.config import OptimConfig, SyncConfig, TrainConfig, model_preset
-from meridian.workers.multiproc import run_processes
-from meridian.workers.snapshot_paths import remove_snapshot_dirs, snapshot_dir
-from meridian.workers.train_loop import ListSink, train
+from meridian.service.runner.coordinator import Coordinator
+from meridian.workers.contracts.config import OptimConfig, SyncConfig, TrainConfig, model_preset
+from meridian.workers.distributed.multiproc import run_processes
+from meridian.workers.elastic.agent import Agent
+from meridian.workers.loop.train import ListSink, train
+from meridian.workers.state.snapshot_paths import remove_snapshot_dirs, snapshot_dir
 
 STEPS = 8
 LONG_STEPS = 200

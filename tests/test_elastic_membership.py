@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from meridian.service.elastic import Epoch, Form, Member, MembershipState, Wait, decide
+from meridian.service.runner.membership import Epoch, Form, Member, MembershipState, Wait, decide
 
 
 def m(wid, dc, node=None, t=0.0, step=0):

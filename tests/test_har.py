@@ -14,11 +14,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from meridian.workers.grad_buffer import GradBuffer
-from meridian.workers.har import chunk_views, hierarchical_all_reduce, segment_view
-from meridian.workers.inter_dc import InterDCComm
-from meridian.workers.layout import DCGroups, DCLayout
-from meridian.workers.multiproc import run_processes
+from meridian.workers.distributed.layout import DCGroups, DCLayout
+from meridian.workers.distributed.multiproc import run_processes
+from meridian.workers.sync.grad_buffer import GradBuffer
+from meridian.workers.sync.har import chunk_views, hierarchical_all_reduce, segment_view
+from meridian.workers.sync.inter_dc import InterDCComm
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 CHUNKS = (None, 8, 100)  # bytes: whole segment, 2–4 elements per chunk, a few dozen

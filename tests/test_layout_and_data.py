@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from meridian.workers.config import DataConfig
-from meridian.workers.data import TextDataset, rank_slice
-from meridian.workers.layout import DCLayout
+from meridian.workers.contracts.config import DataConfig
+from meridian.workers.data.text import TextDataset, rank_slice
+from meridian.workers.distributed.layout import DCLayout
 
 
 @pytest.mark.parametrize("dcs", [("a", "a", "b", "b"), ("a", "a", "b"), ("a", "a", "a", "b", "b"),

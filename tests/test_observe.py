@@ -8,11 +8,11 @@ from fakes import spec, step_record
 from fastapi.testclient import TestClient
 
 from meridian.api.app import create_app
-from meridian.service.job_metrics import JobMetricsState, _key
 from meridian.service.jobs import JobState
-from meridian.service.stall import StallPolicy, find_stalls
-from meridian.workers.config import model_preset
-from meridian.workers.observe import DevicePeak, StepTimes, measure_peak_flops, mfu
+from meridian.service.runner.metrics import JobMetricsState, _key
+from meridian.service.supervision.stall import StallPolicy, find_stalls
+from meridian.workers.contracts.config import model_preset
+from meridian.workers.loop.observe import DevicePeak, StepTimes, measure_peak_flops, mfu
 
 
 def beat(rank, step, t, step_s=1.0, data_s=0.1, sync=0.2):
@@ -134,7 +134,7 @@ def test_measured_peak_is_positive_and_says_how():
 
 
 def test_records_split_data_and_compute_time():
-    from meridian.workers.multiproc import run_processes
+    from meridian.workers.distributed.multiproc import run_processes
 
     (records,) = run_processes(_train_records, 1, timeout_s=300)
     assert len(records) == 3
@@ -158,8 +158,8 @@ class _BeatSink:
 
 
 def _train_records(rank, world):
-    from meridian.workers.config import TrainConfig, model_preset
-    from meridian.workers.train_loop import train
+    from meridian.workers.contracts.config import TrainConfig, model_preset
+    from meridian.workers.loop.train import train
 
     sink = _BeatSink()
     train(TrainConfig(job_id="o", model=model_preset("nano"), steps=3, global_batch=2, micro_batch=2), sink=sink)
@@ -207,7 +207,7 @@ def test_cli_progress_bar_shows_eta_and_where_the_step_went():
 
 
 def test_supervisor_progress_keeps_the_split_and_a_smoothed_eta():
-    from meridian.service.supervisor import _progress
+    from meridian.service.supervision.supervisor import _progress
 
     recs = [step_record(s, 10, 3.0) | {"step_s": st, "data_s": 0.1, "compute_s": 0.3, "mfu": 0.2}
             for s, st in ((1, 1.0), (2, 0.5))]
@@ -217,8 +217,8 @@ def test_supervisor_progress_keeps_the_split_and_a_smoothed_eta():
 
 
 def _har_records(rank, world):
-    from meridian.workers.config import SyncConfig, SyncStrategy, TrainConfig, model_preset
-    from meridian.workers.train_loop import ListSink, train
+    from meridian.workers.contracts.config import SyncConfig, SyncStrategy, TrainConfig, model_preset
+    from meridian.workers.loop.train import ListSink, train
 
     sink = ListSink()
     cfg = TrainConfig(job_id="h", model=model_preset("nano"), steps=3, global_batch=4, micro_batch=2,
@@ -228,7 +228,7 @@ def _har_records(rank, world):
 
 
 def test_hierarchical_records_split_sync_time_by_tier():
-    from meridian.workers.multiproc import run_processes
+    from meridian.workers.distributed.multiproc import run_processes
 
     records = run_processes(_har_records, 4, timeout_s=300)[0]
     for r in records:

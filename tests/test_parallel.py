@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from meridian.workers.config import (
+from meridian.workers.contracts.config import (
     ParallelConfig,
     PipelineSchedule,
     SyncConfig,
@@ -20,10 +20,10 @@ from meridian.workers.config import (
     TrainConfig,
     model_preset,
 )
-from meridian.workers.multiproc import run_processes
-from meridian.workers.parallel import ParallelDims
-from meridian.workers.tensor_parallel import assemble, shard, stage_layers, unshard
-from meridian.workers.train_loop import ListSink, train
+from meridian.workers.distributed.multiproc import run_processes
+from meridian.workers.loop.train import ListSink, train
+from meridian.workers.parallel.dims import ParallelDims
+from meridian.workers.parallel.tensor_parallel import assemble, shard, stage_layers, unshard
 
 STEPS = 8
 

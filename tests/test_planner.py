@@ -7,11 +7,11 @@ from dataclasses import replace
 import pytest
 from fakes import node, topology
 
+from meridian.service.cluster.topology import ClusterTopology
 from meridian.service.errors import InvalidJob, Unschedulable
 from meridian.service.jobs import JobRequest, ParallelismRequest, TopologyRequest
-from meridian.service.planner import admission, plan_job
-from meridian.service.topology import ClusterTopology
-from meridian.workers.config import SyncStrategy, model_preset
+from meridian.service.planning.planner import admission, plan_job
+from meridian.workers.contracts.config import SyncStrategy, model_preset
 
 
 def req(datacenters=None, workers=None, global_batch=8, min_workers=1, strategy=None) -> JobRequest:
@@ -98,8 +98,8 @@ def _two_slot_nodes() -> ClusterTopology:
 
 
 def test_planner_offers_tensor_and_pipeline_layouts_the_workers_can_run():
-    from meridian.service.planner import default_figures, ranked_layouts, strategy_for
-    from meridian.workers.parallel import ParallelDims
+    from meridian.service.planning.planner import default_figures, ranked_layouts, strategy_for
+    from meridian.workers.parallel.dims import ParallelDims
 
     topo = _two_slot_nodes()
     request = req(global_batch=8)
@@ -126,7 +126,7 @@ def test_plan_with_tp_pins_each_tensor_parallel_group_to_one_node():
     assert plan.rank_nodes == ("n-a", "n-a", "n-b", "n-b")
     assert plan.to_dict()["parallelism"]["tp"] == 2
     # The runner asks Ray Train for each rank on its node, not just its datacenter.
-    from meridian.service.runner import worker_label_selectors
+    from meridian.service.runner.actor import worker_label_selectors
 
     assert worker_label_selectors(plan.to_dict()) == [
         {"datacenter": "dc-a", "ray.io/node-id": "n-a"}, {"datacenter": "dc-a", "ray.io/node-id": "n-a"},
@@ -136,7 +136,7 @@ def test_plan_with_tp_pins_each_tensor_parallel_group_to_one_node():
 
 
 def test_flat_sync_request_never_gets_a_pipeline():
-    from meridian.service.planner import default_figures, ranked_layouts
+    from meridian.service.planning.planner import default_figures, ranked_layouts
 
     topo = _two_slot_nodes()
     ranked = ranked_layouts(req(strategy=SyncStrategy.FLAT), topo, default_figures(topo, ("dc-a", "dc-b"), False))
@@ -155,7 +155,7 @@ def test_the_plan_s_tp_and_pp_reach_the_workers_config():
 
 
 def _figures():
-    from meridian.service.cost_model import Figures, Link
+    from meridian.service.planning.cost_model import Figures, Link
 
     lan, wan = Link(1e-4, 1e9), Link(0.01, 125e6)
     return Figures(device_flops=50e9, device_memory_bytes=8 * 2**30, intra_node=lan, intra_dc=lan, inter_dc=wan,
@@ -163,7 +163,7 @@ def _figures():
 
 
 def _layout(**kw):
-    from meridian.service.cost_model import Layout
+    from meridian.service.planning.cost_model import Layout
 
     base = dict(tp=1, pp=1, dp=2, num_dcs=2, dp_per_dc=1, pp_spans_dcs=False, micro_batch=2, micro_batches=1,
                 hierarchical=True, shard_optimizer=True, overlap=True)
@@ -171,7 +171,7 @@ def _layout(**kw):
 
 
 def test_a_model_smaller_than_one_bucket_cannot_hide_its_sync():
-    from meridian.service.cost_model import estimate
+    from meridian.service.planning.cost_model import estimate
 
     tiny = model_preset("tiny")  # 3.5 MB of fp32 gradients
     whole = estimate(tiny, _layout(bucket_bytes=4 * 2**20), _figures(), 8)
@@ -181,7 +181,7 @@ def test_a_model_smaller_than_one_bucket_cannot_hide_its_sync():
 
 
 def test_only_the_last_micro_batch_s_backward_hides_the_sync():
-    from meridian.service.cost_model import estimate
+    from meridian.service.planning.cost_model import estimate
 
     small = model_preset("small")
     one = estimate(small, _layout(micro_batches=1, bucket_bytes=2**18), _figures(), 8)
@@ -191,7 +191,7 @@ def test_only_the_last_micro_batch_s_backward_hides_the_sync():
 
 
 def test_1f1b_pays_one_activation_hop_per_tick_gpipe_two():
-    from meridian.service.cost_model import estimate
+    from meridian.service.planning.cost_model import estimate
 
     kw = dict(pp=2, dp=1, dp_per_dc=0, pp_spans_dcs=True, micro_batches=4)
     f1b = estimate(model_preset("tiny"), _layout(schedule="1f1b", **kw), _figures(), 8)

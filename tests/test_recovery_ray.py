@@ -15,7 +15,7 @@ import pytest
 from fakes import spec
 from ray_env import local_cluster, service_client
 
-from meridian.workers.snapshot_paths import snapshot_dirs
+from meridian.workers.state.snapshot_paths import snapshot_dirs
 
 pytestmark = pytest.mark.slow
 

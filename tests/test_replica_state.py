@@ -21,11 +21,11 @@ from sync_helpers import (
     train_steps,
 )
 
-from meridian.workers.config import OptimConfig, SyncConfig, SyncStrategy
-from meridian.workers.layout import DCGroups, DCLayout
-from meridian.workers.multiproc import run_processes
-from meridian.workers.replica_state import IncompleteState, assemble
-from meridian.workers.sync import build_sync
+from meridian.workers.contracts.config import OptimConfig, SyncConfig, SyncStrategy
+from meridian.workers.distributed.layout import DCGroups, DCLayout
+from meridian.workers.distributed.multiproc import run_processes
+from meridian.workers.state.replica_state import IncompleteState, assemble
+from meridian.workers.sync.build import build_sync
 
 OPTIM = OptimConfig(lr=0.05, weight_decay=0.1, grad_clip=0.5, warmup_steps=0)
 STEPS, MICRO = 3, 2
@@ -119,7 +119,7 @@ def test_flat_engine_snapshots_the_whole_replica():
 
 @pytest.mark.parametrize("dcs", [("a", "b"), ("a", "a", "a", "b")], ids=["1+1", "3+1"])
 def test_durable_checkpoint_of_2_plus_2_reshards_onto_other_dc_sizes(sharded, tmp_path, dcs):
-    from meridian.workers import checkpoint as ckpt_io
+    from meridian.workers.state import checkpoint as ckpt_io
 
     written = ckpt_io.Checkpoint(step=STEPS, model=sharded[0]["params"], optimizer=sharded[0]["full"],
                                  fingerprint={"toy": True})

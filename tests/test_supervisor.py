@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from fakes import node, step_record, topology
 
+from meridian.service.cluster.topology import ClusterTopology
 from meridian.service.jobs import JobRequest, JobState, TopologyRequest
-from meridian.service.supervisor import Supervisor
-from meridian.service.topology import ClusterTopology
-from meridian.workers.config import model_preset
+from meridian.service.supervision.supervisor import Supervisor
+from meridian.workers.contracts.config import model_preset
 
 
 def req(name="j", workers=None, priority=0) -> JobRequest:

@@ -7,13 +7,13 @@ from dataclasses import replace
 import pytest
 from fakes import topology
 
-from meridian.service.cost_model import Link
-from meridian.service.figures import figures_for
 from meridian.service.jobs import JobRequest, TopologyRequest
 from meridian.service.launcher import build_train_config
-from meridian.service.planner import default_figures, plan_job
-from meridian.service.sync_choice import choose_sync, cross_dc_time
-from meridian.workers.config import DiLoCoConfig, SyncConfig, SyncStrategy, WanConfig, model_preset
+from meridian.service.planning.cost_model import Link
+from meridian.service.planning.figures import figures_for
+from meridian.service.planning.planner import default_figures, plan_job
+from meridian.service.planning.sync_choice import choose_sync, cross_dc_time
+from meridian.workers.contracts.config import DiLoCoConfig, SyncConfig, SyncStrategy, WanConfig, model_preset
 
 TINY = model_preset("tiny").num_params  # 0.8 M parameters: 3.3 MB of fp32
 
@@ -85,7 +85,7 @@ def test_a_job_can_force_a_strategy_and_its_knobs():
 
 
 def test_diloco_knobs_cross_the_service_to_workers_boundary_intact():
-    from meridian.workers.config import TrainConfig
+    from meridian.workers.contracts.config import TrainConfig
 
     sync = SyncConfig(strategy=SyncStrategy.STREAMING_DILOCO,
                       diloco=DiLoCoConfig(inner_steps=8, fragments=2, overlap_steps=1))

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from sync_helpers import micro_batches, params_of, share_loss, toy_model, train_steps
 from torch import nn
 
-from meridian.workers.config import (
+from meridian.workers.contracts.config import (
     Compression,
     OptimConfig,
     Precision,
@@ -27,12 +27,12 @@ from meridian.workers.config import (
     WanConfig,
     model_preset,
 )
-from meridian.workers.hierarchical import HierarchicalSync
-from meridian.workers.layout import DCGroups, DCLayout
-from meridian.workers.multiproc import run_processes
-from meridian.workers.train_loop import ListSink, train
-from meridian.workers.wan import WanEmulator, cleanup, shm_dir
-from meridian.workers.wan_link import FILE_PREFIX
+from meridian.workers.distributed.layout import DCGroups, DCLayout
+from meridian.workers.distributed.multiproc import run_processes
+from meridian.workers.loop.train import ListSink, train
+from meridian.workers.sync.hierarchical import HierarchicalSync
+from meridian.workers.wan.collectives import WanEmulator, cleanup, shm_dir
+from meridian.workers.wan.link import FILE_PREFIX
 
 OPTIM = OptimConfig(lr=0.05, weight_decay=0.1, grad_clip=0.5, warmup_steps=0)
 UNEVEN = ("a", "a", "b")
@@ -279,7 +279,7 @@ def test_two_plus_two_trains_like_one_process(single_process):
 
 
 def _built(rank, world):
-    from meridian.workers.sync import build_sync
+    from meridian.workers.sync.build import build_sync
 
     out = {}
     for name, sync in ENGINES.items():

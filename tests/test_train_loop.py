@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from meridian.workers.config import SyncConfig, SyncStrategy, TrainConfig, model_preset
-from meridian.workers.multiproc import run_processes
-from meridian.workers.train_loop import ListSink, train
+from meridian.workers.contracts.config import SyncConfig, SyncStrategy, TrainConfig, model_preset
+from meridian.workers.distributed.multiproc import run_processes
+from meridian.workers.loop.train import ListSink, train
 
 
 def _run(rank, world, cfg):

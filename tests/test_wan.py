@@ -18,10 +18,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from meridian.workers.config import WanConfig
-from meridian.workers.layout import DCGroups, DCLayout
-from meridian.workers.multiproc import run_processes
-from meridian.workers.wan import (
+from meridian.workers.contracts.config import WanConfig
+from meridian.workers.distributed.layout import DCGroups, DCLayout
+from meridian.workers.distributed.multiproc import run_processes
+from meridian.workers.wan.collectives import (
     Algorithm,
     EmulatedWork,
     FlatHookState,
@@ -36,8 +36,8 @@ from meridian.workers.wan import (
     recv,
     send,
 )
-from meridian.workers.wan_link import SharedLink
-from meridian.workers.wan_probe import probe, probe_link
+from meridian.workers.wan.link import SharedLink
+from meridian.workers.wan.probe import probe, probe_link
 
 MB = 1 << 20
 AB = DCLayout(("dc-a", "dc-b"))

@@ -17,9 +17,9 @@ import pytest
 from fakes import spec, step_record
 
 from meridian.api.server import serve_in_thread
+from meridian.service.cluster.link_probe import ProbeCache
+from meridian.service.cluster.topology import ClusterTopology
 from meridian.service.core import ServiceConfig
-from meridian.service.diagnostics import ProbeCache
-from meridian.service.topology import ClusterTopology
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 playwright_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install -e '.[test]')")

@@ -2,7 +2,7 @@
 
 Each worker reads its datacenter from its node's ``datacenter`` label (never from its IP or rank: local
 simulated nodes share one IP). It does not train in Ray Train's own process group: it runs an
-:class:`~meridian.workers.agent.Agent`, which joins *epochs* formed by the coordinator in the job's runner
+:class:`~meridian.workers.elastic.agent.Agent`, which joins *epochs* formed by the coordinator in the job's runner
 actor and trains in a child process, so when a node dies the survivors re-form over each other within
 seconds instead of waiting for Ray Train to restart the whole worker group. Progress and events go to the
 runner with fire-and-forget calls, so a slow service never slows a step. Must not import ``meridian.api`` or
@@ -19,8 +19,8 @@ from typing import Any
 import ray
 import torch
 
-from meridian.workers.agent import Agent
-from meridian.workers.config import TrainConfig
+from meridian.workers.contracts.config import TrainConfig
+from meridian.workers.elastic.agent import Agent
 
 DATACENTER_LABEL = "datacenter"
 CALL_TIMEOUT_S = 60.0

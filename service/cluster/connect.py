@@ -1,0 +1,101 @@
+"""Connect the service to Ray: an existing cluster, or an embedded local one with simulated datacenters.
+
+The embedded cluster (``--local-datacenters dc-a:2,dc-b:2``) runs one Ray node per simulated machine on
+this host, each labelled ``datacenter=<name>``, plus a head node with no worker capacity. Meridian starts
+it with fast failure detection (a dead node is noticed in ~3 s instead of ~17 s) and stops only what it
+started — never ``ray stop``, which would kill every Ray process on the host.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from dataclasses import dataclass
+
+import ray
+
+from meridian.service.runner.actor import NAMESPACE
+
+log = logging.getLogger(__name__)
+
+# Measured on a 2-core host (RAY_NOTES.md): default health checks notice a dead node after ~17 s; these
+# settings bring it to ~3 s.
+FAST_FAILURE_DETECTION = {
+    "health_check_period_ms": 1000,
+    "health_check_failure_threshold": 3,
+    "health_check_timeout_ms": 1000,
+    "health_check_initial_delay_ms": 1000,
+}
+
+
+def parse_datacenters(text: str) -> dict[str, int]:
+    """``"dc-a:2,dc-b:2"`` → ``{"dc-a": 2, "dc-b": 2}`` (a bare name means one node)."""
+    out: dict[str, int] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, _, count = part.partition(":")
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}", name):
+            raise ValueError(f"invalid datacenter name {name!r}: use letters, digits, '-', '_' or '.'")
+        try:
+            n = int(count or 1)
+        except ValueError:
+            raise ValueError(f"invalid node count {count!r} for datacenter {name!r}: expected an integer") from None
+        if not 1 <= n <= 16:
+            raise ValueError(f"datacenter {name!r}: node count must be between 1 and 16, got {n}")
+        if name in out:
+            raise ValueError(f"datacenter {name!r} is listed twice")
+        out[name] = n
+    if not out:
+        raise ValueError("give at least one datacenter, e.g. dc-a:2,dc-b:2")
+    return out
+
+
+@dataclass
+class LocalCluster:
+    """A multi-node Ray cluster on this host; nodes are labelled with their simulated datacenter."""
+
+    datacenters: dict[str, int]
+    cpus_per_node: int = 1
+    dashboard: bool = True
+
+    def __post_init__(self) -> None:
+        self._cluster = None
+
+    def start(self) -> str:
+        from ray.cluster_utils import Cluster
+
+        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+        self._cluster = Cluster(
+            initialize_head=True,
+            head_node_args={
+                "num_cpus": 0, "include_dashboard": self.dashboard, "_system_config": FAST_FAILURE_DETECTION,
+            },
+        )
+        for dc, count in self.datacenters.items():
+            for _ in range(count):
+                self._cluster.add_node(num_cpus=self.cpus_per_node, labels={"datacenter": dc})
+        self._cluster.wait_for_nodes()
+        return self._cluster.address
+
+    @property
+    def cluster(self):  # the ray.cluster_utils.Cluster, for tests that remove nodes
+        return self._cluster
+
+    def shutdown(self) -> None:
+        if self._cluster is not None:
+            self._cluster.shutdown()
+            self._cluster = None
+
+
+def connect(address: str | None) -> None:
+    """Join the Ray cluster at ``address`` (``None``: ``RAY_ADDRESS`` or a local ``ray start`` cluster)."""
+    if ray.is_initialized():
+        return
+    try:
+        ray.init(address=address or os.environ.get("RAY_ADDRESS") or "auto", namespace=NAMESPACE,
+                 logging_level=logging.WARNING, log_to_driver=False)
+    except ConnectionError as e:
+        raise ConnectionError(
+            f"cannot reach a Ray cluster at {address or os.environ.get('RAY_ADDRESS') or 'auto'}: {e}. Start one "
+            "with `ray start --head --labels datacenter=dc-a`, pass --address, or use --local-datacenters"
+        ) from None

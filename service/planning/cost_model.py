@@ -1,0 +1,190 @@
+"""Estimates for one candidate layout: memory per device, step time, inter-DC bytes per step.
+
+Pure arithmetic on a model's shape, a layout and measured (or declared) figures for compute and for each
+link tier, so the planner can rank layouts and say why. The formulas, per optimizer step:
+
+    compute   = tokens per replica x FLOPs/token / (tp x pp) / device FLOP/s, x (m + pp - 1) / m pipeline bubble
+    tp comm   = 4 all-reduces per layer per micro-batch of (b x s x d) activations on the intra-node link
+    pp comm   = (m + pp - 1) point-to-point transfers of (b x s x d) on the link between stages with 1F1B
+                (activations down and gradients up share a tick: the link is full duplex), 2 (m + pp - 1)
+                with GPipe
+    dp comm   = hierarchical: reduce-scatter + all-gather of the gradients inside the DC, plus each DC's
+                copy of the gradients over the shared inter-DC link (1 latency round for two DCs),
+                flat: a ring over every replica, paced by the slowest link it crosses
+    exposed   = dp comm not hidden behind the last micro-batch's backward pass (2/3 of its compute; earlier
+                micro-batches only accumulate) when overlap is on, and at least the last bucket's share
+                (bucket size / gradient bytes), which no backward can hide
+
+The numbers are estimates, checked against measured step times by ``meridian bench plan``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from meridian.workers.contracts.config import ModelConfig
+
+BYTES_FP32 = 4
+ADAMW_STATE_BYTES = 2 * BYTES_FP32  # exp_avg + exp_avg_sq per parameter
+
+
+@dataclass(frozen=True)
+class Link:
+    latency_s: float
+    bytes_per_s: float
+
+    def time(self, nbytes: float, rounds: int = 1) -> float:
+        return rounds * self.latency_s + nbytes / self.bytes_per_s
+
+
+@dataclass(frozen=True)
+class Figures:
+    """What the hardware can do: compute per device and the three link tiers."""
+
+    device_flops: float
+    """Sustained training FLOP/s of one device (all devices busy at once)."""
+    device_memory_bytes: float
+    intra_node: Link
+    intra_dc: Link
+    inter_dc: Link
+    """One direction of the link between two datacenters, shared by all ranks of a datacenter."""
+    step_overhead_s: float = 0.0
+    """Fixed per-step cost outside the model (optimizer, Python, logging), measured."""
+    inter_dc_known: bool = False
+    """``inter_dc`` was measured, declared or emulated (not a default): only then may the planner trade
+    per-step sync for DiLoCo (:mod:`meridian.service.planning.sync_choice`)."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int
+    pp: int
+    dp: int
+    """Model replicas in total (sum over datacenters)."""
+    num_dcs: int
+    dp_per_dc: int
+    """Replicas per datacenter when replicas span DCs (pipeline inside a DC); 0 when stages span DCs."""
+    pp_spans_dcs: bool
+    micro_batch: int
+    micro_batches: int
+    """Micro-batches per replica per step (gradient accumulation / pipeline depth)."""
+    hierarchical: bool
+    shard_optimizer: bool
+    overlap: bool
+    schedule: str = "1f1b"
+    """Pipeline schedule, ``1f1b`` or ``gpipe`` (when ``pp`` > 1)."""
+    bucket_bytes: float = 4 * 2**20
+    """Gradient bucket size (``sync.bucket_mb``): a model smaller than one bucket syncs only after backward."""
+
+    @property
+    def devices(self) -> int:
+        return self.tp * self.pp * self.dp
+
+
+@dataclass(frozen=True)
+class Estimate:
+    memory_bytes: float
+    compute_s: float
+    tp_comm_s: float
+    pp_comm_s: float
+    dp_comm_s: float
+    exposed_dp_s: float
+    step_s: float
+    inter_dc_bytes: float
+    """Bytes per step crossing datacenter boundaries, summed over ranks (tensor bytes sent)."""
+
+    def to_dict(self) -> dict[str, float]:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+def activation_bytes(model: ModelConfig, micro_batch: int, layers: int, tp: int) -> float:
+    """Activations kept for backward, per micro-batch: Korthikanti et al. 2022, eq. 2 (fp32 doubles
+    their 16-bit figure), with TP dividing the attention/MLP part."""
+    s, b, d, a = model.seq_len, micro_batch, model.d_model, model.n_heads
+    per_layer_16bit = s * b * d * (10 + 24 / tp + 5 * a * s / (d * tp))
+    return 2 * per_layer_16bit * layers + BYTES_FP32 * b * s * model.vocab_size  # + logits
+
+
+def memory_per_device(model: ModelConfig, lay: Layout, dc_shards: int) -> float:
+    params = model.num_params / (lay.tp * lay.pp)
+    optimizer = ADAMW_STATE_BYTES * params / (dc_shards if lay.shard_optimizer else 1)
+    in_flight = lay.pp if lay.pp > 1 else 1  # 1F1B keeps at most pp micro-batches' activations
+    acts = activation_bytes(model, lay.micro_batch, model.n_layers // lay.pp, lay.tp) * in_flight
+    return 2 * BYTES_FP32 * params + optimizer + acts  # params + grads + optimizer + activations
+
+
+def estimate(model: ModelConfig, lay: Layout, fig: Figures, global_batch: int) -> Estimate:
+    tokens_per_replica = global_batch / lay.dp * model.seq_len
+    work = tokens_per_replica * model.flops_per_token / (lay.tp * lay.pp)
+    bubble = (lay.micro_batches + lay.pp - 1) / lay.micro_batches
+    compute = work / fig.device_flops * bubble
+
+    act = BYTES_FP32 * lay.micro_batch * model.seq_len * model.d_model
+    layers_here = model.n_layers / lay.pp
+    tp_comm = 0.0
+    if lay.tp > 1:
+        tp_comm = 4 * layers_here * lay.micro_batches * fig.intra_node.time(act * 2 * (lay.tp - 1) / lay.tp, rounds=2 * (lay.tp - 1))
+    pp_comm = 0.0
+    inter_dc = 0.0
+    if lay.pp > 1:
+        link = fig.inter_dc if lay.pp_spans_dcs else fig.intra_dc
+        # One activation hop per schedule tick; 1F1B's steady state sends activations downstream and
+        # gradients upstream in the same tick (the link is full duplex), GPipe runs the two phases apart.
+        phases = 1 if lay.schedule == "1f1b" else 2
+        pp_comm = phases * (lay.micro_batches + lay.pp - 1) * link.time(act / lay.tp)
+        if lay.pp_spans_dcs:
+            boundaries = lay.num_dcs - 1
+            inter_dc += 2 * boundaries * lay.micro_batches * act * lay.dp  # fwd activations + bwd grads
+
+    grads = BYTES_FP32 * model.num_params / (lay.tp * lay.pp)  # one replica's gradient bytes per device
+    dp_comm, last_bucket = _dp_comm(lay, fig, grads)
+    if lay.dp > 1 and not lay.pp_spans_dcs and lay.num_dcs > 1:
+        # HAR: each DC sends one copy of the gradients (split over its ranks); flat: every rank sends all.
+        inter_dc += (lay.num_dcs * grads * lay.tp * lay.pp) if lay.hierarchical else grads * lay.devices
+    elif lay.dp > 1 and lay.pp_spans_dcs and lay.hierarchical is False:
+        inter_dc += grads * lay.devices
+    # Gradients sync only during the last micro-batch's backward (earlier ones only accumulate): that is
+    # the window the sync can hide behind.
+    backward = compute * 2 / 3 / lay.micro_batches
+    exposed = max(dp_comm - backward, last_bucket) if lay.overlap else dp_comm
+    shards = lay.dp_per_dc if lay.dp_per_dc else lay.dp
+    # The measured overhead is AdamW over the whole model on one device; a rank updates only its stage's
+    # TP slice, and with the sharded optimizer only its 1/N of that.
+    sharded = lay.shard_optimizer and lay.dp > 1 and runs_hierarchical(lay)
+    updated = 1 / (lay.tp * lay.pp) / (max(1, shards) if sharded else 1)
+    step = compute + tp_comm + pp_comm + exposed + fig.step_overhead_s * updated
+    return Estimate(
+        memory_bytes=memory_per_device(model, lay, max(1, shards)), compute_s=compute, tp_comm_s=tp_comm,
+        pp_comm_s=pp_comm, dp_comm_s=dp_comm, exposed_dp_s=exposed, step_s=step, inter_dc_bytes=inter_dc,
+    )
+
+
+def runs_hierarchical(lay: Layout) -> bool:
+    """Whether the workers run ``lay`` with the hierarchical engine when the planner picks the strategy:
+    across DCs when asked, and always under pipeline stages (DDP cannot follow a pipeline schedule)."""
+    return (lay.hierarchical and lay.num_dcs > 1 and not lay.pp_spans_dcs) or lay.pp > 1
+
+
+def _dp_comm(lay: Layout, fig: Figures, grads: float) -> tuple[float, float]:
+    """(total data-parallel sync time, the part that is always exposed: the last bucket's sync)."""
+    if lay.dp <= 1:
+        return 0.0, 0.0
+    last_fraction = min(1.0, lay.bucket_bytes / grads)  # the last bucket's share of the gradients
+    if lay.pp_spans_dcs or lay.num_dcs == 1:
+        n = lay.dp
+        ring = fig.intra_dc.time(2 * (n - 1) / n * grads, rounds=2 * (n - 1))
+        return ring, ring * last_fraction
+    n = lay.dp_per_dc
+    if lay.hierarchical:
+        intra = fig.intra_dc.time(2 * (n - 1) / n * grads, rounds=2 * (n - 1)) if n > 1 else 0.0
+        # every rank of the DC sends its 1/n shard over the one shared link: the link carries `grads` bytes
+        rounds = 1 if lay.num_dcs == 2 else 2 * (lay.num_dcs - 1)
+        cross = fig.inter_dc.time(grads * (lay.num_dcs - 1) if lay.num_dcs == 2 else 2 * (lay.num_dcs - 1) / lay.num_dcs * grads, rounds=rounds)
+        total = intra + cross
+        # The last bucket pays the inter-DC latency rounds whole and its share of the transfer.
+        latency = rounds * fig.inter_dc.latency_s
+        return total, intra * last_fraction + latency + (cross - latency) * last_fraction
+    w = lay.dp
+    # a flat ring over all replicas crosses each DC boundary; every step of the ring waits for the slow link
+    ring = fig.inter_dc.time(2 * (w - 1) / w * grads, rounds=2 * (w - 1))
+    return ring, ring * last_fraction

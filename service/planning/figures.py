@@ -1,0 +1,56 @@
+"""The hardware figures a plan is computed with: measured where a probe ran, declared where the user gave
+them, the emulated WAN where the job asks for one, conservative defaults otherwise.
+
+Precedence for the inter-datacenter link: the job's emulated WAN (that *is* the link its collectives will
+see) > figures declared in the job spec > the latest probe > defaults. Intra-node and intra-DC tiers come
+from the probe when there is one.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from typing import Any
+
+from meridian.service.cluster.link_probe import compute_key
+from meridian.service.cluster.topology import ClusterTopology
+from meridian.service.jobs import JobRequest
+from meridian.service.planning.cost_model import Figures, Link
+from meridian.service.planning.planner import default_figures
+from meridian.workers.contracts.config import to_plain
+
+
+def _link(summary: dict[str, float]) -> Link:
+    return Link(latency_s=summary["latency_us"] / 1e6, bytes_per_s=summary["bandwidth_gbps"] * 1e9 / 8)
+
+
+def figures_for(request: JobRequest, topo: ClusterTopology, probe: dict[str, Any] | None) -> tuple[Figures, list[str]]:
+    """Figures for planning ``request``, and where each came from (for the plan's explanation)."""
+    dcs = request.topology.datacenters or topo.datacenters
+    use_gpu = topo.has_gpus(tuple(dcs))
+    fig = default_figures(topo, tuple(dcs), use_gpu)
+    sources = ["defaults"]
+    if probe:
+        tiers: dict[str, Link] = {}
+        for t in probe.get("tiers", []):
+            # With several DC pairs, plan for the slowest measured one.
+            link = _link(t["summary"])
+            if t["tier"] not in tiers or link.bytes_per_s < tiers[t["tier"]].bytes_per_s:
+                tiers[t["tier"]] = link
+        fig = replace(fig, **{k: v for k, v in tiers.items() if k in ("intra_node", "intra_dc", "inter_dc")},
+                      inter_dc_known="inter_dc" in tiers)
+        sources = [f"link probe of {time.strftime('%Y-%m-%d %H:%M', time.localtime(probe.get('measured_at', 0)))}"] if tiers else []
+        compute = (probe.get("compute") or {}).get(compute_key(to_plain(request.model), request.micro_batch))
+        if compute:
+            fig = replace(fig, device_flops=compute["flops"], step_overhead_s=compute["optimizer_step_s"])
+            sources.append("compute probe of this model shape")
+        sources = sources or ["defaults"]
+    relevant = [lk for lk in request.links if lk.a in dcs and lk.b in dcs] if request.topology.datacenters else list(request.links)
+    if relevant:
+        slowest = min(relevant, key=lambda lk: lk.gbps)
+        fig = replace(fig, inter_dc=Link(slowest.rtt_ms / 2000, slowest.gbps * 1e9 / 8), inter_dc_known=True)
+        sources.append("declared inter-DC links")
+    if request.wan:
+        fig = replace(fig, inter_dc=Link(request.wan.one_way_s, request.wan.bytes_per_s), inter_dc_known=True)
+        sources.append("the job's emulated WAN")
+    return fig, sources

@@ -1,0 +1,404 @@
+"""The job runner: a detached Ray actor that owns one job's TorchTrainer and its elastic membership.
+
+It runs ``TorchTrainer.fit()`` in a thread and buffers what the workers push (per-step records, events,
+the final result) under increasing sequence numbers. The service polls it with a cursor, so a restarted
+service picks up exactly where the stored cursor says — nothing dropped, nothing twice. Because the actor
+is detached and named ``meridian-job-<id>``, training outlives the service process.
+
+It also hosts the job's :class:`~meridian.service.runner.coordinator.Coordinator` (workers call ``rdzv_*``) and
+watches the cluster every ``TICK_S``: a node that dies is reported on the job and its workers are not
+waited for; when a datacenter has capacity again and the job runs short there, the runner starts a
+replacement worker on it, which joins at the next step boundary.
+
+Ray Train's own reaction to a dead worker would restart the whole worker group (34–85 s measured here,
+from the last disk checkpoint). The job's backend declares *replica groups* of one worker each, the mode
+Ray Train 2.60 has for torchft: a dead worker is then replaced alone and the survivors keep running, so
+Meridian's re-formation over the survivors is what the job sees.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+import traceback
+from collections import deque
+from typing import Any
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from meridian.service.cluster.topology import ClusterTopology, read_topology
+from meridian.service.runner.coordinator import Coordinator
+from meridian.service.runner.metrics import JobMetricsState, RayJobMetrics
+
+NAMESPACE = "meridian"
+KEEP_RECORDS = 20_000
+NODE_ID_LABEL = "ray.io/node-id"
+TICK_S = 0.5
+GRACE_S = 30.0
+"""How long re-forming waits for a member whose node is alive but which has not rejoined. Survivors restart
+their training process to rejoin (2 s on an idle machine, over 10 s on a loaded one); a member that is
+known dead (its node is gone) is never waited for."""
+FIT_GRACE_S = 10.0
+"""After the last step, how long fit() may take to return by itself before the runner ends it."""
+START_TIMEOUT_S = 300.0
+"""The first epoch waits this long for every planned worker before starting with those present."""
+
+
+def runner_name(job_id: str) -> str:
+    return f"meridian-job-{job_id}"
+
+
+def _controller_hook(name: str, namespace: str) -> Any:
+    """A Ray Train controller callback that hands the controller's handle to the runner (for cancel)."""
+    from ray.train.v2._internal.execution.callback import ControllerCallback
+
+    class _TellRunner(ControllerCallback):
+        def after_controller_start(self, train_run_context: Any) -> None:
+            me = ray.get_runtime_context().current_actor
+            ray.get_actor(name, namespace=namespace).set_controller.remote(me)
+
+    return _TellRunner()
+
+
+def _meridian_torch_config() -> Any:
+    """A TorchConfig whose backend leaves process groups to Meridian and declares one-worker replica groups,
+    so Ray Train replaces a dead worker alone instead of restarting every worker of the job."""
+    from ray.train.backend import Backend
+    from ray.train.torch import TorchConfig
+
+    class _MeridianBackend(Backend):
+        has_replica_groups = True  # Ray Train 2.60: replace failing replica groups, keep the others running
+
+        def on_start(self, worker_group: Any, backend_config: Any) -> None:
+            pass  # each epoch forms its own process group (meridian.workers.elastic.rendezvous)
+
+        def on_shutdown(self, worker_group: Any, backend_config: Any) -> None:
+            pass
+
+    class MeridianTorchConfig(TorchConfig):
+        @property
+        def backend_cls(self) -> type:
+            return _MeridianBackend
+
+    return MeridianTorchConfig()
+
+
+def _describe_failure(error: BaseException | str) -> str:
+    """The root cause of a Train failure in one readable paragraph (not a wall of Ray internals)."""
+    text = str(error)
+    for marker in ("RuntimeError: ", "ValueError: ", "MemoryError", "ActorDiedError"):
+        if marker in text:
+            tail = text[text.rindex(marker):]
+            return tail.strip().splitlines()[0][:2000]
+    return text.strip().splitlines()[-1][:2000] if text.strip() else type(error).__name__
+
+
+def _train_loop_config(runner_name_: str, train_config: dict[str, Any]) -> dict[str, Any]:
+    return {"config": train_config, "runner_name": runner_name_, "namespace": NAMESPACE}
+
+
+class JobRunner:
+    def __init__(self, job_id: str, train_config: dict[str, Any], plan: dict[str, Any], storage_path: str,
+                 min_workers: int = 1) -> None:
+        self.job_id = job_id
+        self.name = runner_name(job_id)
+        self.train_config = train_config
+        self.plan = plan
+        self.storage_path = storage_path
+        self._lock = threading.Lock()
+        self._seq = 0
+        self._records: deque[tuple[int, dict[str, Any]]] = deque(maxlen=KEEP_RECORDS)
+        self._events: deque[tuple[int, dict[str, Any]]] = deque(maxlen=KEEP_RECORDS)
+        self._state = "starting"  # starting → running → succeeded | failed | cancelled
+        self._finishing = False
+        self._error = ""
+        self._result: dict[str, Any] | None = None
+        self._controller: Any = None
+        self._cancel = threading.Event()
+        self._done = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._metrics = JobMetricsState(job_id)
+        self._exporter: RayJobMetrics | None = None
+        self._ticker: threading.Thread | None = None
+        rank_dcs = list(plan["rank_datacenters"])
+        self.planned_per_dc = {dc: rank_dcs.count(dc) for dc in dict.fromkeys(rank_dcs)}
+        self.coordinator = Coordinator(
+            planned_workers=len(rank_dcs), min_workers=min(min_workers, len(rank_dcs)),
+            dc_order=tuple(self.planned_per_dc), on_event=self.push_event, grace_s=GRACE_S,
+            start_timeout_s=START_TIMEOUT_S,
+        )  # fmt: skip
+        self._nodes: dict[str, str] = {}
+        self._finished_at = 0.0
+        self._replacements: dict[str, Any] = {}  # actor id → handle of a worker started after a loss
+
+    # -- called by the service ---------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name=f"fit-{self.job_id}", daemon=True)
+            self._thread.start()
+            self._ticker = threading.Thread(target=self._tick_loop, name=f"tick-{self.job_id}", daemon=True)
+            self._ticker.start()
+
+    def poll(self, after: int) -> dict[str, Any]:
+        """Everything pushed after cursor ``after``, plus the runner's state."""
+        # Outside the lock: the coordinator reports events (taking the lock) while holding its own.
+        membership = self.coordinator.status()
+        with self._lock:
+            return {
+                "state": self._state, "error": self._error, "result": self._result,
+                "records": [(s, r) for s, r in self._records if s > after],
+                "events": [(s, e) for s, e in self._events if s > after],
+                "cursor": self._seq, "membership": membership,
+                **self._observe(),
+            }
+
+    def cancel(self) -> None:
+        self._cancel.set()
+        self._stop_training()
+
+    # -- called by the workers and the Train controller -------------------------------------------------
+    def set_controller(self, controller: Any) -> None:
+        self._controller = controller
+        if self._cancel.is_set() or self._done.is_set():
+            self._stop_training()
+
+    def push_progress(self, records: list[dict[str, Any]]) -> None:
+        with self._lock:
+            if self._state == "starting":
+                self._state = "running"
+            for r in records:
+                self._seq += 1
+                self._records.append((self._seq, r))
+                self._metrics.on_record(r)
+            self._export()
+
+    def push_event(self, kind: str, message: str, data: dict[str, Any] | None = None) -> None:
+        with self._lock:
+            self._seq += 1
+            self._events.append((self._seq, {"kind": kind, "message": message, "data": data or {}, "time": time.time()}))
+            self._metrics.on_event(kind, data or {})
+
+    def push_heartbeat(self, beat: dict[str, Any]) -> None:
+        """A rank finished a step. Stamped with this actor's clock, the one stall detection compares with."""
+        with self._lock:
+            self._metrics.on_heartbeat({**beat, "finished_at": beat.get("time"), "time": time.time()})
+
+    # -- metrics ------------------------------------------------------------------------------------------
+    def _observe(self) -> dict[str, Any]:
+        """What the supervisor's stall detector needs (call with the lock held); also refreshes gauges."""
+        now = time.time()
+        self._metrics.refresh_live(now)
+        self._export()
+        return {"heartbeats": self._metrics.stall_view(),
+                "recent_step_s": self._metrics.recent_step_s(), "now": now}
+
+    def _export(self) -> None:
+        try:
+            if self._exporter is None:
+                self._exporter = RayJobMetrics()
+            self._exporter.export(self._metrics)
+        except Exception:  # noqa: BLE001 - metrics must never break training or polling
+            traceback.print_exc(limit=2)
+
+    def push_result(self, result: dict[str, Any]) -> None:
+        with self._lock:
+            if self._result is None:  # every finishing worker sends one; they agree
+                self._result = result
+
+    def fail(self, message: str) -> None:
+        """A worker hit an error that restarting cannot fix: fail the job with it and stop the others."""
+        self._finish("failed", _describe_failure(message))
+        self._stop_training()
+
+    # The rendezvous, called by the workers (see meridian.workers.elastic.rendezvous).
+    def rdzv_join(self, member: dict[str, Any], known_epoch: int) -> dict[str, Any]:
+        return self.coordinator.join(member, known_epoch)
+
+    def rdzv_pending_change(self, epoch: int) -> bool:
+        return self.coordinator.pending_change(epoch)
+
+    def rdzv_finish(self, worker_id: str) -> None:
+        self.coordinator.finish(worker_id)
+
+    # -- the cluster watch --------------------------------------------------------------------------------
+    def _tick_loop(self) -> None:
+        while not self._done.wait(TICK_S):
+            try:
+                self._tick()
+            except Exception as e:  # noqa: BLE001 - a slow GCS answer must not end the watch
+                self.push_event("watch_error", f"watching the cluster failed once: {e}")
+
+    def _tick(self) -> None:
+        topo = read_topology()
+        nodes = {n.node_id: n.datacenter or "" for n in topo.alive_nodes}
+        for node, dc in self._nodes.items():
+            if node not in nodes:
+                self.push_event("node_lost", f"node {node[:12]} in {dc or 'no datacenter'} is no longer alive",
+                                {"node_id": node, "datacenter": dc})
+        for node, dc in nodes.items():
+            if self._nodes and node not in self._nodes:
+                self.push_event("node_joined", f"node {node[:12]} joined {dc or 'no datacenter'}",
+                                {"node_id": node, "datacenter": dc})
+        self._nodes = nodes
+        self.coordinator.tick(set(nodes))
+        if self.coordinator.job_finished and self._result is not None:
+            # Normally every Train worker returns and fit() ends by itself. After a loss, Ray Train may still be
+            # trying to re-place the lost worker (it cannot while its node is gone): end the run for it.
+            self._finished_at = self._finished_at or time.monotonic()
+            if time.monotonic() - self._finished_at > FIT_GRACE_S:
+                self._finish("succeeded")
+                self._stop_training()
+            return
+        self._replace_lost_workers(topo)
+
+    def _replace_lost_workers(self, topo: ClusterTopology) -> None:
+        """Start a worker in each datacenter that runs short of its plan and has room for one again."""
+        epoch = self.coordinator.epoch
+        if epoch is None or self._done.is_set():
+            return
+        alive = {n.node_id for n in topo.alive_nodes}
+        members = {m.worker_id for m in epoch.members}
+        waiting = set(self.coordinator.status()["waiting"])
+        if waiting - members:
+            return  # a new worker is already waiting to join
+        self._replacements = {k: a for k, a in self._replacements.items()
+                              if k not in members and _actor_alive(a)}  # started, not yet in an epoch
+        for dc, planned in self.planned_per_dc.items():
+            have = sum(1 for m in epoch.members if m.datacenter == dc and m.node_id in alive)
+            have += sum(1 for d, _ in self._replacements.values() if d == dc)
+            if have >= planned or not _has_room(topo, dc, self.plan["resources_per_worker"]):
+                continue
+            dc_, actor = _start_replacement(self.name, self.train_config, dc, self.plan)
+            self._replacements[actor._actor_id.hex()] = (dc_, actor)
+            self.push_event("worker_replacing", f"capacity returned in {dc}: starting a worker there", {"datacenter": dc})
+            return
+
+    # -- the fit thread ---------------------------------------------------------------------------------
+    def _finish(self, state: str, error: str = "") -> None:
+        with self._lock:
+            if self._finishing:
+                return  # the first outcome wins (training finished, then the aborted controller returns)
+            self._finishing = True
+        # Before the outcome is visible: once it is, the service releases (kills) this actor.
+        _sweep_snapshots(self.job_id)
+        with self._lock:
+            self._state, self._error = state, error
+        self._done.set()
+
+    def _stop_training(self) -> None:
+        controller = self._controller
+        if controller is not None:
+            # abort() ends the controller process, so the call itself always "fails": that is success.
+            with contextlib.suppress(Exception):
+                ray.get(controller.abort.remote(), timeout=30)
+        for _, actor in self._replacements.values():
+            with contextlib.suppress(Exception):
+                ray.kill(actor, no_restart=True)
+
+    def _run(self) -> None:
+        try:
+            from ray.train import FailureConfig, RunConfig, ScalingConfig
+            from ray.train.torch import TorchTrainer
+
+            from meridian.workers.entry import ray_train_entry
+
+            labels = worker_label_selectors(self.plan)
+            resources = dict(self.plan["resources_per_worker"])
+            trainer = TorchTrainer(
+                ray_train_entry,
+                train_loop_config=_train_loop_config(self.name, self.train_config),
+                torch_config=_meridian_torch_config(),
+                scaling_config=ScalingConfig(
+                    num_workers=len(labels), use_gpu=self.plan["use_gpu"], label_selector=labels,
+                    resources_per_worker=resources,
+                ),
+                run_config=RunConfig(
+                    name=f"meridian-{self.job_id}", storage_path=self.storage_path,
+                    # Never give up on a lost worker: the survivors carry on and the runner decides the outcome.
+                    failure_config=FailureConfig(max_failures=-1),
+                    callbacks=[_controller_hook(self.name, NAMESPACE)],
+                ),
+            )
+            result = trainer.fit()
+            if self._cancel.is_set():
+                self._finish("cancelled")
+            elif result.error is not None:
+                self._finish("failed", _describe_failure(result.error))
+            elif self.coordinator.job_finished:
+                self._finish("succeeded")
+            else:
+                self._finish("failed", "every worker ended before the job's last step (see the job's events)")
+        except BaseException as e:  # noqa: BLE001 - every outcome must reach the service
+            if self._cancel.is_set():
+                self._finish("cancelled")
+            else:
+                self._finish("failed", _describe_failure(e) or traceback.format_exc(limit=3))
+
+
+# -- in-memory snapshots left behind -----------------------------------------------------------------------
+def _sweep_snapshots(job_id: str, timeout_s: float = 30.0) -> list[str]:
+    """Remove the job's snapshot folders on every live host: a worker killed without its node (a crashed
+    process, a simulated node on one host) leaves its folder in RAM behind. One task per address: nodes
+    on one host share its RAM folder."""
+    from meridian.workers.state.snapshot_paths import remove_snapshot_dirs  # no torch: the task starts fast
+
+    remove = ray.remote(num_cpus=0, max_retries=0)(remove_snapshot_dirs)
+    one_per_host = {n["NodeManagerAddress"]: n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+    refs = [
+        remove.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(job_id)
+        for node in one_per_host.values()
+    ]  # fmt: skip
+    removed: list[str] = []
+    deadline = time.monotonic() + timeout_s
+    for ref in refs:
+        with contextlib.suppress(Exception):  # best effort: a node that died meanwhile took its RAM with it
+            removed += ray.get(ref, timeout=max(0.1, deadline - time.monotonic()))
+    return removed
+
+
+def worker_label_selectors(plan: dict[str, Any]) -> list[dict[str, str]]:
+    """One label selector per Train worker: its datacenter, and for a rank of a tensor-parallel group the
+    node the planner gave the group (Ray's ``ray.io/node-id`` label), so the group shares one node."""
+    nodes = plan.get("rank_nodes") or [None] * len(plan["rank_datacenters"])
+    return [{"datacenter": dc, **({NODE_ID_LABEL: node} if node else {})}
+            for dc, node in zip(plan["rank_datacenters"], nodes, strict=True)]
+
+
+# -- replacement workers ---------------------------------------------------------------------------------
+def _actor_alive(handle: tuple[str, Any]) -> bool:
+    from ray.util.state import get_actor
+
+    try:
+        info = get_actor(handle[1]._actor_id.hex(), timeout=5)
+    except Exception:  # noqa: BLE001 - the state API is busy: assume it lives, check again next tick
+        return True
+    return info is not None and info.state != "DEAD"
+
+
+def _has_room(topo: ClusterTopology, dc: str, resources: dict[str, float]) -> bool:
+    """A live node of ``dc`` has the free resources of one worker."""
+    cpus, gpus = resources.get("CPU", 0.0), resources.get("GPU", 0.0)
+    return any(n.available_cpus >= cpus and n.available_gpus >= gpus for n in topo.nodes_in(dc))
+
+
+class _ReplacementWorker:
+    def run(self, loop_config: dict[str, Any]) -> None:
+        from meridian.workers.entry import ray_train_entry
+
+        ray_train_entry(loop_config)
+
+
+def _start_replacement(name: str, train_config: dict[str, Any], dc: str, plan: dict[str, Any]) -> tuple[str, Any]:
+    """A worker outside Ray Train's group (Train 2.60 does not re-place a lost replica group once its node is
+    gone), pinned by label to ``dc``; it runs the same entry and joins the rendezvous as a newcomer."""
+    resources = dict(plan["resources_per_worker"])
+    cpus = resources.pop("CPU", 1.0)
+    gpus = resources.pop("GPU", 0.0)
+    actor = ray.remote(_ReplacementWorker).options(
+        num_cpus=cpus, num_gpus=gpus, resources=resources or None, label_selector={"datacenter": dc},
+        max_restarts=0,
+    ).remote()
+    actor.run.remote(_train_loop_config(name, train_config))
+    return (dc, actor)

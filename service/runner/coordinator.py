@@ -1,0 +1,160 @@
+"""The rendezvous of an elastic job: workers join, the coordinator forms epochs, everyone learns its rank.
+
+Hosted by the job's runner actor (thread-safe; workers call it concurrently). A worker calls
+:meth:`Coordinator.join` at start and again whenever its epoch breaks (a peer failed) or must grow (a
+newcomer waits); each call returns within ``poll_s`` either an assignment for a newer epoch or "wait, because
+…", so no actor call blocks for long. Decisions come from :func:`meridian.service.runner.membership.decide`; the
+runner's ticker calls :meth:`tick` with Ray's view of live nodes so a member on a dead node is not waited
+for. Every formation and loss is reported through ``on_event``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from meridian.service.runner.membership import Epoch, Form, Member, MembershipState, Wait, decide
+
+EventSink = Callable[[str, str, dict[str, Any]], None]
+
+
+class Coordinator:
+    def __init__(self, *, planned_workers: int, min_workers: int, dc_order: tuple[str, ...], on_event: EventSink,
+                 grace_s: float = 5.0, start_timeout_s: float = 300.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.state = MembershipState(planned_workers=planned_workers, min_workers=min_workers, dc_order=dc_order)
+        self.on_event = on_event
+        self.grace_s = grace_s
+        self.start_timeout_s = start_timeout_s
+        self.clock = clock
+        self._cond = threading.Condition()
+        self._ports: dict[str, int] = {}
+        self._first_seen: dict[str, float] = {}  # rank order inside a DC follows first arrival, stably
+        self._alive_nodes: set[str] | None = None
+        self.wait_reason = ""
+        self.finished: set[str] = set()
+
+    # -- called by workers ------------------------------------------------------------------------------
+    def join(self, member: dict[str, Any], known_epoch: int = 0, poll_s: float = 2.0) -> dict[str, Any]:
+        """Register (or re-register) a worker; return its assignment in an epoch newer than ``known_epoch``,
+        or ``{"status": "wait", "reason": ...}`` after ``poll_s`` (the worker calls again)."""
+        wid = member["worker_id"]
+        with self._cond:
+            if self.job_finished:
+                return {"status": "finished"}  # a late worker (a replacement, one left out) has nothing to do
+            now = self.clock()
+            self._ports[wid] = int(member["port"])
+            m = Member(worker_id=wid, datacenter=member["datacenter"], node_id=member["node_id"],
+                       address=member["address"], joined_at=self._first_seen.setdefault(wid, now),
+                       last_step=int(member.get("last_step", 0)))
+            self.state.waiting[wid] = m
+            if self.state.epoch is None and self.state.first_join_at is None:
+                self.state.first_join_at = now
+            is_member = self.state.epoch is not None and any(x.worker_id == wid for x in self.state.epoch.members)
+            if is_member and self.state.first_rejoin_at is None:
+                self.state.first_rejoin_at = now
+            self._decide_locked()
+            deadline = now + poll_s
+            while True:
+                a = self._assignment_locked(wid, known_epoch)
+                if a is not None:
+                    return a
+                if self.job_finished:
+                    return {"status": "finished"}
+                left = deadline - self.clock()
+                if left <= 0:
+                    return {"status": "wait", "reason": self.wait_reason}
+                self._cond.wait(left)
+
+    def pending_change(self, epoch: int) -> bool:
+        """Should the members of ``epoch`` re-form at their next step boundary (a newcomer waits)?"""
+        with self._cond:
+            return self.state.epoch is not None and self.state.epoch.number == epoch and self.state.newcomers_waiting()
+
+    def finish(self, worker_id: str) -> None:
+        """A member trained the job's last step."""
+        with self._cond:
+            self.finished.add(worker_id)
+            self._cond.notify_all()
+
+    @property
+    def job_finished(self) -> bool:
+        """Every member of the current epoch has trained the last step."""
+        e = self.state.epoch
+        return e is not None and all(m.worker_id in self.finished for m in e.members)
+
+    # -- called by the runner ---------------------------------------------------------------------------
+    def tick(self, alive_nodes: set[str]) -> None:
+        with self._cond:
+            self._alive_nodes = alive_nodes
+            self._decide_locked()
+
+    def status(self) -> dict[str, Any]:
+        with self._cond:
+            e = self.state.epoch
+            return {
+                "epoch": e.number if e else 0,
+                "workers": len(e.members) if e else 0,
+                "datacenters": list(e.datacenters) if e else [],
+                "waiting": sorted(self.state.waiting),
+                "wait_reason": self.wait_reason,
+                "finished": self.job_finished,
+            }
+
+    @property
+    def epoch(self) -> Epoch | None:
+        return self.state.epoch
+
+    # -- internals --------------------------------------------------------------------------------------
+    def _assignment_locked(self, wid: str, known_epoch: int) -> dict[str, Any] | None:
+        e = self.state.epoch
+        if e is None or e.number <= known_epoch or wid in self.state.waiting:
+            return None
+        if not any(m.worker_id == wid for m in e.members):
+            return None
+        rank = e.rank_of(wid)
+        master = e.members[0]
+        return {
+            "status": "assigned", "epoch": e.number, "rank": rank, "world_size": len(e.members),
+            "datacenters": list(e.datacenters), "master_addr": master.address, "master_port": self._ports[master.worker_id],
+            "resume_step": e.resume_step, "from_checkpoint": e.from_checkpoint,
+            "newcomer_ranks": [e.rank_of(w) for w in e.newcomers],
+        }
+
+    def _decide_locked(self) -> None:
+        alive = self._alive_nodes if self._alive_nodes is not None else {m.node_id for m in self.state.waiting.values()} | (
+            {m.node_id for m in self.state.epoch.members} if self.state.epoch else set())
+        decision = decide(self.state, self.clock(), alive_nodes=alive, grace_s=self.grace_s,
+                          start_timeout_s=self.start_timeout_s)
+        if isinstance(decision, Wait):
+            if decision.reason != self.wait_reason:
+                self.wait_reason = decision.reason
+                self.on_event("waiting", decision.reason, {})
+            return
+        if isinstance(decision, Form):
+            e = decision.epoch
+            self.state.epoch = e
+            for m in e.members:
+                self.state.waiting.pop(m.worker_id, None)
+            self.state.first_rejoin_at = None
+            self.wait_reason = ""
+            for m in decision.lost:
+                self.on_event("worker_lost", f"lost the worker in {m.datacenter} on node {m.node_id[:12]}",
+                              {"worker_id": m.worker_id, "datacenter": m.datacenter, "node_id": m.node_id})
+            per_dc: dict[str, int] = {}
+            for dc in e.datacenters:
+                per_dc[dc] = per_dc.get(dc, 0) + 1
+            layout = ", ".join(f"{n} in {dc}" for dc, n in per_dc.items())
+            how = "from the latest checkpoint" if e.from_checkpoint else f"at step {e.resume_step}"
+            self.on_event(
+                "epoch_formed",
+                f"epoch {e.number}: {len(e.members)} worker(s) ({layout}), resuming {how}"
+                + (f"; {len(e.newcomers)} joined" if e.number > 1 and e.newcomers else ""),
+                {"epoch": e.number, "datacenters": list(e.datacenters), "resume_step": e.resume_step,
+                 "lost": [m.worker_id for m in decision.lost], "newcomers": list(e.newcomers),
+                 "from_checkpoint": e.from_checkpoint, "time": time.time(),
+                 "placement": [{"rank": r, "worker_id": m.worker_id, "node_id": m.node_id, "datacenter": m.datacenter}
+                               for r, m in enumerate(e.members)]},
+            )
+            self._cond.notify_all()

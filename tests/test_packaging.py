@@ -1,0 +1,37 @@
+"""The wheel ships every module of the source tree: ``pip install .`` is how every node installs Meridian,
+and an editable install hides a package the wheel forgot (it once lacked ``meridian.api.routes``)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+FOLDERS = {"meridian": "meridian", "api": "meridian/api", "service": "meridian/service",
+           "workers": "meridian/workers", "bench": "meridian/bench"}  # fmt: skip
+
+
+def _source_files() -> set[str]:
+    tracked = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                             capture_output=True, text=True, check=True).stdout.split()  # fmt: skip
+    shipped = set()
+    for path in tracked:
+        folder, _, rest = path.partition("/")
+        if folder in FOLDERS and (path.endswith(".py") or rest.startswith("static/")) and (ROOT / path).exists():
+            shipped.add(f"{FOLDERS[folder]}/{rest}")
+    return shipped
+
+
+def test_wheel_ships_every_module_of_the_source_tree(tmp_path):
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", str(ROOT), "-w", str(tmp_path)],
+        check=True, capture_output=True, cwd=tmp_path,
+    )  # fmt: skip
+    (wheel,) = tmp_path.glob("meridian-*.whl")
+    in_wheel = {n for n in zipfile.ZipFile(wheel).namelist() if not n.startswith("meridian-")}
+    expected = _source_files()
+    assert "meridian/api/routes/jobs.py" in expected and "meridian/api/static/index.html" in expected
+    assert expected - in_wheel == set(), "modules the wheel forgot"
+    assert in_wheel - expected == set(), "files in the wheel that are not in the source tree"

@@ -1,0 +1,112 @@
+"""Training text and a sample order that does not depend on how many workers share it.
+
+The built-in corpus is the Python Language Reference as ``help()`` shows it (``pydoc_data.topics``,
+shipped with every CPython), so every machine has the same real text offline. A job may name a local
+UTF-8 file instead. Text is tokenised as bytes (vocabulary 256).
+
+Sample order is a pure function of (seed, global sample index): step ``s`` trains on global samples
+``[s * B, (s + 1) * B)`` of a per-epoch permutation, and each data-parallel rank takes a contiguous slice
+of that range. Changing the number of ranks (a node lost, a node back) changes who computes which sample,
+never which samples a step sees, so no sample is skipped or repeated because of a resize.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+
+from meridian.workers.contracts.config import DataConfig
+
+BUILTIN_PYTHON_REFERENCE = "builtin:python-reference"
+HELD_OUT_FRACTION = 0.05
+
+
+def load_text(cfg: DataConfig) -> bytes:
+    """The corpus as bytes, capped at ``cfg.max_bytes``. Raises ``ValueError`` a person can act on."""
+    if cfg.source == BUILTIN_PYTHON_REFERENCE:
+        from pydoc_data.topics import topics
+
+        text = "\n\n".join(topics[k] for k in sorted(topics)).encode("utf-8")
+    else:
+        path = cfg.source
+        if not os.path.isabs(path):
+            raise ValueError(f"data.source must be an absolute path or {BUILTIN_PYTHON_REFERENCE!r}, got {path!r}")
+        try:
+            with open(path, "rb") as f:
+                text = f.read(cfg.max_bytes)
+        except OSError as e:
+            raise ValueError(f"data.source {path!r} cannot be read on this node: {e.strerror}") from None
+    return text[: cfg.max_bytes]
+
+
+@functools.lru_cache(maxsize=4)
+def _tokens(cfg: DataConfig) -> torch.Tensor:
+    return torch.frombuffer(bytearray(load_text(cfg)), dtype=torch.uint8).long()
+
+
+@dataclass(frozen=True)
+class Slice:
+    """A contiguous range ``[start, stop)`` of a step's global batch."""
+
+    start: int
+    stop: int
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+
+def rank_slice(global_batch: int, dp_rank: int, dp_size: int) -> Slice:
+    """This rank's share of a step's samples: sizes differ by at most one across ranks."""
+    base, extra = divmod(global_batch, dp_size)
+    start = dp_rank * base + min(dp_rank, extra)
+    return Slice(start, start + base + (1 if dp_rank < extra else 0))
+
+
+class TextDataset:
+    """Fixed-length windows of the token stream, in a seeded per-epoch order."""
+
+    def __init__(self, cfg: DataConfig, seq_len: int, seed: int, *, split: str = "train") -> None:
+        tokens = _tokens(cfg)
+        cut = int(len(tokens) * (1 - HELD_OUT_FRACTION))
+        self.tokens = tokens[:cut] if split == "train" else tokens[cut:]
+        self.seq_len = seq_len
+        self.seed = seed
+        self.num_samples = (len(self.tokens) - 1) // seq_len
+        if self.num_samples < 1:
+            raise ValueError(
+                f"data.source has {len(tokens)} bytes, too few for one {split} sample of "
+                f"model.seq_len={seq_len} tokens; use a bigger file or a shorter seq_len"
+            )
+
+    @functools.lru_cache(maxsize=2)  # noqa: B019 - one dataset per worker, lives as long as the run
+    def _epoch_order(self, epoch: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        return torch.randperm(self.num_samples, generator=g)
+
+    def sample_ids(self, first: int, count: int) -> list[int]:
+        """Window ids of global samples ``first .. first + count - 1``."""
+        out = []
+        for g in range(first, first + count):
+            epoch, i = divmod(g, self.num_samples)
+            out.append(int(self._epoch_order(epoch)[i]))
+        return out
+
+    def batch(self, first: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs and next-token targets for global samples ``first .. first + count - 1``: (count, seq_len)."""
+        starts = torch.tensor(self.sample_ids(first, count)) * self.seq_len
+        offsets = torch.arange(self.seq_len + 1)
+        windows = self.tokens[starts[:, None] + offsets[None, :]]
+        return windows[:, :-1], windows[:, 1:]
+
+    def step_batches(
+        self, step: int, global_batch: int, micro_batch: int, dp_rank: int, dp_size: int
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's micro-batches for optimizer step ``step`` (an empty list if its share is empty)."""
+        share = rank_slice(global_batch, dp_rank, dp_size)
+        first = step * global_batch + share.start
+        return [
+            self.batch(first + off, min(micro_batch, len(share) - off)) for off in range(0, len(share), micro_batch)
+        ]

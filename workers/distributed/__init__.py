@@ -1,0 +1,1 @@
+"""Who is where: datacenter layouts, the process groups they imply, and local multi-process groups."""

@@ -1,0 +1,170 @@
+"""Who is where: the datacenter layout of the data-parallel ranks, and the process groups it implies.
+
+:class:`DCLayout` is pure data (no torch.distributed) so the rank arithmetic is tested on its own: which
+ranks share a datacenter, which shard of a bucket each rank owns inside its datacenter, and — for uneven
+datacenters (2 + 1 after a node loss) — which ranks must all-reduce each piece of a bucket across
+datacenters. :class:`DCGroups` builds the matching process groups; every rank builds every group in the
+same order, as torch.distributed requires.
+
+Sharding for any datacenter sizes: a bucket is padded to a multiple of L = lcm(sizes) and cut into L
+units; local rank i of a datacenter with n ranks owns units [i·L/n, (i+1)·L/n). Cutting the bucket at the
+union of all datacenters' shard boundaries gives *segments*; each segment has exactly one owner in every
+datacenter, and those owners all-reduce it across datacenters. With equal sizes the segments are the
+shards and the owner tuples are the familiar "same local rank in each DC" groups.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch.distributed as dist
+
+from meridian.workers.distributed.mp_norm import ModelParallelNorm
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Units ``[lo, hi)`` of a bucket cut into ``DCLayout.units`` units, and the world ranks owning it."""
+
+    lo: int
+    hi: int
+    owners: tuple[int, ...]  # one world rank per datacenter, in DCLayout.dcs order
+
+
+@dataclass(frozen=True)
+class DCLayout:
+    """Datacenter of every data-parallel rank, in world-rank order."""
+
+    datacenters: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        if not self.datacenters:
+            raise ValueError("a layout needs at least one rank")
+        if any(not dc for dc in self.datacenters):
+            raise ValueError(f"every rank needs a datacenter name, got {self.datacenters}")
+
+    @property
+    def world_size(self) -> int:
+        return len(self.datacenters)
+
+    @cached_property
+    def dcs(self) -> tuple[str, ...]:
+        """Distinct datacenters in order of first appearance."""
+        return tuple(dict.fromkeys(self.datacenters))
+
+    @property
+    def num_dcs(self) -> int:
+        return len(self.dcs)
+
+    def ranks_in(self, dc: str) -> tuple[int, ...]:
+        return tuple(r for r, d in enumerate(self.datacenters) if d == dc)
+
+    def dc_of(self, rank: int) -> str:
+        return self.datacenters[rank]
+
+    def dc_size(self, rank: int) -> int:
+        return len(self.ranks_in(self.dc_of(rank)))
+
+    def dc_rank(self, rank: int) -> int:
+        """Index of ``rank`` among the ranks of its datacenter."""
+        return self.ranks_in(self.dc_of(rank)).index(rank)
+
+    @cached_property
+    def units(self) -> int:
+        """L = lcm of the datacenter sizes: every bucket is padded to a multiple of L elements."""
+        return math.lcm(*(len(self.ranks_in(dc)) for dc in self.dcs))
+
+    def shard_units(self, rank: int) -> tuple[int, int]:
+        """Units ``[lo, hi)`` of every bucket that ``rank`` owns inside its datacenter."""
+        n, i = self.dc_size(rank), self.dc_rank(rank)
+        per = self.units // n
+        return i * per, (i + 1) * per
+
+    @cached_property
+    def segments(self) -> tuple[Segment, ...]:
+        """The bucket cut at every datacenter's shard boundaries, with one owner per datacenter."""
+        cuts = sorted({k * self.units // len(self.ranks_in(dc)) for dc in self.dcs for k in range(len(self.ranks_in(dc)) + 1)})
+        out = []
+        for lo, hi in zip(cuts, cuts[1:], strict=False):
+            owners = tuple(self.ranks_in(dc)[lo * len(self.ranks_in(dc)) // self.units] for dc in self.dcs)
+            out.append(Segment(lo, hi, owners))
+        return tuple(out)
+
+    def segments_of(self, rank: int) -> tuple[Segment, ...]:
+        return tuple(s for s in self.segments if rank in s.owners)
+
+    def is_uniform(self) -> bool:
+        return len({len(self.ranks_in(dc)) for dc in self.dcs}) == 1
+
+
+class DCGroups:
+    """The process groups of one layout, as seen from one rank.
+
+    ``intra_dc``: the ranks of this rank's datacenter. ``inter_dc[segment]``: the owners of each segment this
+    rank takes part in (absent with a single datacenter). ``world``: every rank of the layout (flat sync,
+    barriers). ``rank`` and segment owners are *layout* indices; ``world_ranks[i]`` is the torch.distributed
+    rank of layout index ``i`` — the identity unless the layout is one data-parallel group among several
+    (tensor/pipeline parallelism: :mod:`meridian.workers.parallel.dims`). ``model_parallel``, when set, makes
+    the engines' gradient norm cover the other parts of the replica (:mod:`meridian.workers.distributed.mp_norm`).
+    """
+
+    def __init__(
+        self, layout: DCLayout, rank: int, *, backend: str | None = None,
+        world_ranks: tuple[int, ...] | None = None,
+    ) -> None:
+        if world_ranks is None:
+            if dist.get_world_size() != layout.world_size:
+                raise ValueError(
+                    f"layout has {layout.world_size} ranks but the process group has {dist.get_world_size()}"
+                )
+        elif len(world_ranks) != layout.world_size:
+            raise ValueError(f"layout has {layout.world_size} ranks but world_ranks lists {len(world_ranks)}")
+        self.layout = layout
+        self.rank = rank
+        self.world_ranks = world_ranks or tuple(range(layout.world_size))
+        self.model_parallel: ModelParallelNorm | None = None
+        self.world, intra, inter = make_groups(layout, self.world_ranks, backend=backend)
+        self.intra_dc = intra[layout.dc_of(rank)]
+        self.inter_dc: dict[Segment, dist.ProcessGroup] = {
+            seg: group for seg, group in inter.items() if rank in seg.owners
+        }
+
+    @property
+    def dc(self) -> str:
+        return self.layout.dc_of(self.rank)
+
+    @property
+    def dc_rank(self) -> int:
+        return self.layout.dc_rank(self.rank)
+
+    @property
+    def dc_size(self) -> int:
+        return self.layout.dc_size(self.rank)
+
+    @property
+    def num_dcs(self) -> int:
+        return self.layout.num_dcs
+
+    def destroy(self) -> None:
+        for group in {self.world, self.intra_dc, *self.inter_dc.values()}:
+            if group is not None and group is not dist.group.WORLD:
+                dist.destroy_process_group(group)
+
+
+def make_groups(
+    layout: DCLayout, world_ranks: tuple[int, ...], *, backend: str | None = None
+) -> tuple[dist.ProcessGroup, dict[str, dist.ProcessGroup], dict[Segment, dist.ProcessGroup]]:
+    """(all ranks, per-DC, per-segment) groups of ``layout``. Every rank of the default group must call this
+    for every layout, in the same order, even for layouts it is not in (torch.distributed's rule)."""
+    whole = world_ranks == tuple(range(dist.get_world_size()))
+    world = dist.group.WORLD if whole else dist.new_group(list(world_ranks), backend=backend)
+    intra = {
+        dc: dist.new_group([world_ranks[r] for r in layout.ranks_in(dc)], backend=backend) for dc in layout.dcs
+    }
+    inter: dict[Segment, dist.ProcessGroup] = {}
+    if layout.num_dcs > 1:
+        for seg in layout.segments:
+            inter[seg] = dist.new_group([world_ranks[r] for r in seg.owners], backend=backend)
+    return world, intra, inter

@@ -1,0 +1,252 @@
+"""The worker agent: training runs in a child process that can die cleanly when its epoch breaks.
+
+Why a child: gloo cannot abort a collective in flight. When a peer dies, a rank whose other operations
+are still pending (its communication thread, an async all-gather) keeps its sockets open however its
+process groups are destroyed (measured: a blocked peer waited until the process exited), so ranks that
+wait on *it* hang until the collective timeout. A process exit closes every socket at once, so a failure
+propagates through the whole job in well under a second. The agent — the Ray Train worker itself, which
+Ray Train must not lose — stays; it hands training to a *standby* child that it started earlier, which has
+already paid for the interpreter and the torch import (~2 s idle, far more on a loaded machine), and starts
+the next standby while the new child trains. A restart is therefore a pipe message, not a process start.
+
+What survives the child: the in-memory snapshots, written after each step to a tmpfs folder (``/dev/shm``,
+RAM) that the next child reads, and the epoch number it last belonged to. The child reaches the
+coordinator, the progress sink and the event sink through the agent, over one pipe
+(:class:`PipeClient`), so it never touches Ray.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import pickle
+import shutil
+import signal
+import sys
+import threading
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from meridian.workers.contracts.config import TrainConfig
+from meridian.workers.elastic.protocol import KEEP_SNAPSHOTS, RESTART_EXIT_CODE
+from meridian.workers.loop.train import TrainResult
+from meridian.workers.state.snapshot_paths import snapshot_dir
+from meridian.workers.state.snapshots import SnapshotStore
+
+Call = Callable[..., Any]
+
+
+# -- the pipe between agent and child ----------------------------------------------------------------------
+def _send(conn: Any, message: Any) -> None:
+    # Plain pickle: a Connection's own pickler shares tensors by file descriptor, which dies with the sender.
+    conn.send_bytes(pickle.dumps(message))
+
+
+def _recv(conn: Any) -> Any:
+    return pickle.loads(conn.recv_bytes())
+
+
+class PipeClient:
+    """The child's end: request/response calls (thread-safe) and one-way messages."""
+
+    def __init__(self, conn: Any) -> None:
+        self.conn = conn
+        self._lock = threading.Lock()
+
+    def call(self, method: str, *args: Any) -> Any:
+        with self._lock:
+            _send(self.conn, ("call", method, args))
+            ok, value = _recv(self.conn)
+        if not ok:
+            raise RuntimeError(value)
+        return value
+
+    def tell(self, kind: str, *payload: Any) -> None:
+        with self._lock:
+            _send(self.conn, (kind, *payload))
+
+
+class PipeSink:
+    def __init__(self, client: PipeClient) -> None:
+        self.client = client
+
+    def step(self, record: dict[str, Any]) -> None:
+        self.client.tell("progress", record)
+
+    def rank_step(self, beat: dict[str, Any]) -> None:
+        self.client.tell("beat", beat)
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """If the agent is killed (its node dies), this process must not live on training alone."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def _child_main(conn: Any, cfg: TrainConfig, ids: dict[str, Any], store_dir: str, device: str, threads: int) -> None:
+    from meridian.workers.elastic.rendezvous import Rendezvous
+    from meridian.workers.elastic.trainer import ElasticTrainer
+
+    _die_with_parent(ids["parent_pid"])
+    torch.set_num_threads(threads)
+    client = PipeClient(conn)
+    rdzv = Rendezvous(
+        client.call, worker_id=ids["worker_id"], datacenter=ids["datacenter"], node_id=ids["node_id"],
+        address=ids["address"], backend=ids["backend"], collective_timeout_s=ids["collective_timeout_s"],
+    )  # fmt: skip
+    rdzv.epoch = ids["epoch"]
+    trainer = ElasticTrainer(
+        cfg, rdzv, sink=PipeSink(client), on_event=lambda k, m, d: client.tell("event", k, m, d),
+        device=torch.device(device), join_timeout_s=ids["join_timeout_s"],
+        snapshots=SnapshotStore(ids["keep"], store_dir), exit_on_failure=True,
+        on_epoch=lambda n: client.tell("epoch", n), keep_params=ids["keep_params"],
+    )  # fmt: skip
+    try:
+        result = trainer.run()
+    except BaseException:  # noqa: BLE001 - the agent reports it
+        client.tell("error", traceback.format_exc())
+        conn.close()
+        os._exit(1)
+    client.tell("done", result)
+    conn.close()
+
+
+def _standby_main(conn: Any, parent_pid: int) -> None:
+    """A training process that has started and imported everything, waiting for the agent's ``go``."""
+    import meridian.workers.elastic.rendezvous  # noqa: F401
+    import meridian.workers.elastic.trainer  # noqa: F401 - the heavy imports, paid for before they are needed
+
+    _die_with_parent(parent_pid)
+    try:
+        msg = _recv(conn)
+    except (EOFError, ConnectionResetError):
+        os._exit(0)  # the agent is done with us
+    if msg[0] != "go":
+        os._exit(0)
+    _, cfg, ids, store_dir, device, threads = msg
+    _child_main(conn, cfg, ids, store_dir, device, threads)
+
+
+class _Standby:
+    """A started training process and the agent's end of its pipe."""
+
+    def __init__(self, ctx: Any, worker_id: str) -> None:
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_standby_main, args=(child, os.getpid()), name=f"meridian-trainer-{worker_id}",
+                                daemon=True)  # fmt: skip
+        self.proc.start()
+        child.close()
+
+    def go(self, *args: Any) -> None:
+        _send(self.conn, ("go", *args))
+
+    def discard(self) -> None:
+        with contextlib.suppress(OSError):
+            self.conn.close()  # the standby reads EOF and exits
+        self.proc.join(5)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(5)
+
+
+class Agent:
+    """Runs the job's training in child processes until it finishes; restarts a child whose epoch broke."""
+
+    def __init__(
+        self, cfg: TrainConfig, call: Call, *, worker_id: str, datacenter: str, node_id: str, address: str,
+        backend: str = "gloo", device: str = "cpu", sink: Any = None, on_event: Callable[..., None] | None = None,
+        join_timeout_s: float = 600.0, collective_timeout_s: float = 300.0, threads: int | None = None,
+        max_restarts: int = 100, keep_params: bool = False,
+    ) -> None:  # fmt: skip
+        self.cfg, self.call, self.sink = cfg, call, sink
+        self.on_event = on_event or (lambda *a: None)
+        self.ids = {
+            "worker_id": worker_id, "datacenter": datacenter, "node_id": node_id, "address": address,
+            "backend": backend, "collective_timeout_s": collective_timeout_s, "join_timeout_s": join_timeout_s,
+            "keep": KEEP_SNAPSHOTS, "epoch": 0, "keep_params": keep_params, "parent_pid": os.getpid(),
+        }  # fmt: skip
+        self.device = device
+        self.threads = threads or torch.get_num_threads()
+        self.max_restarts = max_restarts
+        self.store_dir = snapshot_dir(cfg.job_id, worker_id)
+        self.restarts = 0
+        self._ctx = mp.get_context("spawn")
+        self._standby: _Standby | None = None
+
+    def run(self) -> TrainResult | None:
+        # A new agent holds no state: whatever lies in its folder was left by a killed worker of an earlier
+        # run with the same job and worker id, and must not pass for this run's snapshots.
+        shutil.rmtree(self.store_dir, ignore_errors=True)
+        try:
+            while True:
+                current = self._take_standby()
+                outcome = self._serve(current.conn, current.proc)
+                current.proc.join()
+                if outcome is not None:
+                    return outcome[1]
+                if current.proc.exitcode != RESTART_EXIT_CODE:
+                    raise RuntimeError(f"the training process exited with code {current.proc.exitcode}")
+                self.restarts += 1
+                if self.restarts > self.max_restarts:
+                    raise RuntimeError(f"gave up after {self.max_restarts} restarts of the training process")
+        finally:
+            if self._standby is not None:
+                self._standby.discard()
+                self._standby = None
+            shutil.rmtree(self.store_dir, ignore_errors=True)
+
+    def _take_standby(self) -> _Standby:
+        """The started standby (or, the first time or if it died, a new one), told to train now."""
+        args = (self.cfg, dict(self.ids), self.store_dir, self.device, self.threads)
+        standby, self._standby = self._standby, None
+        if standby is not None:
+            try:
+                standby.go(*args)
+                return standby
+            except OSError:  # it died while waiting (killed, out of memory): start one now
+                standby.discard()
+        standby = _Standby(self._ctx, self.ids["worker_id"])
+        standby.go(*args)
+        return standby
+
+    def _serve(self, conn: Any, proc: Any) -> tuple[str, TrainResult | None] | None:
+        """Relay the child's messages until it ends; ``("done", result)`` when training finished."""
+        while True:
+            try:
+                msg = _recv(conn)
+            except (EOFError, ConnectionResetError):
+                return None  # the child exited (to be restarted, or it crashed: the exit code says)
+            kind = msg[0]
+            if kind == "call":
+                _, method, args = msg
+                try:
+                    reply = (True, self.call(method, *args))
+                except Exception as e:  # noqa: BLE001 - the child raises it
+                    reply = (False, f"{type(e).__name__}: {e}")
+                _send(conn, reply)
+            elif kind == "progress":
+                if self.sink is not None:
+                    self.sink.step(msg[1])
+            elif kind == "beat":
+                if self._standby is None:
+                    # The child trains: start the next one now, so its import never competes with a re-formation.
+                    self._standby = _Standby(self._ctx, self.ids["worker_id"])
+                rank_step = getattr(self.sink, "rank_step", None)
+                if rank_step is not None:
+                    rank_step(msg[1])
+            elif kind == "event":
+                self.on_event(*msg[1:])
+            elif kind == "epoch":
+                self.ids["epoch"] = msg[1]
+            elif kind == "done":
+                return ("done", msg[1])
+            elif kind == "error":
+                raise RuntimeError(f"training failed:\n{msg[1]}")

@@ -1,0 +1,1 @@
+"""The models a job trains: their modules and their parameter/FLOP formulas."""

@@ -1,0 +1,102 @@
+"""A small GPT: the model every Meridian job trains.
+
+GPT-2 shape (pre-LayerNorm blocks, GELU MLP, learned positions, untied output head) so parameter counts
+and FLOPs follow the usual formulas (:class:`meridian.workers.contracts.config.ModelConfig`). Plain ``nn.Module``
+with no distributed code: the sync engine wraps it from outside.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from meridian.workers.contracts.config import ModelConfig
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads = cfg.n_heads
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape  # (batch, time, d_model)
+        q, k, v = self.qkv(x).split(d, dim=2)
+        # (b, t, d) → (b, heads, t, d/heads)
+        q, k, v = (z.view(b, t, self.n_heads, d // self.n_heads).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, t, d))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.fc = nn.Linear(cfg.d_model, cfg.mlp_ratio * cfg.d_model)
+        self.proj = nn.Linear(cfg.mlp_ratio * cfg.d_model, cfg.d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.gelu(self.fc(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.d_model)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln2 = nn.LayerNorm(cfg.d_model)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.ln_f = nn.LayerNorm(cfg.d_model)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.apply(self._init_weights)
+        # GPT-2: scale the residual projections by 1/sqrt(2 * n_layers) so the residual stream's
+        # variance does not grow with depth.
+        for name, p in self.named_parameters():
+            if name.endswith("proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / (2 * cfg.n_layers) ** 0.5)
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """(batch, time) token ids → (batch, time, vocab) logits."""
+        t = idx.shape[1]
+        if t > self.cfg.seq_len:
+            raise ValueError(f"sequence of {t} tokens is longer than model.seq_len={self.cfg.seq_len}")
+        pos = torch.arange(t, device=idx.device)
+        x = self.tok_emb(idx) + self.pos_emb(pos)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+def per_sample_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy of each sample: (batch, time, vocab), (batch, time) → (batch,)."""
+    b, t, v = logits.shape
+    loss = F.cross_entropy(logits.float().reshape(b * t, v), targets.reshape(b * t), reduction="none")
+    return loss.view(b, t).mean(dim=1)
+
+
+def decay_mask(model: nn.Module) -> dict[str, bool]:
+    """Which parameters get weight decay: matrices yes; biases, norms and embeddings' positions no."""
+    return {name: p.dim() >= 2 and "pos_emb" not in name for name, p in model.named_parameters()}

@@ -1,0 +1,1 @@
+"""AdamW as every engine builds it, replicated or sharded inside a datacenter."""

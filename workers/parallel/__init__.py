@@ -1,0 +1,1 @@
+"""Model parallelism: tensor-parallel slices, pipeline stages and the coordinates of every rank."""

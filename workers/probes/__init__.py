@@ -1,0 +1,1 @@
+"""Measurements run on the nodes themselves: collective and compute benchmarks, replica consistency."""

@@ -1,0 +1,178 @@
+"""A rank's share of the training state, kept in memory after every step, and the whole state rebuilt from
+the shares the survivors of a failure still hold.
+
+With the partial distributed optimizer each rank owns 1/N of its DC's parameters and AdamW moments, and
+every DC owns all of them: a whole replica of the state lives in every datacenter. After a step each rank
+copies what it owns (parameter values — the fp32 master where there is one — and the moments) into a
+:class:`LocalShard`; that is a memcpy of ~(1 + 2)/N of the model, taken *before* the parameter all-gather
+so it never waits for communication. When a node dies, the survivors of the next epoch pool their shards
+of the step they all completed (:func:`assemble`); if one DC is still whole, or the losses in different DCs
+own different elements, every element is covered and no step is lost. If not, the caller falls back to the
+durable checkpoint.
+
+The pooled state is in the same layout-free form as checkpoints (:mod:`meridian.workers.optim.adamw`), so the
+new epoch may have any world size and any DC sizes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from meridian.workers.optim.adamw import FULL_STATE_FORMAT, MOMENTS
+
+DILOCO_STATE_FORMAT = "meridian.diloco.outer/1"
+
+
+class IncompleteState(RuntimeError):
+    """The shards offered do not cover every parameter element."""
+
+
+@dataclass(frozen=True)
+class StatePiece:
+    name: str
+    """Parameter name."""
+    start: int
+    stop: int
+    """Elements ``[start, stop)`` of the flattened parameter."""
+    value: torch.Tensor
+    """Parameter values of those elements (fp32)."""
+    moments: dict[str, torch.Tensor] = field(default_factory=dict)
+    """AdamW ``exp_avg``/``exp_avg_sq`` of those elements; empty before the first optimizer step."""
+
+
+@dataclass(frozen=True)
+class OuterShard:
+    """What a DiLoCo rank owns of the *outer* state (:mod:`meridian.workers.sync.diloco`): identical in every DC,
+    while the inner state (``LocalShard.pieces``) is its own DC's and differs between DCs."""
+
+    dc: str
+    """The datacenter whose inner state the enclosing shard's pieces are."""
+    inner_steps_done: int
+    """Inner steps since the start of training: the fragment schedule's position."""
+    pieces: tuple[StatePiece, ...]
+    """Outer parameters (the last synced values, ``value``) and outer momentum (``moments["momentum"]``)."""
+
+
+def _pieces_nbytes(pieces: tuple[StatePiece, ...]) -> int:
+    return sum(
+        p.value.numel() * p.value.element_size() + sum(m.numel() * m.element_size() for m in p.moments.values())
+        for p in pieces
+    )
+
+
+@dataclass(frozen=True)
+class LocalShard:
+    step: int
+    """Training steps completed when the shard was taken."""
+    adam_step: int
+    """AdamW's own step counter (bias correction)."""
+    pieces: tuple[StatePiece, ...]
+    outer: OuterShard | None = None
+    """DiLoCo's outer state, for the DiLoCo engines only."""
+
+    @property
+    def nbytes(self) -> int:
+        return _pieces_nbytes(self.pieces) + (_pieces_nbytes(self.outer.pieces) if self.outer else 0)
+
+
+def piece_of(
+    name: str, start: int, stop: int, value: torch.Tensor, state: dict[str, Any] | None
+) -> StatePiece:
+    """Copy one owned range (``value`` and the optimizer ``state`` of exactly those elements) to the CPU."""
+    moments = {m: state[m].detach().reshape(-1).float().cpu().clone() for m in MOMENTS} if state else {}
+    return StatePiece(name, start, stop, value.detach().reshape(-1).float().cpu().clone(), moments)
+
+
+def replicated_shard(
+    optimizer: torch.optim.Optimizer, named: list[tuple[str, torch.Tensor]], step: int
+) -> LocalShard:
+    """The shard of an engine that holds everything (DDP, replicated AdamW): every parameter, whole."""
+    pieces, adam_step = [], 0
+    for name, p in named:
+        state = optimizer.state.get(p)
+        if state:
+            adam_step = int(state["step"])
+        pieces.append(piece_of(name, 0, p.numel(), p, state))
+    return LocalShard(step, adam_step, tuple(pieces))
+
+
+def assemble(
+    shards: list[LocalShard], shapes: dict[str, torch.Size]
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Pool ``shards`` (all of one step) into whole parameters and a full optimizer state.
+
+    Raises :class:`IncompleteState` naming the first element nobody holds."""
+    if not shards:
+        raise IncompleteState("no rank holds a snapshot of the state")
+    steps = {s.step for s in shards}
+    if len(steps) != 1:
+        raise ValueError(f"shards of different steps {sorted(steps)} cannot be pooled")
+    if any(s.outer is not None for s in shards):
+        return _assemble_diloco(shards, shapes)
+    return _pool(shards, shapes)
+
+
+def _assemble_diloco(
+    shards: list[LocalShard], shapes: dict[str, torch.Size]
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """DiLoCo: the outer state is pooled from every DC (it is the same in all); the inner state must come
+    from ONE datacenter, because DCs drift apart between syncs. The first DC (in rank order) whose
+    survivors still hold all of its inner state wins and every DC resumes from it. If no DC is whole, the
+    inner phase restarts from the outer parameters with a fresh inner AdamW: the inner progress since each
+    fragment's last sync is lost, never the synced state."""
+    if any(s.outer is None for s in shards):
+        raise ValueError("DiLoCo and non-DiLoCo snapshots cannot be pooled")
+    done = {s.outer.inner_steps_done for s in shards if s.outer is not None}
+    if len(done) != 1:
+        raise ValueError(f"DiLoCo snapshots disagree on the inner step count: {sorted(done)}")
+    outer = [LocalShard(s.step, 0, s.outer.pieces) for s in shards if s.outer is not None]
+    anchor, outer_state = _pool(outer, shapes, moment_names=("momentum",))
+    diloco = {
+        "format": DILOCO_STATE_FORMAT,
+        "inner_steps_done": done.pop(),
+        "anchor": anchor,
+        "momentum": {n: m["momentum"] for n, m in outer_state["params"].items()},
+    }
+    for dc in dict.fromkeys(s.outer.dc for s in shards if s.outer is not None):
+        try:
+            params, optimizer = _pool([s for s in shards if s.outer is not None and s.outer.dc == dc], shapes)
+        except IncompleteState:
+            continue
+        return params, {**optimizer, "diloco": diloco}
+    fresh = {"format": FULL_STATE_FORMAT, "step": 0, "params": {}, "master": anchor}
+    return {n: t.clone() for n, t in anchor.items()}, {**fresh, "diloco": diloco}
+
+
+def _pool(
+    shards: list[LocalShard], shapes: dict[str, torch.Size], moment_names: tuple[str, ...] = MOMENTS
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Pool pieces into whole tensors; ``moment_names``: AdamW's moments, or DiLoCo's outer momentum."""
+    adam_step = max(s.adam_step for s in shards)
+    values = {n: torch.empty(torch.Size(sh).numel()) for n, sh in shapes.items()}
+    moments = {n: {m: torch.zeros(torch.Size(sh).numel()) for m in moment_names} for n, sh in shapes.items()}
+    covered = {n: torch.zeros(torch.Size(sh).numel(), dtype=torch.bool) for n, sh in shapes.items()}
+    for shard in shards:
+        for p in shard.pieces:
+            if p.name not in values:
+                raise ValueError(f"snapshot holds parameter {p.name!r} that the model does not have")
+            values[p.name][p.start : p.stop] = p.value
+            for m, t in p.moments.items():
+                moments[p.name][m][p.start : p.stop] = t
+            covered[p.name][p.start : p.stop] = True
+    for n, mask in covered.items():
+        if not bool(mask.all()):
+            first = int((~mask).nonzero()[0])
+            raise IncompleteState(f"no surviving rank holds element {first} of parameter {n!r}")
+    params = {n: v.reshape(shapes[n]) for n, v in values.items()}
+    optimizer: dict[str, Any] = {
+        "format": FULL_STATE_FORMAT,
+        "step": adam_step,
+        "params": {n: {m: t.reshape(shapes[n]) for m, t in ms.items()} for n, ms in moments.items()}
+        if adam_step or moment_names != MOMENTS
+        else {},
+        "master": params,  # the fp32 values are the truth, also for a model held in lower precision
+    }
+    return params, optimizer

@@ -1,0 +1,54 @@
+"""Gradient-sync engines: how the data-parallel replicas agree on one update per step.
+
+- ``flat``: :class:`FlatSync`, PyTorch DDP over all ranks (:mod:`meridian.workers.sync.flat`).
+- ``hierarchical``: :class:`HierarchicalSync` (:mod:`meridian.workers.sync.hierarchical`): bucketed
+  hierarchical all-reduce, overlapped with backward (``overlap``), with a replicated or DC-sharded AdamW
+  (``shard_optimizer``) and an optionally compressed inter-DC step (``compression``).
+- ``diloco`` / ``streaming-diloco``: :class:`DiLoCoSync` (:mod:`meridian.workers.sync.diloco`): that HAR inside
+  each DC every step, and an outer Nesterov step on parameter deltas across DCs every H steps (per fragment).
+
+The interface and call order are in :mod:`meridian.workers.sync.engine`.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from meridian.workers.contracts.config import OptimConfig, SyncConfig, SyncStrategy
+from meridian.workers.distributed.layout import DCGroups
+from meridian.workers.optim.adamw import build_adamw
+from meridian.workers.sync.diloco import DiLoCoSync
+from meridian.workers.sync.engine import GradientSync, StepStats, broadcast_parameters
+from meridian.workers.sync.flat import FlatSync
+from meridian.workers.sync.hierarchical import HierarchicalSync
+from meridian.workers.wan.emulator import WanEmulator
+
+
+def build_sync(
+    model: nn.Module,
+    groups: DCGroups,
+    sync: SyncConfig,
+    optim: OptimConfig,
+    *,
+    emulator: WanEmulator | None = None,
+) -> GradientSync:
+    """The engine ``sync`` asks for. Build it after the model is on its device: it takes the device from there.
+
+    ``emulator`` (:mod:`meridian.workers.wan.collectives`) delays every inter-DC collective to the emulated link's pace."""
+    if sync.strategy is SyncStrategy.FLAT:
+        return FlatSync(model, groups, sync, optim, emulator=emulator)
+    if sync.strategy.is_diloco:
+        return DiLoCoSync(model, groups, sync, optim, emulator=emulator)
+    return HierarchicalSync(model, groups, sync, optim, emulator=emulator)
+
+
+__all__ = [
+    "DiLoCoSync",
+    "FlatSync",
+    "GradientSync",
+    "HierarchicalSync",
+    "StepStats",
+    "broadcast_parameters",
+    "build_adamw",
+    "build_sync",
+]

@@ -1,0 +1,305 @@
+"""DiLoCo and streaming DiLoCo: datacenters train apart for H steps and meet on the WAN only for an outer step.
+
+DiLoCo (Douillard et al. 2023, "DiLoCo: Distributed Low-Communication Training of Language Models",
+arXiv:2311.08105): every replica (here: every datacenter) runs H inner AdamW steps on its own data, then the
+replicas average their parameter deltas ``anchor - theta`` and apply them with an outer Nesterov SGD step
+to the shared *outer* parameters (the anchor), which become every replica's new start. Streaming DiLoCo
+(Douillard et al. 2025, "Streaming DiLoCo with overlapping communication", arXiv:2501.18512) syncs P
+fragments of the parameters at staggered offsets (:mod:`meridian.workers.sync.diloco_schedule`), lets each
+fragment's all-reduce run behind ``overlap_steps`` inner steps, merges the result with
+``alpha * local + (1 - alpha) * outer``, and may quantise the delta (bf16 / int8 with error feedback).
+
+Per step, on every rank::
+
+    inner: HierarchicalSync over this DC only (reduce-scatter, sharded AdamW, all-gather; no WAN)
+    after inner step t, for each fragment whose sync starts at t:
+        # 1) delta of this rank's DC shard:  d = anchor - theta              (fp32, shard only)
+        # 2) all-reduce d across DCs, owners of each segment (HAR step 2's groups, InterDCComm:
+        #    compression, byte count, WAN emulation), kept in flight for overlap_steps inner steps
+    for each fragment landing at t:
+        # 3) outer Nesterov SGD on the shard:  m = mu*m + mean(d);  anchor -= lr_out * (mean(d) + mu*m)
+        # 4) theta = anchor (or alpha*theta + (1-alpha)*anchor with overlap); all-gather theta in the DC
+
+Only step 2 crosses DCs, carrying 1/N of the fragment per rank (N = ranks in the DC), once per H/P steps.
+The outer state (anchor, momentum) is sharded like the inner AdamW state, so it costs 2/N of the model per
+rank; one scratch buffer the size of the model holds deltas in flight. Inner gradients are the DC's sum of
+the ranks' global-batch shares times ``world / dc_size``: the DC's mean gradient when samples are split
+evenly over ranks (:func:`meridian.workers.data.text.rank_slice` splits them within one sample). The outer
+average weighs every DC equally, as the paper averages its replicas.
+
+This module never builds process groups; it never talks across DCs except through step 2.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from meridian.workers.contracts.config import Compression, OptimConfig, SyncConfig, SyncStrategy
+from meridian.workers.distributed.layout import DCGroups
+from meridian.workers.state.replica_state import (
+    DILOCO_STATE_FORMAT,
+    LocalShard,
+    OuterShard,
+    StatePiece,
+    replicated_shard,
+)
+from meridian.workers.sync.diloco_schedule import FragmentSchedule, split_fragments
+from meridian.workers.sync.engine import GradientSync, StepStats
+from meridian.workers.sync.har import all_gather_in_dc, shard_range, start_all_reduce_across_dcs
+from meridian.workers.sync.hierarchical import HierarchicalSync
+from meridian.workers.sync.inter_dc import CommHandle, InterDCComm
+from meridian.workers.wan.emulator import WanEmulator
+
+
+def intra_dc_view(groups: DCGroups) -> DCGroups:
+    """The same groups with no inter-DC ones: HAR over this view reduces inside the DC and stops there."""
+    view = copy.copy(groups)
+    view.inter_dc = {}
+    return view
+
+
+class DiLoCoSync(GradientSync):
+    """Per-step HAR inside each DC; every H steps (per fragment) an outer Nesterov step across DCs.
+
+    Call order is :mod:`meridian.workers.sync.engine`'s. ``step`` runs the inner step, then the fragments the
+    schedule names. Build every rank's engine from the same config: the schedule is what keeps the ranks'
+    inter-DC collectives in the same order."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        groups: DCGroups,
+        sync: SyncConfig,
+        optim: OptimConfig,
+        *,
+        emulator: WanEmulator | None = None,
+    ) -> None:
+        if not sync.strategy.is_diloco:
+            raise ValueError(
+                f"DiLoCoSync needs sync.strategy 'diloco' or 'streaming-diloco', got {sync.strategy.value!r}; "
+                "use build_sync to pick the engine"
+            )
+        cfg = sync.outer
+        self.cfg, self.groups = cfg, groups
+        inner_sync = dataclasses.replace(
+            sync, strategy=SyncStrategy.HIERARCHICAL, compression=Compression.NONE, diloco=None
+        )
+        self.inner = HierarchicalSync(model, intra_dc_view(groups), inner_sync, optim)
+        self.model = self.inner.model
+        self.buffer = self.inner.buffer
+        self.buffer.flatten_params()  # the outer step writes this rank's shard of the flat parameters
+        self.fragments = split_fragments([b.padded_numel for b in self.buffer.buckets], cfg.fragments)
+        self.schedule = FragmentSchedule(cfg.inner_steps, cfg.fragments, cfg.overlap_steps)
+        self.comm = InterDCComm(sync.compression, emulator=emulator)  # the only inter-DC traffic
+        self.chunk_bytes = sync.inter_dc_chunk_mb * 2**20
+        self.grad_scale = dist.get_world_size() / groups.dc_size
+        self.bounds = [shard_range(b.data, groups) for b in self.buffer.buckets]
+        # Outer state of this rank's shard, fp32 (the papers keep the outer parameters in full precision).
+        self.anchor = [self._theta(b).float().clone() for b in range(len(self.buffer.buckets))]
+        self.momentum = [torch.zeros_like(a) for a in self.anchor]
+        self.scratch = [torch.zeros(b.padded_numel, dtype=torch.float32, device=b.data.device) for b in self.buffer.buckets]
+        self.in_flight: dict[int, list[CommHandle]] = {}
+        self.done = 0
+        """Inner steps completed: the schedule's clock, saved with the state."""
+        self.outer_syncs = 0
+
+    # -- the shard of the flat parameters this rank owns (the fp32 master where the inner AdamW keeps one)
+
+    def _theta(self, b: int) -> torch.Tensor:
+        sharded = self.inner.sharded
+        if sharded is not None and b in sharded.master:
+            return sharded.master[b]
+        lo, hi = self.bounds[b]
+        return self.buffer.buckets[b].data[lo:hi]
+
+    def _set_theta(self, b: int, value: torch.Tensor) -> None:
+        lo, hi = self.bounds[b]
+        sharded = self.inner.sharded
+        if sharded is not None and b in sharded.master:
+            sharded.master[b].copy_(value)
+        self.buffer.buckets[b].data[lo:hi].copy_(value)
+
+    # -- the step -----------------------------------------------------------------------------------------------
+
+    def micro_batch(self, *, last_micro_batch: bool):
+        return self.inner.micro_batch(last_micro_batch=last_micro_batch)
+
+    def backward(self, loss: torch.Tensor, *, last_micro_batch: bool) -> None:
+        self.inner.backward(loss * self.grad_scale, last_micro_batch=last_micro_batch)
+
+    def step(self, lr: float, *, snapshot_as: int | None = None) -> StepStats:
+        inner = self.inner.step(lr)
+        self.done += 1
+        waited = 0.0
+        for p in self.schedule.starting(self.done):
+            self._start(p)
+        landing = self.schedule.landing(self.done)
+        if landing:
+            self.inner.synchronize()  # the inner all-gather must not read the shard while we rewrite it
+            for p in landing:
+                waited += self._land(p)
+            self._gather_params()
+        shard = self._local_shard(snapshot_as) if snapshot_as is not None else None
+        return StepStats(
+            grad_norm=inner.grad_norm,
+            inter_dc_bytes=self.comm.take_bytes(),
+            sync_wait_s=inner.sync_wait_s + waited,
+            comm_s=inner.comm_s + waited,
+            exposed_s=inner.exposed_s + waited,
+            shard=shard,
+        )
+
+    def _start(self, fragment: int) -> None:
+        handles = []
+        for b in self.fragments[fragment]:
+            lo, hi = self.bounds[b]
+            delta = self.scratch[b]
+            torch.sub(self.anchor[b], self._theta(b).float(), out=delta[lo:hi])  # 1) delta of the shard
+            # 2) all-reduce across DCs: only this rank's segments, all chunks in flight
+            handles += start_all_reduce_across_dcs(
+                delta, self.groups, self.comm, chunk_bytes=self.chunk_bytes, bucket=b
+            )
+        self.in_flight[fragment] = handles
+
+    def _land(self, fragment: int) -> float:
+        if fragment not in self.in_flight:
+            return 0.0  # issued before a restore and dropped; the next sync re-measures it from the anchor
+        t0 = time.perf_counter()
+        for h in self.in_flight.pop(fragment):
+            h.wait()
+        waited = time.perf_counter() - t0
+        mu, k = self.cfg.outer_momentum, self.groups.num_dcs
+        for b in self.fragments[fragment]:
+            lo, hi = self.bounds[b]
+            mean = self.scratch[b][lo:hi].div_(k)
+            if mu > 0:  # 3) outer Nesterov SGD, as torch.optim.SGD(nesterov=True) computes it
+                self.momentum[b].mul_(mu).add_(mean)
+                update = mean.add(self.momentum[b], alpha=mu) if self.cfg.nesterov else self.momentum[b]
+            else:
+                update = mean
+            self.anchor[b].sub_(update, alpha=self.cfg.outer_lr)
+            if self.cfg.overlap_steps:  # 4) the paper's merge of what trained meanwhile with the outer result
+                a = self.cfg.mix_alpha
+                self._set_theta(b, self._theta(b).float().mul(a).add_(self.anchor[b], alpha=1 - a))
+            else:
+                self._set_theta(b, self.anchor[b])
+            self.scratch[b].zero_()
+        self.outer_syncs += 1
+        return waited
+
+    def _gather_params(self) -> None:
+        # 4) every rank of the DC gets the new values (for simplicity every bucket, once per landing step)
+        if self.inner.sharded is not None:
+            self.inner.sharded.gather_params(async_op=self.inner.overlap)
+            return
+        for bucket in self.buffer.buckets:
+            all_gather_in_dc(bucket.data, self.groups)
+
+    # -- state ----------------------------------------------------------------------------------------------------
+
+    def _outer_pieces(self) -> tuple[StatePiece, ...]:
+        pieces = []
+        for b, bucket in enumerate(self.buffer.buckets):
+            lo, hi = self.bounds[b]
+            for s in bucket.slots:
+                start, stop = max(lo, s.offset), min(hi, s.stop)
+                if start < stop:
+                    value = self.anchor[b][start - lo : stop - lo].detach().cpu().clone()
+                    mom = self.momentum[b][start - lo : stop - lo].detach().cpu().clone()
+                    pieces.append(StatePiece(s.name, start - s.offset, stop - s.offset, value, {"momentum": mom}))
+        return tuple(pieces)
+
+    def _local_shard(self, step: int) -> LocalShard:
+        if self.inner.sharded is not None:
+            inner = self.inner.sharded.local_shard(step)  # this rank's shard is final; no gather needed
+        else:
+            assert self.inner.optimizer is not None
+            inner = replicated_shard(self.inner.optimizer, self.inner._named(), step)
+        outer = OuterShard(self.groups.dc, self.done, self._outer_pieces())
+        return dataclasses.replace(inner, outer=outer)
+
+    def local_shard(self, step: int) -> LocalShard:
+        return self._local_shard(step)
+
+    def optimizer_state(self) -> dict[str, Any]:
+        """The inner AdamW state of this rank's DC, plus the outer state (collective inside the DC)."""
+        state = self.inner.optimizer_state()
+        anchor, momentum = self._gather_outer()
+        state["diloco"] = {
+            "format": DILOCO_STATE_FORMAT,
+            "inner_steps_done": self.done,
+            "anchor": anchor,
+            "momentum": momentum,
+        }
+        return state
+
+    def _gather_outer(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        n = self.groups.dc_size
+        anchor, momentum = {}, {}
+        for b, bucket in enumerate(self.buffer.buckets):
+            lo, hi = self.bounds[b]
+            local = torch.stack([self.anchor[b], self.momentum[b]])  # (2, shard)
+            gathered = torch.empty(n * local.numel(), dtype=torch.float32, device=local.device)
+            if n > 1:
+                dist.all_gather_single(gathered, local.reshape(-1), group=self.groups.intra_dc)
+            else:
+                gathered.copy_(local.reshape(-1))
+            # (n, 2, shard) → (2, padded): the shards lie along the bucket in DC-rank order
+            flat = gathered.view(n, 2, hi - lo).transpose(0, 1).reshape(2, -1).cpu()
+            for s in bucket.slots:
+                anchor[s.name] = flat[0, s.offset : s.stop].reshape(s.param.shape).clone()
+                momentum[s.name] = flat[1, s.offset : s.stop].reshape(s.param.shape).clone()
+        return anchor, momentum
+
+    def load_optimizer_state(self, state: dict[str, Any]) -> None:
+        """Inner state as the HAR engine loads it; the outer state from ``state["diloco"]``. A state without
+        one (a checkpoint of another strategy) starts DiLoCo here: outer parameters = the loaded weights."""
+        self.drain()
+        self.inner.load_optimizer_state(state)
+        self.inner.synchronize()
+        outer = state.get("diloco")
+        if outer is not None and outer.get("format") != DILOCO_STATE_FORMAT:
+            raise ValueError(f"DiLoCo state has format {outer.get('format')!r}, expected {DILOCO_STATE_FORMAT!r}")
+        for b, bucket in enumerate(self.buffer.buckets):
+            lo, hi = self.bounds[b]
+            if outer is None:
+                self.anchor[b].copy_(self._theta(b))
+                self.momentum[b].zero_()
+                continue
+            for target, saved in ((self.anchor[b], outer["anchor"]), (self.momentum[b], outer["momentum"])):
+                target.zero_()
+                for s in bucket.slots:
+                    start, stop = max(lo, s.offset), min(hi, s.stop)
+                    if start < stop:
+                        src = saved[s.name].reshape(-1)[start - s.offset : stop - s.offset]
+                        target[start - lo : stop - lo].copy_(src)
+        self.done = int(outer["inner_steps_done"]) if outer is not None else 0
+
+    def optimizer_state_nbytes(self) -> int:
+        """Inner AdamW state plus this rank's shard of the outer parameters and momentum."""
+        outer = sum(a.numel() * a.element_size() * 2 for a in self.anchor)
+        return self.inner.optimizer_state_nbytes() + outer
+
+    def drain(self) -> None:
+        """Wait for every outer all-reduce in flight without applying it (its delta is not lost: the next
+        sync of that fragment measures from the same anchor)."""
+        for handles in self.in_flight.values():
+            for h in handles:
+                h.wait()
+        self.in_flight.clear()
+        for s in self.scratch:
+            s.zero_()
+
+    def synchronize(self) -> None:
+        self.inner.synchronize()
+
+    def close(self) -> None:
+        self.drain()
+        self.inner.close()

@@ -1,0 +1,112 @@
+"""The interface every gradient-sync engine implements, and what a step reports.
+
+Call order inside a training step (every rank)::
+
+    for i, (x, y) in enumerate(micro_batches):
+        last = i == len(micro_batches) - 1
+        with engine.micro_batch(last_micro_batch=last):  # forward *and* backward inside
+            loss = local_loss_sum(engine.model, x, y) / global_batch   # this rank's share of the global mean
+            engine.backward(loss, last_micro_batch=last)
+    stats = engine.step(lr)                             # sync, clip, AdamW, parameters equal everywhere
+
+The loss each rank passes is its *share* of the global-batch mean, so summing gradients over ranks gives
+exactly the single-process gradient however the samples are split (uneven shares included). Only the
+last micro-batch communicates. ``micro_batch`` exists for DDP, which decides in *forward* whether the
+next backward all-reduces (a forward outside ``no_sync`` makes the backward sync, whatever ``no_sync``
+says around the backward). Engines live in :mod:`meridian.workers.sync.flat`,
+:mod:`meridian.workers.sync.hierarchical` and :mod:`meridian.workers.sync.diloco`; :func:`meridian.workers.sync.build.build_sync`
+picks one.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from meridian.workers.state.replica_state import LocalShard
+
+
+@dataclass(frozen=True)
+class StepStats:
+    grad_norm: float
+    """Global gradient norm before clipping."""
+    inter_dc_bytes: int
+    """Bytes this rank put into collectives that cross a datacenter boundary this step (compressed size)."""
+    sync_wait_s: float
+    """Seconds the training thread was blocked on communication this step (gradient sync not hidden behind
+    backward, the clipping all-reduce, parameter all-gathers waited for)."""
+    comm_s: float = 0.0
+    """Seconds the gradient sync (HAR steps 1–2, or 1–3) spent in collectives, on whichever thread ran it,
+    including waits for slower peers. 0 for the flat engine, whose collectives DDP runs out of sight."""
+    exposed_s: float = 0.0
+    """Seconds ``step`` blocked waiting for that gradient sync."""
+    intra_dc_comm_s: float = 0.0
+    """Of ``comm_s``: seconds the intra-DC reduce-scatters (HAR step 1) took on the comm thread; the rest is
+    the inter-DC all-reduce (step 2) and its waits. 0 for the flat engine."""
+    shard: LocalShard | None = None
+    """What this rank owns of the updated state, when ``step(..., snapshot_as=n)``
+    (:mod:`meridian.workers.state.replica_state`)."""
+
+    @property
+    def overlap_fraction(self) -> float:
+        """Share of the gradient sync hidden behind backward: ``1 - exposed_s / comm_s``, in [0, 1]."""
+        if self.comm_s <= 0:
+            return 0.0
+        return min(1.0, max(0.0, 1.0 - self.exposed_s / self.comm_s))
+
+
+def broadcast_parameters(model: nn.Module, src: int = 0, group: dist.ProcessGroup | None = None) -> None:
+    """Make every replica start from (world) rank ``src``'s weights; ``group``: the data-parallel ranks."""
+    for p in model.parameters():
+        dist.broadcast(p.data, src=src, group=group)
+
+
+class GradientSync(ABC):
+    """One data-parallel replica's side of the step: backward, sync, update."""
+
+    model: nn.Module
+
+    def micro_batch(self, *, last_micro_batch: bool) -> AbstractContextManager[object]:
+        """Wrap one micro-batch's forward and backward."""
+        return nullcontext()
+
+    @abstractmethod
+    def backward(self, loss: torch.Tensor, *, last_micro_batch: bool) -> None:
+        """Accumulate this micro-batch's gradients; on the last one, start the sync."""
+
+    @abstractmethod
+    def step(self, lr: float, *, snapshot_as: int | None = None) -> StepStats:
+        """Sync, clip and update. With ``snapshot_as`` (the training steps done after this one) also copy what
+        this rank owns of the new state into ``StepStats.shard`` — before any parameter all-gather, so the
+        copy never waits for communication."""
+
+    @abstractmethod
+    def local_shard(self, step: int) -> LocalShard:
+        """What this rank owns of the current state (parameters and optimizer), as of ``step`` steps done."""
+
+    @abstractmethod
+    def optimizer_state(self) -> dict[str, Any]:
+        """The full (unsharded) AdamW state in :mod:`meridian.workers.optim.adamw`'s layout-free form.
+
+        Collective inside the DC for sharded engines: every rank of the DC must call it."""
+
+    @abstractmethod
+    def load_optimizer_state(self, state: dict[str, Any]) -> None:
+        """Take a full state written by any engine and layout; every rank passes the same whole state.
+        Load the model's weights first."""
+
+    @abstractmethod
+    def optimizer_state_nbytes(self) -> int:
+        """Bytes of optimizer state held on this rank."""
+
+    def synchronize(self) -> None:  # noqa: B027 - optional hook
+        """Finish communication still in flight so the parameters can be read (e.g. for a checkpoint)."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        pass

@@ -1,0 +1,166 @@
+"""The inter-datacenter sync engine: bucketed HAR, optionally overlapped, with a replicated or sharded AdamW.
+
+Per step, on every rank (``last`` = the last micro-batch; earlier ones only accumulate, no communication)::
+
+    backward(loss, last_micro_batch=last)
+        last: each bucket, once complete, is started on the comm thread (overlap) — or in step():
+            # 1) reduce-scatter inside the DC
+            # 2) all-reduce the shard across DCs, in chunks, all in flight (InterDCComm: compression,
+            #    bytes, WAN emulation); buckets stay in flight together
+    step(lr)
+        wait for what is still outstanding, bucket by bucket:
+            # 3) all-gather inside the DC                 (replicated optimizer only)
+        replicated: clip_grad_norm_ + AdamW on every parameter
+        sharded:    clip + AdamW on this rank's shard, then all-gather updated parameters in the DC;
+                    with overlap each module's forward pre-hook waits for its own buckets, so the gather
+                    overlaps the next forward; without, step() waits for it.
+
+Every rank issues its inter-DC collectives in global segment order, bucket by bucket, so any datacenter
+sizes work without deadlock. Never builds process groups: it gets them from :class:`DCGroups`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from meridian.workers.contracts.config import OptimConfig, SyncConfig
+from meridian.workers.distributed.layout import DCGroups
+from meridian.workers.distributed.mp_norm import clip_grad_norm
+from meridian.workers.optim.adamw import build_adamw, full_state_of, load_full_state, set_lr, state_nbytes
+from meridian.workers.optim.sharded_adamw import ShardedAdamW
+from meridian.workers.state.replica_state import LocalShard, replicated_shard
+from meridian.workers.sync.engine import GradientSync, StepStats, broadcast_parameters
+from meridian.workers.sync.grad_buffer import Bucket, GradBuffer
+from meridian.workers.sync.har import all_gather_in_dc, reduce_scatter_in_dc, start_all_reduce_across_dcs
+from meridian.workers.sync.inter_dc import InterDCComm
+from meridian.workers.sync.overlap import BucketPipeline, InFlight
+from meridian.workers.wan.emulator import WanEmulator
+
+
+class HierarchicalSync(GradientSync):
+    """Bucketed HAR of gradients, then AdamW: replicated, or sharded inside each DC (``shard_optimizer``)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        groups: DCGroups,
+        sync: SyncConfig,
+        optim: OptimConfig,
+        *,
+        emulator: WanEmulator | None = None,
+    ) -> None:
+        self.model = model
+        self.groups = groups
+        self.optim_cfg = optim
+        self.overlap = sync.overlap
+        # Inside one data-parallel group only: with tensor/pipeline parallelism other ranks hold other parts.
+        broadcast_parameters(model, src=groups.world_ranks[0], group=groups.world)
+        self.buffer = GradBuffer(model, bucket_mb=sync.bucket_mb, pad_to=groups.layout.units)
+        self.comm = InterDCComm(sync.compression, emulator=emulator)  # the only inter-DC traffic
+        self.chunk_bytes = sync.inter_dc_chunk_mb * 2**20
+        self.sharded: ShardedAdamW | None = None
+        self.optimizer: torch.optim.AdamW | None = None
+        if sync.shard_optimizer:
+            self.sharded = ShardedAdamW(model, self.buffer, groups, optim)
+            if sync.overlap:
+                self.sharded.install_prefetch_hooks(model)
+        else:
+            self.optimizer = build_adamw(model, optim)
+        self.pipeline = BucketPipeline(self.buffer, self._start_bucket, overlap=sync.overlap)
+        self._intra_dc_s = 0.0  # HAR step 1 time this step, for the per-tier metrics
+
+    def _start_bucket(self, bucket: Bucket) -> InFlight:
+        g = bucket.grad
+        t0 = time.perf_counter()
+        reduce_scatter_in_dc(g, self.groups)  # 1) reduce-scatter inside the DC
+        self._intra_dc_s += time.perf_counter() - t0
+        # 2) all-reduce the shard across DCs: chunked, every chunk in flight, through InterDCComm
+        handles = start_all_reduce_across_dcs(
+            g, self.groups, self.comm, chunk_bytes=self.chunk_bytes, bucket=bucket.index
+        )
+        if self.sharded is not None:  # 3) is the all-gather of updated parameters, after AdamW
+            return InFlight(list(handles))
+        return InFlight(
+            list(handles), then=lambda: all_gather_in_dc(g, self.groups)
+        )  # 3) all-gather in the DC
+
+    def backward(self, loss: torch.Tensor, *, last_micro_batch: bool) -> None:
+        if not last_micro_batch:
+            loss.backward()
+            return
+        self.pipeline.arm()
+        try:
+            loss.backward()
+        finally:
+            self.pipeline.backward_done()
+
+    def step(self, lr: float, *, snapshot_as: int | None = None) -> StepStats:
+        comm_s, exposed_s = self.pipeline.finish()
+        intra_dc_s, self._intra_dc_s = self._intra_dc_s, 0.0  # every bucket has finished
+        shard = None
+        if self.sharded is not None:
+            norm = float(self.sharded.step(lr))
+            if snapshot_as is not None:  # before the all-gather: this rank's shard is already final
+                shard = self.sharded.local_shard(snapshot_as)
+            self.sharded.gather_params(async_op=self.overlap)
+            waited = self.sharded.take_wait_s()  # norm all-reduce, gathers, and last step's forward waits
+        else:
+            assert self.optimizer is not None
+            norm = float(clip_grad_norm(self._named(), self.optim_cfg.grad_clip, self.groups.model_parallel))
+            set_lr(self.optimizer, lr)
+            self.optimizer.step()
+            waited = 0.0
+            if snapshot_as is not None:
+                shard = replicated_shard(self.optimizer, self._named(), snapshot_as)
+        self.buffer.zero()
+        return StepStats(
+            grad_norm=norm,
+            inter_dc_bytes=self.comm.take_bytes(),
+            sync_wait_s=exposed_s + waited,
+            comm_s=comm_s,
+            exposed_s=exposed_s,
+            intra_dc_comm_s=intra_dc_s,
+            shard=shard,
+        )
+
+    def local_shard(self, step: int) -> LocalShard:
+        if self.sharded is not None:
+            self.sharded.wait_params()
+            return self.sharded.local_shard(step)
+        assert self.optimizer is not None
+        return replicated_shard(self.optimizer, self._named(), step)
+
+    def synchronize(self) -> None:
+        if self.sharded is not None:
+            self.sharded.wait_params()
+
+    def optimizer_state(self) -> dict[str, Any]:
+        if self.sharded is not None:
+            return self.sharded.full_state()
+        assert self.optimizer is not None
+        return full_state_of(self.optimizer, self._named())
+
+    def load_optimizer_state(self, state: dict[str, Any]) -> None:
+        if self.sharded is not None:
+            self.sharded.load_full_state(state)
+            return
+        assert self.optimizer is not None
+        load_full_state(self.optimizer, self._named(), state)
+
+    def optimizer_state_nbytes(self) -> int:
+        if self.sharded is not None:
+            return self.sharded.state_nbytes()
+        return state_nbytes(self.optimizer)
+
+    def _named(self) -> list[tuple[str, nn.Parameter]]:
+        return [(s.name, s.param) for s in self.buffer.slots]
+
+    def close(self) -> None:
+        self.pipeline.close()
+        if self.sharded is not None:
+            self.sharded.wait_params()
+            self.sharded.remove_hooks()

@@ -1,0 +1,152 @@
+"""The one seam every inter-datacenter byte passes through: HAR step 2, compressed and counted.
+
+:meth:`InterDCComm.all_reduce_async` sums one chunk with its owners in the other datacenters and returns a
+handle; ``handle.wait()`` leaves the sum in the chunk, identical on every owner. Compression, byte counting
+and WAN emulation (:mod:`meridian.workers.wan.collectives`: the handle's ``wait()`` returns when the emulated link would
+have delivered the data) live here and nowhere else.
+
+Encodings (``SyncConfig.compression``):
+
+- ``none``: an all-reduce (SUM) of the chunk in its own dtype.
+- ``bf16``: the chunk plus its error-feedback residual, rounded to bf16, all-reduced (SUM) in bf16. The
+  backend adds bf16 values, so partial sums round to bf16 too (k-1 extra roundings for k datacenters);
+  error feedback covers the local rounding only.
+- ``int8``: int8 cannot be summed on the wire, so the owners **all-gather** their payloads (int8 values
+  + one fp32 absmax scale per chunk, with error feedback) and every owner decodes and sums them in fp32,
+  in datacenter order, so all owners get bit-identical results.
+
+Byte accounting: ``bytes_sent`` counts the payload this rank puts into each collective (the compressed
+size: 2 bytes/element for bf16, 1 + 4/chunk for int8). With two datacenters that is also what a ring
+algorithm puts on the link per rank for both an all-reduce and an all-gather. With k > 2 datacenters a
+ring all-reduce sends 2(k-1)/k × payload and an all-gather (k-1) × payload, so int8's all-gather beats an
+fp32 all-reduce on the wire only while k < 8; that fan-out is not in ``bytes_sent``.
+
+This module never touches intra-DC groups.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+from meridian.workers.contracts.config import Compression
+from meridian.workers.distributed.layout import Segment
+from meridian.workers.sync.compression import Bf16Codec, ErrorFeedback, Int8Codec
+from meridian.workers.wan import collectives as wan
+from meridian.workers.wan.emulator import WanEmulator
+
+
+class Waitable(Protocol):
+    """``dist.Work`` or the WAN emulator's ``EmulatedWork``."""
+
+    def wait(self) -> object: ...
+
+    def is_completed(self) -> bool: ...
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+@dataclass
+class CommHandle:
+    """An in-flight inter-DC collective. ``wait()`` completes it and writes the sum into the chunk."""
+
+    work: Waitable | None
+    nbytes: int
+    finish: Callable[[], None] | None = None
+
+    def is_completed(self) -> bool:
+        """Whether the data has arrived (``wait`` may still have a decode to do); never blocks."""
+        return self.work is None or self.work.is_completed()
+
+    def wait(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        if self.finish is not None:
+            self.finish()
+            self.finish = None
+
+
+class InterDCComm:
+    """This rank's inter-DC all-reduce: encoding, error-feedback state, byte counter."""
+
+    def __init__(
+        self, compression: Compression = Compression.NONE, *, emulator: WanEmulator | None = None
+    ) -> None:
+        self.compression = compression
+        self.emulator = emulator
+        self.bytes_sent = 0
+        self.calls = 0
+        self._int8 = Int8Codec()
+        self._feedback: ErrorFeedback | None = {
+            Compression.NONE: None,
+            Compression.BF16: ErrorFeedback(Bf16Codec()),
+            Compression.INT8: ErrorFeedback(self._int8),
+        }[compression]
+
+    def all_reduce_async(
+        self, tensor: torch.Tensor, group: dist.ProcessGroup, segment: Segment, *, key: Hashable = None
+    ) -> CommHandle:
+        """Start summing ``tensor`` (a contiguous chunk) over ``group``, the owners of ``segment``.
+
+        ``key`` names the chunk across steps for error feedback (the same chunk of the same bucket must
+        come back with the same key); without one, the chunk's address stands in for it.
+        """
+        self.calls += 1
+        if self._feedback is None:
+            return self._count(CommHandle(self._all_reduce(tensor, group, segment), _nbytes(tensor)))
+
+        key = (segment, key if key is not None else (tensor.data_ptr(), tensor.numel()))
+        payload = self._feedback.encode(key, tensor)
+        if self.compression is Compression.BF16:
+            work = self._all_reduce(payload, group, segment)
+            return self._count(CommHandle(work, _nbytes(payload), lambda: tensor.copy_(payload)))
+
+        k = dist.get_world_size(group)
+        gathered = torch.empty(k * payload.numel(), dtype=payload.dtype, device=payload.device)
+        work = self._all_gather(gathered, payload, group, segment)
+        rows = gathered.view(k, payload.numel())  # gloo wants the flat output; row j is DC j's payload
+        return self._count(
+            CommHandle(work, _nbytes(payload), lambda: tensor.copy_(self._int8.decode_sum(rows)))
+        )
+
+    # The two collectives that cross DCs, each through the WAN emulator when there is one.
+
+    def _all_reduce(self, t: torch.Tensor, group: dist.ProcessGroup, segment: Segment) -> Waitable:
+        if self.emulator is None:
+            return dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group, async_op=True)
+        return wan.all_reduce(t, group, emulator=self.emulator, group_ranks=segment.owners, async_op=True)
+
+    def _all_gather(
+        self, out: torch.Tensor, t: torch.Tensor, group: dist.ProcessGroup, segment: Segment
+    ) -> Waitable:
+        work = dist.all_gather_single(out, t, group=group, async_op=True)
+        emu = self.emulator
+        plan = emu.plan(group, segment.owners) if emu is not None and emu.enabled else None
+        if emu is None or plan is None or not plan.crosses:
+            return work
+        # Gathering S bytes from one owner per DC is the emulator's EXCHANGE pattern (every owner sends
+        # its S bytes to every other DC, one round), the same model as an all-reduce of S bytes.
+        cost = emu.cost(wan.Algorithm.EXCHANGE, plan.ranks, _nbytes(t))
+        emu.counter.add(_nbytes(t), cost.bytes_of(emu.rank))
+        return wan.EmulatedWork(work, emu, cost, plan.tag, emu.next_seq(plan.tag))
+
+    def _count(self, handle: CommHandle) -> CommHandle:
+        self.bytes_sent += handle.nbytes
+        return handle
+
+    def take_bytes(self) -> int:
+        """Bytes sent since the last call (one step's worth when called once per step)."""
+        sent, self.bytes_sent = self.bytes_sent, 0
+        return sent
+
+    @property
+    def state_nbytes(self) -> int:
+        """Error-feedback residuals held on this rank."""
+        return self._feedback.nbytes if self._feedback is not None else 0

@@ -1,0 +1,173 @@
+"""Start each bucket's sync while backward is still computing the other buckets' gradients.
+
+On the last micro-batch of a step, a ``post_accumulate_grad_hook`` on every parameter counts the
+gradients that are final in each bucket. A per-rank communication thread walks the buckets **in index
+order** (so every rank issues its collectives in the same order, as the backends require; DDP does the
+same) and starts each one's sync as soon as the bucket is complete: ``start_bucket`` runs what must
+finish first (the intra-DC reduce-scatter) and issues the inter-DC chunks asynchronously. Buckets stay in
+flight together, so on a WAN every bucket does not pay its own latency round; ``finish()`` (from the
+engine's ``step``) waits for what is still outstanding, in bucket order, and runs what follows (decoding,
+the intra-DC all-gather). gloo and NCCL release the GIL while a collective runs, so the thread's work
+overlaps backward's compute.
+
+Timing: ``comm_s`` is the wall time during which at least one bucket's collectives were running (the union
+of [issued, completed] intervals; completion is polled every ``POLL_S`` while the thread waits for the
+next bucket), ``exposed_s`` the part ``finish()`` blocked. Buckets whose parameters got no gradient are
+released when backward returns, so an unused parameter costs overlap, never a deadlock. Without overlap
+the same code runs inline in ``finish()``. This module never decides what a bucket's sync is.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from meridian.workers.sync.grad_buffer import Bucket, GradBuffer
+
+POLL_S = 0.002
+
+
+class Handle(Protocol):
+    def wait(self) -> object: ...
+
+    def is_completed(self) -> bool: ...
+
+
+@dataclass
+class InFlight:
+    """One bucket's started sync: its outstanding collectives, and what to run once they are done."""
+
+    handles: list[Handle]
+    then: Callable[[], object] | None = None
+    issued_at: float = field(default_factory=time.perf_counter)
+    completed_at: float | None = None
+
+    def poll(self) -> None:
+        if self.completed_at is None and all(h.is_completed() for h in self.handles):
+            self.completed_at = time.perf_counter()
+
+    def finish(self) -> list[tuple[float, float]]:
+        """Wait, run ``then``; return the busy intervals of this bucket."""
+        for h in self.handles:
+            h.wait()
+        arrived = time.perf_counter()
+        intervals = [(self.issued_at, self.completed_at or arrived)]
+        if self.then is not None:
+            self.then()
+            intervals.append((arrived, time.perf_counter()))
+        return intervals
+
+
+class BucketPipeline:
+    """Starts ``start_bucket(bucket)`` on every bucket once per step, overlapped with backward or not."""
+
+    def __init__(
+        self, buffer: GradBuffer, start_bucket: Callable[[Bucket], InFlight], *, overlap: bool
+    ) -> None:
+        self.buffer = buffer
+        self.start_bucket = start_bucket
+        self.overlap = overlap
+        self._armed = False
+        self._future: Future[list[InFlight]] | None = None
+        self._ready = [threading.Event() for _ in buffer.buckets]
+        self._remaining = [0] * len(buffer.buckets)
+        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
+        self._executor: ThreadPoolExecutor | None = None
+        if overlap:
+            device = buffer.buckets[0].grad.device
+            self._executor = ThreadPoolExecutor(
+                1, thread_name_prefix="meridian-comm", initializer=_bind_device, initargs=(device,)
+            )
+            for bucket in buffer.buckets:
+                for s in bucket.slots:
+                    self._hooks.append(s.param.register_post_accumulate_grad_hook(self._hook(bucket.index)))
+
+    def _hook(self, index: int) -> Callable[[torch.Tensor], None]:
+        def on_grad_ready(_param: torch.Tensor) -> None:
+            if self._armed:
+                self._remaining[index] -= 1
+                if self._remaining[index] == 0:
+                    self._ready[index].set()
+
+        return on_grad_ready
+
+    def arm(self) -> None:
+        """Call right before the last micro-batch's backward: from here on, complete buckets are synced."""
+        if self._future is not None:
+            raise RuntimeError("backward(last_micro_batch=True) called twice without step()")
+        if not self.overlap:
+            return
+        for i, bucket in enumerate(self.buffer.buckets):
+            self._remaining[i] = len(bucket.slots)
+            self._ready[i].clear()
+        self._armed = True
+        assert self._executor is not None
+        self._future = self._executor.submit(self._start_all, True)
+
+    def backward_done(self) -> None:
+        """Every gradient is final now; buckets with unused parameters may go too."""
+        self._armed = False
+        for event in self._ready:
+            event.set()
+
+    def finish(self) -> tuple[float, float]:
+        """Sync whatever is left; returns (comm_s, exposed_s) for this step."""
+        t0 = time.perf_counter()
+        if self._future is None:  # no overlap, or this rank had no micro-batch: start everything now
+            started = self._start_all(False)
+        else:
+            self.backward_done()
+            future, self._future = self._future, None
+            started = future.result()
+        busy = [interval for flight in started for interval in flight.finish()]  # bucket order, everywhere
+        return _union(busy), time.perf_counter() - t0
+
+    def _start_all(self, wait_ready: bool) -> list[InFlight]:
+        started: list[InFlight] = []
+        for bucket in self.buffer.buckets:
+            if wait_ready:
+                # Waiting for backward: note when the buckets in flight complete, for comm_s.
+                while not self._ready[bucket.index].wait(POLL_S if started else None):
+                    for flight in started:
+                        flight.poll()
+            t0 = time.perf_counter()
+            flight = self.start_bucket(bucket)
+            flight.issued_at = t0
+            started.append(flight)
+        return started
+
+    def close(self) -> None:
+        self.backward_done()
+        if self._future is not None:
+            started = self._future.result()
+            self._future = None
+            for flight in started:
+                flight.finish()
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+
+
+def _union(intervals: list[tuple[float, float]]) -> float:
+    """Total length covered by ``intervals``."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
+def _bind_device(device: torch.device) -> None:
+    # A CUDA collective issued from this thread must run on the training process's GPU.
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
