@@ -16,6 +16,8 @@ from typing import Any
 
 from meridian.api import render
 from meridian.api.client import ApiError, Client
+from meridian.api.lab_cli import add_lab_parser
+from meridian.api.lab_cli import run as run_lab
 
 TERMINAL = {"succeeded", "failed", "cancelled"}
 
@@ -318,6 +320,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("file")
     s.set_defaults(run=cmd_plan)
 
+    add_lab_parser(sub)
+
     b = sub.add_parser("bench", help="benchmarks (sync, scaling, …); see `meridian bench -h`", add_help=False)
     b.add_argument("rest", nargs=argparse.REMAINDER)
     b.set_defaults(run=None)
@@ -332,6 +336,8 @@ def main(argv: list[str] | None = None) -> int:
         return bench_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
+        if args.verb == "lab":
+            return run_lab(args)
         if args.verb in ("serve", "demo", "token"):
             return args.run(args)
         client = Client(args.url)

@@ -1,0 +1,99 @@
+"""``meridian lab``: the CLI of the network lab (:mod:`meridian.service.cluster.lab.lab`).
+
+``up`` prints the Ray address to give ``meridian serve --address``; ``probe`` measures the inter-DC link
+with real TCP; ``status`` shows what is up; ``down`` removes exactly what ``up`` made. Each takes ``--json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+
+def add_lab_parser(sub: Any) -> None:
+    lab = sub.add_parser("lab", help="a multi-datacenter Ray cluster on this machine over a real delayed link "
+                                     "(needs root)", description="a multi-datacenter Ray cluster on this machine whose datacenters talk over real TCP through a link with the given delay and rate (needs root)")  # fmt: skip
+    lsub = lab.add_subparsers(dest="lab_verb", required=True, metavar="ACTION")
+
+    def action(name: str, help_: str) -> argparse.ArgumentParser:
+        sp = lsub.add_parser(name, help=help_, description=help_)
+        sp.add_argument("--json", action="store_true", help="machine-readable output")
+        sp.add_argument("--name", default="lab", help="which lab (default: lab)")
+        return sp
+
+    up = action("up", "create the namespaces, the delayed link and a labelled Ray cluster; print its address")
+    up.add_argument("--datacenters", default="dc-a:2,dc-b:2", metavar="DC:N,...")
+    up.add_argument("--rtt-ms", type=float, default=21.0, help="round-trip time between datacenters (default 21)")
+    up.add_argument("--gbps", type=float, default=1.0, help="inter-DC rate in Gbit/s per direction (default 1)")
+    up.add_argument("--cpus-per-node", type=int, default=1)
+    up.add_argument("--mtu", type=int, default=9000, help="MTU of the inter-DC link (default 9000: the delay line "
+                    "is a Python process, and jumbo frames let it carry ~1 Gbit/s)")
+    up.set_defaults(run=cmd_lab_up)
+    pr = action("probe", "measure each inter-DC link with real TCP: RTT and bulk throughput")
+    pr.add_argument("--bulk-mb", type=float, default=64)
+    pr.set_defaults(run=cmd_lab_probe)
+    action("status", "show the lab's address, datacenters and live Ray nodes").set_defaults(run=cmd_lab_status)
+    action("down", "stop the lab's Ray nodes and delay line; delete its namespaces and devices").set_defaults(
+        run=cmd_lab_down)
+
+
+def _emit(args: argparse.Namespace, data: Any, text: str) -> int:
+    print(json.dumps(data, indent=2) if args.json else text)
+    return 0
+
+
+def cmd_lab_up(args: argparse.Namespace) -> int:
+    from meridian.service.cluster.connect import parse_datacenters
+    from meridian.service.cluster.lab import lab
+
+    state = lab.up(parse_datacenters(args.datacenters), rtt_ms=args.rtt_ms, gbps=args.gbps, name=args.name,
+                   cpus_per_node=args.cpus_per_node, mtu=args.mtu)  # fmt: skip
+    s = state.summary()
+    lines = [f"lab {s['name']!r} is up: {args.rtt_ms:g} ms RTT, {args.gbps:g} Gbit/s between datacenters"]
+    lines += [f"  {dc['name']}: namespace {dc['netns']}, nodes {', '.join(dc['nodes'])}, link device {dc['link_device']}"
+              for dc in s["datacenters"]]  # fmt: skip
+    lines += [f"Ray address: {s['ray_address']}   dashboard: {s['dashboard']}", f"next: {s['serve']}"]
+    return _emit(args, s, "\n".join(lines))
+
+
+def cmd_lab_probe(args: argparse.Namespace) -> int:
+    from meridian.service.cluster.lab import lab
+
+    r = lab.probe(args.name, bulk_mb=args.bulk_mb)
+    lines = [f"{x['src']} → {x['dst']}: RTT {x['rtt_ms']:.2f} ms (min {x['rtt_min_ms']:.2f}), "
+             f"{x['gbps']:.3f} Gbit/s over {x['bulk_bytes'] / 2**20:.0f} MiB, link counted {x['link_tx_bytes']:,} B"
+             for x in r["links"]]  # fmt: skip
+    return _emit(args, r, "\n".join(lines) or "one datacenter: no inter-DC link to probe")
+
+
+def cmd_lab_status(args: argparse.Namespace) -> int:
+    from meridian.service.cluster.lab import lab
+
+    state = lab.load_state(args.name)
+    s = state.summary() | {"alive_nodes": lab.alive_nodes(state)}
+    nodes = ", ".join(f"{n['ip']} ({n['labels'].get('datacenter', 'head')})" for n in s["alive_nodes"])
+    return _emit(args, s, f"lab {args.name!r} at {s['ray_address']}: {len(s['alive_nodes'])} live nodes: {nodes}")
+
+
+def cmd_lab_down(args: argparse.Namespace) -> int:
+    from meridian.service.cluster.lab import lab
+
+    r = lab.down(args.name)
+    text = (f"lab {args.name!r} removed: {r['ray_processes_stopped']} Ray processes stopped, namespaces "
+            f"{', '.join(r['netns_removed']) or 'none'} deleted")  # fmt: skip
+    if r["problems"]:
+        text += "\nnot removed: " + "; ".join(r["problems"])
+    _emit(args, r, text)
+    return 1 if r["problems"] else 0
+
+
+def run(args: argparse.Namespace) -> int:
+    from meridian.service.cluster.lab.lab import LabError
+
+    try:
+        return args.run(args)
+    except LabError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1

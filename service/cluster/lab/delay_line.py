@@ -1,0 +1,126 @@
+"""The inter-datacenter link: a process that holds every packet between datacenters for the one-way delay.
+
+The kernel here has no ``netem``, so the delay is done in user space: each datacenter namespace has a TUN
+device routed to the other datacenters' subnets; this process reads a packet from one TUN, keeps it for the
+one-way delay and writes it to the TUN of the datacenter that owns its destination address. The delay is
+constant, so packets leave in the order they came (one FIFO for all directions). The rate is not set here:
+the kernel's ``tbf`` on each TUN limits what a datacenter sends, and a full queue drops, as a router does.
+
+Run by :mod:`meridian.service.cluster.lab.lab` as ``python -m meridian.service.cluster.lab.delay_line``;
+it must never touch a namespace or device the lab did not create.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import errno
+import fcntl
+import json
+import os
+import select
+import signal
+import struct
+import time
+from collections import deque
+
+TUNSETIFF = 0x400454CA
+IFF_TUN = 0x0001
+IFF_NO_PI = 0x1000
+CLONE_NEWNET = 0x40000000
+MAX_QUEUED_BYTES = 256 * 2**20
+"""At 1 Gbit/s and 100 ms one way, 12.5 MB are in flight; beyond this much the line drops, as a router's
+buffer would."""
+
+
+def _setns(path: str) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    with open(path) as f:
+        if libc.setns(f.fileno(), CLONE_NEWNET) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"setns({path}): {os.strerror(err)}")
+
+
+def open_tun(netns: str, device: str) -> int:
+    """Attach to the persistent TUN ``device`` inside namespace ``netns``; the fd keeps working after this
+    process returns to its own namespace."""
+    own = f"/proc/{os.getpid()}/ns/net"
+    home = os.open(own, os.O_RDONLY)
+    try:
+        _setns(f"/run/netns/{netns}")
+        fd = os.open("/dev/net/tun", os.O_RDWR | os.O_NONBLOCK)
+        fcntl.ioctl(fd, TUNSETIFF, struct.pack("16sH22x", device.encode(), IFF_TUN | IFF_NO_PI))
+    finally:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.setns(home, CLONE_NEWNET)
+        os.close(home)
+    return fd
+
+
+def destination_index(packet: bytes) -> int | None:
+    """The datacenter index of an IPv4 packet's destination 198.18.(i+1).x, else ``None``."""
+    if len(packet) < 20 or packet[0] >> 4 != 4 or packet[16] != 198 or packet[17] != 18 or packet[18] == 0:
+        return None
+    return packet[18] - 1
+
+
+def run(tuns: list[tuple[str, str]], one_way_s: float, stop: list[bool]) -> dict[str, int]:
+    """Forward packets between the TUNs (index ``i`` = datacenter ``i``) until ``stop[0]``."""
+    fds = [open_tun(ns, dev) for ns, dev in tuns]
+    index_of = {fd: i for i, fd in enumerate(fds)}
+    queue: deque[tuple[float, int, bytes]] = deque()
+    queued = forwarded = dropped = 0
+    while not stop[0]:
+        now = time.monotonic()
+        timeout = max(0.0, queue[0][0] - now) if queue else 0.2
+        try:
+            readable, _, _ = select.select(fds, [], [], timeout)
+        except InterruptedError:
+            continue
+        now = time.monotonic()
+        for fd in readable:
+            for _ in range(256):  # drain what arrived, but let due packets out in between
+                try:
+                    packet = os.read(fd, 65535)
+                except BlockingIOError:
+                    break
+                dst = destination_index(packet)
+                if dst is None or dst >= len(fds) or dst == index_of[fd] or queued > MAX_QUEUED_BYTES:
+                    dropped += 1
+                    continue
+                queue.append((now + one_way_s, dst, packet))
+                queued += len(packet)
+        now = time.monotonic()
+        while queue and queue[0][0] <= now:
+            _, dst, packet = queue.popleft()
+            queued -= len(packet)
+            try:
+                os.write(fds[dst], packet)
+                forwarded += 1
+            except OSError as e:  # the receiving namespace is going away, or its queue is full
+                if e.errno not in (errno.EAGAIN, errno.EIO, errno.EBADFD):
+                    raise
+                dropped += 1
+    for fd in fds:
+        os.close(fd)
+    return {"forwarded": forwarded, "dropped": dropped}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tuns", required=True, help='JSON list of [netns, device], in datacenter order')
+    p.add_argument("--one-way-ms", type=float, required=True)
+    args = p.parse_args()
+    stop = [False]
+
+    def _stop(*_: object) -> None:
+        stop[0] = True
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    counts = run([tuple(t) for t in json.loads(args.tuns)], args.one_way_ms / 1000, stop)
+    print(json.dumps(counts), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,300 @@
+"""``meridian lab up | probe | status | down``: a multi-datacenter Ray cluster on one machine, over real TCP.
+
+``up`` builds the network (:mod:`~meridian.service.cluster.lab.network`), starts the delay line
+(:mod:`~meridian.service.cluster.lab.delay_line`), a Ray head in the host namespace (no CPUs: the control
+plane, and where ``meridian serve --address`` connects) and one Ray node per lab node inside its datacenter's
+namespace, labelled ``datacenter=<name>``, with ``GLOO_SOCKET_IFNAME`` set to the namespace's device. Each
+step is written to the lab's state file before it is taken, so ``down`` removes exactly what ``up`` made
+(never ``ray stop``, which would kill every Ray process on the host), even after a failure half-way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from meridian.service.cluster.lab import network
+from meridian.service.cluster.lab.layout import HEAD_IP, LabLayout, LinkSpec
+
+STATE_DIR = Path("/run/meridian-lab")
+RAY_PORT = 6390
+DASHBOARD_PORT = 8266
+NODE_PORT_BASE = 21000
+"""Nodes of one datacenter share a namespace, so each gets its own block of ports from here."""
+PORTS_PER_NODE = 10
+NODES_TIMEOUT_S = 180.0
+
+
+class LabError(RuntimeError):
+    """What went wrong, in words a person can act on."""
+
+
+@dataclass
+class LabState:
+    name: str
+    datacenters: dict[str, int]
+    rtt_ms: float
+    gbps: float
+    mtu: int
+    cpus_per_node: int
+    ray_port: int = RAY_PORT
+    dashboard_port: int = DASHBOARD_PORT
+    netns: list[str] = field(default_factory=list)
+    links: list[str] = field(default_factory=list)
+    delay_line_pid: int = 0
+    ray_temp_dir: str = ""
+    started: bool = False
+
+    @property
+    def layout(self) -> LabLayout:
+        return LabLayout.build(self.datacenters, LinkSpec(self.rtt_ms, self.gbps))
+
+    @property
+    def ray_address(self) -> str:
+        return f"{HEAD_IP}:{self.ray_port}"
+
+    @property
+    def dashboard_url(self) -> str:
+        return f"http://127.0.0.1:{self.dashboard_port}"
+
+    def summary(self) -> dict[str, Any]:
+        lay = self.layout
+        return {
+            "name": self.name, "ray_address": self.ray_address, "dashboard": self.dashboard_url,
+            "rtt_ms": self.rtt_ms, "gbps": self.gbps, "mtu": self.mtu,
+            "datacenters": [{"name": dc.name, "netns": dc.netns, "link_device": dc.tun, "gloo_ifname": dc.dc_veth,
+                             "nodes": [n.ip for n in dc.nodes]} for dc in lay.datacenters],
+            "serve": f"meridian serve --address {self.ray_address}",
+        }  # fmt: skip
+
+
+def state_path(name: str) -> Path:
+    return STATE_DIR / f"{name}.json"
+
+
+def load_state(name: str) -> LabState:
+    path = state_path(name)
+    if not path.exists():
+        raise LabError(f"no lab named {name!r} is up (no {path}); start one with `meridian lab up`")
+    return LabState(**json.loads(path.read_text()))
+
+
+def _save(state: LabState) -> None:
+    STATE_DIR.mkdir(parents=True, exist_ok=True)
+    tmp = state_path(state.name).with_suffix(".tmp")
+    tmp.write_text(json.dumps(asdict(state), indent=1))
+    tmp.replace(state_path(state.name))
+
+
+def _require_root() -> None:
+    if os.geteuid() != 0:
+        raise LabError("the lab creates network namespaces and devices: run it as root (or with CAP_NET_ADMIN)")
+
+
+def _ray_bin() -> str:
+    return str(Path(sys.executable).with_name("ray"))
+
+
+def _ray_env(**extra: str) -> dict[str, str]:
+    return {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", **extra}
+
+
+def node_ports(index_in_dc: int) -> list[str]:
+    base = NODE_PORT_BASE + PORTS_PER_NODE * index_in_dc
+    names = ["--node-manager-port", "--object-manager-port", "--dashboard-agent-listen-port",
+             "--dashboard-agent-grpc-port", "--metrics-export-port", "--runtime-env-agent-port"]  # fmt: skip
+    return [arg for i, flag in enumerate(names) for arg in (flag, str(base + i))]
+
+
+def up(datacenters: dict[str, int], *, rtt_ms: float, gbps: float, name: str = "lab", cpus_per_node: int = 1,
+       mtu: int = 9000, timeout_s: float = NODES_TIMEOUT_S) -> LabState:  # fmt: skip
+    _require_root()
+    if state_path(name).exists():
+        raise LabError(f"a lab named {name!r} is already up ({state_path(name)}); `meridian lab down` removes it")
+    layout = LabLayout.build(datacenters, LinkSpec(rtt_ms, gbps))  # checks the spec before anything is made
+    taken = [dc.netns for dc in layout.datacenters if Path(f"/run/netns/{dc.netns}").exists()]
+    if taken:
+        raise LabError(f"network namespaces {taken} already exist but no lab state names them: remove them "
+                       "with `ip netns del NAME` if they are left from an earlier lab")  # fmt: skip
+    state = LabState(name=name, datacenters=dict(datacenters), rtt_ms=rtt_ms, gbps=gbps, mtu=mtu,
+                     cpus_per_node=cpus_per_node, ray_temp_dir=f"/tmp/meridian-lab-{name}")  # fmt: skip
+    _save(state)
+    try:
+        def made(kind: str, what: str) -> None:
+            (state.netns if kind == "netns" else state.links).append(what)
+            _save(state)
+
+        network.create(layout, made, mtu=mtu)
+        _start_delay_line(state, layout)
+        _start_ray(state, layout, timeout_s)
+    except BaseException:
+        down(name)
+        raise
+    state.started = True
+    _save(state)
+    return state
+
+
+def _start_delay_line(state: LabState, layout: LabLayout) -> None:
+    tuns = json.dumps([[dc.netns, dc.tun] for dc in layout.datacenters])
+    log = open(Path(state.ray_temp_dir).parent / f"meridian-lab-{state.name}-delay-line.log", "ab")  # noqa: SIM115
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "meridian.service.cluster.lab.delay_line", "--tuns", tuns,
+         "--one-way-ms", str(layout.link.rtt_ms / 2)],
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+    state.delay_line_pid = proc.pid
+    _save(state)
+    time.sleep(0.3)
+    if proc.poll() is not None:
+        raise LabError(f"the delay line exited at start (code {proc.returncode}); see {log.name}")
+
+
+def _start_ray(state: LabState, layout: LabLayout, timeout_s: float) -> None:
+    head = [_ray_bin(), "start", "--head", "--node-ip-address", HEAD_IP, "--port", str(state.ray_port),
+            "--num-cpus", "0", "--dashboard-host", "127.0.0.1", "--dashboard-port", str(state.dashboard_port),
+            "--ray-client-server-port", str(state.ray_port + 1), "--temp-dir", state.ray_temp_dir,
+            "--disable-usage-stats", *node_ports(PORTS_PER_NODE)]  # fmt: skip
+    _run_ray(head, _ray_env())
+    for dc in layout.datacenters:
+        for node in dc.nodes:
+            cmd = network.in_ns(dc.netns, [
+                _ray_bin(), "start", "--address", state.ray_address, "--node-ip-address", node.ip,
+                "--num-cpus", str(state.cpus_per_node), "--labels", f"datacenter={dc.name}",
+                "--temp-dir", state.ray_temp_dir, "--disable-usage-stats", *node_ports(node.index),
+            ])  # fmt: skip
+            _run_ray(cmd, _ray_env(GLOO_SOCKET_IFNAME=dc.dc_veth))
+    _wait_for_nodes(state, len(layout.nodes) + 1, timeout_s)
+
+
+def _run_ray(cmd: list[str], env: dict[str, str]) -> None:
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+    if out.returncode != 0:
+        tail = (out.stderr or out.stdout).strip().splitlines()[-5:]
+        raise LabError(f"`{' '.join(cmd[:6])} …` failed: " + " | ".join(tail))
+
+
+def alive_nodes(state: LabState) -> list[dict[str, Any]]:
+    from ray.util.state import list_nodes
+
+    nodes = list_nodes(address=state.dashboard_url, timeout=10, raise_on_missing_output=False)
+    return [{"ip": n.node_ip, "labels": dict(n.labels or {}), "node_id": n.node_id}
+            for n in nodes if n.state == "ALIVE"]  # fmt: skip
+
+
+def _wait_for_nodes(state: LabState, expected: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    seen: list[dict[str, Any]] = []
+    last_error = ""
+    while time.monotonic() < deadline:
+        try:
+            seen = alive_nodes(state)
+        except Exception as e:  # noqa: BLE001 - the dashboard starts a few seconds after the head
+            last_error = str(e)
+        if len(seen) >= expected:
+            return
+        time.sleep(1.0)
+    raise LabError(f"only {len(seen)} of {expected} Ray nodes came up within {timeout_s:.0f} s"
+                   + (f" (last error: {last_error})" if last_error else ""))  # fmt: skip
+
+
+def lab_processes(temp_dir: str) -> list[int]:
+    """Pids of the processes whose command line names the lab's Ray temp dir (its Ray processes)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        with contextlib.suppress(OSError):
+            if temp_dir.encode() in (proc / "cmdline").read_bytes():
+                pids.append(int(proc.name))
+    return pids
+
+
+def _kill(pids: list[int], timeout_s: float = 10.0) -> list[int]:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and [p for p in pids if Path(f"/proc/{p}").exists()]:
+        time.sleep(0.1)
+    left = [p for p in pids if Path(f"/proc/{p}").exists()]
+    for pid in left:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    return left
+
+
+def _ray_processes(state: LabState) -> list[int]:
+    """Every process of the lab's Ray cluster: the ones naming its temp dir and their descendants (Ray's
+    workers do not name it)."""
+    roots = set(lab_processes(state.ray_temp_dir)) if state.ray_temp_dir else set()
+    children: dict[int, list[int]] = {}
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                children.setdefault(ppid, []).append(int(proc.name))
+    found, todo = set(), list(roots)
+    while todo:
+        pid = todo.pop()
+        if pid not in found:
+            found.add(pid)
+            todo += children.get(pid, [])
+    return sorted(found)
+
+
+def down(name: str = "lab") -> dict[str, Any]:
+    """Remove everything the lab made: its Ray processes, the delay line, namespaces and devices."""
+    _require_root()
+    state = load_state(name)
+    killed = _ray_processes(state)
+    _kill(killed)
+    if state.delay_line_pid and Path(f"/proc/{state.delay_line_pid}").exists():
+        _kill([state.delay_line_pid])
+    problems = network.remove(state.netns, state.links)
+    if not problems:
+        state_path(name).unlink(missing_ok=True)
+    return {"name": name, "ray_processes_stopped": len(killed), "netns_removed": state.netns,
+            "problems": problems}  # fmt: skip
+
+
+def probe(name: str = "lab", *, bulk_mb: float = 64, pings: int = 20, timeout_s: float = 60) -> dict[str, Any]:
+    """RTT and bulk TCP throughput from the first node of the first datacenter to the first node of each
+    other datacenter, with the bytes the kernel counted on the sender's link device."""
+    _require_root()
+    state = load_state(name)
+    lay = state.layout
+    src = lay.datacenters[0]
+    rows = []
+    for dst in lay.datacenters[1:]:
+        port = 29000 + dst.index
+        server = subprocess.Popen(network.in_ns(dst.netns, [
+            sys.executable, "-m", "meridian.service.cluster.lab.tcp_probe", "serve", "--host", dst.nodes[0].ip,
+            "--port", str(port), "--timeout-s", str(timeout_s)]), stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+        try:
+            before = network.link_bytes(src.netns, src.tun)
+            out = subprocess.run(network.in_ns(src.netns, [
+                sys.executable, "-m", "meridian.service.cluster.lab.tcp_probe", "measure", "--host",
+                dst.nodes[0].ip, "--port", str(port), "--source", src.nodes[0].ip, "--pings", str(pings),
+                "--bulk-mb", str(bulk_mb), "--timeout-s", str(timeout_s)]),
+                capture_output=True, text=True, timeout=timeout_s * 2)  # fmt: skip
+            after = network.link_bytes(src.netns, src.tun)
+            if out.returncode != 0:
+                raise LabError(f"the probe from {src.name} to {dst.name} failed: {out.stderr.strip()[-500:]}")
+            row = json.loads(out.stdout)
+            row.update(src=src.name, dst=dst.name, link_tx_bytes=after["tx_bytes"] - before["tx_bytes"])
+            rows.append(row)
+        finally:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                server.wait(timeout=5)
+            if server.poll() is None:
+                server.kill()
+    return {"name": name, "configured": {"rtt_ms": state.rtt_ms, "gbps": state.gbps}, "links": rows}

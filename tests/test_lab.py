@@ -1,0 +1,84 @@
+"""``meridian lab`` as a user runs it (the CLI, as a process): two datacenters in their own network
+namespaces, a Ray cluster across them, real TCP over the delayed link, and nothing left after ``down``.
+
+Needs root (network namespaces, TUN devices); elsewhere it skips with that reason.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(os.geteuid() != 0, reason="the lab creates network namespaces: run the tests as root"),
+    pytest.mark.skipif(not Path("/dev/net/tun").exists(), reason="no /dev/net/tun on this machine"),
+]
+
+NAME = f"test{os.getpid()}"
+CLI = [sys.executable, "-m", "meridian.api.cli", "lab"]
+RTT_MS = 21.0
+
+
+def _lab(*args: str, timeout: float = 240) -> dict:
+    out = subprocess.run([*CLI, *args, "--name", NAME, "--json"], capture_output=True, text=True, timeout=timeout,
+                         env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout)
+
+
+@pytest.fixture(scope="module")
+def lab():
+    up = subprocess.run([*CLI, "up", "--name", NAME, "--json", "--datacenters", "dc-a:1,dc-b:1", "--rtt-ms",
+                         str(RTT_MS), "--gbps", "1"], capture_output=True, text=True, timeout=300)  # fmt: skip
+    try:
+        assert up.returncode == 0, up.stderr[-2000:]
+        yield json.loads(up.stdout)
+    finally:
+        subprocess.run([*CLI, "down", "--name", NAME], capture_output=True, timeout=120)
+
+
+def _counter(netns: str, device: str) -> int:
+    path = f"/sys/class/net/{device}/statistics/tx_bytes"
+    return int(subprocess.run(["ip", "netns", "exec", netns, "cat", path], capture_output=True, text=True,
+                              check=True).stdout)  # fmt: skip
+
+
+def test_probe_sees_the_configured_delay_and_the_kernel_counts_the_bytes(lab):
+    r = _lab("probe", "--bulk-mb", "16")
+    (link,) = r["links"]
+    assert (link["src"], link["dst"]) == ("dc-a", "dc-b")
+    assert link["rtt_min_ms"] >= RTT_MS  # a packet cannot beat the delay line, however idle the machine
+    assert link["rtt_ms"] < RTT_MS + 30, "the delay line adds far more than the configured delay"
+    assert link["link_tx_bytes"] >= link["bulk_bytes"]  # every payload byte left through dc-a's link device
+    assert 0 < link["gbps"] <= 1.05  # tbf holds the rate
+
+
+def test_ray_nodes_are_labelled_and_a_gloo_all_reduce_crosses_the_link(lab):
+    status = _lab("status")
+    dcs = sorted(n["labels"].get("datacenter", "head") for n in status["alive_nodes"])
+    assert dcs == ["dc-a", "dc-b", "head"]
+    a, b = lab["datacenters"]
+    before = _counter(a["netns"], a["link_device"])
+    script = Path(__file__).with_name("lab_all_reduce.py")
+    out = subprocess.run([sys.executable, str(script), lab["ray_address"]], capture_output=True, text=True,
+                         timeout=180, env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["sums"] == [3.0, 3.0]  # ranks held 1 and 2
+    assert result["ifnames"] == [a["gloo_ifname"], b["gloo_ifname"]]
+    assert _counter(a["netns"], a["link_device"]) - before >= result["tensor_bytes"]
+
+
+def test_down_removes_everything_it_made(lab):
+    _lab("down")
+    netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert "mrd-dc-a" not in netns and "mrd-dc-b" not in netns
+    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    assert f"meridian-lab-{NAME}" not in ps
+    assert not Path(f"/run/meridian-lab/{NAME}.json").exists()

@@ -1,0 +1,65 @@
+"""The network lab's arithmetic and packet routing, without root: names, addresses, the link's figures,
+and which datacenter's TUN a packet is handed to."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+
+from meridian.service.cluster.lab.delay_line import destination_index
+from meridian.service.cluster.lab.layout import HEAD_IP, LabLayout, LinkSpec
+from meridian.service.cluster.lab.network import datacenter_commands, tbf_args
+
+
+def _ipv4(dst: str) -> bytes:
+    header = struct.pack("!BBHHHBBH4s4s", 0x45, 0, 20, 0, 0, 64, 6, 0, bytes([198, 18, 1, 10]),
+                         bytes(int(x) for x in dst.split(".")))  # fmt: skip
+    return header
+
+
+def test_each_datacenter_owns_a_subnet_and_its_nodes_count_from_10():
+    lay = LabLayout.build({"dc-a": 2, "dc-b": 1}, LinkSpec(21, 1))
+    a, b = lay.datacenters
+    assert [n.ip for n in a.nodes] == ["198.18.1.10", "198.18.1.11"]
+    assert [n.ip for n in b.nodes] == ["198.18.2.10"]
+    assert (a.netns, a.tun, a.dc_veth, a.host_veth, a.gateway) == ("mrd-dc-a", "mrdt0", "mrdd0", "mrdh0", "198.18.1.1")
+    assert lay.datacenter_of("198.18.2.10") is b and lay.datacenter_of(HEAD_IP) is None
+    assert lay.link.one_way_s == pytest.approx(0.0105)
+
+
+@pytest.mark.parametrize("bad", [{"dc/a": 1}, {"x" * 40: 1}, {}])
+def test_names_that_cannot_name_a_namespace_are_refused(bad):
+    with pytest.raises(ValueError):
+        LabLayout.build(bad, LinkSpec(21, 1))
+
+
+@pytest.mark.parametrize("rtt, gbps", [(-1, 1), (21, 0), (21, 1000)])
+def test_link_figures_out_of_range_are_refused(rtt, gbps):
+    with pytest.raises(ValueError):
+        LinkSpec(rtt, gbps)
+
+
+def test_packets_go_to_the_datacenter_of_their_destination():
+    assert destination_index(_ipv4("198.18.2.10")) == 1
+    assert destination_index(_ipv4("198.18.1.11")) == 0
+    assert destination_index(_ipv4("198.18.0.1")) is None  # the head is reached over the management veth
+    assert destination_index(_ipv4("10.0.0.1")) is None
+    assert destination_index(b"\x60" + bytes(39)) is None  # IPv6 never crosses
+    assert destination_index(b"\x45") is None
+
+
+def test_routes_send_other_datacenters_through_the_tun_and_the_head_through_the_veth():
+    lay = LabLayout.build({"dc-a": 1, "dc-b": 1, "dc-c": 1}, LinkSpec(100, 0.1))
+    cmds = [" ".join(c) for c in datacenter_commands(lay.datacenters[0], lay, mtu=9000)]
+    assert "ip netns exec mrd-dc-a ip route add 198.18.2.0/24 dev mrdt0" in cmds
+    assert "ip netns exec mrd-dc-a ip route add 198.18.3.0/24 dev mrdt0" in cmds
+    assert "ip netns exec mrd-dc-a ip route add 198.18.1.0/24 dev mrdt0" not in cmds
+    assert f"ip netns exec mrd-dc-a ip route add {HEAD_IP}/32 via 198.18.1.1 dev mrdd0" in cmds
+    assert any("tbf rate 100000000bit" in c for c in cmds)
+
+
+def test_token_bucket_burst_is_two_ms_of_traffic_but_never_below_a_tso_segment():
+    assert tbf_args(1.0)[:4] == ["tbf", "rate", "1000000000bit", "burst"]
+    assert int(tbf_args(1.0)[4]) == 250_000
+    assert int(tbf_args(0.01)[4]) == 64 * 1024
