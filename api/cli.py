@@ -93,7 +93,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from meridian.api.app import create_app
     from meridian.api.auth import AuthSettings, UnsafeDeployment, check_bind, is_loopback
     from meridian.service.cluster.connect import parse_datacenters
-    from meridian.service.core import ServiceConfig
+    from meridian.service.core import MeridianService, ServiceConfig
 
     try:
         # Auth is forced on for any non-loopback bind; with no tokens there the service refuses to start.
@@ -106,8 +106,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = ServiceConfig(data_dir=args.data_dir, database_url=args.database_url, ray_address=args.address,
                            local_datacenters=local, cpus_per_node=args.cpus_per_node)
     who = f"auth on, {len(auth.hashes)} token(s) from {auth.token_file}" if auth.enabled else "auth off (loopback only)"
-    print(f"Meridian API on http://{args.host}:{args.port} (docs at /docs); data in {config.data_dir}; {who}", flush=True)
-    uvicorn.run(create_app(config, auth=auth), host=args.host, port=args.port, log_level=args.log_level)
+    # Started here, in the main thread, not in the app's lifespan (a worker thread): an embedded cluster
+    # installs signal handlers, which Python allows only in the main thread.
+    service = MeridianService(config).start()
+    try:
+        print(f"Meridian API on http://{args.host}:{args.port} (docs at /docs); data in {config.data_dir}; {who}",
+              flush=True)  # fmt: skip
+        uvicorn.run(create_app(config, auth=auth, service=service), host=args.host, port=args.port,
+                    log_level=args.log_level)  # fmt: skip
+    finally:
+        service.stop()
     return 0
 
 
