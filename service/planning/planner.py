@@ -17,15 +17,16 @@ pipeline parallelism may cross datacenters, and data-parallel gradients cross th
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from meridian.service.cluster.topology import ClusterTopology, NodeInfo
 from meridian.service.errors import InvalidJob, Unschedulable
 from meridian.service.jobs import JobRequest
 from meridian.service.planning.cost_model import Estimate, Figures, Layout, estimate, runs_hierarchical
+from meridian.service.planning.plan import Plan
 from meridian.service.planning.sync_choice import choose_sync
-from meridian.workers.contracts.config import DiLoCoConfig, SyncStrategy, to_plain
+from meridian.workers.contracts.config import SyncStrategy
 
 CPUS_PER_WORKER = 1.0
 TP_SIZES = (1, 2, 4, 8)
@@ -59,58 +60,6 @@ class Candidate:
                 "stages_span_dcs": self.layout.pp_spans_dcs, "hierarchical": self.layout.hierarchical,
                 "est_step_s": round(e.step_s, 6), "memory_gb": round(e.memory_bytes / 2**30, 3),
                 "inter_dc_bytes_per_step": int(e.inter_dc_bytes), "rejected": self.rejected}
-
-
-@dataclass(frozen=True)
-class Plan:
-    datacenters: tuple[str, ...]
-    """Datacenters used, in rank order."""
-    rank_datacenters: tuple[str, ...]
-    """Datacenter of each world rank."""
-    use_gpu: bool
-    sync_strategy: SyncStrategy
-    explanation: str
-    diloco: DiLoCoConfig | None = None
-    """H, fragments, overlap when ``sync_strategy`` is a DiLoCo one (:mod:`meridian.service.planning.sync_choice`)."""
-    resources_per_worker: dict[str, float] = field(default_factory=dict)
-    tp: int = 1
-    pp: int = 1
-    schedule: str = "1f1b"
-    stages_span_dcs: bool = False
-    micro_batches: int = 1
-    rank_nodes: tuple[str | None, ...] = ()
-    """Node each rank is pinned to (tensor-parallel groups share a node); ``None``: any node of its DC."""
-    estimate: dict[str, float] = field(default_factory=dict)
-    alternatives: tuple[dict[str, Any], ...] = ()
-
-    @property
-    def num_workers(self) -> int:
-        return len(self.rank_datacenters)
-
-    @property
-    def dp(self) -> int:
-        return self.num_workers // (self.tp * self.pp)
-
-    def workers_in(self, dc: str) -> int:
-        return self.rank_datacenters.count(dc)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "datacenters": list(self.datacenters),
-            "workers_per_datacenter": {dc: self.workers_in(dc) for dc in self.datacenters},
-            "num_workers": self.num_workers,
-            "rank_datacenters": list(self.rank_datacenters),
-            "rank_nodes": list(self.rank_nodes) if self.rank_nodes else [None] * self.num_workers,
-            "parallelism": {"tp": self.tp, "pp": self.pp, "dp": self.dp, "schedule": self.schedule,
-                            "stages_span_dcs": self.stages_span_dcs, "micro_batches": self.micro_batches},
-            "use_gpu": self.use_gpu,
-            "resources_per_worker": self.resources_per_worker,
-            "sync_strategy": self.sync_strategy.value,
-            "diloco": None if self.diloco is None else to_plain(self.diloco),
-            "estimate": self.estimate,
-            "alternatives": list(self.alternatives),
-            "explanation": self.explanation,
-        }
 
 
 def worker_slots(node: NodeInfo, *, use_gpu: bool, available: bool = False) -> int:
