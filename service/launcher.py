@@ -1,7 +1,8 @@
 """Carry out a plan on Ray: create, find, poll, cancel and release a job's runner actor.
 
 The only module of the service that talks to the runner actors. Every Ray call here has a timeout, so a
-stuck actor turns into an error the supervisor can report instead of a hung control loop.
+stuck actor turns into an error the supervisor can report instead of a hung control loop. It carries out,
+and never decides: what a poll means is :mod:`meridian.service.supervision.reconcile`'s to say.
 """
 
 from __future__ import annotations

@@ -14,6 +14,11 @@ Ray Train's own reaction to a dead worker would restart the whole worker group (
 from the last disk checkpoint). The job's backend declares *replica groups* of one worker each, the mode
 Ray Train 2.60 has for torchft: a dead worker is then replaced alone and the survivors keep running, so
 Meridian's re-formation over the survivors is what the job sees.
+
+It takes the job's :class:`~meridian.service.planning.plan.Plan` as itself and answers polls with a typed
+:class:`~meridian.service.runner.poll.RunnerPoll`. Decisions are pure functions elsewhere (membership,
+replacement, metrics folding); this module does what they say and must never decide a job's status: the
+supervisor does, from what the poll reports.
 """
 
 from __future__ import annotations
