@@ -65,7 +65,6 @@ class FakeLauncher:
             records=tuple(d for s, k, d in r.items if k == "record" and s > after),
             events=tuple(d for s, k, d in r.items if k == "event" and s > after),
             cursor=len(r.items), wait_reason=r.wait_reason, finished=r.finished,
-            membership={"wait_reason": r.wait_reason, "finished": r.finished},
             heartbeats=r.observe.get("heartbeats", {}), recent_step_s=tuple(r.observe.get("recent_step_s", ())),
             now=r.observe.get("now", 0.0),
         )

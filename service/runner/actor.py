@@ -161,7 +161,7 @@ class JobRunner:
                 records=tuple(r for s, r in self._records if s > after),
                 events=tuple(e for s, e in self._events if s > after),
                 cursor=self._seq, wait_reason=membership.get("wait_reason", ""),
-                finished=bool(membership.get("finished")), membership=membership,
+                finished=bool(membership.get("finished")),
                 heartbeats=heartbeats, recent_step_s=tuple(recent_step_s), now=now,
             )
 

@@ -54,8 +54,6 @@ class RunnerPoll:
     """Why the elastic membership waits (for workers, for a re-formation); empty while it trains."""
     finished: bool = False
     """The membership saw the last step: ranks are idle by design from here on."""
-    membership: Mapping[str, Any] = field(default_factory=dict)
-    """The coordinator's status as it is (epoch, workers, datacenters, waiting), for people reading it."""
     heartbeats: Mapping[int, Mapping[str, Any]] = field(default_factory=dict)
     """Per rank: ``{"step", "computed", "time"}`` of its last heartbeat (the runner's clock)."""
     recent_step_s: tuple[float, ...] = ()
