@@ -1,7 +1,8 @@
 """Carry out a plan on Ray: create, find, poll, cancel and release a job's runner actor.
 
 The only module of the service that talks to the runner actors. Every Ray call here has a timeout, so a
-stuck actor turns into an error the supervisor can report instead of a hung control loop.
+stuck actor turns into an error the supervisor can report instead of a hung control loop. It carries out,
+and never decides: what a poll means is :mod:`meridian.service.supervision.reconcile`'s to say.
 """
 
 from __future__ import annotations
@@ -14,15 +15,15 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from meridian.service.jobs import JobRequest
-from meridian.service.planning.planner import Plan
+from meridian.service.planning.plan import Plan
 from meridian.service.runner.actor import NAMESPACE, JobRunner, runner_name
+from meridian.service.runner.poll import RunnerLost, RunnerPoll
 from meridian.workers.contracts.config import ParallelConfig, PipelineSchedule, Precision, TrainConfig
 
 CALL_TIMEOUT_S = 10.0
 
 
-class RunnerLost(RuntimeError):
-    """The job's runner actor no longer exists (its node died, or the cluster was restarted)."""
+__all__ = ["CALL_TIMEOUT_S", "Launcher", "RunnerLost", "build_train_config"]
 
 
 def build_train_config(job_id: str, request: JobRequest, plan: Plan, checkpoint_dir: str) -> TrainConfig:
@@ -59,7 +60,7 @@ class Launcher:
             # controller (which Ray places on the runner's node), so it must not share a worker's fate.
             # Hard affinity: measured here, a soft one put the runner on a worker node of a local cluster.
             scheduling_strategy=NodeAffinitySchedulingStrategy(_head_node_id(), soft=False),
-        ).remote(job_id, config.to_dict(), plan.to_dict(), self.storage_path, min_workers)
+        ).remote(job_id, config.to_dict(), plan, self.storage_path, min_workers)  # the Plan itself: Ray pickles it
         ray.get(actor.start.remote(), timeout=60)
         return name
 
@@ -69,7 +70,7 @@ class Launcher:
         except ValueError:
             raise RunnerLost(runner_name(job_id)) from None
 
-    def poll(self, job_id: str, after: int) -> dict[str, Any]:
+    def poll(self, job_id: str, after: int) -> RunnerPoll:
         try:
             return ray.get(self._actor(job_id).poll.remote(after), timeout=CALL_TIMEOUT_S)
         except ray.exceptions.ActorUnavailableError:

@@ -40,6 +40,9 @@ jobs_table = sa.Table(
     sa.Column("progress", sa.Text),
     sa.Column("result", sa.Text),
     sa.Column("runner", sa.String(128)),
+    # Control state, apart from ``reason`` (which is for people): a cancel was asked for and the runner
+    # has not answered yet.
+    sa.Column("cancel_requested", sa.Boolean, nullable=False, default=False, server_default=sa.false()),
     sa.Column("idempotency_key", sa.String(200)),
     sa.Column("created_at", sa.Float, nullable=False),
     sa.Column("updated_at", sa.Float, nullable=False),
@@ -87,6 +90,8 @@ class JobRecord:
     updated_at: float
     started_at: float | None
     finished_at: float | None
+    cancel_requested: bool = False
+    """A cancel was asked for while the job ran; the supervisor finishes it once the runner stops."""
 
     @cached_property
     def request(self) -> JobRequest:
@@ -117,7 +122,7 @@ def _record(row: sa.Row) -> JobRecord:
         plan=_loads(m["plan"]), placement=_loads(m["placement"]), progress=_loads(m["progress"]),
         result=_loads(m["result"]), runner=m["runner"],
         created_at=m["created_at"], updated_at=m["updated_at"],
-        started_at=m["started_at"], finished_at=m["finished_at"],
+        started_at=m["started_at"], finished_at=m["finished_at"], cancel_requested=bool(m["cancel_requested"]),
     )
 
 
@@ -142,6 +147,14 @@ class JobStore:
                 cur.execute("PRAGMA foreign_keys=ON")
                 cur.close()
         metadata.create_all(self.engine)
+        self._add_missing_columns()
+
+    def _add_missing_columns(self) -> None:
+        """Columns added after a database was created (``create_all`` makes missing tables, not columns)."""
+        have = {c["name"] for c in sa.inspect(self.engine).get_columns("jobs")}
+        if "cancel_requested" not in have:
+            with self.engine.begin() as conn:
+                conn.execute(sa.text("ALTER TABLE jobs ADD COLUMN cancel_requested BOOLEAN NOT NULL DEFAULT FALSE"))
 
     # -- jobs -------------------------------------------------------------------------------------------
     @property
@@ -237,8 +250,9 @@ class JobStore:
         with self.engine.connect() as conn:
             return [_record(r) for r in conn.execute(q)]
 
-    def set_status(self, job_id: str, status: JobStatus) -> JobRecord:
-        """Move a job to ``status`` (validated by :func:`transition`) and record the change as an event."""
+    def set_status(self, job_id: str, status: JobStatus, *, cancel_requested: bool | None = None) -> JobRecord:
+        """Move a job to ``status`` (validated by :func:`transition`) and record the change as an event;
+        ``cancel_requested=True`` marks a cancel request in the same transaction."""
         now = time.time()
         with self.engine.begin() as conn:
             row = conn.execute(sa.select(jobs_table).where(jobs_table.c.id == job_id)).first()
@@ -253,6 +267,8 @@ class JobStore:
                 values["started_at"] = now
             if new.state.is_terminal:
                 values["finished_at"] = now
+            if cancel_requested is not None:
+                values["cancel_requested"] = cancel_requested
             conn.execute(jobs_table.update().where(jobs_table.c.id == job_id).values(**values))
             if (new.state, new.reason, new.message) != (current.state, current.reason, current.message):
                 conn.execute(events_table.insert().values(

@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from meridian.service.cluster.topology import ClusterTopology, NodeInfo
-from meridian.service.launcher import RunnerLost
+from meridian.service.runner.poll import RunnerLost, RunnerPoll, RunnerState
+from meridian.workers.contracts.records import StepRecord
 
 
 def node(node_id: str, dc: str | None, *, cpus: float = 1, gpus: float = 0, alive: bool = True,
@@ -30,16 +31,16 @@ def topology(**dcs: int) -> ClusterTopology:
 
 @dataclass
 class FakeRunner:
-    state: str = "starting"
+    state: str = "starting"  # a RunnerState value (tests set the plain word)
     error: str = ""
     result: dict[str, Any] | None = None
-    items: list[tuple[int, str, dict[str, Any]]] = field(default_factory=list)  # (seq, "record"|"event", data)
+    items: list[tuple[int, str, Any]] = field(default_factory=list)  # (seq, "record"|"event", StepRecord|dict)
     cancelled: bool = False
     observe: dict[str, Any] = field(default_factory=dict)  # heartbeats/recent_step_s/now, as JobRunner.poll
     wait_reason: str = ""
     finished: bool = False
 
-    def push(self, kind: str, data: dict[str, Any]) -> None:
+    def push(self, kind: str, data: Any) -> None:
         self.items.append((len(self.items) + 1, kind, data))
 
 
@@ -55,17 +56,18 @@ class FakeLauncher:
         self.launched.append((job_id, config, plan))
         return f"meridian-job-{job_id}"
 
-    def poll(self, job_id: str, after: int) -> dict[str, Any]:
+    def poll(self, job_id: str, after: int) -> RunnerPoll:
         r = self.runners.get(job_id)
         if r is None:
             raise RunnerLost(job_id)
-        return {
-            "state": r.state, "error": r.error, "result": r.result,
-            "records": [(s, d) for s, k, d in r.items if k == "record" and s > after],
-            "events": [(s, d) for s, k, d in r.items if k == "event" and s > after],
-            "cursor": len(r.items), "membership": {"wait_reason": r.wait_reason, "finished": r.finished},
-            **r.observe,
-        }
+        return RunnerPoll(
+            state=RunnerState(r.state), error=r.error, result=r.result,
+            records=tuple(d for s, k, d in r.items if k == "record" and s > after),
+            events=tuple(d for s, k, d in r.items if k == "event" and s > after),
+            cursor=len(r.items), wait_reason=r.wait_reason, finished=r.finished,
+            heartbeats=r.observe.get("heartbeats", {}), recent_step_s=tuple(r.observe.get("recent_step_s", ())),
+            now=r.observe.get("now", 0.0),
+        )
 
     def resume(self, job_id: str) -> None:
         if job_id not in self.runners:
@@ -84,9 +86,11 @@ class FakeLauncher:
         return job_id in self.runners
 
 
-def step_record(step: int, total: int, loss: float) -> dict[str, Any]:
-    return {"step": step, "total_steps": total, "loss": loss, "lr": 1e-3, "step_s": 0.1, "tokens_per_s": 1000.0,
-            "grad_norm": 1.0, "inter_dc_bytes": 100, "sync_wait_s": 0.0, "time": 1000.0 + step}
+def step_record(step: int, total: int, loss: float, **fields: Any) -> StepRecord:
+    """What rank 0 pushes after a step; ``fields`` override any other field (``time=...``, ``data_s=...``)."""
+    return StepRecord(**{"step": step, "total_steps": total, "loss": loss, "lr": 1e-3, "step_s": 0.1,
+                         "tokens_per_s": 1000.0, "grad_norm": 1.0, "inter_dc_bytes": 100, "sync_wait_s": 0.0,
+                         "time": 1000.0 + step, **fields})
 
 
 def spec(**overrides: Any) -> dict[str, Any]:

@@ -55,7 +55,7 @@ def run_job_to(supervisor, job_id, *, steps, total, state="running"):
                               "data": {"rank": rank, "node_id": f"n-{dc}-{rank % 2}", "datacenter": dc, "pid": 100 + rank}})
     runner.state = "running"
     for step in range(1, steps + 1):
-        runner.push("record", {**step_record(step, total, 5.0 - 0.1 * step), "time": time.time()})
+        runner.push("record", step_record(step, total, 5.0 - 0.1 * step, time=time.time()))
     if state != "running":
         runner.state = state
         runner.result = {"first_loss": 4.9, "final_loss": 5.0 - 0.1 * steps}
@@ -252,7 +252,7 @@ def test_live_event_stream_delivers_while_the_job_runs_and_ends_with_it(fake, su
             for step in range(1, 6):
                 if stop.wait(0.3):
                     return
-                runner.push("record", {**step_record(step, 5, 5.0 - step * 0.1), "time": time.time()})
+                runner.push("record", step_record(step, 5, 5.0 - step * 0.1, time=time.time()))
                 supervisor._last_progress_event.clear()  # one progress event per step here
                 supervisor.tick()
             runner.state = "succeeded"

@@ -87,9 +87,8 @@ def test_metric_state_tags_job_and_datacenter_and_splits_step_time():
     m = JobMetricsState("j1", policy=StallPolicy(factor=3, floor_s=0.5))
     for rank, dc in ((0, "dc-a"), (1, "dc-a"), (2, "dc-b")):
         m.on_event("worker_started", {"rank": rank, "datacenter": dc})
-    rec = step_record(1, 10, 2.5) | {"step_s": 0.5, "inter_dc_bytes": 1000, "data_s": 0.05, "compute_s": 0.3,
-                                     "comm_s": 0.2, "mfu": 0.25, "overlap_fraction": 0.4,
-                                     "comm_intra_dc_s": 0.05, "comm_inter_dc_s": 0.15}
+    rec = step_record(1, 10, 2.5, step_s=0.5, inter_dc_bytes=1000, data_s=0.05, compute_s=0.3, comm_s=0.2,
+                      mfu=0.25, overlap_fraction=0.4, comm_intra_dc_s=0.05, comm_inter_dc_s=0.15)
     m.on_record(rec)
     m.on_heartbeat({"rank": 0, "phase": "computed", "step": 1, "time": 9.5})
     m.on_heartbeat(beat(0, 1, 10.0, step_s=1.0, data_s=0.1))
@@ -207,11 +206,10 @@ def test_cli_progress_bar_shows_eta_and_where_the_step_went():
 
 
 def test_supervisor_progress_keeps_the_split_and_a_smoothed_eta():
-    from meridian.service.supervision.supervisor import _progress
+    from meridian.service.supervision.reconcile import fold_progress
 
-    recs = [step_record(s, 10, 3.0) | {"step_s": st, "data_s": 0.1, "compute_s": 0.3, "mfu": 0.2}
-            for s, st in ((1, 1.0), (2, 0.5))]
-    p = _progress(None, recs, cursor=2)
+    recs = [step_record(s, 10, 3.0, step_s=st, data_s=0.1, compute_s=0.3, mfu=0.2) for s, st in ((1, 1.0), (2, 0.5))]
+    p = fold_progress(None, recs, cursor=2)
     assert p["step_s_ema"] == pytest.approx(0.9)  # 0.8 * 1.0 + 0.2 * 0.5
     assert p["eta_s"] == pytest.approx(8 * 0.9) and p["data_s"] == 0.1 and p["mfu"] == 0.2
 

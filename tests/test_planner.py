@@ -128,10 +128,10 @@ def test_plan_with_tp_pins_each_tensor_parallel_group_to_one_node():
     # The runner asks Ray Train for each rank on its node, not just its datacenter.
     from meridian.service.runner.actor import worker_label_selectors
 
-    assert worker_label_selectors(plan.to_dict()) == [
+    assert worker_label_selectors(plan) == [
         {"datacenter": "dc-a", "ray.io/node-id": "n-a"}, {"datacenter": "dc-a", "ray.io/node-id": "n-a"},
         {"datacenter": "dc-b", "ray.io/node-id": "n-b"}, {"datacenter": "dc-b", "ray.io/node-id": "n-b"}]
-    dp_only = plan_job(replace(req(global_batch=8), parallelism=ParallelismRequest(tp=1, pp=1)), _two_slot_nodes()).to_dict()
+    dp_only = plan_job(replace(req(global_batch=8), parallelism=ParallelismRequest(tp=1, pp=1)), _two_slot_nodes())
     assert all(set(sel) == {"datacenter"} for sel in worker_label_selectors(dp_only))
 
 

@@ -94,3 +94,21 @@ def test_events_page_by_id(store):
     job, _ = store.create_job(request(), {}, status=QUEUED)
     ids = [store.add_event(job.id, "note", f"n{i}") for i in range(5)]
     assert [e.message for e in store.list_events(job.id, after=ids[2])] == ["n3", "n4"]
+
+
+def test_a_cancel_request_is_stored_state_and_an_older_database_gains_the_column(tmp_path):
+    import sqlalchemy as sa
+
+    url = f"sqlite:///{tmp_path / 'old.db'}"
+    s = JobStore(url)
+    job, _ = s.create_job(request(), {}, status=QUEUED)
+    with s.engine.begin() as conn:  # a database made before the column existed
+        conn.execute(sa.text("ALTER TABLE jobs DROP COLUMN cancel_requested"))
+    s.close()
+
+    s = JobStore(url)
+    assert s.get_job(job.id).cancel_requested is False
+    s.set_status(job.id, JobStatus(JobState.PLACING, "Placing", ""))
+    cancelling = s.set_status(job.id, JobStatus(JobState.PLACING, "Cancelling", "stopping"), cancel_requested=True)
+    assert cancelling.cancel_requested and JobStore(url).get_job(job.id).cancel_requested
+    assert s.set_status(job.id, JobStatus(JobState.CANCELLED, "Cancelled", "")).cancel_requested  # stays set

@@ -138,3 +138,13 @@ def test_a_job_below_min_workers_says_it_waits_for_workers_then_trains_again(sup
     runner.wait_reason = ""
     supervisor.tick()
     assert store.get_job(job.id).status.reason == "Training"
+
+
+def test_a_cancel_is_stored_state_so_a_runner_lost_meanwhile_ends_the_job_cancelled(supervisor, store):
+    job, _ = supervisor.submit(req(), {})
+    supervisor.tick()
+    assert supervisor.cancel(job.id).cancel_requested
+    del supervisor.launcher.runners[job.id]  # the runner went away while stopping
+    supervisor.tick()
+    job = store.get_job(job.id)
+    assert job.status.state is JobState.CANCELLED and job.status.reason == "Cancelled"

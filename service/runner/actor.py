@@ -14,6 +14,11 @@ Ray Train's own reaction to a dead worker would restart the whole worker group (
 from the last disk checkpoint). The job's backend declares *replica groups* of one worker each, the mode
 Ray Train 2.60 has for torchft: a dead worker is then replaced alone and the survivors keep running, so
 Meridian's re-formation over the survivors is what the job sees.
+
+It takes the job's :class:`~meridian.service.planning.plan.Plan` as itself and answers polls with a typed
+:class:`~meridian.service.runner.poll.RunnerPoll`. Decisions are pure functions elsewhere (membership,
+replacement, metrics folding); this module does what they say and must never decide a job's status: the
+supervisor does, from what the poll reports.
 """
 
 from __future__ import annotations
@@ -29,8 +34,12 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from meridian.service.cluster.topology import ClusterTopology, read_topology
+from meridian.service.planning.plan import Plan
 from meridian.service.runner.coordinator import Coordinator
 from meridian.service.runner.metrics import JobMetricsState, RayJobMetrics
+from meridian.service.runner.poll import RunnerPoll, RunnerState
+from meridian.service.runner.replacement import replacement_datacenter
+from meridian.workers.contracts.records import StepRecord
 
 NAMESPACE = "meridian"
 KEEP_RECORDS = 20_000
@@ -100,7 +109,7 @@ def _train_loop_config(runner_name_: str, train_config: dict[str, Any]) -> dict[
 
 
 class JobRunner:
-    def __init__(self, job_id: str, train_config: dict[str, Any], plan: dict[str, Any], storage_path: str,
+    def __init__(self, job_id: str, train_config: dict[str, Any], plan: Plan, storage_path: str,
                  min_workers: int = 1) -> None:
         self.job_id = job_id
         self.name = runner_name(job_id)
@@ -109,9 +118,9 @@ class JobRunner:
         self.storage_path = storage_path
         self._lock = threading.Lock()
         self._seq = 0
-        self._records: deque[tuple[int, dict[str, Any]]] = deque(maxlen=KEEP_RECORDS)
+        self._records: deque[tuple[int, StepRecord]] = deque(maxlen=KEEP_RECORDS)
         self._events: deque[tuple[int, dict[str, Any]]] = deque(maxlen=KEEP_RECORDS)
-        self._state = "starting"  # starting → running → succeeded | failed | cancelled
+        self._state = RunnerState.STARTING
         self._finishing = False
         self._error = ""
         self._result: dict[str, Any] | None = None
@@ -122,7 +131,7 @@ class JobRunner:
         self._metrics = JobMetricsState(job_id)
         self._exporter: RayJobMetrics | None = None
         self._ticker: threading.Thread | None = None
-        rank_dcs = list(plan["rank_datacenters"])
+        rank_dcs = list(plan.rank_datacenters)
         self.planned_per_dc = {dc: rank_dcs.count(dc) for dc in dict.fromkeys(rank_dcs)}
         self.coordinator = Coordinator(
             planned_workers=len(rank_dcs), min_workers=min(min_workers, len(rank_dcs)),
@@ -141,18 +150,20 @@ class JobRunner:
             self._ticker = threading.Thread(target=self._tick_loop, name=f"tick-{self.job_id}", daemon=True)
             self._ticker.start()
 
-    def poll(self, after: int) -> dict[str, Any]:
+    def poll(self, after: int) -> RunnerPoll:
         """Everything pushed after cursor ``after``, plus the runner's state."""
         # Outside the lock: the coordinator reports events (taking the lock) while holding its own.
         membership = self.coordinator.status()
         with self._lock:
-            return {
-                "state": self._state, "error": self._error, "result": self._result,
-                "records": [(s, r) for s, r in self._records if s > after],
-                "events": [(s, e) for s, e in self._events if s > after],
-                "cursor": self._seq, "membership": membership,
-                **self._observe(),
-            }
+            heartbeats, recent_step_s, now = self._observe()
+            return RunnerPoll(
+                state=self._state, error=self._error, result=self._result,
+                records=tuple(r for s, r in self._records if s > after),
+                events=tuple(e for s, e in self._events if s > after),
+                cursor=self._seq, wait_reason=membership.get("wait_reason", ""),
+                finished=bool(membership.get("finished")),
+                heartbeats=heartbeats, recent_step_s=tuple(recent_step_s), now=now,
+            )
 
     def cancel(self) -> None:
         self._cancel.set()
@@ -164,10 +175,13 @@ class JobRunner:
         if self._cancel.is_set() or self._done.is_set():
             self._stop_training()
 
-    def push_progress(self, records: list[dict[str, Any]]) -> None:
+    def push_progress(self, records: list[StepRecord]) -> None:
+        # A loop of the previous release still sends dicts: typed here, at the boundary, so the rest of the
+        # service only ever sees StepRecord.
+        records = [StepRecord.from_dict(r) if isinstance(r, dict) else r for r in records]
         with self._lock:
-            if self._state == "starting":
-                self._state = "running"
+            if self._state is RunnerState.STARTING:
+                self._state = RunnerState.RUNNING
             for r in records:
                 self._seq += 1
                 self._records.append((self._seq, r))
@@ -186,13 +200,13 @@ class JobRunner:
             self._metrics.on_heartbeat({**beat, "finished_at": beat.get("time"), "time": time.time()})
 
     # -- metrics ------------------------------------------------------------------------------------------
-    def _observe(self) -> dict[str, Any]:
-        """What the supervisor's stall detector needs (call with the lock held); also refreshes gauges."""
+    def _observe(self) -> tuple[dict[int, dict[str, Any]], list[float], float]:
+        """What the supervisor's stall detector needs — heartbeats, recent step times and this actor's clock
+        (call with the lock held); also refreshes gauges."""
         now = time.time()
         self._metrics.refresh_live(now)
         self._export()
-        return {"heartbeats": self._metrics.stall_view(),
-                "recent_step_s": self._metrics.recent_step_s(), "now": now}
+        return self._metrics.stall_view(), self._metrics.recent_step_s(), now
 
     def _export(self) -> None:
         try:
@@ -209,7 +223,7 @@ class JobRunner:
 
     def fail(self, message: str) -> None:
         """A worker hit an error that restarting cannot fix: fail the job with it and stop the others."""
-        self._finish("failed", _describe_failure(message))
+        self._finish(RunnerState.FAILED, _describe_failure(message))
         self._stop_training()
 
     # The rendezvous, called by the workers (see meridian.workers.elastic.rendezvous).
@@ -248,7 +262,7 @@ class JobRunner:
             # trying to re-place the lost worker (it cannot while its node is gone): end the run for it.
             self._finished_at = self._finished_at or time.monotonic()
             if time.monotonic() - self._finished_at > FIT_GRACE_S:
-                self._finish("succeeded")
+                self._finish(RunnerState.SUCCEEDED)
                 self._stop_training()
             return
         self._replace_lost_workers(topo)
@@ -258,25 +272,24 @@ class JobRunner:
         epoch = self.coordinator.epoch
         if epoch is None or self._done.is_set():
             return
-        alive = {n.node_id for n in topo.alive_nodes}
         members = {m.worker_id for m in epoch.members}
         waiting = set(self.coordinator.status()["waiting"])
-        if waiting - members:
-            return  # a new worker is already waiting to join
-        self._replacements = {k: a for k, a in self._replacements.items()
-                              if k not in members and _actor_alive(a)}  # started, not yet in an epoch
-        for dc, planned in self.planned_per_dc.items():
-            have = sum(1 for m in epoch.members if m.datacenter == dc and m.node_id in alive)
-            have += sum(1 for d, _ in self._replacements.values() if d == dc)
-            if have >= planned or not _has_room(topo, dc, self.plan["resources_per_worker"]):
-                continue
-            dc_, actor = _start_replacement(self.name, self.train_config, dc, self.plan)
-            self._replacements[actor._actor_id.hex()] = (dc_, actor)
-            self.push_event("worker_replacing", f"capacity returned in {dc}: starting a worker there", {"datacenter": dc})
+        if not waiting - members:
+            self._replacements = {k: a for k, a in self._replacements.items()
+                                  if k not in members and _actor_alive(a)}  # started, not yet in an epoch
+        dc = replacement_datacenter(
+            self.planned_per_dc, epoch.members, alive_nodes={n.node_id for n in topo.alive_nodes},
+            pending=[d for d, _ in self._replacements.values()], newcomer_waiting=bool(waiting - members),
+            with_room={d for d in self.planned_per_dc if _has_room(topo, d, self.plan.resources_per_worker)},
+        )
+        if dc is None:
             return
+        dc_, actor = _start_replacement(self.name, self.train_config, dc, self.plan)
+        self._replacements[actor._actor_id.hex()] = (dc_, actor)
+        self.push_event("worker_replacing", f"capacity returned in {dc}: starting a worker there", {"datacenter": dc})
 
     # -- the fit thread ---------------------------------------------------------------------------------
-    def _finish(self, state: str, error: str = "") -> None:
+    def _finish(self, state: RunnerState, error: str = "") -> None:
         with self._lock:
             if self._finishing:
                 return  # the first outcome wins (training finished, then the aborted controller returns)
@@ -305,13 +318,13 @@ class JobRunner:
             from meridian.workers.entry import ray_train_entry
 
             labels = worker_label_selectors(self.plan)
-            resources = dict(self.plan["resources_per_worker"])
+            resources = dict(self.plan.resources_per_worker)
             trainer = TorchTrainer(
                 ray_train_entry,
                 train_loop_config=_train_loop_config(self.name, self.train_config),
                 torch_config=_meridian_torch_config(),
                 scaling_config=ScalingConfig(
-                    num_workers=len(labels), use_gpu=self.plan["use_gpu"], label_selector=labels,
+                    num_workers=len(labels), use_gpu=self.plan.use_gpu, label_selector=labels,
                     resources_per_worker=resources,
                 ),
                 run_config=RunConfig(
@@ -323,18 +336,18 @@ class JobRunner:
             )
             result = trainer.fit()
             if self._cancel.is_set():
-                self._finish("cancelled")
+                self._finish(RunnerState.CANCELLED)
             elif result.error is not None:
-                self._finish("failed", _describe_failure(result.error))
+                self._finish(RunnerState.FAILED, _describe_failure(result.error))
             elif self.coordinator.job_finished:
-                self._finish("succeeded")
+                self._finish(RunnerState.SUCCEEDED)
             else:
-                self._finish("failed", "every worker ended before the job's last step (see the job's events)")
+                self._finish(RunnerState.FAILED, "every worker ended before the job's last step (see the job's events)")
         except BaseException as e:  # noqa: BLE001 - every outcome must reach the service
             if self._cancel.is_set():
-                self._finish("cancelled")
+                self._finish(RunnerState.CANCELLED)
             else:
-                self._finish("failed", _describe_failure(e) or traceback.format_exc(limit=3))
+                self._finish(RunnerState.FAILED, _describe_failure(e) or traceback.format_exc(limit=3))
 
 
 # -- in-memory snapshots left behind -----------------------------------------------------------------------
@@ -358,12 +371,12 @@ def _sweep_snapshots(job_id: str, timeout_s: float = 30.0) -> list[str]:
     return removed
 
 
-def worker_label_selectors(plan: dict[str, Any]) -> list[dict[str, str]]:
+def worker_label_selectors(plan: Plan) -> list[dict[str, str]]:
     """One label selector per Train worker: its datacenter, and for a rank of a tensor-parallel group the
     node the planner gave the group (Ray's ``ray.io/node-id`` label), so the group shares one node."""
-    nodes = plan.get("rank_nodes") or [None] * len(plan["rank_datacenters"])
+    nodes = plan.rank_nodes or (None,) * plan.num_workers
     return [{"datacenter": dc, **({NODE_ID_LABEL: node} if node else {})}
-            for dc, node in zip(plan["rank_datacenters"], nodes, strict=True)]
+            for dc, node in zip(plan.rank_datacenters, nodes, strict=True)]
 
 
 # -- replacement workers ---------------------------------------------------------------------------------
@@ -390,10 +403,10 @@ class _ReplacementWorker:
         ray_train_entry(loop_config)
 
 
-def _start_replacement(name: str, train_config: dict[str, Any], dc: str, plan: dict[str, Any]) -> tuple[str, Any]:
+def _start_replacement(name: str, train_config: dict[str, Any], dc: str, plan: Plan) -> tuple[str, Any]:
     """A worker outside Ray Train's group (Train 2.60 does not re-place a lost replica group once its node is
     gone), pinned by label to ``dc``; it runs the same entry and joins the rendezvous as a newcomer."""
-    resources = dict(plan["resources_per_worker"])
+    resources = dict(plan.resources_per_worker)
     cpus = resources.pop("CPU", 1.0)
     gpus = resources.pop("GPU", 0.0)
     actor = ray.remote(_ReplacementWorker).options(

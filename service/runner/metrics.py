@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from meridian.service.supervision.stall import StallPolicy
+from meridian.workers.contracts.records import StepRecord
 
 ALL_DCS = "all"
 RECENT_STEPS = 50
@@ -92,26 +93,23 @@ class JobMetricsState:
         k = _key(name, **tags)
         self.pending_counts[k] = self.pending_counts.get(k, 0.0) + n
 
-    def on_record(self, r: dict[str, Any]) -> None:
+    def on_record(self, r: StepRecord) -> None:
         t = self.tags()
         for name, value in (
-            ("meridian_job_loss", r.get("loss")), ("meridian_job_learning_rate", r.get("lr")),
-            ("meridian_job_tokens_per_second", r.get("tokens_per_s")), ("meridian_job_mfu", r.get("mfu")),
-            ("meridian_job_step_seconds", r.get("step_s")),
-            ("meridian_job_overlap_fraction", r.get("overlap_fraction")),
+            ("meridian_job_loss", r.loss), ("meridian_job_learning_rate", r.lr),
+            ("meridian_job_tokens_per_second", r.tokens_per_s), ("meridian_job_mfu", r.mfu),
+            ("meridian_job_step_seconds", r.step_s), ("meridian_job_overlap_fraction", r.overlap_fraction),
         ):
             if value is not None:
                 self.gauges[_key(name, **t)] = float(value)
-        if r.get("step_s"):
-            self.gauges[_key("meridian_job_inter_dc_bytes_per_second", **t)] = r.get("inter_dc_bytes", 0) / r["step_s"]
-            self.pending_observations.append((_key("meridian_job_step_duration_seconds", **t), r["step_s"]))
-        for phase, field_name in (("data", "data_s"), ("compute", "compute_s"), ("sync_wait", "sync_wait_s"),
-                                  ("comm", "comm_s")):
-            if r.get(field_name) is not None:
-                self.gauges[_key("meridian_job_step_phase_seconds", **t, phase=phase)] = float(r[field_name])
-        for tier in ("intra_dc", "inter_dc"):
-            if r.get(f"comm_{tier}_s") is not None:
-                self.gauges[_key("meridian_job_comm_seconds", **t, tier=tier)] = float(r[f"comm_{tier}_s"])
+        if r.step_s:
+            self.gauges[_key("meridian_job_inter_dc_bytes_per_second", **t)] = r.inter_dc_bytes / r.step_s
+            self.pending_observations.append((_key("meridian_job_step_duration_seconds", **t), r.step_s))
+        for phase, value in (("data", r.data_s), ("compute", r.compute_s), ("sync_wait", r.sync_wait_s),
+                             ("comm", r.comm_s)):
+            self.gauges[_key("meridian_job_step_phase_seconds", **t, phase=phase)] = float(value)
+        for tier, value in (("intra_dc", r.comm_intra_dc_s), ("inter_dc", r.comm_inter_dc_s)):
+            self.gauges[_key("meridian_job_comm_seconds", **t, tier=tier)] = float(value)
         self._count("meridian_job_steps_total", 1, **t)
 
     def on_event(self, kind: str, data: dict[str, Any]) -> None:

@@ -2,8 +2,11 @@
 
 One :meth:`Supervisor.tick` reads the cluster once, admits what fits (FIFO by priority, no overtaking),
 then polls every active job's runner from the cursor stored with the job, so the store always holds every
-record exactly once even across service restarts. Ray is reached only through the ``launcher`` and the
-``read_topology`` callable, so the loop is tested one tick at a time against fakes.
+record exactly once even across service restarts. What a poll means is decided by the pure
+:func:`~meridian.service.supervision.reconcile.reconcile`; this module only carries decisions out. Ray is
+reached only through the ``launcher`` and the ``read_topology`` callable, so the loop is tested one tick at
+a time against fakes. It must never branch on a status ``reason`` meant for people where a typed field
+(``RunnerPoll.state``, ``JobRecord.cancel_requested``) says the same.
 """
 
 from __future__ import annotations
@@ -19,37 +22,19 @@ from typing import Any
 from meridian.service.cluster.topology import ClusterTopology
 from meridian.service.errors import InvalidTransition
 from meridian.service.jobs import JobRequest, JobState, JobStatus
-from meridian.service.launcher import Launcher, RunnerLost, build_train_config
+from meridian.service.launcher import Launcher, build_train_config
 from meridian.service.planning.figures import figures_for
-from meridian.service.planning.planner import Plan, admission, plan_job
+from meridian.service.planning.plan import Plan
+from meridian.service.planning.planner import admission, plan_job
+from meridian.service.runner.poll import RunnerLost, RunnerPoll
 from meridian.service.store import JobRecord, JobStore
-from meridian.service.supervision.stall import StallPolicy, find_stalls
+from meridian.service.supervision.reconcile import Decision, needs_started_workers, reconcile
+from meridian.service.supervision.stall import StallPolicy
 
 log = logging.getLogger(__name__)
 
 ACTIVE = {JobState.PLACING, JobState.RUNNING}
 PROGRESS_EVENT_EVERY_S = 1.0
-PROGRESS_FIELDS = ("step", "total_steps", "loss", "tokens_per_s", "lr", "inter_dc_bytes", "eta_s")
-RUNNER_TERMINAL = {
-    "succeeded": JobStatus(JobState.SUCCEEDED, "Completed", "training finished"),
-    "cancelled": JobStatus(JobState.CANCELLED, "Cancelled", "cancelled by request; workers stopped and placement freed"),
-}
-
-
-def _progress(previous: dict[str, Any] | None, records: list[dict[str, Any]], cursor: int) -> dict[str, Any]:
-    """Fold new per-step records into the job's progress summary (with a smoothed ETA)."""
-    p = dict(previous or {})
-    for r in records:
-        ema = p.get("step_s_ema")
-        p["step_s_ema"] = r["step_s"] if ema is None else 0.8 * ema + 0.2 * r["step_s"]
-        p.update(step=r["step"], total_steps=r["total_steps"], loss=r["loss"], tokens_per_s=r["tokens_per_s"],
-                 lr=r["lr"], inter_dc_bytes=r.get("inter_dc_bytes", 0), updated_at=r["time"],
-                 step_s=r["step_s"], data_s=r.get("data_s"), compute_s=r.get("compute_s"), mfu=r.get("mfu"))
-        p.setdefault("first_loss", r["loss"])
-    if "step" in p:
-        p["eta_s"] = max(0.0, (p["total_steps"] - p["step"]) * p["step_s_ema"])
-    p["cursor"] = cursor
-    return p
 
 
 class Supervisor:
@@ -97,7 +82,9 @@ class Supervisor:
         if job.status.state is JobState.QUEUED:
             return self.store.set_status(job_id, JobStatus(JobState.CANCELLED, "Cancelled", "cancelled before it started"))
         self.launcher.cancel(job_id)
-        job = self.store.set_status(job_id, JobStatus(job.status.state, "Cancelling", "cancel requested; stopping the workers"))
+        # The flag is what the loop acts on; the reason only tells people.
+        job = self.store.set_status(job_id, JobStatus(job.status.state, "Cancelling", "cancel requested; stopping the workers"),
+                                    cancel_requested=True)
         self._wake.set()
         return job
 
@@ -143,100 +130,58 @@ class Supervisor:
     def _follow(self, job: JobRecord) -> None:
         cursor = int((job.progress or {}).get("cursor", 0))
         try:
-            poll = self.launcher.poll(job.id, cursor)
+            poll: RunnerPoll | RunnerLost = self.launcher.poll(job.id, cursor)
         except RunnerLost as lost:
-            self._forget(job.id)
-            if job.status.reason == "Cancelling":
-                self._set(job.id, RUNNER_TERMINAL["cancelled"])
-            else:
-                self._set(job.id, JobStatus(JobState.FAILED, "RunnerLost",
-                                            "the job's runner actor is gone (its node died or the Ray cluster "
-                                            f"restarted); resubmit the job. Ray said: {str(lost)[:300]}"))
-            return
+            poll = lost
         except Exception as e:  # noqa: BLE001 - a slow poll is retried next tick
             log.warning("polling job %s failed: %s", job.id, e)
             return
-        records = [r for _, r in poll["records"]]
-        events = [ev for _, ev in poll["events"]]
-        if job.id not in self._followed:
-            # A job this instance did not launch: the service restarted while it was active.
-            if poll["state"] == "starting" and job.status.reason != "Cancelling":
-                try:
-                    self.launcher.resume(job.id)
-                except Exception as e:  # noqa: BLE001 - retried next tick, like a slow poll
-                    log.warning("resuming the runner of job %s failed: %s", job.id, e)
-                    return
-            self._followed.add(job.id)
-            events.insert(0, {"kind": "reattached", "time": time.time(), "data": {"cursor": cursor, "runner_state": poll["state"]},
-                              "message": f"service restarted; reattached to {job.runner or 'the runner'} "
-                                         f"({poll['state']}), resuming after record {cursor}"})
-        placement = list(job.placement or [])
-        for ev in events:
-            if ev["kind"] == "epoch_formed":  # the ranks of the current membership
-                placement = self._placement(job.id, ev["data"]["placement"], events)
-            elif ev["kind"] == "worker_started" and "rank" in ev["data"]:  # a runner that ranks workers itself
-                placement = [p for p in placement if p["rank"] != ev["data"]["rank"]] + [ev["data"]]
-        self._name_stalls(job.id, poll, placement)
-        progress = _progress(job.progress, records, poll["cursor"])
-        if records and time.monotonic() - self._last_progress_event.get(job.id, -1e9) >= PROGRESS_EVENT_EVERY_S:
-            # Live progress for event streams, rate-limited so a long job does not fill the event table.
-            self._last_progress_event[job.id] = time.monotonic()
-            loss = progress.get("loss")
-            loss_text = f"{loss:.4f}" if isinstance(loss, (int, float)) else "-"
-            events.append({"kind": "progress", "time": progress.get("updated_at"),
-                           "message": f"step {progress['step']}/{progress['total_steps']} loss {loss_text}",
-                           "data": {k: progress[k] for k in PROGRESS_FIELDS if k in progress}})
-        fields: dict[str, Any] = {"progress": progress}
-        if placement != (job.placement or []):
-            fields["placement"] = sorted(placement, key=lambda p: p["rank"])
-        if poll["result"] is not None:
-            fields["result"] = poll["result"]
-        state = poll["state"]
-        waiting = (poll.get("membership") or {}).get("wait_reason", "")
-        if state == "running" and waiting and job.status.state is JobState.RUNNING:
-            # e.g. after losing nodes: below min_workers the job waits for capacity instead of failing
-            if job.status.message != waiting:
-                self._set(job.id, JobStatus(JobState.RUNNING, "WaitingForWorkers", waiting))
-        elif state == "running" and (job.status.state is JobState.PLACING or job.status.reason == "WaitingForWorkers"):
-            # Before the poll's records, so the event log reads "running" and then the first progress.
-            self._set(job.id, JobStatus(JobState.RUNNING, "Training", "training steps are running"))
-        self.store.record_poll(job.id, records=records, events=events, **fields)
+        started = self._started_workers(job.id) if isinstance(poll, RunnerPoll) and needs_started_workers(poll) else {}
+        decision = reconcile(
+            job, poll, now=time.time(), first_sight=job.id not in self._followed, started=started,
+            progress_due=time.monotonic() - self._last_progress_event.get(job.id, -1e9) >= PROGRESS_EVENT_EVERY_S,
+            stalls_named=self._stalls_named.get(job.id, set()), stall_policy=self.stall_policy,
+        )
+        self._carry_out(job.id, decision)
 
-        if state in RUNNER_TERMINAL:
-            self._set(job.id, RUNNER_TERMINAL[state])
-            self.launcher.release(job.id)
-            self._forget(job.id)
-        elif state == "failed":
-            self._set(job.id, JobStatus(JobState.FAILED, "TrainingError", poll["error"] or "training failed"))
-            self.launcher.release(job.id)
-            self._forget(job.id)
+    def _carry_out(self, job_id: str, d: Decision) -> None:
+        """Do what :func:`reconcile` decided, in its order (see :class:`Decision`)."""
+        if d.resume:
+            try:
+                self.launcher.resume(job_id)
+            except Exception as e:  # noqa: BLE001 - retried next tick, like a slow poll
+                log.warning("resuming the runner of job %s failed: %s", job_id, e)
+                return
+        if d.store:
+            self._followed.add(job_id)
+        named = self._stalls_named.setdefault(job_id, set())
+        for stall in d.stalls:
+            named.add((stall.rank, stall.step))
+            self.store.add_event(job_id, "stall", stall.message(), stall.to_dict(), at=d.observed_at)
+        if d.emits_progress:
+            self._last_progress_event[job_id] = time.monotonic()
+        if d.status is not None:
+            self._set(job_id, d.status)
+        if d.store:
+            # The store and the API speak JSON: records become dicts here and nowhere earlier.
+            self.store.record_poll(job_id, records=[r.to_dict() for r in d.records],
+                                   events=[dict(ev) for ev in d.events], **d.fields)
+        if d.outcome is not None:
+            self._set(job_id, d.outcome)
+        if d.release:
+            self.launcher.release(job_id)
+        if d.forget:
+            self._forget(job_id)
 
     def _forget(self, job_id: str) -> None:
         self._followed.discard(job_id)
         self._last_progress_event.pop(job_id, None)
         self._stalls_named.pop(job_id, None)
 
-    def _name_stalls(self, job_id: str, poll: dict[str, Any], placement: list[dict[str, Any]]) -> None:
-        """Record each rank that stopped finishing steps as a ``stall`` event, once per (rank, step).
-
-        Not while the membership waits (for workers, or for a re-formation) or after the last step: ranks are
-        idle then by design, and the events already say why."""
-        membership = poll.get("membership") or {}
-        if not poll.get("heartbeats") or membership.get("wait_reason") or membership.get("finished"):
-            return
-        where = {p["rank"]: p for p in placement}
-        named = self._stalls_named.setdefault(job_id, set())
-        for stall in find_stalls(poll["heartbeats"], poll["recent_step_s"], poll["now"], where, self.stall_policy):
-            if (stall.rank, stall.step) not in named:
-                named.add((stall.rank, stall.step))
-                self.store.add_event(job_id, "stall", stall.message(), stall.to_dict(), at=poll["now"])
-
-    def _placement(self, job_id: str, members: list[dict[str, Any]], batch: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """Each rank of an epoch with what its worker said when it started (host, pid, device)."""
-        started = {e.data.get("worker_id"): e.data for e in self.store.list_events(job_id, limit=100_000)
-                   if e.kind == "worker_started"}
-        started.update({e["data"].get("worker_id"): e["data"] for e in batch if e["kind"] == "worker_started"})
-        return [{**started.get(m["worker_id"], {}), **m} for m in members]
+    def _started_workers(self, job_id: str) -> dict[str, dict[str, Any]]:
+        """What each worker of the job said when it started (host, pid, device), by worker id."""
+        return {e.data.get("worker_id"): e.data for e in self.store.list_events(job_id, limit=100_000)
+                if e.kind == "worker_started"}
 
     def _set(self, job_id: str, status: JobStatus) -> None:
         try:

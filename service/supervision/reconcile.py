@@ -1,0 +1,184 @@
+"""What one poll of a job's runner means for the job, decided apart from doing it.
+
+:func:`reconcile` takes the job as stored and what its runner answered (a
+:class:`~meridian.service.runner.poll.RunnerPoll`, or :class:`~meridian.service.runner.poll.RunnerLost`) and
+returns a :class:`Decision`: the status to set before and after storing the poll, the records, events and
+job fields to store, the stalls to name, and whether to resume, release or forget the runner. The
+supervisor (:mod:`meridian.service.supervision.supervisor`) carries a decision out.
+
+Pure: no store, no Ray, no clock (the caller passes ``now``), so every rule is tested by asserting on the
+decision (tests/test_reconcile.py). Must never write anything or call the launcher.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from meridian.service.jobs import JobState, JobStatus
+from meridian.service.runner.poll import RunnerLost, RunnerPoll, RunnerState
+from meridian.service.store import JobRecord
+from meridian.service.supervision.stall import Stall, StallPolicy, find_stalls
+from meridian.workers.contracts.records import StepRecord
+
+PROGRESS_FIELDS = ("step", "total_steps", "loss", "tokens_per_s", "lr", "inter_dc_bytes", "eta_s")
+RUNNER_OUTCOME = {
+    RunnerState.SUCCEEDED: JobStatus(JobState.SUCCEEDED, "Completed", "training finished"),
+    RunnerState.CANCELLED: JobStatus(JobState.CANCELLED, "Cancelled",
+                                     "cancelled by request; workers stopped and placement freed"),
+}
+TRAINING = JobStatus(JobState.RUNNING, "Training", "training steps are running")
+WAITING_FOR_WORKERS = "WaitingForWorkers"
+DEFAULT_STALL_POLICY = StallPolicy()
+
+
+@dataclass(frozen=True, kw_only=True)
+class Decision:
+    """What to do about one poll, in the order the supervisor does it."""
+
+    resume: bool = False
+    """Start a found runner that never started (a service killed between creating and starting it); if
+    that fails, nothing else of this decision is done and the next tick decides again."""
+    stalls: tuple[Stall, ...] = ()
+    """Ranks newly found stalled, each to be recorded once as a ``stall`` event at ``observed_at``."""
+    observed_at: float = 0.0
+    status: JobStatus | None = None
+    """Set before the poll is stored, so the event log reads "running" before the first progress."""
+    store: bool = True
+    """Store the poll (``records``, ``events``, ``fields``) in one transaction; ``False``: nothing to store."""
+    records: tuple[StepRecord, ...] = ()
+    events: tuple[Mapping[str, Any], ...] = ()
+    fields: Mapping[str, Any] = field(default_factory=dict)
+    """Job fields to store with the poll: ``progress`` (with the cursor), ``placement``, ``result``."""
+    outcome: JobStatus | None = None
+    """The job's final status, set after the poll is stored."""
+    release: bool = False
+    """Kill the runner: its job is over."""
+    forget: bool = False
+    """Drop what the supervisor remembers about the job (it is no longer followed)."""
+
+    @property
+    def emits_progress(self) -> bool:
+        return any(ev["kind"] == "progress" for ev in self.events)
+
+
+def reconcile(
+    job: JobRecord, poll: RunnerPoll | RunnerLost, *, now: float = 0.0, first_sight: bool = False,
+    progress_due: bool = True, started: Mapping[str, Mapping[str, Any]] | None = None,
+    stalls_named: frozenset[tuple[int, int]] | set[tuple[int, int]] = frozenset(),
+    stall_policy: StallPolicy = DEFAULT_STALL_POLICY,
+) -> Decision:
+    """The decision for ``job`` after its runner answered ``poll``.
+
+    ``first_sight``: this supervisor has not followed the job before (the service restarted while it was
+    active). ``progress_due``: a ``progress`` event may be added (they are rate-limited by the caller).
+    ``started``: worker id → data of the job's stored ``worker_started`` events, needed only when the poll
+    has an ``epoch_formed`` event (see :func:`needs_started_workers`). ``stalls_named``: (rank, step) pairs
+    already recorded as stalls. ``now``: wall-clock time, for the events this decision adds.
+    """
+    if isinstance(poll, RunnerLost):
+        return _lost(job, poll)
+    events: list[Mapping[str, Any]] = list(poll.events)
+    cursor = int((job.progress or {}).get("cursor", 0))
+    resume = False
+    if first_sight:
+        resume = poll.state is RunnerState.STARTING and not job.cancel_requested
+        events.insert(0, {"kind": "reattached", "time": now,
+                          "data": {"cursor": cursor, "runner_state": poll.state.value},
+                          "message": f"service restarted; reattached to {job.runner or 'the runner'} "
+                                     f"({poll.state.value}), resuming after record {cursor}"})
+    placement = _placement(job.placement or [], events, started or {})
+    progress = fold_progress(job.progress, poll.records, poll.cursor)
+    if poll.records and progress_due:
+        # Live progress for event streams (rate-limited by the caller so a long job does not fill the event table).
+        loss = progress.get("loss")
+        loss_text = f"{loss:.4f}" if isinstance(loss, (int, float)) else "-"
+        events.append({"kind": "progress", "time": progress.get("updated_at"),
+                       "message": f"step {progress['step']}/{progress['total_steps']} loss {loss_text}",
+                       "data": {k: progress[k] for k in PROGRESS_FIELDS if k in progress}})
+    fields: dict[str, Any] = {"progress": progress}
+    if placement != (job.placement or []):
+        fields["placement"] = sorted(placement, key=lambda p: p["rank"])
+    if poll.result is not None:
+        fields["result"] = dict(poll.result)
+    outcome = None
+    if poll.state.is_terminal:
+        outcome = RUNNER_OUTCOME.get(poll.state) or JobStatus(
+            JobState.FAILED, "TrainingError", poll.error or "training failed")
+    return Decision(
+        resume=resume, stalls=_new_stalls(poll, placement, stalls_named, stall_policy), observed_at=poll.now,
+        status=_running_status(job, poll), records=poll.records, events=tuple(events), fields=fields,
+        outcome=outcome, release=outcome is not None, forget=outcome is not None,
+    )
+
+
+def needs_started_workers(poll: RunnerPoll) -> bool:
+    """Whether :func:`reconcile` needs the job's stored ``worker_started`` events for this poll (reading
+    them costs a query of every event of the job, so only when a new epoch names its ranks)."""
+    return any(ev["kind"] == "epoch_formed" for ev in poll.events)
+
+
+def fold_progress(previous: Mapping[str, Any] | None, records: Sequence[StepRecord], cursor: int) -> dict[str, Any]:
+    """Fold new per-step records into the job's progress summary (with a smoothed ETA)."""
+    p = dict(previous or {})
+    for r in records:
+        ema = p.get("step_s_ema")
+        p["step_s_ema"] = r.step_s if ema is None else 0.8 * ema + 0.2 * r.step_s
+        p.update(step=r.step, total_steps=r.total_steps, loss=r.loss, tokens_per_s=r.tokens_per_s, lr=r.lr,
+                 inter_dc_bytes=r.inter_dc_bytes, updated_at=r.time, step_s=r.step_s, data_s=r.data_s,
+                 compute_s=r.compute_s, mfu=r.mfu)
+        p.setdefault("first_loss", r.loss)
+    if "step" in p:
+        p["eta_s"] = max(0.0, (p["total_steps"] - p["step"]) * p["step_s_ema"])
+    p["cursor"] = cursor
+    return p
+
+
+def _lost(job: JobRecord, lost: RunnerLost) -> Decision:
+    if job.cancel_requested:  # the runner went away while stopping: that is the cancel done
+        return Decision(store=False, outcome=RUNNER_OUTCOME[RunnerState.CANCELLED], forget=True)
+    return Decision(store=False, forget=True, outcome=JobStatus(
+        JobState.FAILED, "RunnerLost", "the job's runner actor is gone (its node died or the Ray cluster "
+        f"restarted); resubmit the job. Ray said: {str(lost)[:300]}"))
+
+
+def _running_status(job: JobRecord, poll: RunnerPoll) -> JobStatus | None:
+    """Training, or waiting for workers, while the runner runs (``None``: the status stays as it is)."""
+    if poll.state is not RunnerState.RUNNING or job.cancel_requested:
+        return None  # a job being cancelled keeps saying so until its runner stops
+    if poll.wait_reason and job.status.state is JobState.RUNNING:
+        # e.g. after losing nodes: below min_workers the job waits for capacity instead of failing
+        if job.status.message != poll.wait_reason:
+            return JobStatus(JobState.RUNNING, WAITING_FOR_WORKERS, poll.wait_reason)
+        return None
+    if job.status.state is JobState.PLACING or job.status.reason == WAITING_FOR_WORKERS:
+        return TRAINING
+    return None
+
+
+def _placement(current: list[dict[str, Any]], events: Sequence[Mapping[str, Any]],
+               started: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The ranks after this batch of events: an ``epoch_formed`` names the ranks of a new membership (each
+    with what its worker said when it started: host, pid, device); a ``worker_started`` with a rank comes
+    from a runner that ranks workers itself."""
+    placement = list(current)
+    for ev in events:
+        if ev["kind"] == "epoch_formed":
+            known = {**started, **{e["data"].get("worker_id"): e["data"] for e in events
+                                   if e["kind"] == "worker_started"}}
+            placement = [{**known.get(m["worker_id"], {}), **m} for m in ev["data"]["placement"]]
+        elif ev["kind"] == "worker_started" and "rank" in ev["data"]:
+            placement = [p for p in placement if p["rank"] != ev["data"]["rank"]] + [ev["data"]]
+    return placement
+
+
+def _new_stalls(poll: RunnerPoll, placement: list[dict[str, Any]], named: frozenset[tuple[int, int]] | set[tuple[int, int]],
+                policy: StallPolicy) -> tuple[Stall, ...]:
+    """Ranks that stopped finishing steps, not named before. Not while the membership waits (for workers,
+    or for a re-formation) or after the last step: ranks are idle then by design, and the events say why."""
+    if not poll.heartbeats or poll.wait_reason or poll.finished:
+        return ()
+    where = {p["rank"]: p for p in placement}
+    return tuple(s for s in find_stalls(poll.heartbeats, poll.recent_step_s, poll.now, where, policy)
+                 if (s.rank, s.step) not in named)

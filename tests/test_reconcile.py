@@ -1,0 +1,134 @@
+"""The supervisor's decisions, asserted directly: one job as stored + one runner poll → one Decision.
+
+No Ray, no store, no clock: :func:`reconcile` is pure, so each rule of following a job is one call here."""
+
+from __future__ import annotations
+
+from fakes import step_record
+
+from meridian.service.jobs import JobState, JobStatus
+from meridian.service.runner.poll import RunnerLost, RunnerPoll, RunnerState
+from meridian.service.store import JobRecord
+from meridian.service.supervision.reconcile import needs_started_workers, reconcile
+from meridian.service.supervision.stall import StallPolicy
+
+
+def job(state: JobState = JobState.RUNNING, reason: str = "Training", message: str = "", *,
+        cancel_requested: bool = False, progress: dict | None = None, placement: list | None = None) -> JobRecord:
+    return JobRecord(
+        id="j1", seq=1, name="j", owner="", priority=0, status=JobStatus(state, reason, message), request_json="{}",
+        spec={}, plan=None, placement=placement, progress=progress, result=None, runner="meridian-job-j1",
+        created_at=0.0, updated_at=0.0, started_at=None, finished_at=None, cancel_requested=cancel_requested,
+    )
+
+
+def poll(state: RunnerState = RunnerState.RUNNING, **fields) -> RunnerPoll:
+    return RunnerPoll(state=state, **fields)
+
+
+def test_runner_succeeded_completes_the_job_stores_the_result_and_releases_the_runner():
+    d = reconcile(job(), poll(RunnerState.SUCCEEDED, result={"final_loss": 3.0}, cursor=7))
+    assert d.outcome == JobStatus(JobState.SUCCEEDED, "Completed", "training finished")
+    assert d.release and d.forget and d.store
+    assert d.fields["result"] == {"final_loss": 3.0} and d.fields["progress"]["cursor"] == 7
+    assert d.status is None
+
+
+def test_runner_failed_fails_the_job_with_its_message():
+    d = reconcile(job(), poll(RunnerState.FAILED, error="RuntimeError: data.source '/x' cannot be read"))
+    assert d.outcome == JobStatus(JobState.FAILED, "TrainingError", "RuntimeError: data.source '/x' cannot be read")
+    assert d.release and d.forget
+    assert reconcile(job(), poll(RunnerState.FAILED)).outcome == JobStatus(JobState.FAILED, "TrainingError",
+                                                                           "training failed")
+
+
+def test_runner_cancelled_cancels_the_job_and_releases_it():
+    d = reconcile(job(reason="Cancelling", cancel_requested=True), poll(RunnerState.CANCELLED))
+    assert d.outcome is not None and d.outcome.state is JobState.CANCELLED and d.outcome.reason == "Cancelled"
+    assert d.release and d.forget
+
+
+def test_running_with_a_wait_reason_says_the_job_waits_for_workers_once():
+    reason = "1 worker(s) left after losing 3; the job needs at least 2 (topology.min_workers)"
+    d = reconcile(job(), poll(wait_reason=reason))
+    assert d.status == JobStatus(JobState.RUNNING, "WaitingForWorkers", reason)
+    assert d.outcome is None and not d.release
+    # Already saying so: nothing new to set.
+    assert reconcile(job(reason="WaitingForWorkers", message=reason), poll(wait_reason=reason)).status is None
+
+
+def test_first_running_poll_of_a_placing_job_says_training():
+    assert reconcile(job(JobState.PLACING, "Placing"), poll()).status == JobStatus(
+        JobState.RUNNING, "Training", "training steps are running")
+    assert reconcile(job(reason="WaitingForWorkers", message="x"), poll()).status.reason == "Training"
+    assert reconcile(job(), poll()).status is None  # already training
+    assert reconcile(job(JobState.PLACING, "Placing"), poll(RunnerState.STARTING)).status is None
+
+
+def test_a_job_being_cancelled_keeps_saying_so_until_its_runner_stops():
+    d = reconcile(job(JobState.PLACING, "Cancelling", cancel_requested=True), poll())
+    assert d.status is None and d.outcome is None and not d.release
+
+
+def test_cancel_requested_and_runner_lost_is_the_cancel_done():
+    d = reconcile(job(reason="Cancelling", cancel_requested=True), RunnerLost("actor died"))
+    assert d.outcome == JobStatus(JobState.CANCELLED, "Cancelled",
+                                  "cancelled by request; workers stopped and placement freed")
+    assert not d.store and d.forget and not d.release
+
+
+def test_runner_lost_without_a_cancel_fails_the_job_with_what_ray_said():
+    d = reconcile(job(), RunnerLost("The actor died because its node died"))
+    assert d.outcome is not None and (d.outcome.state, d.outcome.reason) == (JobState.FAILED, "RunnerLost")
+    assert "resubmit" in d.outcome.message and "its node died" in d.outcome.message
+    assert not d.store and d.forget
+
+
+def test_records_fold_into_progress_with_a_progress_event_only_when_due():
+    recs = (step_record(1, 3, 5.0), step_record(2, 3, 4.0))
+    d = reconcile(job(progress={"cursor": 0}), poll(records=recs, cursor=2))
+    assert d.records == recs
+    p = d.fields["progress"]
+    assert (p["step"], p["total_steps"], p["loss"], p["first_loss"], p["cursor"]) == (2, 3, 4.0, 5.0, 2)
+    assert p["eta_s"] > 0
+    assert [ev["kind"] for ev in d.events] == ["progress"] and d.emits_progress
+    assert d.events[0]["message"] == "step 2/3 loss 4.0000"
+    assert not reconcile(job(), poll(records=recs, cursor=2), progress_due=False).events
+
+
+def test_a_restarted_service_resumes_a_runner_that_never_started_unless_it_was_cancelled():
+    d = reconcile(job(JobState.PLACING, "Placing", progress={"cursor": 4}), poll(RunnerState.STARTING, cursor=4),
+                  first_sight=True, now=123.0)
+    assert d.resume
+    assert d.events[0]["kind"] == "reattached" and d.events[0]["time"] == 123.0
+    assert d.events[0]["data"] == {"cursor": 4, "runner_state": "starting"}
+    assert not reconcile(job(JobState.PLACING, "Cancelling", cancel_requested=True), poll(RunnerState.STARTING),
+                         first_sight=True).resume
+    assert not reconcile(job(), poll(), first_sight=True).resume  # running already
+    assert not reconcile(job(JobState.PLACING, "Placing"), poll(RunnerState.STARTING)).resume  # followed
+
+
+def test_an_epoch_names_the_ranks_with_what_each_worker_said_when_it_started():
+    started = {"w0": {"worker_id": "w0", "pid": 10, "host": "a"}}
+    events = ({"kind": "worker_started", "message": "", "time": 1.0, "data": {"worker_id": "w1", "pid": 11}},
+              {"kind": "epoch_formed", "message": "epoch 1", "time": 1.0, "data": {"placement": [
+                  {"rank": 1, "worker_id": "w1", "datacenter": "dc-b"},
+                  {"rank": 0, "worker_id": "w0", "datacenter": "dc-a"}]}})
+    p = poll(events=events)
+    assert needs_started_workers(p) and not needs_started_workers(poll())
+    d = reconcile(job(placement=[]), p, started=started)
+    assert d.fields["placement"] == [{"worker_id": "w0", "pid": 10, "host": "a", "rank": 0, "datacenter": "dc-a"},
+                                     {"worker_id": "w1", "pid": 11, "rank": 1, "datacenter": "dc-b"}]
+    assert "placement" not in reconcile(job(placement=[]), poll()).fields  # unchanged: not stored again
+
+
+def test_stalls_are_named_once_and_not_while_the_membership_waits():
+    placement = [{"rank": 0, "node_id": "n0", "datacenter": "dc-a"}, {"rank": 1, "node_id": "n1", "datacenter": "dc-b"}]
+    beats = {0: {"step": 5, "computed": 5, "time": 100.0}, 1: {"step": 4, "computed": 4, "time": 90.0}}
+    p = poll(heartbeats=beats, recent_step_s=(1.0, 1.0, 1.0), now=101.0)
+    policy = StallPolicy(factor=3, floor_s=1.0)
+    d = reconcile(job(placement=placement), p, stall_policy=policy)
+    assert [(s.rank, s.step, s.datacenter) for s in d.stalls] == [(1, 4, "dc-b")] and d.observed_at == 101.0
+    assert reconcile(job(placement=placement), p, stall_policy=policy, stalls_named={(1, 4)}).stalls == ()
+    waiting = poll(heartbeats=beats, recent_step_s=(1.0,), now=101.0, wait_reason="re-forming")
+    assert reconcile(job(placement=placement), waiting, stall_policy=policy).stalls == ()
