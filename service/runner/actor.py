@@ -31,6 +31,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from meridian.service.cluster.topology import ClusterTopology, read_topology
 from meridian.service.runner.coordinator import Coordinator
 from meridian.service.runner.metrics import JobMetricsState, RayJobMetrics
+from meridian.workers.contracts.rendezvous import JoinReply, JoinRequest
 
 NAMESPACE = "meridian"
 KEEP_RECORDS = 20_000
@@ -213,8 +214,8 @@ class JobRunner:
         self._stop_training()
 
     # The rendezvous, called by the workers (see meridian.workers.elastic.rendezvous).
-    def rdzv_join(self, member: dict[str, Any], known_epoch: int) -> dict[str, Any]:
-        return self.coordinator.join(member, known_epoch)
+    def rdzv_join(self, request: JoinRequest, known_epoch: int) -> JoinReply:
+        return self.coordinator.join(request, known_epoch)
 
     def rdzv_pending_change(self, epoch: int) -> bool:
         return self.coordinator.pending_change(epoch)
