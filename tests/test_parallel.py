@@ -32,7 +32,7 @@ def _run(rank, world, cfg):
     sink = ListSink()
     result = train(cfg, sink=sink, keep_params=True)
     dims = ParallelDims(cfg.parallel.tp, cfg.parallel.pp, cfg.datacenters or ("local",) * world)
-    return dims.coords(rank), result, [r["loss"] for r in sink.records], [r["grad_norm"] for r in sink.records]
+    return dims.coords(rank), result, [r.loss for r in sink.records], [r.grad_norm for r in sink.records]
 
 
 def config(dcs, *, tp=1, pp=1, schedule="1f1b", strategy="hierarchical") -> TrainConfig:
