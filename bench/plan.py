@@ -140,7 +140,7 @@ def _train(rank: int, world: int, cfg: TrainConfig) -> dict[str, Any]:
     compute = training_flops(cfg.model, cfg.micro_batch, min_seconds=PROBE_S)
     sink = ListSink()
     train(cfg, sink=sink)
-    return {"step_s": [r["step_s"] for r in sink.records], "flops": compute["flops"],
+    return {"step_s": [r.step_s for r in sink.records], "flops": compute["flops"],
             "optimizer_step_s": compute["optimizer_step_s"]}
 
 

@@ -112,10 +112,10 @@ def _run_rank(rank: int, world: int, rounds: int, configs: dict[str, TrainConfig
             result = train(cfg, sink=sink, keep_params=(r == 0 and rank == 0))
             timed = sink.records[WARMUP_STEPS:]
             o = out[name]
-            o["step_s"] += [x["step_s"] for x in timed]
-            o["overlap"] += [x["overlap_fraction"] for x in timed]
+            o["step_s"] += [x.step_s for x in timed]
+            o["overlap"] += [x.overlap_fraction for x in timed]
             o["bytes"].append(result.inter_dc_bytes_per_step)
-            o["loss_tail"].append(statistics.mean(x["loss"] for x in sink.records[-5:]) if rank == 0 else None)
+            o["loss_tail"].append(statistics.mean(x.loss for x in sink.records[-5:]) if rank == 0 else None)
             if r == 0:
                 o["result"] = result
     return out

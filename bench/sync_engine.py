@@ -68,7 +68,7 @@ def main() -> None:
     r0 = per_rank[0]
     timed = r0["sharded_overlap"]["records"][1:]
     tail = {
-        c.value: statistics.mean(x["loss"] for x in r0[f"compression_{c.value}"]["records"][-5:])
+        c.value: statistics.mean(x.loss for x in r0[f"compression_{c.value}"]["records"][-5:])
         for c in Compression
     }
     print(json.dumps({
@@ -79,10 +79,10 @@ def main() -> None:
             "sharded": [r["sharded"]["result"].optimizer_state_bytes for r in per_rank],
         },
         "overlap": {
-            "overlap_fraction": statistics.mean(x["overlap_fraction"] for x in timed),
-            "comm_s": statistics.mean(x["comm_s"] for x in timed),
-            "exposed_s": statistics.mean(x["exposed_s"] for x in timed),
-            "step_s": statistics.mean(x["step_s"] for x in timed),
+            "overlap_fraction": statistics.mean(x.overlap_fraction for x in timed),
+            "comm_s": statistics.mean(x.comm_s for x in timed),
+            "exposed_s": statistics.mean(x.exposed_s for x in timed),
+            "step_s": statistics.mean(x.step_s for x in timed),
         },
         "compression": {
             c: {"final5_loss": tail[c], "delta_vs_none": tail[c] - tail["none"],

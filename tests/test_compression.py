@@ -118,7 +118,7 @@ def _train(rank, world, configs):
     for name, cfg in configs.items():
         sink = ListSink()
         result = train(cfg, sink=sink)
-        out[name] = ([r["loss"] for r in sink.records], result.inter_dc_bytes_per_step)
+        out[name] = ([r.loss for r in sink.records], result.inter_dc_bytes_per_step)
     return out
 
 

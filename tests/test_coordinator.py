@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import threading
 
+import pytest
+
 from meridian.service.runner.coordinator import Coordinator
+from meridian.workers.contracts.rendezvous import Assignment, Finished, JoinRequest, Waiting
 
 
 def member(i, dc, step=0):
-    return {"worker_id": f"w{i}", "datacenter": dc, "node_id": f"n{i}", "address": "127.0.0.1", "port": 29500 + i,
-            "last_step": step}
+    return JoinRequest(worker_id=f"w{i}", datacenter=dc, node_id=f"n{i}", address="127.0.0.1", port=29500 + i,
+                       last_step=step)
 
 
 def join_all(coord, members, known_epoch=0):
@@ -18,8 +21,8 @@ def join_all(coord, members, known_epoch=0):
     def go(m):
         while True:
             a = coord.join(m, known_epoch=known_epoch, poll_s=0.2)
-            if a["status"] == "assigned":
-                out[m["worker_id"]] = a
+            if isinstance(a, Assignment):
+                out[m.worker_id] = a
                 return
 
     threads = [threading.Thread(target=go, args=(m,)) for m in members]
@@ -34,10 +37,10 @@ def test_workers_get_ranks_grouped_by_datacenter_and_rank0_hosts_the_store():
     threads, out = join_all(c, [member(0, "dc-b"), member(1, "dc-a"), member(2, "dc-b"), member(3, "dc-a")])
     for t in threads:
         t.join(10)
-    assert sorted(a["rank"] for a in out.values()) == [0, 1, 2, 3]
-    assert out["w1"]["datacenters"] == ["dc-a", "dc-a", "dc-b", "dc-b"]
-    rank0 = next(w for w, a in out.items() if a["rank"] == 0)
-    assert out["w0"]["master_port"] == 29500 + int(rank0[1])
+    assert sorted(a.rank for a in out.values()) == [0, 1, 2, 3]
+    assert out["w1"].datacenters == ("dc-a", "dc-a", "dc-b", "dc-b")
+    rank0 = next(w for w, a in out.items() if a.rank == 0)
+    assert out["w0"].master_port == 29500 + int(rank0[1])
     assert [e[0] for e in events][-1] == "epoch_formed"
 
 
@@ -56,8 +59,8 @@ def test_survivors_re_form_without_the_dead_member_and_resume_from_the_oldest_sn
     for t in threads:
         t.join(10)
     a = out["w2"]
-    assert a["epoch"] == 2 and a["world_size"] == 3 and a["datacenters"] == ["dc-a", "dc-b", "dc-b"]
-    assert a["resume_step"] == 9
+    assert a.epoch == 2 and a.world_size == 3 and a.datacenters == ("dc-a", "dc-b", "dc-b")
+    assert a.resume_step == 9
     kinds = [e[0] for e in events]
     assert "worker_lost" in kinds and kinds[-1] == "epoch_formed"
 
@@ -69,13 +72,14 @@ def test_newcomer_is_signalled_to_members_and_joins_at_the_next_boundary():
         t.join(10)
     assert not c.pending_change(1)
     newcomer_threads, newcomer = join_all(c, [member(5, "dc-a")])
-    assert c.join(member(5, "dc-a"), poll_s=0.1)["status"] == "wait"
+    assert isinstance(c.join(member(5, "dc-a"), poll_s=0.1), Waiting)
     assert c.pending_change(1)
     threads, out = join_all(c, [member(0, "dc-a", step=4), member(1, "dc-a", step=4)], known_epoch=1)
     for t in threads + newcomer_threads:
         t.join(10)
-    assert newcomer["w5"]["newcomer_ranks"] == [2] and newcomer["w5"]["world_size"] == 3
-    assert out["w0"]["resume_step"] == 4
+    assert newcomer["w5"].newcomer_ranks == (2,) and newcomer["w5"].world_size == 3
+    assert newcomer["w5"].is_newcomer and not out["w0"].is_newcomer
+    assert out["w0"].resume_step == 4
 
 
 def test_every_poll_of_one_join_offers_the_same_store_port():
@@ -85,14 +89,30 @@ def test_every_poll_of_one_join_offers_the_same_store_port():
 
     ports = []
 
-    def call(method, member, epoch):
-        ports.append(member["port"])
+    def call(method, request, epoch):
+        ports.append(request.port)
         if len(ports) < 3:
-            return {"status": "wait", "reason": "2 of 3 workers have started"}
-        return {"status": "assigned", "epoch": 1, "rank": 0, "world_size": 3, "datacenters": ["a", "a", "b"],
-                "master_addr": "127.0.0.1", "master_port": ports[-1], "resume_step": 0, "from_checkpoint": False,
-                "newcomer_ranks": [0, 1, 2]}
+            return Waiting("2 of 3 workers have started")
+        return Assignment(epoch=1, rank=0, world_size=3, datacenters=("a", "a", "b"), master_addr="127.0.0.1",
+                          master_port=ports[-1], resume_step=0, from_checkpoint=False, newcomer_ranks=(0, 1, 2))
 
     rdzv = Rendezvous(call, worker_id="w0", datacenter="a", node_id="n0", address="127.0.0.1")
     assert rdzv.join(last_step=0, timeout_s=10).master_port == ports[0]
     assert len(ports) == 3 and len(set(ports)) == 1
+
+
+def test_a_worker_joining_after_the_last_step_is_told_the_job_finished():
+    from meridian.workers.elastic.rendezvous import JobFinished, Rendezvous
+
+    c = Coordinator(planned_workers=1, min_workers=1, dc_order=("dc-a",), on_event=lambda *e: None)
+    threads, out = join_all(c, [member(0, "dc-a")])
+    for t in threads:
+        t.join(10)
+    assert out["w0"].rank == 0 and not c.job_finished
+    c.finish("w0")
+    assert isinstance(c.join(member(1, "dc-a"), poll_s=0.1), Finished)
+    # The worker side turns the reply into JobFinished (its agent returns without training).
+    rdzv = Rendezvous(lambda method, *args: getattr(c, method)(*args), worker_id="w1", datacenter="dc-a",
+                      node_id="n1", address="127.0.0.1")
+    with pytest.raises(JobFinished):
+        rdzv.join(last_step=0, timeout_s=5)

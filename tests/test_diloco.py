@@ -257,5 +257,5 @@ def test_elastic_loop_with_diloco_loses_a_rank_and_resumes_from_the_whole_dc(ela
     finished = [o["result"] for o in out.values() if o["result"] is not None]
     assert len(finished) == 3 and all(r.final_loss == r.final_loss for r in finished)  # not NaN
     # Both DCs sync again after the resize: the outer syncs of the later steps crossed the WAN.
-    later = [r for o in out.values() for r in o["records"] if r.get("epoch") == 2]
-    assert later and any(r["inter_dc_bytes"] > 0 for r in later)
+    later = [r for o in out.values() for r in o["records"] if r.epoch == 2]
+    assert later and any(r.inter_dc_bytes > 0 for r in later)

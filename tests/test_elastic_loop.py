@@ -200,7 +200,7 @@ def test_losing_a_rank_mid_run_reforms_on_the_survivors_and_matches_an_uninterru
     assert len(finished) == 3 and all(o["restarts"] == 1 for o in finished)
     assert _max_rel(out[0]["result"].final_params, reference) < 1e-4
     # Rank 0 of the new epoch reported every step after the resume point (the victim's reports died with it).
-    steps = {r["step"] for o in out.values() for r in o["records"] if r.get("epoch") == 2}
+    steps = {r.step for o in out.values() for r in o["records"] if r.epoch == 2}
     assert steps == set(range(formed[1]["resume_step"] + 1, STEPS + 1))
 
 

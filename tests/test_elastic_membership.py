@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from meridian.service.runner.membership import Epoch, Form, Member, MembershipState, Wait, decide
+from meridian.workers.contracts.rendezvous import JoinRequest
 
 
 def m(wid, dc, node=None, t=0.0, step=0):
-    return Member(worker_id=wid, datacenter=dc, node_id=node or f"node-{wid}", address="127.0.0.1", joined_at=t, last_step=step)
+    request = JoinRequest(worker_id=wid, datacenter=dc, node_id=node or f"node-{wid}", address="127.0.0.1",
+                          port=29500, last_step=step)
+    return Member.from_request(request, joined_at=t)
 
 
 ALL = {f"node-w{i}" for i in range(10)}

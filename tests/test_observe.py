@@ -138,11 +138,11 @@ def test_records_split_data_and_compute_time():
     (records,) = run_processes(_train_records, 1, timeout_s=300)
     assert len(records) == 3
     for r in records:
-        assert r["data_s"] > 0 and r["compute_s"] > 0
-        assert r["data_s"] + r["compute_s"] + r["sync_wait_s"] == pytest.approx(r["step_s"], rel=1e-6)
+        assert r.data_s > 0 and r.compute_s > 0
+        assert r.data_s + r.compute_s + r.sync_wait_s == pytest.approx(r.step_s, rel=1e-6)
         # MFU is relative to the matmul peak measured on this (shared, noisy) machine: check the arithmetic.
-        assert "matmul" in r["peak_source"] and r["peak_flops"] > 0
-        assert r["mfu"] == pytest.approx(r["tokens_per_s"] * model_preset("nano").flops_per_token / r["peak_flops"])
+        assert "matmul" in r.peak_source and r.peak_flops > 0
+        assert r.mfu == pytest.approx(r.tokens_per_s * model_preset("nano").flops_per_token / r.peak_flops)
 
 
 class _BeatSink:
@@ -230,8 +230,8 @@ def test_hierarchical_records_split_sync_time_by_tier():
 
     records = run_processes(_har_records, 4, timeout_s=300)[0]
     for r in records:
-        assert r["comm_intra_dc_s"] > 0 and r["comm_inter_dc_s"] >= 0
-        assert r["comm_intra_dc_s"] + r["comm_inter_dc_s"] == pytest.approx(r["comm_s"], rel=1e-9, abs=1e-12)
+        assert r.comm_intra_dc_s > 0 and r.comm_inter_dc_s >= 0
+        assert r.comm_intra_dc_s + r.comm_inter_dc_s == pytest.approx(r.comm_s, rel=1e-9, abs=1e-12)
 
 
 @pytest.mark.parametrize("idle", ["waiting", "finished"])

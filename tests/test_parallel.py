@@ -20,7 +20,9 @@ from meridian.workers.contracts.config import (
     TrainConfig,
     model_preset,
 )
+from meridian.workers.contracts.rendezvous import Assignment
 from meridian.workers.distributed.multiproc import run_processes
+from meridian.workers.elastic.trainer import ElasticTrainer, ModelParallelNotElastic
 from meridian.workers.loop.train import ListSink, train
 from meridian.workers.parallel.dims import ParallelDims
 from meridian.workers.parallel.tensor_parallel import assemble, shard, stage_layers, unshard
@@ -32,7 +34,7 @@ def _run(rank, world, cfg):
     sink = ListSink()
     result = train(cfg, sink=sink, keep_params=True)
     dims = ParallelDims(cfg.parallel.tp, cfg.parallel.pp, cfg.datacenters or ("local",) * world)
-    return dims.coords(rank), result, [r["loss"] for r in sink.records], [r["grad_norm"] for r in sink.records]
+    return dims.coords(rank), result, [r.loss for r in sink.records], [r.grad_norm for r in sink.records]
 
 
 def config(dcs, *, tp=1, pp=1, schedule="1f1b", strategy="hierarchical") -> TrainConfig:
@@ -103,3 +105,46 @@ def test_dims_place_ranks_and_refuse_tp_across_datacenters():
         config(("a", "a"), pp=2, strategy="flat")
     with pytest.raises(ValueError, match=r"parallelism.tp \(3\) must divide model.n_heads"):
         config(("a",) * 3, tp=3)
+
+
+# -- the same loop under the elastic trainer -------------------------------------------------------------------
+
+
+class _FormedRendezvous:
+    """Epoch ``epoch`` over the default group that ``run_processes`` already formed: nothing to host or join."""
+
+    def __init__(self, rank, world, cfg, epoch=1, resume_step=0):
+        self.epoch = 0
+        self.a = Assignment(epoch=epoch, rank=rank, world_size=world, datacenters=cfg.datacenters, master_addr="",
+                            master_port=0, resume_step=resume_step, from_checkpoint=False,
+                            newcomer_ranks=tuple(range(world)))  # fmt: skip
+
+    def join(self, *, last_step, timeout_s):
+        return self.a
+
+    def form(self, a):
+        pass
+
+    def finish(self):
+        pass
+
+
+def _plain_then_elastic(rank, world, cfg):
+    plain, elastic = ListSink(), ListSink()
+    train(cfg, sink=plain)
+    ElasticTrainer(cfg, _FormedRendezvous(rank, world, cfg), sink=elastic, on_event=lambda *e: None).run()
+    return plain.records, elastic.records
+
+
+def test_the_elastic_trainer_runs_a_model_parallel_job_through_the_same_loop():
+    plain, elastic = run_processes(_plain_then_elastic, 2, config(("a", "b"), pp=2), timeout_s=180)[0]
+    assert [r.loss for r in elastic] == [r.loss for r in plain] and len(plain) == STEPS
+    assert {r.epoch for r in plain} == {0} and {r.epoch for r in elastic} == {1}
+
+
+def test_a_model_parallel_job_refuses_to_resume_after_losing_a_worker():
+    cfg = config(("a", "a"), tp=2)
+    trainer = ElasticTrainer(cfg, _FormedRendezvous(0, 2, cfg, epoch=2, resume_step=3), sink=ListSink(),
+                             on_event=lambda *e: None)  # fmt: skip
+    with pytest.raises(ModelParallelNotElastic, match="cannot resume after losing a worker yet"):
+        trainer.run()

@@ -252,17 +252,17 @@ def test_every_engine_trains_like_one_process(single_process):
     configs = {name: _config(UNEVEN, sync) for name, sync in ENGINES.items()}
     configs["har sharded overlap bf16"] = _config(UNEVEN, ENGINES["har sharded overlap"], Precision.BF16)
     out = run_processes(_train_all, 3, configs)[0]
-    ref = [r["loss"] for r in single_process[Precision.FP32][1]]
-    ref_bf16 = [r["loss"] for r in single_process[Precision.BF16][1]]
+    ref = [r.loss for r in single_process[Precision.FP32][1]]
+    ref_bf16 = [r.loss for r in single_process[Precision.BF16][1]]
     for name, (result, records) in out.items():
-        losses = [r["loss"] for r in records]
+        losses = [r.loss for r in records]
         if "bf16" in name:
             # bf16 matmuls on differently sized micro-batches round differently. Measured: 2.6e-4.
             assert losses == pytest.approx(ref_bf16, abs=1e-2), name
         else:
             assert losses == pytest.approx(ref, rel=2e-5), name  # fp32 summation order only
         assert result.final_loss < result.first_loss, name
-        assert all(0.0 <= r["overlap_fraction"] <= 1.0 for r in records), name
+        assert all(0.0 <= r.overlap_fraction <= 1.0 for r in records), name
     # HAR sends each rank's shard once: ranks 0, 1 (DC "a") half a buffer each, rank 2 all of it.
     numel = model_preset("nano").num_params
     har = out["har sharded"][0].inter_dc_bytes_per_step
@@ -273,9 +273,9 @@ def test_every_engine_trains_like_one_process(single_process):
 def test_two_plus_two_trains_like_one_process(single_process):
     configs = {name: _config(("a", "a", "b", "b"), ENGINES[name]) for name in ("flat", "har sharded overlap")}
     out = run_processes(_train_all, 4, configs)[0]
-    ref = [r["loss"] for r in single_process[Precision.FP32][1]]
+    ref = [r.loss for r in single_process[Precision.FP32][1]]
     for name, (_, records) in out.items():
-        assert [r["loss"] for r in records] == pytest.approx(ref, rel=2e-5), name
+        assert [r.loss for r in records] == pytest.approx(ref, rel=2e-5), name
 
 
 def _built(rank, world):
@@ -315,9 +315,9 @@ def test_train_under_an_emulated_wan(single_process):
         for name in ("flat", "har sharded overlap")
     }
     out = run_processes(_train_all, 2, configs)[0]
-    ref = [r["loss"] for r in single_process[Precision.FP32][1]]
+    ref = [r.loss for r in single_process[Precision.FP32][1]]
     for name, (_, records) in out.items():
-        assert [r["loss"] for r in records] == pytest.approx(ref, rel=2e-5), name
-        assert all(r["step_s"] >= wan.one_way_s for r in records), name  # a round trip is at least one way
-    assert all(r["comm_s"] >= wan.one_way_s for r in out["har sharded overlap"][1])
+        assert [r.loss for r in records] == pytest.approx(ref, rel=2e-5), name
+        assert all(r.step_s >= wan.one_way_s for r in records), name  # a round trip is at least one way
+    assert all(r.comm_s >= wan.one_way_s for r in out["har sharded overlap"][1])
     assert not [f for f in os.listdir(shm_dir()) if f.startswith(f"{FILE_PREFIX}job-{job}")]

@@ -12,7 +12,7 @@ from meridian.workers.loop.train import ListSink, train
 def _run(rank, world, cfg):
     sink = ListSink()
     result = train(cfg, sink=sink)
-    return result, [r["loss"] for r in sink.records]
+    return result, [r.loss for r in sink.records]
 
 
 def config(dcs, strategy="hierarchical", steps=8) -> TrainConfig:

@@ -20,6 +20,7 @@ import ray
 import torch
 
 from meridian.workers.contracts.config import TrainConfig
+from meridian.workers.contracts.records import StepRecord
 from meridian.workers.elastic.agent import Agent
 
 DATACENTER_LABEL = "datacenter"
@@ -33,8 +34,8 @@ class RunnerSink:
     def __init__(self, runner: Any) -> None:
         self.runner = runner
 
-    def step(self, record: dict[str, Any]) -> None:
-        self.runner.push_progress.remote([record])
+    def step(self, record: StepRecord) -> None:
+        self.runner.push_progress.remote([record])  # as itself: Ray pickles the dataclass
 
     def rank_step(self, beat: dict[str, Any]) -> None:
         """Every rank's per-step heartbeat (stall detection, per-datacenter step times)."""

@@ -40,6 +40,7 @@ from meridian.service.runner.metrics import JobMetricsState, RayJobMetrics
 from meridian.service.runner.poll import RunnerPoll, RunnerState
 from meridian.service.runner.replacement import replacement_datacenter
 from meridian.workers.contracts.records import StepRecord
+from meridian.workers.contracts.rendezvous import JoinReply, JoinRequest
 
 NAMESPACE = "meridian"
 KEEP_RECORDS = 20_000
@@ -176,9 +177,6 @@ class JobRunner:
             self._stop_training()
 
     def push_progress(self, records: list[StepRecord]) -> None:
-        # A loop of the previous release still sends dicts: typed here, at the boundary, so the rest of the
-        # service only ever sees StepRecord.
-        records = [StepRecord.from_dict(r) if isinstance(r, dict) else r for r in records]
         with self._lock:
             if self._state is RunnerState.STARTING:
                 self._state = RunnerState.RUNNING
@@ -227,8 +225,8 @@ class JobRunner:
         self._stop_training()
 
     # The rendezvous, called by the workers (see meridian.workers.elastic.rendezvous).
-    def rdzv_join(self, member: dict[str, Any], known_epoch: int) -> dict[str, Any]:
-        return self.coordinator.join(member, known_epoch)
+    def rdzv_join(self, request: JoinRequest, known_epoch: int) -> JoinReply:
+        return self.coordinator.join(request, known_epoch)
 
     def rdzv_pending_change(self, epoch: int) -> bool:
         return self.coordinator.pending_change(epoch)

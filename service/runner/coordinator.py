@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from meridian.service.runner.membership import Epoch, Form, Member, MembershipState, Wait, decide
+from meridian.workers.contracts.rendezvous import Assignment, Finished, JoinReply, JoinRequest, Waiting
 
 EventSink = Callable[[str, str, dict[str, Any]], None]
 
@@ -36,19 +37,16 @@ class Coordinator:
         self.finished: set[str] = set()
 
     # -- called by workers ------------------------------------------------------------------------------
-    def join(self, member: dict[str, Any], known_epoch: int = 0, poll_s: float = 2.0) -> dict[str, Any]:
+    def join(self, request: JoinRequest, known_epoch: int = 0, poll_s: float = 2.0) -> JoinReply:
         """Register (or re-register) a worker; return its assignment in an epoch newer than ``known_epoch``,
-        or ``{"status": "wait", "reason": ...}`` after ``poll_s`` (the worker calls again)."""
-        wid = member["worker_id"]
+        or :class:`Waiting` with the reason after ``poll_s`` (the worker calls again)."""
+        wid = request.worker_id
         with self._cond:
             if self.job_finished:
-                return {"status": "finished"}  # a late worker (a replacement, one left out) has nothing to do
+                return Finished()  # a late worker (a replacement, one left out) has nothing to do
             now = self.clock()
-            self._ports[wid] = int(member["port"])
-            m = Member(worker_id=wid, datacenter=member["datacenter"], node_id=member["node_id"],
-                       address=member["address"], joined_at=self._first_seen.setdefault(wid, now),
-                       last_step=int(member.get("last_step", 0)))
-            self.state.waiting[wid] = m
+            self._ports[wid] = request.port
+            self.state.waiting[wid] = Member.from_request(request, joined_at=self._first_seen.setdefault(wid, now))
             if self.state.epoch is None and self.state.first_join_at is None:
                 self.state.first_join_at = now
             is_member = self.state.epoch is not None and any(x.worker_id == wid for x in self.state.epoch.members)
@@ -61,10 +59,10 @@ class Coordinator:
                 if a is not None:
                     return a
                 if self.job_finished:
-                    return {"status": "finished"}
+                    return Finished()
                 left = deadline - self.clock()
                 if left <= 0:
-                    return {"status": "wait", "reason": self.wait_reason}
+                    return Waiting(self.wait_reason)
                 self._cond.wait(left)
 
     def pending_change(self, epoch: int) -> bool:
@@ -107,7 +105,7 @@ class Coordinator:
         return self.state.epoch
 
     # -- internals --------------------------------------------------------------------------------------
-    def _assignment_locked(self, wid: str, known_epoch: int) -> dict[str, Any] | None:
+    def _assignment_locked(self, wid: str, known_epoch: int) -> Assignment | None:
         e = self.state.epoch
         if e is None or e.number <= known_epoch or wid in self.state.waiting:
             return None
@@ -115,12 +113,11 @@ class Coordinator:
             return None
         rank = e.rank_of(wid)
         master = e.members[0]
-        return {
-            "status": "assigned", "epoch": e.number, "rank": rank, "world_size": len(e.members),
-            "datacenters": list(e.datacenters), "master_addr": master.address, "master_port": self._ports[master.worker_id],
-            "resume_step": e.resume_step, "from_checkpoint": e.from_checkpoint,
-            "newcomer_ranks": [e.rank_of(w) for w in e.newcomers],
-        }
+        return Assignment(
+            epoch=e.number, rank=rank, world_size=len(e.members), datacenters=e.datacenters,
+            master_addr=master.address, master_port=self._ports[master.worker_id], resume_step=e.resume_step,
+            from_checkpoint=e.from_checkpoint, newcomer_ranks=tuple(e.rank_of(w) for w in e.newcomers),
+        )
 
     def _decide_locked(self) -> None:
         alive = self._alive_nodes if self._alive_nodes is not None else {m.node_id for m in self.state.waiting.values()} | (

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from meridian.workers.contracts.rendezvous import JoinRequest
+
 
 @dataclass(frozen=True)
 class Member:
@@ -31,6 +33,12 @@ class Member:
     joined_at: float
     last_step: int = 0
     """Optimizer steps this worker has completed (its newest in-memory snapshot)."""
+
+    @classmethod
+    def from_request(cls, request: JoinRequest, *, joined_at: float) -> Member:
+        """The member a worker's join makes; ``joined_at``: when the coordinator first saw that worker."""
+        return cls(worker_id=request.worker_id, datacenter=request.datacenter, node_id=request.node_id,
+                   address=request.address, joined_at=joined_at, last_step=request.last_step)
 
 
 @dataclass(frozen=True)

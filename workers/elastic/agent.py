@@ -32,8 +32,9 @@ from typing import Any
 import torch
 
 from meridian.workers.contracts.config import TrainConfig
+from meridian.workers.contracts.records import StepRecord
 from meridian.workers.elastic.protocol import KEEP_SNAPSHOTS, RESTART_EXIT_CODE
-from meridian.workers.loop.train import TrainResult
+from meridian.workers.loop.records import TrainResult
 from meridian.workers.state.snapshot_paths import snapshot_dir
 from meridian.workers.state.snapshots import SnapshotStore
 
@@ -74,8 +75,8 @@ class PipeSink:
     def __init__(self, client: PipeClient) -> None:
         self.client = client
 
-    def step(self, record: dict[str, Any]) -> None:
-        self.client.tell("progress", record)
+    def step(self, record: StepRecord) -> None:
+        self.client.tell("progress", record)  # the record itself: the pipe pickles the dataclass
 
     def rank_step(self, beat: dict[str, Any]) -> None:
         self.client.tell("beat", beat)

@@ -1,7 +1,8 @@
 """The worker side of an elastic job's rendezvous: join an epoch, form its process group, tear it down.
 
 The coordinator lives in the job's runner actor; this module reaches it through a ``call(method, *args)``
-function (a Ray actor call in production, a direct call in tests), so it never imports the service.
+function (a Ray actor call in production, a direct call in tests), so it never imports the service. The
+messages both sides exchange are the torch-free dataclasses of :mod:`meridian.workers.contracts.rendezvous`.
 
 Tearing down matters as much as forming: when a peer dies, the ranks talking to it get an error at once,
 but ranks blocked on a *live* peer that already gave up would wait for the full collective timeout.
@@ -14,32 +15,15 @@ from __future__ import annotations
 import socket
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
 
+from meridian.workers.contracts.rendezvous import Assignment, Finished, JoinRequest, Waiting
 from meridian.workers.distributed.multiproc import free_port
 
 Call = Callable[..., Any]
-
-
-@dataclass(frozen=True)
-class Assignment:
-    epoch: int
-    rank: int
-    world_size: int
-    datacenters: tuple[str, ...]
-    master_addr: str
-    master_port: int
-    resume_step: int
-    from_checkpoint: bool
-    newcomer_ranks: tuple[int, ...]
-
-    @property
-    def is_newcomer(self) -> bool:
-        return self.rank in self.newcomer_ranks
 
 
 class RendezvousTimeout(RuntimeError):
@@ -69,23 +53,20 @@ class Rendezvous:
         # One port for every poll of this join: the epoch can form between two polls, and the others are then
         # told the port of the poll before — a rank 0 hosting its store on a newer one would never be reached.
         port = free_port()
+        request = JoinRequest(worker_id=self.worker_id, datacenter=self.datacenter, node_id=self.node_id,
+                              address=self.address, port=port, last_step=last_step)
         while True:
-            member = {"worker_id": self.worker_id, "datacenter": self.datacenter, "node_id": self.node_id,
-                      "address": self.address, "port": port, "last_step": last_step}
-            a = self.call("join", member, self.epoch)
-            if a["status"] == "finished":
+            reply = self.call("join", request, self.epoch)
+            if isinstance(reply, Finished):
                 raise JobFinished()
-            if a["status"] == "assigned":
-                assignment = Assignment(
-                    epoch=a["epoch"], rank=a["rank"], world_size=a["world_size"], datacenters=tuple(a["datacenters"]),
-                    master_addr=a["master_addr"], master_port=a["master_port"], resume_step=a["resume_step"],
-                    from_checkpoint=a["from_checkpoint"], newcomer_ranks=tuple(a["newcomer_ranks"]),
-                )
-                self.epoch = assignment.epoch
-                return assignment
-            if a["reason"] != reason and on_wait is not None:
-                on_wait(a["reason"])
-            reason = a["reason"]
+            if isinstance(reply, Assignment):
+                self.epoch = reply.epoch
+                return reply
+            if not isinstance(reply, Waiting):
+                raise TypeError(f"the coordinator answered a join with {reply!r}")
+            if reply.reason != reason and on_wait is not None:
+                on_wait(reply.reason)
+            reason = reply.reason
             if time.monotonic() > deadline:
                 raise RendezvousTimeout(f"no epoch formed within {timeout_s:.0f} s: {reason}")
 

@@ -3,7 +3,8 @@ re-form over the survivors and resume from memory.
 
 One *epoch* is one membership: its ranks, its process groups, its sync engine. Every rank runs::
 
-    join → form the process group → build model, engine, WAN emulator for this epoch's layout
+    join → form the process group → the training loop's epoch (:mod:`meridian.workers.loop.train`): build
+           model, engine, WAN emulator for this epoch's layout
          → restore: pool the survivors' in-memory shards of the step they all completed
                     (:mod:`meridian.workers.state.replica_state`), or the durable checkpoint if they cannot cover
                     the whole state, or nothing on a first start
@@ -15,44 +16,33 @@ One *epoch* is one membership: its ranks, its process groups, its sync engine. E
 The data order depends only on the step and the global batch (:meth:`TextDataset.step_batches`), so a
 resized epoch trains on exactly the samples the old one would have: none skipped, none seen twice.
 No Ray here: the coordinator is reached through :class:`meridian.workers.elastic.rendezvous.Rendezvous`.
+The loop itself is the one plain training runs; what is elastic — restore, snapshot, checkpoint, leave at a
+step boundary — is this module's :class:`ElasticState`, which the loop calls at fixed points.
 """
 
 from __future__ import annotations
 
-import contextlib
-import math
 import os
 import threading
-import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from meridian.workers.contracts.config import TrainConfig
-from meridian.workers.data.text import TextDataset
-from meridian.workers.distributed.layout import DCGroups, DCLayout
+from meridian.workers.contracts.rendezvous import Assignment
 from meridian.workers.elastic.protocol import KEEP_SNAPSHOTS, RESTART_EXIT_CODE
-from meridian.workers.elastic.rendezvous import Assignment, JobFinished, Rendezvous
-from meridian.workers.loop.observe import measure_peak_flops
-from meridian.workers.loop.train import (
-    ProgressSink,
-    TrainResult,
-    evaluate,
-    progress_record,
-    timed_step,
-    train,
-)
-from meridian.workers.model.gpt import GPT
+from meridian.workers.elastic.rendezvous import JobFinished, Rendezvous
+from meridian.workers.loop.replica import Membership, Replica
+from meridian.workers.loop.train import EpochOutcome, ProgressSink, TrainingLoop, TrainResult
 from meridian.workers.state import checkpoint as ckpt_io
 from meridian.workers.state.replica_state import IncompleteState, LocalShard, assemble
 from meridian.workers.state.snapshots import SnapshotStore
-from meridian.workers.sync.build import GradientSync, build_sync
-from meridian.workers.wan.collectives import WanEmulator, agree_key, cleanup
+from meridian.workers.sync.build import GradientSync
 
 EventFn = Callable[[str, str, dict[str, Any]], None]
+
 
 _PEER_FAILURE_MARKERS = (
     "Connection closed by peer",
@@ -98,12 +88,6 @@ class PendingChangeWatch:
         self._stop.set()
 
 
-@dataclass
-class EpochOutcome:
-    finished: bool
-    result: TrainResult | None = None
-
-
 def fingerprint(cfg: TrainConfig) -> dict[str, Any]:
     """What a checkpoint must share with the job to resume it."""
     m = cfg.model
@@ -125,22 +109,17 @@ class ElasticTrainer:
     ) -> None:  # fmt: skip
         self.cfg = cfg
         self.rdzv = rendezvous
-        self.sink = sink
         self.on_event = on_event
-        self.device = device or torch.device("cpu")
         self.join_timeout_s = join_timeout_s
         self.snapshots = snapshots or SnapshotStore(KEEP_SNAPSHOTS)
         self.exit_on_failure = exit_on_failure
         """Leave the process on a peer's failure (:mod:`meridian.workers.elastic.agent` starts a new one): the only way
         to close sockets that gloo operations still in flight hold open."""
         self.on_epoch = on_epoch or (lambda n: None)
-        self.keep_params = keep_params
+        self.loop = TrainingLoop(cfg, sink=sink, device=device, keep_params=keep_params, on_failure=self._on_failure)
         self.epochs = 0
         self.recoveries = 0
-        self._writer: threading.Thread | None = None
-        self._peak = None
-        self.final_params: dict[str, torch.Tensor] = {}
-        """The parameters after the last step (CPU copies)."""
+        self.checkpoints = Checkpointer(cfg)
 
     def run(self) -> TrainResult | None:
         """Train to the last step; ``None`` when the job finished without this worker (it joined too late)."""
@@ -162,78 +141,77 @@ class ElasticTrainer:
             Rendezvous.teardown()
             if outcome.finished:
                 assert outcome.result is not None
-                self._wait_writer()
+                self.checkpoints.wait()
                 self.rdzv.finish()
                 return outcome.result
 
+    def _on_failure(self, error: Exception) -> None:
+        if self.exit_on_failure and is_peer_failure(error):
+            os._exit(RESTART_EXIT_CODE)  # closes every socket now; the agent starts a fresh process
+
     # -- one epoch ----------------------------------------------------------------------------------------
     def _run_epoch(self, a: Assignment) -> EpochOutcome:
-        cfg, device = self.cfg, self.device
-        emulator = engine = groups = watch = None
-        ok = False
+        watch = None
         try:
             self.rdzv.form(a)
-            if cfg.parallel.model_parallel > 1:
-                return self._run_model_parallel(a)
-            layout = DCLayout(a.datacenters)
-            groups = DCGroups(layout, a.rank)
-            torch.manual_seed(cfg.seed)
-            model = GPT(cfg.model).to(device)
-            if cfg.wan is not None and layout.num_dcs > 1:
-                emulator = WanEmulator(cfg.wan, layout, a.rank, key=agree_key(f"job-{cfg.job_id}-e{a.epoch}"))
-            engine = build_sync(model, groups, cfg.sync, cfg.optim, emulator=emulator)
+            m = Membership(epoch=a.epoch, rank=a.rank, world_size=a.world_size, datacenters=a.datacenters)
+            if self.cfg.parallel.model_parallel > 1:
+                # Tensor/pipeline-parallel jobs train in one epoch: their in-memory state is not pooled across a
+                # re-formation yet, so after a loss they stop with a reason instead of resuming wrongly. They
+                # neither snapshot nor watch for newcomers (a newcomer waits for the job's end).
+                if a.epoch > 1 or a.resume_step > 0:
+                    raise ModelParallelNotElastic(
+                        f"a job with tensor/pipeline parallelism (tp={self.cfg.parallel.tp}, pp={self.cfg.parallel.pp}) "
+                        "cannot resume after losing a worker yet; resubmit it (set checkpoint.interval_steps to keep "
+                        "progress) or run it with tp=1, pp=1 to make it elastic"
+                    )
+                return self.loop.run_epoch(m)
             watch = PendingChangeWatch(self.rdzv) if a.rank == 0 else None
-            start = self._restore(a, model, engine)
-            outcome = self._train(a, model, engine, start, watch)
-            ok = True
-            return outcome
+            return self.loop.run_epoch(m, ElasticState(self, a, watch))
         except Exception as e:
-            if self.exit_on_failure and is_peer_failure(e):
-                os._exit(RESTART_EXIT_CODE)  # closes every socket now; the agent starts a fresh process
+            self._on_failure(e)  # also for a failure outside the loop (forming the group, the refusal above)
+            Rendezvous.teardown()  # the loop's clean-up already did, if it failed inside the loop
             raise
         finally:
             if watch is not None:
                 watch.close()
-            if ok:
-                assert engine is not None and groups is not None
-                engine.close()
-                if emulator is not None:
-                    emulator.close()
-                    dist.barrier()
-                    if a.rank == 0:
-                        cleanup(emulator.key)
-                groups.destroy()
-            else:  # a peer is gone: close sockets first so nothing blocks on it, then drop the rest
-                Rendezvous.teardown()
-                if engine is not None:
-                    with contextlib.suppress(Exception):  # its collectives failed with the peer
-                        engine.close()
-                if emulator is not None:
-                    emulator.close()
-                    cleanup(emulator.key)
 
-    def _run_model_parallel(self, a: Assignment) -> EpochOutcome:
-        """Tensor/pipeline-parallel jobs train in one epoch: their in-memory state is not pooled across a
-        re-formation yet, so after a loss they stop with a reason instead of resuming wrongly."""
-        if a.epoch > 1 or a.resume_step > 0:
-            raise ModelParallelNotElastic(
-                f"a job with tensor/pipeline parallelism (tp={self.cfg.parallel.tp}, pp={self.cfg.parallel.pp}) "
-                "cannot resume after losing a worker yet; resubmit it (set checkpoint.interval_steps to keep "
-                "progress) or run it with tp=1, pp=1 to make it elastic"
-            )
-        result = train(replace(self.cfg, datacenters=a.datacenters), sink=self.sink, device=self.device,
-                       keep_params=self.keep_params)
-        return EpochOutcome(finished=True, result=result)
 
-    def _restore(self, a: Assignment, model: torch.nn.Module, engine: GradientSync) -> int:
+class ElasticState:
+    """What the loop asks of an elastic epoch: restore the state it starts from, keep each step's shard in
+    memory, checkpoint, leave at a step boundary when a newcomer waits."""
+
+    def __init__(self, trainer: ElasticTrainer, a: Assignment, watch: PendingChangeWatch | None) -> None:
+        self.cfg, self.a, self.watch = trainer.cfg, a, watch
+        self.snapshots, self.checkpoints, self.on_event = trainer.snapshots, trainer.checkpoints, trainer.on_event
+
+    def restore(self, replica: Replica) -> int:
         """Load the state this epoch starts from; returns the step to train next. Afterwards this rank holds
         its own shard of that step, so a failure before the next step still resumes from memory."""
-        start = self._load_state(a, model, engine)
+        assert replica.model is not None and replica.engine is not None
+        start = self._load_state(replica.model, replica.engine)
         self.snapshots.discard_after(start)
-        self.snapshots.append(engine.local_shard(start))
+        self.snapshots.append(replica.engine.local_shard(start))
         return start
 
-    def _load_state(self, a: Assignment, model: torch.nn.Module, engine: GradientSync) -> int:
+    def keep(self, shard: LocalShard) -> None:
+        self.snapshots.append(shard)
+
+    def leave_requested(self) -> bool:
+        return self.watch is not None and self.watch.flag.is_set()
+
+    def step_done(self, replica: Replica, steps_done: int) -> None:
+        every = self.cfg.checkpoint_every
+        if self.cfg.checkpoint_dir and every and steps_done % every == 0:
+            self.checkpoints.save(replica, self.a.rank, steps_done)
+
+    def finish(self, replica: Replica) -> None:
+        cfg = self.cfg
+        if cfg.checkpoint_dir and (cfg.checkpoint_every == 0 or cfg.steps % cfg.checkpoint_every):
+            self.checkpoints.save(replica, self.a.rank, cfg.steps)  # the final state, always
+
+    def _load_state(self, model: torch.nn.Module, engine: GradientSync) -> int:
+        a = self.a
         shapes = {n: p.shape for n, p in model.named_parameters()}
         if a.epoch > 1 and not a.from_checkpoint:
             mine = self.snapshots.get(a.resume_step)
@@ -245,7 +223,7 @@ class ElasticTrainer:
                 if a.rank == 0:
                     self.on_event("state_incomplete", f"{e}; resuming from the durable checkpoint", {})
             else:
-                self._load(model, engine, params, optimizer)
+                _load(model, engine, params, optimizer)
                 return a.resume_step
         ck = ckpt_io.load_latest(self.cfg.checkpoint_dir) if self.cfg.checkpoint_dir else None
         if ck is None:
@@ -254,116 +232,45 @@ class ElasticTrainer:
                               "training restarts from step 0", {})  # fmt: skip
             return 0
         ckpt_io.check_fingerprint(ck, fingerprint(self.cfg), self.cfg.checkpoint_dir)
-        self._load(model, engine, ck.model, ck.optimizer)
+        _load(model, engine, ck.model, ck.optimizer)
         if a.rank == 0:
             self.on_event("checkpoint_loaded", f"resumed from the durable checkpoint of step {ck.step}",
                           {"step": ck.step})  # fmt: skip
         return ck.step
 
-    @staticmethod
-    def _load(model: torch.nn.Module, engine: GradientSync, params: dict[str, torch.Tensor], optimizer: dict) -> None:
-        engine.synchronize()
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                p.copy_(params[name].reshape(p.shape))
-        engine.load_optimizer_state(optimizer)
 
-    def _train(
-        self, a: Assignment, model: torch.nn.Module, engine: GradientSync, start: int, watch: PendingChangeWatch | None
-    ) -> EpochOutcome:
-        cfg, device, rank, world = self.cfg, self.device, a.rank, a.world_size
-        data = TextDataset(cfg.data, cfg.model.seq_len, cfg.seed)
-        pending: tuple | None = None
-        first_loss = final_loss = float("nan")
-        timed_tokens, timed_s, inter_dc_total, steps_here = 0, 0.0, 0, 0
-        leave = False
+def _load(model: torch.nn.Module, engine: GradientSync, params: dict[str, torch.Tensor], optimizer: dict) -> None:
+    engine.synchronize()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(params[name].reshape(p.shape))
+    engine.load_optimizer_state(optimizer)
 
-        # Per-rank heartbeats go out of band, so the service can name a rank that stopped finishing steps.
-        rank_step = getattr(self.sink, "rank_step", None)
-        peak = measure_peak_flops(device) if rank == 0 and self.epochs == 1 else self._peak
-        self._peak = peak
 
-        def publish(stats: torch.Tensor, work: dist.Work, step_s: float, st, step: int, done_at: float,
-                    data_s: float) -> float:
-            nonlocal leave
-            work.wait()
-            loss, inter_dc = stats[0].item(), int(stats[1].item())
-            leave = leave or stats[2].item() > 0  # every rank reads the same sum: all leave after one step
-            if rank == 0:
-                record = progress_record(cfg, step, loss, step_s, st, inter_dc, done_at, data_s=data_s,
-                                         peak=peak, world=world)
-                record.update(epoch=a.epoch, workers=world)
-                self.sink.step(record)
-            return loss
+# -- durable checkpoints -------------------------------------------------------------------------------------
+class Checkpointer:
+    """Gathers the full state (inside each DC) and lets rank 0 write it on a background thread, one write at
+    a time, in step order."""
 
-        step = start
-        while step < cfg.steps:
-            loss_sum, stats, step_s, data_s = timed_step(engine, data, cfg, step, rank, world, device, rank_step,
-                                                         snapshot=True)  # fmt: skip
-            assert stats.shard is not None
-            self.snapshots.append(stats.shard)
-            flag = 1.0 if watch is not None and watch.flag.is_set() else 0.0
-            stats_tensor = torch.stack(
-                [loss_sum.float().cpu(), torch.tensor(float(stats.inter_dc_bytes)), torch.tensor(flag)]
-            )
-            work = dist.all_reduce(stats_tensor, async_op=True)
-            if pending is not None:
-                loss = publish(*pending)
-                first_loss = loss if math.isnan(first_loss) else first_loss
-            pending = (stats_tensor, work, step_s, stats, step, time.time(), data_s)
-            if steps_here > 0:
-                timed_tokens += cfg.tokens_per_step
-                timed_s += step_s
-            steps_here += 1
-            inter_dc_total += stats.inter_dc_bytes
-            step += 1
-            self._maybe_checkpoint(a, engine, model, step)
-            if leave and step < cfg.steps:
-                publish(*pending)
-                return EpochOutcome(finished=False)  # a newcomer joins at this step boundary
+    def __init__(self, cfg: TrainConfig) -> None:
+        self.cfg = cfg
+        self._writer: threading.Thread | None = None
 
-        if pending is not None:
-            final_loss = publish(*pending)
-        if math.isnan(first_loss):
-            first_loss = final_loss
-        held_out = TextDataset(cfg.data, cfg.model.seq_len, cfg.seed, split="eval")
-        engine.synchronize()
-        eval_loss = evaluate(engine.model, held_out, cfg, device)
-        self.final_params = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
-        if cfg.checkpoint_dir and (cfg.checkpoint_every == 0 or cfg.steps % cfg.checkpoint_every):
-            self._checkpoint(a, engine, model, cfg.steps)  # the final state, always
-        totals = torch.tensor([float(inter_dc_total), float(steps_here)])
-        dist.all_reduce(totals)
-        result = TrainResult(
-            first_loss=first_loss, final_loss=final_loss, eval_loss=eval_loss, steps=cfg.steps,
-            tokens_per_s=timed_tokens / timed_s if timed_s else 0.0,
-            inter_dc_bytes_per_step=totals[0].item() / max(1, steps_here),
-            optimizer_state_bytes=engine.optimizer_state_nbytes(),
-            final_params=self.final_params if self.keep_params else None,
-        )  # fmt: skip
-        return EpochOutcome(finished=True, result=result)
-
-    # -- durable checkpoints ---------------------------------------------------------------------------------
-    def _maybe_checkpoint(self, a: Assignment, engine: GradientSync, model: torch.nn.Module, step: int) -> None:
-        every = self.cfg.checkpoint_every
-        if self.cfg.checkpoint_dir and every and step % every == 0:
-            self._checkpoint(a, engine, model, step)
-
-    def _checkpoint(self, a: Assignment, engine: GradientSync, model: torch.nn.Module, step: int) -> None:
-        """Gather the full state (inside each DC) and let rank 0 write it on a background thread."""
-        optimizer = engine.optimizer_state()
-        if a.rank != 0:
+    def save(self, replica: Replica, rank: int, step: int) -> None:
+        assert replica.model is not None and replica.engine is not None
+        optimizer = replica.engine.optimizer_state()  # collective inside the DC: every rank calls it
+        if rank != 0:
             return
-        engine.synchronize()
-        state = {n: t.detach().cpu().clone() for n, t in model.state_dict().items()}
+        replica.engine.synchronize()
+        state = {n: t.detach().cpu().clone() for n, t in replica.model.state_dict().items()}
         ck = ckpt_io.Checkpoint(step=step, model=state, optimizer=optimizer, fingerprint=fingerprint(self.cfg))
-        self._wait_writer()  # one write at a time, in step order
+        self.wait()
         self._writer = threading.Thread(
             target=ckpt_io.save, args=(self.cfg.checkpoint_dir, ck), name="meridian-checkpoint", daemon=True
         )
         self._writer.start()
 
-    def _wait_writer(self) -> None:
+    def wait(self) -> None:
         if self._writer is not None:
             self._writer.join()
             self._writer = None

@@ -2,7 +2,7 @@
 
 Runs inside training processes with or without Ray; never imports Ray, ``meridian.api`` or
 ``meridian.service``. A sink that wants per-rank heartbeats (the Ray entry point's) has a ``rank_step``
-method; sinks without one (tests' :class:`~meridian.workers.loop.train.ListSink`) cost nothing.
+method; sinks without one (tests' :class:`~meridian.workers.loop.records.ListSink`) cost nothing.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""The training loop of a tensor- and/or pipeline-parallel job (``parallel.tp * parallel.pp > 1``).
+"""What a tensor- and/or pipeline-parallel job (``parallel.tp * parallel.pp > 1``) builds and runs per step.
 
-The same contract as :func:`meridian.workers.loop.train.train`, which hands over to :func:`train_parallel`:
-build → ``cfg.steps`` optimizer steps → close. What differs is who holds what::
+The loop is the one of :mod:`meridian.workers.loop.train`; this :class:`ModelParallelReplica` is what differs
+from data parallelism, who holds what::
 
     ranks         (stage, replica, tp_rank), tp fastest                    (:mod:`meridian.workers.parallel.dims`)
     model         this stage's blocks, TP-sliced, cut from the seeded GPT   (:mod:`meridian.workers.parallel.tensor_parallel`)
@@ -11,125 +11,81 @@ build → ``cfg.steps`` optimizer steps → close. What differs is who holds wha
 
 Each replica reads the samples of its data-parallel index, so the step's global batch is the same set of
 samples as in single-process training; only TP rank 0 of the last stage adds its loss to the global loss.
+Such a job trains in one epoch: its in-memory state is not pooled across a re-formation (yet), so the
+elastic trainer refuses to resume it after losing a worker (:class:`~meridian.workers.elastic.trainer.ModelParallelNotElastic`).
 """
 
 from __future__ import annotations
 
-import math
-import time
-from typing import TYPE_CHECKING
-
 import torch
 import torch.distributed as dist
 
-from meridian.workers.contracts.config import TrainConfig
 from meridian.workers.data.text import TextDataset
 from meridian.workers.distributed.layout import DCLayout
+from meridian.workers.loop.precision import autocast_context
+from meridian.workers.loop.replica import Batches, Replica
 from meridian.workers.model.gpt import GPT
 from meridian.workers.parallel.dims import ParallelDims, ParallelGroups
 from meridian.workers.parallel.pipeline import StageRunner
 from meridian.workers.parallel.tensor_parallel import GPTStage
 from meridian.workers.sync.build import build_sync
-from meridian.workers.wan.collectives import WanEmulator, agree_key, cleanup
-
-if TYPE_CHECKING:
-    from meridian.workers.loop.train import ProgressSink, TrainResult
+from meridian.workers.wan.collectives import WanEmulator, agree_key
 
 
-def train_parallel(
-    cfg: TrainConfig, *, sink: ProgressSink, device: torch.device, keep_params: bool = False
-) -> TrainResult:
-    from meridian.workers.loop.train import TrainResult, autocast_context, lr_at, progress_record
+class ModelParallelReplica(Replica):
+    """This rank's TP slice of one pipeline stage of one data-parallel replica."""
 
-    rank, world = dist.get_rank(), dist.get_world_size()
-    dims = ParallelDims(cfg.parallel.tp, cfg.parallel.pp, cfg.datacenters or ("local",) * world)
-    groups = ParallelGroups(dims, rank)
-    c = groups.coords
-    dp_groups = groups.dp
-    assert dp_groups is not None
+    def build(self) -> None:
+        cfg, m, device = self.cfg, self.m, self.device
+        dims = ParallelDims(cfg.parallel.tp, cfg.parallel.pp, m.datacenters)
+        self.groups = groups = ParallelGroups(dims, m.rank)
+        c = groups.coords
+        dp_groups = groups.dp
+        assert dp_groups is not None
+        self.data_rank, self.data_world = c.replica, dims.dp
+        self.reports_loss = groups.reports_loss
+        self._reports_eval = groups.reports_loss and c.replica == 0
 
-    torch.manual_seed(cfg.seed)
-    full = GPT(cfg.model)  # the single-process initial weights, on every rank
-    model = GPTStage(full, stage=c.stage, pp=dims.pp, tp_rank=c.tp_rank, tp=dims.tp, tp_group=groups.tp_group)
-    model = model.to(device)
-    del full
+        torch.manual_seed(cfg.seed)
+        full = GPT(cfg.model)  # the single-process initial weights, on every rank
+        model = GPTStage(full, stage=c.stage, pp=dims.pp, tp_rank=c.tp_rank, tp=dims.tp, tp_group=groups.tp_group)
+        self.model = model = model.to(device)
+        del full
 
-    dp_emulator = stage_emulator = None
-    key = agree_key(f"job-{cfg.job_id}") if cfg.wan is not None and len(set(dims.datacenters)) > 1 else ""
-    if key:
-        # One set of link files for the job (same key): data-parallel traffic of every group and pipeline
-        # traffic between stages share the emulated inter-DC links.
-        dp_emulator = WanEmulator(cfg.wan, dp_groups.layout, c.replica, key=key)
-        stage_emulator = WanEmulator(cfg.wan, DCLayout(dims.datacenters), rank, key=key)
-    engine = build_sync(model, dp_groups, cfg.sync, cfg.optim, emulator=dp_emulator)
-    prev, nxt = dims.stage_neighbours(rank)
-    runner = StageRunner(
-        engine.model, prev=prev, next=nxt, schedule=cfg.parallel.schedule, pp=dims.pp, stage_index=c.stage,
-        d_model=cfg.model.d_model, autocast=lambda: autocast_context(cfg.precision, device), emulator=stage_emulator,
-    )
-    data = TextDataset(cfg.data, cfg.model.seq_len, cfg.seed)
-    held_out = TextDataset(cfg.data, cfg.model.seq_len, cfg.seed, split="eval")
+        dp_emulator = self._stage_emulator = None
+        if cfg.wan is not None and len(set(dims.datacenters)) > 1:
+            # One set of link files for the job (same key): data-parallel traffic of every group and pipeline
+            # traffic between stages share the emulated inter-DC links.
+            self.key = agree_key(self.key_prefix)
+            dp_emulator = WanEmulator(cfg.wan, dp_groups.layout, c.replica, key=self.key)
+            self._stage_emulator = WanEmulator(cfg.wan, DCLayout(dims.datacenters), m.rank, key=self.key)
+            self.emulators += [dp_emulator, self._stage_emulator]
+        self.engine = engine = build_sync(model, dp_groups, cfg.sync, cfg.optim, emulator=dp_emulator)
+        prev, nxt = dims.stage_neighbours(m.rank)
+        self.runner = StageRunner(
+            engine.model, prev=prev, next=nxt, schedule=cfg.parallel.schedule, pp=dims.pp, stage_index=c.stage,
+            d_model=cfg.model.d_model, autocast=lambda: autocast_context(cfg.precision, device),
+            emulator=self._stage_emulator,
+        )
 
-    losses: list[float] = []
-    timed_tokens, timed_s, inter_dc_total = 0, 0.0, 0
-    for step in range(cfg.steps):
-        t0 = time.perf_counter()
-        batches = data.step_batches(step, cfg.global_batch, cfg.micro_batch, c.replica, dims.dp)
-        loss_share = runner.train_step(engine, batches, cfg.global_batch, device)
-        stats = engine.step(lr_at(step, cfg))
-        step_s = time.perf_counter() - t0
-        pp_bytes = stage_emulator.counter.reset().tensor_bytes if stage_emulator is not None else 0
-        inter_dc = stats.inter_dc_bytes + pp_bytes
-        contrib = loss_share.detach().float().cpu() if groups.reports_loss else torch.zeros(())
-        totals = torch.stack([contrib, torch.tensor(float(inter_dc))])
-        dist.all_reduce(totals)
-        loss = totals[0].item()
-        losses.append(loss)
-        if rank == 0:
-            sink.step(progress_record(cfg, step, loss, step_s, stats, int(totals[1].item()), time.time()))
-        if step > 0:
-            timed_tokens += cfg.tokens_per_step
-            timed_s += step_s
-        inter_dc_total += int(totals[1].item())
+    def forward_backward(self, batches: Batches) -> torch.Tensor:
+        assert self.engine is not None
+        return self.runner.train_step(self.engine, batches, self.cfg.global_batch, self.device)
 
-    eval_loss = _evaluate(runner, held_out, cfg, device, reports=groups.reports_loss and c.replica == 0)
-    final_params = None
-    if keep_params:
-        engine.synchronize()
-        final_params = {name: p.detach().cpu().clone() for name, p in model.named_parameters()}
-    state_bytes = engine.optimizer_state_nbytes()
-    engine.close()
-    for emu in (dp_emulator, stage_emulator):
-        if emu is not None:
-            emu.close()
-    if key:
-        dist.barrier()  # every rank is done with the shared link files
-        if rank == 0:
-            cleanup(key)
-    groups.destroy()
-    return TrainResult(
-        first_loss=losses[0] if losses else math.nan,
-        final_loss=losses[-1] if losses else math.nan,
-        eval_loss=eval_loss,
-        steps=cfg.steps,
-        tokens_per_s=timed_tokens / timed_s if timed_s else 0.0,
-        inter_dc_bytes_per_step=inter_dc_total / cfg.steps,
-        optimizer_state_bytes=state_bytes,
-        final_params=final_params,
-    )
+    def extra_inter_dc_bytes(self) -> int:
+        return self._stage_emulator.counter.reset().tensor_bytes if self._stage_emulator is not None else 0
 
-
-@torch.no_grad()
-def _evaluate(runner: StageRunner, data: TextDataset, cfg: TrainConfig, device: torch.device, *, reports: bool,
-              batches: int = 4) -> float:
-    """Held-out loss as :func:`meridian.workers.loop.train.evaluate` computes it, through the pipeline."""
-    runner.stage.eval()
-    total = torch.zeros(())
-    for b in range(batches):
-        x, y = data.batch(b * cfg.micro_batch, cfg.micro_batch)
-        loss = runner.forward_only(x, y, device)
-        if reports:
-            total += loss.float().cpu()
-    runner.stage.train()
-    dist.all_reduce(total)
-    return total.item() / batches
+    @torch.no_grad()
+    def evaluate(self, data: TextDataset, batches: int = 4) -> float:
+        """Held-out loss as :func:`meridian.workers.loop.replica.evaluate` computes it, through the pipeline."""
+        cfg, runner = self.cfg, self.runner
+        runner.stage.eval()
+        total = torch.zeros(())
+        for b in range(batches):
+            x, y = data.batch(b * cfg.micro_batch, cfg.micro_batch)
+            loss = runner.forward_only(x, y, self.device)
+            if self._reports_eval:
+                total += loss.float().cpu()
+        runner.stage.train()
+        dist.all_reduce(total)
+        return total.item() / batches

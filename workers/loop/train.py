@@ -1,262 +1,211 @@
-"""The training loop every rank runs, with no knowledge of Ray.
+"""The training loop every rank runs, with no knowledge of Ray: one loop for every kind of job.
 
-Build (model, data, groups, sync engine) → run ``cfg.steps`` optimizer steps → close. The process group
-must already exist; the Ray entry point (:mod:`meridian.workers.entry`) and the multi-process test
-harness both create it and then call :func:`train`. Progress leaves through a :class:`ProgressSink`.
+One call of :meth:`TrainingLoop.run_epoch` trains one *epoch*, one membership of the job::
+
+    build   this rank's replica for the epoch's layout: groups, model or stage, WAN emulator(s), sync engine
+            (:mod:`meridian.workers.loop.replica`; tensor/pipeline parallelism: :mod:`meridian.workers.loop.parallel`)
+    restore the state the epoch starts from (an elastic run's :class:`EpochState`; otherwise step 0)
+    steps   :func:`meridian.workers.loop.step.timed_step` until the last step, or until every rank agrees to
+            leave at a step boundary (a newcomer waits to join); rank 0 reports each step as a
+            :class:`~meridian.workers.contracts.records.StepRecord` through a :class:`ProgressSink`
+    finish  evaluate, the final checkpoint (elastic), the :class:`TrainResult`
+    close   the replica's one clean-up path, on success and on error alike
+
+Plain training — :func:`train`, used by the tests and the benchmarks — is that loop for one epoch over the
+existing default process group, without a rendezvous. The elastic trainer
+(:mod:`meridian.workers.elastic.trainer`) runs it once per epoch it joins, with an :class:`EpochState` that
+snapshots, checkpoints and restores. The process group must already exist: the elastic rendezvous, the
+multi-process test harness or a benchmark creates it.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from contextlib import nullcontext
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
-from meridian.workers.contracts.config import Precision, TrainConfig
+from meridian.workers.contracts.config import TrainConfig
 from meridian.workers.data.text import TextDataset
-from meridian.workers.distributed.layout import DCGroups, DCLayout
-from meridian.workers.loop.observe import (
-    DevicePeak,
-    StepTimes,
-    computed_beat,
-    heartbeat,
-    measure_peak_flops,
-    mfu,
-)
-from meridian.workers.model.gpt import GPT, per_sample_loss
-from meridian.workers.sync.build import GradientSync, StepStats, build_sync
-from meridian.workers.wan.collectives import WanEmulator, agree_key, cleanup
+from meridian.workers.loop.observe import DevicePeak, measure_peak_flops
+from meridian.workers.loop.parallel import ModelParallelReplica
+from meridian.workers.loop.records import ListSink, ProgressSink, TrainResult, step_record
+from meridian.workers.loop.replica import DataParallelReplica, Membership, Replica
+from meridian.workers.loop.step import StepOutput, timed_step
+from meridian.workers.state.replica_state import LocalShard
+
+__all__ = ["EpochOutcome", "EpochState", "ListSink", "Membership", "ProgressSink", "TrainResult", "TrainingLoop",
+           "train"]  # fmt: skip
 
 
-class ProgressSink(Protocol):
-    """Where rank 0 sends per-step records (the service's job runner, or a list in tests)."""
+class EpochState(Protocol):
+    """What an elastic run keeps across epochs; the loop calls it at fixed points of every epoch."""
 
-    def step(self, record: dict[str, Any]) -> None: ...
+    def restore(self, replica: Replica) -> int:
+        """Load the state the epoch starts from into the built replica; returns the step to train next."""
+        ...
+
+    def keep(self, shard: LocalShard) -> None:
+        """This rank's shard of the state after a step (taken before the parameter all-gather)."""
+        ...
+
+    def leave_requested(self) -> bool:
+        """Whether this rank asks every rank to leave the epoch at the next step boundary."""
+        ...
+
+    def step_done(self, replica: Replica, steps_done: int) -> None:
+        """After each step, on every rank (a durable checkpoint when one is due)."""
+        ...
+
+    def finish(self, replica: Replica) -> None:
+        """After the last step, before the result (the final durable checkpoint)."""
+        ...
 
 
 @dataclass
-class ListSink:
-    records: list[dict[str, Any]] = field(default_factory=list)
-
-    def step(self, record: dict[str, Any]) -> None:
-        self.records.append(record)
-
-
-def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Linear warm-up to ``lr``, then cosine decay to ``lr * min_lr_ratio`` at the last step."""
-    o = cfg.optim
-    if step < o.warmup_steps:
-        return o.lr * (step + 1) / o.warmup_steps
-    span = max(1, cfg.steps - o.warmup_steps)
-    progress = min(1.0, (step - o.warmup_steps) / span)
-    return o.lr * (o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+class EpochOutcome:
+    finished: bool
+    """The job's last step is done (else every rank left at a step boundary to re-form)."""
+    result: TrainResult | None = None
 
 
-def resolve_precision(precision: Precision, device: torch.device) -> Precision:
-    """``auto`` → bf16 on a GPU that supports it, fp32 elsewhere (bf16 autocast on CPU is slower)."""
-    if precision is not Precision.AUTO:
-        return precision
-    if device.type == "cuda" and torch.cuda.is_bf16_supported():
-        return Precision.BF16
-    return Precision.FP32
+@dataclass
+class _Pending:
+    """A step whose global loss is still being summed."""
+
+    totals: torch.Tensor
+    work: dist.Work
+    out: StepOutput
+    step: int
+    done_at: float
 
 
-def autocast_context(precision: Precision, device: torch.device):
-    if resolve_precision(precision, device) is Precision.BF16:
-        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
-    return nullcontext()
+def build_replica(cfg: TrainConfig, membership: Membership, device: torch.device) -> Replica:
+    """The replica a job's parallelism asks for (built by :meth:`Replica.build`, inside the loop's clean-up)."""
+    kind = ModelParallelReplica if cfg.parallel.model_parallel > 1 else DataParallelReplica
+    return kind(cfg, membership, device)
 
 
-@dataclass(frozen=True)
-class TrainResult:
-    first_loss: float
-    final_loss: float
-    eval_loss: float
-    steps: int
-    tokens_per_s: float
-    """Mean training throughput over the steps after the first (which includes warm-up costs)."""
-    inter_dc_bytes_per_step: float
-    """Mean tensor bytes per step put into collectives crossing a DC boundary, summed over ranks."""
-    optimizer_state_bytes: int = 0
-    """Optimizer state held on this rank after the last step (1/N of replicated AdamW when sharded)."""
-    final_params: dict[str, torch.Tensor] | None = None
-    """The model's parameters after the last step (CPU copies), when ``train(..., keep_params=True)``."""
+class TrainingLoop:
+    """One rank's training, epoch after epoch. ``on_failure`` sees an error before the clean-up runs (the
+    elastic agent's child leaves the process there: gloo cannot abort a collective in flight)."""
 
+    def __init__(
+        self, cfg: TrainConfig, *, sink: ProgressSink, device: torch.device | None = None, keep_params: bool = False,
+        on_failure: Callable[[Exception], None] | None = None,
+    ) -> None:  # fmt: skip
+        self.cfg = cfg
+        self.sink = sink
+        self.device = device or torch.device("cpu")
+        self.keep_params = keep_params
+        self.on_failure = on_failure
+        self._peak: DevicePeak | None = None
 
-def forward_backward(
-    engine: GradientSync, data: TextDataset, cfg: TrainConfig, step: int, rank: int, world: int,
-    device: torch.device, timings: dict[str, float] | None = None,
-) -> torch.Tensor:
-    """This rank's micro-batches of step ``step``, forward and backward; returns its share of the loss.
-    ``timings["data_s"]`` receives the seconds spent producing the batches (the data loader's share)."""
-    loss_sum = torch.zeros((), device=device)
-    t0 = time.perf_counter()
-    batches = data.step_batches(step, cfg.global_batch, cfg.micro_batch, rank, world)
-    if timings is not None:
-        timings["data_s"] = time.perf_counter() - t0
-    for i, (x, y) in enumerate(batches):
-        last = i == len(batches) - 1
-        with engine.micro_batch(last_micro_batch=last):
-            with autocast_context(cfg.precision, device):
-                losses = per_sample_loss(engine.model(x.to(device)), y.to(device))
-            share = losses.sum() / cfg.global_batch
-            engine.backward(share, last_micro_batch=last)
-        loss_sum += share.detach()
-    return loss_sum
+    def run_epoch(self, membership: Membership, state: EpochState | None = None) -> EpochOutcome:
+        """Train ``membership``'s epoch on this rank; every rank of the epoch's default group must call it."""
+        replica = build_replica(self.cfg, membership, self.device)
+        ok = False
+        try:
+            replica.build()
+            start = state.restore(replica) if state is not None else 0
+            outcome = self._train(replica, start, state)
+            ok = True
+            return outcome
+        except Exception as e:
+            if self.on_failure is not None:
+                self.on_failure(e)
+            raise
+        finally:
+            replica.close(ok=ok)
 
+    def _device_peak(self, rank: int) -> DevicePeak | None:
+        """Rank 0's device peak, the MFU's denominator: measured once, when the sink takes heartbeats (the
+        service's); a sink without them (tests, benchmarks) does not pay for the measurement."""
+        if self._peak is None and rank == 0 and getattr(self.sink, "rank_step", None) is not None:
+            self._peak = measure_peak_flops(self.device)
+        return self._peak if rank == 0 else None
 
-def timed_step(
-    engine: GradientSync, data: TextDataset, cfg: TrainConfig, step: int, rank: int, world: int,
-    device: torch.device, rank_step: Any = None, *, snapshot: bool = False,
-) -> tuple[torch.Tensor, StepStats, float, float]:
-    """Optimizer step ``step`` on this rank: forward/backward, then the engine's sync and update, with the
-    per-rank heartbeats around them (``rank_step``, when given). Returns this rank's loss share, the engine's
-    stats (with this rank's shard of the new state when ``snapshot``), the step's seconds and its data seconds."""
-    t0 = time.perf_counter()
-    timings: dict[str, float] = {}
-    loss_sum = forward_backward(engine, data, cfg, step, rank, world, device, timings)
-    if rank_step is not None:
-        rank_step(computed_beat(rank, step + 1))
-    stats = engine.step(lr_at(step, cfg), snapshot_as=step + 1 if snapshot else None)
-    step_s = time.perf_counter() - t0
-    if rank_step is not None:
-        rank_step(heartbeat(rank, step + 1, StepTimes(step_s, timings["data_s"], stats.sync_wait_s)))
-    return loss_sum, stats, step_s, timings["data_s"]
+    def _train(self, replica: Replica, start: int, state: EpochState | None) -> EpochOutcome:
+        cfg, m, sink = self.cfg, replica.m, self.sink
+        assert replica.engine is not None
+        data = TextDataset(cfg.data, cfg.model.seq_len, cfg.seed)
+        # Per-rank heartbeats go out of band (not through a collective), so the service can name a rank that
+        # stopped finishing steps even while every other rank sits blocked in the collective waiting for it.
+        rank_step = getattr(sink, "rank_step", None)
+        peak = self._device_peak(m.rank)
+        first_loss = final_loss = math.nan
+        timed_tokens, timed_s, inter_dc_total, steps_here = 0, 0.0, 0, 0
+        pending: _Pending | None = None
+        leave = False
 
+        def publish(p: _Pending) -> float:
+            nonlocal leave
+            # The global loss is summed with an async all-reduce and read one step later, so reporting it
+            # never puts a latency round on the critical path.
+            p.work.wait()
+            loss, inter_dc = p.totals[0].item(), int(p.totals[1].item())
+            leave = leave or p.totals[2].item() > 0  # every rank reads the same sum: all leave after one step
+            if m.rank == 0:
+                sink.step(step_record(cfg, p.step, loss, p.out.step_s, p.out.stats, inter_dc, p.done_at,
+                                      data_s=p.out.data_s, peak=peak, world=m.world_size, epoch=m.epoch))
+            return loss
 
-def progress_record(
-    cfg: TrainConfig, step: int, loss: float, step_s: float, stats: StepStats, inter_dc: int, done_at: float,
-    *, data_s: float = 0.0, peak: DevicePeak | None = None, world: int = 1,
-) -> dict[str, Any]:
-    """What rank 0 reports of step ``step`` (0-based; reported as ``step + 1`` steps done)."""
-    times = StepTimes(step_s=step_s, data_s=data_s, sync_wait_s=stats.sync_wait_s)
-    tokens_per_s = cfg.tokens_per_step / step_s
-    observed = {
-        "data_s": data_s,
-        "compute_s": times.compute_s,
-        "mfu": mfu(cfg.model.flops_per_token, tokens_per_s, world, peak),
-        "peak_flops": peak.flops if peak else None,
-        "peak_source": peak.source if peak else "",
-    }
-    return observed | {
-        "step": step + 1,
-        "total_steps": cfg.steps,
-        "loss": loss,
-        "lr": lr_at(step, cfg),
-        "step_s": step_s,
-        "tokens_per_s": cfg.tokens_per_step / step_s,
-        "grad_norm": stats.grad_norm,
-        "inter_dc_bytes": inter_dc,
-        "sync_wait_s": stats.sync_wait_s,
-        "comm_s": stats.comm_s,
-        "comm_intra_dc_s": stats.intra_dc_comm_s,
-        "comm_inter_dc_s": max(0.0, stats.comm_s - stats.intra_dc_comm_s),
-        "exposed_s": stats.exposed_s,
-        "overlap_fraction": stats.overlap_fraction,
-        "time": done_at,
-        "workers": world,
-    }
+        step = start
+        while step < cfg.steps:
+            out = timed_step(replica, data, cfg, step, rank_step, snapshot=state is not None)
+            if state is not None:
+                assert out.stats.shard is not None
+                state.keep(out.stats.shard)
+            flag = 1.0 if state is not None and state.leave_requested() else 0.0
+            contrib = out.loss.detach().float().cpu() if replica.reports_loss else torch.zeros(())
+            totals = torch.stack([contrib, torch.tensor(float(out.inter_dc_bytes)), torch.tensor(flag)])
+            work = dist.all_reduce(totals, async_op=True)
+            if pending is not None:
+                loss = publish(pending)
+                first_loss = loss if math.isnan(first_loss) else first_loss
+            pending = _Pending(totals, work, out, step, time.time())
+            if steps_here > 0:  # the epoch's first step pays for warm-up: not timed
+                timed_tokens += cfg.tokens_per_step
+                timed_s += out.step_s
+            steps_here += 1
+            inter_dc_total += out.inter_dc_bytes
+            step += 1
+            if state is not None:
+                state.step_done(replica, step)
+            if leave and step < cfg.steps:
+                publish(pending)
+                return EpochOutcome(finished=False)  # a newcomer joins at this step boundary
 
-
-@torch.no_grad()
-def evaluate(
-    model: torch.nn.Module, data: TextDataset, cfg: TrainConfig, device: torch.device, batches: int = 4
-) -> float:
-    model.eval()
-    losses = []
-    for b in range(batches):
-        x, y = data.batch(b * cfg.micro_batch, cfg.micro_batch)
-        with autocast_context(cfg.precision, device):
-            losses.append(per_sample_loss(model(x.to(device)), y.to(device)).mean().item())
-    model.train()
-    return sum(losses) / len(losses)
+        if pending is not None:
+            final_loss = publish(pending)
+        if math.isnan(first_loss):
+            first_loss = final_loss
+        replica.engine.synchronize()
+        eval_loss = replica.evaluate(TextDataset(cfg.data, cfg.model.seq_len, cfg.seed, split="eval"))
+        final_params = replica.parameters() if self.keep_params else None
+        if state is not None:
+            state.finish(replica)
+        totals = torch.tensor([float(inter_dc_total)])
+        dist.all_reduce(totals)
+        result = TrainResult(
+            first_loss=first_loss, final_loss=final_loss, eval_loss=eval_loss, steps=cfg.steps,
+            tokens_per_s=timed_tokens / timed_s if timed_s else 0.0,
+            inter_dc_bytes_per_step=totals.item() / max(1, steps_here),
+            optimizer_state_bytes=replica.engine.optimizer_state_nbytes(), final_params=final_params,
+        )  # fmt: skip
+        return EpochOutcome(finished=True, result=result)
 
 
 def train(
     cfg: TrainConfig, *, sink: ProgressSink, device: torch.device | None = None, keep_params: bool = False
 ) -> TrainResult:
-    """Run the job on this rank. Every rank of the default process group must call it."""
-    device = device or torch.device("cpu")
-    if cfg.parallel.model_parallel > 1:  # tensor/pipeline parallelism: stages and slices, same contract
-        from meridian.workers.loop.parallel import train_parallel
-
-        return train_parallel(cfg, sink=sink, device=device, keep_params=keep_params)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    layout = DCLayout(cfg.datacenters or ("local",) * world)
-    groups = DCGroups(layout, rank)
-
-    torch.manual_seed(cfg.seed)
-    model = GPT(cfg.model).to(device)
-    emulator = None
-    if cfg.wan is not None and layout.num_dcs > 1:  # every inter-DC collective waits for the emulated link
-        emulator = WanEmulator(cfg.wan, layout, rank, key=agree_key(f"job-{cfg.job_id}"))
-    engine = build_sync(model, groups, cfg.sync, cfg.optim, emulator=emulator)
-    data = TextDataset(cfg.data, cfg.model.seq_len, cfg.seed)
-    held_out = TextDataset(cfg.data, cfg.model.seq_len, cfg.seed, split="eval")
-
-    first_loss = final_loss = float("nan")
-    timed_tokens, timed_s, inter_dc_total = 0, 0.0, 0
-    pending: tuple[torch.Tensor, dist.Work, float, StepStats, int, float, float] | None = None
-    # Per-rank heartbeats go out of band (not through a collective), so the service can name a rank that
-    # stopped finishing steps even while every other rank sits blocked in the collective waiting for it.
-    rank_step = getattr(sink, "rank_step", None)
-    peak = measure_peak_flops(device) if rank_step is not None and rank == 0 else None
-
-    def publish(
-        stats_tensor: torch.Tensor, work: dist.Work, step_s: float, step_stats: StepStats, step: int, done_at: float,
-        data_s: float,
-    ) -> float:
-        # The global loss is summed with an async all-reduce and read one step later, so reporting it
-        # never puts a latency round on the critical path.
-        work.wait()
-        loss, inter_dc = stats_tensor[0].item(), int(stats_tensor[1].item())
-        if rank == 0:
-            sink.step(progress_record(cfg, step, loss, step_s, step_stats, inter_dc, done_at, data_s=data_s,
-                                      peak=peak, world=world))
-        return loss
-
-    for step in range(cfg.steps):
-        loss_sum, stats, step_s, data_s = timed_step(engine, data, cfg, step, rank, world, device, rank_step)
-        stats_tensor = torch.stack([loss_sum.float().cpu(), torch.tensor(float(stats.inter_dc_bytes))])
-        work = dist.all_reduce(stats_tensor, async_op=True)
-        if pending is not None:
-            loss = publish(*pending)
-            first_loss = loss if math.isnan(first_loss) else first_loss
-        pending = (stats_tensor, work, step_s, stats, step, time.time(), data_s)
-        if step > 0:
-            timed_tokens += cfg.tokens_per_step
-            timed_s += step_s
-        inter_dc_total += stats.inter_dc_bytes
-
-    final_loss = publish(*pending)
-    if math.isnan(first_loss):
-        first_loss = final_loss
-    eval_loss = evaluate(engine.model, held_out, cfg, device)
-    state_bytes = engine.optimizer_state_nbytes()
-    final_params = None
-    if keep_params:
-        engine.synchronize()
-        final_params = {name: p.detach().cpu().clone() for name, p in model.named_parameters()}
-    totals = torch.tensor([float(inter_dc_total)])
-    dist.all_reduce(totals)
-    engine.close()
-    if emulator is not None:
-        emulator.close()
-        dist.barrier()  # every rank is done with the shared link files
-        if rank == 0:
-            cleanup(emulator.key)
-    groups.destroy()
-    return TrainResult(
-        first_loss=first_loss,
-        final_loss=final_loss,
-        eval_loss=eval_loss,
-        steps=cfg.steps,
-        tokens_per_s=timed_tokens / timed_s if timed_s else 0.0,
-        inter_dc_bytes_per_step=totals.item() / cfg.steps,
-        optimizer_state_bytes=state_bytes,
-        final_params=final_params,
-    )
+    """Run the job on this rank: the one loop for one epoch without a rendezvous, over the default process
+    group. Every rank of that group must call it."""
+    loop = TrainingLoop(cfg, sink=sink, device=device, keep_params=keep_params)
+    outcome = loop.run_epoch(Membership.of_default_group(cfg))
+    assert outcome.result is not None
+    return outcome.result

@@ -1,0 +1,66 @@
+"""The messages of an elastic job's rendezvous, as both sides see them; torch-free.
+
+A worker (:mod:`meridian.workers.elastic.rendezvous`) sends a :class:`JoinRequest` to the coordinator in the
+job's runner actor (:mod:`meridian.service.runner.coordinator`), which answers with one of
+:data:`JoinReply`: an :class:`Assignment` in a newer epoch, :class:`Waiting` (call again), or
+:class:`Finished` (the job's last step is done). They travel as themselves — through the agent's pipe and
+Ray, which pickle frozen dataclasses — so the message has one shape from the worker to the coordinator and
+back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, kw_only=True)
+class JoinRequest:
+    """A worker asks to be placed in an epoch newer than the one it knows."""
+
+    worker_id: str
+    datacenter: str
+    node_id: str
+    address: str
+    """IP reachable by the other workers (rank 0 of an epoch hosts the rendezvous store)."""
+    port: int
+    """Where this worker hosts the store if it becomes rank 0: the same for every poll of one join."""
+    last_step: int = 0
+    """Optimizer steps this worker has completed (its newest in-memory snapshot)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Assignment:
+    """This worker's place in an epoch: its rank, the layout, where the store is, where training resumes."""
+
+    epoch: int
+    rank: int
+    world_size: int
+    datacenters: tuple[str, ...]
+    """Each rank's datacenter, in rank order."""
+    master_addr: str
+    master_port: int
+    resume_step: int
+    """Every member restores its snapshot of this step and trains from here."""
+    from_checkpoint: bool
+    """No member holds the state in memory: everyone loads the latest durable checkpoint."""
+    newcomer_ranks: tuple[int, ...]
+    """Ranks without state: they receive it from the others."""
+
+    @property
+    def is_newcomer(self) -> bool:
+        return self.rank in self.newcomer_ranks
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """No epoch for this worker yet; it calls again."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class Finished:
+    """The job's last step is done: a worker still waiting to join has nothing to do."""
+
+
+JoinReply = Assignment | Waiting | Finished

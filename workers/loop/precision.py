@@ -1,0 +1,24 @@
+"""Which floating-point precision a step computes in, on this device."""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
+
+import torch
+
+from meridian.workers.contracts.config import Precision
+
+
+def resolve_precision(precision: Precision, device: torch.device) -> Precision:
+    """``auto`` → bf16 on a GPU that supports it, fp32 elsewhere (bf16 autocast on CPU is slower)."""
+    if precision is not Precision.AUTO:
+        return precision
+    if device.type == "cuda" and torch.cuda.is_bf16_supported():
+        return Precision.BF16
+    return Precision.FP32
+
+
+def autocast_context(precision: Precision, device: torch.device) -> AbstractContextManager[object]:
+    if resolve_precision(precision, device) is Precision.BF16:
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return nullcontext()

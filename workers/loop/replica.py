@@ -1,0 +1,179 @@
+"""What one rank builds for one epoch, how it runs a step's micro-batches, and how it closes it all again.
+
+The training loop (:mod:`meridian.workers.loop.train`) is the same for every job. What differs between a
+data-parallel job and a tensor/pipeline-parallel one lives behind :class:`Replica`::
+
+    build             groups, model (or this rank's stage), WAN emulator(s), sync engine, in this order on
+                      every rank (group creation and the emulator's key are collectives)
+    data_rank/world   which share of each step's global batch this rank reads
+    forward_backward  this rank's micro-batches of one step; returns its share of the loss
+    reports_loss      whether that share counts in the step's global loss
+    evaluate          the held-out loss
+    close             the one clean-up path, after the last step or after a failure
+
+:class:`DataParallelReplica` is here; the tensor/pipeline-parallel one is
+:class:`meridian.workers.loop.parallel.ModelParallelReplica`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from meridian.workers.contracts.config import TrainConfig
+from meridian.workers.data.text import TextDataset
+from meridian.workers.distributed.layout import DCGroups, DCLayout
+from meridian.workers.loop.precision import autocast_context
+from meridian.workers.model.gpt import GPT, per_sample_loss
+from meridian.workers.sync.build import GradientSync, build_sync
+from meridian.workers.wan.collectives import WanEmulator, agree_key, cleanup
+
+Batches = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+class ProcessGroups(Protocol):
+    """The epoch's process groups besides the default one (:class:`DCGroups`, or ``ParallelGroups``)."""
+
+    def destroy(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class Membership:
+    """Who trains in one epoch, as the loop needs to know it."""
+
+    epoch: int
+    """The elastic epoch (0: a run without a rendezvous, one epoch over the default process group)."""
+    rank: int
+    world_size: int
+    datacenters: tuple[str, ...]
+    """Each rank's datacenter, in rank order."""
+
+    @classmethod
+    def of_default_group(cls, cfg: TrainConfig) -> Membership:
+        """No rendezvous: the ranks of the existing default process group, in the job's datacenters."""
+        world = dist.get_world_size()
+        return cls(epoch=0, rank=dist.get_rank(), world_size=world, datacenters=cfg.datacenters or ("local",) * world)
+
+
+class Replica(ABC):
+    """This rank's part of the model and everything that trains it, for one epoch."""
+
+    reports_loss: bool = True
+
+    def __init__(self, cfg: TrainConfig, membership: Membership, device: torch.device) -> None:
+        self.cfg, self.m, self.device = cfg, membership, device
+        self.data_rank, self.data_world = membership.rank, membership.world_size
+        self.model: nn.Module | None = None
+        """This rank's model or stage, unwrapped (parameter names as in the checkpoint)."""
+        self.engine: GradientSync | None = None
+        self.groups: ProcessGroups | None = None
+        self.emulators: list[WanEmulator] = []
+        self.key = ""
+        """The emulated links' shared-file key, once agreed ("" without emulated links)."""
+
+    @property
+    def key_prefix(self) -> str:
+        # A fresh key per epoch: the files of a broken epoch are never read by the next one.
+        return f"job-{self.cfg.job_id}" + (f"-e{self.m.epoch}" if self.m.epoch else "")
+
+    @abstractmethod
+    def build(self) -> None:
+        """Create this epoch's groups, model, emulators and engine (collective: every rank calls it)."""
+
+    @abstractmethod
+    def forward_backward(self, batches: Batches) -> torch.Tensor:
+        """Forward and backward of this rank's micro-batches of one step, through the engine; returns this
+        rank's share of the step's global mean loss."""
+
+    @abstractmethod
+    def evaluate(self, data: TextDataset) -> float:
+        """The held-out loss of the current parameters (the same value on every rank)."""
+
+    def extra_inter_dc_bytes(self) -> int:
+        """Inter-DC bytes of the last step that the engine's stats do not count (pipeline traffic)."""
+        return 0
+
+    def parameters(self) -> dict[str, torch.Tensor]:
+        """CPU copies of this rank's parameters (synchronize the engine first)."""
+        assert self.model is not None
+        return {name: p.detach().cpu().clone() for name, p in self.model.named_parameters()}
+
+    def close(self, *, ok: bool) -> None:
+        """The one clean-up path: after the last step (``ok``) or after a failure, whatever was built so far."""
+        if ok:
+            assert self.engine is not None and self.groups is not None
+            self.engine.close()
+            for emulator in self.emulators:
+                emulator.close()
+            if self.key:
+                dist.barrier()  # every rank is done with the shared link files
+                if self.m.rank == 0:
+                    cleanup(self.key)
+            self.groups.destroy()
+            return
+        # A peer is gone (or this rank failed): close every socket first, so nothing blocks on it and ranks
+        # waiting on this one fail fast too (:mod:`meridian.workers.elastic.rendezvous`), then drop the rest.
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        if self.engine is not None:
+            with contextlib.suppress(Exception):  # its collectives failed with the peer
+                self.engine.close()
+        for emulator in self.emulators:
+            emulator.close()
+        if self.key:
+            cleanup(self.key)
+
+
+class DataParallelReplica(Replica):
+    """The whole model on every rank; the engine syncs gradients over all of them (:mod:`meridian.workers.sync`)."""
+
+    def build(self) -> None:
+        cfg, m = self.cfg, self.m
+        layout = DCLayout(m.datacenters)
+        self.groups = groups = DCGroups(layout, m.rank)
+        torch.manual_seed(cfg.seed)
+        self.model = GPT(cfg.model).to(self.device)
+        emulator = None
+        if cfg.wan is not None and layout.num_dcs > 1:  # every inter-DC collective waits for the emulated link
+            self.key = agree_key(self.key_prefix)
+            emulator = WanEmulator(cfg.wan, layout, m.rank, key=self.key)
+            self.emulators.append(emulator)
+        self.engine = build_sync(self.model, groups, cfg.sync, cfg.optim, emulator=emulator)
+
+    def forward_backward(self, batches: Batches) -> torch.Tensor:
+        cfg, device, engine = self.cfg, self.device, self.engine
+        assert engine is not None
+        loss_sum = torch.zeros((), device=device)
+        for i, (x, y) in enumerate(batches):
+            last = i == len(batches) - 1
+            with engine.micro_batch(last_micro_batch=last):
+                with autocast_context(cfg.precision, device):
+                    losses = per_sample_loss(engine.model(x.to(device)), y.to(device))
+                share = losses.sum() / cfg.global_batch
+                engine.backward(share, last_micro_batch=last)
+            loss_sum += share.detach()
+        return loss_sum
+
+    def evaluate(self, data: TextDataset) -> float:
+        assert self.engine is not None
+        return evaluate(self.engine.model, data, self.cfg, self.device)
+
+
+@torch.no_grad()
+def evaluate(
+    model: torch.nn.Module, data: TextDataset, cfg: TrainConfig, device: torch.device, batches: int = 4
+) -> float:
+    model.eval()
+    losses = []
+    for b in range(batches):
+        x, y = data.batch(b * cfg.micro_batch, cfg.micro_batch)
+        with autocast_context(cfg.precision, device):
+            losses.append(per_sample_loss(model(x.to(device)), y.to(device)).mean().item())
+    model.train()
+    return sum(losses) / len(losses)
