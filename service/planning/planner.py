@@ -25,15 +25,12 @@ from meridian.service.errors import InvalidJob, Unschedulable
 from meridian.service.jobs import JobRequest
 from meridian.service.planning.cost_model import Estimate, Figures, Layout, estimate, runs_hierarchical
 from meridian.service.planning.sync_choice import choose_sync
-from meridian.workers.contracts.config import DiLoCoConfig, SyncStrategy, to_plain
+from meridian.workers.contracts.config import DiLoCoConfig, SyncStrategy
+from meridian.workers.contracts.fields import to_plain
 
 CPUS_PER_WORKER = 1.0
 TP_SIZES = (1, 2, 4, 8)
 MAX_PP = 8
-# The workers execute tensor parallelism (workers/tensor_parallel.py) and pipeline stages
-# (workers/pipeline.py) combined with the data-parallel sync, so the planner offers those layouts. Set to
-# False to restrict it to data-parallel layouts.
-MODEL_PARALLEL_EXECUTION = True
 
 
 @dataclass(frozen=True)
@@ -69,6 +66,8 @@ class Plan:
     """Datacenter of each world rank."""
     use_gpu: bool
     sync_strategy: SyncStrategy
+    """The planner's choice: the job's ``sync.strategy`` when it asked for one, else the fastest; the
+    TrainConfig's ``sync.strategy`` is this (:func:`~meridian.service.planning.train_config.build_train_config`)."""
     explanation: str
     diloco: DiLoCoConfig | None = None
     """H, fragments, overlap when ``sync_strategy`` is a DiLoCo one (:mod:`meridian.service.planning.sync_choice`)."""
@@ -187,8 +186,6 @@ def enumerate_candidates(request: JobRequest, dcs: tuple[str, ...], devices: dic
     par = request.parallelism
     tps = [par.tp] if par.tp else [t for t in TP_SIZES if model.n_heads % t == 0 and (model.mlp_ratio * model.d_model) % t == 0]
     pps = [par.pp] if par.pp else _divisors(model.n_layers, MAX_PP)
-    if not MODEL_PARALLEL_EXECUTION:
-        tps, pps = [1], [1]
     used = tuple(dc for dc in dcs if devices[dc])
     out: list[Candidate] = []
     for tp in tps:
@@ -196,7 +193,7 @@ def enumerate_candidates(request: JobRequest, dcs: tuple[str, ...], devices: dic
         if not any(groups.values()):
             continue
         for pp in pps:
-            if pp > 1 and request.sync_strategy is SyncStrategy.FLAT:
+            if pp > 1 and request.sync.strategy is SyncStrategy.FLAT:
                 continue  # DDP (flat) cannot follow a pipeline schedule; the workers refuse that combination
             spans_options = [False, True] if par.stages_span_dcs is None else [par.stages_span_dcs]
             for spans in spans_options:
@@ -217,8 +214,8 @@ def enumerate_candidates(request: JobRequest, dcs: tuple[str, ...], devices: dic
                 dp_per_dc_values = set(replicas) if not spans else {0}
                 # pp > 1 runs the hierarchical engine only (DDP cannot follow a pipeline schedule)
                 strategies = [True] if spans or len(dcs_here) == 1 or pp > 1 else [True, False]
-                if request.sync_strategy is not None and not spans and len(dcs_here) > 1:
-                    strategies = [request.sync_strategy is SyncStrategy.HIERARCHICAL]
+                if request.sync.strategy is not None and not spans and len(dcs_here) > 1:
+                    strategies = [request.sync.strategy is SyncStrategy.HIERARCHICAL]
                 for hierarchical in strategies:
                     m = max(1, -(-request.global_batch // dp // request.micro_batch))
                     lay = Layout(
@@ -272,7 +269,7 @@ def plan_job(request: JobRequest, topo: ClusterTopology, figures: Figures | None
     unit = "GPU" if use_gpu else f"{CPUS_PER_WORKER:g} CPU"
     if total == 0:
         raise Unschedulable(f"no worker fits in {', '.join(dcs)} (each worker needs one {unit})")
-    dp_only = request.parallelism.is_data_parallel_only or not MODEL_PARALLEL_EXECUTION
+    dp_only = request.parallelism.is_data_parallel_only
     if request.topology.workers_per_datacenter is not None and total > request.global_batch and dp_only:
         raise InvalidJob(
             f"training.global_batch ({request.global_batch}) is smaller than the number of workers ({total}); "
@@ -296,7 +293,7 @@ def plan_job(request: JobRequest, topo: ClusterTopology, figures: Figures | None
     best = feasible[0]
     choice = None  # per-step sync across DCs, or DiLoCo? Only on a link that was measured or declared.
     data_parallel = [c for c in feasible if c.layout.num_dcs > 1 and c.layout.pp == 1 and c.layout.tp == 1]
-    if request.sync_strategy is None and figures.inter_dc_known and data_parallel:
+    if request.sync.strategy is None and figures.inter_dc_known and data_parallel:
         dp = data_parallel[0]
         choice = choose_sync(rtt_ms=figures.inter_dc.latency_s * 2000, gbps=figures.inter_dc.bytes_per_s * 8 / 1e9,
                              num_params=request.model.num_params, compute_s=dp.estimate.compute_s,
@@ -317,8 +314,8 @@ def plan_job(request: JobRequest, topo: ClusterTopology, figures: Figures | None
             f"but the best layout uses {best.layout.devices} (the cluster holds {total})"
         )
     rank_dcs, rank_nodes = _rank_placement(best, devices, {dc: list(topo.nodes_in(dc)) for dc in best.datacenters}, use_gpu)
-    strategy = request.sync_strategy or strategy_for(best.layout)
-    reason = _sync_reason(strategy, requested=request.sync_strategy is not None, num_dcs=best.layout.num_dcs,
+    strategy = request.sync.strategy or strategy_for(best.layout)
+    reason = _sync_reason(strategy, requested=request.sync.strategy is not None, num_dcs=best.layout.num_dcs,
                           pp=best.layout.pp, spans=best.layout.pp_spans_dcs)
     diloco = request.sync.diloco if strategy.is_diloco else None
     if choice is not None and (choice.strategy.is_diloco or strategy is SyncStrategy.HIERARCHICAL):
