@@ -3,6 +3,11 @@
 
 States know whether they are terminal and carry why they are where they are (``reason`` + ``message``,
 as Kueue and Slurm do for pending jobs). Strings appear only in the store and on the wire.
+
+A request reuses the frozen worker configs for what it shares with them (model, data, optimizer, sync,
+WAN) and declares the training knobs it shares with :class:`TrainConfig` with ``like`` (the same default
+and bounds); only what the planner decides (``None``: "auto") is request-only. The store keeps
+:meth:`JobRequest.to_dict`; :meth:`JobRequest.from_dict` rebuilds it generically from the type hints.
 """
 
 from __future__ import annotations
