@@ -1,18 +1,34 @@
 """Wire schemas: ``JobSpec`` in, ``JobPublic`` out (never an internal record).
 
 Every model forbids unknown fields and bounds every number, so a typo or an absurd value is a 422 that
-names the field. :meth:`JobSpec.to_request` turns a spec into the service's frozen
-:class:`~meridian.service.jobs.JobRequest`; errors from the typed configs (e.g. ``d_model`` not divisible
-by ``n_heads``) surface as validation errors on the right field.
+names the field. The numbers are not written here: each default and bound comes from the frozen config
+dataclass that owns it (``knob`` fields of :mod:`meridian.workers.contracts.config` and
+:mod:`meridian.service.jobs`), read by :func:`config_field`; the sections that mirror a config one to one
+(``data``, ``wan``, ``sync.diloco``) are generated from it by :func:`config_model`. :meth:`JobSpec.to_request`
+turns a spec into the service's frozen :class:`~meridian.service.jobs.JobRequest`, whose ``__post_init__``
+checks are the rest of the validation; their ``ValueError`` (e.g. ``d_model`` not divisible by
+``n_heads``) becomes a 422 naming the field.
 """
 
 from __future__ import annotations
 
+import ast
+import functools
+import inspect
+import textwrap
+import typing
+from dataclasses import MISSING, fields, replace
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 
-from meridian.service.jobs import DeclaredLink, JobRequest, ParallelismRequest, TopologyRequest
+from meridian.service.jobs import (
+    WORKERS_PER_DC,
+    DeclaredLink,
+    JobRequest,
+    ParallelismRequest,
+    TopologyRequest,
+)
 from meridian.service.store import Event, JobRecord
 from meridian.workers.contracts.config import (
     MODEL_PRESETS,
@@ -21,27 +37,95 @@ from meridian.workers.contracts.config import (
     DiLoCoConfig,
     ModelConfig,
     OptimConfig,
+    ParallelConfig,
+    PipelineSchedule,
+    Precision,
     SyncConfig,
     SyncStrategy,
+    TrainConfig,
     WanConfig,
 )
+from meridian.workers.contracts.fields import bounds_of, default_of
 
 DCName = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$", description="a datacenter label value")]
+AUTO = "auto"
 
 
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+# -- defaults and bounds from the config dataclasses ----------------------------------------------------
+@functools.cache
+def _attribute_docs(cls: type) -> dict[str, str]:
+    """The docstring under each field of a dataclass's source (the schema's descriptions)."""
+    try:
+        body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body  # type: ignore[attr-defined]
+    except (OSError, TypeError):
+        return {}
+    docs = {}
+    for node, after in zip(body, body[1:], strict=False):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(after, ast.Expr)
+                and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)):
+            docs[node.target.id] = " ".join(inspect.cleandoc(after.value.value).split())
+    return docs
+
+
+def config_field(cls: type, name: str, **overrides: Any) -> Any:
+    """A pydantic ``Field`` with the default, bounds and description that dataclass ``cls`` declares for its
+    field ``name``; ``overrides`` (e.g. ``default=None`` for an optional override) take precedence."""
+    default = default_of(cls, name)
+    kwargs: dict[str, Any] = {"default": ... if default is MISSING else default, **bounds_of(cls, name).as_kwargs()}
+    if doc := _attribute_docs(cls).get(name):
+        kwargs["description"] = doc
+    return Field(**{**kwargs, **overrides})
+
+
+def bounded(cls: type, name: str) -> Any:
+    """``Annotated[int, <cls.name's bounds>]``: one branch of a union such as ``int | 'auto'``."""
+    return Annotated[int, Field(**bounds_of(cls, name).as_kwargs())]
+
+
+class ConfigModel(Strict):
+    """A wire section generated from a config dataclass (:func:`config_model`): same fields, defaults and
+    bounds; its ``__post_init__`` checks run on validation, so their errors name this section."""
+
+    def to_config(self) -> Any:
+        return _CONFIG_OF[type(self)](**{k: getattr(self, k) for k in type(self).model_fields})
+
+    @model_validator(mode="after")
+    def _check(self) -> ConfigModel:
+        self.to_config()
+        return self
+
+
+_CONFIG_OF: dict[type[ConfigModel], type] = {}
+
+
+def config_model(cls: type, name: str, **overrides: dict[str, Any]) -> type[ConfigModel]:
+    """A wire model of every field of dataclass ``cls``; ``overrides[field]``: extra ``Field`` arguments."""
+    hints = typing.get_type_hints(cls)
+    model = create_model(name, __base__=ConfigModel, __doc__=" ".join((cls.__doc__ or "").split()), __module__=__name__,
+                         **{f.name: (hints[f.name], config_field(cls, f.name, **overrides.get(f.name, {})))
+                            for f in fields(cls)})
+    _CONFIG_OF[model] = cls
+    return model
+
+
+def _or_auto(value: Any) -> Any:
+    return None if value == AUTO else value
+
+
+# -- the job spec ----------------------------------------------------------------------------------------
 class ModelSpec(Strict):
     """A preset, optionally with sizes overridden; or all sizes given explicitly (``preset: null``)."""
 
     preset: Literal[tuple(MODEL_PRESETS)] | None = "tiny"  # type: ignore[valid-type]
-    n_layers: int | None = Field(None, ge=1, le=128)
-    d_model: int | None = Field(None, ge=8, le=32768)
-    n_heads: int | None = Field(None, ge=1, le=256)
-    seq_len: int | None = Field(None, ge=8, le=32768)
-    vocab_size: int | None = Field(None, ge=2, le=262144)
+    n_layers: int | None = config_field(ModelConfig, "n_layers", default=None)
+    d_model: int | None = config_field(ModelConfig, "d_model", default=None)
+    n_heads: int | None = config_field(ModelConfig, "n_heads", default=None)
+    seq_len: int | None = config_field(ModelConfig, "seq_len", default=None)
+    vocab_size: int | None = config_field(ModelConfig, "vocab_size", default=None)
 
     def to_config(self) -> ModelConfig:
         sizes = self.model_dump(exclude={"preset"}, exclude_none=True)
@@ -50,97 +134,110 @@ class ModelSpec(Strict):
             if missing:
                 raise ValueError(f"model.preset is null, so give model.{', model.'.join(sorted(missing))} too")
             return ModelConfig(**sizes)
-        base = MODEL_PRESETS[self.preset]
-        return ModelConfig(**{**base.__dict__, **sizes})
+        return replace(MODEL_PRESETS[self.preset], **sizes)
 
 
-class DataSpec(Strict):
-    source: str = Field(
-        "builtin:python-reference", min_length=1, max_length=4096,
-        description="'builtin:python-reference' or an absolute path to a UTF-8 text file on every node",
-    )
-    max_bytes: int = Field(8_000_000, ge=1024, le=10**10)
+DataSpec = config_model(DataConfig, "DataSpec", source={"min_length": 1, "max_length": 4096})
+WanSpec = config_model(WanConfig, "WanSpec")
+DiLoCoSpec = config_model(DiLoCoConfig, "DiLoCoSpec")
 
 
 class TrainingSpec(Strict):
-    steps: int = Field(..., ge=1, le=10_000_000)
-    global_batch: int = Field(..., ge=1, le=1_048_576)
-    micro_batch: int = Field(..., ge=1, le=65_536)
-    lr: float = Field(1e-3, gt=0, le=10)
-    min_lr_ratio: float = Field(0.1, ge=0, le=1)
-    warmup_steps: int = Field(10, ge=0, le=10_000_000)
-    weight_decay: float = Field(0.1, ge=0, le=10)
-    grad_clip: float = Field(1.0, ge=0, le=1e6)
-    seed: int = Field(0, ge=0, le=2**31 - 1)
-    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    steps: int = config_field(TrainConfig, "steps")
+    global_batch: int = config_field(TrainConfig, "global_batch")
+    micro_batch: int = config_field(TrainConfig, "micro_batch")
+    lr: float = config_field(OptimConfig, "lr")
+    min_lr_ratio: float = config_field(OptimConfig, "min_lr_ratio")
+    warmup_steps: int = config_field(OptimConfig, "warmup_steps")
+    weight_decay: float = config_field(OptimConfig, "weight_decay")
+    grad_clip: float = config_field(OptimConfig, "grad_clip")
+    seed: int = config_field(TrainConfig, "seed")
+    precision: Precision = config_field(JobRequest, "precision")
+
+    def optim(self) -> OptimConfig:
+        return OptimConfig(lr=self.lr, min_lr_ratio=self.min_lr_ratio, warmup_steps=self.warmup_steps,
+                           weight_decay=self.weight_decay, grad_clip=self.grad_clip)
 
 
 class LinkSpec(Strict):
     """Declared figures of the link between two datacenters (used when no probe was run)."""
 
     between: list[DCName] = Field(..., min_length=2, max_length=2)
-    rtt_ms: float = Field(..., ge=0, le=10_000)
-    gbps: float = Field(..., gt=0, le=10_000)
+    rtt_ms: float = config_field(DeclaredLink, "rtt_ms")
+    gbps: float = config_field(DeclaredLink, "gbps")
+
+    def to_request(self) -> DeclaredLink:
+        return DeclaredLink(a=self.between[0], b=self.between[1], rtt_ms=self.rtt_ms, gbps=self.gbps)
+
+
+WorkersPerDC = Annotated[int, Field(**WORKERS_PER_DC.as_kwargs())]
 
 
 class TopologySpec(Strict):
-    datacenters: list[DCName] | Literal["auto"] = Field("auto", max_length=64)
-    workers_per_datacenter: Annotated[int, Field(ge=1, le=4096)] | dict[DCName, Annotated[int, Field(ge=1, le=4096)]] | Literal["auto"] = "auto"
-    min_workers: int = Field(1, ge=1, le=65536)
+    datacenters: list[DCName] | Literal["auto"] = Field(AUTO, max_length=64)
+    workers_per_datacenter: WorkersPerDC | dict[DCName, WorkersPerDC] | Literal["auto"] = AUTO
+    min_workers: int = config_field(TopologyRequest, "min_workers")
     links: list[LinkSpec] = Field(default_factory=list, max_length=256)
+
+    def to_request(self) -> TopologyRequest:
+        workers = self.workers_per_datacenter
+        return TopologyRequest(
+            datacenters=None if self.datacenters == AUTO else tuple(self.datacenters),
+            workers_per_datacenter=tuple(workers.items()) if isinstance(workers, dict) else _or_auto(workers),
+            min_workers=self.min_workers,
+        )
 
 
 class ParallelismSpec(Strict):
-    tp: Annotated[int, Field(ge=1, le=64)] | Literal["auto"] = "auto"
-    pp: Annotated[int, Field(ge=1, le=128)] | Literal["auto"] = "auto"
-    schedule: Literal["1f1b", "gpipe"] = "1f1b"
-    stages_span_datacenters: bool | Literal["auto"] = "auto"
+    tp: bounded(ParallelConfig, "tp") | Literal["auto"] = AUTO  # type: ignore[valid-type]
+    pp: bounded(ParallelConfig, "pp") | Literal["auto"] = AUTO  # type: ignore[valid-type]
+    schedule: PipelineSchedule = config_field(ParallelismRequest, "schedule")
+    stages_span_datacenters: bool | Literal["auto"] = AUTO
+
+    def to_request(self) -> ParallelismRequest:
+        return ParallelismRequest(tp=_or_auto(self.tp), pp=_or_auto(self.pp), schedule=self.schedule,
+                                  stages_span_dcs=_or_auto(self.stages_span_datacenters))
 
 
-class DiLoCoSpec(Strict):
-    """Knobs of the 'diloco' / 'streaming-diloco' strategies (defaults: DiLoCoConfig's)."""
-
-    inner_steps: int = Field(50, ge=1, le=100_000, description="H: inner steps between syncs of a fragment")
-    fragments: int = Field(1, ge=1, le=1024, description="streaming: fragments synced on a staggered schedule")
-    outer_lr: float = Field(0.7, gt=0, le=10)
-    outer_momentum: float = Field(0.9, ge=0, lt=1)
-    nesterov: bool = True
-    overlap_steps: int = Field(0, ge=0, le=100_000, description="streaming: inner steps a sync stays in flight")
-    mix_alpha: float = Field(0.5, ge=0, le=1)
+_REQUEST_SYNC: SyncConfig = default_of(JobRequest, "sync")
 
 
 class SyncSpec(Strict):
-    strategy: Literal["auto", "flat", "hierarchical", "diloco", "streaming-diloco"] = "auto"
-    bucket_mb: float = Field(4.0, gt=0, le=1024)
-    shard_optimizer: bool = True
-    overlap: bool = True
-    inter_dc_chunk_mb: float = Field(1.0, gt=0, le=1024)
-    compression: Literal["none", "bf16", "int8"] = "none"
-    diloco: DiLoCoSpec | None = None
+    strategy: Literal[(AUTO, *(s.value for s in SyncStrategy))] = (  # type: ignore[valid-type]
+        _REQUEST_SYNC.strategy.value if _REQUEST_SYNC.strategy else AUTO
+    )
+    bucket_mb: float = config_field(SyncConfig, "bucket_mb")
+    shard_optimizer: bool = config_field(SyncConfig, "shard_optimizer")
+    overlap: bool = config_field(SyncConfig, "overlap")
+    inter_dc_chunk_mb: float = config_field(SyncConfig, "inter_dc_chunk_mb")
+    compression: Compression = config_field(SyncConfig, "compression")
+    diloco: DiLoCoSpec | None = None  # type: ignore[valid-type]
 
-
-class WanSpec(Strict):
-    """Emulate the inter-datacenter link in the application (off unless given)."""
-
-    rtt_ms: float = Field(..., ge=0, le=10_000)
-    gbps: float = Field(..., gt=0, le=10_000)
+    def to_config(self) -> SyncConfig:
+        """``auto`` is ``strategy=None``: the planner chooses (and picks the DiLoCo knobs itself)."""
+        strategy = _or_auto(self.strategy)
+        return SyncConfig(
+            strategy=None if strategy is None else SyncStrategy(strategy), bucket_mb=self.bucket_mb,
+            shard_optimizer=self.shard_optimizer, overlap=self.overlap, inter_dc_chunk_mb=self.inter_dc_chunk_mb,
+            compression=self.compression, diloco=None if self.diloco is None else self.diloco.to_config(),
+        )
 
 
 class CheckpointSpec(Strict):
-    interval_steps: int = Field(0, ge=0, le=10_000_000, description="0: no periodic checkpoints")
+    interval_steps: int = config_field(TrainConfig, "checkpoint_every", description="0: no periodic checkpoints")
 
 
 class JobSpec(Strict):
     name: str = Field(..., min_length=1, max_length=100, pattern=r"^[A-Za-z0-9][A-Za-z0-9 _.:-]*$")
     model: ModelSpec = ModelSpec()
-    data: DataSpec = DataSpec()
+    data: DataSpec = DataSpec()  # type: ignore[valid-type]
     training: TrainingSpec
     topology: TopologySpec = TopologySpec()
     parallelism: ParallelismSpec = ParallelismSpec()
     sync: SyncSpec = SyncSpec()
-    wan: WanSpec | None = None
+    wan: WanSpec | None = None  # type: ignore[valid-type]
     checkpoint: CheckpointSpec = CheckpointSpec()
-    priority: int = Field(0, ge=-100, le=100, description="higher runs first; FIFO within a priority")
+    priority: int = config_field(JobRequest, "priority")
 
     @model_validator(mode="after")
     def _check(self) -> JobSpec:
@@ -148,58 +245,14 @@ class JobSpec(Strict):
         return self
 
     def to_request(self, owner: str = "") -> JobRequest:
+        """The one conversion at the edge; every check beyond a single field's bounds is the request's own."""
         t = self.training
-        if t.micro_batch > t.global_batch:
-            raise ValueError(f"training.micro_batch ({t.micro_batch}) must be <= training.global_batch ({t.global_batch})")
-        topo = self.topology
-        workers = topo.workers_per_datacenter
-        if isinstance(workers, dict):
-            if topo.datacenters != "auto":
-                extra = set(workers) - set(topo.datacenters)
-                if extra:
-                    raise ValueError(
-                        f"topology.workers_per_datacenter names {sorted(extra)} which are not in topology.datacenters"
-                    )
-            workers_req: int | tuple[tuple[str, int], ...] | None = tuple(workers.items())
-        else:
-            workers_req = None if workers == "auto" else workers
-        for link in topo.links:
-            if link.between[0] == link.between[1]:
-                raise ValueError(f"topology.links: a link joins two different datacenters, got {link.between}")
-        par = self.parallelism
-        if par.tp != "auto" and (self.model.to_config().n_heads % par.tp):
-            raise ValueError(f"parallelism.tp ({par.tp}) must divide model.n_heads ({self.model.to_config().n_heads})")
-        if par.pp != "auto" and par.pp > self.model.to_config().n_layers:
-            raise ValueError(f"parallelism.pp ({par.pp}) must be <= model.n_layers ({self.model.to_config().n_layers})")
-        if self.sync.strategy == "flat" and self.sync.compression != "none":
-            raise ValueError("sync.compression applies only to the 'hierarchical' strategy's inter-DC step")
-        forced_diloco = self.sync.strategy in ("diloco", "streaming-diloco")
-        if self.sync.diloco is not None and not forced_diloco:
-            raise ValueError("sync.diloco needs sync.strategy 'diloco' or 'streaming-diloco' (with 'auto' the "
-                             "planner picks H and fragments itself)")
-        diloco = DiLoCoConfig(**self.sync.diloco.model_dump()) if self.sync.diloco else None
         return JobRequest(
-            name=self.name, model=self.model.to_config(),
-            data=DataConfig(source=self.data.source, max_bytes=self.data.max_bytes),
-            optim=OptimConfig(lr=t.lr, min_lr_ratio=t.min_lr_ratio, warmup_steps=t.warmup_steps,
-                              weight_decay=t.weight_decay, grad_clip=t.grad_clip),
+            name=self.name, model=self.model.to_config(), data=self.data.to_config(), optim=t.optim(),
             steps=t.steps, global_batch=t.global_batch, micro_batch=t.micro_batch, seed=t.seed, precision=t.precision,
-            topology=TopologyRequest(
-                datacenters=None if topo.datacenters == "auto" else tuple(topo.datacenters),
-                workers_per_datacenter=workers_req, min_workers=topo.min_workers,
-            ),
-            parallelism=ParallelismRequest(
-                tp=None if par.tp == "auto" else par.tp, pp=None if par.pp == "auto" else par.pp,
-                schedule=par.schedule,
-                stages_span_dcs=None if par.stages_span_datacenters == "auto" else par.stages_span_datacenters,
-            ),
-            links=tuple(DeclaredLink(a=lk.between[0], b=lk.between[1], rtt_ms=lk.rtt_ms, gbps=lk.gbps) for lk in topo.links),
-            sync_strategy=None if self.sync.strategy == "auto" else SyncStrategy(self.sync.strategy),
-            sync=SyncConfig(strategy=SyncStrategy(self.sync.strategy) if forced_diloco else SyncStrategy.HIERARCHICAL,
-                            diloco=diloco, bucket_mb=self.sync.bucket_mb, shard_optimizer=self.sync.shard_optimizer,
-                            overlap=self.sync.overlap, inter_dc_chunk_mb=self.sync.inter_dc_chunk_mb,
-                            compression=Compression(self.sync.compression)),
-            wan=WanConfig(rtt_ms=self.wan.rtt_ms, gbps=self.wan.gbps) if self.wan else None,
+            topology=self.topology.to_request(), parallelism=self.parallelism.to_request(),
+            links=tuple(link.to_request() for link in self.topology.links), sync=self.sync.to_config(),
+            wan=None if self.wan is None else self.wan.to_config(),
             checkpoint_every=self.checkpoint.interval_steps, priority=self.priority, owner=owner,
         )
 

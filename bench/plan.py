@@ -35,6 +35,7 @@ from meridian.workers.contracts.config import (
     OptimConfig,
     ParallelConfig,
     PipelineSchedule,
+    Precision,
     SyncConfig,
     TrainConfig,
     WanConfig,
@@ -117,7 +118,7 @@ def to_figures(args: argparse.Namespace, probes: list[dict[str, Any]]) -> tuple[
 def _request(args: argparse.Namespace, topo: ClusterTopology) -> JobRequest:
     return JobRequest(
         name="bench-plan", model=model_preset(args.model), steps=args.steps, global_batch=args.global_batch,
-        micro_batch=args.micro_batch, seed=args.seed, precision="fp32",
+        micro_batch=args.micro_batch, seed=args.seed, precision=Precision.FP32,
         topology=TopologyRequest(datacenters=tuple(topo.datacenters)),
         wan=WanConfig(rtt_ms=args.rtt_ms, gbps=args.inter_dc_gbps),
     )

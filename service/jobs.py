@@ -3,6 +3,11 @@
 
 States know whether they are terminal and carry why they are where they are (``reason`` + ``message``,
 as Kueue and Slurm do for pending jobs). Strings appear only in the store and on the wire.
+
+A request reuses the frozen worker configs for what it shares with them (model, data, optimizer, sync,
+WAN) and declares the training knobs it shares with :class:`TrainConfig` with ``like`` (the same default
+and bounds); only what the planner decides (``None``: "auto") is request-only. The store keeps
+:meth:`JobRequest.to_dict`; :meth:`JobRequest.from_dict` rebuilds it generically from the type hints.
 """
 
 from __future__ import annotations
@@ -13,14 +18,24 @@ from typing import Any
 
 from meridian.service.errors import InvalidTransition
 from meridian.workers.contracts.config import (
-    Compression,
     DataConfig,
-    DiLoCoConfig,
     ModelConfig,
     OptimConfig,
+    ParallelConfig,
+    PipelineSchedule,
+    Precision,
     SyncConfig,
-    SyncStrategy,
+    TrainConfig,
     WanConfig,
+    check_batches,
+)
+from meridian.workers.contracts.fields import (
+    Bounds,
+    bounds_of,
+    check_bounds,
+    from_plain,
+    knob,
+    like,
     to_plain,
 )
 
@@ -66,6 +81,10 @@ def transition(current: JobStatus, new: JobStatus) -> JobStatus:
     return new
 
 
+WORKERS_PER_DC = Bounds(ge=1, le=4096)
+"""Bounds of a per-datacenter worker count."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class TopologyRequest:
     """Where the job should run. ``None`` fields mean "let the planner choose" (``auto``)."""
@@ -74,8 +93,20 @@ class TopologyRequest:
     """Datacenters to use, in order; ``None`` = every datacenter with capacity."""
     workers_per_datacenter: int | tuple[tuple[str, int], ...] | None = None
     """Workers in each datacenter (one number for all, or per name); ``None`` = as many as fit."""
-    min_workers: int = 1
+    min_workers: int = knob(1, ge=1, le=65536)
     """Below this many live workers the job waits for capacity instead of training."""
+
+    def __post_init__(self) -> None:
+        check_bounds(self, "topology.")
+        w = self.workers_per_datacenter
+        for count in [w] if isinstance(w, int) else [n for _, n in w or ()]:
+            WORKERS_PER_DC.check("topology.workers_per_datacenter", count)
+        if isinstance(w, tuple) and self.datacenters is not None:
+            extra = {dc for dc, _ in w} - set(self.datacenters)
+            if extra:
+                raise ValueError(
+                    f"topology.workers_per_datacenter names {sorted(extra)} which are not in topology.datacenters"
+                )
 
     def workers_in(self, dc: str) -> int | None:
         w = self.workers_per_datacenter
@@ -86,17 +117,21 @@ class TopologyRequest:
 
 @dataclass(frozen=True, kw_only=True)
 class ParallelismRequest:
-    """Model parallelism; ``None`` sizes mean "let the planner choose"."""
+    """Model parallelism; ``None`` sizes mean "let the planner choose" (bounds: :class:`ParallelConfig`'s)."""
 
     tp: int | None = None
     """Tensor-parallel size (devices of one node that split every layer)."""
     pp: int | None = None
     """Pipeline stages (groups of layers, may span datacenters)."""
-    schedule: str = "1f1b"
+    schedule: PipelineSchedule = like(ParallelConfig, "schedule")
     """Pipeline schedule: ``1f1b`` or ``gpipe``."""
     stages_span_dcs: bool | None = None
     """Put pipeline stages in different datacenters (``True``), keep whole replicas inside one (``False``),
     or let the planner decide (``None``)."""
+
+    def __post_init__(self) -> None:
+        bounds_of(ParallelConfig, "tp").check("parallelism.tp", self.tp)
+        bounds_of(ParallelConfig, "pp").check("parallelism.pp", self.pp)
 
     @property
     def is_data_parallel_only(self) -> bool:
@@ -109,72 +144,64 @@ class DeclaredLink:
 
     a: str
     b: str
-    rtt_ms: float
-    gbps: float
+    rtt_ms: float = like(WanConfig, "rtt_ms")
+    gbps: float = like(WanConfig, "gbps")
+
+    def __post_init__(self) -> None:
+        check_bounds(self, "topology.links.")
+        if self.a == self.b:
+            raise ValueError(f"topology.links: a link joins two different datacenters, got {[self.a, self.b]}")
+
+
+def _auto_sync() -> SyncConfig:
+    return SyncConfig(strategy=None)
 
 
 @dataclass(frozen=True, kw_only=True)
 class JobRequest:
-    """A validated job submission, as the service receives it from the API."""
+    """A validated job submission, as the service receives it from the API. What it shares with
+    :class:`TrainConfig` is declared there (defaults, bounds); the planner fills in the rest."""
 
     name: str
     model: ModelConfig
-    data: DataConfig = field(default_factory=DataConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    steps: int
-    global_batch: int
-    micro_batch: int
-    seed: int = 0
-    precision: str = "auto"
+    data: DataConfig = like(TrainConfig, "data")
+    optim: OptimConfig = like(TrainConfig, "optim")
+    steps: int = like(TrainConfig, "steps")
+    global_batch: int = like(TrainConfig, "global_batch")
+    micro_batch: int = like(TrainConfig, "micro_batch")
+    seed: int = like(TrainConfig, "seed")
+    precision: Precision = Precision.AUTO
     """``auto`` (bf16 where the device supports it, else fp32), ``fp32`` or ``bf16``."""
     topology: TopologyRequest = field(default_factory=TopologyRequest)
     parallelism: ParallelismRequest = field(default_factory=ParallelismRequest)
     links: tuple[DeclaredLink, ...] = ()
     """Declared inter-DC link figures (per DC pair) for the planner."""
-    sync_strategy: SyncStrategy | None = None
-    """``None`` = auto: hierarchical across datacenters, flat inside one."""
-    sync: SyncConfig = field(default_factory=SyncConfig)
-    wan: WanConfig | None = None
-    checkpoint_every: int = 0
-    priority: int = 0
+    sync: SyncConfig = field(default_factory=_auto_sync)
+    """The sync knobs; ``sync.strategy`` is the one place a job asks for a strategy: ``None`` (the default,
+    "auto") lets the planner choose, and its choice is the plan's ``sync_strategy``."""
+    wan: WanConfig | None = like(TrainConfig, "wan")
+    checkpoint_every: int = like(TrainConfig, "checkpoint_every")
+    priority: int = knob(0, ge=-100, le=100, name="priority")
+    """Higher runs first; FIFO within a priority."""
     owner: str = ""
 
+    def __post_init__(self) -> None:
+        check_batches(self)
+        par = self.parallelism
+        ParallelConfig(tp=par.tp or 1, pp=par.pp or 1).check_model(self.model)
+
     def to_dict(self) -> dict[str, Any]:
+        """JSON-ready (the store keeps this)."""
         return to_plain(self)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> JobRequest:
-        topo = d.get("topology") or {}
-        w = topo.get("workers_per_datacenter")
-        if isinstance(w, list):
-            w = tuple((str(k), int(v)) for k, v in w)
-        elif isinstance(w, dict):
-            w = tuple((str(k), int(v)) for k, v in w.items())
-        sync = dict(d.get("sync") or {})
-        sync["strategy"] = SyncStrategy(sync.get("strategy", "hierarchical"))
-        sync["compression"] = Compression(sync.get("compression", "none"))
-        sync["diloco"] = DiLoCoConfig(**sync["diloco"]) if sync.get("diloco") else None
-        return cls(
-            name=d["name"],
-            model=ModelConfig(**d["model"]),
-            data=DataConfig(**(d.get("data") or {})),
-            optim=OptimConfig(**(d.get("optim") or {})),
-            steps=d["steps"], global_batch=d["global_batch"], micro_batch=d["micro_batch"],
-            seed=d.get("seed", 0), precision=d.get("precision", "auto"),
-            topology=TopologyRequest(
-                datacenters=tuple(topo["datacenters"]) if topo.get("datacenters") is not None else None,
-                workers_per_datacenter=w,
-                min_workers=topo.get("min_workers", 1),
-            ),
-            parallelism=ParallelismRequest(**(d.get("parallelism") or {})),
-            links=tuple(DeclaredLink(**link) for link in d.get("links") or ()),
-            sync_strategy=SyncStrategy(d["sync_strategy"]) if d.get("sync_strategy") else None,
-            sync=SyncConfig(**sync),
-            wan=WanConfig(**d["wan"]) if d.get("wan") else None,
-            checkpoint_every=d.get("checkpoint_every", 0),
-            priority=d.get("priority", 0),
-            owner=d.get("owner", ""),
-        )
+        """Read :meth:`to_dict`'s output, including that of earlier versions (a separate ``sync_strategy``)."""
+        d = dict(d)
+        if "sync_strategy" in d:
+            # Before: the requested strategy (None = auto) had its own field and sync.strategy a placeholder.
+            d["sync"] = {**(d.get("sync") or {}), "strategy": d.pop("sync_strategy")}
+        return from_plain(cls, d)
 
     def with_owner(self, owner: str) -> JobRequest:
         return replace(self, owner=owner)

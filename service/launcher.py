@@ -8,34 +8,21 @@ and never decides: what a poll means is :mod:`meridian.service.supervision.recon
 from __future__ import annotations
 
 import contextlib
-from dataclasses import replace
 from typing import Any
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from meridian.service.jobs import JobRequest
 from meridian.service.planning.plan import Plan
+from meridian.service.planning.train_config import build_train_config
 from meridian.service.runner.actor import NAMESPACE, JobRunner, runner_name
 from meridian.service.runner.poll import RunnerLost, RunnerPoll
-from meridian.workers.contracts.config import ParallelConfig, PipelineSchedule, Precision, TrainConfig
+from meridian.workers.contracts.config import TrainConfig
 
 CALL_TIMEOUT_S = 10.0
 
 
 __all__ = ["CALL_TIMEOUT_S", "Launcher", "RunnerLost", "build_train_config"]
-
-
-def build_train_config(job_id: str, request: JobRequest, plan: Plan, checkpoint_dir: str) -> TrainConfig:
-    """The service → workers boundary: a frozen config with everything a rank needs."""
-    return TrainConfig(
-        job_id=job_id, model=request.model, data=request.data, optim=request.optim,
-        sync=replace(request.sync, strategy=plan.sync_strategy, diloco=plan.diloco), wan=request.wan,
-        steps=request.steps, global_batch=request.global_batch, micro_batch=request.micro_batch,
-        seed=request.seed, precision=Precision(request.precision), checkpoint_every=request.checkpoint_every,
-        checkpoint_dir=checkpoint_dir, datacenters=plan.rank_datacenters,
-        parallel=ParallelConfig(tp=plan.tp, pp=plan.pp, schedule=PipelineSchedule(plan.schedule)),
-    )
 
 
 def _head_node_id() -> str:
@@ -60,7 +47,7 @@ class Launcher:
             # controller (which Ray places on the runner's node), so it must not share a worker's fate.
             # Hard affinity: measured here, a soft one put the runner on a worker node of a local cluster.
             scheduling_strategy=NodeAffinitySchedulingStrategy(_head_node_id(), soft=False),
-        ).remote(job_id, config.to_dict(), plan, self.storage_path, min_workers)  # the Plan itself: Ray pickles it
+        ).remote(job_id, config, plan, self.storage_path, min_workers)  # the frozen config and Plan: Ray pickles them
         ray.get(actor.start.remote(), timeout=60)
         return name
 

@@ -11,14 +11,14 @@ from meridian.service.cluster.topology import ClusterTopology
 from meridian.service.errors import InvalidJob, Unschedulable
 from meridian.service.jobs import JobRequest, ParallelismRequest, TopologyRequest
 from meridian.service.planning.planner import admission, plan_job
-from meridian.workers.contracts.config import SyncStrategy, model_preset
+from meridian.workers.contracts.config import SyncConfig, SyncStrategy, model_preset
 
 
 def req(datacenters=None, workers=None, global_batch=8, min_workers=1, strategy=None) -> JobRequest:
     return JobRequest(
         name="p", model=model_preset("nano"), steps=2, global_batch=global_batch, micro_batch=1,
         topology=TopologyRequest(datacenters=datacenters, workers_per_datacenter=workers, min_workers=min_workers),
-        sync_strategy=strategy,
+        sync=SyncConfig(strategy=strategy),
     )
 
 

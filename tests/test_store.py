@@ -112,3 +112,60 @@ def test_a_cancel_request_is_stored_state_and_an_older_database_gains_the_column
     cancelling = s.set_status(job.id, JobStatus(JobState.PLACING, "Cancelling", "stopping"), cancel_requested=True)
     assert cancelling.cancel_requested and JobStore(url).get_job(job.id).cancel_requested
     assert s.set_status(job.id, JobStatus(JobState.CANCELLED, "Cancelled", "")).cancel_requested  # stays set
+
+
+# ``JobRequest.to_dict()`` as the store kept it before the sync strategy lived in one field (``sync_strategy``
+# beside a placeholder ``sync.strategy``): written by that version, verbatim.
+OLD_FORCED = (
+    '{"name": "old", "model": {"n_layers": 2, "d_model": 64, "n_heads": 4, "seq_len": 64, "vocab_size": 256, '
+    '"mlp_ratio": 4}, "data": {"source": "builtin:python-reference", "max_bytes": 8000000}, "optim": {"lr": 0.001, '
+    '"min_lr_ratio": 0.1, "warmup_steps": 10, "weight_decay": 0.1, "beta1": 0.9, "beta2": 0.95, "eps": 1e-08, '
+    '"grad_clip": 1.0}, "steps": 3, "global_batch": 4, "micro_batch": 2, "seed": 0, "precision": "fp32", '
+    '"topology": {"datacenters": ["dc-a", "dc-b"], "workers_per_datacenter": [["dc-a", 2], ["dc-b", 1]], '
+    '"min_workers": 1}, "parallelism": {"tp": 1, "pp": null, "schedule": "gpipe", "stages_span_dcs": null}, '
+    '"links": [{"a": "dc-a", "b": "dc-b", "rtt_ms": 40.0, "gbps": 1.0}], "sync_strategy": "streaming-diloco", '
+    '"sync": {"strategy": "streaming-diloco", "bucket_mb": 4.0, "shard_optimizer": true, "overlap": true, '
+    '"inter_dc_chunk_mb": 1.0, "compression": "none", "diloco": {"inner_steps": 8, "fragments": 2, "outer_lr": 0.7, '
+    '"outer_momentum": 0.9, "nesterov": true, "overlap_steps": 1, "mix_alpha": 0.5}}, "wan": {"rtt_ms": 10.0, '
+    '"gbps": 2.0}, "checkpoint_every": 5, "priority": 3, "owner": "alice"}'
+)
+OLD_AUTO = (
+    '{"name": "auto", "model": {"n_layers": 2, "d_model": 64, "n_heads": 4, "seq_len": 64, "vocab_size": 256, '
+    '"mlp_ratio": 4}, "data": {"source": "builtin:python-reference", "max_bytes": 8000000}, "optim": {"lr": 0.001, '
+    '"min_lr_ratio": 0.1, "warmup_steps": 10, "weight_decay": 0.1, "beta1": 0.9, "beta2": 0.95, "eps": 1e-08, '
+    '"grad_clip": 1.0}, "steps": 3, "global_batch": 4, "micro_batch": 2, "seed": 0, "precision": "auto", '
+    '"topology": {"datacenters": null, "workers_per_datacenter": null, "min_workers": 1}, "parallelism": {"tp": null, '
+    '"pp": null, "schedule": "1f1b", "stages_span_dcs": null}, "links": [], "sync_strategy": null, "sync": '
+    '{"strategy": "hierarchical", "bucket_mb": 4.0, "shard_optimizer": true, "overlap": true, "inter_dc_chunk_mb": 1.0, '
+    '"compression": "none", "diloco": null}, "wan": null, "checkpoint_every": 0, "priority": 0, "owner": ""}'
+)
+
+
+def test_requests_stored_by_the_previous_version_still_load():
+    import json
+
+    from meridian.service.jobs import DeclaredLink, ParallelismRequest, TopologyRequest
+    from meridian.workers.contracts.config import (
+        DiLoCoConfig,
+        PipelineSchedule,
+        Precision,
+        SyncConfig,
+        SyncStrategy,
+        WanConfig,
+    )
+
+    auto = JobRequest.from_dict(json.loads(OLD_AUTO))
+    assert auto == JobRequest(name="auto", model=model_preset("nano"), steps=3, global_batch=4, micro_batch=2)
+    assert auto.sync.strategy is None  # "auto" (the old placeholder 'hierarchical' is not taken for a wish)
+    forced = JobRequest.from_dict(json.loads(OLD_FORCED))
+    assert forced == JobRequest(
+        name="old", model=model_preset("nano"), steps=3, global_batch=4, micro_batch=2, precision=Precision.FP32,
+        topology=TopologyRequest(datacenters=("dc-a", "dc-b"), workers_per_datacenter=(("dc-a", 2), ("dc-b", 1))),
+        parallelism=ParallelismRequest(tp=1, schedule=PipelineSchedule.GPIPE),
+        links=(DeclaredLink(a="dc-a", b="dc-b", rtt_ms=40.0, gbps=1.0),),
+        sync=SyncConfig(strategy=SyncStrategy.STREAMING_DILOCO,
+                        diloco=DiLoCoConfig(inner_steps=8, fragments=2, overlap_steps=1)),
+        wan=WanConfig(rtt_ms=10.0, gbps=2.0), checkpoint_every=5, priority=3, owner="alice",
+    )
+    # and today's shape round-trips through JSON
+    assert JobRequest.from_dict(json.loads(json.dumps(forced.to_dict()))) == forced

@@ -76,20 +76,38 @@ def test_a_job_can_force_a_strategy_and_its_knobs():
     topo = topology(dc_a=2, dc_b=2)
     slow = figures_for(_req(wan=WanConfig(rtt_ms=100, gbps=0.1)), topo, None)[0]
     assert slow.inter_dc_known
-    forced = plan_job(_req(wan=WanConfig(rtt_ms=100, gbps=0.1), sync_strategy=SyncStrategy.HIERARCHICAL), topo, slow)
+    forced = plan_job(_req(wan=WanConfig(rtt_ms=100, gbps=0.1), sync=SyncConfig(strategy=SyncStrategy.HIERARCHICAL)),
+                      topo, slow)
     assert forced.sync_strategy is SyncStrategy.HIERARCHICAL and forced.diloco is None
     knobs = DiLoCoConfig(inner_steps=8)
-    request = _req(sync_strategy=SyncStrategy.DILOCO, sync=SyncConfig(strategy=SyncStrategy.DILOCO, diloco=knobs))
+    request = _req(sync=SyncConfig(strategy=SyncStrategy.DILOCO, diloco=knobs))
     plan = plan_job(request, topo, slow)
     assert plan.sync_strategy is SyncStrategy.DILOCO and plan.diloco == knobs and "as requested" in plan.explanation
 
 
 def test_diloco_knobs_cross_the_service_to_workers_boundary_intact():
+    import json
+    import pickle
+
     from meridian.workers.contracts.config import TrainConfig
 
     sync = SyncConfig(strategy=SyncStrategy.STREAMING_DILOCO,
                       diloco=DiLoCoConfig(inner_steps=8, fragments=2, overlap_steps=1))
     cfg = TrainConfig(job_id="x", model=model_preset("nano"), steps=3, global_batch=4, micro_batch=2, sync=sync)
-    assert TrainConfig.from_dict(cfg.to_dict()) == cfg
-    request = _req(sync_strategy=SyncStrategy.STREAMING_DILOCO, sync=sync)
-    assert JobRequest.from_dict(request.to_dict()) == request
+    assert pickle.loads(pickle.dumps(cfg)) == cfg  # how Ray hands it to the runner and the workers
+    request = _req(sync=sync)
+    assert JobRequest.from_dict(json.loads(json.dumps(request.to_dict()))) == request  # how the store keeps it
+
+
+def test_auto_strategy_is_resolved_by_the_plan_never_by_the_config():
+    topo = topology(dc_a=2, dc_b=2)
+    request = _req()
+    assert request.sync.strategy is None  # "auto": the one field a job asks for a strategy in
+    plan = plan_job(request, topo)
+    assert build_train_config("j", request, plan, "").sync.strategy is plan.sync_strategy is SyncStrategy.HIERARCHICAL
+    from meridian.workers.contracts.config import TrainConfig
+
+    with pytest.raises(ValueError, match="sync.strategy is 'auto'"):
+        TrainConfig(job_id="x", model=model_preset("nano"), steps=1, global_batch=2, micro_batch=1, sync=request.sync)
+    with pytest.raises(ValueError, match="with 'auto' the planner picks H"):
+        SyncConfig(strategy=None, diloco=DiLoCoConfig())

@@ -65,7 +65,9 @@ def _rendezvous_call(runner: Any) -> Any:
 
 def ray_train_entry(loop_config: dict[str, Any]) -> None:
     """``train_loop_per_worker`` of the job's TorchTrainer (also the body of a replacement worker)."""
-    cfg = TrainConfig.from_dict(loop_config["config"])
+    cfg = loop_config["config"]
+    if not isinstance(cfg, TrainConfig):
+        raise TypeError(f"train_loop_config['config'] must be a TrainConfig (pickled as is), got {type(cfg).__name__}")
     runner = ray.get_actor(loop_config["runner_name"], namespace=loop_config["namespace"])
     rt = ray.get_runtime_context()
     node_id = rt.get_node_id()

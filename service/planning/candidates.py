@@ -17,10 +17,6 @@ from meridian.workers.contracts.config import SyncStrategy
 
 TP_SIZES = (1, 2, 4, 8)
 MAX_PP = 8
-# The workers execute tensor parallelism (workers/tensor_parallel.py) and pipeline stages
-# (workers/pipeline.py) combined with the data-parallel sync, so the planner offers those layouts. Set to
-# False to restrict it to data-parallel layouts.
-MODEL_PARALLEL_EXECUTION = True
 
 
 @dataclass(frozen=True)
@@ -59,7 +55,7 @@ def enumerate_candidates(request: JobRequest, dcs: tuple[str, ...], devices: dic
     used = tuple(dc for dc in dcs if devices[dc])
     out: list[Candidate] = []
     for tp, pp, across in itertools.product(tps, pps, spans):
-        if pp > 1 and request.sync_strategy is SyncStrategy.FLAT:
+        if pp > 1 and request.sync.strategy is SyncStrategy.FLAT:
             continue  # DDP (flat) cannot follow a pipeline schedule; the workers refuse that combination
         groups = {dc: sum(s // tp for s in devices[dc]) for dc in used}  # TP groups that fit per DC
         if not any(groups.values()):
@@ -77,8 +73,6 @@ def enumerate_candidates(request: JobRequest, dcs: tuple[str, ...], devices: dic
 def _model_parallel_sizes(request: JobRequest) -> tuple[list[int], list[int]]:
     """Tensor-parallel sizes that divide the model's heads and MLP width, and pipeline depths that divide
     its layers (or what the request fixed)."""
-    if not MODEL_PARALLEL_EXECUTION:
-        return [1], [1]
     model, par = request.model, request.parallelism
     tps = [par.tp] if par.tp else [t for t in TP_SIZES if model.n_heads % t == 0 and (model.mlp_ratio * model.d_model) % t == 0]
     pps = [par.pp] if par.pp else _divisors(model.n_layers, MAX_PP)
@@ -106,8 +100,8 @@ def _replicas(groups: dict[str, int], used: tuple[str, ...], pp: int, across: bo
 
 def _sync_options(request: JobRequest, *, across: bool, num_dcs: int, pp: int) -> list[bool]:
     """Hierarchical (``True``) and/or flat (``False``) data-parallel sync for a layout."""
-    if request.sync_strategy is not None and not across and num_dcs > 1:
-        return [request.sync_strategy is SyncStrategy.HIERARCHICAL]
+    if request.sync.strategy is not None and not across and num_dcs > 1:
+        return [request.sync.strategy is SyncStrategy.HIERARCHICAL]
     # pp > 1 runs the hierarchical engine only (DDP cannot follow a pipeline schedule)
     return [True] if across or num_dcs == 1 or pp > 1 else [True, False]
 

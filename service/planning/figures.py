@@ -17,7 +17,7 @@ from meridian.service.cluster.topology import ClusterTopology
 from meridian.service.jobs import JobRequest
 from meridian.service.planning.cost_model import Figures, Link
 from meridian.service.planning.planner import default_figures
-from meridian.workers.contracts.config import to_plain
+from meridian.workers.contracts.fields import to_plain
 
 
 def _link(summary: dict[str, float]) -> Link:

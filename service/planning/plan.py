@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from meridian.workers.contracts.config import DiLoCoConfig, SyncStrategy, to_plain
+from meridian.workers.contracts.config import DiLoCoConfig, SyncStrategy
+from meridian.workers.contracts.fields import to_plain
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,8 @@ class Plan:
     """Datacenter of each world rank."""
     use_gpu: bool
     sync_strategy: SyncStrategy
+    """The planner's choice: the job's ``sync.strategy`` when it asked for one, else the fastest; the
+    TrainConfig's ``sync.strategy`` is this (:func:`~meridian.service.planning.train_config.build_train_config`)."""
     explanation: str
     diloco: DiLoCoConfig | None = None
     """H, fragments, overlap when ``sync_strategy`` is a DiLoCo one (:mod:`meridian.service.planning.sync_choice`)."""

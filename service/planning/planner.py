@@ -28,7 +28,6 @@ from typing import Any
 from meridian.service.cluster.topology import ClusterTopology
 from meridian.service.errors import InvalidJob, Unschedulable
 from meridian.service.jobs import JobRequest
-from meridian.service.planning import candidates as _candidates
 from meridian.service.planning.candidates import Candidate, enumerate_candidates
 from meridian.service.planning.cost_model import Figures, Layout, runs_hierarchical
 from meridian.service.planning.explain import explain, no_fit_in_memory_reason, no_layout_reason, sync_reason
@@ -86,7 +85,7 @@ def _layouts_for(request: JobRequest, dcs: tuple[str, ...], devices: dict[str, l
     total = sum(sum(v) for v in devices.values())
     if total == 0:
         raise Unschedulable(f"no worker fits in {', '.join(dcs)} (each worker needs one {unit})")
-    dp_only = request.parallelism.is_data_parallel_only or not _candidates.MODEL_PARALLEL_EXECUTION
+    dp_only = request.parallelism.is_data_parallel_only
     if request.topology.workers_per_datacenter is not None and total > request.global_batch and dp_only:
         raise InvalidJob(
             f"training.global_batch ({request.global_batch}) is smaller than the number of workers ({total}); "
@@ -108,7 +107,7 @@ def _diloco_override(request: JobRequest, feasible: list[Candidate],
     on guessed figures the choice would be a guess too."""
     best = feasible[0]
     data_parallel = [c for c in feasible if c.layout.num_dcs > 1 and c.layout.pp == 1 and c.layout.tp == 1]
-    if request.sync_strategy is not None or not figures.inter_dc_known or not data_parallel:
+    if request.sync.strategy is not None or not figures.inter_dc_known or not data_parallel:
         return best, None
     dp = data_parallel[0]
     choice = choose_sync(rtt_ms=figures.inter_dc.latency_s * 2000, gbps=figures.inter_dc.bytes_per_s * 8 / 1e9,
@@ -127,8 +126,8 @@ def _diloco_override(request: JobRequest, feasible: list[Candidate],
 def _sync_for(request: JobRequest, best: Candidate,
               choice: SyncChoice | None) -> tuple[SyncStrategy, DiLoCoConfig | None, str]:
     """The sync strategy of the plan, its DiLoCo settings, and the sentence that says why."""
-    strategy = request.sync_strategy or strategy_for(best.layout)
-    reason = sync_reason(strategy, requested=request.sync_strategy is not None, num_dcs=best.layout.num_dcs,
+    strategy = request.sync.strategy or strategy_for(best.layout)
+    reason = sync_reason(strategy, requested=request.sync.strategy is not None, num_dcs=best.layout.num_dcs,
                          pp=best.layout.pp, spans=best.layout.pp_spans_dcs)
     diloco = request.sync.diloco if strategy.is_diloco else None
     if choice is not None and (choice.strategy.is_diloco or strategy is SyncStrategy.HIERARCHICAL):

@@ -28,7 +28,7 @@ import threading
 import time
 import traceback
 from collections import deque
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -41,6 +41,9 @@ from meridian.service.runner.poll import RunnerPoll, RunnerState
 from meridian.service.runner.replacement import replacement_datacenter
 from meridian.workers.contracts.records import StepRecord
 from meridian.workers.contracts.rendezvous import JoinReply, JoinRequest
+
+if TYPE_CHECKING:
+    from meridian.workers.contracts.config import TrainConfig
 
 NAMESPACE = "meridian"
 KEEP_RECORDS = 20_000
@@ -105,12 +108,13 @@ def _describe_failure(error: BaseException | str) -> str:
     return text.strip().splitlines()[-1][:2000] if text.strip() else type(error).__name__
 
 
-def _train_loop_config(runner_name_: str, train_config: dict[str, Any]) -> dict[str, Any]:
+def _train_loop_config(runner_name_: str, train_config: TrainConfig) -> dict[str, Any]:
+    """Ray Train's ``train_loop_config``: the frozen config itself (pickled), read as is by the workers."""
     return {"config": train_config, "runner_name": runner_name_, "namespace": NAMESPACE}
 
 
 class JobRunner:
-    def __init__(self, job_id: str, train_config: dict[str, Any], plan: Plan, storage_path: str,
+    def __init__(self, job_id: str, train_config: TrainConfig, plan: Plan, storage_path: str,
                  min_workers: int = 1) -> None:
         self.job_id = job_id
         self.name = runner_name(job_id)
@@ -401,7 +405,7 @@ class _ReplacementWorker:
         ray_train_entry(loop_config)
 
 
-def _start_replacement(name: str, train_config: dict[str, Any], dc: str, plan: Plan) -> tuple[str, Any]:
+def _start_replacement(name: str, train_config: TrainConfig, dc: str, plan: Plan) -> tuple[str, Any]:
     """A worker outside Ray Train's group (Train 2.60 does not re-place a lost replica group once its node is
     gone), pinned by label to ``dc``; it runs the same entry and joins the rendezvous as a newcomer."""
     resources = dict(plan.resources_per_worker)

@@ -1,15 +1,19 @@
 """The frozen configuration that crosses the service → workers boundary.
 
 The HTTP edge validates a pydantic ``JobSpec``; the service turns it into a :class:`TrainConfig` and hands
-that to every Ray Train worker. From here on nothing reads environment variables or loose dicts: every
-knob the training loop obeys is a field below, checked once in ``__post_init__`` with a message naming it.
+that object (pickled by Ray, never a dict) to the job's runner and every Ray Train worker. From here on
+nothing reads environment variables or loose dicts: every knob the training loop obeys is a field below,
+with its default and bounds declared once (:func:`~meridian.workers.contracts.fields.knob`) and checked in
+``__post_init__`` with a message naming it; the HTTP schema reads the same declarations.
 """
 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field, fields, is_dataclass
+from dataclasses import dataclass, field
 from typing import Any
+
+from meridian.workers.contracts.fields import check_bounds, knob
 
 
 class SyncStrategy(str, enum.Enum):
@@ -39,31 +43,25 @@ class Precision(str, enum.Enum):
     BF16 = "bf16"  # bf16 autocast for matmuls; parameters and optimizer state stay fp32
 
 
-def _positive(name: str, value: float) -> None:
-    if not value > 0:
-        raise ValueError(f"{name} must be > 0, got {value!r}")
-
-
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     """A decoder-only transformer (GPT-2 shape: pre-LayerNorm, GELU MLP, learned positions)."""
 
-    n_layers: int
+    n_layers: int = knob(ge=1, le=128)
     """Transformer blocks."""
-    d_model: int
+    d_model: int = knob(ge=8, le=32768)
     """Hidden size; must divide by ``n_heads``."""
-    n_heads: int
+    n_heads: int = knob(ge=1, le=256)
     """Attention heads."""
-    seq_len: int
+    seq_len: int = knob(ge=8, le=32768)
     """Tokens per training sample (the context length)."""
-    vocab_size: int = 256
+    vocab_size: int = knob(256, ge=2, le=262144)
     """Byte-level tokens: every text file is valid input without a trained tokenizer."""
-    mlp_ratio: int = 4
+    mlp_ratio: int = knob(4, ge=1, le=64)
     """MLP hidden size as a multiple of ``d_model``."""
 
     def __post_init__(self) -> None:
-        for f in ("n_layers", "d_model", "n_heads", "seq_len", "vocab_size", "mlp_ratio"):
-            _positive(f"model.{f}", getattr(self, f))
+        check_bounds(self, "model.")
         if self.d_model % self.n_heads:
             raise ValueError(
                 f"model.d_model ({self.d_model}) must be a multiple of model.n_heads ({self.n_heads})"
@@ -112,62 +110,48 @@ class DataConfig:
     source: str = "builtin:python-reference"
     """``builtin:python-reference`` (the Python Language Reference shipped with every CPython as
     ``pydoc_data.topics``) or an absolute path to a UTF-8 text file readable on every node."""
-    max_bytes: int = 8_000_000
+    max_bytes: int = knob(8_000_000, ge=1024, le=10**10)
     """Read at most this many bytes of the source (keeps start-up fast on big files)."""
 
     def __post_init__(self) -> None:
         if not self.source:
             raise ValueError("data.source must not be empty")
-        _positive("data.max_bytes", self.max_bytes)
+        check_bounds(self, "data.")
 
 
 @dataclass(frozen=True, kw_only=True)
 class OptimConfig:
     """AdamW with linear warm-up and cosine decay."""
 
-    lr: float = 1e-3
+    lr: float = knob(1e-3, gt=0, le=10)
     """Peak learning rate."""
-    min_lr_ratio: float = 0.1
+    min_lr_ratio: float = knob(0.1, ge=0, le=1)
     """Final learning rate as a fraction of ``lr``."""
-    warmup_steps: int = 10
+    warmup_steps: int = knob(10, ge=0, le=10_000_000)
     """Steps of linear warm-up from 0 to ``lr``."""
-    weight_decay: float = 0.1
+    weight_decay: float = knob(0.1, ge=0, le=10)
     """Decoupled weight decay, applied to matrices only (not to biases, norms)."""
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    grad_clip: float = 1.0
+    beta1: float = knob(0.9, ge=0, lt=1)
+    beta2: float = knob(0.95, ge=0, lt=1)
+    eps: float = knob(1e-8, gt=0)
+    grad_clip: float = knob(1.0, ge=0, le=1e6)
     """Clip the global gradient norm to this value; 0 disables clipping."""
 
     def __post_init__(self) -> None:
-        _positive("training.lr", self.lr)
-        if not 0 <= self.min_lr_ratio <= 1:
-            raise ValueError(f"training.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
-        if self.warmup_steps < 0:
-            raise ValueError(f"training.warmup_steps must be >= 0, got {self.warmup_steps}")
-        if self.weight_decay < 0:
-            raise ValueError(f"training.weight_decay must be >= 0, got {self.weight_decay}")
-        for name in ("beta1", "beta2"):
-            if not 0 <= getattr(self, name) < 1:
-                raise ValueError(f"training.{name} must be in [0, 1), got {getattr(self, name)}")
-        _positive("training.eps", self.eps)
-        if self.grad_clip < 0:
-            raise ValueError(f"training.grad_clip must be >= 0, got {self.grad_clip}")
+        check_bounds(self, "training.")
 
 
 @dataclass(frozen=True, kw_only=True)
 class WanConfig:
     """Emulated inter-datacenter link (see :mod:`meridian.workers.wan.collectives`)."""
 
-    rtt_ms: float
+    rtt_ms: float = knob(ge=0, le=10_000)
     """Round-trip time between datacenters; each message pays RTT/2 one way."""
-    gbps: float
+    gbps: float = knob(gt=0, le=10_000)
     """Link bandwidth per direction between two datacenters, shared by all their ranks."""
 
     def __post_init__(self) -> None:
-        if self.rtt_ms < 0:
-            raise ValueError(f"wan.rtt_ms must be >= 0, got {self.rtt_ms}")
-        _positive("wan.gbps", self.gbps)
+        check_bounds(self, "wan.")
 
     @property
     def one_way_s(self) -> float:
@@ -184,39 +168,31 @@ class DiLoCoConfig:
     arXiv:2501.18512). Defaults are the papers': H in the hundreds on real models, outer Nesterov with lr 0.7
     and momentum 0.9; a smaller H here because CPU runs are short."""
 
-    inner_steps: int = 50
+    inner_steps: int = knob(50, ge=1, le=100_000)
     """H: inner optimizer steps between two syncs of the same parameters across DCs."""
-    fragments: int = 1
+    fragments: int = knob(1, ge=1, le=1024)
     """Streaming: the parameters are cut into this many fragments (groups of whole buckets, so whole
     parameters), each synced once per H steps at its own offset. 1 is plain DiLoCo."""
-    outer_lr: float = 0.7
+    outer_lr: float = knob(0.7, gt=0, le=10)
     """Learning rate of the outer SGD step on the averaged parameter delta (1 with no momentum: plain
     averaging of the DC replicas)."""
-    outer_momentum: float = 0.9
+    outer_momentum: float = knob(0.9, ge=0, lt=1)
     """Nesterov momentum of the outer step; 0 disables momentum."""
     nesterov: bool = True
     """Nesterov (the papers' choice) or heavy-ball momentum."""
-    overlap_steps: int = 0
+    overlap_steps: int = knob(0, ge=0, le=100_000)
     """Streaming: inner steps a fragment's all-reduce stays in flight before it is applied (tau)."""
-    mix_alpha: float = 0.5
+    mix_alpha: float = knob(0.5, ge=0, le=1)
     """Streaming with overlap: the fragment becomes ``alpha * local + (1 - alpha) * outer`` when the
     all-reduce lands (the paper's merge); ignored when ``overlap_steps`` is 0."""
 
     def __post_init__(self) -> None:
-        if self.inner_steps < 1:
-            raise ValueError(f"sync.diloco.inner_steps (H) must be >= 1, got {self.inner_steps}")
-        if self.fragments < 1:
-            raise ValueError(f"sync.diloco.fragments must be >= 1, got {self.fragments}")
+        check_bounds(self, "sync.diloco.")
         if self.fragments > self.inner_steps:
             raise ValueError(
                 f"sync.diloco.fragments ({self.fragments}) must be <= inner_steps ({self.inner_steps}): each "
                 "fragment needs its own step in the H-step cycle; raise inner_steps or lower fragments"
             )
-        _positive("sync.diloco.outer_lr", self.outer_lr)
-        if not 0 <= self.outer_momentum < 1:
-            raise ValueError(f"sync.diloco.outer_momentum must be in [0, 1), got {self.outer_momentum}")
-        if self.overlap_steps < 0:
-            raise ValueError(f"sync.diloco.overlap_steps must be >= 0, got {self.overlap_steps}")
         spacing = self.inner_steps // self.fragments
         if self.overlap_steps >= spacing:
             raise ValueError(
@@ -224,22 +200,23 @@ class DiLoCoConfig:
                 f"({spacing}) so a fragment's sync lands before its next one starts; lower overlap_steps or "
                 "raise inner_steps"
             )
-        if not 0 <= self.mix_alpha <= 1:
-            raise ValueError(f"sync.diloco.mix_alpha must be in [0, 1], got {self.mix_alpha}")
 
 
 @dataclass(frozen=True, kw_only=True)
 class SyncConfig:
     """The gradient-sync engine's knobs."""
 
-    strategy: SyncStrategy = SyncStrategy.HIERARCHICAL
-    bucket_mb: float = 4.0
+    strategy: SyncStrategy | None = SyncStrategy.HIERARCHICAL
+    """How gradients travel. ``None`` ("auto") exists only in a job request: the planner then picks the
+    strategy (and the DiLoCo knobs), its choice is the plan's ``sync_strategy``, and the :class:`TrainConfig`
+    built from request and plan always carries the resolved strategy."""
+    bucket_mb: float = knob(4.0, gt=0, le=1024)
     """Gradients are reduced in buckets of about this many MiB (fp32)."""
     shard_optimizer: bool = True
     """Partial distributed optimizer: AdamW state sharded inside a DC, replicated across DCs."""
     overlap: bool = True
     """Start each bucket's sync from autograd hooks while backward still runs."""
-    inter_dc_chunk_mb: float = 1.0
+    inter_dc_chunk_mb: float = knob(1.0, gt=0, le=1024)
     """The inter-DC all-reduce of a shard is split in chunks of this size, all in flight together."""
     compression: Compression = Compression.NONE
     """Encoding of the inter-DC step (for the DiLoCo strategies: of the outer parameter delta)."""
@@ -248,8 +225,7 @@ class SyncConfig:
     defaults for them and is required for the others."""
 
     def __post_init__(self) -> None:
-        _positive("sync.bucket_mb", self.bucket_mb)
-        _positive("sync.inter_dc_chunk_mb", self.inter_dc_chunk_mb)
+        check_bounds(self, "sync.")
         if self.strategy is SyncStrategy.FLAT and self.compression is not Compression.NONE:
             raise ValueError("sync.compression applies to the inter-DC step of 'hierarchical' sync only")
         if self.strategy is SyncStrategy.DILOCO and self.diloco is not None and (
@@ -259,10 +235,11 @@ class SyncConfig:
                 "sync.diloco.fragments > 1 or overlap_steps > 0 is streaming DiLoCo: set sync.strategy to "
                 "'streaming-diloco'"
             )
-        if self.diloco is not None and not self.strategy.is_diloco:
+        if self.diloco is not None and (self.strategy is None or not self.strategy.is_diloco):
             raise ValueError(
-                f"sync.diloco is set but sync.strategy is {self.strategy.value!r}; use 'diloco' or "
-                "'streaming-diloco', or drop sync.diloco"
+                f"sync.diloco is set but sync.strategy is {self.strategy.value if self.strategy else 'auto'!r}; "
+                "use 'diloco' or 'streaming-diloco', or drop sync.diloco (with 'auto' the planner picks H and "
+                "fragments itself)"
             )
 
     @property
@@ -289,24 +266,32 @@ class ParallelConfig:
     World ranks are ordered (pipeline stage, data-parallel replica, tensor-parallel rank), tensor-parallel
     fastest, the order the planner places them in."""
 
-    tp: int = 1
+    tp: int = knob(1, ge=1, le=64)
     """Tensor-parallel size: ranks of one node that split every attention and MLP layer (Megatron-style)."""
-    pp: int = 1
+    pp: int = knob(1, ge=1, le=128)
     """Pipeline stages: consecutive groups of transformer blocks, micro-batches flowing between them."""
     schedule: PipelineSchedule = PipelineSchedule.ONE_F_ONE_B
     """Pipeline schedule (ignored with ``pp=1``)."""
 
     def __post_init__(self) -> None:
-        _positive("parallelism.tp", self.tp)
-        _positive("parallelism.pp", self.pp)
+        check_bounds(self, "parallelism.")
 
     @property
     def model_parallel(self) -> int:
-        """Ranks holding one replica of the model."""
+        """Model-parallel size: the ranks holding one replica of the model (tp × pp); 1 is pure data
+        parallelism. The only meaning of "model_parallel" in Meridian."""
         return self.tp * self.pp
 
     def check(self, model: ModelConfig, world: int) -> None:
         """Raise ``ValueError`` naming the field when ``model`` cannot be split this way over ``world`` ranks."""
+        self.check_model(model)
+        if world % self.model_parallel:
+            raise ValueError(
+                f"{world} workers cannot be split into replicas of tp × pp = {self.tp} × {self.pp} ranks"
+            )
+
+    def check_model(self, model: ModelConfig) -> None:
+        """Raise ``ValueError`` naming the field when ``model`` cannot be split into these slices and stages."""
         if model.n_heads % self.tp:
             raise ValueError(f"parallelism.tp ({self.tp}) must divide model.n_heads ({model.n_heads})")
         if (model.mlp_ratio * model.d_model) % self.tp:
@@ -315,10 +300,6 @@ class ParallelConfig:
             )
         if self.pp > model.n_layers:
             raise ValueError(f"parallelism.pp ({self.pp}) must be <= model.n_layers ({model.n_layers})")
-        if world % self.model_parallel:
-            raise ValueError(
-                f"{world} workers cannot be split into replicas of tp × pp = {self.tp} × {self.pp} ranks"
-            )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -332,15 +313,15 @@ class TrainConfig:
     sync: SyncConfig = field(default_factory=SyncConfig)
     wan: WanConfig | None = None
     """Emulate a WAN between datacenters; ``None`` leaves the links as they are."""
-    steps: int
+    steps: int = knob(ge=1, le=10_000_000)
     """Optimizer steps to run."""
-    global_batch: int
+    global_batch: int = knob(ge=1, le=1_048_576)
     """Samples per optimizer step, summed over every data-parallel rank."""
-    micro_batch: int
+    micro_batch: int = knob(ge=1, le=65_536)
     """Samples per forward/backward on one rank; more samples per rank are accumulated."""
-    seed: int = 0
+    seed: int = knob(0, ge=0, le=2**31 - 1)
     precision: Precision = Precision.FP32
-    checkpoint_every: int = 0
+    checkpoint_every: int = knob(0, ge=0, le=10_000_000, name="checkpoint.interval_steps")
     """Write a durable checkpoint every N steps (0: only at the end)."""
     checkpoint_dir: str = ""
     """Directory for durable checkpoints; empty disables them."""
@@ -350,15 +331,10 @@ class TrainConfig:
     """Tensor and pipeline parallelism inside each data-parallel replica."""
 
     def __post_init__(self) -> None:
-        _positive("training.steps", self.steps)
-        _positive("training.global_batch", self.global_batch)
-        _positive("training.micro_batch", self.micro_batch)
-        if self.micro_batch > self.global_batch:
-            raise ValueError(
-                f"training.micro_batch ({self.micro_batch}) must be <= training.global_batch ({self.global_batch})"
-            )
-        if self.checkpoint_every < 0:
-            raise ValueError(f"checkpoint_every must be >= 0, got {self.checkpoint_every}")
+        check_batches(self)
+        if self.sync.strategy is None:
+            raise ValueError("sync.strategy is 'auto' (None): build a TrainConfig from a plan, whose "
+                             "sync_strategy resolves it")
         replicas = len(self.datacenters) // self.parallel.model_parallel
         if self.datacenters and replicas > self.global_batch:
             raise ValueError(
@@ -376,43 +352,14 @@ class TrainConfig:
     def tokens_per_step(self) -> int:
         return self.global_batch * self.model.seq_len
 
-    def to_dict(self) -> dict[str, Any]:
-        return to_plain(self)
 
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
-        data = dict(data)
-        data["model"] = ModelConfig(**data["model"])
-        data["data"] = DataConfig(**data.get("data", {}))
-        data["optim"] = OptimConfig(**data.get("optim", {}))
-        sync = dict(data.get("sync", {}))
-        if "strategy" in sync:
-            sync["strategy"] = SyncStrategy(sync["strategy"])
-        if "compression" in sync:
-            sync["compression"] = Compression(sync["compression"])
-        if sync.get("diloco"):
-            sync["diloco"] = DiLoCoConfig(**sync["diloco"])
-        data["sync"] = SyncConfig(**sync)
-        data["wan"] = WanConfig(**data["wan"]) if data.get("wan") else None
-        data["precision"] = Precision(data.get("precision", "fp32"))
-        data["datacenters"] = tuple(data.get("datacenters", ()))
-        par = dict(data.get("parallel", {}))
-        if "schedule" in par:
-            par["schedule"] = PipelineSchedule(par["schedule"])
-        data["parallel"] = ParallelConfig(**par)
-        return cls(**data)
-
-
-def to_plain(obj: Any) -> Any:
-    if is_dataclass(obj):
-        return {f.name: to_plain(getattr(obj, f.name)) for f in fields(obj)}
-    if isinstance(obj, enum.Enum):
-        return obj.value
-    if isinstance(obj, tuple | list):
-        return [to_plain(x) for x in obj]
-    if isinstance(obj, dict):
-        return {k: to_plain(v) for k, v in obj.items()}
-    return obj
+def check_batches(config: Any) -> None:
+    """The training knobs a job request shares with :class:`TrainConfig`: bounds, and micro <= global batch."""
+    check_bounds(config, "training.")
+    if config.micro_batch > config.global_batch:
+        raise ValueError(
+            f"training.micro_batch ({config.micro_batch}) must be <= training.global_batch ({config.global_batch})"
+        )
 
 
 __all__ = [
@@ -429,5 +376,6 @@ __all__ = [
     "SyncStrategy",
     "TrainConfig",
     "WanConfig",
+    "check_batches",
     "model_preset",
 ]

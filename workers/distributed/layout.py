@@ -106,7 +106,7 @@ class DCGroups:
     rank takes part in (absent with a single datacenter). ``world``: every rank of the layout (flat sync,
     barriers). ``rank`` and segment owners are *layout* indices; ``world_ranks[i]`` is the torch.distributed
     rank of layout index ``i`` — the identity unless the layout is one data-parallel group among several
-    (tensor/pipeline parallelism: :mod:`meridian.workers.parallel.dims`). ``model_parallel``, when set, makes
+    (tensor/pipeline parallelism: :mod:`meridian.workers.parallel.dims`). ``mp_norm``, when set, makes
     the engines' gradient norm cover the other parts of the replica (:mod:`meridian.workers.distributed.mp_norm`).
     """
 
@@ -124,7 +124,7 @@ class DCGroups:
         self.layout = layout
         self.rank = rank
         self.world_ranks = world_ranks or tuple(range(layout.world_size))
-        self.model_parallel: ModelParallelNorm | None = None
+        self.mp_norm: ModelParallelNorm | None = None
         self.world, intra, inter = make_groups(layout, self.world_ranks, backend=backend)
         self.intra_dc = intra[layout.dc_of(rank)]
         self.inter_dc: dict[Segment, dist.ProcessGroup] = {

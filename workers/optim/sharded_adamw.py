@@ -171,7 +171,7 @@ class ShardedAdamW:
 
     def _global_norm(self) -> torch.Tensor:
         layout = self.groups.layout
-        mp = self.groups.model_parallel
+        mp = self.groups.mp_norm
         device = self.buffer.buckets[0].grad.device
         sumsq = torch.zeros(len(self._entries), dtype=torch.float64, device=device)
         for i, (bucket, seg) in enumerate(self._entries):
@@ -199,7 +199,7 @@ class ShardedAdamW:
         """1 where this rank's shard of bucket ``b`` holds a parameter it counts in the model-parallel norm."""
         mask = self._masks.get(b)
         if mask is None:
-            mp = self.groups.model_parallel
+            mp = self.groups.mp_norm
             assert mp is not None
             lo, hi = self.bounds[b]
             mask = torch.zeros(hi - lo, dtype=torch.float32, device=self.buffer.buckets[b].grad.device)

@@ -13,7 +13,6 @@ sync reduces within and across datacenters exactly as it does without model para
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -21,12 +20,6 @@ import torch.distributed as dist
 from meridian.workers.distributed.layout import DCGroups, DCLayout, make_groups
 from meridian.workers.distributed.mp_norm import ModelParallelNorm
 from meridian.workers.parallel.tensor_parallel import tp_split
-
-
-class Axis(str, enum.Enum):
-    PP = "pp"
-    DP = "dp"
-    TP = "tp"
 
 
 @dataclass(frozen=True)
@@ -77,10 +70,6 @@ class ParallelDims:
     @property
     def pp_enabled(self) -> bool:
         return self.pp > 1
-
-    @property
-    def model_parallel(self) -> bool:
-        return self.tp_enabled or self.pp_enabled
 
     def coords(self, rank: int) -> Coords:
         stage, rest = divmod(rank, self.dp * self.tp)
@@ -146,7 +135,7 @@ class ParallelGroups:
         assert self.dp is not None and mp_group is not None
         tp_rank = c.tp_rank
         # A parameter sliced across TP ranks counts everywhere; a replicated one on TP rank 0 only.
-        self.dp.model_parallel = ModelParallelNorm(
+        self.dp.mp_norm = ModelParallelNorm(
             mp_group, lambda name: tp_rank == 0 or tp_split(name) is not None
         )
 

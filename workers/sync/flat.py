@@ -62,7 +62,7 @@ class FlatSync(GradientSync):
         (loss * dist.get_world_size(self.groups.world)).backward()
 
     def step(self, lr: float, *, snapshot_as: int | None = None) -> StepStats:
-        norm = clip_grad_norm(self._named(), self.optim_cfg.grad_clip, self.groups.model_parallel)
+        norm = clip_grad_norm(self._named(), self.optim_cfg.grad_clip, self.groups.mp_norm)
         set_lr(self.optimizer, lr)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=False)

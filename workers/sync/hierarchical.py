@@ -110,7 +110,7 @@ class HierarchicalSync(GradientSync):
             waited = self.sharded.take_wait_s()  # norm all-reduce, gathers, and last step's forward waits
         else:
             assert self.optimizer is not None
-            norm = float(clip_grad_norm(self._named(), self.optim_cfg.grad_clip, self.groups.model_parallel))
+            norm = float(clip_grad_norm(self._named(), self.optim_cfg.grad_clip, self.groups.mp_norm))
             set_lr(self.optimizer, lr)
             self.optimizer.step()
             waited = 0.0

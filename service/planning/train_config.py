@@ -1,0 +1,23 @@
+"""The one place a job's request and its plan become the :class:`TrainConfig` every rank trains with."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from meridian.service.jobs import JobRequest
+from meridian.service.planning.planner import Plan
+from meridian.workers.contracts.config import ParallelConfig, PipelineSchedule, TrainConfig
+
+
+def build_train_config(job_id: str, request: JobRequest, plan: Plan, checkpoint_dir: str) -> TrainConfig:
+    """The service → workers boundary: a frozen config with everything a rank needs. The request's own
+    knobs pass through as they are; the plan supplies what the planner decided (placement, tp/pp, and the
+    sync strategy with its DiLoCo knobs, which resolves a request's ``sync.strategy=None``)."""
+    return TrainConfig(
+        job_id=job_id, model=request.model, data=request.data, optim=request.optim,
+        sync=replace(request.sync, strategy=plan.sync_strategy, diloco=plan.diloco), wan=request.wan,
+        steps=request.steps, global_batch=request.global_batch, micro_batch=request.micro_batch,
+        seed=request.seed, precision=request.precision, checkpoint_every=request.checkpoint_every,
+        checkpoint_dir=checkpoint_dir, datacenters=plan.rank_datacenters,
+        parallel=ParallelConfig(tp=plan.tp, pp=plan.pp, schedule=PipelineSchedule(plan.schedule)),
+    )
