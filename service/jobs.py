@@ -13,7 +13,7 @@ and bounds); only what the planner decides (``None``: "auto") is request-only. T
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from meridian.service.errors import InvalidTransition
@@ -203,5 +203,3 @@ class JobRequest:
             d["sync"] = {**(d.get("sync") or {}), "strategy": d.pop("sync_strategy")}
         return from_plain(cls, d)
 
-    def with_owner(self, owner: str) -> JobRequest:
-        return replace(self, owner=owner)

@@ -212,11 +212,3 @@ class Supervisor:
             self._thread.join(timeout)
             self._thread = None
 
-    def wait_idle(self, timeout: float) -> bool:
-        """Block until no job is queued or active (used by tests and the demo). False on timeout."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if not self.store.list_jobs(states=ACTIVE | {JobState.QUEUED}, limit=1):
-                return True
-            time.sleep(0.2)
-        return False

@@ -92,11 +92,6 @@ class DCLayout:
             out.append(Segment(lo, hi, owners))
         return tuple(out)
 
-    def segments_of(self, rank: int) -> tuple[Segment, ...]:
-        return tuple(s for s in self.segments if rank in s.owners)
-
-    def is_uniform(self) -> bool:
-        return len({len(self.ranks_in(dc)) for dc in self.dcs}) == 1
 
 
 class DCGroups:

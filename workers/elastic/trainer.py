@@ -117,8 +117,6 @@ class ElasticTrainer:
         to close sockets that gloo operations still in flight hold open."""
         self.on_epoch = on_epoch or (lambda n: None)
         self.loop = TrainingLoop(cfg, sink=sink, device=device, keep_params=keep_params, on_failure=self._on_failure)
-        self.epochs = 0
-        self.recoveries = 0
         self.checkpoints = Checkpointer(cfg)
 
     def run(self) -> TrainResult | None:
@@ -128,14 +126,12 @@ class ElasticTrainer:
                 a = self.rdzv.join(last_step=self.snapshots.last_step, timeout_s=self.join_timeout_s)
             except JobFinished:
                 return None
-            self.epochs += 1
             self.on_epoch(a.epoch)
             try:
                 outcome = self._run_epoch(a)
             except Exception as e:
                 if not is_peer_failure(e):
                     raise
-                self.recoveries += 1
                 Rendezvous.teardown()
                 continue
             Rendezvous.teardown()

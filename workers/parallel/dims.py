@@ -67,9 +67,6 @@ class ParallelDims:
     def tp_enabled(self) -> bool:
         return self.tp > 1
 
-    @property
-    def pp_enabled(self) -> bool:
-        return self.pp > 1
 
     def coords(self, rank: int) -> Coords:
         stage, rest = divmod(rank, self.dp * self.tp)
@@ -139,9 +136,6 @@ class ParallelGroups:
             mp_group, lambda name: tp_rank == 0 or tp_split(name) is not None
         )
 
-    @property
-    def is_first_stage(self) -> bool:
-        return self.coords.stage == 0
 
     @property
     def is_last_stage(self) -> bool:

@@ -67,7 +67,6 @@ class StageRunner:
         self.autocast = autocast
         self.emulator = emulator if emulator is not None and emulator.enabled else None
         self._sends: list[tuple[dist.Work, torch.Tensor]] = []
-        self.p2p_wait_s = 0.0
 
     # -- point to point, through the WAN emulator across datacenters ----------------------------------------------
 
@@ -88,7 +87,6 @@ class StageRunner:
         self._sends.append((dist.isend(tensor, dst), tensor))
 
     def _recv(self, shape: tuple[int, ...], src: int, device: torch.device) -> torch.Tensor:
-        t0 = time.perf_counter()
         arrival = None
         if self._crosses(src):
             arrival = torch.empty(1, dtype=torch.float64)
@@ -97,7 +95,6 @@ class StageRunner:
         dist.recv(buf, src)
         if arrival is not None:
             sleep_until(float(arrival.item()))
-        self.p2p_wait_s += time.perf_counter() - t0
         return buf
 
     def _flush(self) -> None:

@@ -108,7 +108,6 @@ class DiLoCoSync(GradientSync):
         self.in_flight: dict[int, list[CommHandle]] = {}
         self.done = 0
         """Inner steps completed: the schedule's clock, saved with the state."""
-        self.outer_syncs = 0
 
     # -- the shard of the flat parameters this rank owns (the fp32 master where the inner AdamW keeps one)
 
@@ -191,7 +190,6 @@ class DiLoCoSync(GradientSync):
             else:
                 self._set_theta(b, self.anchor[b])
             self.scratch[b].zero_()
-        self.outer_syncs += 1
         return waited
 
     def _gather_params(self) -> None:

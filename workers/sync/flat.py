@@ -77,9 +77,6 @@ class FlatSync(GradientSync):
     def local_shard(self, step: int) -> LocalShard:
         return replicated_shard(self.optimizer, self._named(), step)
 
-    def _params(self) -> list[nn.Parameter]:
-        return [p for p in self.model.module.parameters() if p.requires_grad]
-
     def _named(self) -> list[tuple[str, nn.Parameter]]:
         return [(n, p) for n, p in self.model.module.named_parameters() if p.requires_grad]
 

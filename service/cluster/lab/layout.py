@@ -13,7 +13,6 @@ end of its veth at .1 and its nodes from .10.
 
 from __future__ import annotations
 
-import ipaddress
 import re
 from dataclasses import dataclass
 
@@ -98,11 +97,6 @@ class LabLayout:
             nodes = tuple(LabNode(name, k, f"198.18.{i + 1}.{FIRST_NODE_HOST + k}") for k in range(count))
             dcs.append(LabDatacenter(name, i, nodes))
         return cls(tuple(dcs), link)
-
-    def datacenter_of(self, ip: str) -> LabDatacenter | None:
-        """The datacenter whose subnet holds ``ip`` (``None``: not a lab address)."""
-        addr = ipaddress.ip_address(ip)
-        return next((dc for dc in self.datacenters if addr in ipaddress.ip_network(dc.subnet)), None)
 
     @property
     def nodes(self) -> tuple[LabNode, ...]:
