@@ -46,6 +46,9 @@ class Assignment:
     newcomer_ranks: tuple[int, ...]
     """Ranks without state: they receive it from the others."""
 
+    @property
+    def is_newcomer(self) -> bool:
+        return self.rank in self.newcomer_ranks
 
 
 @dataclass(frozen=True)
