@@ -5,10 +5,9 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
 
 from fastapi import Depends, FastAPI
-from fastapi.responses import FileResponse
+from fastapi.responses import FileResponse, JSONResponse
 from fastapi.staticfiles import StaticFiles
 from starlette.concurrency import run_in_threadpool
 
@@ -59,10 +58,13 @@ def create_app(
         app.include_router(router, dependencies=[Depends(get_caller)])
 
     @app.get("/healthz", tags=["health"])
-    def healthz() -> dict[str, Any]:
+    def healthz() -> JSONResponse:
+        """``ok``, ``starting``, ``degraded`` (some jobs cannot be followed) or ``failing`` (503: the
+        supervisor's ticks fail), with the problems in words; no error text that could carry others' data."""
         sup = service.supervisor
-        return {"status": "ok" if sup is not None else "starting", "version": meridian.__version__,
-                "last_tick_error": sup.last_tick_error if sup else ""}
+        health = sup.health() if sup is not None else {"status": "starting", "problems": [], "jobs_failing": 0}
+        return JSONResponse({**health, "version": meridian.__version__},
+                            status_code=503 if health["status"] == "failing" else 200)
 
     install_metrics(app, lambda: service.store.count_by_state() if service.store is not None else None)
     app.mount("/static", StaticFiles(directory=STATIC), name="static")

@@ -16,6 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from meridian.service.errors import (
     ClusterUnavailable,
     Forbidden,
+    IdempotencyConflict,
     InvalidJob,
     InvalidTransition,
     JobNotFound,
@@ -32,6 +33,7 @@ STATUS: dict[type[MeridianError], int] = {
     InvalidJob: 422,
     Unschedulable: 409,
     InvalidTransition: 409,
+    IdempotencyConflict: 422,
     Forbidden: 403,
     ClusterUnavailable: 503,
     Unauthorized: 401,
