@@ -13,6 +13,7 @@ from meridian.service.cluster.connect import LocalCluster, connect
 from meridian.service.cluster.link_probe import ProbeCache, run_probe
 from meridian.service.cluster.logs import LogEntry, WorkerLogs
 from meridian.service.cluster.topology import ClusterTopology, read_topology
+from meridian.service.data_access import DEFAULT_MAX_BYTES, DataAccess
 from meridian.service.launcher import Launcher
 from meridian.service.store import JobStore
 from meridian.service.supervision.supervisor import Supervisor
@@ -32,12 +33,24 @@ class ServiceConfig:
     """Start an embedded cluster with these simulated datacenters (name → nodes) instead."""
     cpus_per_node: int = 1
     poll_interval_s: float = 0.5
+    data_roots: tuple[str, ...] = ()
+    """Folders whose files jobs may name as ``data.source``; empty: ``<data_dir>/data`` (not ``data_dir``
+    itself, which holds the database and, by default, the token file)."""
+    data_max_bytes: int = DEFAULT_MAX_BYTES
+    """The most ``data.max_bytes`` a job may ask for."""
 
     def __post_init__(self) -> None:
         if self.poll_interval_s <= 0:
             raise ValueError(f"poll_interval_s must be > 0, got {self.poll_interval_s}")
         if self.cpus_per_node < 1:
             raise ValueError(f"cpus_per_node must be >= 1, got {self.cpus_per_node}")
+
+    @property
+    def effective_data_roots(self) -> tuple[str, ...]:
+        return self.data_roots or (str(Path(self.data_dir) / "data"),)
+
+    def data_access(self) -> DataAccess:
+        return DataAccess.for_roots(self.effective_data_roots, max_bytes=self.data_max_bytes)
 
     @property
     def db_url(self) -> str:
@@ -56,6 +69,8 @@ class MeridianService:
     def start(self) -> MeridianService:
         cfg = self.config
         Path(cfg.data_dir).mkdir(parents=True, exist_ok=True)
+        if not cfg.data_roots:
+            Path(cfg.effective_data_roots[0]).mkdir(exist_ok=True)
         address = cfg.ray_address
         if cfg.local_datacenters:
             self.local_cluster = LocalCluster(cfg.local_datacenters, cpus_per_node=cfg.cpus_per_node)
@@ -67,7 +82,7 @@ class MeridianService:
         self.supervisor = Supervisor(
             self.store, launcher, read_topology,
             checkpoint_root=str(Path(cfg.data_dir).resolve() / "checkpoints"), poll_interval_s=cfg.poll_interval_s,
-            probe_report=self.probe_cache.latest,
+            probe_report=self.probe_cache.latest, data_access=cfg.data_access(),
         )
         self.worker_logs = WorkerLogs()
         self.supervisor.start()

@@ -20,6 +20,7 @@ from dataclasses import replace
 from typing import Any
 
 from meridian.service.cluster.topology import ClusterTopology
+from meridian.service.data_access import DataAccess
 from meridian.service.errors import InvalidTransition
 from meridian.service.jobs import JobRequest, JobState, JobStatus
 from meridian.service.launcher import Launcher, build_train_config
@@ -40,6 +41,7 @@ from meridian.service.supervision.stall import StallPolicy
 log = logging.getLogger(__name__)
 
 ACTIVE = {JobState.PLACING, JobState.RUNNING}
+BUILTIN_DATA_ONLY = DataAccess()
 PROGRESS_EVENT_EVERY_S = 1.0
 
 
@@ -48,6 +50,7 @@ class Supervisor:
         self, store: JobStore, launcher: Launcher, read_topology: Callable[[], ClusterTopology], *,
         checkpoint_root: str, poll_interval_s: float = 0.5,
         probe_report: Callable[[], dict[str, Any] | None] = lambda: None, deadlines: Deadlines = DEFAULT_DEADLINES,
+        data_access: DataAccess = BUILTIN_DATA_ONLY,
     ) -> None:
         self.store = store
         self.probe_report = probe_report
@@ -59,6 +62,7 @@ class Supervisor:
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self.deadlines = deadlines
+        self.data_access = data_access
         self.last_tick_error: str = ""
         self.last_tick_at: float | None = None  # monotonic time of the last tick that completed
         self.job_errors: dict[str, str] = {}  # job → why following it failed on the last tick (for /healthz)
@@ -83,6 +87,7 @@ class Supervisor:
             existing = self.store.find_by_idempotency_key(request.owner, idempotency_key, body_hash)
             if existing is not None:
                 return existing, False
+        request = self.data_access.admit(request)  # a data source the service may not read is a 422
         plan = self.plan(request)  # reject what can never fit before anything is stored
         status = JobStatus(JobState.QUEUED, "Admitting", "waiting for the scheduler")
         record, created = self.store.create_job(request, spec, status=status, idempotency_key=idempotency_key,
