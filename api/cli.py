@@ -94,6 +94,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from meridian.api.auth import AuthSettings, UnsafeDeployment, check_bind, is_loopback
     from meridian.service.cluster.connect import parse_datacenters
     from meridian.service.core import MeridianService, ServiceConfig
+    from meridian.service.lease import DatabaseOwned
 
     try:
         # Auth is forced on for any non-loopback bind; with no tokens there the service refuses to start.
@@ -109,7 +110,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     who = f"auth on, {len(auth.hashes)} token(s) from {auth.token_file}" if auth.enabled else "auth off (loopback only)"
     # Started here, in the main thread, not in the app's lifespan (a worker thread): an embedded cluster
     # installs signal handlers, which Python allows only in the main thread.
-    service = MeridianService(config).start()
+    try:
+        service = MeridianService(config).start()
+    except DatabaseOwned as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     try:
         print(f"Meridian API on http://{args.host}:{args.port} (docs at /docs); data in {config.data_dir}; "
               f"job data from {', '.join(config.effective_data_roots)}; {who}",

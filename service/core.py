@@ -4,6 +4,7 @@ together. The API holds one :class:`MeridianService`; so do the tests that skip 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from dataclasses import dataclass, field
@@ -15,6 +16,7 @@ from meridian.service.cluster.logs import LogEntry, WorkerLogs
 from meridian.service.cluster.topology import ClusterTopology, read_topology
 from meridian.service.data_access import DEFAULT_MAX_BYTES, DataAccess
 from meridian.service.launcher import Launcher
+from meridian.service.lease import DatabaseOwned, Lease
 from meridian.service.store import JobStore
 from meridian.service.supervision.supervisor import Supervisor
 
@@ -65,10 +67,20 @@ class MeridianService:
         self.supervisor: Supervisor | None = None
         self.probe_cache: ProbeCache | None = None
         self.worker_logs: WorkerLogs | None = None
+        self.lease: Lease | None = None
 
     def start(self) -> MeridianService:
         cfg = self.config
         Path(cfg.data_dir).mkdir(parents=True, exist_ok=True)
+        # The database first: a service refused by another one's lease starts no cluster.
+        self.store = JobStore(cfg.db_url)
+        self.lease = Lease(self.store.engine)
+        try:
+            self.lease.acquire()
+        except DatabaseOwned:
+            self.store.close()
+            self.store = None
+            raise
         if not cfg.data_roots:
             Path(cfg.effective_data_roots[0]).mkdir(exist_ok=True)
         address = cfg.ray_address
@@ -76,13 +88,12 @@ class MeridianService:
             self.local_cluster = LocalCluster(cfg.local_datacenters, cpus_per_node=cfg.cpus_per_node)
             address = self.local_cluster.start()
         connect(address)
-        self.store = JobStore(cfg.db_url)
         self.probe_cache = ProbeCache(cfg.data_dir)
         launcher = Launcher(storage_path=str(Path(cfg.data_dir).resolve() / "ray-train"))
         self.supervisor = Supervisor(
             self.store, launcher, read_topology,
             checkpoint_root=str(Path(cfg.data_dir).resolve() / "checkpoints"), poll_interval_s=cfg.poll_interval_s,
-            probe_report=self.probe_cache.latest, data_access=cfg.data_access(),
+            probe_report=self.probe_cache.latest, data_access=cfg.data_access(), lease=self.lease,
         )
         self.worker_logs = WorkerLogs()
         self.supervisor.start()
@@ -106,6 +117,9 @@ class MeridianService:
 
         if self.supervisor is not None:
             self.supervisor.stop()
+        if self.lease is not None and self.store is not None:
+            with contextlib.suppress(Exception):
+                self.lease.release()
         if self.store is not None:
             self.store.close()
         if ray.is_initialized():

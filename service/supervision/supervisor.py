@@ -24,6 +24,7 @@ from meridian.service.data_access import DataAccess
 from meridian.service.errors import InvalidTransition
 from meridian.service.jobs import JobRequest, JobState, JobStatus
 from meridian.service.launcher import Launcher, build_train_config
+from meridian.service.lease import Lease, LeaseLost
 from meridian.service.planning.figures import figures_for
 from meridian.service.planning.plan import Plan
 from meridian.service.planning.planner import admission, plan_job
@@ -50,7 +51,7 @@ class Supervisor:
         self, store: JobStore, launcher: Launcher, read_topology: Callable[[], ClusterTopology], *,
         checkpoint_root: str, poll_interval_s: float = 0.5,
         probe_report: Callable[[], dict[str, Any] | None] = lambda: None, deadlines: Deadlines = DEFAULT_DEADLINES,
-        data_access: DataAccess = BUILTIN_DATA_ONLY,
+        data_access: DataAccess = BUILTIN_DATA_ONLY, lease: Lease | None = None,
     ) -> None:
         self.store = store
         self.probe_report = probe_report
@@ -63,6 +64,7 @@ class Supervisor:
         self._thread: threading.Thread | None = None
         self.deadlines = deadlines
         self.data_access = data_access
+        self.lease = lease  # held on the database; renewed every tick, nothing is done without it
         self.last_tick_error: str = ""
         self.last_tick_at: float | None = None  # monotonic time of the last tick that completed
         self.job_errors: dict[str, str] = {}  # job → why following it failed on the last tick (for /healthz)
@@ -123,6 +125,9 @@ class Supervisor:
 
     # -- the loop -----------------------------------------------------------------------------------------
     def tick(self) -> None:
+        if self.lease is not None and not self.lease.renew():
+            raise LeaseLost("another service took over this database's lease; this one no longer admits or "
+                            "follows jobs (stop it, or restart it once the other service has stopped)")
         topo = self.read_topology()
         self._admit(topo)
         for job in self.store.list_jobs(states=ACTIVE, limit=10_000):
