@@ -25,7 +25,7 @@ from typing import Annotated
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from meridian.service.errors import Forbidden, Unauthorized
+from meridian.service.errors import JobNotFound, Unauthorized
 from meridian.service.store import JobRecord
 
 TOKEN_PREFIX = "mrd_"
@@ -124,8 +124,10 @@ class Caller:
     authenticated: bool
 
     def check_owns(self, job: JobRecord) -> JobRecord:
+        """The job, if the caller may see it; another owner's job answers exactly like a missing one (404),
+        so job ids of other owners cannot be probed."""
         if self.authenticated and job.owner != self.owner:
-            raise Forbidden(f"job {job.id} belongs to another owner")
+            raise JobNotFound(job.id)
         return job
 
     @property

@@ -103,14 +103,17 @@ def test_every_endpoint_but_healthz_needs_a_valid_token(auth_client, tokens):
     assert auth_client.get("/v1/cluster", headers=bearer(toks["alice"])).status_code == 200
 
 
-def test_jobs_belong_to_their_owner_and_others_get_403(auth_client, tokens, supervisor):
+def test_jobs_belong_to_their_owner_and_others_get_404_like_a_missing_job(auth_client, tokens, supervisor):
     _, toks = tokens
     alice, bob = bearer(toks["alice"]), bearer(toks["bob"])
     job = auth_client.post("/v1/jobs", json=spec(), headers=alice).json()
     assert job["owner"] == "alice"
     for method, path in (("GET", ""), ("DELETE", ""), ("GET", "/events"), ("GET", "/metrics"), ("GET", "/logs")):
         r = auth_client.request(method, f"/v1/jobs/{job['id']}{path}", headers=bob)
-        assert r.status_code == 403 and "another owner" in r.json()["detail"], (path, r.text)
+        missing = auth_client.request(method, f"/v1/jobs/000000000000{path}", headers=bob)
+        # Issue 19: a 403 told bob the id exists; now another owner's job is indistinguishable from none.
+        assert r.status_code == missing.status_code == 404, (path, r.text)
+        assert r.json()["detail"].replace(job["id"], "ID") == missing.json()["detail"].replace("000000000000", "ID")
     assert auth_client.get("/v1/jobs", headers=bob).json()["count"] == 0
     assert [j["id"] for j in auth_client.get("/v1/jobs", headers=alice).json()["jobs"]] == [job["id"]]
     # The same Idempotency-Key is per owner: bob's request makes his own job.
