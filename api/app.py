@@ -16,6 +16,7 @@ from meridian.api.auth import AuthSettings, get_caller
 from meridian.api.errors import install_error_handlers
 from meridian.api.limits import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
 from meridian.api.prometheus import install_metrics
+from meridian.api.request_id import RequestId
 from meridian.api.routes import cluster, diagnostics, jobs
 from meridian.service.core import MeridianService, ServiceConfig
 
@@ -54,6 +55,7 @@ def create_app(
     app.state.job_pages = jobs.JobPageCache()
     install_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
+    app.add_middleware(RequestId)  # outside the size limit: its 413 carries the id too
     for router in (jobs.router, cluster.router, diagnostics.router):
         app.include_router(router, dependencies=[Depends(get_caller)])
 
