@@ -76,3 +76,16 @@ def test_a_5mb_body_over_a_real_socket_gets_a_readable_413_problem(fake):
     assert r.status_code == 413 and r.headers["content-type"] == PROBLEM
     assert r.json()["type"] == "urn:meridian:problem:payload-too-large" and "larger than" in r.json()["detail"]
     assert r.headers["x-request-id"]
+
+
+@pytest.mark.parametrize("path", ["/v1/jobs/{id}", "/v1/jobs"])
+def test_job_reads_and_lists_answer_304_while_unchanged(client, supervisor, path):
+    job = client.post("/v1/jobs", json=spec()).json()
+    url = path.format(id=job["id"])
+    first = client.get(url)
+    etag = first.headers["etag"]
+    again = client.get(url, headers={"If-None-Match": etag})
+    assert again.status_code == 304 and again.content == b"" and again.headers["etag"] == etag
+    supervisor.tick()  # the job is admitted: it changed
+    changed = client.get(url, headers={"If-None-Match": etag})
+    assert changed.status_code == 200 and changed.headers["etag"] != etag and changed.json()
