@@ -12,7 +12,7 @@ from fastapi.staticfiles import StaticFiles
 from starlette.concurrency import run_in_threadpool
 
 import meridian
-from meridian.api.auth import AuthSettings, get_caller
+from meridian.api.auth import AuthSettings, LoopbackHostOnly, get_caller
 from meridian.api.errors import install_error_handlers
 from meridian.api.limits import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
 from meridian.api.prometheus import install_metrics
@@ -55,7 +55,9 @@ def create_app(
     app.state.job_pages = jobs.JobPageCache()
     install_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
-    app.add_middleware(RequestId)  # outside the size limit: its 413 carries the id too
+    if not app.state.auth.enabled:
+        app.add_middleware(LoopbackHostOnly)
+    app.add_middleware(RequestId)  # outermost: every answer, a refusal or a 413 too, carries the id
     for router in (jobs.router, cluster.router, diagnostics.router):
         app.include_router(router, dependencies=[Depends(get_caller)])
 

@@ -43,7 +43,7 @@ def fake(store, supervisor, cluster_view):
 
 @pytest.fixture
 def client(fake):
-    with TestClient(app_for(fake)) as c:
+    with TestClient(app_for(fake), base_url="http://127.0.0.1") as c:
         yield c
 
 
@@ -319,7 +319,7 @@ def test_restarted_service_reattaches_running_jobs_and_fails_lost_ones(tmp_path)
         return FakeService(store, Supervisor(store, launcher, view, checkpoint_root=str(tmp_path)), view)
 
     first = service(launcher)
-    with TestClient(app_for(first)) as c:
+    with TestClient(app_for(first), base_url="http://127.0.0.1") as c:
         job_id = c.post("/v1/jobs", json=spec(training={"steps": 5})).json()["id"]
         queued_id = c.post("/v1/jobs", json=spec(name="later")).json()["id"]
         first.supervisor.tick()
@@ -331,7 +331,7 @@ def test_restarted_service_reattaches_running_jobs_and_fails_lost_ones(tmp_path)
     runner.push("record", step_record(3, 5, 4.7))
 
     second = service(launcher)
-    with TestClient(app_for(second)) as c:
+    with TestClient(app_for(second), base_url="http://127.0.0.1") as c:
         second.supervisor.tick()
         job = c.get(f"/v1/jobs/{job_id}").json()
         assert job["state"] == "running" and job["progress"]["step"] == 3
@@ -355,7 +355,7 @@ def test_restarted_service_reattaches_running_jobs_and_fails_lost_ones(tmp_path)
     # starts it (once) instead of waiting forever on a runner that never trains.
     assert launcher.runners[queued_id].state == "starting"
     fourth = service(launcher)
-    with TestClient(app_for(fourth)) as c:
+    with TestClient(app_for(fourth), base_url="http://127.0.0.1") as c:
         fourth.supervisor.tick()
         assert launcher.resumed == [queued_id] and c.get(f"/v1/jobs/{queued_id}").json()["state"] == "placing"
         fourth.supervisor.tick()
@@ -363,7 +363,7 @@ def test_restarted_service_reattaches_running_jobs_and_fails_lost_ones(tmp_path)
     fourth.store.close()
 
     third = service(FakeLauncher())  # e.g. the Ray cluster was restarted: no runner survived
-    with TestClient(app_for(third)) as c:
+    with TestClient(app_for(third), base_url="http://127.0.0.1") as c:
         third.supervisor.tick()
         job = c.get(f"/v1/jobs/{queued_id}").json()
         assert job["state"] == "failed" and job["reason"] == "RunnerLost" and "resubmit" in job["message"]

@@ -89,3 +89,24 @@ def test_job_reads_and_lists_answer_304_while_unchanged(client, supervisor, path
     supervisor.tick()  # the job is admitted: it changed
     changed = client.get(url, headers={"If-None-Match": etag})
     assert changed.status_code == 200 and changed.headers["etag"] != etag and changed.json()
+
+
+@pytest.mark.parametrize("host", ["evil.example", "evil.example:8080", "127.0.0.1.nip.io", "10.0.0.5"])
+def test_with_auth_off_a_request_for_another_host_name_is_refused(client, host):
+    r = client.get("/v1/jobs", headers={"Host": host})
+    assert r.status_code == 403 and r.headers["content-type"] == PROBLEM
+    assert "DNS rebinding" in r.json()["detail"] and r.headers["x-request-id"]
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1:8080", "localhost", "LOCALHOST:80", "[::1]:8080", "meridian.localhost"])
+def test_with_auth_off_loopback_host_names_are_served(client, host):
+    assert client.get("/v1/jobs", headers={"Host": host}).status_code == 200
+
+
+def test_with_auth_on_any_host_name_is_served_to_a_valid_token(fake, tmp_path):
+    from meridian.api.auth import AuthSettings, create_token
+
+    token = create_token(tmp_path / "tokens.json", "alice")
+    auth = AuthSettings.load(enabled=True, token_file=str(tmp_path / "tokens.json"))
+    with TestClient(create_app(fake.config, service=fake, auth=auth), base_url="http://meridian.example") as c:
+        assert c.get("/v1/jobs", headers={"Authorization": f"Bearer {token}"}).status_code == 200

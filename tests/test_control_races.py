@@ -26,7 +26,7 @@ def req(name="j", workers=None, datacenters=None) -> JobRequest:
 @pytest.fixture
 def fake_client(store, supervisor, cluster_view):
     fake = FakeService(store, supervisor, cluster_view)
-    with TestClient(create_app(fake.config, service=fake)) as c:
+    with TestClient(create_app(fake.config, service=fake), base_url="http://127.0.0.1") as c:
         yield c
 
 

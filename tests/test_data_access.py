@@ -74,7 +74,8 @@ def test_submit_outside_the_roots_is_a_422_and_the_job_keeps_the_resolved_path(s
     access, root, outside = roots
     supervisor.data_access = replace(access, max_bytes=8_000_000)
     with TestClient(create_app(FakeService(store, supervisor, cluster_view).config,
-                               service=FakeService(store, supervisor, cluster_view))) as client:
+                               service=FakeService(store, supervisor, cluster_view)),
+                    base_url="http://127.0.0.1") as client:
         answers = [client.post("/v1/jobs", json=spec(data={"source": src})) for src in (str(outside), "/etc/shadow",
                                                                                       "/no/such/file")]
         assert [r.status_code for r in answers] == [422, 422, 422]
