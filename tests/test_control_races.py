@@ -214,3 +214,24 @@ def test_a_different_body_with_the_same_key_is_refused_with_a_clear_message(supe
     assert fake_client.post("/v1/jobs", json=body, headers={"Idempotency-Key": "k2"}).status_code == 200
     r = fake_client.post("/v1/jobs", json={**body, "name": "b"}, headers={"Idempotency-Key": "k2"})
     assert r.status_code == 422 and "different request body" in r.json()["detail"]
+
+
+def test_a_stall_named_before_a_restart_is_not_recorded_again(supervisor, store, cluster_view, tmp_path):
+    from meridian.service.supervision.stall import StallPolicy
+    from meridian.service.supervision.supervisor import Supervisor
+
+    job, _ = supervisor.submit(req(), {})
+    supervisor.tick()
+    runner = supervisor.launcher.runners[job.id]
+    runner.state = "running"
+    runner.observe = {"heartbeats": {0: {"step": 5, "computed": 5, "time": 100.0},
+                                     1: {"step": 4, "computed": 4, "time": 90.0}},
+                      "recent_step_s": (1.0, 1.0, 1.0), "now": 101.0}
+    supervisor.stall_policy = StallPolicy(factor=3, floor_s=1.0)
+    supervisor.tick()
+    supervisor.tick()
+    assert len([e for e in store.list_events(job.id) if e.kind == "stall"]) == 1
+    again = Supervisor(store, supervisor.launcher, cluster_view, checkpoint_root=str(tmp_path))  # the service restarted
+    again.stall_policy = StallPolicy(factor=3, floor_s=1.0)
+    again.tick()
+    assert len([e for e in store.list_events(job.id) if e.kind == "stall"]) == 1

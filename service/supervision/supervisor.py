@@ -214,6 +214,9 @@ class Supervisor:
         except Exception as e:  # noqa: BLE001 - a slow poll is retried next tick
             log.warning("polling job %s failed: %s", job.id, e)
             return
+        if job.id not in self._stalls_named:  # first sight in this process: stalls stored before a restart count
+            self._stalls_named[job.id] = {(e.data.get("rank"), e.data.get("step"))
+                                          for e in self.store.list_events(job.id, limit=100_000) if e.kind == "stall"}
         started = self._started_workers(job.id) if isinstance(poll, RunnerPoll) and needs_started_workers(poll) else {}
         decision = reconcile(
             job, poll, now=time.time(), first_sight=job.id not in self._followed, started=started,
