@@ -63,7 +63,10 @@ PROBLEM_JSON = "application/problem+json"
 
 def problem_body(status: int, detail: str, *, kind: str = "", instance: str = "", **extra: Any) -> dict[str, Any]:
     """The RFC 9457 fields of a problem; ``kind`` names its type (default: the HTTP status phrase)."""
-    phrase = HTTPStatus(status).phrase if status in HTTPStatus._value2member_map_ else "Error"
+    try:
+        phrase = HTTPStatus(status).phrase
+    except ValueError:
+        phrase = "Error"
     slug = re.sub(r"(?<!^)(?=[A-Z])", "-", kind).lower() if kind else phrase.lower().replace(" ", "-")
     body = {"type": f"urn:meridian:problem:{slug}", "title": phrase, "status": status, "detail": detail}
     if instance:
