@@ -5,18 +5,18 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
 
 from fastapi import Depends, FastAPI
-from fastapi.responses import FileResponse
+from fastapi.responses import FileResponse, JSONResponse
 from fastapi.staticfiles import StaticFiles
 from starlette.concurrency import run_in_threadpool
 
 import meridian
-from meridian.api.auth import AuthSettings, get_caller
+from meridian.api.auth import AuthSettings, LoopbackHostOnly, get_caller
 from meridian.api.errors import install_error_handlers
 from meridian.api.limits import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
 from meridian.api.prometheus import install_metrics
+from meridian.api.request_id import RequestId
 from meridian.api.routes import cluster, diagnostics, jobs
 from meridian.service.core import MeridianService, ServiceConfig
 
@@ -55,14 +55,20 @@ def create_app(
     app.state.job_pages = jobs.JobPageCache()
     install_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
+    if not app.state.auth.enabled:
+        app.add_middleware(LoopbackHostOnly)
+    app.add_middleware(RequestId)  # outermost: every answer, a refusal or a 413 too, carries the id
     for router in (jobs.router, cluster.router, diagnostics.router):
         app.include_router(router, dependencies=[Depends(get_caller)])
 
     @app.get("/healthz", tags=["health"])
-    def healthz() -> dict[str, Any]:
+    def healthz() -> JSONResponse:
+        """``ok``, ``starting``, ``degraded`` (some jobs cannot be followed) or ``failing`` (503: the
+        supervisor's ticks fail), with the problems in words; no error text that could carry others' data."""
         sup = service.supervisor
-        return {"status": "ok" if sup is not None else "starting", "version": meridian.__version__,
-                "last_tick_error": sup.last_tick_error if sup else ""}
+        health = sup.health() if sup is not None else {"status": "starting", "problems": [], "jobs_failing": 0}
+        return JSONResponse({**health, "version": meridian.__version__},
+                            status_code=503 if health["status"] == "failing" else 200)
 
     install_metrics(app, lambda: service.store.count_by_state() if service.store is not None else None)
     app.mount("/static", StaticFiles(directory=STATIC), name="static")

@@ -20,12 +20,12 @@ import secrets
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from meridian.service.errors import Forbidden, Unauthorized
+from meridian.service.errors import JobNotFound, Unauthorized
 from meridian.service.store import JobRecord
 
 TOKEN_PREFIX = "mrd_"
@@ -117,6 +117,40 @@ def check_bind(host: str, auth: AuthSettings) -> None:
             "Pass --auth with a token file (`meridian token create`), or bind 127.0.0.1")
 
 
+def host_name(host_header: str) -> str:
+    """The name of a ``Host`` header without its port (``[::1]:8080`` → ``::1``)."""
+    h = host_header.strip().lower()
+    if h.startswith("["):
+        return h[1:].split("]", 1)[0]
+    return h.rsplit(":", 1)[0] if h.count(":") == 1 else h
+
+
+class LoopbackHostOnly:
+    """With auth off, answer only requests addressed to a loopback name (``localhost``, ``*.localhost``,
+    ``127.0.0.1``, ``::1``): a web page on another site that rebinds its own DNS name to 127.0.0.1 sends its
+    own name as ``Host`` and is refused, so it cannot drive a workstation's unauthenticated service."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            host = next((v.decode("latin-1") for k, v in scope.get("headers", ()) if k == b"host"), "")
+            name = host_name(host)
+            if not (is_loopback(name) or name.endswith(".localhost")):
+                from meridian.api.errors import PROBLEM_JSON, problem_bytes
+
+                body = problem_bytes(403, f"Host {host[:100]!r} is not a loopback name: with auth off this service "
+                                          "only answers requests addressed to localhost or 127.0.0.1 (protection "
+                                          "against DNS rebinding). Use http://127.0.0.1:<port>, or serve with --auth",
+                                     instance=scope.get("path", ""))
+                await send({"type": "http.response.start", "status": 403, "headers": [
+                    (b"content-type", PROBLEM_JSON.encode()), (b"content-length", str(len(body)).encode())]})
+                await send({"type": "http.response.body", "body": body})
+                return
+        await self.app(scope, receive, send)
+
+
 @dataclass(frozen=True)
 class Caller:
     owner: str
@@ -124,8 +158,10 @@ class Caller:
     authenticated: bool
 
     def check_owns(self, job: JobRecord) -> JobRecord:
+        """The job, if the caller may see it; another owner's job answers exactly like a missing one (404),
+        so job ids of other owners cannot be probed."""
         if self.authenticated and job.owner != self.owner:
-            raise Forbidden(f"job {job.id} belongs to another owner")
+            raise JobNotFound(job.id)
         return job
 
     @property

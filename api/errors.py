@@ -1,21 +1,29 @@
 """Service exceptions → HTTP responses, in exactly one place.
 
-Every error body is ``{"detail": "<what went wrong and what to do>"}``; validation errors also carry the
-field-level list under ``errors``. No traceback ever reaches a client.
+Every error is an RFC 9457 problem (``application/problem+json``): ``type`` (a URN naming the kind of
+problem), ``title``, ``status``, ``detail`` (what went wrong and what to do), ``instance`` (the path) and the
+``request_id`` of the request; validation errors also carry the field-level list under ``errors``. No
+traceback ever reaches a client.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import re
+from http import HTTPStatus
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from meridian.api.request_id import current_request_id
 from meridian.service.errors import (
     ClusterUnavailable,
     Forbidden,
+    IdempotencyConflict,
     InvalidJob,
     InvalidTransition,
     JobNotFound,
@@ -32,6 +40,7 @@ STATUS: dict[type[MeridianError], int] = {
     InvalidJob: 422,
     Unschedulable: 409,
     InvalidTransition: 409,
+    IdempotencyConflict: 422,
     Forbidden: 403,
     ClusterUnavailable: 503,
     Unauthorized: 401,
@@ -49,26 +58,58 @@ def _field_errors(exc: RequestValidationError) -> tuple[str, list[dict]]:
     return "; ".join(parts) or "invalid request", errors
 
 
+PROBLEM_JSON = "application/problem+json"
+
+
+def problem_body(status: int, detail: str, *, kind: str = "", instance: str = "", **extra: Any) -> dict[str, Any]:
+    """The RFC 9457 fields of a problem; ``kind`` names its type (default: the HTTP status phrase)."""
+    try:
+        phrase = HTTPStatus(status).phrase
+    except ValueError:
+        phrase = "Error"
+    slug = re.sub(r"(?<!^)(?=[A-Z])", "-", kind).lower() if kind else phrase.lower().replace(" ", "-")
+    body = {"type": f"urn:meridian:problem:{slug}", "title": phrase, "status": status, "detail": detail}
+    if instance:
+        body["instance"] = instance
+    rid = current_request_id()
+    if rid:
+        body["request_id"] = rid
+    return {**body, **extra}
+
+
+def problem(request: Request | None, status: int, detail: str, *, kind: str = "",
+            headers: dict[str, str] | None = None, **extra: Any) -> JSONResponse:
+    instance = request.url.path if request is not None else ""
+    return JSONResponse(problem_body(status, detail, kind=kind, instance=instance, **extra), status_code=status,
+                        headers=headers, media_type=PROBLEM_JSON)
+
+
+def problem_bytes(status: int, detail: str, *, instance: str = "", **extra: Any) -> bytes:
+    """For responses sent below the app (the body size limit)."""
+    return json.dumps(problem_body(status, detail, kind="PayloadTooLarge" if status == 413 else "",
+                                   instance=instance, **extra)).encode()
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(MeridianError)
-    async def _meridian(_: Request, exc: MeridianError) -> JSONResponse:
+    async def _meridian(request: Request, exc: MeridianError) -> JSONResponse:
         status = next((code for cls, code in STATUS.items() if isinstance(exc, cls)), 400)
         headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
-        return JSONResponse({"detail": str(exc)}, status_code=status, headers=headers)
+        return problem(request, status, str(exc), kind=type(exc).__name__, headers=headers)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         detail, errors = _field_errors(exc)
-        return JSONResponse({"detail": detail, "errors": errors}, status_code=422)
+        return problem(request, 422, detail, kind="InvalidRequest", errors=errors)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         detail = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
-        return JSONResponse({"detail": detail}, status_code=exc.status_code, headers=getattr(exc, "headers", None))
+        return problem(request, exc.status_code, detail, headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return JSONResponse(
-            {"detail": f"internal error ({type(exc).__name__}); the service log has the details"}, status_code=500,
-        )
+        log.exception("unhandled error on %s %s (request %s)", request.method, request.url.path,
+                      current_request_id())
+        return problem(request, 500, f"internal error ({type(exc).__name__}); the service log has the details "
+                                     f"under request id {current_request_id()}")

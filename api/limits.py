@@ -7,8 +7,9 @@ more than ``max_bytes``.
 
 from __future__ import annotations
 
-import json
 from typing import Any
+
+from meridian.api.errors import PROBLEM_JSON, problem_bytes
 
 DEFAULT_MAX_BODY_BYTES = 1 * 2**20
 
@@ -21,10 +22,10 @@ class BodySizeLimit:
     def _message(self) -> str:
         return f"request body larger than {self.max_bytes} bytes; a job spec is a few kB, send less"
 
-    async def _reject(self, send: Any) -> None:
-        body = json.dumps({"detail": self._message()}).encode()
+    async def _reject(self, scope: dict, send: Any) -> None:
+        body = problem_bytes(413, self._message(), instance=scope.get("path", ""))
         await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+                    "headers": [(b"content-type", PROBLEM_JSON.encode()), (b"content-length", str(len(body)).encode())]})
         await send({"type": "http.response.body", "body": body})
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
@@ -38,7 +39,7 @@ class BodySizeLimit:
                 except ValueError:
                     too_big = False  # the server rejects a malformed length itself
                 if too_big:
-                    await self._reject(send)
+                    await self._reject(scope, send)
                     return
         # Read the (bounded) body before the app sees it, then replay it: the app never holds more than
         # max_bytes, and later receive() calls (disconnect detection of event streams) go to the server.
@@ -51,7 +52,7 @@ class BodySizeLimit:
             chunk = message.get("body", b"")
             seen += len(chunk)
             if seen > self.max_bytes:
-                await self._reject(send)
+                await self._reject(scope, send)
                 return
             chunks.append(chunk)
             if not message.get("more_body", False):

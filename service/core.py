@@ -4,6 +4,7 @@ together. The API holds one :class:`MeridianService`; so do the tests that skip 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from dataclasses import dataclass, field
@@ -13,7 +14,9 @@ from meridian.service.cluster.connect import LocalCluster, connect
 from meridian.service.cluster.link_probe import ProbeCache, run_probe
 from meridian.service.cluster.logs import LogEntry, WorkerLogs
 from meridian.service.cluster.topology import ClusterTopology, read_topology
+from meridian.service.data_access import DEFAULT_MAX_BYTES, DataAccess
 from meridian.service.launcher import Launcher
+from meridian.service.lease import DatabaseOwned, Lease
 from meridian.service.store import JobStore
 from meridian.service.supervision.supervisor import Supervisor
 
@@ -32,12 +35,24 @@ class ServiceConfig:
     """Start an embedded cluster with these simulated datacenters (name → nodes) instead."""
     cpus_per_node: int = 1
     poll_interval_s: float = 0.5
+    data_roots: tuple[str, ...] = ()
+    """Folders whose files jobs may name as ``data.source``; empty: ``<data_dir>/data`` (not ``data_dir``
+    itself, which holds the database and, by default, the token file)."""
+    data_max_bytes: int = DEFAULT_MAX_BYTES
+    """The most ``data.max_bytes`` a job may ask for."""
 
     def __post_init__(self) -> None:
         if self.poll_interval_s <= 0:
             raise ValueError(f"poll_interval_s must be > 0, got {self.poll_interval_s}")
         if self.cpus_per_node < 1:
             raise ValueError(f"cpus_per_node must be >= 1, got {self.cpus_per_node}")
+
+    @property
+    def effective_data_roots(self) -> tuple[str, ...]:
+        return self.data_roots or (str(Path(self.data_dir) / "data"),)
+
+    def data_access(self) -> DataAccess:
+        return DataAccess.for_roots(self.effective_data_roots, max_bytes=self.data_max_bytes)
 
     @property
     def db_url(self) -> str:
@@ -52,22 +67,33 @@ class MeridianService:
         self.supervisor: Supervisor | None = None
         self.probe_cache: ProbeCache | None = None
         self.worker_logs: WorkerLogs | None = None
+        self.lease: Lease | None = None
 
     def start(self) -> MeridianService:
         cfg = self.config
         Path(cfg.data_dir).mkdir(parents=True, exist_ok=True)
+        # The database first: a service refused by another one's lease starts no cluster.
+        self.store = JobStore(cfg.db_url)
+        self.lease = Lease(self.store.engine)
+        try:
+            self.lease.acquire()
+        except DatabaseOwned:
+            self.store.close()
+            self.store = None
+            raise
+        if not cfg.data_roots:
+            Path(cfg.effective_data_roots[0]).mkdir(exist_ok=True)
         address = cfg.ray_address
         if cfg.local_datacenters:
             self.local_cluster = LocalCluster(cfg.local_datacenters, cpus_per_node=cfg.cpus_per_node)
             address = self.local_cluster.start()
         connect(address)
-        self.store = JobStore(cfg.db_url)
         self.probe_cache = ProbeCache(cfg.data_dir)
         launcher = Launcher(storage_path=str(Path(cfg.data_dir).resolve() / "ray-train"))
         self.supervisor = Supervisor(
             self.store, launcher, read_topology,
             checkpoint_root=str(Path(cfg.data_dir).resolve() / "checkpoints"), poll_interval_s=cfg.poll_interval_s,
-            probe_report=self.probe_cache.latest,
+            probe_report=self.probe_cache.latest, data_access=cfg.data_access(), lease=self.lease,
         )
         self.worker_logs = WorkerLogs()
         self.supervisor.start()
@@ -91,6 +117,9 @@ class MeridianService:
 
         if self.supervisor is not None:
             self.supervisor.stop()
+        if self.lease is not None and self.store is not None:
+            with contextlib.suppress(Exception):
+                self.lease.release()
         if self.store is not None:
             self.store.close()
         if ray.is_initialized():

@@ -29,6 +29,10 @@ class InvalidTransition(MeridianError):
     """The job is in a state where the action does not apply (e.g. cancelling a finished job)."""
 
 
+class IdempotencyConflict(MeridianError):
+    """An ``Idempotency-Key`` already used by this owner for a different request body."""
+
+
 class ClusterUnavailable(MeridianError):
     """Ray cannot be reached right now."""
 

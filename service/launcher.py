@@ -20,6 +20,7 @@ from meridian.service.runner.poll import RunnerLost, RunnerPoll
 from meridian.workers.contracts.config import TrainConfig
 
 CALL_TIMEOUT_S = 10.0
+LAUNCH_TIMEOUT_S = 60.0
 
 
 __all__ = ["CALL_TIMEOUT_S", "Launcher", "RunnerLost", "build_train_config"]
@@ -48,7 +49,13 @@ class Launcher:
             # Hard affinity: measured here, a soft one put the runner on a worker node of a local cluster.
             scheduling_strategy=NodeAffinitySchedulingStrategy(_head_node_id(), soft=False),
         ).remote(job_id, config, plan, self.storage_path, min_workers)  # the frozen config and Plan: Ray pickles them
-        ray.get(actor.start.remote(), timeout=60)
+        try:
+            ray.get(actor.start.remote(), timeout=LAUNCH_TIMEOUT_S)
+        except BaseException:
+            # A runner that did not start in time must not start later, unfollowed: kill it.
+            with contextlib.suppress(Exception):
+                ray.kill(actor, no_restart=True)
+            raise
         return name
 
     def _actor(self, job_id: str) -> Any:

@@ -7,6 +7,7 @@ skip a state. A restart of the service loses nothing that was committed here.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import threading
 import time
@@ -18,8 +19,11 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.pool import StaticPool
 
-from meridian.service.errors import JobNotFound
+from meridian.service.errors import IdempotencyConflict, InvalidTransition, JobNotFound
 from meridian.service.jobs import JobRequest, JobState, JobStatus, transition
+
+CAS_ATTEMPTS = 20
+"""How often :meth:`JobStore.set_status` re-reads a status that a concurrent writer changed under it."""
 
 metadata = sa.MetaData()
 
@@ -43,7 +47,10 @@ jobs_table = sa.Table(
     # Control state, apart from ``reason`` (which is for people): a cancel was asked for and the runner
     # has not answered yet.
     sa.Column("cancel_requested", sa.Boolean, nullable=False, default=False, server_default=sa.false()),
+    sa.Column("cancel_requested_at", sa.Float),  # when the cancel was asked for (its deadline counts from here)
+    sa.Column("state_since", sa.Float),  # when ``state`` last changed (the placing deadline counts from here)
     sa.Column("idempotency_key", sa.String(200)),
+    sa.Column("request_hash", sa.String(64)),  # of the submitted body, so a reused key with another body is refused
     sa.Column("created_at", sa.Float, nullable=False),
     sa.Column("updated_at", sa.Float, nullable=False),
     sa.Column("started_at", sa.Float),
@@ -92,6 +99,10 @@ class JobRecord:
     finished_at: float | None
     cancel_requested: bool = False
     """A cancel was asked for while the job ran; the supervisor finishes it once the runner stops."""
+    cancel_requested_at: float | None = None
+    state_since: float | None = None
+    """When the job entered its current state (``created_at`` for a job stored before this was kept)."""
+    request_hash: str | None = None
 
     @cached_property
     def request(self) -> JobRequest:
@@ -109,6 +120,11 @@ class Event:
     data: dict[str, Any]
 
 
+def request_hash(spec: dict[str, Any]) -> str:
+    """A stable hash of a submitted body (its JSON form), stored with an idempotency key."""
+    return hashlib.sha256(json.dumps(spec, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
 def _loads(text: str | None) -> Any:
     return json.loads(text) if text else None
 
@@ -123,6 +139,8 @@ def _record(row: sa.Row) -> JobRecord:
         result=_loads(m["result"]), runner=m["runner"],
         created_at=m["created_at"], updated_at=m["updated_at"],
         started_at=m["started_at"], finished_at=m["finished_at"], cancel_requested=bool(m["cancel_requested"]),
+        cancel_requested_at=m["cancel_requested_at"], state_since=m["state_since"] or m["created_at"],
+        request_hash=m["request_hash"],
     )
 
 
@@ -152,9 +170,12 @@ class JobStore:
     def _add_missing_columns(self) -> None:
         """Columns added after a database was created (``create_all`` makes missing tables, not columns)."""
         have = {c["name"] for c in sa.inspect(self.engine).get_columns("jobs")}
-        if "cancel_requested" not in have:
-            with self.engine.begin() as conn:
-                conn.execute(sa.text("ALTER TABLE jobs ADD COLUMN cancel_requested BOOLEAN NOT NULL DEFAULT FALSE"))
+        added = {"cancel_requested": "BOOLEAN NOT NULL DEFAULT FALSE", "cancel_requested_at": "FLOAT",
+                 "state_since": "FLOAT", "request_hash": "VARCHAR(64)"}
+        for name, ddl in added.items():
+            if name not in have:
+                with self.engine.begin() as conn:
+                    conn.execute(sa.text(f"ALTER TABLE jobs ADD COLUMN {name} {ddl}"))
 
     # -- jobs -------------------------------------------------------------------------------------------
     @property
@@ -170,21 +191,33 @@ class JobStore:
 
     def create_job(
         self, request: JobRequest, spec: dict[str, Any], *, status: JobStatus, idempotency_key: str | None = None,
+        request_hash: str | None = None,
     ) -> tuple[JobRecord, bool]:
         """Insert a job; returns (record, created). With an idempotency key already used by this owner,
-        returns the existing job and ``created=False`` instead of a duplicate."""
+        returns the existing job and ``created=False`` instead of a duplicate, or raises
+        :class:`IdempotencyConflict` when the stored job was submitted with another body (``request_hash``)."""
         if idempotency_key:
-            existing = self._by_idempotency_key(request.owner, idempotency_key)
+            existing = self.find_by_idempotency_key(request.owner, idempotency_key, request_hash)
             if existing is not None:
                 return existing, False
         try:
-            return self._insert_job(request, spec, status, idempotency_key), True
+            return self._insert_job(request, spec, status, idempotency_key, request_hash), True
         except sa.exc.IntegrityError:
             # A concurrent request with the same key won the race: answer with its job.
-            existing = self._by_idempotency_key(request.owner, idempotency_key or "")
+            existing = self.find_by_idempotency_key(request.owner, idempotency_key or "", request_hash)
             if existing is None:
                 raise
             return existing, False
+
+    def find_by_idempotency_key(self, owner: str, key: str, request_hash: str | None = None) -> JobRecord | None:
+        """The job this owner submitted with ``key``, if any; raises :class:`IdempotencyConflict` if it was
+        submitted with a body whose hash is not ``request_hash``."""
+        existing = self._by_idempotency_key(owner, key)
+        if existing is not None and request_hash and existing.request_hash and existing.request_hash != request_hash:
+            raise IdempotencyConflict(
+                f"Idempotency-Key {key!r} was already used for job {existing.id} with a different request body; "
+                "resend the same body to get that job, or use a new key for a new job")
+        return existing
 
     def _by_idempotency_key(self, owner: str, key: str) -> JobRecord | None:
         with self.engine.connect() as conn:
@@ -195,6 +228,7 @@ class JobStore:
 
     def _insert_job(
         self, request: JobRequest, spec: dict[str, Any], status: JobStatus, idempotency_key: str | None,
+        request_hash: str | None,
     ) -> JobRecord:
         now = time.time()
         job_id = uuid.uuid4().hex[:12]
@@ -203,7 +237,7 @@ class JobStore:
                 id=job_id, name=request.name, owner=request.owner, priority=request.priority,
                 state=status.state.value, reason=status.reason, message=status.message,
                 request=json.dumps(request.to_dict()), spec=json.dumps(spec), idempotency_key=idempotency_key,
-                created_at=now, updated_at=now,
+                request_hash=request_hash, created_at=now, updated_at=now, state_since=now,
             ))
             conn.execute(events_table.insert().values(
                 job_id=job_id, time=now, kind="state", message=f"job submitted: {status.state.value}",
@@ -250,36 +284,62 @@ class JobStore:
         with self.engine.connect() as conn:
             return [_record(r) for r in conn.execute(q)]
 
-    def set_status(self, job_id: str, status: JobStatus, *, cancel_requested: bool | None = None) -> JobRecord:
+    def set_status(
+        self, job_id: str, status: JobStatus, *, expect: set[JobState] | None = None,
+        cancel_requested: bool | None = None, unless_cancel_requested: bool = False,
+    ) -> JobRecord:
         """Move a job to ``status`` (validated by :func:`transition`) and record the change as an event;
-        ``cancel_requested=True`` marks a cancel request in the same transaction."""
-        now = time.time()
-        with self.engine.begin() as conn:
-            row = conn.execute(sa.select(jobs_table).where(jobs_table.c.id == job_id)).first()
-            if row is None:
-                raise JobNotFound(job_id)
-            current = _record(row).status
-            new = transition(current, status)
-            values: dict[str, Any] = {
-                "state": new.state.value, "reason": new.reason, "message": new.message, "updated_at": now,
-            }
-            if new.state is JobState.RUNNING and row._mapping["started_at"] is None:
-                values["started_at"] = now
-            if new.state.is_terminal:
-                values["finished_at"] = now
-            if cancel_requested is not None:
-                values["cancel_requested"] = cancel_requested
-            conn.execute(jobs_table.update().where(jobs_table.c.id == job_id).values(**values))
-            if (new.state, new.reason, new.message) != (current.state, current.reason, current.message):
-                conn.execute(events_table.insert().values(
-                    job_id=job_id, time=now, kind="state",
-                    message=f"{new.state.value}" + (f": {new.message}" if new.message else ""),
-                    data=json.dumps({"state": new.state.value, "reason": new.reason, "message": new.message,
-                                     "previous": current.state.value}),
-                ))
-            row = conn.execute(sa.select(jobs_table).where(jobs_table.c.id == job_id)).one()
-        self._jobs_changed()
-        return _record(row)
+        ``cancel_requested=True`` marks a cancel request in the same transaction.
+
+        Compare-and-set in the database: the row is updated only where it still holds the status that was
+        read (``UPDATE … WHERE state = … AND reason = …``), so a writer that read a stale status re-reads and
+        re-validates instead of overwriting a concurrent change (e.g. turning a ``cancelled`` job back into
+        ``running``). ``expect``: the states the caller acts on; any other raises :class:`InvalidTransition`,
+        as does a cancel-requested job with ``unless_cancel_requested``.
+        """
+        for _ in range(CAS_ATTEMPTS):
+            now = time.time()
+            with self.engine.begin() as conn:
+                row = conn.execute(sa.select(jobs_table).where(jobs_table.c.id == job_id)).first()
+                if row is None:
+                    raise JobNotFound(job_id)
+                m = row._mapping
+                current = _record(row).status
+                if expect is not None and current.state not in expect:
+                    raise InvalidTransition(
+                        f"job {job_id} is {current.state.value}, not {'/'.join(sorted(s.value for s in expect))}")
+                if unless_cancel_requested and m["cancel_requested"]:
+                    raise InvalidTransition(f"job {job_id} is being cancelled")
+                new = transition(current, status)
+                values: dict[str, Any] = {
+                    "state": new.state.value, "reason": new.reason, "message": new.message, "updated_at": now,
+                }
+                if new.state is not current.state:
+                    values["state_since"] = now
+                if new.state is JobState.RUNNING and m["started_at"] is None:
+                    values["started_at"] = now
+                if new.state.is_terminal:
+                    values["finished_at"] = now
+                if cancel_requested is not None:
+                    values["cancel_requested"] = cancel_requested
+                    if cancel_requested and not m["cancel_requested"]:
+                        values["cancel_requested_at"] = now
+                c = jobs_table.c
+                guard = sa.and_(c.id == job_id, c.state == m["state"], c.reason == m["reason"],
+                                c.message == m["message"], c.cancel_requested == m["cancel_requested"])
+                if conn.execute(jobs_table.update().where(guard).values(**values)).rowcount != 1:
+                    continue  # another writer changed the status since we read it: read again
+                if (new.state, new.reason, new.message) != (current.state, current.reason, current.message):
+                    conn.execute(events_table.insert().values(
+                        job_id=job_id, time=now, kind="state",
+                        message=f"{new.state.value}" + (f": {new.message}" if new.message else ""),
+                        data=json.dumps({"state": new.state.value, "reason": new.reason, "message": new.message,
+                                         "previous": current.state.value}),
+                    ))
+                row = conn.execute(sa.select(jobs_table).where(jobs_table.c.id == job_id)).one()
+            self._jobs_changed()
+            return _record(row)
+        raise InvalidTransition(f"job {job_id} kept changing while being set to {status.state.value}; try again")
 
     def update_fields(self, job_id: str, **fields: Any) -> None:
         """Set JSON fields (plan, placement, progress, result) and plain ones (runner)."""

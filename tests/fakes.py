@@ -50,10 +50,17 @@ class FakeLauncher:
         self.launched: list[tuple[str, Any, Any]] = []
         self.released: list[str] = []
         self.resumed: list[str] = []
+        self.cancels: list[str] = []  # every cancel asked for, delivered or not
+        self.on_launch: Any = None  # called with the job id before the runner exists (to step a race)
+        self.launch_error: Exception | None = None  # raised after the runner was created (a start timeout)
 
     def launch(self, job_id: str, config: Any, plan: Any, *, min_workers: int = 1) -> str:
+        if self.on_launch is not None:
+            self.on_launch(job_id)
         self.runners[job_id] = FakeRunner()
         self.launched.append((job_id, config, plan))
+        if self.launch_error is not None:
+            raise self.launch_error
         return f"meridian-job-{job_id}"
 
     def poll(self, job_id: str, after: int) -> RunnerPoll:
@@ -75,6 +82,7 @@ class FakeLauncher:
         self.resumed.append(job_id)
 
     def cancel(self, job_id: str) -> None:
+        self.cancels.append(job_id)
         if job_id in self.runners:
             self.runners[job_id].cancelled = True
 

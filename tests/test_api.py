@@ -23,7 +23,7 @@ class FakeService:
 def client(store, supervisor, cluster_view):
     app = create_app(FakeService(store, supervisor, cluster_view).config,
                      service=FakeService(store, supervisor, cluster_view))
-    with TestClient(app) as c:
+    with TestClient(app, base_url="http://127.0.0.1") as c:
         yield c
 
 

@@ -43,7 +43,7 @@ def fake(store, supervisor, cluster_view):
 
 @pytest.fixture
 def client(fake):
-    with TestClient(app_for(fake)) as c:
+    with TestClient(app_for(fake), base_url="http://127.0.0.1") as c:
         yield c
 
 
@@ -103,14 +103,17 @@ def test_every_endpoint_but_healthz_needs_a_valid_token(auth_client, tokens):
     assert auth_client.get("/v1/cluster", headers=bearer(toks["alice"])).status_code == 200
 
 
-def test_jobs_belong_to_their_owner_and_others_get_403(auth_client, tokens, supervisor):
+def test_jobs_belong_to_their_owner_and_others_get_404_like_a_missing_job(auth_client, tokens, supervisor):
     _, toks = tokens
     alice, bob = bearer(toks["alice"]), bearer(toks["bob"])
     job = auth_client.post("/v1/jobs", json=spec(), headers=alice).json()
     assert job["owner"] == "alice"
     for method, path in (("GET", ""), ("DELETE", ""), ("GET", "/events"), ("GET", "/metrics"), ("GET", "/logs")):
         r = auth_client.request(method, f"/v1/jobs/{job['id']}{path}", headers=bob)
-        assert r.status_code == 403 and "another owner" in r.json()["detail"], (path, r.text)
+        missing = auth_client.request(method, f"/v1/jobs/000000000000{path}", headers=bob)
+        # Issue 19: a 403 told bob the id exists; now another owner's job is indistinguishable from none.
+        assert r.status_code == missing.status_code == 404, (path, r.text)
+        assert r.json()["detail"].replace(job["id"], "ID") == missing.json()["detail"].replace("000000000000", "ID")
     assert auth_client.get("/v1/jobs", headers=bob).json()["count"] == 0
     assert [j["id"] for j in auth_client.get("/v1/jobs", headers=alice).json()["jobs"]] == [job["id"]]
     # The same Idempotency-Key is per owner: bob's request makes his own job.
@@ -316,7 +319,7 @@ def test_restarted_service_reattaches_running_jobs_and_fails_lost_ones(tmp_path)
         return FakeService(store, Supervisor(store, launcher, view, checkpoint_root=str(tmp_path)), view)
 
     first = service(launcher)
-    with TestClient(app_for(first)) as c:
+    with TestClient(app_for(first), base_url="http://127.0.0.1") as c:
         job_id = c.post("/v1/jobs", json=spec(training={"steps": 5})).json()["id"]
         queued_id = c.post("/v1/jobs", json=spec(name="later")).json()["id"]
         first.supervisor.tick()
@@ -328,7 +331,7 @@ def test_restarted_service_reattaches_running_jobs_and_fails_lost_ones(tmp_path)
     runner.push("record", step_record(3, 5, 4.7))
 
     second = service(launcher)
-    with TestClient(app_for(second)) as c:
+    with TestClient(app_for(second), base_url="http://127.0.0.1") as c:
         second.supervisor.tick()
         job = c.get(f"/v1/jobs/{job_id}").json()
         assert job["state"] == "running" and job["progress"]["step"] == 3
@@ -352,7 +355,7 @@ def test_restarted_service_reattaches_running_jobs_and_fails_lost_ones(tmp_path)
     # starts it (once) instead of waiting forever on a runner that never trains.
     assert launcher.runners[queued_id].state == "starting"
     fourth = service(launcher)
-    with TestClient(app_for(fourth)) as c:
+    with TestClient(app_for(fourth), base_url="http://127.0.0.1") as c:
         fourth.supervisor.tick()
         assert launcher.resumed == [queued_id] and c.get(f"/v1/jobs/{queued_id}").json()["state"] == "placing"
         fourth.supervisor.tick()
@@ -360,7 +363,7 @@ def test_restarted_service_reattaches_running_jobs_and_fails_lost_ones(tmp_path)
     fourth.store.close()
 
     third = service(FakeLauncher())  # e.g. the Ray cluster was restarted: no runner survived
-    with TestClient(app_for(third)) as c:
+    with TestClient(app_for(third), base_url="http://127.0.0.1") as c:
         third.supervisor.tick()
         job = c.get(f"/v1/jobs/{queued_id}").json()
         assert job["state"] == "failed" and job["reason"] == "RunnerLost" and "resubmit" in job["message"]

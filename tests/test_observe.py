@@ -182,7 +182,7 @@ class _Svc:
 
 def test_service_metrics_count_requests_queue_and_states(store, supervisor, cluster_view):
     svc = _Svc(store, supervisor, cluster_view)
-    with TestClient(create_app(svc.config, service=svc)) as c:
+    with TestClient(create_app(svc.config, service=svc), base_url="http://127.0.0.1") as c:
         for _ in range(2):
             assert c.post("/v1/jobs", json=spec()).status_code == 201
         assert c.get("/v1/jobs/nope").status_code == 404

@@ -70,3 +70,22 @@ def test_cancel_stops_workers_and_frees_the_placement(api):
         time.sleep(0.5)
     assert ray.available_resources().get("CPU", 0) == 4
     assert all(pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values())
+
+
+def test_a_job_cancelled_while_placing_ends_cancelled_with_no_worker_left_30_s_later(api):
+    # The actor table of the GCS, which Ray's state API (ray.util.state) serves through the dashboard; this
+    # test cluster runs without a dashboard, so it is read directly.
+    from ray._private.state import actors
+
+    r = api.post("/v1/jobs", json=spec(training={"steps": 100_000, "global_batch": 8, "micro_batch": 2}))
+    job_id = r.json()["id"]
+    wait_for(api, job_id, {"placing", "running"}, timeout_s=60)
+    assert api.get(f"/v1/jobs/{job_id}").json()["state"] == "placing", "the job started too fast to cancel it placing"
+    assert api.delete(f"/v1/jobs/{job_id}").status_code == 202
+    job = wait_for(api, job_id, {"cancelled", "failed", "succeeded"}, timeout_s=180)
+    assert job["state"] == "cancelled", job["message"]
+    time.sleep(30)
+    alive = [a for a in actors().values()
+             if a["ActorClassName"].endswith("RayTrainWorker") and a["State"] != "DEAD"]
+    assert alive == [], alive
+    assert ray.available_resources().get("CPU", 0) == 4

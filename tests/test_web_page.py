@@ -135,3 +135,35 @@ def test_index_and_assets_are_served_without_external_urls(live_service):
         r = httpx.get(url + asset)
         assert r.status_code == 200 and "http://" not in r.text.replace("http://www.w3.org/2000/svg", "")
         assert "https://" not in r.text
+
+
+def test_with_auth_on_the_page_asks_for_a_token_and_keeps_it_for_the_session(store, supervisor, cluster_view, tmp_path):
+    import httpx
+
+    from meridian.api.auth import AuthSettings, create_token
+
+    token = create_token(tmp_path / "tokens.json", "alice")
+    auth = AuthSettings.load(enabled=True, token_file=str(tmp_path / "tokens.json"))
+    svc = InProcessService(store, supervisor, cluster_view, tmp_path)
+    with serve_in_thread(svc, auth=auth) as url:
+        job = httpx.post(f"{url}/v1/jobs", json=spec(), headers={"Authorization": f"Bearer {token}"}).json()
+        with playwright_api.sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, headless=True)
+            try:
+                page = browser.new_page()
+                page.goto(url + "/")
+                page.locator("#token-form").wait_for(state="visible", timeout=15_000)
+                assert "needs an API token" in page.locator("#status").inner_text()
+                page.fill("#token", token)
+                page.click("#token-form button")
+                row = page.locator(f'#jobs tr[data-job="{job["id"]}"]')
+                row.wait_for(timeout=15_000)
+                assert page.locator("#token-form").is_hidden()
+                assert page.evaluate("sessionStorage.getItem('meridian.token')") == token
+                assert page.evaluate("localStorage.length") == 0  # never persisted beyond the session
+                page.reload()  # the same tab keeps it
+                row.wait_for(timeout=15_000)
+                page.click("#token-forget")
+                page.locator("#token-form").wait_for(state="visible", timeout=15_000)
+            finally:
+                browser.close()

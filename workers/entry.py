@@ -81,7 +81,7 @@ def ray_train_entry(loop_config: dict[str, Any]) -> None:
     worker_id = rt.get_actor_id() or f"{node_id[:12]}-{os.getpid()}"
     runner.push_event.remote("worker_started", f"a worker started in {dc} on node {node_id[:12]}", {
         "worker_id": worker_id, "node_id": node_id, "datacenter": dc, "hostname": socket.gethostname(),
-        "pid": os.getpid(), "device": str(device), "time": time.time(),
+        "pid": os.getpid(), "ray_worker_id": rt.get_worker_id(), "device": str(device), "time": time.time(),
     })
     agent = Agent(
         cfg, _rendezvous_call(runner), worker_id=worker_id, datacenter=dc, node_id=node_id,

@@ -9,12 +9,51 @@ let lastEventId = 0;
 
 const $ = (id) => document.getElementById(id);
 
+// With auth on, the page sends the token typed into the header form. It is kept in sessionStorage only:
+// gone when the tab closes, never sent anywhere but this service.
+const TOKEN_KEY = "meridian.token";
+
+function authHeaders() {
+  const token = sessionStorage.getItem(TOKEN_KEY);
+  return token ? { Authorization: `Bearer ${token}` } : {};
+}
+
+function askForToken(why) {
+  $("token-form").hidden = false;
+  $("token-forget").hidden = !sessionStorage.getItem(TOKEN_KEY);
+  throw new Error(why);
+}
+
 async function getJSON(url) {
-  const r = await fetch(url, { headers: { Accept: "application/json" } });
+  const sent = sessionStorage.getItem(TOKEN_KEY);
+  const r = await fetch(url, { headers: { Accept: "application/json", ...authHeaders() } });
+  if (r.status === 401) {
+    // A request sent before a new token was entered says nothing about the new one.
+    if (sent !== sessionStorage.getItem(TOKEN_KEY)) throw new Error("retrying with the new token");
+    askForToken(sent ? "the token was refused; paste a valid one" : "this service needs an API token; paste one above");
+  }
   if (r.status === 404) return null;
   if (!r.ok) throw new Error(`${url}: HTTP ${r.status}`);
   return r.json();
 }
+
+$("token-form").addEventListener("submit", (ev) => {
+  ev.preventDefault();
+  const token = $("token").value.trim();
+  if (!token) return;
+  sessionStorage.setItem(TOKEN_KEY, token);
+  $("token").value = "";
+  $("token-form").hidden = true;
+  $("token-forget").hidden = false;
+  tick();
+});
+
+$("token-forget").hidden = !sessionStorage.getItem(TOKEN_KEY);
+$("token-forget").addEventListener("click", () => {
+  sessionStorage.removeItem(TOKEN_KEY);
+  $("token-forget").hidden = true;
+  tick();
+});
 
 function el(tag, attrs = {}, text) {
   const node = tag.includes(":") || ["svg", "g", "rect", "circle", "line", "polyline", "text", "path", "title"].includes(tag)

@@ -1,7 +1,7 @@
 """Worker logs: read what a job's Ray Train workers printed, from the node each worker runs on.
 
 Ray writes every worker process's stdout and stderr to ``<session>/logs/worker-<id>-<job>-<pid>.out|.err``
-on that worker's node. The job's placement records each rank's node and pid, so a tiny task pinned to that
+on that worker's node. The job's placement records each rank's node, pid and Ray worker id, so a tiny task pinned to that
 node (``num_cpus=0``: it runs even when training holds every CPU) reads the files from a byte offset. The
 caller keeps the offsets, so following a log is repeated reads that never repeat or skip a byte.
 Chosen over ``ray.util.state.get_log`` because that needs the dashboard, which clusters may run without.
@@ -38,14 +38,17 @@ def _logs_dir() -> str:
         return os.path.dirname(os.readlink("/proc/self/fd/1"))
 
 
-def read_files_here(wanted: list[tuple[str, int, str, int | None]], tail_bytes: int, max_bytes: int) -> list[tuple[str, int, str]]:
-    """For (key, pid, stream, offset) read ``worker-*-<pid>.<stream>`` in this node's logs folder from
-    ``offset`` (``None``: the last ``tail_bytes``), at most ``max_bytes``, ending on a whole line.
+def read_files_here(wanted: list[tuple[str, int, str, int | None, str]], tail_bytes: int, max_bytes: int) -> list[tuple[str, int, str]]:
+    """For (key, pid, stream, offset, ray worker id) read ``worker-<ray worker id>-*-<pid>.<stream>`` in this
+    node's logs folder from ``offset`` (``None``: the last ``tail_bytes``), at most ``max_bytes``, ending on
+    a whole line. The Ray worker id names the very process: a pid alone may have been reused by another
+    job's worker. Without one (a worker of an older release) the newest file of the pid is read.
     Returns (key, new offset, text)."""
     logs = _logs_dir()
     out = []
-    for key, pid, stream, offset in wanted:
-        paths = glob.glob(os.path.join(logs, f"worker-*-{int(pid)}.{stream}"))
+    for key, pid, stream, offset, worker in wanted:
+        worker = worker if worker and all(c in "0123456789abcdef" for c in worker) else "*"
+        paths = glob.glob(os.path.join(logs, f"worker-{worker}-*-{int(pid)}.{stream}"))
         if not paths:
             out.append((key, offset or 0, ""))
             continue
@@ -84,7 +87,7 @@ class WorkerLogs:
 
         offsets = dict(offsets or {})
         first = not offsets
-        by_node: dict[str, list[tuple[str, int, str, int | None]]] = defaultdict(list)
+        by_node: dict[str, list[tuple[str, int, str, int | None, str]]] = defaultdict(list)
         ranks_of: dict[str, int] = {}
         for p in placement:
             if ranks is not None and p["rank"] not in ranks or not p.get("pid"):
@@ -92,7 +95,8 @@ class WorkerLogs:
             for stream in STREAMS:
                 key = f"{p['rank']}:{stream}"
                 ranks_of[key] = p["rank"]
-                by_node[p["node_id"]].append((key, p["pid"], stream, None if first else offsets.get(key, 0)))
+                by_node[p["node_id"]].append((key, p["pid"], stream, None if first else offsets.get(key, 0),
+                                              str(p.get("ray_worker_id") or "")))
         refs = [
             self._read.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote(
                 wanted, tail_bytes, max_bytes)

@@ -27,7 +27,6 @@ import contextlib
 import threading
 import time
 import traceback
-from collections import deque
 from typing import TYPE_CHECKING, Any
 
 import ray
@@ -35,6 +34,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from meridian.service.cluster.topology import ClusterTopology, read_topology
 from meridian.service.planning.plan import Plan
+from meridian.service.runner.buffer import AckedBuffer
 from meridian.service.runner.coordinator import Coordinator
 from meridian.service.runner.metrics import JobMetricsState, RayJobMetrics
 from meridian.service.runner.poll import RunnerPoll, RunnerState
@@ -46,7 +46,6 @@ if TYPE_CHECKING:
     from meridian.workers.contracts.config import TrainConfig
 
 NAMESPACE = "meridian"
-KEEP_RECORDS = 20_000
 NODE_ID_LABEL = "ray.io/node-id"
 TICK_S = 0.5
 GRACE_S = 30.0
@@ -122,9 +121,7 @@ class JobRunner:
         self.plan = plan
         self.storage_path = storage_path
         self._lock = threading.Lock()
-        self._seq = 0
-        self._records: deque[tuple[int, StepRecord]] = deque(maxlen=KEEP_RECORDS)
-        self._events: deque[tuple[int, dict[str, Any]]] = deque(maxlen=KEEP_RECORDS)
+        self._outbox = AckedBuffer()  # records and events until the service acknowledges them
         self._state = RunnerState.STARTING
         self._finishing = False
         self._error = ""
@@ -156,16 +153,16 @@ class JobRunner:
             self._ticker.start()
 
     def poll(self, after: int) -> RunnerPoll:
-        """Everything pushed after cursor ``after``, plus the runner's state."""
+        """Everything pushed after cursor ``after``, plus the runner's state. ``after`` is the cursor the
+        service stored with what it committed: the acknowledgement, so what it covers is trimmed here."""
         # Outside the lock: the coordinator reports events (taking the lock) while holding its own.
         membership = self.coordinator.status()
         with self._lock:
             heartbeats, recent_step_s, now = self._observe()
+            records, events = self._outbox.since(after)
             return RunnerPoll(
-                state=self._state, error=self._error, result=self._result,
-                records=tuple(r for s, r in self._records if s > after),
-                events=tuple(e for s, e in self._events if s > after),
-                cursor=self._seq, wait_reason=membership.get("wait_reason", ""),
+                state=self._state, error=self._error, result=self._result, records=records, events=events,
+                cursor=self._outbox.seq, wait_reason=membership.get("wait_reason", ""),
                 finished=bool(membership.get("finished")),
                 heartbeats=heartbeats, recent_step_s=tuple(recent_step_s), now=now,
             )
@@ -185,15 +182,13 @@ class JobRunner:
             if self._state is RunnerState.STARTING:
                 self._state = RunnerState.RUNNING
             for r in records:
-                self._seq += 1
-                self._records.append((self._seq, r))
+                self._outbox.add_record(r)
                 self._metrics.on_record(r)
             self._export()
 
     def push_event(self, kind: str, message: str, data: dict[str, Any] | None = None) -> None:
         with self._lock:
-            self._seq += 1
-            self._events.append((self._seq, {"kind": kind, "message": message, "data": data or {}, "time": time.time()}))
+            self._outbox.add_event({"kind": kind, "message": message, "data": data or {}, "time": time.time()})
             self._metrics.on_event(kind, data or {})
 
     def push_heartbeat(self, beat: dict[str, Any]) -> None:

@@ -33,10 +33,25 @@ WAITING_FOR_WORKERS = "WaitingForWorkers"
 DEFAULT_STALL_POLICY = StallPolicy()
 
 
+@dataclass(frozen=True)
+class Deadlines:
+    """How long a job may wait on its runner before the service gives up on it (every wait has one)."""
+
+    placing_s: float = 900.0
+    """From entering ``placing`` to the first training step (workers scheduled, started and joined)."""
+    cancel_s: float = 120.0
+    """From a cancel request to the runner saying it stopped; then the runner is killed."""
+
+
+DEFAULT_DEADLINES = Deadlines()
+
+
 @dataclass(frozen=True, kw_only=True)
 class Decision:
     """What to do about one poll, in the order the supervisor does it."""
 
+    cancel: bool = False
+    """Tell the runner to stop (again): the job has a cancel request and its runner still runs."""
     resume: bool = False
     """Start a found runner that never started (a service killed between creating and starting it); if
     that fails, nothing else of this decision is done and the next tick decides again."""
@@ -67,7 +82,7 @@ def reconcile(
     job: JobRecord, poll: RunnerPoll | RunnerLost, *, now: float = 0.0, first_sight: bool = False,
     progress_due: bool = True, started: Mapping[str, Mapping[str, Any]] | None = None,
     stalls_named: frozenset[tuple[int, int]] | set[tuple[int, int]] = frozenset(),
-    stall_policy: StallPolicy = DEFAULT_STALL_POLICY,
+    stall_policy: StallPolicy = DEFAULT_STALL_POLICY, deadlines: Deadlines = DEFAULT_DEADLINES,
 ) -> Decision:
     """The decision for ``job`` after its runner answered ``poll``.
 
@@ -75,10 +90,14 @@ def reconcile(
     active). ``progress_due``: a ``progress`` event may be added (they are rate-limited by the caller).
     ``started``: worker id → data of the job's stored ``worker_started`` events, needed only when the poll
     has an ``epoch_formed`` event (see :func:`needs_started_workers`). ``stalls_named``: (rank, step) pairs
-    already recorded as stalls. ``now``: wall-clock time, for the events this decision adds.
+    already recorded as stalls. ``now``: wall-clock time, for the events this decision adds and the
+    ``deadlines``.
     """
     if isinstance(poll, RunnerLost):
         return _lost(job, poll)
+    overdue = _overdue(job, poll, now, deadlines)
+    if overdue is not None:
+        return Decision(store=False, outcome=overdue, release=True, forget=True)
     events: list[Mapping[str, Any]] = list(poll.events)
     cursor = int((job.progress or {}).get("cursor", 0))
     resume = False
@@ -107,7 +126,7 @@ def reconcile(
         outcome = RUNNER_OUTCOME.get(poll.state) or JobStatus(
             JobState.FAILED, "TrainingError", poll.error or "training failed")
     return Decision(
-        resume=resume, stalls=_new_stalls(poll, placement, stalls_named, stall_policy), observed_at=poll.now,
+        cancel=job.cancel_requested and outcome is None, resume=resume, stalls=_new_stalls(poll, placement, stalls_named, stall_policy), observed_at=poll.now,
         status=_running_status(job, poll), records=poll.records, events=tuple(events), fields=fields,
         outcome=outcome, release=outcome is not None, forget=outcome is not None,
     )
@@ -141,6 +160,23 @@ def _lost(job: JobRecord, lost: RunnerLost) -> Decision:
     return Decision(store=False, forget=True, outcome=JobStatus(
         JobState.FAILED, "RunnerLost", "the job's runner actor is gone (its node died or the Ray cluster "
         f"restarted); resubmit the job. Ray said: {str(lost)[:300]}"))
+
+
+def _overdue(job: JobRecord, poll: RunnerPoll, now: float, deadlines: Deadlines) -> JobStatus | None:
+    """The final status of a job whose runner missed a deadline (it is then killed), else ``None``."""
+    if poll.state.is_terminal:
+        return None
+    if job.cancel_requested and now - (job.cancel_requested_at or now) > deadlines.cancel_s:
+        return JobStatus(JobState.CANCELLED, "CancelTimedOut",
+                         f"the runner did not stop within {deadlines.cancel_s:.0f} s of the cancel request; "
+                         "it was killed with its workers")
+    if (job.status.state is JobState.PLACING and poll.state is RunnerState.STARTING
+            and now - (job.state_since or now) > deadlines.placing_s):
+        return JobStatus(JobState.FAILED, "PlacingTimedOut",
+                         f"no training step within {deadlines.placing_s:.0f} s of placing the job (workers not "
+                         "scheduled or not starting: check the cluster's free resources and the worker logs); "
+                         "the runner was killed, resubmit the job")
+    return None
 
 
 def _running_status(job: JobRecord, poll: RunnerPoll) -> JobStatus | None:

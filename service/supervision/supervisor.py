@@ -20,20 +20,29 @@ from dataclasses import replace
 from typing import Any
 
 from meridian.service.cluster.topology import ClusterTopology
+from meridian.service.data_access import DataAccess
 from meridian.service.errors import InvalidTransition
 from meridian.service.jobs import JobRequest, JobState, JobStatus
 from meridian.service.launcher import Launcher, build_train_config
+from meridian.service.lease import Lease, LeaseLost
 from meridian.service.planning.figures import figures_for
 from meridian.service.planning.plan import Plan
 from meridian.service.planning.planner import admission, plan_job
 from meridian.service.runner.poll import RunnerLost, RunnerPoll
-from meridian.service.store import JobRecord, JobStore
-from meridian.service.supervision.reconcile import Decision, needs_started_workers, reconcile
+from meridian.service.store import JobRecord, JobStore, request_hash
+from meridian.service.supervision.reconcile import (
+    DEFAULT_DEADLINES,
+    Deadlines,
+    Decision,
+    needs_started_workers,
+    reconcile,
+)
 from meridian.service.supervision.stall import StallPolicy
 
 log = logging.getLogger(__name__)
 
 ACTIVE = {JobState.PLACING, JobState.RUNNING}
+BUILTIN_DATA_ONLY = DataAccess()
 PROGRESS_EVENT_EVERY_S = 1.0
 
 
@@ -41,7 +50,8 @@ class Supervisor:
     def __init__(
         self, store: JobStore, launcher: Launcher, read_topology: Callable[[], ClusterTopology], *,
         checkpoint_root: str, poll_interval_s: float = 0.5,
-        probe_report: Callable[[], dict[str, Any] | None] = lambda: None,
+        probe_report: Callable[[], dict[str, Any] | None] = lambda: None, deadlines: Deadlines = DEFAULT_DEADLINES,
+        data_access: DataAccess = BUILTIN_DATA_ONLY, lease: Lease | None = None,
     ) -> None:
         self.store = store
         self.probe_report = probe_report
@@ -52,7 +62,12 @@ class Supervisor:
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
+        self.deadlines = deadlines
+        self.data_access = data_access
+        self.lease = lease  # held on the database; renewed every tick, nothing is done without it
         self.last_tick_error: str = ""
+        self.last_tick_at: float | None = None  # monotonic time of the last tick that completed
+        self.job_errors: dict[str, str] = {}  # job → why following it failed on the last tick (for /healthz)
         self._last_progress_event: dict[str, float] = {}
         self._followed: set[str] = set()  # jobs this instance launched or already reattached to
         self.stall_policy = StallPolicy()
@@ -67,48 +82,99 @@ class Supervisor:
         return replace(plan, explanation=f"{plan.explanation} Figures from: {', '.join(sources)}.")
 
     def submit(self, request: JobRequest, spec: dict[str, Any], *, idempotency_key: str | None = None) -> tuple[JobRecord, bool]:
+        body_hash = request_hash(spec)
+        if idempotency_key:
+            # A retry returns the job it created even if the cluster changed since (no re-planning), and
+            # a different body under the same key is refused (IdempotencyConflict).
+            existing = self.store.find_by_idempotency_key(request.owner, idempotency_key, body_hash)
+            if existing is not None:
+                return existing, False
+        request = self.data_access.admit(request)  # a data source the service may not read is a 422
         plan = self.plan(request)  # reject what can never fit before anything is stored
         status = JobStatus(JobState.QUEUED, "Admitting", "waiting for the scheduler")
-        record, created = self.store.create_job(request, spec, status=status, idempotency_key=idempotency_key)
+        record, created = self.store.create_job(request, spec, status=status, idempotency_key=idempotency_key,
+                                                request_hash=body_hash)
         if created:
             self.store.update_fields(record.id, plan=plan.to_dict())
             self._wake.set()
         return self.store.get_job(record.id), created
 
     def cancel(self, job_id: str) -> JobRecord:
-        job = self.store.get_job(job_id)
-        if job.status.state.is_terminal:
-            raise InvalidTransition(f"job {job_id} already {job.status.state.value}; nothing to cancel")
-        if job.status.state is JobState.QUEUED:
-            return self.store.set_status(job_id, JobStatus(JobState.CANCELLED, "Cancelled", "cancelled before it started"))
-        self.launcher.cancel(job_id)
-        # The flag is what the loop acts on; the reason only tells people.
-        job = self.store.set_status(job_id, JobStatus(job.status.state, "Cancelling", "cancel requested; stopping the workers"),
-                                    cancel_requested=True)
-        self._wake.set()
-        return job
+        """Cancel a job: a queued one at once; an active one by a stored flag that the loop acts on each tick
+        until the runner stops (or the cancel deadline passes and the runner is killed). Every write is a
+        compare-and-set, so a cancel racing an admission either wins (the job is never launched) or is
+        stored on the placing job (whose runner is told to stop as soon as it exists)."""
+        for _ in range(3):
+            job = self.store.get_job(job_id)
+            if job.status.state.is_terminal:
+                raise InvalidTransition(f"job {job_id} already {job.status.state.value}; nothing to cancel")
+            try:
+                if job.status.state is JobState.QUEUED:
+                    return self.store.set_status(job_id, JobStatus(JobState.CANCELLED, "Cancelled", "cancelled before it started"),
+                                                 expect={JobState.QUEUED})
+                # The flag is what the loop acts on; the reason only tells people.
+                job = self.store.set_status(
+                    job_id, JobStatus(job.status.state, "Cancelling", "cancel requested; stopping the workers"),
+                    expect={job.status.state}, cancel_requested=True)
+            except InvalidTransition:
+                continue  # the supervisor moved the job meanwhile (e.g. admitted it): decide again
+            self.launcher.cancel(job_id)  # a runner not started yet is told on the next tick
+            self._wake.set()
+            return job
+        raise InvalidTransition(f"job {job_id} kept changing state; try the cancel again")
 
     # -- the loop -----------------------------------------------------------------------------------------
     def tick(self) -> None:
+        if self.lease is not None and not self.lease.renew():
+            raise LeaseLost("another service took over this database's lease; this one no longer admits or "
+                            "follows jobs (stop it, or restart it once the other service has stopped)")
         topo = self.read_topology()
         self._admit(topo)
         for job in self.store.list_jobs(states=ACTIVE, limit=10_000):
-            self._follow(job)
+            try:
+                self._follow(job)
+            except Exception as e:  # noqa: BLE001 - one job's failure must not stop the others being followed
+                self._job_failed(job.id, e)
+            else:
+                self.job_errors.pop(job.id, None)
+
+    def _job_failed(self, job_id: str, e: Exception) -> None:
+        """Record on the job (once per distinct error) that following it failed; the tick goes on."""
+        message = f"{type(e).__name__}: {e}"[:500]
+        log.exception("following job %s failed", job_id)
+        if self.job_errors.get(job_id) != message:
+            self.job_errors[job_id] = message
+            try:
+                self.store.add_event(job_id, "supervisor_error",
+                                     f"the service could not follow this job on its last tick ({message}); "
+                                     "it retries every tick", {"error": message})
+            except Exception:  # noqa: BLE001 - the store itself failing is reported by /healthz
+                log.exception("recording the error of job %s failed", job_id)
 
     def _admit(self, topo: ClusterTopology) -> None:
-        if self.store.list_jobs(states={JobState.PLACING}, limit=1):
+        placing = self.store.list_jobs(states={JobState.PLACING}, limit=1)
+        if placing:
             # Free resources only drop once the placing job's workers hold them; admitting another job
-            # before that could promise the same CPUs twice.
+            # before that could promise the same CPUs twice. The placing deadline bounds this wait.
+            why = (f"waiting for job {placing[0].id} to finish placing its workers (placing fails after "
+                   f"{self.deadlines.placing_s:.0f} s)")
+            for job in self.store.queued_in_order():
+                if job.status.message != why:
+                    self._set(job.id, JobStatus(JobState.QUEUED, "WaitingForPlacement", why), expect={JobState.QUEUED})
             return
         for job in self.store.queued_in_order():
             try:
                 plan = self.plan(job.request, topo)
             except Exception as e:  # noqa: BLE001 - the cluster shrank below what the job can ever use
-                self._set(job.id, JobStatus(JobState.QUEUED, "Unschedulable", f"{e} (the job stays queued until the cluster can hold it)"))
-                return
+                # Not a capacity wait: this job cannot run on the cluster as it is at all, so jobs behind it
+                # that can are not held back by it (FIFO holds among jobs waiting for capacity).
+                self._set(job.id, JobStatus(JobState.QUEUED, "Unschedulable",
+                                            f"{e} (the job stays queued until the cluster can hold it; jobs "
+                                            "behind it that fit are admitted meanwhile)"), expect={JobState.QUEUED})
+                continue
             wait = admission(plan, topo)
             if wait is not None:
-                self._set(job.id, JobStatus(JobState.QUEUED, "WaitingForCapacity", wait))
+                self._set(job.id, JobStatus(JobState.QUEUED, "WaitingForCapacity", wait), expect={JobState.QUEUED})
                 return  # FIFO: nothing overtakes the head of the queue
             self._launch(job, plan)
             return  # one admission per tick (see above)
@@ -118,10 +184,22 @@ class Supervisor:
         config = build_train_config(job.id, job.request, plan, ckpt_dir)
         self.store.update_fields(job.id, plan=plan.to_dict())
         where = ", ".join(f"{plan.workers_in(dc)} in {dc}" for dc in plan.datacenters)
-        self._set(job.id, JobStatus(JobState.PLACING, "Placing", f"starting {plan.num_workers} workers ({where})"))
+        try:
+            # Compare-and-set: a cancel that landed since the queue was read wins, and nothing is launched.
+            self.store.set_status(job.id, JobStatus(JobState.PLACING, "Placing", f"starting {plan.num_workers} workers ({where})"),
+                                  expect={JobState.QUEUED})
+        except InvalidTransition as e:
+            log.info("job %s not launched: %s", job.id, e)
+            return
         try:
             runner = self.launcher.launch(job.id, config, plan, min_workers=job.request.topology.min_workers)
         except Exception as e:  # noqa: BLE001 - report any launch failure on the job
+            # The runner may exist (e.g. it was created but did not start in time): kill it, so nothing of
+            # a job marked failed keeps running.
+            try:
+                self.launcher.release(job.id)
+            except Exception:  # noqa: BLE001 - the failure below is what the user needs to see
+                log.exception("killing the runner of job %s after its failed launch failed", job.id)
             self._set(job.id, JobStatus(JobState.FAILED, "LaunchFailed", f"could not start the job on Ray: {e}"))
             return
         self.store.update_fields(job.id, runner=runner)
@@ -136,22 +214,29 @@ class Supervisor:
         except Exception as e:  # noqa: BLE001 - a slow poll is retried next tick
             log.warning("polling job %s failed: %s", job.id, e)
             return
+        if job.id not in self._stalls_named:  # first sight in this process: stalls stored before a restart count
+            self._stalls_named[job.id] = {(e.data.get("rank"), e.data.get("step"))
+                                          for e in self.store.list_events(job.id, limit=100_000) if e.kind == "stall"}
         started = self._started_workers(job.id) if isinstance(poll, RunnerPoll) and needs_started_workers(poll) else {}
         decision = reconcile(
             job, poll, now=time.time(), first_sight=job.id not in self._followed, started=started,
             progress_due=time.monotonic() - self._last_progress_event.get(job.id, -1e9) >= PROGRESS_EVENT_EVERY_S,
             stalls_named=self._stalls_named.get(job.id, set()), stall_policy=self.stall_policy,
+            deadlines=self.deadlines,
         )
-        self._carry_out(job.id, decision)
+        self._carry_out(job, decision)
 
-    def _carry_out(self, job_id: str, d: Decision) -> None:
+    def _carry_out(self, job: JobRecord, d: Decision) -> None:
         """Do what :func:`reconcile` decided, in its order (see :class:`Decision`)."""
+        job_id = job.id
         if d.resume:
             try:
                 self.launcher.resume(job_id)
             except Exception as e:  # noqa: BLE001 - retried next tick, like a slow poll
                 log.warning("resuming the runner of job %s failed: %s", job_id, e)
                 return
+        if d.cancel:
+            self.launcher.cancel(job_id)  # idempotent: repeated each tick until the runner stops
         if d.store:
             self._followed.add(job_id)
         named = self._stalls_named.setdefault(job_id, set())
@@ -161,7 +246,8 @@ class Supervisor:
         if d.emits_progress:
             self._last_progress_event[job_id] = time.monotonic()
         if d.status is not None:
-            self._set(job_id, d.status)
+            # Decided from the job as read: only if it is still so (a cancel meanwhile keeps its "Cancelling").
+            self._set(job_id, d.status, expect={job.status.state}, unless_cancel_requested=True)
         if d.store:
             # The store and the API speak JSON: records become dicts here and nowhere earlier.
             self.store.record_poll(job_id, records=[r.to_dict() for r in d.records],
@@ -183,9 +269,10 @@ class Supervisor:
         return {e.data.get("worker_id"): e.data for e in self.store.list_events(job_id, limit=100_000)
                 if e.kind == "worker_started"}
 
-    def _set(self, job_id: str, status: JobStatus) -> None:
+    def _set(self, job_id: str, status: JobStatus, *, expect: set[JobState] | None = None,
+             unless_cancel_requested: bool = False) -> None:
         try:
-            self.store.set_status(job_id, status)
+            self.store.set_status(job_id, status, expect=expect, unless_cancel_requested=unless_cancel_requested)
         except InvalidTransition as e:  # e.g. a cancel raced a finish: the first terminal state wins
             log.info("job %s: %s", job_id, e)
 
@@ -199,6 +286,7 @@ class Supervisor:
             try:
                 self.tick()
                 self.last_tick_error = ""
+                self.last_tick_at = time.monotonic()
             except Exception as e:  # noqa: BLE001 - the loop must survive a bad tick
                 self.last_tick_error = f"{type(e).__name__}: {e}"
                 log.exception("supervisor tick failed")
@@ -212,3 +300,21 @@ class Supervisor:
             self._thread.join(timeout)
             self._thread = None
 
+    def health(self) -> dict[str, Any]:
+        """For ``/healthz``: ``ok``; ``degraded`` (some jobs could not be followed on the last tick); or
+        ``failing`` (ticks fail, or the loop has not completed one for a long time). Exception types and
+        counts only: the messages may name other owners' jobs and data, and are in the log and job events."""
+        status, problems = "ok", []
+        if self.job_errors:
+            status = "degraded"
+            problems.append(f"{len(self.job_errors)} job(s) could not be followed on the last tick; their "
+                            "events say why")
+        if self.last_tick_error:
+            status = "failing"
+            problems.append(f"the supervisor's ticks fail ({self.last_tick_error.split(':', 1)[0]}); "
+                            "the service log has the details")
+        stale_after = max(30.0, 20 * self.poll_interval_s)
+        if self._thread is not None and self.last_tick_at is not None and time.monotonic() - self.last_tick_at > stale_after:
+            status = "failing"
+            problems.append(f"no supervisor tick completed in the last {stale_after:.0f} s")
+        return {"status": status, "problems": problems, "jobs_failing": len(self.job_errors)}

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import os
+import stat
 from dataclasses import dataclass
 
 import torch
@@ -35,10 +36,15 @@ def load_text(cfg: DataConfig) -> bytes:
         if not os.path.isabs(path):
             raise ValueError(f"data.source must be an absolute path or {BUILTIN_PYTHON_REFERENCE!r}, got {path!r}")
         try:
-            with open(path, "rb") as f:
-                text = f.read(cfg.max_bytes)
+            # Non-blocking open and no symlink as the last part: a named pipe cannot hang the worker and a
+            # path swapped for a link after the service checked it is refused; then regular files only.
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
         except OSError as e:
             raise ValueError(f"data.source {path!r} cannot be read on this node: {e.strerror}") from None
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise ValueError(f"data.source {path!r} is not a regular file on this node")
+            text = f.read(cfg.max_bytes)
     return text[: cfg.max_bytes]
 
 

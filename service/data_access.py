@@ -1,0 +1,67 @@
+"""Which training text a job may read: a server-side allow-list of data roots, checked at submit.
+
+A job's ``data.source`` is opened by its workers with the service's own rights, so the service decides what
+it may name: the built-in corpus, or a regular file under one of :attr:`DataAccess.roots` (``meridian serve
+--data-root PATH``, repeatable; by default ``<data dir>/data``), after resolving symlinks and ``..`` with
+``realpath``, and at most :attr:`DataAccess.max_bytes` of it. A refused path gets the same answer whether or
+not it exists outside the roots, so the check reveals nothing about other files. The job keeps the resolved
+path, and the workers open it refusing anything but a regular file
+(:func:`meridian.workers.data.text.load_text`).
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from meridian.service.errors import InvalidJob
+from meridian.service.jobs import JobRequest
+from meridian.workers.contracts.config import DataConfig
+
+BUILTIN_SOURCES = ("builtin:python-reference",)
+DEFAULT_MAX_BYTES = 128 * 2**20
+"""Bytes of text one job may read: each worker holds them as int64 tokens (8x), so 128 MiB is 1 GiB each."""
+
+
+@dataclass(frozen=True)
+class DataAccess:
+    roots: tuple[str, ...] = ()
+    """Folders whose regular files jobs may train on (resolved with ``realpath`` when checked)."""
+    max_bytes: int = DEFAULT_MAX_BYTES
+
+    @classmethod
+    def for_roots(cls, roots: Sequence[str], *, max_bytes: int = DEFAULT_MAX_BYTES) -> DataAccess:
+        return cls(tuple(os.path.realpath(os.path.expanduser(r)) for r in roots), max_bytes)
+
+    def admit(self, request: JobRequest) -> JobRequest:
+        """``request`` with its data source checked and resolved; raises :class:`InvalidJob` (a 422)."""
+        return replace(request, data=self.check(request.data))
+
+    def check(self, data: DataConfig) -> DataConfig:
+        if data.max_bytes > self.max_bytes:
+            raise InvalidJob(f"data.max_bytes {data.max_bytes} is over this service's limit of {self.max_bytes} "
+                             "bytes per job; ask for less")
+        if data.source in BUILTIN_SOURCES:
+            return data
+        refused = InvalidJob(
+            f"data.source {data.source!r} is not a readable regular file under this service's data roots "
+            f"({', '.join(self.roots) or 'none configured'}); copy the text there, or start the service with "
+            f"`meridian serve --data-root PATH`. Built-in: {', '.join(BUILTIN_SOURCES)}")
+        if not os.path.isabs(data.source):
+            raise refused
+        path = os.path.realpath(data.source)
+        if not any(_under(path, root) for root in self.roots):
+            raise refused  # the same words whether or not it exists: nothing is learned about other files
+        try:
+            st = os.stat(path)
+        except OSError:
+            raise refused from None
+        if not stat.S_ISREG(st.st_mode):
+            raise refused
+        return replace(data, source=path)
+
+
+def _under(path: str, root: str) -> bool:
+    return os.path.commonpath([path, root]) == root and path != root

@@ -1,0 +1,59 @@
+"""The runner keeps records until the service acknowledges them (the cursor it polls with), and a loss is
+never silent: a ``gap`` event names it (issue 19)."""
+
+from __future__ import annotations
+
+from fakes import step_record
+
+from meridian.service.jobs import JobRequest, JobState, JobStatus
+from meridian.service.runner.actor import JobRunner
+from meridian.service.supervision.reconcile import reconcile
+from meridian.workers.contracts.config import model_preset
+
+
+class NoExport:
+    def export(self, _state):
+        pass
+
+
+def runner() -> JobRunner:
+    plan = type("P", (), {"rank_datacenters": ("dc-a", "dc-b")})()
+    r = JobRunner("j1", {}, plan, "/tmp/unused")
+    r._exporter = NoExport()
+    return r
+
+
+def test_records_a_slow_service_has_not_acknowledged_are_kept_beyond_twenty_thousand():
+    r = runner()
+    r.push_progress([step_record(s, 30_000, 1.0) for s in range(1, 25_001)])
+    poll = r.poll(0)  # the service was away: it has stored nothing yet
+    assert len(poll.records) == 25_000 and poll.records[0].step == 1
+    assert not [e for e in poll.events if e["kind"] == "gap"]
+
+
+def test_acknowledged_records_are_trimmed_and_unacknowledged_ones_survive_a_retried_poll():
+    r = runner()
+    r.push_progress([step_record(s, 10, 1.0) for s in range(1, 4)])
+    first = r.poll(0)
+    again = r.poll(0)  # the service died before storing the first poll: it asks again from its stored cursor
+    assert [x.step for x in again.records] == [1, 2, 3]
+    r.push_progress([step_record(4, 10, 1.0)])
+    assert [x.step for x in r.poll(first.cursor).records] == [4]
+    assert len(r._outbox) == 1  # 1–3 were acknowledged by the cursor and trimmed
+
+
+def test_a_loss_beyond_the_unacknowledged_limit_is_a_gap_event_stored_with_the_job(store):
+    r = runner()
+    r._outbox.max_unacked = 5
+    r.push_event("worker_started", "rank 0", {"rank": 0})
+    r.push_progress([step_record(s, 10, 1.0) for s in range(1, 8)])  # 8 entries, room for 5
+    poll = r.poll(0)
+    assert [x.step for x in poll.records] == [3, 4, 5, 6, 7]
+    gap = poll.events[0]
+    assert gap["kind"] == "gap" and gap["data"] == {"after": 0, "through": 3, "lost": 3}
+    job, _ = store.create_job(JobRequest(name="j", model=model_preset("nano"), steps=3, global_batch=4,
+                                         micro_batch=2), {}, status=JobStatus(JobState.QUEUED))
+    d = reconcile(store.get_job(job.id), poll)
+    store.record_poll(job.id, records=[x.to_dict() for x in d.records], events=list(d.events), **d.fields)
+    assert "gap" in [e.kind for e in store.list_events(job.id)]
+    assert not [e for e in r.poll(poll.cursor).events if e["kind"] == "gap"]  # said once the service stored it
