@@ -18,7 +18,7 @@ from meridian.workers.contracts.config import DataConfig, model_preset
 from meridian.workers.data.text import load_text
 
 
-def admit(access, source, max_bytes=1000):
+def admit(access, source, max_bytes=2048):
     from meridian.service.errors import InvalidJob  # noqa: F401 - what a refusal raises
 
     return access.check(DataConfig(source=source, max_bytes=max_bytes))
