@@ -1,7 +1,8 @@
 """Training batches read from prepared datasets' memory-mapped token shards.
 
-Nothing here reads a dataset whole: shards are ``numpy.memmap``-ed, a batch copies only its own windows,
-and the sample order is computed per sample, not stored. Sample order is, as for
+Nothing here reads a dataset whole: shards are memory-mapped, a batch copies only its own windows (and
+unmaps what the read faulted in, :class:`TokenStream`), and the sample order is computed per sample, not
+stored. Sample order is, as for
 :class:`~meridian.workers.data.text.TextDataset`, a pure function of (seed, global sample index), so
 :meth:`TokenDataset.step_batches` gives a step the same samples whatever the number of ranks:
 
@@ -15,6 +16,7 @@ and the sample order is computed per sample, not stored. Sample order is, as for
 from __future__ import annotations
 
 import functools
+import mmap
 import os
 
 import numpy as np
@@ -69,14 +71,24 @@ class FeistelPermutation:
 
 
 class TokenStream:
-    """One split of a prepared dataset: its shards memory-mapped end to end."""
+    """One split of a prepared dataset: its shards memory-mapped end to end.
+
+    A read faults in the pages it touches, and the kernel may map far more than that around them (a whole
+    large folio of the page cache: 2 MiB). Left mapped, those pages count in the worker's resident set
+    until it spans the whole dataset (measured: +196 MB after 640 random windows of a 200 MB shard), so
+    every read hands its surrounding :data:`RELEASE_ALIGN` region back (``MADV_DONTNEED``: the pages leave
+    this process's page tables and stay in the page cache, so a re-read costs no I/O)."""
+
+    RELEASE_ALIGN = 1 << 21
 
     def __init__(self, directory: str, split: str) -> None:
         self.directory = directory
         self.manifest: Manifest = read_manifest(directory)
         s = self.manifest.split(split)
         dtype = np.dtype(self.manifest.dtype)
-        self.shards = []
+        self.itemsize = dtype.itemsize
+        self.maps: list[mmap.mmap] = []
+        self.shards: list[np.ndarray] = []
         for sh in s.shards:
             path = os.path.join(directory, sh.file)
             expected = sh.tokens * dtype.itemsize
@@ -88,9 +100,20 @@ class TokenStream:
                 raise ValueError(f"dataset {directory!r}: shard {sh.file} has {size} bytes, the manifest says "
                                  f"{expected}; prepare the dataset again")
             if sh.tokens:
-                self.shards.append(np.memmap(path, dtype=dtype, mode="r", shape=(sh.tokens,)))
+                with open(path, "rb") as f:
+                    mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+                self.maps.append(mm)
+                self.shards.append(np.frombuffer(mm, dtype=dtype))
         self.bounds = np.cumsum([0] + [len(m) for m in self.shards])
         self.tokens = int(self.bounds[-1])
+
+    def _release(self, shard: int, start: int, stop: int) -> None:
+        """Unmap the region around tokens ``[start, stop)`` of a shard from this process (not from the cache)."""
+        mm, align = self.maps[shard], self.RELEASE_ALIGN
+        lo = (start * self.itemsize) // align * align
+        hi = min(len(mm), -(-(stop * self.itemsize) // align) * align)
+        if hasattr(mm, "madvise") and hi > lo:
+            mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
 
     def read(self, start: int, length: int) -> np.ndarray:
         """Tokens ``[start, start + length)`` of the split (as int64), across shard boundaries."""
@@ -100,6 +123,7 @@ class TokenStream:
         while filled < length:
             chunk = self.shards[i][pos: pos + length - filled]
             out[filled: filled + len(chunk)] = chunk
+            self._release(i, pos, pos + len(chunk))
             filled += len(chunk)
             i, pos = i + 1, 0
         return out
