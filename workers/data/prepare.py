@@ -348,7 +348,8 @@ def is_val_document(doc_no: int, val_fraction: float) -> bool:
 def _encode(tok, batch: list[str], writers: dict[str, _SplitWriter], doc_no: int, eos: int | None,
             val_fraction: float, tokens: int) -> tuple[int, int]:
     dtype = writers["train"].dtype
-    for enc in tok.encode_batch(batch, add_special_tokens=False):  # parallel over every core
+    encode = getattr(tok, "encode_batch_fast", tok.encode_batch)  # no character offsets: 2-3x faster
+    for enc in encode(batch, add_special_tokens=False):  # parallel over every core
         ids = enc.ids + [eos] if eos is not None else enc.ids
         arr = np.asarray(ids, dtype=dtype)
         writers["val" if is_val_document(doc_no, val_fraction) else "train"].add(arr)
