@@ -241,3 +241,22 @@ def _train_records(rank, world, cfg):
     sink = ListSink()
     result = train(cfg, sink=sink)
     return result, sink.records
+
+
+@pytest.mark.parametrize("dcs, tp, pp", [(("a", "b"), 1, 2), (("a", "b"), 1, 1)])
+def test_validation_under_pipeline_and_data_parallelism_matches_one_process(dataset, dcs, tp, pp):
+    from dataclasses import replace
+
+    from meridian.workers.contracts.config import ModelConfig, ParallelConfig
+    from meridian.workers.distributed.multiproc import run_processes
+
+    cfg = TrainConfig(job_id="t", model=ModelConfig(n_layers=2, d_model=64, n_heads=4, seq_len=64, vocab_size=512),
+                      data=DataConfig(dataset=dataset), steps=4, global_batch=4, micro_batch=2, seed=1,
+                      datacenters=("a",), validation=ValidationConfig(every_steps=2, batches=2))
+    (_, single), = run_processes(_train_records, 1, cfg)
+    multi = run_processes(_train_records, len(dcs), replace(cfg, datacenters=dcs,
+                                                            parallel=ParallelConfig(tp=tp, pp=pp)), timeout_s=180)
+    got = [r.val_loss for r in multi[0][1]]
+    want = [r.val_loss for r in single]
+    assert [v is None for v in got] == [True, False, True, False]
+    assert [got[1], got[3]] == pytest.approx([want[1], want[3]], rel=1e-4)
