@@ -16,6 +16,8 @@ from typing import Any
 
 from meridian.api import render
 from meridian.api.client import ApiError, Client
+from meridian.api.data_cli import add_data_parser
+from meridian.api.data_cli import run as run_data
 from meridian.api.lab_cli import add_lab_parser
 from meridian.api.lab_cli import run as run_lab
 
@@ -338,6 +340,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(run=cmd_plan)
 
     add_lab_parser(sub)
+    add_data_parser(sub)
 
     b = sub.add_parser("bench", help="benchmarks (sync, scaling, …); see `meridian bench -h`", add_help=False)
     b.add_argument("rest", nargs=argparse.REMAINDER)
@@ -355,6 +358,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.verb == "lab":
             return run_lab(args)
+        if args.verb == "data":
+            return run_data(args)
         if args.verb in ("serve", "demo", "token"):
             return args.run(args)
         client = Client(args.url)

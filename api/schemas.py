@@ -43,9 +43,11 @@ from meridian.workers.contracts.config import (
     SyncConfig,
     SyncStrategy,
     TrainConfig,
+    ValidationConfig,
     WanConfig,
 )
 from meridian.workers.contracts.fields import bounds_of, default_of
+from meridian.workers.data.manifest import dataset_vocab_size
 
 DCName = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$", description="a datacenter label value")]
 AUTO = "auto"
@@ -112,6 +114,16 @@ def config_model(cls: type, name: str, **overrides: dict[str, Any]) -> type[Conf
     return model
 
 
+def check_dataset_vocab(data: DataConfig, model: ModelConfig) -> None:
+    """A job's model must have a row for every token of its prepared dataset(s) (read from the manifests)."""
+    if not data.datasets:
+        return
+    vocab, where = dataset_vocab_size([d for d, _ in data.datasets])
+    if vocab > model.vocab_size:
+        raise ValueError(f"data: dataset {where!r} has a vocabulary of {vocab} tokens but model.vocab_size is "
+                         f"{model.vocab_size}; set model.vocab_size >= {vocab}")
+
+
 def _or_auto(value: Any) -> Any:
     return None if value == AUTO else value
 
@@ -139,6 +151,7 @@ class ModelSpec(Strict):
 
 DataSpec = config_model(DataConfig, "DataSpec", source={"min_length": 1, "max_length": 4096})
 WanSpec = config_model(WanConfig, "WanSpec")
+ValidationSpec = config_model(ValidationConfig, "ValidationSpec")
 DiLoCoSpec = config_model(DiLoCoConfig, "DiLoCoSpec")
 
 
@@ -237,11 +250,13 @@ class JobSpec(Strict):
     sync: SyncSpec = SyncSpec()
     wan: WanSpec | None = None  # type: ignore[valid-type]
     checkpoint: CheckpointSpec = CheckpointSpec()
+    validation: ValidationSpec | None = None  # type: ignore[valid-type]
     priority: int = config_field(JobRequest, "priority")
 
     @model_validator(mode="after")
     def _check(self) -> JobSpec:
-        self.to_request()  # any ValueError here becomes a 422 naming the field
+        request = self.to_request()  # any ValueError here becomes a 422 naming the field
+        check_dataset_vocab(request.data, request.model)
         return self
 
     def to_request(self, owner: str = "") -> JobRequest:
@@ -254,6 +269,7 @@ class JobSpec(Strict):
             links=tuple(link.to_request() for link in self.topology.links), sync=self.sync.to_config(),
             wan=None if self.wan is None else self.wan.to_config(),
             checkpoint_every=self.checkpoint.interval_steps, priority=self.priority, owner=owner,
+            validation=None if self.validation is None else self.validation.to_config(),
         )
 
 

@@ -22,6 +22,7 @@ BENCHMARKS: dict[str, str] = {
     "consistency": "meridian.bench.consistency",
     "plan": "meridian.bench.plan",
     "recovery": "meridian.bench.recovery",
+    "data": "meridian.bench.data",
 }
 
 

@@ -26,6 +26,7 @@ from meridian.workers.contracts.config import (
     Precision,
     SyncConfig,
     TrainConfig,
+    ValidationConfig,
     WanConfig,
     check_batches,
 )
@@ -181,6 +182,7 @@ class JobRequest:
     "auto") lets the planner choose, and its choice is the plan's ``sync_strategy``."""
     wan: WanConfig | None = like(TrainConfig, "wan")
     checkpoint_every: int = like(TrainConfig, "checkpoint_every")
+    validation: ValidationConfig | None = like(TrainConfig, "validation")
     priority: int = knob(0, ge=-100, le=100, name="priority")
     """Higher runs first; FIFO within a priority."""
     owner: str = ""

@@ -164,9 +164,11 @@ function lineChart(svg, series, { colors = ["#c2410c"], labels = [] } = {}) {
 }
 
 function renderCharts(points) {
-  lineChart($("chart-loss"), [points.map((p) => [p.step, p.loss])]);
-  lineChart($("chart-tps"), [points.map((p) => [p.step, p.tokens_per_s])], { colors: ["#3a72e8"] });
   const phase = (k) => points.filter((p) => p[k] !== undefined && p[k] !== null).map((p) => [p.step, p[k]]);
+  const val = phase("val_loss");  // drawn only when the job's validation produced some
+  lineChart($("chart-loss"), [points.map((p) => [p.step, p.loss]), ...(val.length ? [val] : [])],
+    { colors: ["#c2410c", "#6f42c1"], labels: ["train", "validation"] });
+  lineChart($("chart-tps"), [points.map((p) => [p.step, p.tokens_per_s])], { colors: ["#3a72e8"] });
   lineChart($("chart-phase"), [phase("data_s"), phase("compute_s"), phase("sync_wait_s")],
     { colors: ["#9a6700", "#1a7f37", "#c62828"], labels: ["data", "compute", "sync wait"] });
 }

@@ -20,4 +20,5 @@ def build_train_config(job_id: str, request: JobRequest, plan: Plan, checkpoint_
         seed=request.seed, precision=request.precision, checkpoint_every=request.checkpoint_every,
         checkpoint_dir=checkpoint_dir, datacenters=plan.rank_datacenters,
         parallel=ParallelConfig(tp=plan.tp, pp=plan.pp, schedule=PipelineSchedule(plan.schedule)),
+        validation=request.validation,
     )

@@ -104,6 +104,25 @@ MODEL_PRESETS: dict[str, ModelConfig] = {
 
 
 @dataclass(frozen=True, kw_only=True)
+class BlendEntry:
+    """One prepared dataset of a blend and its share of the samples."""
+
+    dataset: str
+    """Absolute path of a directory written by ``meridian data prepare``."""
+    weight: float = knob(1.0, gt=0, le=1e6)
+    """Relative share of the samples (weights are normalised over the blend)."""
+
+    def __post_init__(self) -> None:
+        check_bounds(self, "data.blend.")
+        _check_dataset_path(self.dataset, "data.blend.dataset")
+
+
+def _check_dataset_path(path: str, name: str) -> None:
+    if not path or not path.startswith("/"):
+        raise ValueError(f"{name} must be the absolute path of a prepared dataset directory, got {path!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
 class DataConfig:
     """Where the training text comes from."""
 
@@ -112,11 +131,44 @@ class DataConfig:
     ``pydoc_data.topics``) or an absolute path to a UTF-8 text file readable on every node."""
     max_bytes: int = knob(8_000_000, ge=1024, le=10**10)
     """Read at most this many bytes of the source (keeps start-up fast on big files)."""
+    dataset: str = ""
+    """Absolute path of a dataset written by ``meridian data prepare`` (memory-mapped token shards); when set
+    it replaces ``source``."""
+    blend: tuple[BlendEntry, ...] = ()
+    """Several prepared datasets mixed by weight (instead of ``dataset``)."""
 
     def __post_init__(self) -> None:
         if not self.source:
             raise ValueError("data.source must not be empty")
         check_bounds(self, "data.")
+        if self.dataset and self.blend:
+            raise ValueError("data.dataset and data.blend are exclusive: name one dataset or a blend")
+        if self.dataset:
+            _check_dataset_path(self.dataset, "data.dataset")
+        if len(self.blend) > 64:
+            raise ValueError(f"data.blend has {len(self.blend)} datasets; at most 64")
+
+    @property
+    def datasets(self) -> tuple[tuple[str, float], ...]:
+        """The prepared datasets this config trains on, with their normalised weights; ``()`` for a text
+        ``source``."""
+        if self.dataset:
+            return ((self.dataset, 1.0),)
+        total = sum(b.weight for b in self.blend)
+        return tuple((b.dataset, b.weight / total) for b in self.blend)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ValidationConfig:
+    """Evaluate on the held-out split while training; the loss goes into the step's record as ``val_loss``."""
+
+    every_steps: int = knob(ge=1, le=10_000_000)
+    """Evaluate after every N optimizer steps (and after the last one)."""
+    batches: int = knob(4, ge=1, le=100_000)
+    """Micro-batches of the validation split per evaluation (always the same ones)."""
+
+    def __post_init__(self) -> None:
+        check_bounds(self, "validation.")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -329,6 +381,8 @@ class TrainConfig:
     """Datacenter of each world rank, in rank order (the plan's placement)."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     """Tensor and pipeline parallelism inside each data-parallel replica."""
+    validation: ValidationConfig | None = None
+    """Periodic evaluation on the held-out split; ``None``: only the final evaluation."""
 
     def __post_init__(self) -> None:
         check_batches(self)
@@ -363,6 +417,7 @@ def check_batches(config: Any) -> None:
 
 
 __all__ = [
+    "BlendEntry",
     "Compression",
     "DataConfig",
     "DiLoCoConfig",
@@ -375,6 +430,7 @@ __all__ = [
     "SyncConfig",
     "SyncStrategy",
     "TrainConfig",
+    "ValidationConfig",
     "WanConfig",
     "check_batches",
     "model_preset",

@@ -41,6 +41,8 @@ class StepRecord:
     workers: int = 1
     epoch: int = 0
     """The elastic membership the step ran in (0: a run without a rendezvous)."""
+    val_loss: float | None = None
+    """Loss on the validation split after this step, when the job's ``validation`` scheduled one."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -92,7 +92,7 @@ def fingerprint(cfg: TrainConfig) -> dict[str, Any]:
     """What a checkpoint must share with the job to resume it."""
     m = cfg.model
     return {"model": [m.n_layers, m.d_model, m.n_heads, m.seq_len, m.vocab_size], "global_batch": cfg.global_batch,
-            "seed": cfg.seed, "data": cfg.data.source}  # fmt: skip
+            "seed": cfg.seed, "data": [list(d) for d in cfg.data.datasets] or cfg.data.source}  # fmt: skip
 
 
 class ModelParallelNotElastic(RuntimeError):

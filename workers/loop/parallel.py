@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from meridian.workers.data.text import TextDataset
+from meridian.workers.data.shards import Dataset
 from meridian.workers.distributed.layout import DCLayout
 from meridian.workers.loop.precision import autocast_context
 from meridian.workers.loop.replica import Batches, Replica
@@ -76,7 +76,7 @@ class ModelParallelReplica(Replica):
         return self._stage_emulator.counter.reset().tensor_bytes if self._stage_emulator is not None else 0
 
     @torch.no_grad()
-    def evaluate(self, data: TextDataset, batches: int = 4) -> float:
+    def evaluate(self, data: Dataset, batches: int = 4) -> float:
         """Held-out loss as :func:`meridian.workers.loop.replica.evaluate` computes it, through the pipeline."""
         cfg, runner = self.cfg, self.runner
         runner.stage.eval()

@@ -51,6 +51,7 @@ class TrainResult:
 def step_record(
     cfg: TrainConfig, step: int, loss: float, step_s: float, stats: StepStats, inter_dc: int, done_at: float,
     *, data_s: float = 0.0, peak: DevicePeak | None = None, world: int = 1, epoch: int = 0,
+    val_loss: float | None = None,
 ) -> StepRecord:
     """What rank 0 reports of step ``step`` (0-based; reported as ``step + 1`` steps done)."""
     times = StepTimes(step_s=step_s, data_s=data_s, sync_wait_s=stats.sync_wait_s)
@@ -78,4 +79,5 @@ def step_record(
         time=done_at,
         workers=world,
         epoch=epoch,
+        val_loss=val_loss,
     )

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from meridian.workers.contracts.config import TrainConfig
-from meridian.workers.data.text import TextDataset
+from meridian.workers.data.shards import Dataset
 from meridian.workers.distributed.layout import DCGroups, DCLayout
 from meridian.workers.loop.precision import autocast_context
 from meridian.workers.model.gpt import GPT, per_sample_loss
@@ -92,7 +92,7 @@ class Replica(ABC):
         rank's share of the step's global mean loss."""
 
     @abstractmethod
-    def evaluate(self, data: TextDataset) -> float:
+    def evaluate(self, data: Dataset, batches: int = 4) -> float:
         """The held-out loss of the current parameters (the same value on every rank)."""
 
     def extra_inter_dc_bytes(self) -> int:
@@ -160,14 +160,14 @@ class DataParallelReplica(Replica):
             loss_sum += share.detach()
         return loss_sum
 
-    def evaluate(self, data: TextDataset) -> float:
+    def evaluate(self, data: Dataset, batches: int = 4) -> float:
         assert self.engine is not None
-        return evaluate(self.engine.model, data, self.cfg, self.device)
+        return evaluate(self.engine.model, data, self.cfg, self.device, batches)
 
 
 @torch.no_grad()
 def evaluate(
-    model: torch.nn.Module, data: TextDataset, cfg: TrainConfig, device: torch.device, batches: int = 4
+    model: torch.nn.Module, data: Dataset, cfg: TrainConfig, device: torch.device, batches: int = 4
 ) -> float:
     model.eval()
     losses = []

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from meridian.workers.contracts.config import TrainConfig
-from meridian.workers.data.text import TextDataset
+from meridian.workers.data.shards import Dataset
 from meridian.workers.loop.observe import StepTimes, computed_beat, heartbeat
 from meridian.workers.loop.replica import Replica
 from meridian.workers.loop.schedule import lr_at
@@ -32,7 +32,7 @@ class StepOutput:
 
 
 def timed_step(
-    replica: Replica, data: TextDataset, cfg: TrainConfig, step: int,
+    replica: Replica, data: Dataset, cfg: TrainConfig, step: int,
     rank_step: Callable[[dict[str, Any]], None] | None = None, *, snapshot: bool = False,
 ) -> StepOutput:
     """Optimizer step ``step`` (0-based) on this rank. ``rank_step`` receives the heartbeats: "computed"

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from meridian.workers.contracts.config import TrainConfig
-from meridian.workers.data.text import TextDataset
+from meridian.workers.data.shards import make_dataset
 from meridian.workers.loop.observe import DevicePeak, measure_peak_flops
 from meridian.workers.loop.parallel import ModelParallelReplica
 from meridian.workers.loop.records import ListSink, ProgressSink, TrainResult, step_record
@@ -82,6 +82,7 @@ class _Pending:
     out: StepOutput
     step: int
     done_at: float
+    val_loss: float | None = None
 
 
 def build_replica(cfg: TrainConfig, membership: Membership, device: torch.device) -> Replica:
@@ -132,7 +133,8 @@ class TrainingLoop:
     def _train(self, replica: Replica, start: int, state: EpochState | None) -> EpochOutcome:
         cfg, m, sink = self.cfg, replica.m, self.sink
         assert replica.engine is not None
-        data = TextDataset(cfg.data, cfg.model.seq_len, cfg.seed)
+        data = make_dataset(cfg.data, cfg.model.seq_len, cfg.seed)
+        val_data = make_dataset(cfg.data, cfg.model.seq_len, cfg.seed, split="eval") if cfg.validation else None
         # Per-rank heartbeats go out of band (not through a collective), so the service can name a rank that
         # stopped finishing steps even while every other rank sits blocked in the collective waiting for it.
         rank_step = getattr(sink, "rank_step", None)
@@ -151,7 +153,8 @@ class TrainingLoop:
             leave = leave or p.totals[2].item() > 0  # every rank reads the same sum: all leave after one step
             if m.rank == 0:
                 sink.step(step_record(cfg, p.step, loss, p.out.step_s, p.out.stats, inter_dc, p.done_at,
-                                      data_s=p.out.data_s, peak=peak, world=m.world_size, epoch=m.epoch))
+                                      data_s=p.out.data_s, peak=peak, world=m.world_size, epoch=m.epoch,
+                                      val_loss=p.val_loss))
             return loss
 
         step = start
@@ -174,6 +177,10 @@ class TrainingLoop:
             steps_here += 1
             inter_dc_total += out.inter_dc_bytes
             step += 1
+            if cfg.validation is not None and (step % cfg.validation.every_steps == 0 or step == cfg.steps):
+                assert val_data is not None
+                replica.engine.synchronize()  # every rank evaluates at the same step (pipelines all-reduce)
+                pending.val_loss = replica.evaluate(val_data, batches=cfg.validation.batches)
             if state is not None:
                 state.step_done(replica, step)
             if leave and step < cfg.steps:
@@ -185,7 +192,7 @@ class TrainingLoop:
         if math.isnan(first_loss):
             first_loss = final_loss
         replica.engine.synchronize()
-        eval_loss = replica.evaluate(TextDataset(cfg.data, cfg.model.seq_len, cfg.seed, split="eval"))
+        eval_loss = replica.evaluate(val_data or make_dataset(cfg.data, cfg.model.seq_len, cfg.seed, split="eval"))
         final_params = replica.parameters() if self.keep_params else None
         if state is not None:
             state.finish(replica)

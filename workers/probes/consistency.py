@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from meridian.workers.contracts.config import TrainConfig
-from meridian.workers.data.text import TextDataset
+from meridian.workers.data.shards import make_dataset
 from meridian.workers.model.gpt import GPT, per_sample_loss
 
 
@@ -80,7 +80,7 @@ def check_consistency(
     model = GPT(cfg.model).to(device)
     if perturb is not None:
         perturb(model)
-    x, y = TextDataset(cfg.data, cfg.model.seq_len, cfg.seed).batch(0, cfg.micro_batch)
+    x, y = make_dataset(cfg.data, cfg.model.seq_len, cfg.seed).batch(0, cfg.micro_batch)
     loss = per_sample_loss(model(x.to(device)), y.to(device)).mean()
     loss.backward()
     params, grads = _checksums(model)
