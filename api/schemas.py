@@ -47,7 +47,6 @@ from meridian.workers.contracts.config import (
     WanConfig,
 )
 from meridian.workers.contracts.fields import bounds_of, default_of
-from meridian.workers.data.manifest import dataset_vocab_size
 
 DCName = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$", description="a datacenter label value")]
 AUTO = "auto"
@@ -112,16 +111,6 @@ def config_model(cls: type, name: str, **overrides: dict[str, Any]) -> type[Conf
                             for f in fields(cls)})
     _CONFIG_OF[model] = cls
     return model
-
-
-def check_dataset_vocab(data: DataConfig, model: ModelConfig) -> None:
-    """A job's model must have a row for every token of its prepared dataset(s) (read from the manifests)."""
-    if not data.datasets:
-        return
-    vocab, where = dataset_vocab_size([d for d, _ in data.datasets])
-    if vocab > model.vocab_size:
-        raise ValueError(f"data: dataset {where!r} has a vocabulary of {vocab} tokens but model.vocab_size is "
-                         f"{model.vocab_size}; set model.vocab_size >= {vocab}")
 
 
 def _or_auto(value: Any) -> Any:
@@ -255,8 +244,7 @@ class JobSpec(Strict):
 
     @model_validator(mode="after")
     def _check(self) -> JobSpec:
-        request = self.to_request()  # any ValueError here becomes a 422 naming the field
-        check_dataset_vocab(request.data, request.model)
+        self.to_request()  # any ValueError here becomes a 422 naming the field
         return self
 
     def to_request(self, owner: str = "") -> JobRequest:

@@ -18,7 +18,8 @@ from dataclasses import dataclass, replace
 
 from meridian.service.errors import InvalidJob
 from meridian.service.jobs import JobRequest
-from meridian.workers.contracts.config import DataConfig
+from meridian.workers.contracts.config import DataConfig, ModelConfig
+from meridian.workers.data.manifest import read_manifest
 
 BUILTIN_SOURCES = ("builtin:python-reference",)
 DEFAULT_MAX_BYTES = 128 * 2**20
@@ -37,9 +38,13 @@ class DataAccess:
 
     def admit(self, request: JobRequest) -> JobRequest:
         """``request`` with its data source checked and resolved; raises :class:`InvalidJob` (a 422)."""
-        return replace(request, data=self.check(request.data))
+        data = self.check(request.data)
+        check_dataset_vocab(data, request.model)
+        return replace(request, data=data)
 
     def check(self, data: DataConfig) -> DataConfig:
+        if data.datasets:
+            return self._check_datasets(data)
         if data.max_bytes > self.max_bytes:
             raise InvalidJob(f"data.max_bytes {data.max_bytes} is over this service's limit of {self.max_bytes} "
                              "bytes per job; ask for less")
@@ -61,6 +66,38 @@ class DataAccess:
         if not stat.S_ISREG(st.st_mode):
             raise refused
         return replace(data, source=path)
+
+
+    def _check_datasets(self, data: DataConfig) -> DataConfig:
+        """Prepared datasets: directories under the roots holding a manifest, read only once admitted."""
+        def resolve(directory: str) -> str:
+            path = os.path.realpath(directory)
+            if not any(_under(path, root) for root in self.roots) or not os.path.isdir(path):
+                raise InvalidJob(
+                    f"data: {directory!r} is not a prepared dataset directory under this service's data roots "
+                    f"({', '.join(self.roots) or 'none configured'}); write it there with `meridian data prepare "
+                    "... --out DIR`, or start the service with `meridian serve --data-root PATH`")
+            try:
+                read_manifest(path)
+            except ValueError as e:
+                raise InvalidJob(f"data: {e}") from None
+            return path
+
+        if data.dataset:
+            return replace(data, dataset=resolve(data.dataset))
+        return replace(data, blend=tuple(replace(b, dataset=resolve(b.dataset)) for b in data.blend))
+
+
+def check_dataset_vocab(data: DataConfig, model: ModelConfig) -> None:
+    """A job's model must have a row for every token of its prepared dataset(s) (read from the manifests)."""
+    best, where = 0, ""
+    for directory, _ in data.datasets:
+        vocab = read_manifest(directory).vocab_size
+        if vocab > best:
+            best, where = vocab, directory
+    if best > model.vocab_size:
+        raise InvalidJob(f"data: dataset {where!r} has a vocabulary of {best} tokens but model.vocab_size is "
+                         f"{model.vocab_size}; set model.vocab_size >= {best}")
 
 
 def _under(path: str, root: str) -> bool:

@@ -207,18 +207,36 @@ def test_factory_and_config_checks(dataset):
 
 
 def test_submit_checks_the_dataset_vocabulary_against_the_model(dataset):
-    from pydantic import ValidationError
-
     from meridian.api.schemas import JobSpec
+    from meridian.service.data_access import DataAccess
+    from meridian.service.errors import InvalidJob
 
+    access = DataAccess.for_roots([os.path.dirname(dataset)])
     spec = {"name": "j", "model": {"preset": "nano"}, "data": {"dataset": dataset},
             "training": {"steps": 2, "global_batch": 2, "micro_batch": 1}}
-    with pytest.raises(ValidationError, match=r"vocabulary of 512 tokens but model.vocab_size is 256"):
-        JobSpec.model_validate(spec)
+    with pytest.raises(InvalidJob, match=r"vocabulary of 512 tokens but model.vocab_size is 256"):
+        access.admit(JobSpec.model_validate(spec).to_request())
     ok = JobSpec.model_validate({**spec, "model": {"preset": "nano", "vocab_size": 512},
                                  "validation": {"every_steps": 2, "batches": 2}})
-    req = ok.to_request()
-    assert req.data.dataset == dataset and req.validation == ValidationConfig(every_steps=2, batches=2)
+    req = access.admit(ok.to_request())
+    assert req.data.dataset == os.path.realpath(dataset)
+    assert req.validation == ValidationConfig(every_steps=2, batches=2)
+
+
+def test_a_dataset_outside_the_data_roots_is_refused_without_reading_it(dataset, tmp_path):
+    from meridian.api.schemas import JobSpec
+    from meridian.service.data_access import DataAccess
+    from meridian.service.errors import InvalidJob
+
+    elsewhere = DataAccess.for_roots([str(tmp_path / "roots")])
+    answers = []
+    for directory in (dataset, str(tmp_path / "no-such-dataset")):
+        spec = {"name": "j", "model": {"preset": "nano", "vocab_size": 512}, "data": {"dataset": directory},
+                "training": {"steps": 2, "global_batch": 2, "micro_batch": 1}}
+        with pytest.raises(InvalidJob) as e:
+            elsewhere.admit(JobSpec.model_validate(spec).to_request())
+        answers.append(str(e.value).replace(directory, "DIR"))
+    assert answers[0] == answers[1]  # the same words whether or not a dataset is there
 
 
 def test_training_on_a_prepared_dataset_reports_validation_loss(dataset):

@@ -105,13 +105,3 @@ def write_manifest(directory: str, manifest: Manifest) -> None:
     with open(tmp, "w", encoding="utf-8") as f:
         json.dump(manifest.to_dict(), f, indent=2)
     os.replace(tmp, os.path.join(directory, MANIFEST))
-
-
-def dataset_vocab_size(directories: list[str]) -> tuple[int, str]:
-    """The largest vocabulary among prepared datasets, and the dataset that has it."""
-    best, where = 0, ""
-    for d in directories:
-        v = read_manifest(d).vocab_size
-        if v > best:
-            best, where = v, d
-    return best, where
