@@ -161,8 +161,12 @@ class TrainingLoop:
                 assert out.stats.shard is not None
                 state.keep(out.stats.shard)
             flag = 1.0 if state is not None and state.leave_requested() else 0.0
-            contrib = out.loss.detach().float().cpu() if replica.reports_loss else torch.zeros(())
-            totals = torch.stack([contrib, torch.tensor(float(out.inter_dc_bytes)), torch.tensor(flag)])
+            # On this rank's device (NCCL on a GPU, the same device type on every rank): no host sync here,
+            # the sum is read one step later.
+            dev = replica.device
+            contrib = out.loss.detach().float().to(dev) if replica.reports_loss else torch.zeros((), device=dev)
+            extra = torch.tensor([float(out.inter_dc_bytes), flag]).to(dev, non_blocking=True)
+            totals = torch.cat([contrib.reshape(1), extra])
             work = dist.all_reduce(totals, async_op=True)
             if pending is not None:
                 loss = publish(pending)
