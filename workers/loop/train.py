@@ -35,7 +35,7 @@ from meridian.workers.loop.observe import DevicePeak, measure_peak_flops
 from meridian.workers.loop.parallel import ModelParallelReplica
 from meridian.workers.loop.records import ListSink, ProgressSink, TrainResult, step_record
 from meridian.workers.loop.replica import DataParallelReplica, Membership, Replica
-from meridian.workers.loop.step import StepOutput, timed_step
+from meridian.workers.loop.step import BatchPrefetch, StepOutput, timed_step
 from meridian.workers.state.replica_state import LocalShard
 
 __all__ = ["EpochOutcome", "EpochState", "ListSink", "Membership", "ProgressSink", "TrainResult", "TrainingLoop",
@@ -141,6 +141,7 @@ class TrainingLoop:
         timed_tokens, timed_s, inter_dc_total, steps_here = 0, 0.0, 0, 0
         pending: _Pending | None = None
         leave = False
+        prefetch = BatchPrefetch.for_replica(data, cfg, replica)  # CUDA: pinned, one step ahead; CPU: None
 
         def publish(p: _Pending) -> float:
             nonlocal leave
@@ -156,9 +157,11 @@ class TrainingLoop:
 
         step = start
         while step < cfg.steps:
-            out = timed_step(replica, data, cfg, step, rank_step, snapshot=state is not None)
-            if state is not None:
-                assert out.stats.shard is not None
+            # Every ``snapshot_every`` steps (the recovery promise: up to k - 1 steps trained again).
+            snap = state is not None and (step + 1) % cfg.snapshot_every == 0
+            out = timed_step(replica, data, cfg, step, rank_step, snapshot=snap, prefetch=prefetch)
+            if snap:
+                assert state is not None and out.stats.shard is not None
                 state.keep(out.stats.shard)
             flag = 1.0 if state is not None and state.leave_requested() else 0.0
             # On this rank's device (NCCL on a GPU, the same device type on every rank): no host sync here,
@@ -182,6 +185,9 @@ class TrainingLoop:
                 state.step_done(replica, step)
             if leave and step < cfg.steps:
                 publish(pending)
+                if state is not None and not snap:  # the next epoch resumes here: nothing to train again
+                    replica.engine.synchronize()
+                    state.keep(replica.engine.local_shard(step))
                 return EpochOutcome(finished=False)  # a newcomer joins at this step boundary
 
         if pending is not None:
