@@ -21,6 +21,7 @@ import torch
 
 from meridian.workers.contracts.config import TrainConfig
 from meridian.workers.contracts.records import StepRecord
+from meridian.workers.distributed.devices import backend_for
 from meridian.workers.elastic.agent import Agent
 
 DATACENTER_LABEL = "datacenter"
@@ -48,12 +49,19 @@ def _device() -> torch.device:
 
         return get_device()
     except Exception:  # noqa: BLE001 - outside a Train worker (a replacement): the GPU Ray assigned, if any
-        return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+        if not torch.cuda.is_available():
+            return torch.device("cpu")
+        ids = ray.get_gpu_ids()  # Ray sets CUDA_VISIBLE_DEVICES to them: this worker's GPU is index 0
+        return torch.device("cuda", 0 if ids else _local_rank())
 
 
-def backend_for(device: torch.device) -> str:
-    """NCCL where the worker has a GPU, gloo on CPU."""
-    return "nccl" if device.type == "cuda" else "gloo"
+def _local_rank() -> int:
+    try:
+        from ray.train import get_context
+
+        return int(get_context().get_local_rank())
+    except Exception:  # noqa: BLE001 - not in a Train worker
+        return 0
 
 
 def _rendezvous_call(runner: Any) -> Any:

@@ -131,12 +131,16 @@ def run_compute_probe(topo: ClusterTopology, model: dict[str, Any], micro_batch:
     finally:
         for a in actors:
             ray.kill(a)
-    return {
+    out = {
         "key": compute_key(model, micro_batch), "slots": len(rows), "measured_at": time.time(),
         "flops": statistics.median(r["flops"] for r in rows),
         "optimizer_step_s": statistics.median(r["optimizer_step_s"] for r in rows),
         "per_slot_flops": [r["flops"] for r in rows],
     }
+    memories = [r["device_memory_bytes"] for r in rows if "device_memory_bytes" in r]
+    if memories:  # GPU slots report their device's memory: plan for the smallest
+        out["device_memory_bytes"] = min(memories)
+    return out
 
 
 class ProbeCache:

@@ -40,10 +40,16 @@ def figures_for(request: JobRequest, topo: ClusterTopology, probe: dict[str, Any
         fig = replace(fig, **{k: v for k, v in tiers.items() if k in ("intra_node", "intra_dc", "inter_dc")},
                       inter_dc_known="inter_dc" in tiers)
         sources = [f"link probe of {time.strftime('%Y-%m-%d %H:%M', time.localtime(probe.get('measured_at', 0)))}"] if tiers else []
-        compute = (probe.get("compute") or {}).get(compute_key(to_plain(request.model), request.micro_batch))
+        measured = probe.get("compute") or {}
+        compute = measured.get(compute_key(to_plain(request.model), request.micro_batch))
         if compute:
             fig = replace(fig, device_flops=compute["flops"], step_overhead_s=compute["optimizer_step_s"])
             sources.append("compute probe of this model shape")
+        # A device's memory does not depend on the model shape probed: any GPU compute probe tells it.
+        memories = [c["device_memory_bytes"] for c in measured.values() if c.get("device_memory_bytes")]
+        if use_gpu and memories:
+            fig = replace(fig, device_memory_bytes=float(min(memories)))
+            sources.append("device memory reported by the devices")
         sources = sources or ["defaults"]
     relevant = [lk for lk in request.links if lk.a in dcs and lk.b in dcs] if request.topology.datacenters else list(request.links)
     if relevant:

@@ -377,6 +377,11 @@ class TrainConfig:
     """Write a durable checkpoint every N steps (0: only at the end)."""
     checkpoint_dir: str = ""
     """Directory for durable checkpoints; empty disables them."""
+    snapshot_every: int = knob(1, ge=1, le=10_000, name="checkpoint.snapshot_every")
+    """An elastic rank keeps its in-memory shard of the state every k steps (and where an epoch starts or
+    leaves for a newcomer). The recovery promise: after a failure the job resumes from the last step every
+    survivor snapshotted, so with k > 1 up to k - 1 steps are trained again (each shard copy costs ~3/N of the
+    model's bytes; k = 1 loses no step)."""
     datacenters: tuple[str, ...] = ()
     """Datacenter of each world rank, in rank order (the plan's placement)."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)

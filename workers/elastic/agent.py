@@ -102,6 +102,7 @@ def _child_main(conn: Any, cfg: TrainConfig, ids: dict[str, Any], store_dir: str
     rdzv = Rendezvous(
         client.call, worker_id=ids["worker_id"], datacenter=ids["datacenter"], node_id=ids["node_id"],
         address=ids["address"], backend=ids["backend"], collective_timeout_s=ids["collective_timeout_s"],
+        device=device,
     )  # fmt: skip
     rdzv.epoch = ids["epoch"]
     trainer = ElasticTrainer(
@@ -163,7 +164,7 @@ class Agent:
 
     def __init__(
         self, cfg: TrainConfig, call: Call, *, worker_id: str, datacenter: str, node_id: str, address: str,
-        backend: str = "gloo", device: str = "cpu", sink: Any = None, on_event: Callable[..., None] | None = None,
+        backend: str | None = None, device: str = "cpu", sink: Any = None, on_event: Callable[..., None] | None = None,
         join_timeout_s: float = 600.0, collective_timeout_s: float = 300.0, threads: int | None = None,
         max_restarts: int = 100, keep_params: bool = False,
     ) -> None:  # fmt: skip

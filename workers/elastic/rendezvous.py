@@ -21,6 +21,7 @@ from typing import Any
 import torch.distributed as dist
 
 from meridian.workers.contracts.rendezvous import Assignment, Finished, JoinRequest, Waiting
+from meridian.workers.distributed.devices import bind_device, init_kwargs
 from meridian.workers.distributed.multiproc import free_port
 
 Call = Callable[..., Any]
@@ -36,13 +37,15 @@ class JobFinished(Exception):
 
 class Rendezvous:
     def __init__(self, call: Call, *, worker_id: str, datacenter: str, node_id: str, address: str | None = None,
-                 backend: str = "gloo", collective_timeout_s: float = 300.0) -> None:
+                 backend: str | None = None, collective_timeout_s: float = 300.0, device: str = "cpu") -> None:
         self.call = call
         self.worker_id = worker_id
         self.datacenter = datacenter
         self.node_id = node_id
         self.address = address or socket.gethostbyname(socket.gethostname())
+        self.device = device
         self.backend = backend
+        """``None``: per the device (:func:`meridian.workers.distributed.devices.backend_for`)."""
         self.collective_timeout_s = collective_timeout_s
         self.epoch = 0
 
@@ -71,10 +74,14 @@ class Rendezvous:
                 raise RendezvousTimeout(f"no epoch formed within {timeout_s:.0f} s: {reason}")
 
     def form(self, a: Assignment) -> None:
-        """Create this epoch's default process group (rank 0 hosts the store)."""
+        """Create this epoch's default process group (rank 0 hosts the store): per device type on a GPU
+        (``cpu:gloo,cuda:nccl``), bound to this rank's device (``set_device`` and ``device_id``)."""
+        kwargs = init_kwargs(bind_device(self.device))
+        if self.backend is not None:
+            kwargs["backend"] = self.backend
         dist.init_process_group(
-            self.backend, init_method=f"tcp://{a.master_addr}:{a.master_port}", rank=a.rank, world_size=a.world_size,
-            timeout=timedelta(seconds=self.collective_timeout_s),
+            init_method=f"tcp://{a.master_addr}:{a.master_port}", rank=a.rank, world_size=a.world_size,
+            timeout=timedelta(seconds=self.collective_timeout_s), **kwargs,
         )
 
     def finish(self) -> None:

@@ -8,7 +8,8 @@ One *epoch* is one membership: its ranks, its process groups, its sync engine. E
          → restore: pool the survivors' in-memory shards of the step they all completed
                     (:mod:`meridian.workers.state.replica_state`), or the durable checkpoint if they cannot cover
                     the whole state, or nothing on a first start
-         → train, snapshotting this rank's shard after every step (before the parameter all-gather)
+         → train, snapshotting this rank's shard every ``snapshot_every`` steps (before the parameter
+           all-gather; with k > 1 a failure resumes from the last snapshot and trains up to k - 1 steps again)
     a collective fails  → tear down every group (so blocked peers fail fast too) → join again
     a newcomer waits    → every rank leaves after the same step (the flag rides on the stats all-reduce)
                           → join again; the newcomer receives the state from the pooled shards
@@ -180,6 +181,7 @@ class ElasticState:
     def __init__(self, trainer: ElasticTrainer, a: Assignment, watch: PendingChangeWatch | None) -> None:
         self.cfg, self.a, self.watch = trainer.cfg, a, watch
         self.snapshots, self.checkpoints, self.on_event = trainer.snapshots, trainer.checkpoints, trainer.on_event
+        self.device = trainer.loop.device
 
     def restore(self, replica: Replica) -> int:
         """Load the state this epoch starts from; returns the step to train next. Afterwards this rank holds
@@ -187,11 +189,16 @@ class ElasticState:
         assert replica.model is not None and replica.engine is not None
         start = self._load_state(replica.model, replica.engine)
         self.snapshots.discard_after(start)
-        self.snapshots.append(replica.engine.local_shard(start))
+        self.keep(replica.engine.local_shard(start))
         return start
 
     def keep(self, shard: LocalShard) -> None:
-        self.snapshots.append(shard)
+        # On a GPU the shard's copies are still in flight: written once they land, off the training thread.
+        ready = None
+        if self.device.type == "cuda":
+            ready = torch.cuda.Event()
+            ready.record()
+        self.snapshots.append(shard, ready)
 
     def leave_requested(self) -> bool:
         return self.watch is not None and self.watch.flag.is_set()

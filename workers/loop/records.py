@@ -63,7 +63,7 @@ def step_record(
         lr=lr_at(step, cfg),
         step_s=step_s,
         tokens_per_s=tokens_per_s,
-        grad_norm=stats.grad_norm,
+        grad_norm=float(stats.grad_norm),
         inter_dc_bytes=inter_dc,
         sync_wait_s=stats.sync_wait_s,
         comm_s=stats.comm_s,

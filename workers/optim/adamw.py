@@ -37,10 +37,18 @@ def param_groups(named: list[tuple[str, Any]], model: nn.Module, cfg: OptimConfi
     return [g for g in groups if g["params"]]
 
 
+def adamw_impl(device: torch.device) -> dict[str, bool]:
+    """Which AdamW implementation runs on ``device``. On CPU, ``foreach=False``: the single-tensor path does
+    the same elementwise ops on a whole parameter and on any slice of it, so a sharded optimizer reproduces
+    the replicated one bit for bit (a CPU test). On CUDA, ``fused=True``: one kernel launch for all the
+    pieces of a shard instead of one per op per piece; the fused kernel is elementwise too, so sharded and
+    replicated AdamW (both fused on a GPU) still agree element for element — a GPU check."""
+    return {"fused": True} if device.type == "cuda" else {"foreach": False}
+
+
 def make_adamw(groups: list[dict[str, Any]], cfg: OptimConfig) -> torch.optim.AdamW:
-    # foreach=False: the single-tensor path does the same elementwise ops on a whole parameter and on
-    # any slice of it, so a sharded optimizer reproduces the replicated one bit for bit.
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=False)
+    device = next((p.device for g in groups for p in g["params"]), torch.device("cpu"))
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **adamw_impl(device))
 
 
 def build_adamw(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:

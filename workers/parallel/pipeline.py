@@ -13,8 +13,12 @@ of m (Narayanan et al. 2021, "Efficient large-scale language model training on G
 Backwards run in micro-batch order in both schedules, so B(m-1) is the last one and the sync engine's
 ``last_micro_batch`` (which starts the data-parallel gradient sync) means the same everywhere.
 
-Sends are ``isend`` and complete at the end of the step, receives block: with every send non-blocking no
-stage can wait on a peer that waits on it. Why hand-written rather than ``torch.distributed.pipelining``:
+Messages go out as one ``batch_isend_irecv`` per pipeline tick: a send is queued and issued together with
+the stage's next receive (or at the end of the step), and only the receives are waited for. Before a stage
+blocks, every send it has produced is therefore in flight, so no stage can wait on a peer that waits on it;
+on NCCL the tick's sends and receives form one group, as NCCL requires of paired point-to-point calls in
+both directions (unbatched ``isend`` and blocking ``recv`` can deadlock there). Each device type gets its own
+batch (the WAN emulator's arrival times are CPU tensors, for gloo, beside CUDA activations for NCCL). Why hand-written rather than ``torch.distributed.pipelining``:
 its schedules own the backward call, and the hierarchical sync needs to wrap the last micro-batch's
 backward (:meth:`GradientSync.backward`) to overlap the inter-DC sync with it. Across datacenters each
 message goes through the WAN emulator (arrival time booked on the shared link, sent ahead of the data).
@@ -66,7 +70,9 @@ class StageRunner:
         self.d_model = d_model
         self.autocast = autocast
         self.emulator = emulator if emulator is not None and emulator.enabled else None
-        self._sends: list[tuple[dist.Work, torch.Tensor]] = []
+        self._sends: list[tuple[dist.Work, object]] = []  # with the tensors they send, kept alive
+        self._queued: list[dist.P2POp] = []
+        """Sends produced since the last tick, issued with its next receives (:meth:`_exchange`)."""
 
     # -- point to point, through the WAN emulator across datacenters ----------------------------------------------
 
@@ -83,21 +89,45 @@ class StageRunner:
             cost = p2p_cost(emu.rank, dst, emu.layout, nbytes)
             emu.counter.add(nbytes, cost.bytes_of(emu.rank))
             arrival = torch.tensor([emu.book(cost, time.monotonic())], dtype=torch.float64)
-            self._sends.append((dist.isend(arrival, dst), arrival))
-        self._sends.append((dist.isend(tensor, dst), tensor))
+            self._queued.append(dist.P2POp(dist.isend, arrival, dst))
+        self._queued.append(dist.P2POp(dist.isend, tensor, dst))
 
     def _recv(self, shape: tuple[int, ...], src: int, device: torch.device) -> torch.Tensor:
         arrival = None
+        recvs = []
         if self._crosses(src):
             arrival = torch.empty(1, dtype=torch.float64)
-            dist.recv(arrival, src)
+            recvs.append(dist.P2POp(dist.irecv, arrival, src))
         buf = torch.empty(shape, dtype=torch.float32, device=device)
-        dist.recv(buf, src)
+        recvs.append(dist.P2POp(dist.irecv, buf, src))
+        self._exchange(recvs)
         if arrival is not None:
             sleep_until(float(arrival.item()))
         return buf
 
+    def _exchange(self, recvs: list[dist.P2POp]) -> None:
+        """One tick: the queued sends and ``recvs`` as one ``batch_isend_irecv`` per device type; returns
+        when the receives are done (the sends complete by the end of the step)."""
+        ops, self._queued = self._queued + recvs, []
+        by_type: dict[str, list[dist.P2POp]] = {}
+        for op in ops:
+            by_type.setdefault(op.tensor.device.type, []).append(op)
+        for batch in by_type.values():
+            works = dist.batch_isend_irecv(batch)
+            if len(works) == len(batch):  # one work per operation (gloo): wait for the receives only
+                pairs = list(zip(batch, works, strict=True))
+                waits = [w for op, w in pairs if op.op is dist.irecv]
+                self._sends += [(w, op.tensor) for op, w in pairs if op.op is not dist.irecv]
+            elif any(op.op is dist.irecv for op in batch):  # one work for the coalesced group (NCCL)
+                waits = works
+            else:
+                waits = []
+                self._sends += [(w, [op.tensor for op in batch]) for w in works]
+            for w in waits:
+                w.wait()
+
     def _flush(self) -> None:
+        self._exchange([])
         for work, _ in self._sends:
             work.wait()
         self._sends.clear()

@@ -16,6 +16,15 @@ from meridian.workers.contracts.config import ModelConfig
 from meridian.workers.model.gpt import GPT, per_sample_loss
 
 
+def device_memory_bytes(device: torch.device) -> int | None:
+    """The device's memory as the device reports it (``mem_get_info``'s total; the free part at probe time
+    is less than what training gets, the probe's own model being resident); ``None`` on CPU."""
+    if device.type != "cuda":
+        return None
+    _free, total = torch.cuda.mem_get_info(device)
+    return int(total)
+
+
 def training_flops(model_cfg: ModelConfig, micro_batch: int, *, min_seconds: float = 2.0, warmup: int = 2,
                    device: torch.device | None = None, threads: int | None = None) -> dict[str, float]:
     """FLOP/s of forward + backward on ``device`` (no optimizer step), over at least ``min_seconds``."""
@@ -49,5 +58,9 @@ def training_flops(model_cfg: ModelConfig, micro_batch: int, *, min_seconds: flo
     while steps < 3 or time.perf_counter() - t1 < min(0.5, min_seconds / 4):
         opt.step()
         steps += 1
-    return {"flops": tokens * model_cfg.flops_per_token / elapsed, "seconds_per_micro_batch": elapsed / n,
-            "micro_batches": n, "optimizer_step_s": (time.perf_counter() - t1) / steps}
+    out = {"flops": tokens * model_cfg.flops_per_token / elapsed, "seconds_per_micro_batch": elapsed / n,
+           "micro_batches": n, "optimizer_step_s": (time.perf_counter() - t1) / steps}
+    memory = device_memory_bytes(device)
+    if memory is not None:  # the planner's device_memory_bytes, instead of its 40 GiB guess
+        out["device_memory_bytes"] = memory
+    return out

@@ -78,12 +78,23 @@ class LocalShard:
         return _pieces_nbytes(self.pieces) + (_pieces_nbytes(self.outer.pieces) if self.outer else 0)
 
 
+def host_copy(t: torch.Tensor) -> torch.Tensor:
+    """A flat fp32 CPU copy of ``t``. From a GPU it lands in pinned memory without blocking the host: the
+    copy is queued on the current stream, so whoever reads it must wait for that stream first (the snapshot
+    store waits on an event recorded after the shard, on its writer thread). On CPU a plain copy, as ever."""
+    flat = t.detach().reshape(-1)
+    if flat.device.type != "cuda":
+        return flat.float().cpu().clone()
+    out = torch.empty(flat.numel(), dtype=torch.float32, pin_memory=True)
+    return out.copy_(flat.float(), non_blocking=True)
+
+
 def piece_of(
     name: str, start: int, stop: int, value: torch.Tensor, state: dict[str, Any] | None
 ) -> StatePiece:
     """Copy one owned range (``value`` and the optimizer ``state`` of exactly those elements) to the CPU."""
-    moments = {m: state[m].detach().reshape(-1).float().cpu().clone() for m in MOMENTS} if state else {}
-    return StatePiece(name, start, stop, value.detach().reshape(-1).float().cpu().clone(), moments)
+    moments = {m: host_copy(state[m]) for m in MOMENTS} if state else {}
+    return StatePiece(name, start, stop, host_copy(value), moments)
 
 
 def replicated_shard(

@@ -34,8 +34,9 @@ from meridian.workers.state.replica_state import LocalShard
 
 @dataclass(frozen=True)
 class StepStats:
-    grad_norm: float
-    """Global gradient norm before clipping."""
+    grad_norm: float | torch.Tensor
+    """Global gradient norm before clipping: a 0-d tensor on the rank's device where reading it would sync the
+    host (a GPU); the loop's record reads it one step later."""
     inter_dc_bytes: int
     """Bytes this rank put into collectives that cross a datacenter boundary this step (compressed size)."""
     sync_wait_s: float

@@ -68,7 +68,7 @@ class FlatSync(GradientSync):
         self.optimizer.zero_grad(set_to_none=False)
         # DDP's all-reduce spans every rank: with several DCs all of it crosses a DC boundary.
         return StepStats(
-            grad_norm=float(norm),
+            grad_norm=norm.detach(),
             inter_dc_bytes=self._grad_bytes if self._cross_dc else 0,
             sync_wait_s=0.0,
             shard=None if snapshot_as is None else self.local_shard(snapshot_as),

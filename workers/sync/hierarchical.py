@@ -103,14 +103,14 @@ class HierarchicalSync(GradientSync):
         intra_dc_s, self._intra_dc_s = self._intra_dc_s, 0.0  # every bucket has finished
         shard = None
         if self.sharded is not None:
-            norm = float(self.sharded.step(lr))
+            norm = self.sharded.step(lr).detach()
             if snapshot_as is not None:  # before the all-gather: this rank's shard is already final
                 shard = self.sharded.local_shard(snapshot_as)
             self.sharded.gather_params(async_op=self.overlap)
             waited = self.sharded.take_wait_s()  # norm all-reduce, gathers, and last step's forward waits
         else:
             assert self.optimizer is not None
-            norm = float(clip_grad_norm(self._named(), self.optim_cfg.grad_clip, self.groups.mp_norm))
+            norm = clip_grad_norm(self._named(), self.optim_cfg.grad_clip, self.groups.mp_norm).detach()
             set_lr(self.optimizer, lr)
             self.optimizer.step()
             waited = 0.0

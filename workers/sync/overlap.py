@@ -15,16 +15,26 @@ of [issued, completed] intervals; completion is polled every ``POLL_S`` while th
 next bucket), ``exposed_s`` the part ``finish()`` blocked. Buckets whose parameters got no gradient are
 released when backward returns, so an unused parameter costs overlap, never a deadlock. Without overlap
 the same code runs inline in ``finish()``. This module never decides what a bucket's sync is.
+
+On CUDA (:class:`CommStream`) a bucket's collectives are issued on a dedicated communication stream that
+waits only for that bucket's gradients (an event recorded by the hook that completes the bucket), so
+backward's kernels never queue behind a reduce-scatter's ``wait()``; ``finish()`` makes the training stream
+wait for the communication stream before the optimizer reads the gradients. Host wall-clock is meaningless
+there (NCCL's ``wait()`` returns at once), so ``comm_s`` and ``exposed_s`` come from CUDA events: per-bucket
+start/end events on the communication stream, and an event on the training stream where ``finish()`` began
+to wait. They are read one step late (the events are long complete then), so timing never syncs the host:
+on CUDA ``finish()`` returns the previous step's figures (0 on the first step). On CPU nothing changes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -79,6 +89,8 @@ class BucketPipeline:
         self._remaining = [0] * len(buffer.buckets)
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         self._executor: ThreadPoolExecutor | None = None
+        self.streams = CommStream.for_device(buffer.buckets[0].grad.device, len(buffer.buckets))
+        """The CUDA communication stream and its events; ``None`` on CPU."""
         if overlap:
             device = buffer.buckets[0].grad.device
             self._executor = ThreadPoolExecutor(
@@ -93,6 +105,8 @@ class BucketPipeline:
             if self._armed:
                 self._remaining[index] -= 1
                 if self._remaining[index] == 0:
+                    if self.streams is not None:
+                        self.streams.bucket_ready(index)  # on backward's stream, before the comm thread sees it
                     self._ready[index].set()
 
         return on_grad_ready
@@ -119,12 +133,16 @@ class BucketPipeline:
     def finish(self) -> tuple[float, float]:
         """Sync whatever is left; returns (comm_s, exposed_s) for this step."""
         t0 = time.perf_counter()
+        if self.streams is not None:
+            self.streams.finish_begins()
         if self._future is None:  # no overlap, or this rank had no micro-batch: start everything now
             started = self._start_all(False)
         else:
             self.backward_done()
             future, self._future = self._future, None
             started = future.result()
+        if self.streams is not None:
+            return self.streams.finish(started)
         busy = [interval for flight in started for interval in flight.finish()]  # bucket order, everywhere
         return _union(busy), time.perf_counter() - t0
 
@@ -137,7 +155,8 @@ class BucketPipeline:
                     for flight in started:
                         flight.poll()
             t0 = time.perf_counter()
-            flight = self.start_bucket(bucket)
+            with self.streams.issue(bucket.index) if self.streams is not None else contextlib.nullcontext():
+                flight = self.start_bucket(bucket)
             flight.issued_at = t0
             started.append(flight)
         return started
@@ -155,6 +174,74 @@ class BucketPipeline:
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
+
+
+class CommStream:
+    """The CUDA side of a :class:`BucketPipeline`: a dedicated stream for the collectives, events that order
+    it after each bucket's gradients, and event-based timings read one step late (module docstring)."""
+
+    def __init__(self, device: Any, buckets: int) -> None:
+        self.device = device
+        self.training = torch.cuda.current_stream(device)
+        """The training thread's stream (built there): backward's kernels and the optimizer's."""
+        self.stream = torch.cuda.Stream(device=device)
+        self._ready = [torch.cuda.Event() for _ in range(buckets)]
+        self._armed = [False] * buckets
+        self._start = [torch.cuda.Event(enable_timing=True) for _ in range(buckets)]
+        self._end = [torch.cuda.Event(enable_timing=True) for _ in range(buckets)]
+        self._waits = torch.cuda.Event(enable_timing=True)
+        """Recorded on the training stream where ``finish()`` starts to wait for the sync."""
+        self._previous: tuple[float, float] = (0.0, 0.0)
+        self._unread = False
+        self._n = 0
+
+    @classmethod
+    def for_device(cls, device: Any, buckets: int) -> CommStream | None:
+        """A communication stream for a CUDA device; ``None`` (host timing, no streams) elsewhere."""
+        return cls(device, buckets) if torch.device(device).type == "cuda" and buckets else None
+
+    def bucket_ready(self, index: int) -> None:
+        self._ready[index].record()  # the current stream: the one backward produced the gradients on
+        self._armed[index] = True
+
+    @contextlib.contextmanager
+    def issue(self, index: int) -> Any:
+        """Issue bucket ``index``'s collectives on the communication stream, after its gradients."""
+        with torch.cuda.stream(self.stream):
+            if self._armed[index]:
+                self.stream.wait_event(self._ready[index])
+                self._armed[index] = False
+            else:  # inline (no overlap), or a bucket without gradients: after all the training stream queued
+                self.stream.wait_stream(self.training)
+            self._start[index].record(self.stream)
+            yield
+
+    def finish_begins(self) -> None:
+        if self._unread:  # last step's events completed long ago: reading them does not sync the host
+            self._previous = self._read()
+            self._unread = False
+        self._waits.record(self.training)
+
+    def finish(self, started: list[InFlight]) -> tuple[float, float]:
+        """Wait for ``started`` on the communication stream, order the training stream after it; returns
+        the previous step's (comm_s, exposed_s)."""
+        with torch.cuda.stream(self.stream):
+            for i, flight in enumerate(started):
+                flight.finish()  # NCCL's wait(): the communication stream waits, the host does not
+                self._end[i].record(self.stream)
+        self.training.wait_stream(self.stream)  # the optimizer reads the synced gradients after it
+        self._n = len(started)
+        self._unread = True
+        return self._previous
+
+    def _read(self) -> tuple[float, float]:
+        n = self._n
+        if n == 0:
+            return 0.0, 0.0
+        origin = self._start[0]
+        busy = [(origin.elapsed_time(self._start[i]) / 1e3, origin.elapsed_time(self._end[i]) / 1e3) for i in range(n)]
+        exposed = max(0.0, self._waits.elapsed_time(self._end[n - 1]) / 1e3)
+        return _union(busy), exposed
 
 
 def _union(intervals: list[tuple[float, float]]) -> float:

@@ -70,12 +70,38 @@ def cleanup(key: str, directory: str | None = None) -> int:
     return removed
 
 
+class NotOneHost(RuntimeError):
+    """The ranks of a job with an emulated WAN run on more than one host."""
+
+
+def host_identity() -> str:
+    """This machine, as the shared link files know it: its boot id (one kernel, one ``/dev/shm``)."""
+    return _BOOT_ID.hex()
+
+
+def check_one_host(hosts: list[str]) -> None:
+    """Refuse an emulated WAN whose ranks are on different hosts: its link state lives in one host's
+    ``/dev/shm``, so ranks elsewhere would each book a link of their own and never wait for each other."""
+    distinct = list(dict.fromkeys(hosts))
+    if len(distinct) > 1:
+        ranks = {h: [r for r, x in enumerate(hosts) if x == h] for h in distinct}
+        raise NotOneHost(
+            f"the application WAN emulator (TrainConfig.wan) needs every rank on one host, but the ranks run on "
+            f"{len(distinct)} hosts (ranks by host: {list(ranks.values())}); its link state lives in one host's "
+            "/dev/shm. Across hosts, emulate the WAN with the network lab (`meridian lab up`: real network "
+            "namespaces and a delayed link) or train over the real links (leave `wan` unset)"
+        )
+
+
 def agree_key(prefix: str) -> str:
-    """A key unique to this run and equal on every rank: rank 0's ``prefix`` plus random hex, broadcast once
-    over the world group. Fresh keys keep a restarted job off the files of the run before it."""
-    box = [f"{safe_name(prefix)[:48]}.{secrets.token_hex(4)}" if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(box, src=0)
-    return str(box[0])
+    """A key unique to this run and equal on every rank: rank 0's ``prefix`` plus random hex, exchanged once
+    over the world group. Fresh keys keep a restarted job off the files of the run before it. Raises
+    :class:`NotOneHost` (on every rank alike) when the ranks are not all on this host."""
+    mine = (f"{safe_name(prefix)[:48]}.{secrets.token_hex(4)}" if dist.get_rank() == 0 else None, host_identity())
+    box: list = [None] * dist.get_world_size()
+    dist.all_gather_object(box, mine)
+    check_one_host([host for _, host in box])
+    return str(box[0][0])
 
 
 class _SharedFile:

@@ -1,0 +1,189 @@
+"""The GPU workstation path, checked on CPU: what a CUDA rank would call, with CUDA mocked.
+
+No GPU here: these tests pin the decisions (backend per device type, the bound device, the communication
+stream, pinned prefetch, fused AdamW, snapshot cadence, batched pipeline messages, refusing a WAN emulator
+across hosts); running them on CUDA tensors is a GPU check (README, GPU section).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from meridian.workers.contracts.rendezvous import Assignment
+from meridian.workers.distributed.devices import PER_DEVICE_BACKEND, backend_for, bind_device, init_kwargs
+from meridian.workers.elastic.rendezvous import Rendezvous
+
+
+def test_backend_is_chosen_per_device_never_hard_coded():
+    assert backend_for(torch.device("cpu")) == "gloo"
+    assert backend_for("cuda:1") == PER_DEVICE_BACKEND == "cpu:gloo,cuda:nccl"
+    assert init_kwargs("cpu") == {"backend": "gloo"}
+    assert init_kwargs("cuda:1") == {"backend": "cpu:gloo,cuda:nccl", "device_id": torch.device("cuda", 1)}
+
+
+def _assignment() -> Assignment:
+    return Assignment(epoch=1, rank=1, world_size=2, master_addr="127.0.0.1", master_port=1234,
+                      datacenters=("a", "a"), resume_step=0, from_checkpoint=False, newcomer_ranks=())  # fmt: skip
+
+
+def _formed(monkeypatch, device: str) -> tuple[dict, list]:
+    seen: dict = {}
+    bound: list = []
+    monkeypatch.setattr(dist, "init_process_group", lambda **kw: seen.update(kw))
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: bound.append(torch.device(d)))
+    rdzv = Rendezvous(lambda *a: None, worker_id="w", datacenter="a", node_id="n", address="127.0.0.1", device=device)
+    rdzv.form(_assignment())
+    return seen, bound
+
+
+def test_a_cuda_rank_binds_its_device_and_inits_per_device_type(monkeypatch):
+    seen, bound = _formed(monkeypatch, "cuda:1")
+    assert bound == [torch.device("cuda", 1)]  # set_device before the group exists
+    assert seen["backend"] == "cpu:gloo,cuda:nccl" and seen["device_id"] == torch.device("cuda", 1)
+    assert seen["rank"] == 1 and seen["world_size"] == 2
+
+
+def test_a_cpu_rank_inits_gloo_without_a_device(monkeypatch):
+    seen, bound = _formed(monkeypatch, "cpu")
+    assert bound == [] and seen["backend"] == "gloo" and "device_id" not in seen
+
+
+def test_bind_device_takes_the_local_rank_when_the_device_has_no_index(monkeypatch):
+    bound: list = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: bound.append(d))
+    assert bind_device("cuda", local_rank=3) == torch.device("cuda", 3) and bound == [torch.device("cuda", 3)]
+    assert bind_device("cpu", local_rank=3) == torch.device("cpu") and bound == [torch.device("cuda", 3)]
+
+
+def test_adamw_is_fused_on_cuda_and_single_tensor_on_cpu():
+    from meridian.workers.contracts.config import OptimConfig
+    from meridian.workers.optim.adamw import adamw_impl, make_adamw
+
+    assert adamw_impl(torch.device("cuda", 0)) == {"fused": True}
+    assert adamw_impl(torch.device("cpu")) == {"foreach": False}  # the bit-equality with the reference
+    opt = make_adamw([{"params": [torch.nn.Parameter(torch.ones(3))], "weight_decay": 0.0}], OptimConfig())
+    assert opt.defaults["foreach"] is False and not opt.defaults["fused"]
+
+
+def _pipeline_rank(rank, world, cfg):
+    from meridian.workers.loop.train import ListSink, train
+
+    calls = {"batches": 0, "inside": False, "loose": 0}
+    batch, isend = dist.batch_isend_irecv, dist.isend
+
+    def batch_isend_irecv(ops):
+        calls["batches"] += 1
+        calls["inside"] = True
+        try:
+            return batch(ops)
+        finally:
+            calls["inside"] = False
+
+    def counted_isend(*a, **kw):
+        calls["loose"] += not calls["inside"]
+        return isend(*a, **kw)
+
+    def blocking_recv(*a, **kw):
+        raise AssertionError("a blocking recv in the pipeline")
+
+    c10d = torch.distributed.distributed_c10d  # P2POp checks its op against this module's isend
+    dist.batch_isend_irecv, dist.isend, c10d.isend, dist.recv = batch_isend_irecv, counted_isend, counted_isend, blocking_recv
+    train(cfg, sink=ListSink())
+    return calls["batches"], calls["loose"]
+
+
+def test_1f1b_sends_and_receives_as_one_batch_per_tick():
+    from meridian.workers.contracts.config import ParallelConfig, PipelineSchedule, TrainConfig, model_preset
+    from meridian.workers.distributed.multiproc import run_processes
+
+    cfg = TrainConfig(job_id="t", model=model_preset("nano"), steps=2, global_batch=8, micro_batch=2,
+                      datacenters=("a", "a"), parallel=ParallelConfig(pp=2, schedule=PipelineSchedule.ONE_F_ONE_B))
+    out = run_processes(_pipeline_rank, 2, cfg, timeout_s=180)
+    for batches, loose in out:
+        assert loose == 0  # no isend outside a batch
+        assert batches >= 2 * 4  # one exchange per micro-batch and direction, each step
+
+
+def _wan_key_rank(rank, world):
+    from meridian.workers.wan import link
+
+    link.host_identity = lambda: f"host-{rank}"  # as if each rank ran on its own machine
+    try:
+        link.agree_key("job")
+    except link.NotOneHost as e:
+        return str(e)
+    return None
+
+
+def test_the_wan_emulator_refuses_ranks_on_different_hosts():
+    from meridian.workers.distributed.multiproc import run_processes
+    from meridian.workers.wan.link import check_one_host
+
+    check_one_host(["h", "h", "h"])  # one host: fine
+    messages = run_processes(_wan_key_rank, 2)
+    assert all(m is not None for m in messages)  # every rank refuses, none trains alone
+    assert "meridian lab" in messages[0] and "/dev/shm" in messages[0] and "2 hosts" in messages[0]
+
+
+def test_device_memory_comes_from_the_device_and_reaches_the_planner(monkeypatch):
+    from fakes import node
+
+    from meridian.service.cluster.topology import ClusterTopology
+    from meridian.service.jobs import JobRequest, TopologyRequest
+    from meridian.service.planning.figures import figures_for
+    from meridian.workers.contracts.config import model_preset
+    from meridian.workers.probes.compute_bench import device_memory_bytes
+
+    assert device_memory_bytes(torch.device("cpu")) is None
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (3 * 2**30, 80 * 2**30))
+    assert device_memory_bytes(torch.device("cuda", 0)) == 80 * 2**30
+
+    request = JobRequest(name="p", model=model_preset("nano"), steps=2, global_batch=8, micro_batch=1,
+                         topology=TopologyRequest(datacenters=["dc-a"]))
+    topo = ClusterTopology((node("g", "dc-a", cpus=8, gpus=1),))
+    assert figures_for(request, topo, None)[0].device_memory_bytes == 40 * 2**30  # the guess, unmeasured
+    other_shape = {"flops": 1e14, "optimizer_step_s": 0.01, "device_memory_bytes": 80 * 2**30}
+    fig, sources = figures_for(request, topo, {"compute": {"another-shape": other_shape}})
+    assert fig.device_memory_bytes == 80 * 2**30 and "device memory reported by the devices" in sources
+
+
+class _Event:
+    """Stands in for a CUDA event: the snapshot store writes only after ``synchronize`` returned."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.release = threading.Event()
+        self.synchronized = False
+
+    def synchronize(self) -> None:
+        self.release.wait(10)
+        self.synchronized = True
+
+
+def test_a_snapshot_with_copies_in_flight_is_written_off_the_training_thread(tmp_path):
+    from meridian.workers.state.replica_state import LocalShard, StatePiece
+    from meridian.workers.state.snapshots import SnapshotStore
+
+    store = SnapshotStore(3, str(tmp_path))
+    store.append(LocalShard(1, 1, (StatePiece("w", 0, 2, torch.ones(2)),)))  # CPU: written now
+    assert list(tmp_path.glob("shard-*.pt"))
+    ready = _Event()
+    store.append(LocalShard(2, 2, (StatePiece("w", 0, 2, torch.full((2,), 2.0)),)), ready)
+    assert not (tmp_path / "shard-0000000002.pt").exists()  # the copies have not landed: nothing written yet
+    ready.release.set()
+    assert store.last_step == 2 and ready.synchronized  # every read waits for the write
+    assert torch.equal(store.get(2).pieces[0].value, torch.full((2,), 2.0))
+
+
+def test_the_cpu_path_has_no_streams_and_no_prefetch():
+    from meridian.workers.loop.step import BatchPrefetch
+    from meridian.workers.sync.overlap import CommStream
+
+    assert CommStream.for_device(torch.device("cpu"), 4) is None
+
+    class _Replica:
+        device = torch.device("cpu")
+
+    assert BatchPrefetch.for_replica(None, None, _Replica()) is None
