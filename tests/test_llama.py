@@ -222,3 +222,29 @@ def _write(path, body) -> str:
 
     path.write_text(json.dumps(body))
     return str(path)
+
+
+def _elastic(rank, world, cfg):
+    from test_parallel import _FormedRendezvous
+
+    from meridian.workers.elastic.trainer import ElasticTrainer
+
+    ElasticTrainer(cfg, _FormedRendezvous(rank, world, cfg), sink=ListSink(), on_event=lambda *e: None).run()
+
+
+def test_a_tensor_parallel_job_keeps_its_full_final_weights_for_export(tmp_path):
+    from meridian.workers.contracts.fields import to_plain
+    from meridian.workers.model.export import export_checkpoint
+    from meridian.workers.state import checkpoint as ckpt_io
+
+    cfg = replace(_cfg(("a", "a"), tp=2), checkpoint_dir=str(tmp_path / "ckpt"))
+    run_processes(_elastic, 2, cfg, timeout_s=180)
+    ck = ckpt_io.load_latest(cfg.checkpoint_dir)
+    assert ck is not None and ck.step == cfg.steps
+    ours = build_model(cfg.model).eval()
+    ours.load_state_dict(ck.model)  # the full model, not rank 0's slice
+    export_checkpoint(str(tmp_path / "ckpt" / f"step-{cfg.steps:08d}"), to_plain(cfg.model), str(tmp_path / "hf"))
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).float().eval()
+    x = _tokens()
+    with torch.no_grad():
+        assert (theirs(x).logits - ours(x)).abs().max().item() < 1e-4
