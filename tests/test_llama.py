@@ -248,3 +248,25 @@ def test_a_tensor_parallel_job_keeps_its_full_final_weights_for_export(tmp_path)
     x = _tokens()
     with torch.no_grad():
         assert (theirs(x).logits - ours(x)).abs().max().item() < 1e-4
+
+
+def test_the_planner_uses_the_family_s_formulas_and_limits():
+    from fakes import node
+
+    from meridian.service.cluster.topology import ClusterTopology
+    from meridian.service.jobs import JobRequest
+    from meridian.service.planning.cost_model import activation_bytes
+    from meridian.service.planning.planner import default_figures, ranked_layouts
+
+    gpt, llama = model_preset("tiny"), model_preset("llama-tiny")
+    # Per layer, split by TP: attention 8·sbh, plus GELU's two 4d-wide tensors (16·sbh) or SwiGLU's four tensors
+    # of its width (llama-tiny: 4 × 2 bytes × 3d = 24·sbh).
+    s, b, d = 128, 2, 128
+    logits = 4 * b * s * 256
+    assert activation_bytes(gpt, b, 1, 1) - logits == 2 * s * b * d * (10 + 8 + 16 + 5 * 4 * s / d)
+    assert activation_bytes(llama, b, 1, 1) - logits == 2 * s * b * d * (10 + 8 + 24 + 5 * 4 * s / d)
+    topo = ClusterTopology((node("n-a", "dc-a", cpus=4), node("n-b", "dc-b", cpus=4)))
+    tied = replace(llama, tie_embeddings=True, n_kv_heads=1)
+    request = JobRequest(name="p", model=tied, steps=2, global_batch=8, micro_batch=1)
+    ranked = ranked_layouts(request, topo, default_figures(topo, ("dc-a", "dc-b"), False))
+    assert ranked and all(c.layout.tp == 1 and c.layout.pp == 1 for c, _ in ranked)  # 1 KV head; tied head
