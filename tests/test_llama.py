@@ -270,3 +270,20 @@ def test_the_planner_uses_the_family_s_formulas_and_limits():
     request = JobRequest(name="p", model=tied, steps=2, global_batch=8, micro_batch=1)
     ranked = ranked_layouts(request, topo, default_figures(topo, ("dc-a", "dc-b"), False))
     assert ranked and all(c.layout.tp == 1 and c.layout.pp == 1 for c, _ in ranked)  # 1 KV head; tied head
+
+
+def test_a_spec_with_init_from_takes_the_checkpoint_s_shape_and_survives_the_store(tmp_path):
+    from meridian.api.schemas import JobSpec
+    from meridian.service.jobs import JobRequest
+
+    _hf_llama(tmp_path)
+    training = {"steps": 2, "global_batch": 2, "micro_batch": 1}
+    request = JobSpec(name="hf", model={"init_from": str(tmp_path), "seq_len": 16}, training=training).to_request()
+    assert request.model.init_from == str(tmp_path.resolve()) and request.model.seq_len == 16
+    assert request.model.kv_heads == 2 and request.model.rope_theta == 500000.0 and request.model.norm_eps == 1e-6
+    assert JobRequest.from_dict(request.to_dict()) == request
+    for bad, field in (({"init_from": str(tmp_path), "n_layers": 3}, "model.n_layers"),
+                       ({"init_from": str(tmp_path / "nope")}, "no config.json"),
+                       ({"preset": "tiny", "family": "llama"}, "model.family")):
+        with pytest.raises(ValueError, match=field):
+            JobSpec(name="hf", model=bad, training=training)
