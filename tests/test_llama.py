@@ -287,3 +287,21 @@ def test_a_spec_with_init_from_takes_the_checkpoint_s_shape_and_survives_the_sto
                        ({"preset": "tiny", "family": "llama"}, "model.family")):
         with pytest.raises(ValueError, match=field):
             JobSpec(name="hf", model=bad, training=training)
+
+
+def test_llama_survives_losing_a_rank_and_matches_an_uninterrupted_run(tmp_path):
+    import test_elastic_loop as el
+
+    cfg = replace(el.job(job_id=el._unique_job_id()), model=replace(model_preset("llama-tiny"), n_layers=2, seq_len=32))
+    reference = run_processes(el._reference_rank, 4, cfg, timeout_s=el.TIMEOUT_S)[0]
+    run = el.ElasticRun(4)
+    try:
+        for i, dc in enumerate(el.DCS):
+            run.start(i, dc, cfg)
+        run.kill_after_step(1, cfg, 3)
+        out = run.collect({0, 2, 3})
+        formed = [e[2] for e in run.events() if e[0] == "epoch_formed"]
+        assert len(formed) == 2 and formed[1]["resume_step"] >= 3
+        assert el._max_rel(out[0]["result"].final_params, reference) < 1e-4
+    finally:
+        run.close()

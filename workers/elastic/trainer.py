@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from meridian.workers.contracts.config import TrainConfig
+from meridian.workers.contracts.config import ModelFamily, TrainConfig
 from meridian.workers.contracts.rendezvous import Assignment
 from meridian.workers.elastic.protocol import KEEP_SNAPSHOTS, RESTART_EXIT_CODE
 from meridian.workers.elastic.rendezvous import JobFinished, Rendezvous
@@ -94,7 +94,10 @@ class PendingChangeWatch:
 def fingerprint(cfg: TrainConfig) -> dict[str, Any]:
     """What a checkpoint must share with the job to resume it."""
     m = cfg.model
-    return {"model": [m.n_layers, m.d_model, m.n_heads, m.seq_len, m.vocab_size], "global_batch": cfg.global_batch,
+    shape = [m.n_layers, m.d_model, m.n_heads, m.seq_len, m.vocab_size]
+    if m.family is not ModelFamily.GPT:  # (gpt's fingerprint stays as before: older checkpoints still load)
+        shape += [m.family.value, m.kv_heads, m.mlp_width, m.tie_embeddings]
+    return {"model": shape, "global_batch": cfg.global_batch,
             "seed": cfg.seed, "data": cfg.data.source}  # fmt: skip
 
 
