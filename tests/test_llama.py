@@ -300,8 +300,9 @@ def test_llama_survives_losing_a_rank_and_matches_an_uninterrupted_run(tmp_path)
             run.start(i, dc, cfg)
         run.kill_after_step(1, cfg, 3)
         out = run.collect({0, 2, 3})
-        formed = [e[2] for e in run.events() if e[0] == "epoch_formed"]
-        assert len(formed) >= 2 and "lost" in formed[1]  # (a loaded machine may re-form once more: timing)
+        events = run.events()
+        formed = [e[2] for e in events if e[0] == "epoch_formed"]
+        assert len(formed) >= 2 and "worker_lost" in [e[0] for e in events]  # (≥: a loaded machine may re-form twice)
         assert el._max_rel(out[0]["result"].final_params, reference) < 1e-4
     finally:
         run.close()
