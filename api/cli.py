@@ -253,6 +253,30 @@ def cmd_logs(args: argparse.Namespace, client: Client) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace, client: Client) -> int:
+    """Convert a job's final (or latest) checkpoint into a Hugging Face directory. The checkpoint is read from
+    the path the artifacts endpoint gives, so this runs where the service's storage is readable (its machine,
+    or a node sharing it)."""
+    info = client.artifacts(args.id)
+    if info["latest"] is None:
+        why = "it opted out (checkpoint.keep_final: false)" if not info["keep_final"] else "it has not finished yet"
+        raise SystemExit(f"job {args.id} has no checkpoint in {info['storage']}: {why}")
+    if not info["readable_here"]:
+        raise SystemExit(f"{info['latest']} is not readable from this machine: run `meridian export` where the "
+                         "service's storage is mounted")
+    from meridian.workers.model.export import export_checkpoint  # torch: only this verb needs it
+
+    latest = next(a for a in info["artifacts"] if a["path"] == info["latest"])
+    out = export_checkpoint(info["latest"], info["model"], args.out)
+    note = "" if latest["final"] else " (not the final step: the job has not finished)"
+    if args.json:
+        print(json.dumps({"out": str(out), "step": latest["step"], "final": latest["final"]}))
+    else:
+        print(f"wrote {out} from step {latest['step']}{note}; load it with "
+              f"transformers.AutoModelForCausalLM.from_pretrained({str(out)!r})")
+    return 0
+
+
 # -- parser ----------------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="meridian", description=__doc__.splitlines()[0])
@@ -334,6 +358,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(run=cmd_logs)
 
     verb("cluster", "show datacenters, nodes and resources").set_defaults(run=cmd_cluster)
+
+    s = verb("export", "write a job's final weights as a Hugging Face directory (config.json + model.safetensors)")
+    s.add_argument("id")
+    s.add_argument("--out", required=True, help="directory to write")
+    s.add_argument("--format", choices=["hf"], default="hf", help="hf: what AutoModelForCausalLM loads")
+    s.set_defaults(run=cmd_export)
 
     s = verb("plan", "dry-run the planner for a job spec")
     s.add_argument("file")

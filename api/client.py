@@ -123,6 +123,9 @@ class Client:
     def metrics(self, job_id: str) -> dict[str, Any]:
         return self.request("GET", f"/v1/jobs/{job_id}/metrics")
 
+    def artifacts(self, job_id: str) -> dict[str, Any]:
+        return self.request("GET", f"/v1/jobs/{job_id}/artifacts")
+
     def health(self) -> dict[str, Any]:
         return self.request("GET", "/healthz")
 

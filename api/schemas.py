@@ -36,6 +36,7 @@ from meridian.workers.contracts.config import (
     DataConfig,
     DiLoCoConfig,
     ModelConfig,
+    ModelFamily,
     OptimConfig,
     ParallelConfig,
     PipelineSchedule,
@@ -47,6 +48,7 @@ from meridian.workers.contracts.config import (
     WanConfig,
 )
 from meridian.workers.contracts.fields import bounds_of, default_of
+from meridian.workers.contracts.hf_config import model_config_from_hf
 
 DCName = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$", description="a datacenter label value")]
 AUTO = "auto"
@@ -119,23 +121,49 @@ def _or_auto(value: Any) -> Any:
 
 # -- the job spec ----------------------------------------------------------------------------------------
 class ModelSpec(Strict):
-    """A preset, optionally with sizes overridden; or all sizes given explicitly (``preset: null``)."""
+    """A preset, optionally with sizes overridden; or all sizes given explicitly (``preset: null``); or a local
+    Hugging Face checkpoint (``init_from``) whose shape and weights the job starts from."""
 
     preset: Literal[tuple(MODEL_PRESETS)] | None = "tiny"  # type: ignore[valid-type]
+    family: ModelFamily | None = Field(None, description="gpt or llama; omitted: the preset's family (a "
+                                       "family without a preset picks '<family>-tiny', or 'tiny' for gpt)")
+    init_from: str | None = Field(None, min_length=1, max_length=4096, description=_attribute_docs(ModelConfig)
+                                  .get("init_from"))
     n_layers: int | None = config_field(ModelConfig, "n_layers", default=None)
     d_model: int | None = config_field(ModelConfig, "d_model", default=None)
     n_heads: int | None = config_field(ModelConfig, "n_heads", default=None)
     seq_len: int | None = config_field(ModelConfig, "seq_len", default=None)
     vocab_size: int | None = config_field(ModelConfig, "vocab_size", default=None)
+    n_kv_heads: int | None = config_field(ModelConfig, "n_kv_heads", default=None)
+    ffn_hidden: int | None = config_field(ModelConfig, "ffn_hidden", default=None)
+    rope_theta: float | None = config_field(ModelConfig, "rope_theta", default=None)
+    norm_eps: float | None = config_field(ModelConfig, "norm_eps", default=None)
+    tie_embeddings: bool | None = config_field(ModelConfig, "tie_embeddings", default=None)
 
     def to_config(self) -> ModelConfig:
-        sizes = self.model_dump(exclude={"preset"}, exclude_none=True)
-        if self.preset is None:
+        sizes = self.model_dump(exclude={"preset", "family", "init_from"}, exclude_none=True)
+        if self.init_from is not None:
+            if "preset" in self.model_fields_set and self.preset is not None:
+                raise ValueError("model.preset and model.init_from exclude each other: the checkpoint has a shape")
+            if self.family not in (None, ModelFamily.LLAMA):
+                raise ValueError(f"model.init_from loads llama checkpoints; model.family is {self.family.value!r}")
+            if set(sizes) - {"seq_len"}:
+                raise ValueError(f"model.init_from fixes the shape; only model.seq_len may be given with it, not "
+                                 f"model.{', model.'.join(sorted(set(sizes) - {'seq_len'}))}")
+            return model_config_from_hf(self.init_from, **sizes)
+        preset = self.preset
+        if self.family is not None and "preset" not in self.model_fields_set:
+            preset = "tiny" if self.family is ModelFamily.GPT else f"{self.family.value}-tiny"
+        if preset is None:
             missing = {"n_layers", "d_model", "n_heads", "seq_len"} - set(sizes)
             if missing:
                 raise ValueError(f"model.preset is null, so give model.{', model.'.join(sorted(missing))} too")
-            return ModelConfig(**sizes)
-        return replace(MODEL_PRESETS[self.preset], **sizes)
+            return ModelConfig(family=self.family or ModelFamily.GPT, **sizes)
+        base = MODEL_PRESETS[preset]
+        if self.family is not None and self.family is not base.family:
+            raise ValueError(f"model.family is {self.family.value!r} but model.preset {preset!r} is a "
+                             f"{base.family.value!r} model")
+        return replace(base, **sizes)
 
 
 DataSpec = config_model(DataConfig, "DataSpec", source={"min_length": 1, "max_length": 4096})
@@ -227,6 +255,7 @@ class SyncSpec(Strict):
 
 class CheckpointSpec(Strict):
     interval_steps: int = config_field(TrainConfig, "checkpoint_every", description="0: no periodic checkpoints")
+    keep_final: bool = config_field(JobRequest, "keep_final")
 
 
 class JobSpec(Strict):
@@ -256,7 +285,8 @@ class JobSpec(Strict):
             topology=self.topology.to_request(), parallelism=self.parallelism.to_request(),
             links=tuple(link.to_request() for link in self.topology.links), sync=self.sync.to_config(),
             wan=None if self.wan is None else self.wan.to_config(),
-            checkpoint_every=self.checkpoint.interval_steps, priority=self.priority, owner=owner,
+            checkpoint_every=self.checkpoint.interval_steps, keep_final=self.checkpoint.keep_final,
+            priority=self.priority, owner=owner,
             validation=None if self.validation is None else self.validation.to_config(),
         )
 

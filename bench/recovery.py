@@ -155,14 +155,15 @@ def _baseline_loop(config: dict[str, Any]) -> None:
     from ray.train.torch import prepare_model
 
     from meridian.workers.data.text import TextDataset
-    from meridian.workers.model.gpt import GPT, per_sample_loss
+    from meridian.workers.model.build import build_model
+    from meridian.workers.model.gpt import per_sample_loss
 
     cfg = config["train"]
     log = ray.get_actor(config["log"], namespace="meridian-bench")
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     torch.manual_seed(cfg.seed)
-    model = prepare_model(GPT(cfg.model))
+    model = prepare_model(build_model(cfg.model))
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr)
     start = 0
     ckpt = ray.train.get_checkpoint()

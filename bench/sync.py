@@ -150,9 +150,9 @@ def measure_link(wan: WanConfig | None) -> dict | None:
 
 def count_params(model: str) -> int:
     """Parameters the engines actually sync (trainable tensors of the built model)."""
-    from meridian.workers.model.gpt import GPT
+    from meridian.workers.model.build import build_model
 
-    return sum(p.numel() for p in GPT(model_preset(model)).parameters() if p.requires_grad)
+    return sum(p.numel() for p in build_model(model_preset(model)).parameters() if p.requires_grad)
 
 
 def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:

@@ -183,6 +183,9 @@ class JobRequest:
     wan: WanConfig | None = like(TrainConfig, "wan")
     checkpoint_every: int = like(TrainConfig, "checkpoint_every")
     validation: ValidationConfig | None = like(TrainConfig, "validation")
+    keep_final: bool = True
+    """Write the final step's weights to the job's storage (``checkpoints/<job id>/`` in the service's data
+    dir), where ``GET /v1/jobs/{id}/artifacts`` lists them and ``meridian export`` reads them."""
     priority: int = knob(0, ge=-100, le=100, name="priority")
     """Higher runs first; FIFO within a priority."""
     owner: str = ""

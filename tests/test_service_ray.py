@@ -54,6 +54,9 @@ def test_two_datacenter_job_succeeds_with_workers_in_both_and_lower_loss(api):
     assert job["result"]["inter_dc_bytes_per_step"] > 0
     kinds = [e["kind"] for e in api.get(f"/v1/jobs/{job['id']}/events").json()["events"]]
     assert kinds.count("worker_started") == 4
+    # The final weights were kept (checkpoint.keep_final defaults to true) and are listed.
+    artifacts = api.get(f"/v1/jobs/{job['id']}/artifacts").json()
+    assert artifacts["artifacts"] and artifacts["artifacts"][-1]["final"], artifacts
 
 
 def test_cancel_stops_workers_and_frees_the_placement(api):

@@ -19,6 +19,7 @@ from meridian.api.auth import CallerDep
 from meridian.api.deps import ServiceDep, StoreDep, SupervisorDep
 from meridian.api.schemas import ErrorBody, EventList, EventPublic, JobList, JobPublic, JobSpec, LogList
 from meridian.api.streams import follow_logs, job_event_stream
+from meridian.service.artifacts import list_artifacts
 from meridian.service.jobs import JobState
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
@@ -152,6 +153,13 @@ def job_metrics(
     """The stored per-step series: loss, tokens/s, step time, learning rate, inter-DC bytes."""
     caller.check_owns(store.get_job(job_id))
     return {"job_id": job_id, "points": store.list_metrics(job_id, after_step=after_step, limit=limit)}
+
+
+@router.get("/{job_id}/artifacts", responses=ERRORS)
+def job_artifacts(job_id: str, store: StoreDep, supervisor: SupervisorDep, caller: CallerDep) -> dict[str, Any]:
+    """What the job wrote to its storage: its checkpoints (the final weights last) with their paths on the
+    service's machine, which ``meridian export`` reads."""
+    return list_artifacts(supervisor.checkpoint_root, caller.check_owns(store.get_job(job_id)))
 
 
 @router.get("/{job_id}/logs", response_model=LogList, responses={

@@ -74,8 +74,9 @@ def _model_parallel_sizes(request: JobRequest) -> tuple[list[int], list[int]]:
     """Tensor-parallel sizes that divide the model's heads and MLP width, and pipeline depths that divide
     its layers (or what the request fixed)."""
     model, par = request.model, request.parallelism
-    tps = [par.tp] if par.tp else [t for t in TP_SIZES if model.n_heads % t == 0 and (model.mlp_ratio * model.d_model) % t == 0]
-    pps = [par.pp] if par.pp else _divisors(model.n_layers, MAX_PP)
+    tps = [par.tp] if par.tp else [t for t in TP_SIZES
+                                   if model.n_heads % t == 0 and model.kv_heads % t == 0 and model.mlp_width % t == 0]
+    pps = [par.pp] if par.pp else [1] if model.tie_embeddings else _divisors(model.n_layers, MAX_PP)
     return tps, pps
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from meridian.workers.contracts.config import ModelConfig
+from meridian.workers.contracts.config import ModelConfig, ModelFamily
 
 BYTES_FP32 = 4
 ADAMW_STATE_BYTES = 2 * BYTES_FP32  # exp_avg + exp_avg_sq per parameter
@@ -99,9 +99,12 @@ class Estimate:
 
 def activation_bytes(model: ModelConfig, micro_batch: int, layers: int, tp: int) -> float:
     """Activations kept for backward, per micro-batch: Korthikanti et al. 2022, eq. 2 (fp32 doubles
-    their 16-bit figure), with TP dividing the attention/MLP part."""
+    their 16-bit figure), with TP dividing the attention/MLP part. Of their 24·sbh split by TP, 8 are attention
+    and 16 the GELU MLP's two 4h-wide tensors (4 bytes·sb per unit of width); a SwiGLU MLP keeps four tensors of
+    its width (gate, up, their activation and product: 8 bytes·sb per unit)."""
     s, b, d, a = model.seq_len, micro_batch, model.d_model, model.n_heads
-    per_layer_16bit = s * b * d * (10 + 24 / tp + 5 * a * s / (d * tp))
+    mlp = (8 if model.family is ModelFamily.LLAMA else 4) * model.mlp_width / d
+    per_layer_16bit = s * b * d * (10 + (8 + mlp) / tp + 5 * a * s / (d * tp))
     return 2 * per_layer_16bit * layers + BYTES_FP32 * b * s * model.vocab_size  # + logits
 
 

@@ -180,7 +180,8 @@ class Supervisor:
             return  # one admission per tick (see above)
 
     def _launch(self, job: JobRecord, plan: Plan) -> None:
-        ckpt_dir = os.path.join(self.checkpoint_root, job.id) if job.request.checkpoint_every else ""
+        keep = job.request.checkpoint_every or job.request.keep_final
+        ckpt_dir = os.path.join(self.checkpoint_root, job.id) if keep else ""
         config = build_train_config(job.id, job.request, plan, ckpt_dir)
         self.store.update_fields(job.id, plan=plan.to_dict())
         where = ", ".join(f"{plan.workers_in(dc)} in {dc}" for dc in plan.datacenters)

@@ -26,17 +26,20 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from meridian.workers.contracts.config import TrainConfig
+from meridian.workers.contracts.config import ModelFamily, TrainConfig
 from meridian.workers.contracts.rendezvous import Assignment
 from meridian.workers.elastic.protocol import KEEP_SNAPSHOTS, RESTART_EXIT_CODE
 from meridian.workers.elastic.rendezvous import JobFinished, Rendezvous
 from meridian.workers.loop.replica import Membership, Replica
 from meridian.workers.loop.train import EpochOutcome, ProgressSink, TrainingLoop, TrainResult
+from meridian.workers.parallel.dims import ParallelDims
+from meridian.workers.parallel.tensor_parallel import assemble as assemble_slices
 from meridian.workers.state import checkpoint as ckpt_io
 from meridian.workers.state.replica_state import IncompleteState, LocalShard, assemble
 from meridian.workers.state.snapshots import SnapshotStore
@@ -92,7 +95,10 @@ class PendingChangeWatch:
 def fingerprint(cfg: TrainConfig) -> dict[str, Any]:
     """What a checkpoint must share with the job to resume it."""
     m = cfg.model
-    return {"model": [m.n_layers, m.d_model, m.n_heads, m.seq_len, m.vocab_size], "global_batch": cfg.global_batch,
+    shape = [m.n_layers, m.d_model, m.n_heads, m.seq_len, m.vocab_size]
+    if m.family is not ModelFamily.GPT:  # (gpt's fingerprint stays as before: older checkpoints still load)
+        shape += [m.family.value, m.kv_heads, m.mlp_width, m.tie_embeddings]
+    return {"model": shape, "global_batch": cfg.global_batch,
             "seed": cfg.seed, "data": [list(d) for d in cfg.data.datasets] or cfg.data.source}  # fmt: skip
 
 
@@ -162,7 +168,7 @@ class ElasticTrainer:
                         "cannot resume after losing a worker yet; resubmit it (set checkpoint.interval_steps to keep "
                         "progress) or run it with tp=1, pp=1 to make it elastic"
                     )
-                return self.loop.run_epoch(m)
+                return self._run_model_parallel_epoch(m)
             watch = PendingChangeWatch(self.rdzv) if a.rank == 0 else None
             return self.loop.run_epoch(m, ElasticState(self, a, watch))
         except Exception as e:
@@ -172,6 +178,32 @@ class ElasticTrainer:
         finally:
             if watch is not None:
                 watch.close()
+
+
+    def _run_model_parallel_epoch(self, m: Membership) -> EpochOutcome:
+        """One epoch of a tensor/pipeline-parallel job; with a checkpoint dir, replica 0's slices are gathered
+        on rank 0 after the last step and written as one full-model checkpoint (weights only: such a job does
+        not resume from it), so its final weights can be exported like a data-parallel job's."""
+        keep = self.loop.keep_params
+        self.loop.keep_params = keep or bool(self.cfg.checkpoint_dir)
+        try:
+            outcome = self.loop.run_epoch(m)
+        finally:
+            self.loop.keep_params = keep
+        if not (outcome.finished and self.cfg.checkpoint_dir):
+            return outcome
+        assert outcome.result is not None
+        coords = ParallelDims(self.cfg.parallel.tp, self.cfg.parallel.pp, m.datacenters).coords(m.rank)
+        mine = (coords.replica, coords.stage, coords.tp_rank, outcome.result.final_params)
+        parts: list[Any] | None = [None] * m.world_size if m.rank == 0 else None
+        dist.gather_object(mine, parts, dst=0)
+        if parts is not None:
+            full = assemble_slices({(s, t): p for r, s, t, p in parts if r == 0})
+            ck = ckpt_io.Checkpoint(step=self.cfg.steps, model=full, optimizer={}, fingerprint=fingerprint(self.cfg))
+            ckpt_io.save(self.cfg.checkpoint_dir, ck)
+        if not keep:
+            outcome = EpochOutcome(finished=True, result=replace(outcome.result, final_params=None))
+        return outcome
 
 
 class ElasticState:

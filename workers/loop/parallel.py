@@ -24,7 +24,7 @@ from meridian.workers.data.shards import Dataset
 from meridian.workers.distributed.layout import DCLayout
 from meridian.workers.loop.precision import autocast_context
 from meridian.workers.loop.replica import Batches, Replica
-from meridian.workers.model.gpt import GPT
+from meridian.workers.model.build import build_model
 from meridian.workers.parallel.dims import ParallelDims, ParallelGroups
 from meridian.workers.parallel.pipeline import StageRunner
 from meridian.workers.parallel.tensor_parallel import GPTStage
@@ -47,7 +47,7 @@ class ModelParallelReplica(Replica):
         self._reports_eval = groups.reports_loss and c.replica == 0
 
         torch.manual_seed(cfg.seed)
-        full = GPT(cfg.model)  # the single-process initial weights, on every rank
+        full = build_model(cfg.model)  # the single-process initial weights, on every rank
         model = GPTStage(full, stage=c.stage, pp=dims.pp, tp_rank=c.tp_rank, tp=dims.tp, tp_group=groups.tp_group)
         self.model = model = model.to(device)
         del full

@@ -78,13 +78,17 @@ class GPT(nn.Module):
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        """(batch, time) token ids → (batch, time, vocab) logits."""
+    def embed(self, idx: torch.Tensor) -> torch.Tensor:
+        """(batch, time) token ids → (batch, time, d_model): the first pipeline stage's input layer."""
         t = idx.shape[1]
         if t > self.cfg.seq_len:
             raise ValueError(f"sequence of {t} tokens is longer than model.seq_len={self.cfg.seq_len}")
         pos = torch.arange(t, device=idx.device)
-        x = self.tok_emb(idx) + self.pos_emb(pos)
+        return self.tok_emb(idx) + self.pos_emb(pos)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """(batch, time) token ids → (batch, time, vocab) logits."""
+        x = self.embed(idx)
         for block in self.blocks:
             x = block(x)
         return self.head(self.ln_f(x))

@@ -1,9 +1,14 @@
-"""Megatron-style tensor parallelism of the GPT blocks, and the pipeline stage a rank holds.
+"""Megatron-style tensor parallelism of the transformer blocks (both families), and the pipeline stage a rank
+holds.
 
 Each block's attention and MLP are split over the TP group (Shoeybi et al. 2019, "Megatron-LM", §3)::
 
     x ─ copy ─> qkv (column-parallel: this rank's heads) ─> attention ─> proj (row-parallel) ─ reduce ─> + bias
     x ─ copy ─> fc  (column-parallel: 1/tp of the width) ─> GELU      ─> proj (row-parallel) ─ reduce ─> + bias
+
+Llama blocks the same way without biases: ``q``, ``k``, ``v`` column-parallel by heads (rank r holds query
+heads r·h/tp… and key/value heads r·kv/tp…, which are exactly the key/value heads its query heads use, since
+``tp`` divides ``n_kv_heads``), ``gate`` and ``up`` column-parallel, both ``proj`` row-parallel.
 
 ``copy`` is the identity forward and an all-reduce of the input gradient backward; ``reduce`` is an
 all-reduce forward and the identity backward: two all-reduces per layer forward, two backward. Everything
@@ -15,8 +20,8 @@ buckets (:mod:`meridian.workers.sync.grad_buffer`) and shard them across DCs; DT
 second code path through all of it. A sliced parameter keeps the single-process name, so the optimizer's
 decay groups, checkpoints and :func:`unshard` work by name.
 
-The stage module is cut from a full :class:`GPT` built with the job's seed, so every layout starts from the
-single-process initial weights.
+The stage module is cut from a full model (:func:`~meridian.workers.model.build.build_model`) built with the
+job's seed, so every layout starts from the single-process initial weights.
 """
 
 from __future__ import annotations
@@ -28,7 +33,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from meridian.workers.model.gpt import GPT, Block
+from meridian.workers.model.gpt import Block
+from meridian.workers.model.llama import LlamaBlock, attend
 
 Split = Literal["qkv", "rows", "cols"]
 
@@ -37,8 +43,9 @@ def tp_split(name: str) -> Split | None:
     """How parameter ``name`` is cut across TP ranks; ``None``: replicated."""
     if ".attn.qkv." in name:
         return "qkv"  # rows of q, k and v, each cut by heads
-    if ".mlp.fc." in name:
-        return "rows"  # output features
+    if ".mlp.fc." in name or name.endswith((".attn.q.weight", ".attn.k.weight", ".attn.v.weight",
+                                             ".mlp.gate.weight", ".mlp.up.weight")):
+        return "rows"  # output features (llama's q, k, v: whole heads, tp dividing n_kv_heads)
     if name.endswith((".attn.proj.weight", ".mlp.proj.weight")):
         return "cols"  # input features
     return None
@@ -91,28 +98,31 @@ class _ReduceFromTP(torch.autograd.Function):
 
 
 class RowParallelLinear(nn.Module):
-    """``x @ W_r.T`` summed over the TP group, then the (replicated) bias once."""
+    """``x @ W_r.T`` summed over the TP group, then the (replicated) bias once, if any."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor, group: dist.ProcessGroup) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group: dist.ProcessGroup) -> None:
         super().__init__()
         self.weight = nn.Parameter(weight)
-        self.bias = nn.Parameter(bias)
+        self.bias = None if bias is None else nn.Parameter(bias)
         self.group = group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _ReduceFromTP.apply(F.linear(x, self.weight), self.group) + self.bias
+        y = _ReduceFromTP.apply(F.linear(x, self.weight), self.group)
+        return y if self.bias is None else y + self.bias
 
 
 def _column(full: nn.Linear, name: str, tp_rank: int, tp: int) -> nn.Linear:
     w = shard(f"{name}.weight", full.weight.detach(), tp_rank, tp)
-    out = nn.Linear(w.shape[1], w.shape[0])
+    out = nn.Linear(w.shape[1], w.shape[0], bias=full.bias is not None)
     out.weight = nn.Parameter(w)
-    out.bias = nn.Parameter(shard(f"{name}.bias", full.bias.detach(), tp_rank, tp))
+    if full.bias is not None:
+        out.bias = nn.Parameter(shard(f"{name}.bias", full.bias.detach(), tp_rank, tp))
     return out
 
 
 def _row(full: nn.Linear, name: str, tp_rank: int, tp: int, group: dist.ProcessGroup) -> RowParallelLinear:
-    return RowParallelLinear(shard(f"{name}.weight", full.weight.detach(), tp_rank, tp), full.bias.detach().clone(), group)
+    bias = None if full.bias is None else full.bias.detach().clone()
+    return RowParallelLinear(shard(f"{name}.weight", full.weight.detach(), tp_rank, tp), bias, group)
 
 
 class TPAttention(nn.Module):
@@ -143,11 +153,45 @@ class TPMLP(nn.Module):
         return self.proj(F.gelu(self.fc(_CopyToTP.apply(x, self.group))))
 
 
-def tp_block(block: Block, prefix: str, n_heads: int, tp_rank: int, tp: int, group: dist.ProcessGroup | None) -> Block:
-    """``block`` with its attention and MLP replaced by this rank's TP slices (in place)."""
+class TPLlamaAttention(nn.Module):
+    def __init__(self, full: nn.Module, prefix: str, tp_rank: int, tp: int, group: dist.ProcessGroup) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.theta = full.heads // tp, full.kv_heads // tp, full.theta
+        self.group = group
+        self.q, self.k, self.v = (_column(getattr(full, n), f"{prefix}.{n}", tp_rank, tp) for n in ("q", "k", "v"))
+        self.proj = _row(full.proj, f"{prefix}.proj", tp_rank, tp, group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = _CopyToTP.apply(x, self.group)
+        return self.proj(attend(self.q(x), self.k(x), self.v(x), self.heads, self.kv_heads, self.theta))
+
+
+class TPSwiGLU(nn.Module):
+    def __init__(self, full: nn.Module, prefix: str, tp_rank: int, tp: int, group: dist.ProcessGroup) -> None:
+        super().__init__()
+        self.group = group
+        self.gate = _column(full.gate, f"{prefix}.gate", tp_rank, tp)
+        self.up = _column(full.up, f"{prefix}.up", tp_rank, tp)
+        self.proj = _row(full.proj, f"{prefix}.proj", tp_rank, tp, group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = _CopyToTP.apply(x, self.group)
+        return self.proj(F.silu(self.gate(x)) * self.up(x))
+
+
+def tp_block(
+    block: nn.Module, prefix: str, n_heads: int, tp_rank: int, tp: int, group: dist.ProcessGroup | None
+) -> nn.Module:
+    """``block`` (a GPT :class:`Block` or a :class:`LlamaBlock`) with its attention and MLP replaced by this
+    rank's TP slices (in place)."""
     if tp == 1:
         return block
     assert group is not None
+    if isinstance(block, LlamaBlock):
+        block.attn = TPLlamaAttention(block.attn, f"{prefix}.attn", tp_rank, tp, group)
+        block.mlp = TPSwiGLU(block.mlp, f"{prefix}.mlp", tp_rank, tp, group)
+        return block
+    assert isinstance(block, Block)
     block.attn = TPAttention(block.attn, f"{prefix}.attn", n_heads, tp_rank, tp, group)
     block.mlp = TPMLP(block.mlp, f"{prefix}.mlp", tp_rank, tp, group)
     return block
@@ -161,18 +205,22 @@ def stage_layers(n_layers: int, pp: int, stage: int) -> range:
 
 
 class GPTStage(nn.Module):
-    """The part of a :class:`GPT` one rank runs: its stage's blocks (TP-sliced), plus the embeddings on the
-    first stage and the final norm and head on the last. Parameter names are the full model's."""
+    """The part of a full model (either family) one rank runs: its stage's blocks (TP-sliced), plus the
+    embeddings on the first stage and the final norm and head on the last. Parameter names are the full
+    model's."""
 
     def __init__(
-        self, full: GPT, *, stage: int, pp: int, tp_rank: int, tp: int, tp_group: dist.ProcessGroup | None
+        self, full: nn.Module, *, stage: int, pp: int, tp_rank: int, tp: int, tp_group: dist.ProcessGroup | None
     ) -> None:
         super().__init__()
         cfg = full.cfg
         self.cfg = cfg
         self.first, self.last = stage == 0, stage == pp - 1
+        self._embed = type(full).embed  # reads the embeddings below by the full model's attribute names
         if self.first:
-            self.tok_emb, self.pos_emb = full.tok_emb, full.pos_emb
+            self.tok_emb = full.tok_emb
+            if hasattr(full, "pos_emb"):
+                self.pos_emb = full.pos_emb
         self.blocks = nn.ModuleDict({
             str(i): tp_block(full.blocks[i], f"blocks.{i}", cfg.n_heads, tp_rank, tp, tp_group)
             for i in stage_layers(cfg.n_layers, pp, stage)
@@ -184,8 +232,7 @@ class GPTStage(nn.Module):
         """First stage: (batch, time) token ids; later stages: (batch, time, d_model) hidden states.
         Returns hidden states, or (batch, time, vocab) logits on the last stage."""
         if self.first:
-            pos = torch.arange(x.shape[1], device=x.device)
-            x = self.tok_emb(x) + self.pos_emb(pos)
+            x = self._embed(self, x)
         for block in self.blocks.values():
             x = block(x)
         return self.head(self.ln_f(x)) if self.last else x

@@ -9,11 +9,13 @@ are slower together than alone — exactly the condition training runs in.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import torch
 
 from meridian.workers.contracts.config import ModelConfig
-from meridian.workers.model.gpt import GPT, per_sample_loss
+from meridian.workers.model.build import build_model
+from meridian.workers.model.gpt import per_sample_loss
 
 
 def device_memory_bytes(device: torch.device) -> int | None:
@@ -32,7 +34,7 @@ def training_flops(model_cfg: ModelConfig, micro_batch: int, *, min_seconds: flo
         torch.set_num_threads(threads)
     device = device or torch.device("cpu")
     torch.manual_seed(0)
-    model = GPT(model_cfg).to(device)
+    model = build_model(replace(model_cfg, init_from="")).to(device)  # timing only: random weights
     x = torch.randint(0, model_cfg.vocab_size, (micro_batch, model_cfg.seq_len), device=device)
 
     def one() -> None:

@@ -20,7 +20,8 @@ import torch.distributed as dist
 
 from meridian.workers.contracts.config import TrainConfig
 from meridian.workers.data.shards import make_dataset
-from meridian.workers.model.gpt import GPT, per_sample_loss
+from meridian.workers.model.build import build_model
+from meridian.workers.model.gpt import per_sample_loss
 
 
 @dataclass(frozen=True)
@@ -77,7 +78,7 @@ def check_consistency(
     device = device or torch.device("cpu")
     world = dist.get_world_size()
     torch.manual_seed(cfg.seed)
-    model = GPT(cfg.model).to(device)
+    model = build_model(cfg.model).to(device)
     if perturb is not None:
         perturb(model)
     x, y = make_dataset(cfg.data, cfg.model.seq_len, cfg.seed).batch(0, cfg.micro_batch)

@@ -1,0 +1,308 @@
+"""The Llama family: shape and counts, Hugging Face weights in (``init_from``) and out (export), and training
+through the same loop as GPT, tensor- and pipeline-parallel included, on real gloo process groups."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+
+from meridian.workers.contracts.config import (
+    ModelConfig,
+    ModelFamily,
+    ParallelConfig,
+    SyncConfig,
+    SyncStrategy,
+    TrainConfig,
+    model_preset,
+)
+from meridian.workers.contracts.hf_config import model_config_from_hf
+from meridian.workers.distributed.multiproc import run_processes
+from meridian.workers.loop.train import ListSink, train
+from meridian.workers.model.build import build_model
+from meridian.workers.model.hf import save_hf
+from meridian.workers.parallel.tensor_parallel import GPTStage, assemble
+
+transformers = pytest.importorskip("transformers")
+
+SMALL = dict(family=ModelFamily.LLAMA, n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, ffn_hidden=96, seq_len=32)
+
+
+def test_presets_count_their_parameters_exactly():
+    for name in ("llama-tiny", "nano"):
+        cfg = model_preset(name)
+        torch.manual_seed(0)
+        assert sum(p.numel() for p in build_model(cfg).parameters()) == cfg.num_params, name
+    tied = ModelConfig(**SMALL, tie_embeddings=True)
+    assert sum(p.numel() for p in build_model(tied).parameters()) == tied.num_params
+    assert 0.9e6 < model_preset("llama-tiny").num_params < 1.2e6
+    assert 7.9e9 < model_preset("llama3-8b").num_params < 8.1e9  # Llama-3-8B: 8.03 B
+    assert 1.2e9 < model_preset("llama-1b").num_params < 1.3e9  # Llama-3.2-1B: 1.24 B
+
+
+def test_config_checks_name_the_field():
+    with pytest.raises(ValueError, match="model.n_kv_heads"):
+        ModelConfig(**{**SMALL, "n_kv_heads": 3})
+    with pytest.raises(ValueError, match="family 'llama' only"):
+        ModelConfig(n_layers=2, d_model=64, n_heads=4, seq_len=32, n_kv_heads=2)
+    with pytest.raises(ValueError, match="n_kv_heads"):
+        ParallelConfig(tp=4).check_model(ModelConfig(**SMALL))
+    with pytest.raises(ValueError, match="tie_embeddings"):
+        ParallelConfig(pp=2).check_model(ModelConfig(**SMALL, tie_embeddings=True))
+
+
+def _hf_llama(tmp_path, tie: bool = False):
+    cfg = transformers.LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=32, rope_theta=500000.0, rms_norm_eps=1e-6,
+        tie_word_embeddings=tie,
+    )
+    torch.manual_seed(3)
+    model = transformers.LlamaForCausalLM(cfg).float().eval()
+    with torch.no_grad():  # HF initialises norms to 1: randomise them so a swapped norm would show
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    model.save_pretrained(tmp_path)
+    return model
+
+
+def _tokens():
+    return torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_init_from_a_transformers_llama_gives_its_logits(tmp_path, tie):
+    ref = _hf_llama(tmp_path, tie)
+    cfg = model_config_from_hf(str(tmp_path))
+    assert cfg.family is ModelFamily.LLAMA and cfg.kv_heads == 2 and cfg.tie_embeddings is tie
+    ours = build_model(cfg).eval()
+    x = _tokens()
+    with torch.no_grad():
+        expected = ref(x).logits
+        got = ours(x)
+    assert (got - expected).abs().max().item() < 1e-4
+
+
+def _tp_logits(rank, world, cfg, x):
+    import torch.distributed as dist
+
+    model = build_model(cfg)
+    group = dist.new_group(list(range(world)))
+    stage = GPTStage(model, stage=0, pp=1, tp_rank=rank, tp=world, tp_group=group).eval()
+    with torch.no_grad():
+        return stage(x)
+
+
+def test_init_from_with_tp2_gives_the_same_logits(tmp_path):
+    ref = _hf_llama(tmp_path)
+    cfg = model_config_from_hf(str(tmp_path))
+    x = _tokens()
+    with torch.no_grad():
+        expected = ref(x).logits
+    for logits in run_processes(_tp_logits, 2, cfg, x, timeout_s=120):
+        assert (logits - expected).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("family", ["llama", "llama-tied", "gpt"])
+def test_export_loads_in_transformers_with_the_same_logits(tmp_path, family):
+    if family == "gpt":
+        cfg = ModelConfig(n_layers=2, d_model=64, n_heads=4, seq_len=32)
+    else:
+        cfg = ModelConfig(**SMALL, tie_embeddings=family == "llama-tied")
+    torch.manual_seed(5)
+    ours = build_model(cfg).eval()
+    with torch.no_grad():  # non-trivial norms and biases
+        for p in ours.parameters():
+            if p.dim() == 1:
+                p.uniform_(0.5, 1.5)
+    save_hf(str(tmp_path), cfg, dict(ours.state_dict()))
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path)).float().eval()
+    assert type(theirs).__name__ == ("GPT2LMHeadModel" if family == "gpt" else "LlamaForCausalLM")
+    x = _tokens()
+    with torch.no_grad():
+        assert (theirs(x).logits - ours(x)).abs().max().item() < 1e-4
+
+
+# -- training through the loop ------------------------------------------------------------------------------
+def _train(rank, world, cfg):
+    sink = ListSink()
+    result = train(cfg, sink=sink, keep_params=True)
+    return result, [r.loss for r in sink.records]
+
+
+def _cfg(dcs, *, tp=1, pp=1, strategy="hierarchical", model=None):
+    return TrainConfig(
+        job_id="llama", model=model or replace(model_preset("llama-tiny"), n_layers=2, seq_len=32), steps=4,
+        global_batch=4, micro_batch=2, datacenters=dcs, sync=SyncConfig(strategy=SyncStrategy(strategy)), seed=1,
+        parallel=ParallelConfig(tp=tp, pp=pp),
+    )
+
+
+def test_llama_trains_with_tp_and_pp_like_one_process():
+    (ref, ref_losses), = run_processes(_train, 1, _cfg(("a",)), timeout_s=180)
+    assert ref_losses[-1] < ref_losses[0]
+    for dcs, tp, pp in ((("a", "a"), 2, 1), (("a", "b"), 1, 2)):
+        out = run_processes(_train, len(dcs), _cfg(dcs, tp=tp, pp=pp), timeout_s=180)
+        assert out[0][1] == pytest.approx(ref_losses, rel=1e-4), (tp, pp)
+        full = assemble({(r // tp if pp > 1 else 0, r % tp): res.final_params for r, (res, _) in enumerate(out)})
+        worst = max((full[n] - ref.final_params[n]).abs().max().item() for n in full)
+        assert worst < 1e-4, (tp, pp, worst)
+
+
+@pytest.mark.parametrize("strategy", ["hierarchical", "diloco"])
+def test_llama_trains_across_datacenters_with_har_and_diloco(strategy):
+    out = run_processes(_train, 4, _cfg(("a", "a", "b", "b"), strategy=strategy), timeout_s=180)
+    losses = out[0][1]
+    assert len(losses) == 4 and all(math.isfinite(v) for v in losses) and losses[-1] < losses[0]
+    # HAR: every replica identical; DiLoCo (H=50 > 4 steps): identical inside each DC, which drift apart.
+    twins = [(1, 0), (2, 0), (3, 0)] if strategy == "hierarchical" else [(1, 0), (3, 2)]
+    for a, b in twins:
+        for n, p in out[a][0].final_params.items():
+            assert torch.equal(p, out[b][0].final_params[n]), (strategy, a, b, n)
+
+
+# -- final weights out: the artifacts endpoint and `meridian export` ----------------------------------------
+def test_every_job_keeps_its_final_weights_and_export_writes_what_transformers_loads(
+    store, supervisor, cluster_view, tmp_path, monkeypatch, capsys
+):
+    import json
+
+    from fakes import FakeService, spec
+
+    from meridian.api.auth import AuthSettings
+    from meridian.api.cli import main
+    from meridian.api.server import serve_in_thread
+    from meridian.workers.state import checkpoint as ckpt_io
+
+    fake = FakeService(store, supervisor, cluster_view)
+    with serve_in_thread(fake, auth=AuthSettings.load(enabled=False, token_file=str(tmp_path / "t.json"))) as url:
+        monkeypatch.setenv("MERIDIAN_URL", url)
+        model = {"preset": "llama-tiny", "n_layers": 2, "seq_len": 32}
+        assert main(["submit", "--json", _write(tmp_path / "keep.json", spec(name="keep", model=model))]) == 0
+        job = json.loads(capsys.readouterr().out)
+        optout = spec(name="no", model=model, checkpoint={"keep_final": False})
+        assert main(["submit", "--json", _write(tmp_path / "no.json", optout)]) == 0
+        no = json.loads(capsys.readouterr().out)
+        supervisor.tick()
+        supervisor.tick()
+        configs = {job_id: config for job_id, config, _ in supervisor.launcher.launched}
+        cfg = configs[job["id"]]
+        assert cfg.checkpoint_dir == str(tmp_path / "ckpt" / job["id"])  # (the other job waits for capacity)
+        assert cfg.model.family is ModelFamily.LLAMA
+
+        # What the elastic trainer's final save writes (Checkpointer.save: the model's state dict).
+        torch.manual_seed(cfg.seed)
+        trained = build_model(cfg.model).eval()
+        state = {n: t.clone() for n, t in trained.state_dict().items()}
+        ckpt_io.save(cfg.checkpoint_dir, ckpt_io.Checkpoint(step=cfg.steps, model=state, optimizer={}, fingerprint={}))
+
+        import httpx
+
+        listing = httpx.get(f"{url}/v1/jobs/{job['id']}/artifacts").json()
+        assert listing["latest"] and listing["artifacts"][-1]["final"] and listing["artifacts"][-1]["bytes"] > 0
+        assert httpx.get(f"{url}/v1/jobs/{no['id']}/artifacts").json()["artifacts"] == []
+
+        out = tmp_path / "hf"
+        assert main(["export", job["id"], "--out", str(out), "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["final"] is True
+        with pytest.raises(SystemExit, match="keep_final: false"):
+            main(["export", no["id"], "--out", str(tmp_path / "none")])
+
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(str(out)).float().eval()
+    x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert (theirs(x).logits - trained(x)).abs().max().item() < 1e-4
+
+
+def _write(path, body) -> str:
+    import json
+
+    path.write_text(json.dumps(body))
+    return str(path)
+
+
+def _elastic(rank, world, cfg):
+    from test_parallel import _FormedRendezvous
+
+    from meridian.workers.elastic.trainer import ElasticTrainer
+
+    ElasticTrainer(cfg, _FormedRendezvous(rank, world, cfg), sink=ListSink(), on_event=lambda *e: None).run()
+
+
+def test_a_tensor_parallel_job_keeps_its_full_final_weights_for_export(tmp_path):
+    from meridian.workers.contracts.fields import to_plain
+    from meridian.workers.model.export import export_checkpoint
+    from meridian.workers.state import checkpoint as ckpt_io
+
+    cfg = replace(_cfg(("a", "a"), tp=2), checkpoint_dir=str(tmp_path / "ckpt"))
+    run_processes(_elastic, 2, cfg, timeout_s=180)
+    ck = ckpt_io.load_latest(cfg.checkpoint_dir)
+    assert ck is not None and ck.step == cfg.steps
+    ours = build_model(cfg.model).eval()
+    ours.load_state_dict(ck.model)  # the full model, not rank 0's slice
+    export_checkpoint(str(tmp_path / "ckpt" / f"step-{cfg.steps:08d}"), to_plain(cfg.model), str(tmp_path / "hf"))
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).float().eval()
+    x = _tokens()
+    with torch.no_grad():
+        assert (theirs(x).logits - ours(x)).abs().max().item() < 1e-4
+
+
+def test_the_planner_uses_the_family_s_formulas_and_limits():
+    from fakes import node
+
+    from meridian.service.cluster.topology import ClusterTopology
+    from meridian.service.jobs import JobRequest
+    from meridian.service.planning.cost_model import activation_bytes
+    from meridian.service.planning.planner import default_figures, ranked_layouts
+
+    gpt, llama = model_preset("tiny"), model_preset("llama-tiny")
+    # Per layer, split by TP: attention 8·sbh, plus GELU's two 4d-wide tensors (16·sbh) or SwiGLU's four tensors
+    # of its width (llama-tiny: 4 × 2 bytes × 3d = 24·sbh).
+    s, b, d = 128, 2, 128
+    logits = 4 * b * s * 256
+    assert activation_bytes(gpt, b, 1, 1) - logits == 2 * s * b * d * (10 + 8 + 16 + 5 * 4 * s / d)
+    assert activation_bytes(llama, b, 1, 1) - logits == 2 * s * b * d * (10 + 8 + 24 + 5 * 4 * s / d)
+    topo = ClusterTopology((node("n-a", "dc-a", cpus=4), node("n-b", "dc-b", cpus=4)))
+    tied = replace(llama, tie_embeddings=True, n_kv_heads=1)
+    request = JobRequest(name="p", model=tied, steps=2, global_batch=8, micro_batch=1)
+    ranked = ranked_layouts(request, topo, default_figures(topo, ("dc-a", "dc-b"), False))
+    assert ranked and all(c.layout.tp == 1 and c.layout.pp == 1 for c, _ in ranked)  # 1 KV head; tied head
+
+
+def test_a_spec_with_init_from_takes_the_checkpoint_s_shape_and_survives_the_store(tmp_path):
+    from meridian.api.schemas import JobSpec
+    from meridian.service.jobs import JobRequest
+
+    _hf_llama(tmp_path)
+    training = {"steps": 2, "global_batch": 2, "micro_batch": 1}
+    request = JobSpec(name="hf", model={"init_from": str(tmp_path), "seq_len": 16}, training=training).to_request()
+    assert request.model.init_from == str(tmp_path.resolve()) and request.model.seq_len == 16
+    assert request.model.kv_heads == 2 and request.model.rope_theta == 500000.0 and request.model.norm_eps == 1e-6
+    assert JobRequest.from_dict(request.to_dict()) == request
+    for bad, field in (({"init_from": str(tmp_path), "n_layers": 3}, "model.n_layers"),
+                       ({"init_from": str(tmp_path / "nope")}, "no config.json"),
+                       ({"preset": "tiny", "family": "llama"}, "model.family")):
+        with pytest.raises(ValueError, match=field):
+            JobSpec(name="hf", model=bad, training=training)
+
+
+def test_llama_survives_losing_a_rank_and_matches_an_uninterrupted_run(tmp_path):
+    import test_elastic_loop as el
+
+    cfg = replace(el.job(job_id=el._unique_job_id()), model=replace(model_preset("llama-tiny"), n_layers=2, seq_len=32))
+    reference = run_processes(el._reference_rank, 4, cfg, timeout_s=el.TIMEOUT_S)[0]
+    run = el.ElasticRun(4)
+    try:
+        for i, dc in enumerate(el.DCS):
+            run.start(i, dc, cfg)
+        run.kill_after_step(1, cfg, 3)
+        out = run.collect({0, 2, 3})
+        events = run.events()
+        formed = [e[2] for e in events if e[0] == "epoch_formed"]
+        assert len(formed) >= 2 and "worker_lost" in [e[0] for e in events]  # (≥: a loaded machine may re-form twice)
+        assert el._max_rel(out[0]["result"].final_params, reference) < 1e-4
+    finally:
+        run.close()
