@@ -31,12 +31,9 @@ from meridian.service.jobs import (
 )
 from meridian.service.store import Event, JobRecord
 from meridian.workers.contracts.config import (
-    MODEL_PRESETS,
     Compression,
     DataConfig,
     DiLoCoConfig,
-    ModelConfig,
-    ModelFamily,
     OptimConfig,
     ParallelConfig,
     PipelineSchedule,
@@ -49,6 +46,7 @@ from meridian.workers.contracts.config import (
 )
 from meridian.workers.contracts.fields import bounds_of, default_of
 from meridian.workers.contracts.hf_config import model_config_from_hf
+from meridian.workers.contracts.model_config import MODEL_PRESETS, ModelConfig, ModelFamily
 
 DCName = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$", description="a datacenter label value")]
 AUTO = "auto"

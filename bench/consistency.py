@@ -15,7 +15,8 @@ import functools
 
 import torch
 
-from meridian.workers.contracts.config import TrainConfig, model_preset
+from meridian.workers.contracts.config import TrainConfig
+from meridian.workers.contracts.model_config import model_preset
 from meridian.workers.distributed.multiproc import run_processes
 from meridian.workers.probes.consistency import check_consistency
 

@@ -78,7 +78,8 @@ def _worker(directory: str, steps: int, global_batch: int, seq_len: int, vocab: 
 
     import torch
 
-    from meridian.workers.contracts.config import DataConfig, ModelConfig
+    from meridian.workers.contracts.config import DataConfig
+    from meridian.workers.contracts.model_config import ModelConfig
     from meridian.workers.data.shards import make_dataset
     from meridian.workers.model.gpt import GPT
 

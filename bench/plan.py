@@ -39,9 +39,9 @@ from meridian.workers.contracts.config import (
     SyncConfig,
     TrainConfig,
     WanConfig,
-    model_preset,
 )
 from meridian.workers.contracts.link_perf import message_sizes, summarise
+from meridian.workers.contracts.model_config import model_preset
 from meridian.workers.distributed.multiproc import run_processes
 from meridian.workers.loop.train import ListSink, train
 from meridian.workers.probes.collective_bench import all_reduce_perf

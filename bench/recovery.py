@@ -199,7 +199,8 @@ def _ray_train_elastic(args: argparse.Namespace) -> dict[str, Any]:
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    from meridian.workers.contracts.config import DataConfig, OptimConfig, TrainConfig, model_preset
+    from meridian.workers.contracts.config import DataConfig, OptimConfig, TrainConfig
+    from meridian.workers.contracts.model_config import model_preset
 
     cluster, nodes = _cluster(args)
     try:

@@ -17,14 +17,8 @@ import argparse
 import json
 import statistics
 
-from meridian.workers.contracts.config import (
-    Compression,
-    OptimConfig,
-    SyncConfig,
-    TrainConfig,
-    WanConfig,
-    model_preset,
-)
+from meridian.workers.contracts.config import Compression, OptimConfig, SyncConfig, TrainConfig, WanConfig
+from meridian.workers.contracts.model_config import model_preset
 from meridian.workers.distributed.multiproc import run_processes
 from meridian.workers.loop.train import ListSink, train
 

@@ -18,7 +18,8 @@ from dataclasses import dataclass, replace
 
 from meridian.service.errors import InvalidJob
 from meridian.service.jobs import JobRequest
-from meridian.workers.contracts.config import DataConfig, ModelConfig
+from meridian.workers.contracts.config import DataConfig
+from meridian.workers.contracts.model_config import ModelConfig
 from meridian.workers.data.manifest import read_manifest
 
 BUILTIN_SOURCES = ("builtin:python-reference",)

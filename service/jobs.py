@@ -19,7 +19,6 @@ from typing import Any
 from meridian.service.errors import InvalidTransition
 from meridian.workers.contracts.config import (
     DataConfig,
-    ModelConfig,
     OptimConfig,
     ParallelConfig,
     PipelineSchedule,
@@ -39,6 +38,7 @@ from meridian.workers.contracts.fields import (
     like,
     to_plain,
 )
+from meridian.workers.contracts.model_config import ModelConfig
 
 
 class JobState(str, enum.Enum):

@@ -13,7 +13,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from meridian.workers.contracts.config import Compression, OptimConfig, SyncConfig, TrainConfig, model_preset
+from meridian.workers.contracts.config import Compression, OptimConfig, SyncConfig, TrainConfig
+from meridian.workers.contracts.model_config import model_preset
 from meridian.workers.distributed.layout import DCGroups, DCLayout
 from meridian.workers.distributed.multiproc import run_processes
 from meridian.workers.loop.train import ListSink, train

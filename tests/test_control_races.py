@@ -15,7 +15,7 @@ from meridian.api.app import create_app
 from meridian.service.errors import InvalidTransition
 from meridian.service.jobs import JobRequest, JobState, JobStatus, TopologyRequest
 from meridian.service.store import JobStore
-from meridian.workers.contracts.config import model_preset
+from meridian.workers.contracts.model_config import model_preset
 
 
 def req(name="j", workers=None, datacenters=None) -> JobRequest:

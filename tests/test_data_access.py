@@ -14,7 +14,8 @@ from fastapi.testclient import TestClient
 
 from meridian.api.app import create_app
 from meridian.service.jobs import JobRequest
-from meridian.workers.contracts.config import DataConfig, model_preset
+from meridian.workers.contracts.config import DataConfig
+from meridian.workers.contracts.model_config import model_preset
 from meridian.workers.data.text import load_text
 
 

@@ -11,13 +11,8 @@ import pytest
 import torch
 
 from meridian.api.cli import main as cli_main
-from meridian.workers.contracts.config import (
-    BlendEntry,
-    DataConfig,
-    TrainConfig,
-    ValidationConfig,
-    model_preset,
-)
+from meridian.workers.contracts.config import BlendEntry, DataConfig, TrainConfig, ValidationConfig
+from meridian.workers.contracts.model_config import model_preset
 from meridian.workers.data.manifest import read_manifest
 from meridian.workers.data.prepare import PrepareError, PrepareOptions, is_val_document, prepare
 from meridian.workers.data.shards import FeistelPermutation, TokenDataset, make_dataset
@@ -265,7 +260,8 @@ def _train_records(rank, world, cfg):
 def test_validation_under_pipeline_and_data_parallelism_matches_one_process(dataset, dcs, tp, pp):
     from dataclasses import replace
 
-    from meridian.workers.contracts.config import ModelConfig, ParallelConfig
+    from meridian.workers.contracts.config import ParallelConfig
+    from meridian.workers.contracts.model_config import ModelConfig
     from meridian.workers.distributed.multiproc import run_processes
 
     cfg = TrainConfig(job_id="t", model=ModelConfig(n_layers=2, d_model=64, n_heads=4, seq_len=64, vocab_size=512),

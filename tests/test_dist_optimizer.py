@@ -20,7 +20,8 @@ from sync_helpers import (
     train_steps,
 )
 
-from meridian.workers.contracts.config import OptimConfig, SyncConfig, model_preset
+from meridian.workers.contracts.config import OptimConfig, SyncConfig
+from meridian.workers.contracts.model_config import model_preset
 from meridian.workers.distributed.layout import DCGroups, DCLayout
 from meridian.workers.distributed.multiproc import run_processes
 from meridian.workers.model.gpt import GPT

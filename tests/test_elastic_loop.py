@@ -21,7 +21,8 @@ import pytest
 import torch
 
 from meridian.service.runner.coordinator import Coordinator
-from meridian.workers.contracts.config import OptimConfig, SyncConfig, TrainConfig, model_preset
+from meridian.workers.contracts.config import OptimConfig, SyncConfig, TrainConfig
+from meridian.workers.contracts.model_config import model_preset
 from meridian.workers.distributed.multiproc import run_processes
 from meridian.workers.elastic.agent import Agent
 from meridian.workers.loop.train import ListSink, train

@@ -94,7 +94,8 @@ def _pipeline_rank(rank, world, cfg):
 
 
 def test_1f1b_sends_and_receives_as_one_batch_per_tick():
-    from meridian.workers.contracts.config import ParallelConfig, PipelineSchedule, TrainConfig, model_preset
+    from meridian.workers.contracts.config import ParallelConfig, PipelineSchedule, TrainConfig
+    from meridian.workers.contracts.model_config import model_preset
     from meridian.workers.distributed.multiproc import run_processes
 
     cfg = TrainConfig(job_id="t", model=model_preset("nano"), steps=2, global_batch=8, micro_batch=2,
@@ -132,7 +133,7 @@ def test_device_memory_comes_from_the_device_and_reaches_the_planner(monkeypatch
     from meridian.service.cluster.topology import ClusterTopology
     from meridian.service.jobs import JobRequest, TopologyRequest
     from meridian.service.planning.figures import figures_for
-    from meridian.workers.contracts.config import model_preset
+    from meridian.workers.contracts.model_config import model_preset
     from meridian.workers.probes.compute_bench import device_memory_bytes
 
     assert device_memory_bytes(torch.device("cpu")) is None

@@ -12,7 +12,7 @@ from fakes import FakeLauncher
 from meridian.service.jobs import JobRequest
 from meridian.service.store import JobStore
 from meridian.service.supervision.supervisor import Supervisor
-from meridian.workers.contracts.config import model_preset
+from meridian.workers.contracts.model_config import model_preset
 
 
 class Clock:

@@ -9,16 +9,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-from meridian.workers.contracts.config import (
-    ModelConfig,
-    ModelFamily,
-    ParallelConfig,
-    SyncConfig,
-    SyncStrategy,
-    TrainConfig,
-    model_preset,
-)
+from meridian.workers.contracts.config import ParallelConfig, SyncConfig, SyncStrategy, TrainConfig
 from meridian.workers.contracts.hf_config import model_config_from_hf
+from meridian.workers.contracts.model_config import ModelConfig, ModelFamily, model_preset
 from meridian.workers.distributed.multiproc import run_processes
 from meridian.workers.loop.train import ListSink, train
 from meridian.workers.model.build import build_model

@@ -11,7 +11,7 @@ from meridian.api.app import create_app
 from meridian.service.jobs import JobState
 from meridian.service.runner.metrics import JobMetricsState, _key
 from meridian.service.supervision.stall import StallPolicy, find_stalls
-from meridian.workers.contracts.config import model_preset
+from meridian.workers.contracts.model_config import model_preset
 from meridian.workers.loop.observe import DevicePeak, StepTimes, measure_peak_flops, mfu
 
 
@@ -157,7 +157,8 @@ class _BeatSink:
 
 
 def _train_records(rank, world):
-    from meridian.workers.contracts.config import TrainConfig, model_preset
+    from meridian.workers.contracts.config import TrainConfig
+    from meridian.workers.contracts.model_config import model_preset
     from meridian.workers.loop.train import train
 
     sink = _BeatSink()
@@ -215,7 +216,8 @@ def test_supervisor_progress_keeps_the_split_and_a_smoothed_eta():
 
 
 def _har_records(rank, world):
-    from meridian.workers.contracts.config import SyncConfig, SyncStrategy, TrainConfig, model_preset
+    from meridian.workers.contracts.config import SyncConfig, SyncStrategy, TrainConfig
+    from meridian.workers.contracts.model_config import model_preset
     from meridian.workers.loop.train import ListSink, train
 
     sink = ListSink()

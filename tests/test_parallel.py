@@ -18,8 +18,8 @@ from meridian.workers.contracts.config import (
     SyncConfig,
     SyncStrategy,
     TrainConfig,
-    model_preset,
 )
+from meridian.workers.contracts.model_config import model_preset
 from meridian.workers.contracts.rendezvous import Assignment
 from meridian.workers.distributed.multiproc import run_processes
 from meridian.workers.elastic.trainer import ElasticTrainer, ModelParallelNotElastic

@@ -11,7 +11,8 @@ from meridian.service.cluster.topology import ClusterTopology
 from meridian.service.errors import InvalidJob, Unschedulable
 from meridian.service.jobs import JobRequest, ParallelismRequest, TopologyRequest
 from meridian.service.planning.planner import admission, plan_job
-from meridian.workers.contracts.config import SyncConfig, SyncStrategy, model_preset
+from meridian.workers.contracts.config import SyncConfig, SyncStrategy
+from meridian.workers.contracts.model_config import model_preset
 
 
 def req(datacenters=None, workers=None, global_batch=8, min_workers=1, strategy=None) -> JobRequest:

@@ -8,7 +8,7 @@ from fakes import step_record
 from meridian.service.jobs import JobRequest, JobState, JobStatus
 from meridian.service.runner.actor import JobRunner
 from meridian.service.supervision.reconcile import reconcile
-from meridian.workers.contracts.config import model_preset
+from meridian.workers.contracts.model_config import model_preset
 
 
 class NoExport:

@@ -9,7 +9,7 @@ import pytest
 from meridian.service.errors import InvalidTransition, JobNotFound
 from meridian.service.jobs import JobRequest, JobState, JobStatus
 from meridian.service.store import JobStore
-from meridian.workers.contracts.config import model_preset
+from meridian.workers.contracts.model_config import model_preset
 
 QUEUED = JobStatus(JobState.QUEUED, "Admitting", "")
 

@@ -7,7 +7,7 @@ from fakes import node, step_record, topology
 from meridian.service.cluster.topology import ClusterTopology
 from meridian.service.jobs import JobRequest, JobState, TopologyRequest
 from meridian.service.supervision.supervisor import Supervisor
-from meridian.workers.contracts.config import model_preset
+from meridian.workers.contracts.model_config import model_preset
 
 
 def req(name="j", workers=None, priority=0) -> JobRequest:

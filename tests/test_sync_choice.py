@@ -13,7 +13,8 @@ from meridian.service.planning.cost_model import Link
 from meridian.service.planning.figures import figures_for
 from meridian.service.planning.planner import default_figures, plan_job
 from meridian.service.planning.sync_choice import choose_sync, cross_dc_time
-from meridian.workers.contracts.config import DiLoCoConfig, SyncConfig, SyncStrategy, WanConfig, model_preset
+from meridian.workers.contracts.config import DiLoCoConfig, SyncConfig, SyncStrategy, WanConfig
+from meridian.workers.contracts.model_config import model_preset
 
 TINY = model_preset("tiny").num_params  # 0.8 M parameters: 3.3 MB of fp32
 

@@ -25,8 +25,8 @@ from meridian.workers.contracts.config import (
     SyncStrategy,
     TrainConfig,
     WanConfig,
-    model_preset,
 )
+from meridian.workers.contracts.model_config import model_preset
 from meridian.workers.distributed.layout import DCGroups, DCLayout
 from meridian.workers.distributed.multiproc import run_processes
 from meridian.workers.loop.train import ListSink, train

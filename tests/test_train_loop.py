@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from meridian.workers.contracts.config import SyncConfig, SyncStrategy, TrainConfig, model_preset
+from meridian.workers.contracts.config import SyncConfig, SyncStrategy, TrainConfig
+from meridian.workers.contracts.model_config import model_preset
 from meridian.workers.distributed.multiproc import run_processes
 from meridian.workers.loop.train import ListSink, train
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from meridian.workers.contracts.config import ModelConfig, ModelFamily
+from meridian.workers.contracts.model_config import ModelConfig, ModelFamily
 
 BYTES_FP32 = 4
 ADAMW_STATE_BYTES = 2 * BYTES_FP32  # exp_avg + exp_avg_sq per parameter

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from meridian.workers.contracts.config import ModelConfig, ModelFamily
+from meridian.workers.contracts.model_config import ModelConfig, ModelFamily
 
 
 def read_hf_config(directory: str) -> dict[str, Any]:

@@ -32,7 +32,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from meridian.workers.contracts.config import ModelFamily, TrainConfig
+from meridian.workers.contracts.config import TrainConfig
+from meridian.workers.contracts.model_config import ModelFamily
 from meridian.workers.contracts.rendezvous import Assignment
 from meridian.workers.elastic.protocol import KEEP_SNAPSHOTS, RESTART_EXIT_CODE
 from meridian.workers.elastic.rendezvous import JobFinished, Rendezvous

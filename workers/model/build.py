@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from meridian.workers.contracts.config import ModelConfig, ModelFamily
+from meridian.workers.contracts.model_config import ModelConfig, ModelFamily
 
 
 def build_model(cfg: ModelConfig) -> nn.Module:

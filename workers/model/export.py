@@ -7,8 +7,8 @@ from pathlib import Path
 
 import torch
 
-from meridian.workers.contracts.config import ModelConfig
 from meridian.workers.contracts.fields import from_plain
+from meridian.workers.contracts.model_config import ModelConfig
 from meridian.workers.model.build import build_model
 from meridian.workers.model.hf import save_hf
 from meridian.workers.state.checkpoint import STATE_FILE

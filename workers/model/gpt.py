@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from meridian.workers.contracts.config import ModelConfig
+from meridian.workers.contracts.model_config import ModelConfig
 
 
 class CausalSelfAttention(nn.Module):

@@ -14,8 +14,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from meridian.workers.contracts.config import ModelConfig, ModelFamily
 from meridian.workers.contracts.hf_config import hf_config_of
+from meridian.workers.contracts.model_config import ModelConfig, ModelFamily
 
 # (Meridian name, HF name, transposed): ``{i}`` is the block index.
 _LLAMA = [

@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import torch
 
-from meridian.workers.contracts.config import ModelConfig
+from meridian.workers.contracts.model_config import ModelConfig
 from meridian.workers.model.build import build_model
 from meridian.workers.model.gpt import per_sample_loss
 

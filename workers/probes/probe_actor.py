@@ -42,7 +42,7 @@ class ProbeActor:
         """Forward + backward throughput of this model shape on this worker's device."""
         import torch
 
-        from meridian.workers.contracts.config import ModelConfig
+        from meridian.workers.contracts.model_config import ModelConfig
         from meridian.workers.probes.compute_bench import training_flops
 
         device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
