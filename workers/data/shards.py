@@ -24,7 +24,7 @@ import torch
 
 from meridian.workers.contracts.config import DataConfig
 from meridian.workers.data.manifest import Manifest, read_manifest
-from meridian.workers.data.text import TextDataset, rank_slice
+from meridian.workers.data.text import StepSampled, TextDataset
 
 BLEND_BLOCK = 4096
 _MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
@@ -160,7 +160,7 @@ class _Source:
         return np.stack([self.stream.read(int(w) * self.seq_len, self.seq_len + 1) for w in window_ids])
 
 
-class TokenDataset:
+class TokenDataset(StepSampled):
     """The :class:`TextDataset` interface (``batch``, ``step_batches``, ``num_samples``) over prepared
     datasets: one, or a weighted blend."""
 
@@ -215,16 +215,6 @@ class TokenDataset:
                 rows[sel] = src.windows(np.array([ids[j][1] for j in sel]))
         windows = torch.from_numpy(rows)
         return windows[:, :-1], windows[:, 1:]
-
-    def step_batches(
-        self, step: int, global_batch: int, micro_batch: int, dp_rank: int, dp_size: int
-    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """This rank's micro-batches for optimizer step ``step`` (an empty list if its share is empty)."""
-        share = rank_slice(global_batch, dp_rank, dp_size)
-        first = step * global_batch + share.start
-        return [
-            self.batch(first + off, min(micro_batch, len(share) - off)) for off in range(0, len(share), micro_batch)
-        ]
 
 
 Dataset = TextDataset | TokenDataset

@@ -71,7 +71,25 @@ def rank_slice(global_batch: int, dp_rank: int, dp_size: int) -> Slice:
     return Slice(start, start + base + (1 if dp_rank < extra else 0))
 
 
-class TextDataset:
+class StepSampled:
+    """A dataset whose global sample ``g`` is fixed by (seed, g): a step's batch is samples
+    ``step * global_batch ..``, each rank reading its slice, so any resize reads the same samples."""
+
+    def batch(self, first: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def step_batches(
+        self, step: int, global_batch: int, micro_batch: int, dp_rank: int, dp_size: int
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's micro-batches for optimizer step ``step`` (an empty list if its share is empty)."""
+        share = rank_slice(global_batch, dp_rank, dp_size)
+        first = step * global_batch + share.start
+        return [
+            self.batch(first + off, min(micro_batch, len(share) - off)) for off in range(0, len(share), micro_batch)
+        ]
+
+
+class TextDataset(StepSampled):
     """Fixed-length windows of the token stream, in a seeded per-epoch order."""
 
     def __init__(self, cfg: DataConfig, seq_len: int, seed: int, *, split: str = "train") -> None:
@@ -106,13 +124,3 @@ class TextDataset:
         offsets = torch.arange(self.seq_len + 1)
         windows = self.tokens[starts[:, None] + offsets[None, :]]
         return windows[:, :-1], windows[:, 1:]
-
-    def step_batches(
-        self, step: int, global_batch: int, micro_batch: int, dp_rank: int, dp_size: int
-    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """This rank's micro-batches for optimizer step ``step`` (an empty list if its share is empty)."""
-        share = rank_slice(global_batch, dp_rank, dp_size)
-        first = step * global_batch + share.start
-        return [
-            self.batch(first + off, min(micro_batch, len(share) - off)) for off in range(0, len(share), micro_batch)
-        ]
