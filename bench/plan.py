@@ -29,8 +29,9 @@ from typing import Any
 
 from meridian.service.cluster.topology import ClusterTopology, NodeInfo
 from meridian.service.jobs import JobRequest, TopologyRequest
+from meridian.service.planning.candidates import Candidate
 from meridian.service.planning.cost_model import Figures, Link, estimate
-from meridian.service.planning.planner import Candidate, ranked_layouts, strategy_for
+from meridian.service.planning.planner import ranked_layouts, strategy_for
 from meridian.workers.contracts.config import (
     OptimConfig,
     ParallelConfig,

@@ -14,7 +14,6 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from meridian.service.planning.plan import Plan
-from meridian.service.planning.train_config import build_train_config
 from meridian.service.runner.actor import NAMESPACE, JobRunner, runner_name
 from meridian.service.runner.poll import RunnerLost, RunnerPoll
 from meridian.workers.contracts.config import TrainConfig
@@ -23,7 +22,6 @@ CALL_TIMEOUT_S = 10.0
 LAUNCH_TIMEOUT_S = 60.0
 
 
-__all__ = ["CALL_TIMEOUT_S", "Launcher", "RunnerLost", "build_train_config"]
 
 
 def _head_node_id() -> str:

@@ -10,7 +10,8 @@ from fakes import node, topology
 from meridian.service.cluster.topology import ClusterTopology
 from meridian.service.errors import InvalidJob, Unschedulable
 from meridian.service.jobs import JobRequest, ParallelismRequest, TopologyRequest
-from meridian.service.planning.planner import admission, plan_job
+from meridian.service.planning.placement import admission
+from meridian.service.planning.planner import plan_job
 from meridian.workers.contracts.config import SyncConfig, SyncStrategy
 from meridian.workers.contracts.model_config import model_preset
 
@@ -146,7 +147,7 @@ def test_flat_sync_request_never_gets_a_pipeline():
 
 def test_the_plan_s_tp_and_pp_reach_the_workers_config():
     from meridian.service.jobs import ParallelismRequest
-    from meridian.service.launcher import build_train_config
+    from meridian.service.planning.train_config import build_train_config
 
     request = replace(req(global_batch=8), parallelism=ParallelismRequest(tp=2, pp=1, schedule="gpipe"))
     plan = plan_job(request, _two_slot_nodes())

@@ -8,11 +8,11 @@ import pytest
 from fakes import topology
 
 from meridian.service.jobs import JobRequest, TopologyRequest
-from meridian.service.launcher import build_train_config
 from meridian.service.planning.cost_model import Link
 from meridian.service.planning.figures import figures_for
 from meridian.service.planning.planner import default_figures, plan_job
 from meridian.service.planning.sync_choice import choose_sync, cross_dc_time
+from meridian.service.planning.train_config import build_train_config
 from meridian.workers.contracts.config import DiLoCoConfig, SyncConfig, SyncStrategy, WanConfig
 from meridian.workers.contracts.model_config import model_preset
 

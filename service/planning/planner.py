@@ -22,9 +22,6 @@ pipeline parallelism may cross datacenters, and data-parallel gradients cross th
 
 from __future__ import annotations
 
-from dataclasses import replace
-from typing import Any
-
 from meridian.service.cluster.topology import ClusterTopology
 from meridian.service.errors import InvalidJob, Unschedulable
 from meridian.service.jobs import JobRequest
@@ -33,7 +30,6 @@ from meridian.service.planning.cost_model import Figures, Layout, runs_hierarchi
 from meridian.service.planning.explain import explain, no_fit_in_memory_reason, no_layout_reason, sync_reason
 from meridian.service.planning.placement import (
     CPUS_PER_WORKER,
-    admission,
     choose_datacenters,
     devices_per_dc,
     rank_placement,
@@ -43,10 +39,6 @@ from meridian.service.planning.placement import (
 from meridian.service.planning.plan import Plan
 from meridian.service.planning.sync_choice import SyncChoice, choose_sync
 from meridian.workers.contracts.config import DiLoCoConfig, SyncStrategy
-
-# What callers of the planner have always imported from here.
-__all__ = ["CPUS_PER_WORKER", "Candidate", "Plan", "admission", "default_figures", "enumerate_candidates",
-           "plan_job", "ranked_layouts", "strategy_for", "with_figures", "worker_slots"]
 
 
 def plan_job(request: JobRequest, topo: ClusterTopology, figures: Figures | None = None) -> Plan:
@@ -172,6 +164,3 @@ def default_figures(topo: ClusterTopology, dcs: tuple[str, ...], use_gpu: bool) 
     return Figures(device_flops=flops, device_memory_bytes=memory,
                    intra_node=Link(20e-6, 100e9 / 8), intra_dc=Link(50e-6, 25e9 / 8), inter_dc=Link(10e-3, 10e9 / 8))
 
-
-def with_figures(figures: Figures, **changes: Any) -> Figures:
-    return replace(figures, **changes)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from meridian.service.jobs import JobRequest
-from meridian.service.planning.planner import Plan
+from meridian.service.planning.plan import Plan
 from meridian.workers.contracts.config import ParallelConfig, PipelineSchedule, TrainConfig
 
 

@@ -23,11 +23,13 @@ from meridian.service.cluster.topology import ClusterTopology
 from meridian.service.data_access import DataAccess
 from meridian.service.errors import InvalidTransition
 from meridian.service.jobs import JobRequest, JobState, JobStatus
-from meridian.service.launcher import Launcher, build_train_config
+from meridian.service.launcher import Launcher
 from meridian.service.lease import Lease, LeaseLost
 from meridian.service.planning.figures import figures_for
+from meridian.service.planning.placement import admission
 from meridian.service.planning.plan import Plan
-from meridian.service.planning.planner import admission, plan_job
+from meridian.service.planning.planner import plan_job
+from meridian.service.planning.train_config import build_train_config
 from meridian.service.runner.poll import RunnerLost, RunnerPoll
 from meridian.service.store import JobRecord, JobStore, request_hash
 from meridian.service.supervision.reconcile import (
