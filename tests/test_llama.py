@@ -296,6 +296,10 @@ def test_llama_survives_losing_a_rank_and_matches_an_uninterrupted_run(tmp_path)
         events = run.events()
         formed = [e[2] for e in events if e[0] == "epoch_formed"]
         assert len(formed) >= 2 and "worker_lost" in [e[0] for e in events]  # (≥: a loaded machine may re-form twice)
-        assert el._max_rel(out[0]["result"].final_params, reference) < 1e-4
+        # A survivor that re-joins after the others finished returns None (it trained in no later epoch);
+        # every rank that finished holds the same replica.
+        finished = [o["result"] for o in out.values() if o["result"] is not None]
+        assert finished
+        assert all(el._max_rel(r.final_params, reference) < 1e-4 for r in finished)
     finally:
         run.close()
