@@ -26,7 +26,16 @@ $(CHROMIUM):
 		apt-get update -q && apt-get install -y -q chromium; \
 	else echo "chromium missing and not root: the browser test will be skipped"; fi
 
-test: $(STAMP) $(CHROMIUM)
+# The store's PostgreSQL tests start a throwaway server with Debian's initdb/pg_ctl; install them when missing
+# and root (elsewhere those tests skip, saying why).
+POSTGRES := /usr/share/postgresql-common/pg_wrapper
+
+$(POSTGRES):
+	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		apt-get update -q && apt-get install -y -q postgresql; \
+	else echo "postgresql missing and not root: the PostgreSQL store tests will be skipped"; fi
+
+test: $(STAMP) $(CHROMIUM) $(POSTGRES)
 	$(BIN)/python -m pytest -q
 
 lint: $(STAMP)

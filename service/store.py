@@ -68,6 +68,17 @@ events_table = sa.Table(
     sa.Column("data", sa.Text, nullable=False),
 )
 
+# One row that every transaction writing events updates first and holds until it commits. Event ids come
+# from an autoincrement counter, which a database hands out when a row is inserted, not when it commits: on
+# PostgreSQL two writers can take ids 10 and 11 and commit 11 first, and an SSE reader that saw 11 and
+# resumes "after 11" would never see 10. Holding this row's lock from id to commit makes ids commit in
+# order on every database (SQLite already writes one transaction at a time).
+event_order_table = sa.Table(
+    "event_order", metadata,
+    sa.Column("id", sa.Integer, primary_key=True),  # always 1
+    sa.Column("transactions", sa.BigInteger, nullable=False, default=0),  # event-writing commits so far
+)
+
 metrics_table = sa.Table(
     "metrics", metadata,
     sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
@@ -166,6 +177,7 @@ class JobStore:
                 cur.close()
         metadata.create_all(self.engine)
         self._add_missing_columns()
+        self._ensure_event_order_row()
 
     def _add_missing_columns(self) -> None:
         """Columns added after a database was created (``create_all`` makes missing tables, not columns)."""
@@ -176,6 +188,33 @@ class JobStore:
             if name not in have:
                 with self.engine.begin() as conn:
                     conn.execute(sa.text(f"ALTER TABLE jobs ADD COLUMN {name} {ddl}"))
+        # A cancel asked for before its time was kept would wait for the runner forever (its deadline
+        # counts from that time): count it from now, when this service first sees it.
+        c = jobs_table.c
+        with self.engine.begin() as conn:
+            conn.execute(jobs_table.update().where(c.cancel_requested == sa.true(), c.cancel_requested_at.is_(None))
+                         .values(cancel_requested_at=time.time()))
+
+    def _ensure_event_order_row(self) -> None:
+        with self.engine.connect() as conn:
+            if conn.execute(sa.select(event_order_table.c.id)).first() is not None:
+                return
+        try:
+            with self.engine.begin() as conn:
+                conn.execute(event_order_table.insert().values(id=1, transactions=0))
+        except sa.exc.IntegrityError:
+            pass  # another store on this database inserted it first
+
+    @staticmethod
+    def _insert_events(conn: sa.Connection, rows: list[dict[str, Any]]) -> list[int]:
+        """Insert event rows after taking the event-order lock (see ``event_order_table``), which the
+        transaction holds until it commits. Call it after the transaction's other row writes, so every
+        writer takes row locks first and this one last (no two writers can wait on each other)."""
+        if not rows:
+            return []
+        conn.execute(event_order_table.update().where(event_order_table.c.id == 1)
+                     .values(transactions=event_order_table.c.transactions + 1))
+        return [int(conn.execute(events_table.insert().values(**row)).inserted_primary_key[0]) for row in rows]
 
     # -- jobs -------------------------------------------------------------------------------------------
     @property
@@ -239,10 +278,10 @@ class JobStore:
                 request=json.dumps(request.to_dict()), spec=json.dumps(spec), idempotency_key=idempotency_key,
                 request_hash=request_hash, created_at=now, updated_at=now, state_since=now,
             ))
-            conn.execute(events_table.insert().values(
+            self._insert_events(conn, [dict(
                 job_id=job_id, time=now, kind="state", message=f"job submitted: {status.state.value}",
                 data=json.dumps({"state": status.state.value, "reason": status.reason, "message": status.message}),
-            ))
+            )])
             row = conn.execute(sa.select(jobs_table).where(jobs_table.c.id == job_id)).one()
         self._jobs_changed()
         return _record(row)
@@ -330,12 +369,12 @@ class JobStore:
                 if conn.execute(jobs_table.update().where(guard).values(**values)).rowcount != 1:
                     continue  # another writer changed the status since we read it: read again
                 if (new.state, new.reason, new.message) != (current.state, current.reason, current.message):
-                    conn.execute(events_table.insert().values(
+                    self._insert_events(conn, [dict(
                         job_id=job_id, time=now, kind="state",
                         message=f"{new.state.value}" + (f": {new.message}" if new.message else ""),
                         data=json.dumps({"state": new.state.value, "reason": new.reason, "message": new.message,
                                          "previous": current.state.value}),
-                    ))
+                    )])
                 row = conn.execute(sa.select(jobs_table).where(jobs_table.c.id == job_id)).one()
             self._jobs_changed()
             return _record(row)
@@ -358,18 +397,17 @@ class JobStore:
         now = time.time()
         values = self._field_values(fields, now)
         with self.engine.begin() as conn:
+            if conn.execute(jobs_table.update().where(jobs_table.c.id == job_id).values(**values)).rowcount == 0:
+                raise JobNotFound(job_id)
             if records:
                 conn.execute(metrics_table.insert(), [
                     {"job_id": job_id, "step": int(r["step"]), "time": float(r.get("time", now)), "data": json.dumps(r)}
                     for r in records
                 ])
-            for ev in events:
-                conn.execute(events_table.insert().values(
-                    job_id=job_id, time=ev.get("time") or now, kind=ev["kind"], message=ev["message"],
-                    data=json.dumps(ev.get("data") or {}),
-                ))
-            if conn.execute(jobs_table.update().where(jobs_table.c.id == job_id).values(**values)).rowcount == 0:
-                raise JobNotFound(job_id)
+            self._insert_events(conn, [dict(
+                job_id=job_id, time=ev.get("time") or now, kind=ev["kind"], message=ev["message"],
+                data=json.dumps(ev.get("data") or {}),
+            ) for ev in events])
         self._jobs_changed()
 
     @staticmethod
@@ -388,10 +426,9 @@ class JobStore:
     def add_event(self, job_id: str, kind: str, message: str, data: dict[str, Any] | None = None,
                   *, at: float | None = None) -> int:
         with self.engine.begin() as conn:
-            res = conn.execute(events_table.insert().values(
+            return self._insert_events(conn, [dict(
                 job_id=job_id, time=at or time.time(), kind=kind, message=message, data=json.dumps(data or {}),
-            ))
-            return int(res.inserted_primary_key[0])
+            )])[0]
 
     def list_events(self, job_id: str, *, after: int = 0, limit: int = 1000) -> list[Event]:
         q = (

@@ -22,6 +22,27 @@ def store(tmp_path):
     s.close()
 
 
+@pytest.fixture(scope="session")
+def postgres_server():
+    """One throwaway PostgreSQL server for the whole run (skips, saying why, where none can be started)."""
+    from postgres_server import PostgresServer, unavailable
+
+    reason = unavailable()
+    if reason:
+        pytest.skip(f"PostgreSQL: {reason}")
+    with PostgresServer() as server:
+        yield server
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def database_url(request, tmp_path):
+    """The URL of a fresh, empty job database: SQLite (the default) and a real PostgreSQL, so a module that
+    builds its stores from this fixture proves the store on both."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'jobs.db'}"
+    return request.getfixturevalue("postgres_server").new_database()
+
+
 class TopologyBox:
     """A mutable holder, so a test can change the cluster between ticks."""
 

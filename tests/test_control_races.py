@@ -65,9 +65,8 @@ def test_a_cancel_while_placing_before_the_runner_exists_reaches_the_runner_and_
 
 # -- 2. transitions are compare-and-set in the database ---------------------------------------------------
 
-def test_two_interleaved_writers_cannot_turn_a_cancelled_job_back_into_running(tmp_path, monkeypatch):
-    url = f"sqlite:///{tmp_path / 'jobs.db'}"
-    a, b = JobStore(url), JobStore(url)  # two writers, two connection pools
+def test_two_interleaved_writers_cannot_turn_a_cancelled_job_back_into_running(database_url, monkeypatch):
+    a, b = JobStore(database_url), JobStore(database_url)  # two writers, two connection pools
     job, _ = a.create_job(req(), {}, status=JobStatus(JobState.QUEUED))
     a.set_status(job.id, JobStatus(JobState.PLACING))
     real_transition = store_module.transition

@@ -24,9 +24,8 @@ class Clock:
 
 
 @pytest.fixture
-def two_stores(tmp_path):
-    url = f"sqlite:///{tmp_path / 'jobs.db'}"
-    a, b = JobStore(url), JobStore(url)
+def two_stores(database_url):
+    a, b = JobStore(database_url), JobStore(database_url)
     yield a, b
     a.close()
     b.close()

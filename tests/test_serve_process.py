@@ -8,6 +8,7 @@ SIGINT, as Ctrl-C does, and checks it exits cleanly and takes its embedded Ray p
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from fakes import spec
 
 pytestmark = pytest.mark.slow
 
@@ -46,21 +48,24 @@ def _children(pid: int) -> set[int]:
     return found
 
 
-def test_serve_with_local_datacenters_answers_and_stops_cleanly(tmp_path):
+@contextlib.contextmanager
+def serving(tmp_path: Path, *extra: str, datacenters: str = "dc-a:1,dc-b:1"):
+    """``meridian serve --local-datacenters …`` as a process; yields (process, base URL, the /v1/cluster
+    answer) once both datacenters show, and kills what it started whatever the test did."""
     port = _free_port()
     log = open(tmp_path / "serve.log", "w")  # noqa: SIM115
     proc = subprocess.Popen(
-        [sys.executable, "-m", "meridian.api.cli", "serve", "--local-datacenters", "dc-a:1,dc-b:1",
-         "--port", str(port), "--data-dir", str(tmp_path / "data")],
+        [sys.executable, "-m", "meridian.api.cli", "serve", "--local-datacenters", datacenters,
+         "--port", str(port), "--data-dir", str(tmp_path / "data"), *extra],
         stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"},
     )  # fmt: skip
-    ray_processes: set[int] = set()
+    base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 180
         cluster = None
         while time.monotonic() < deadline and proc.poll() is None:
             try:
-                r = httpx.get(f"http://127.0.0.1:{port}/v1/cluster", timeout=5)
+                r = httpx.get(f"{base}/v1/cluster", timeout=5)
                 if r.status_code == 200 and len(r.json()["datacenters"]) == 2:
                     cluster = r.json()
                     break
@@ -69,8 +74,21 @@ def test_serve_with_local_datacenters_answers_and_stops_cleanly(tmp_path):
             time.sleep(1)
         assert proc.poll() is None, "serve exited at start-up:\n" + (tmp_path / "serve.log").read_text()[-3000:]
         assert cluster is not None, "no /v1/cluster answer within 180 s"
+        proc.ray_processes = _children(proc.pid)
+        yield proc, base, cluster
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+        for pid in getattr(proc, "ray_processes", ()):  # never leave a cluster behind, whatever failed
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_serve_with_local_datacenters_answers_and_stops_cleanly(tmp_path):
+    with serving(tmp_path) as (proc, _, cluster):
         assert sorted(dc["name"] for dc in cluster["datacenters"]) == ["dc-a", "dc-b"]
-        ray_processes = _children(proc.pid)
+        ray_processes = proc.ray_processes
         assert ray_processes, "the embedded cluster's processes should be the service's children"
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=90) == 0
@@ -78,10 +96,37 @@ def test_serve_with_local_datacenters_answers_and_stops_cleanly(tmp_path):
         left = {p for p in ray_processes if Path(f"/proc/{p}").exists()
                 and "Z" not in (Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[:1])}  # fmt: skip
         assert not left, f"embedded Ray processes left running: {sorted(left)}"
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=30)
-        for pid in ray_processes:  # never leave a cluster behind, whatever failed
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+
+
+def test_serve_on_postgresql_runs_a_job_to_the_end(tmp_path, postgres_server):
+    """The store on a real PostgreSQL, the whole way a user runs it: ``meridian serve --database-url``,
+    a job over HTTP that trains across two datacenters, its events as a live SSE stream, its metrics; and
+    a second service on the same database is refused while the first holds it."""
+    url = postgres_server.new_database()
+    with serving(tmp_path, "--database-url", url) as (_, base, _):
+        job = httpx.post(f"{base}/v1/jobs", json=spec(name="pg", training={"steps": 6}), timeout=30).json()
+        events, last_id, name = [], 0, "message"
+        with httpx.stream("GET", f"{base}/v1/jobs/{job['id']}/events", headers={"Accept": "text/event-stream"},
+                          timeout=httpx.Timeout(30, read=240)) as stream:  # ends after the job's last event
+            for line in stream.iter_lines():
+                if line.startswith("id:"):
+                    last_id = int(line.split(":", 1)[1])
+                elif line.startswith("event:"):
+                    name = line.split(":", 1)[1].strip()
+                elif line.startswith("data:") and name != "end":
+                    events.append((last_id, json.loads(line.split(":", 1)[1])))
+        final = httpx.get(f"{base}/v1/jobs/{job['id']}", timeout=30).json()
+        assert final["state"] == "succeeded", final
+        states = [e["data"]["state"] for _, e in events if e.get("kind") == "state"]
+        assert states[0] == "queued" and states[-1] == "succeeded" and "running" in states
+        ids = [i for i, _ in events]
+        assert ids == sorted(set(ids)), "SSE event ids must be unique and increasing"
+        metrics = httpx.get(f"{base}/v1/jobs/{job['id']}/metrics", timeout=30).json()
+        assert [m["step"] for m in metrics["points"]][-1] == 6
+
+        second = subprocess.run(
+            [sys.executable, "-m", "meridian.api.cli", "serve", "--database-url", url, "--port", "1",
+             "--data-dir", str(tmp_path / "other"), "--local-datacenters", "dc-a:1"],
+            capture_output=True, text=True, timeout=120, env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"},
+        )  # fmt: skip
+        assert second.returncode == 2 and "owns this database" in second.stderr, second.stderr[-2000:]

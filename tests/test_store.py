@@ -1,8 +1,10 @@
-"""The job store: records survive a reopen, transitions are validated, idempotency keys dedupe."""
+"""The job store: records survive a reopen, transitions are validated, idempotency keys dedupe, event ids
+never let a reader skip an event. Every test runs on SQLite and on a real PostgreSQL (``database_url``)."""
 
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -14,13 +16,20 @@ from meridian.workers.contracts.model_config import model_preset
 QUEUED = JobStatus(JobState.QUEUED, "Admitting", "")
 
 
+@pytest.fixture
+def store(database_url):
+    s = JobStore(database_url)
+    yield s
+    s.close()
+
+
 def request(name: str = "j", priority: int = 0, owner: str = "") -> JobRequest:
     return JobRequest(name=name, model=model_preset("nano"), steps=3, global_batch=4, micro_batch=2,
                       priority=priority, owner=owner)
 
 
-def test_job_survives_reopen_with_request_intact(tmp_path):
-    url = f"sqlite:///{tmp_path / 'm.db'}"
+def test_job_survives_reopen_with_request_intact(database_url):
+    url = database_url
     s = JobStore(url)
     job, created = s.create_job(request("persist"), {"name": "persist"}, status=QUEUED)
     s.update_fields(job.id, progress={"step": 2, "cursor": 7}, plan={"num_workers": 4})
@@ -96,10 +105,43 @@ def test_events_page_by_id(store):
     assert [e.message for e in store.list_events(job.id, after=ids[2])] == ["n3", "n4"]
 
 
-def test_a_cancel_request_is_stored_state_and_an_older_database_gains_the_column(tmp_path):
+def test_an_event_stream_never_skips_an_event_whose_writer_commits_late(store):
+    """Writer A takes an event id and is slow to commit; writer B writes after it. A reader polling with a
+    cursor (what the SSE stream and ``Last-Event-ID`` do) must still get both. Ids handed out at insert and
+    committed out of order (B's larger id visible first) would move the cursor past A's event for good."""
     import sqlalchemy as sa
 
-    url = f"sqlite:///{tmp_path / 'old.db'}"
+    job, _ = store.create_job(request(), {}, status=QUEUED)
+    cursor = store.list_events(job.id)[-1].id
+    a_in_commit, release_a = threading.Event(), threading.Event()
+
+    def hold_writer_a_at_commit(conn):
+        if threading.current_thread().name == "writer-a":
+            a_in_commit.set()
+            release_a.wait(30)
+
+    sa.event.listen(store.engine, "commit", hold_writer_a_at_commit)
+    a = threading.Thread(target=store.add_event, args=(job.id, "note", "a"), name="writer-a")
+    b = threading.Thread(target=store.add_event, args=(job.id, "note", "b"), name="writer-b")
+    a.start()
+    assert a_in_commit.wait(10), "writer A never reached its commit"
+    b.start()
+    b.join(3)  # B either commits now (ids out of order) or waits for A (in order): the reader must not care
+    seen = store.list_events(job.id, after=cursor)
+    cursor = seen[-1].id if seen else cursor
+    release_a.set()
+    a.join(30)
+    b.join(30)
+    assert not a.is_alive() and not b.is_alive()
+    seen += store.list_events(job.id, after=cursor)
+    assert [e.message for e in seen] == ["a", "b"]
+    assert [e.id for e in seen] == sorted(e.id for e in seen)
+
+
+def test_a_cancel_request_is_stored_state_and_an_older_database_gains_the_column(database_url):
+    import sqlalchemy as sa
+
+    url = database_url
     s = JobStore(url)
     job, _ = s.create_job(request(), {}, status=QUEUED)
     with s.engine.begin() as conn:  # a database made before the column existed
@@ -112,6 +154,23 @@ def test_a_cancel_request_is_stored_state_and_an_older_database_gains_the_column
     cancelling = s.set_status(job.id, JobStatus(JobState.PLACING, "Cancelling", "stopping"), cancel_requested=True)
     assert cancelling.cancel_requested and JobStore(url).get_job(job.id).cancel_requested
     assert s.set_status(job.id, JobStatus(JobState.CANCELLED, "Cancelled", "")).cancel_requested  # stays set
+
+
+def test_a_cancel_stored_without_its_time_gets_one_so_its_deadline_can_end_it(database_url):
+    """A cancel requested by a version that did not keep ``cancel_requested_at`` would otherwise wait for its
+    runner forever (the cancel deadline counts from that time)."""
+    import sqlalchemy as sa
+
+    s = JobStore(database_url)
+    job, _ = s.create_job(request(), {}, status=QUEUED)
+    s.set_status(job.id, JobStatus(JobState.PLACING, "Placing", ""))
+    with s.engine.begin() as conn:  # as the older version left it
+        conn.execute(sa.text("UPDATE jobs SET cancel_requested = TRUE, cancel_requested_at = NULL"))
+    s.close()
+    before = time.time()
+    reopened = JobStore(database_url)
+    assert reopened.get_job(job.id).cancel_requested_at >= before
+    reopened.close()
 
 
 # ``JobRequest.to_dict()`` as the store kept it before the sync strategy lived in one field (``sync_strategy``
