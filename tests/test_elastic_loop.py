@@ -218,7 +218,8 @@ def test_snapshots_every_two_steps_resume_from_the_last_snapshot_and_train_the_r
     assert len(formed) >= 2 and formed[1]["resume_step"] in (2, 4), formed
     # The steps trained again change nothing; from step 2 on, 3 ranks sum in another order than 4 (measured
     # 1.1e-4 relative after 6 steps), while a lost or doubled step would be off by far more.
-    assert _max_rel(out[0]["result"].final_params, reference) < 5e-4
+    finished = [o["result"] for o in out.values() if o["result"] is not None]  # a late joiner may return None
+    assert finished and all(_max_rel(r.final_params, reference) < 5e-4 for r in finished)
     steps = {r.step for o in out.values() for r in o["records"] if r.epoch >= 2}
     assert steps >= set(range(formed[1]["resume_step"] + 1, STEPS + 1))
 
