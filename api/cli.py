@@ -95,7 +95,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from meridian.api.app import create_app
     from meridian.api.auth import AuthSettings, UnsafeDeployment, check_bind, is_loopback
     from meridian.service.cluster.connect import parse_datacenters
-    from meridian.service.core import MeridianService, ServiceConfig
+    from meridian.service.core import MeridianService, ServiceConfig, StorageUnusable
     from meridian.service.lease import DatabaseOwned
 
     try:
@@ -108,17 +108,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
     local = parse_datacenters(args.local_datacenters) if args.local_datacenters else None
     config = ServiceConfig(data_dir=args.data_dir, database_url=args.database_url, ray_address=args.address,
                            local_datacenters=local, cpus_per_node=args.cpus_per_node,
-                           data_roots=tuple(args.data_root or ()))
+                           data_roots=tuple(args.data_root or ()), storage=args.storage)
     who = f"auth on, {len(auth.hashes)} token(s) from {auth.token_file}" if auth.enabled else "auth off (loopback only)"
     # Started here, in the main thread, not in the app's lifespan (a worker thread): an embedded cluster
     # installs signal handlers, which Python allows only in the main thread.
     try:
         service = MeridianService(config).start()
-    except DatabaseOwned as e:
+    except (DatabaseOwned, StorageUnusable) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:
         print(f"Meridian API on http://{args.host}:{args.port} (docs at /docs); data in {config.data_dir}; "
+              f"checkpoints and weights in {config.checkpoint_root}; "
               f"job data from {', '.join(config.effective_data_roots)}; {who}",
               flush=True)  # fmt: skip
         uvicorn.run(create_app(config, auth=auth, service=service), host=args.host, port=args.port,
@@ -298,6 +299,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--cpus-per-node", type=int, default=1, help="CPUs of each embedded node (default 1)")
     s.add_argument("--data-dir", default=os.path.expanduser("~/.meridian"), help="database, checkpoints, run folders")
     s.add_argument("--database-url", default="", help="SQLAlchemy URL of the job store (default: SQLite in --data-dir)")
+    s.add_argument("--storage", default="", metavar="PATH",
+                   help="folder for checkpoints and final weights that every node mounts at the same path "
+                        "(default: DATA_DIR/checkpoints)")
     s.add_argument("--data-root", action="append", metavar="PATH",
                    help="a folder whose files jobs may train on (data.source); repeatable (default: DATA_DIR/data)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])

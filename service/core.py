@@ -15,12 +15,17 @@ from meridian.service.cluster.link_probe import ProbeCache, run_probe
 from meridian.service.cluster.logs import LogEntry, WorkerLogs
 from meridian.service.cluster.topology import ClusterTopology, read_topology
 from meridian.service.data_access import DEFAULT_MAX_BYTES, DataAccess
+from meridian.service.errors import MeridianError
 from meridian.service.launcher import Launcher
 from meridian.service.lease import DatabaseOwned, Lease
 from meridian.service.store import JobStore
 from meridian.service.supervision.supervisor import Supervisor
 
 log = logging.getLogger(__name__)
+
+
+class StorageUnusable(MeridianError):
+    """The storage folder for checkpoints and final weights cannot be made or written."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -40,6 +45,9 @@ class ServiceConfig:
     itself, which holds the database and, by default, the token file)."""
     data_max_bytes: int = DEFAULT_MAX_BYTES
     """The most ``data.max_bytes`` a job may ask for."""
+    storage: str = ""
+    """Where jobs write checkpoints and final weights: a folder that every node and the service reach at this
+    same path (a shared filesystem); empty: ``<data_dir>/checkpoints``, which on one machine every node shares."""
 
     def __post_init__(self) -> None:
         if self.poll_interval_s <= 0:
@@ -53,6 +61,27 @@ class ServiceConfig:
 
     def data_access(self) -> DataAccess:
         return DataAccess.for_roots(self.effective_data_roots, max_bytes=self.data_max_bytes)
+
+    @property
+    def checkpoint_root(self) -> str:
+        return str(Path(self.storage or Path(self.data_dir) / "checkpoints").expanduser().resolve())
+
+    def check_storage(self) -> None:
+        """Make the storage folder and prove this process can write there, or raise :class:`StorageUnusable`
+        saying what to fix (before any job is accepted, not when its first checkpoint fails)."""
+        root = Path(self.checkpoint_root)
+        if "://" in self.storage:
+            raise StorageUnusable(
+                f"--storage {self.storage!r} is a URL; give a folder that every node mounts at the same path "
+                "(a shared filesystem such as NFS), since workers write their checkpoint shards there directly")
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            probe = root / f".meridian-write-test-{os.getpid()}"
+            probe.write_bytes(b"ok")
+            probe.unlink()
+        except OSError as e:
+            raise StorageUnusable(f"storage folder {root} is not writable ({e.strerror or e}); give --storage a "
+                                  "folder this service and every node can write") from e
 
     @property
     def db_url(self) -> str:
@@ -72,6 +101,7 @@ class MeridianService:
     def start(self) -> MeridianService:
         cfg = self.config
         Path(cfg.data_dir).mkdir(parents=True, exist_ok=True)
+        cfg.check_storage()
         # The database first: a service refused by another one's lease starts no cluster.
         self.store = JobStore(cfg.db_url)
         self.lease = Lease(self.store.engine)
@@ -92,7 +122,7 @@ class MeridianService:
         launcher = Launcher(storage_path=str(Path(cfg.data_dir).resolve() / "ray-train"))
         self.supervisor = Supervisor(
             self.store, launcher, read_topology,
-            checkpoint_root=str(Path(cfg.data_dir).resolve() / "checkpoints"), poll_interval_s=cfg.poll_interval_s,
+            checkpoint_root=cfg.checkpoint_root, poll_interval_s=cfg.poll_interval_s,
             probe_report=self.probe_cache.latest, data_access=cfg.data_access(), lease=self.lease,
         )
         self.worker_logs = WorkerLogs()

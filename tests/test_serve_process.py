@@ -100,10 +100,12 @@ def test_serve_with_local_datacenters_answers_and_stops_cleanly(tmp_path):
 
 def test_serve_on_postgresql_runs_a_job_to_the_end(tmp_path, postgres_server):
     """The store on a real PostgreSQL, the whole way a user runs it: ``meridian serve --database-url``,
-    a job over HTTP that trains across two datacenters, its events as a live SSE stream, its metrics; and
-    a second service on the same database is refused while the first holds it."""
+    a job over HTTP that trains across two datacenters, its events as a live SSE stream, its metrics, its
+    final weights in ``--storage``; and a second service on the same database is refused while the first
+    holds it."""
     url = postgres_server.new_database()
-    with serving(tmp_path, "--database-url", url) as (_, base, _):
+    storage = tmp_path / "shared-storage"  # --storage: checkpoints and final weights go here, not the data dir
+    with serving(tmp_path, "--database-url", url, "--storage", str(storage)) as (_, base, _):
         job = httpx.post(f"{base}/v1/jobs", json=spec(name="pg", training={"steps": 6}), timeout=30).json()
         events, last_id, name = [], 0, "message"
         with httpx.stream("GET", f"{base}/v1/jobs/{job['id']}/events", headers={"Accept": "text/event-stream"},
@@ -123,6 +125,9 @@ def test_serve_on_postgresql_runs_a_job_to_the_end(tmp_path, postgres_server):
         assert ids == sorted(set(ids)), "SSE event ids must be unique and increasing"
         metrics = httpx.get(f"{base}/v1/jobs/{job['id']}/metrics", timeout=30).json()
         assert [m["step"] for m in metrics["points"]][-1] == 6
+        artifacts = httpx.get(f"{base}/v1/jobs/{job['id']}/artifacts", timeout=30).json()
+        assert artifacts["storage"] == str(storage / job["id"]) and artifacts["artifacts"][-1]["final"]
+        assert artifacts["latest"].startswith(str(storage))
 
         second = subprocess.run(
             [sys.executable, "-m", "meridian.api.cli", "serve", "--database-url", url, "--port", "1",
