@@ -315,7 +315,52 @@ def test_a_spec_with_init_from_takes_the_checkpoint_s_shape_and_survives_the_sto
                        ({"init_from": str(tmp_path / "nope")}, "no config.json"),
                        ({"preset": "tiny", "family": "llama"}, "model.family")):
         with pytest.raises(ValueError, match=field):
-            JobSpec(name="hf", model=bad, training=training)
+            JobSpec(name="hf", model=bad, training=training).to_request()
+
+
+def test_init_from_is_admitted_like_data_under_the_data_roots_before_it_is_read(
+    store, supervisor, cluster_view, tmp_path
+):
+    import os
+
+    from fakes import FakeService
+    from fastapi.testclient import TestClient
+
+    from meridian.api.app import create_app
+    from meridian.service.data_access import DataAccess
+
+    root, outside = tmp_path / "data", tmp_path / "outside"
+    _hf_llama(root / "hf")
+    _hf_llama(outside / "hf")
+    (root / "link").symlink_to(outside / "hf")
+    (root / "empty").mkdir()
+    supervisor.data_access = DataAccess.for_roots([str(root)])
+    training = {"steps": 2, "global_batch": 2, "micro_batch": 1}
+    fake = FakeService(store, supervisor, cluster_view)
+    with TestClient(create_app(fake.config, service=fake), base_url="http://127.0.0.1") as client:
+        def post(path: str, init_from: str, **extra):
+            return client.post(path, json={"name": "hf", "model": {"init_from": init_from}, "training": training,
+                                           **extra})
+
+        refused = {name: post("/v1/jobs", str(where)) for name, where in (
+            ("outside", outside / "hf"), ("missing", outside / "nope"), ("dotdot", root / ".." / "outside" / "hf"),
+            ("symlink_out", root / "link"), ("relative", "data/hf"), ("root_itself", root))}
+        assert {n: r.status_code for n, r in refused.items()} == dict.fromkeys(refused, 422)
+        for name, r in refused.items():
+            detail = r.json()["detail"]
+            assert "model.init_from" in detail and str(root) in detail, (name, detail)  # the path and the roots
+        words = {r.json()["detail"].split("' is not", 1)[1] for r in refused.values()}
+        assert len(words) == 1  # the same answer whether or not the directory exists
+        assert post("/v1/plans", str(outside / "hf")).status_code == 422  # the dry-run plan checks it too
+
+        no_checkpoint = post("/v1/jobs", str(root / "empty"))  # under the roots: now it may be read
+        assert no_checkpoint.status_code == 422 and "no config.json" in no_checkpoint.json()["detail"]
+        wrong_tp = post("/v1/jobs", str(root / "hf"), parallelism={"tp": 4})  # the checkpoint has 2 KV heads
+        assert wrong_tp.status_code == 422 and "tp" in wrong_tp.json()["detail"]
+        ok = post("/v1/jobs", str(root / "empty" / ".." / "hf"))
+        assert ok.status_code == 201, ok.text
+    job = store.get_job(ok.json()["id"])
+    assert job.request.model.init_from == os.path.realpath(root / "hf") and job.request.model.kv_heads == 2
 
 
 def test_llama_survives_losing_a_rank_and_matches_an_uninterrupted_run(tmp_path):
