@@ -265,16 +265,20 @@ def cmd_export(args: argparse.Namespace, client: Client) -> int:
     if not info["readable_here"]:
         raise SystemExit(f"{info['latest']} is not readable from this machine: run `meridian export` where the "
                          "service's storage is mounted")
-    from meridian.workers.model.export import export_checkpoint  # torch: only this verb needs it
+    from meridian.workers.model.export import export_job  # torch: only this verb needs it
 
     latest = next(a for a in info["artifacts"] if a["path"] == info["latest"])
-    out = export_checkpoint(info["latest"], info["model"], args.out)
+    done = export_job(info["latest"], info["model"], info["data"], args.out)
+    out, tokenizer = done["out"], done["tokenizer"]
     note = "" if latest["final"] else " (not the final step: the job has not finished)"
     if args.json:
-        print(json.dumps({"out": str(out), "step": latest["step"], "final": latest["final"]}))
+        print(json.dumps({"out": out, "step": latest["step"], "final": latest["final"], "tokenizer": tokenizer}))
     else:
         print(f"wrote {out} from step {latest['step']}{note}; load it with "
-              f"transformers.AutoModelForCausalLM.from_pretrained({str(out)!r})")
+              f"transformers.AutoModelForCausalLM.from_pretrained({out!r})")
+        print(f"tokenizer: {', '.join(tokenizer['files'])} from {tokenizer['source']}; load it with "
+              f"transformers.AutoTokenizer.from_pretrained({out!r})" if tokenizer["written"]
+              else f"no tokenizer written: {tokenizer['reason']}")
     return 0
 
 
@@ -363,7 +367,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     verb("cluster", "show datacenters, nodes and resources").set_defaults(run=cmd_cluster)
 
-    s = verb("export", "write a job's final weights as a Hugging Face directory (config.json + model.safetensors)")
+    s = verb("export", "write a job's final weights and its dataset's tokenizer as a Hugging Face directory")
     s.add_argument("id")
     s.add_argument("--out", required=True, help="directory to write")
     s.add_argument("--format", choices=["hf"], default="hf", help="hf: what AutoModelForCausalLM loads")

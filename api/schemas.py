@@ -17,11 +17,13 @@ import functools
 import inspect
 import textwrap
 import typing
+from collections.abc import Callable
 from dataclasses import MISSING, fields, replace
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 
+from meridian.service.errors import InvalidJob
 from meridian.service.jobs import (
     WORKERS_PER_DC,
     DeclaredLink,
@@ -118,6 +120,10 @@ def _or_auto(value: Any) -> Any:
 
 
 # -- the job spec ----------------------------------------------------------------------------------------
+CheckpointGate = Callable[[str], str]
+"""A user's ``model.init_from`` → the real directory the service may read, or an error (a 4xx) if none."""
+
+
 class ModelSpec(Strict):
     """A preset, optionally with sizes overridden; or all sizes given explicitly (``preset: null``); or a local
     Hugging Face checkpoint (``init_from``) whose shape and weights the job starts from."""
@@ -138,17 +144,25 @@ class ModelSpec(Strict):
     norm_eps: float | None = config_field(ModelConfig, "norm_eps", default=None)
     tie_embeddings: bool | None = config_field(ModelConfig, "tie_embeddings", default=None)
 
-    def to_config(self) -> ModelConfig:
+    def check_init_from(self) -> None:
+        """What can be said of an ``init_from`` spec without reading the checkpoint."""
+        sizes = self.model_dump(exclude={"preset", "family", "init_from"}, exclude_none=True)
+        if "preset" in self.model_fields_set and self.preset is not None:
+            raise ValueError("model.preset and model.init_from exclude each other: the checkpoint has a shape")
+        if self.family not in (None, ModelFamily.LLAMA):
+            raise ValueError(f"model.init_from loads llama checkpoints; model.family is {self.family.value!r}")
+        if set(sizes) - {"seq_len"}:
+            raise ValueError(f"model.init_from fixes the shape; only model.seq_len may be given with it, not "
+                             f"model.{', model.'.join(sorted(set(sizes) - {'seq_len'}))}")
+
+    def to_config(self, admit_checkpoint: CheckpointGate | None = None) -> ModelConfig:
+        """``admit_checkpoint``: maps ``init_from`` to the directory the service allows it to read (raising if it
+        may not), before anything there is read; ``None`` reads ``init_from`` as given (local use, tests)."""
         sizes = self.model_dump(exclude={"preset", "family", "init_from"}, exclude_none=True)
         if self.init_from is not None:
-            if "preset" in self.model_fields_set and self.preset is not None:
-                raise ValueError("model.preset and model.init_from exclude each other: the checkpoint has a shape")
-            if self.family not in (None, ModelFamily.LLAMA):
-                raise ValueError(f"model.init_from loads llama checkpoints; model.family is {self.family.value!r}")
-            if set(sizes) - {"seq_len"}:
-                raise ValueError(f"model.init_from fixes the shape; only model.seq_len may be given with it, not "
-                                 f"model.{', model.'.join(sorted(set(sizes) - {'seq_len'}))}")
-            return model_config_from_hf(self.init_from, **sizes)
+            self.check_init_from()
+            directory = admit_checkpoint(self.init_from) if admit_checkpoint is not None else self.init_from
+            return model_config_from_hf(directory, **sizes)
         preset = self.preset
         if self.family is not None and "preset" not in self.model_fields_set:
             preset = "tiny" if self.family is ModelFamily.GPT else f"{self.family.value}-tiny"
@@ -271,14 +285,20 @@ class JobSpec(Strict):
 
     @model_validator(mode="after")
     def _check(self) -> JobSpec:
-        self.to_request()  # any ValueError here becomes a 422 naming the field
+        # Any ValueError here becomes a 422 naming the field. A checkpoint (init_from) is not read here: the
+        # service reads it only once its path is admitted (the routes' to_request), which checks the rest.
+        if self.model.init_from is None:
+            self.to_request()
+        else:
+            self.model.check_init_from()
         return self
 
-    def to_request(self, owner: str = "") -> JobRequest:
-        """The one conversion at the edge; every check beyond a single field's bounds is the request's own."""
+    def to_request(self, owner: str = "", *, admit_checkpoint: CheckpointGate | None = None) -> JobRequest:
+        """The one conversion at the edge; every check beyond a single field's bounds is the request's own.
+        ``admit_checkpoint``: see :meth:`ModelSpec.to_config` (the service's routes always pass it)."""
         t = self.training
         return JobRequest(
-            name=self.name, model=self.model.to_config(), data=self.data.to_config(), optim=t.optim(),
+            name=self.name, model=self.model.to_config(admit_checkpoint), data=self.data.to_config(), optim=t.optim(),
             steps=t.steps, global_batch=t.global_batch, micro_batch=t.micro_batch, seed=t.seed, precision=t.precision,
             topology=self.topology.to_request(), parallelism=self.parallelism.to_request(),
             links=tuple(link.to_request() for link in self.topology.links), sync=self.sync.to_config(),
@@ -287,6 +307,15 @@ class JobSpec(Strict):
             priority=self.priority, owner=owner,
             validation=None if self.validation is None else self.validation.to_config(),
         )
+
+
+def admitted_request(spec: JobSpec, owner: str, admit_checkpoint: CheckpointGate) -> JobRequest:
+    """``spec`` as the service's routes convert it: ``init_from`` admitted before it is read, and what the
+    checkpoint's shape then makes invalid (e.g. tp not dividing its heads) a 422 like any other spec error."""
+    try:
+        return spec.to_request(owner, admit_checkpoint=admit_checkpoint)
+    except ValueError as e:
+        raise InvalidJob(str(e)) from None
 
 
 # -- responses -----------------------------------------------------------------------------------------

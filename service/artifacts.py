@@ -34,6 +34,7 @@ def list_artifacts(checkpoint_root: str, job: JobRecord) -> dict[str, Any]:
             })
     return {
         "job_id": job.id, "storage": str(root), "exists": root.is_dir(), "latest": latest,
-        "keep_final": job.request.keep_final, "model": to_plain(job.request.model), "artifacts": items,
+        "keep_final": job.request.keep_final, "model": to_plain(job.request.model),
+        "data": to_plain(job.request.data), "artifacts": items,
         "readable_here": latest is not None and os.access(latest, os.R_OK),
     }

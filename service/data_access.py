@@ -1,4 +1,4 @@
-"""Which training text a job may read: a server-side allow-list of data roots, checked at submit.
+"""Which training text (and which ``model.init_from`` checkpoint) a job may read: a server-side allow-list of data roots, checked at submit.
 
 A job's ``data.source`` is opened by its workers with the service's own rights, so the service decides what
 it may name: the built-in corpus, or a regular file under one of :attr:`DataAccess.roots` (``meridian serve
@@ -40,8 +40,25 @@ class DataAccess:
     def admit(self, request: JobRequest) -> JobRequest:
         """``request`` with its data source checked and resolved; raises :class:`InvalidJob` (a 422)."""
         data = self.check(request.data)
+        if request.model.init_from:
+            request = replace(request, model=replace(request.model,
+                                                     init_from=self.admit_checkpoint(request.model.init_from)))
         check_dataset_vocab(data, request.model)
+        if request.validation is not None:
+            check_validation_split(data, request.model)
         return replace(request, data=data)
+
+    def admit_checkpoint(self, directory: str) -> str:
+        """``model.init_from``: the real path of a directory under the data roots, checked before anything in it
+        is read; :class:`InvalidJob` (a 422) naming the path and the roots otherwise, in the same words whether
+        or not it exists."""
+        path = os.path.realpath(directory) if os.path.isabs(directory) else ""
+        if not path or not any(_under(path, root) for root in self.roots) or not os.path.isdir(path):
+            raise InvalidJob(
+                f"model.init_from {directory!r} is not a directory under this service's data roots "
+                f"({', '.join(self.roots) or 'none configured'}); copy the Hugging Face checkpoint there, or start "
+                "the service with `meridian serve --data-root PATH`")
+        return path
 
     def check(self, data: DataConfig) -> DataConfig:
         if data.datasets:
@@ -99,6 +116,19 @@ def check_dataset_vocab(data: DataConfig, model: ModelConfig) -> None:
     if best > model.vocab_size:
         raise InvalidJob(f"data: dataset {where!r} has a vocabulary of {best} tokens but model.vocab_size is "
                          f"{model.vocab_size}; set model.vocab_size >= {best}")
+
+
+def check_validation_split(data: DataConfig, model: ModelConfig) -> None:
+    """A job with ``validation`` needs one sample (``seq_len + 1`` tokens) in each dataset's validation split,
+    which its workers would otherwise fail on after placement."""
+    for directory, _ in data.datasets:
+        val = read_manifest(directory).val
+        if val.tokens < model.seq_len + 1:
+            raise InvalidJob(
+                f"validation: dataset {directory!r} has {val.tokens} validation tokens ({val.documents} documents), "
+                f"fewer than one sample of model.seq_len + 1 = {model.seq_len + 1}; prepare it again with a larger "
+                "--val-fraction or more documents (a text file's documents are its paragraphs, separated by blank "
+                "lines; a JSON-lines file's are its lines), or drop validation")
 
 
 def _under(path: str, root: str) -> bool:

@@ -218,6 +218,23 @@ def test_submit_checks_the_dataset_vocabulary_against_the_model(dataset):
     assert req.validation == ValidationConfig(every_steps=2, batches=2)
 
 
+def test_validation_on_a_dataset_without_a_validation_sample_is_refused_at_submit(corpus, tmp_path):
+    from meridian.api.schemas import JobSpec
+    from meridian.service.data_access import DataAccess
+    from meridian.service.errors import InvalidJob
+
+    one_paragraph = tmp_path / "one.txt"  # no blank line: one document, so nothing is held out
+    one_paragraph.write_text("\n".join(f"line {i} of a text without paragraphs" for i in range(300)))
+    out = str(tmp_path / "roots" / "one")
+    prepare([str(one_paragraph)], out, BPE, progress=False)
+    access = DataAccess.for_roots([str(tmp_path / "roots")])
+    spec = {"name": "j", "model": {"preset": "nano", "vocab_size": 512}, "data": {"dataset": out},
+            "training": {"steps": 2, "global_batch": 2, "micro_batch": 1}}
+    assert access.admit(JobSpec.model_validate(spec).to_request()).validation is None  # fine without validation
+    with pytest.raises(InvalidJob, match=r"has 0 validation tokens \(0 documents\).*--val-fraction"):
+        access.admit(JobSpec.model_validate({**spec, "validation": {"every_steps": 1}}).to_request())
+
+
 def test_a_dataset_outside_the_data_roots_is_refused_without_reading_it(dataset, tmp_path):
     from meridian.api.schemas import JobSpec
     from meridian.service.data_access import DataAccess

@@ -158,8 +158,9 @@ def test_llama_trains_across_datacenters_with_har_and_diloco(strategy):
 
 
 # -- final weights out: the artifacts endpoint and `meridian export` ----------------------------------------
+@pytest.mark.parametrize("data", ["builtin", "dataset"])
 def test_every_job_keeps_its_final_weights_and_export_writes_what_transformers_loads(
-    store, supervisor, cluster_view, tmp_path, monkeypatch, capsys
+    store, supervisor, cluster_view, tmp_path, monkeypatch, capsys, data
 ):
     import json
 
@@ -168,15 +169,28 @@ def test_every_job_keeps_its_final_weights_and_export_writes_what_transformers_l
     from meridian.api.auth import AuthSettings
     from meridian.api.cli import main
     from meridian.api.server import serve_in_thread
+    from meridian.service.data_access import DataAccess
     from meridian.workers.state import checkpoint as ckpt_io
 
+    model = {"preset": "llama-tiny", "n_layers": 2, "seq_len": 32}
+    body: dict = {}
+    if data == "dataset":  # a prepared dataset under the service's data roots, with a trained BPE
+        from meridian.workers.data.prepare import PrepareOptions, prepare
+
+        (tmp_path / "data").mkdir()
+        text = tmp_path / "data" / "text.txt"
+        text.write_text(_reference_text(60_000), encoding="utf-8")
+        prepare([str(text)], str(tmp_path / "data" / "ds"),
+                PrepareOptions(train_tokenizer=True, vocab_size=320, val_fraction=0.1), progress=False)
+        supervisor.data_access = DataAccess.for_roots([str(tmp_path / "data")])
+        model["vocab_size"] = 320
+        body = {"data": {"dataset": str(tmp_path / "data" / "ds")}}
     fake = FakeService(store, supervisor, cluster_view)
     with serve_in_thread(fake, auth=AuthSettings.load(enabled=False, token_file=str(tmp_path / "t.json"))) as url:
         monkeypatch.setenv("MERIDIAN_URL", url)
-        model = {"preset": "llama-tiny", "n_layers": 2, "seq_len": 32}
-        assert main(["submit", "--json", _write(tmp_path / "keep.json", spec(name="keep", model=model))]) == 0
+        assert main(["submit", "--json", _write(tmp_path / "keep.json", spec(name="keep", model=model, **body))]) == 0
         job = json.loads(capsys.readouterr().out)
-        optout = spec(name="no", model=model, checkpoint={"keep_final": False})
+        optout = spec(name="no", model=model, checkpoint={"keep_final": False}, **body)
         assert main(["submit", "--json", _write(tmp_path / "no.json", optout)]) == 0
         no = json.loads(capsys.readouterr().out)
         supervisor.tick()
@@ -200,14 +214,36 @@ def test_every_job_keeps_its_final_weights_and_export_writes_what_transformers_l
 
         out = tmp_path / "hf"
         assert main(["export", job["id"], "--out", str(out), "--json"]) == 0
-        assert json.loads(capsys.readouterr().out)["final"] is True
+        exported = json.loads(capsys.readouterr().out)
+        assert exported["final"] is True
         with pytest.raises(SystemExit, match="keep_final: false"):
             main(["export", no["id"], "--out", str(tmp_path / "none")])
 
     theirs = transformers.AutoModelForCausalLM.from_pretrained(str(out)).float().eval()
-    x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
+    x = torch.randint(0, cfg.model.vocab_size, (2, 32), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert (theirs(x).logits - trained(x)).abs().max().item() < 1e-4
+    tokenizer = exported["tokenizer"]
+    if data == "builtin":  # raw bytes: nothing to write, and the output says so
+        assert tokenizer["written"] is False and "raw bytes" in tokenizer["reason"]
+        assert not (out / "tokenizer.json").exists()
+        return
+    from tokenizers import Tokenizer
+
+    assert tokenizer["written"] is True and tokenizer["reason"] == ""
+    ours = Tokenizer.from_file(str(tmp_path / "data" / "ds" / "tokenizer.json"))
+    loaded = transformers.AutoTokenizer.from_pretrained(str(out))
+    sample = "def f(x):\n    return x ** 2  # Übung: ünïcödé\n"
+    assert loaded(sample)["input_ids"] == ours.encode(sample, add_special_tokens=False).ids
+    assert loaded.decode(loaded(sample)["input_ids"]) == sample
+    assert loaded.eos_token == "<|endoftext|>" and loaded.eos_token_id == ours.token_to_id("<|endoftext|>")
+    assert theirs.config.eos_token_id == loaded.eos_token_id and loaded.model_max_length == 32
+
+
+def _reference_text(n_chars: int) -> str:
+    from pydoc_data.topics import topics
+
+    return "\n\n".join(topics[k] for k in sorted(topics))[:n_chars]
 
 
 def _write(path, body) -> str:
@@ -279,7 +315,52 @@ def test_a_spec_with_init_from_takes_the_checkpoint_s_shape_and_survives_the_sto
                        ({"init_from": str(tmp_path / "nope")}, "no config.json"),
                        ({"preset": "tiny", "family": "llama"}, "model.family")):
         with pytest.raises(ValueError, match=field):
-            JobSpec(name="hf", model=bad, training=training)
+            JobSpec(name="hf", model=bad, training=training).to_request()
+
+
+def test_init_from_is_admitted_like_data_under_the_data_roots_before_it_is_read(
+    store, supervisor, cluster_view, tmp_path
+):
+    import os
+
+    from fakes import FakeService
+    from fastapi.testclient import TestClient
+
+    from meridian.api.app import create_app
+    from meridian.service.data_access import DataAccess
+
+    root, outside = tmp_path / "data", tmp_path / "outside"
+    _hf_llama(root / "hf")
+    _hf_llama(outside / "hf")
+    (root / "link").symlink_to(outside / "hf")
+    (root / "empty").mkdir()
+    supervisor.data_access = DataAccess.for_roots([str(root)])
+    training = {"steps": 2, "global_batch": 2, "micro_batch": 1}
+    fake = FakeService(store, supervisor, cluster_view)
+    with TestClient(create_app(fake.config, service=fake), base_url="http://127.0.0.1") as client:
+        def post(path: str, init_from: str, **extra):
+            return client.post(path, json={"name": "hf", "model": {"init_from": init_from}, "training": training,
+                                           **extra})
+
+        refused = {name: post("/v1/jobs", str(where)) for name, where in (
+            ("outside", outside / "hf"), ("missing", outside / "nope"), ("dotdot", root / ".." / "outside" / "hf"),
+            ("symlink_out", root / "link"), ("relative", "data/hf"), ("root_itself", root))}
+        assert {n: r.status_code for n, r in refused.items()} == dict.fromkeys(refused, 422)
+        for name, r in refused.items():
+            detail = r.json()["detail"]
+            assert "model.init_from" in detail and str(root) in detail, (name, detail)  # the path and the roots
+        words = {r.json()["detail"].split("' is not", 1)[1] for r in refused.values()}
+        assert len(words) == 1  # the same answer whether or not the directory exists
+        assert post("/v1/plans", str(outside / "hf")).status_code == 422  # the dry-run plan checks it too
+
+        no_checkpoint = post("/v1/jobs", str(root / "empty"))  # under the roots: now it may be read
+        assert no_checkpoint.status_code == 422 and "no config.json" in no_checkpoint.json()["detail"]
+        wrong_tp = post("/v1/jobs", str(root / "hf"), parallelism={"tp": 4})  # the checkpoint has 2 KV heads
+        assert wrong_tp.status_code == 422 and "tp" in wrong_tp.json()["detail"]
+        ok = post("/v1/jobs", str(root / "empty" / ".." / "hf"))
+        assert ok.status_code == 201, ok.text
+    job = store.get_job(ok.json()["id"])
+    assert job.request.model.init_from == os.path.realpath(root / "hf") and job.request.model.kv_heads == 2
 
 
 def test_llama_survives_losing_a_rank_and_matches_an_uninterrupted_run(tmp_path):

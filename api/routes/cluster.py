@@ -7,7 +7,7 @@ from typing import Any
 from fastapi import APIRouter
 
 from meridian.api.deps import ServiceDep, SupervisorDep
-from meridian.api.schemas import ErrorBody, JobSpec
+from meridian.api.schemas import ErrorBody, JobSpec, admitted_request
 
 router = APIRouter(tags=["cluster"])
 
@@ -21,4 +21,4 @@ def get_cluster(service: ServiceDep) -> dict[str, Any]:
 @router.post("/v1/plans", responses={409: {"model": ErrorBody}, 422: {"model": ErrorBody}})
 def dry_run_plan(spec: JobSpec, supervisor: SupervisorDep) -> dict[str, Any]:
     """The plan a job spec would get on the cluster right now, without submitting it."""
-    return supervisor.plan(spec.to_request()).to_dict()
+    return supervisor.plan(admitted_request(spec, "", supervisor.data_access.admit_checkpoint)).to_dict()

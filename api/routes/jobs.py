@@ -17,7 +17,16 @@ from pydantic import BaseModel
 
 from meridian.api.auth import CallerDep
 from meridian.api.deps import ServiceDep, StoreDep, SupervisorDep
-from meridian.api.schemas import ErrorBody, EventList, EventPublic, JobList, JobPublic, JobSpec, LogList
+from meridian.api.schemas import (
+    ErrorBody,
+    EventList,
+    EventPublic,
+    JobList,
+    JobPublic,
+    JobSpec,
+    LogList,
+    admitted_request,
+)
 from meridian.api.streams import follow_logs, job_event_stream
 from meridian.service.artifacts import list_artifacts
 from meridian.service.jobs import JobState
@@ -53,7 +62,8 @@ def submit_job(
 ) -> Response:
     """Validate, plan against the live cluster (rejecting what can never fit), store and queue a job.
     Repeating a request with the same ``Idempotency-Key`` returns the first job (200) instead of a copy."""
-    job, created = supervisor.submit(spec.to_request(caller.owner), spec.model_dump(mode="json"),
+    request = admitted_request(spec, caller.owner, supervisor.data_access.admit_checkpoint)
+    job, created = supervisor.submit(request, spec.model_dump(mode="json"),
                                      idempotency_key=idempotency_key)
     return json_body(JobPublic.from_record(job), status.HTTP_201_CREATED if created else status.HTTP_200_OK,
                      headers={"Location": f"/v1/jobs/{job.id}"})

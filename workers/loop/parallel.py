@@ -23,7 +23,7 @@ import torch.distributed as dist
 from meridian.workers.data.shards import Dataset
 from meridian.workers.distributed.layout import DCLayout
 from meridian.workers.loop.precision import autocast_context
-from meridian.workers.loop.replica import Batches, Replica
+from meridian.workers.loop.replica import Batches, Replica, validation_batches
 from meridian.workers.model.build import build_model
 from meridian.workers.parallel.dims import ParallelDims, ParallelGroups
 from meridian.workers.parallel.pipeline import StageRunner
@@ -81,8 +81,7 @@ class ModelParallelReplica(Replica):
         cfg, runner = self.cfg, self.runner
         runner.stage.eval()
         total = torch.zeros(())
-        for b in range(batches):
-            x, y = data.batch(b * cfg.micro_batch, cfg.micro_batch)
+        for x, y in validation_batches(data, cfg.micro_batch, batches):
             loss = runner.forward_only(x, y, self.device)
             if self._reports_eval:
                 total += loss.float().cpu()

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -166,14 +167,21 @@ class DataParallelReplica(Replica):
         return evaluate(self.engine.model, data, self.cfg, self.device, batches)
 
 
+def validation_batches(data: Dataset, micro_batch: int, batches: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """What an evaluation reads: the first ``batches`` micro-batches of the held-out split ``data``, in order,
+    the same ones at every evaluation and on every rank. Its loss is the mean over these batches of each
+    batch's mean token loss."""
+    for b in range(batches):
+        yield data.batch(b * micro_batch, micro_batch)
+
+
 @torch.no_grad()
 def evaluate(
     model: torch.nn.Module, data: Dataset, cfg: TrainConfig, device: torch.device, batches: int = 4
 ) -> float:
     model.eval()
     losses = []
-    for b in range(batches):
-        x, y = data.batch(b * cfg.micro_batch, cfg.micro_batch)
+    for x, y in validation_batches(data, cfg.micro_batch, batches):
         with autocast_context(cfg.precision, device):
             losses.append(per_sample_loss(model(x.to(device)), y.to(device)).mean().item())
     model.train()

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 
+from meridian.workers.contracts.config import DataConfig
 from meridian.workers.contracts.fields import from_plain
 from meridian.workers.contracts.model_config import ModelConfig
+from meridian.workers.data.hf_tokenizer import export_tokenizer
 from meridian.workers.model.build import build_model
 from meridian.workers.model.hf import save_hf
 from meridian.workers.state.checkpoint import STATE_FILE
@@ -27,3 +30,18 @@ def export_checkpoint(checkpoint: str, model: dict, out: str) -> Path:
             raise ValueError(f"{checkpoint} holds {name} as {got}, the full model has {shape}: it is one "
                              "model-parallel rank's slice, which cannot be exported yet")
     return save_hf(out, cfg, state)
+
+
+def export_job(checkpoint: str, model: dict, data: dict, out: str) -> dict:
+    """The weights of ``checkpoint`` and the tokenizer of the job's ``data`` (a plain :class:`DataConfig`) as
+    one Hugging Face directory; the tokenizer part of the result says whether one was written, and if not why.
+    With a tokenizer, ``config.json`` names its end-of-text token (``eos_token_id``) for generation."""
+    path = export_checkpoint(checkpoint, model, out)
+    tokenizer = export_tokenizer(from_plain(DataConfig, data), str(path),
+                                 model_max_length=from_plain(ModelConfig, model).seq_len)
+    if tokenizer["eos_token_id"] is not None:
+        config_file = path / "config.json"
+        config = json.loads(config_file.read_text())
+        config["eos_token_id"] = tokenizer["eos_token_id"]
+        config_file.write_text(json.dumps(config, indent=2) + "\n")
+    return {"out": str(path), "tokenizer": tokenizer}

@@ -1,0 +1,127 @@
+"""DCP checkpoints: every rank writes its own shard (nothing gathered), every element once, and the state
+loads into any other layout exactly as the gathered full state would."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from sync_helpers import (
+    lr_of,
+    max_rel_diff,
+    micro_batches,
+    params_of,
+    reference_params,
+    share_loss,
+    train_steps,
+)
+from test_replica_state import FP32_TOL, MICRO, OPTIM, STEPS, _resume_run, _shapes
+
+from meridian.workers.contracts.config import SyncConfig, SyncStrategy
+from meridian.workers.distributed.layout import DCGroups, DCLayout
+from meridian.workers.distributed.multiproc import run_processes
+from meridian.workers.state.sharded_checkpoint import (
+    assign_writers,
+    is_sharded,
+    load_full,
+    open_checkpoint,
+    read_ranges,
+    save_shard,
+)
+from meridian.workers.sync.build import build_sync
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_every_offered_element_is_written_exactly_once_and_evenly(seed):
+    rng = random.Random(seed)
+    offers = []
+    for rank in range(rng.randint(1, 6)):
+        for name in ("w", "b"):
+            for _ in range(rng.randint(0, 3)):
+                a = rng.randint(0, 90)
+                offers.append((rank, name, a, a + rng.randint(1, 30)))
+    written = assign_writers(offers)
+    for name in ("w", "b"):
+        offered = {i for _, n, a, b in offers if n == name for i in range(a, b)}
+        got = [i for ranges in written.values() for n, a, b in ranges if n == name for i in range(a, b)]
+        assert sorted(got) == sorted(offered)  # each element once
+    for rank, ranges in written.items():  # a rank writes only what it holds
+        for n, a, b in ranges:
+            assert any(r == rank and n == m and s <= a and b <= e for r, m, s, e in offers)
+
+
+def test_a_replicated_tensor_is_split_among_its_holders():
+    assert assign_writers([(0, "w", 0, 10), (1, "w", 0, 10)]) == {0: [("w", 0, 5)], 1: [("w", 5, 10)]}
+    # 2 + 1 sharded: DC a's halves, DC b's rank holds everything
+    assert assign_writers([(0, "w", 0, 6), (1, "w", 6, 12), (2, "w", 0, 12)]) == {
+        0: [("w", 0, 3)], 2: [("w", 3, 6), ("w", 9, 12)], 1: [("w", 6, 9)]}
+
+
+def _engine(rank, dcs, strategy):
+    sync = SyncConfig(strategy=strategy, overlap=True, bucket_mb=64 / 2**20, inter_dc_chunk_mb=40 / 2**20)
+    from sync_helpers import toy_model
+
+    return build_sync(toy_model(0), DCGroups(DCLayout(dcs), rank), sync, OPTIM)
+
+
+def _save_run(rank, world, dcs, strategy, directory):
+    engine = _engine(rank, dcs, strategy)
+    train_steps(engine, rank, world, STEPS - 1, MICRO)
+    batches = micro_batches(STEPS - 1, rank, world, MICRO)
+    for i, (x, y) in enumerate(batches):
+        last = i == len(batches) - 1
+        with engine.micro_batch(last_micro_batch=last):
+            engine.backward(share_loss(engine.model, x, y), last_micro_batch=last)
+    shard = engine.step(lr_of(STEPS - 1), snapshot_as=STEPS).shard
+    written = save_shard(directory, shard, rank=rank, datacenter=dcs[rank], shapes=_shapes(),
+                         fingerprint={"toy": [1, 2]})
+    full = engine.optimizer_state()  # the gathered state, as the reference
+    engine.synchronize()
+    params = params_of(engine.model.module if hasattr(engine.model, "module") else engine.model)
+    engine.close()
+    engine.groups.destroy()
+    return {"full": full, "params": params, "written": written}
+
+
+@pytest.mark.parametrize("strategy, dcs", [(SyncStrategy.HIERARCHICAL, ("a", "a", "b", "b")),
+                                           (SyncStrategy.FLAT, ("a", "b"))], ids=["sharded-2+2", "flat-1+1"])
+def test_each_rank_writes_its_share_and_the_checkpoint_equals_the_gathered_state(tmp_path, strategy, dcs):
+    outs = run_processes(_save_run, len(dcs), dcs, strategy, str(tmp_path))
+    path = outs[0]["written"]
+    assert path is not None and all(o["written"] is None for o in outs[1:])
+    assert (tmp_path / "latest").read_text() == path.name and is_sharded(str(path))
+    # Every rank wrote its own file, and together one replica: values + 2 moments of every element, once.
+    md = dcp.FileSystemReader(str(path)).read_metadata()
+    per_file: dict[str, int] = {}
+    for index, info in md.storage_data.items():
+        n = next(c.sizes[0] for c in md.state_dict_metadata[index.fqn].chunks if c.offsets == index.offset)
+        per_file[info.relative_path] = per_file.get(info.relative_path, 0) + n
+    replica = 3 * sum(s.numel() for s in _shapes().values())
+    assert len(per_file) == len(dcs) and sum(per_file.values()) == replica
+    assert min(per_file.values()) >= replica / (2 * len(dcs)), per_file  # spread over the ranks
+
+    ck = open_checkpoint(str(path))
+    assert ck.step == ck.adam_step == STEPS and ck.fingerprint == {"toy": [1, 2]}
+    params, optimizer = load_full(ck)
+    full = outs[0]["full"]
+    assert optimizer["step"] == full["step"] == STEPS
+    for name, p in outs[0]["params"].items():
+        assert torch.equal(params[name], p), name
+        for m in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(optimizer["params"][name][m], full["params"][name][m]), (name, m)
+    # Any element range reads alone, without the rest (what a rank of another layout needs).
+    name = max(_shapes(), key=lambda n: _shapes()[n].numel())
+    part = read_ranges(ck, [(name, 3, 17)]).pieces[0]
+    assert torch.equal(part.value, params[name].reshape(-1)[3:17])
+    assert torch.equal(part.moments["exp_avg"], full["params"][name]["exp_avg"].reshape(-1)[3:17])
+
+
+def test_a_2_plus_2_checkpoint_resumes_on_3_plus_1_like_an_uninterrupted_run(tmp_path):
+    run_processes(_save_run, 4, ("a", "a", "b", "b"), SyncStrategy.HIERARCHICAL, str(tmp_path))
+    params, optimizer = load_full(open_checkpoint(str(tmp_path / f"step-{STEPS:08d}")))
+    resumed = run_processes(_resume_run, 4, ("a", "a", "a", "b"), params, optimizer)
+    ref = reference_params(2 * STEPS, OPTIM)
+    for out in resumed:
+        assert max_rel_diff(out, ref) < FP32_TOL

@@ -1,0 +1,255 @@
+"""Durable checkpoints written with ``torch.distributed.checkpoint`` (DCP): every rank writes its own shard.
+
+What a rank writes is what it already owns (:class:`~meridian.workers.state.replica_state.LocalShard`: the
+flat element ranges ``[start, stop)`` of parameters it holds, with their AdamW moments, and DiLoCo's outer
+state). Nothing is gathered. Each parameter is one 1-D DCP tensor of its flattened elements per kind::
+
+    param/<name>            values (the fp32 master where there is one)
+    exp_avg/<name>, exp_avg_sq/<name>
+    outer/<name>, outer_momentum/<name>     DiLoCo's outer parameters and momentum
+
+and the ranks' ranges are its DCP chunks. Replicas hold the same elements (every datacenter has a whole
+replica; a replicated optimizer holds everything on every rank): :func:`assign_writers` gives every element
+to exactly one of its holders, split evenly among them, so the write is spread over every rank and nothing
+is written twice. DiLoCo's inner state differs between datacenters; the first datacenter's is written (as
+the gathered format did).
+
+Loading reads any element range of any tensor (:class:`_RangeLoadPlanner`, no collective), so a checkpoint
+written by one layout loads into any other world size and datacenter sizes.
+
+Layout::
+
+    <dir>/step-00000040/.metadata, __<rank>_0.distcp ...   DCP
+    <dir>/step-00000040/meridian.json                       step, AdamW step, fingerprint, shapes, DiLoCo
+    <dir>/latest                                            "step-00000040" (written last)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+from meridian.workers.optim.adamw import MOMENTS
+from meridian.workers.state.replica_state import LocalShard, OuterShard, StatePiece, assemble
+
+FORMAT = "meridian.dcp/1"
+META_FILE = "meridian.json"
+OUTER = "outer:"
+"""Prefix of DiLoCo's outer pieces in :func:`assign_writers`' names."""
+
+
+# -- who writes what ---------------------------------------------------------------------------------------
+def assign_writers(offers: list[tuple[int, str, int, int]]) -> dict[int, list[tuple[str, int, int]]]:
+    """``offers``: ``(rank, name, start, stop)`` of every range a rank holds. Returns, per rank, the ranges it
+    writes: every offered element exactly once, an element held by k ranks split evenly among the k."""
+    by_name: dict[str, list[tuple[int, int, int]]] = {}
+    for rank, name, start, stop in offers:
+        by_name.setdefault(name, []).append((rank, start, stop))
+    out: dict[int, list[tuple[str, int, int]]] = {}
+    for name, held in sorted(by_name.items()):
+        cuts = sorted({b for _, start, stop in held for b in (start, stop)})
+        for a, b in zip(cuts, cuts[1:], strict=False):
+            holders = sorted({r for r, start, stop in held if start <= a and b <= stop})
+            for j, rank in enumerate(holders):
+                lo, hi = a + (b - a) * j // len(holders), a + (b - a) * (j + 1) // len(holders)
+                if lo < hi:
+                    out.setdefault(rank, []).append((name, lo, hi))
+    return out
+
+
+def _offers(rank: int, shard: LocalShard, write_inner: bool) -> list[tuple[int, str, int, int]]:
+    inner = [(rank, p.name, p.start, p.stop) for p in shard.pieces] if write_inner else []
+    outer = [(rank, OUTER + p.name, p.start, p.stop) for p in shard.outer.pieces] if shard.outer else []
+    return inner + outer
+
+
+def _chunks_of(shard: LocalShard, mine: list[tuple[str, int, int]]) -> list[tuple[str, int, torch.Tensor]]:
+    """``(DCP key, start, tensor)`` of the ranges ``mine`` this rank writes, cut from its shard's pieces."""
+    out = []
+    for name, a, b in mine:
+        outer = name.startswith(OUTER)
+        pieces = shard.outer.pieces if outer and shard.outer else shard.pieces
+        base = name.removeprefix(OUTER) if outer else name
+        p = next(p for p in pieces if p.name == base and p.start <= a and b <= p.stop)
+        kinds = {"outer": p.value, **({"outer_momentum": p.moments["momentum"]} if p.moments else {})} if outer \
+            else {"param": p.value, **{m: p.moments[m] for m in MOMENTS if m in p.moments}}  # fmt: skip
+        out += [(f"{kind}/{base}", a, t[a - p.start : b - p.start]) for kind, t in kinds.items()]
+    return out
+
+
+# -- DCP planners over element ranges ----------------------------------------------------------------------
+class _RangeSavePlanner(DefaultSavePlanner):
+    """Writes the given 1-D chunks of global tensors (no state dict walk, no ShardedTensor)."""
+
+    def __init__(self, chunks: list[tuple[str, int, torch.Tensor]], numel: dict[str, int]) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self._chunks, self._numel = chunks, numel
+        self._data: dict[tuple[str, int], torch.Tensor] = {}
+
+    def set_up_planner(self, state_dict: dict[str, Any], storage_meta: Any = None,
+                       is_coordinator: bool = False) -> None:
+        self.state_dict, self.is_coordinator = state_dict, is_coordinator
+
+    def create_local_plan(self) -> SavePlan:
+        items = []
+        for key, start, t in self._chunks:
+            self._data[(key, start)] = t
+            chunk = ChunkStorageMetadata(offsets=torch.Size([start]), sizes=torch.Size([t.numel()]))
+            items.append(WriteItem(
+                index=MetadataIndex(key, torch.Size([start])), type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(chunk=chunk, properties=TensorProperties(dtype=t.dtype),
+                                            size=torch.Size([self._numel[key.split("/", 1)[1]]]))))  # fmt: skip
+        self.plan = SavePlan(items)
+        return self.plan
+
+    def finish_plan(self, new_plan: SavePlan) -> SavePlan:
+        self.plan = new_plan
+        return new_plan
+
+    def resolve_data(self, write_item: WriteItem) -> torch.Tensor:
+        return self._data[(write_item.index.fqn, write_item.index.offset[0])]
+
+
+class _RangeLoadPlanner(DefaultLoadPlanner):
+    """Reads element ranges of 1-D checkpoint tensors into the given tensors, in place."""
+
+    def __init__(self, wants: dict[str, list[tuple[int, torch.Tensor]]]) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self._wants = wants
+
+    def set_up_planner(self, state_dict: dict[str, Any], metadata: Any = None, is_coordinator: bool = False) -> None:
+        self.state_dict, self.metadata, self.is_coordinator = state_dict, metadata, is_coordinator
+
+    def create_local_plan(self) -> LoadPlan:
+        items = []
+        for key, ranges in self._wants.items():
+            local = [ChunkStorageMetadata(offsets=torch.Size([s]), sizes=torch.Size([t.numel()])) for s, t in ranges]
+            items += create_read_items_for_chunk_list(key, self.metadata.state_dict_metadata[key], local)
+        return LoadPlan(items)
+
+    def resolve_tensor(self, read_item: Any) -> torch.Tensor:
+        _, t = self._wants[read_item.dest_index.fqn][read_item.dest_index.index]
+        return t.narrow(0, read_item.dest_offsets[0], read_item.lengths[0])
+
+    def commit_tensor(self, read_item: Any, tensor: torch.Tensor) -> None:
+        pass  # resolve_tensor handed out a view of the destination: the data is already there
+
+
+# -- save --------------------------------------------------------------------------------------------------
+def save_shard(directory: str, shard: LocalShard, *, rank: int, datacenter: str, shapes: dict[str, torch.Size],
+               fingerprint: dict[str, Any], group: dist.ProcessGroup | None = None, keep: int = 2) -> Path | None:
+    """Write the job's state at ``shard.step``: every rank of ``group`` calls this with its own shard (a
+    collective over ``group``). Rank 0 finishes it (``meridian.json``, rename, ``latest``) and returns the
+    folder; the others return ``None``. An interrupted save leaves only a ``.partial`` folder."""
+    root = Path(directory)
+    name = f"step-{shard.step:08d}"
+    partial = root / f".{name}.partial"
+    mine = (rank, datacenter, shard.adam_step, shard.outer.inner_steps_done if shard.outer else None,
+            [(p.name, p.start, p.stop) for p in shard.pieces],
+            [(p.name, p.start, p.stop) for p in shard.outer.pieces] if shard.outer else None)
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    first_dc = min(everyone, key=lambda e: e[0])[1]
+    diloco = any(e[5] is not None for e in everyone)
+    offers = []
+    for r, dc, _, _, inner, outer in everyone:
+        if not diloco or dc == first_dc:  # DiLoCo's inner state differs per DC: write the first DC's
+            offers += [(r, n, a, b) for n, a, b in inner]
+        offers += [(r, OUTER + n, a, b) for n, a, b in outer or ()]
+    chunks = _chunks_of(shard, assign_writers(offers).get(rank, []))
+    numel = {n: torch.Size(s).numel() for n, s in shapes.items()}
+    dcp.save({}, storage_writer=dcp.FileSystemWriter(str(partial)), planner=_RangeSavePlanner(chunks, numel),
+             process_group=group)
+    if rank != 0:
+        return None
+    meta = {"format": FORMAT, "step": shard.step, "adam_step": max(e[2] for e in everyone),
+            "fingerprint": fingerprint, "shapes": {n: list(s) for n, s in shapes.items()},
+            "diloco": {"dc": first_dc, "inner_steps_done": next(e[3] for e in everyone if e[3] is not None)}
+            if diloco else None}  # fmt: skip
+    (partial / META_FILE).write_text(json.dumps(meta, indent=1))
+    final = root / name
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(partial, final)
+    pointer = root / ".latest.tmp"
+    pointer.write_text(name)
+    os.replace(pointer, root / "latest")
+    for old in sorted(p for p in root.glob("step-*") if p.is_dir())[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    for stale in root.glob(".step-*.partial"):
+        if stale.name < partial.name:
+            shutil.rmtree(stale, ignore_errors=True)
+    return final
+
+
+# -- load --------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ShardedCheckpoint:
+    path: str
+    step: int
+    adam_step: int
+    fingerprint: dict[str, Any]
+    shapes: dict[str, torch.Size]
+    diloco: dict[str, Any] | None
+
+
+def is_sharded(path: str) -> bool:
+    return (Path(path) / META_FILE).is_file()
+
+
+def open_checkpoint(path: str) -> ShardedCheckpoint:
+    meta = json.loads((Path(path) / META_FILE).read_text())
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"{path}: checkpoint format {meta.get('format')!r}, this Meridian reads {FORMAT!r}")
+    return ShardedCheckpoint(path=path, step=meta["step"], adam_step=meta["adam_step"],
+                             fingerprint=meta["fingerprint"], diloco=meta["diloco"],
+                             shapes={n: torch.Size(s) for n, s in meta["shapes"].items()})
+
+
+def read_ranges(ck: ShardedCheckpoint, ranges: list[tuple[str, int, int]]) -> LocalShard:
+    """The elements ``[start, stop)`` of each ``(parameter, start, stop)`` (values, moments, outer state), read
+    on this rank alone (no collective), as a :class:`LocalShard` (:func:`assemble` pools such shards)."""
+    keys = set(dcp.FileSystemReader(ck.path).read_metadata().state_dict_metadata)
+    wants: dict[str, list[tuple[int, torch.Tensor]]] = {}
+
+    def want(key: str, start: int, stop: int) -> torch.Tensor | None:
+        if key not in keys:
+            return None
+        t = torch.empty(stop - start, dtype=torch.float32)
+        wants.setdefault(key, []).append((start, t))
+        return t
+
+    pieces, outer = [], []
+    for name, a, b in ranges:
+        value = want(f"param/{name}", a, b)
+        assert value is not None, f"{ck.path} has no values of {name!r}"
+        moments = {m: want(f"{m}/{name}", a, b) for m in MOMENTS} if ck.adam_step else {}
+        pieces.append((name, a, b, value, moments))
+        if ck.diloco is not None:
+            outer.append((name, a, b, want(f"outer/{name}", a, b), want(f"outer_momentum/{name}", a, b)))
+    dcp.load({}, storage_reader=dcp.FileSystemReader(ck.path), planner=_RangeLoadPlanner(wants), no_dist=True)
+    shard = LocalShard(ck.step, ck.adam_step, tuple(
+        StatePiece(n, a, b, v, {m: t for m, t in ms.items() if t is not None}) for n, a, b, v, ms in pieces))
+    if ck.diloco is None:
+        return shard
+    outer_pieces = tuple(StatePiece(n, a, b, v, {"momentum": m}) for n, a, b, v, m in outer)
+    return LocalShard(shard.step, shard.adam_step, shard.pieces,
+                      OuterShard(ck.diloco["dc"], ck.diloco["inner_steps_done"], outer_pieces))
+
+
+def load_full(ck: ShardedCheckpoint) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Whole parameters and the full optimizer state (the layout-free form every engine loads)."""
+    shard = read_ranges(ck, [(n, 0, s.numel()) for n, s in ck.shapes.items()])
+    return assemble([shard], ck.shapes)
