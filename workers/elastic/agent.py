@@ -33,6 +33,7 @@ import torch
 
 from meridian.workers.contracts.config import TrainConfig
 from meridian.workers.contracts.records import StepRecord
+from meridian.workers.elastic.liveness import LivenessListener
 from meridian.workers.elastic.protocol import KEEP_SNAPSHOTS, RESTART_EXIT_CODE
 from meridian.workers.loop.records import TrainResult
 from meridian.workers.state.snapshot_paths import snapshot_dir
@@ -102,7 +103,7 @@ def _child_main(conn: Any, cfg: TrainConfig, ids: dict[str, Any], store_dir: str
     rdzv = Rendezvous(
         client.call, worker_id=ids["worker_id"], datacenter=ids["datacenter"], node_id=ids["node_id"],
         address=ids["address"], backend=ids["backend"], collective_timeout_s=ids["collective_timeout_s"],
-        device=device,
+        device=device, probe_port=ids["probe_port"],
     )  # fmt: skip
     rdzv.epoch = ids["epoch"]
     trainer = ElasticTrainer(
@@ -174,6 +175,7 @@ class Agent:
             "worker_id": worker_id, "datacenter": datacenter, "node_id": node_id, "address": address,
             "backend": backend, "collective_timeout_s": collective_timeout_s, "join_timeout_s": join_timeout_s,
             "keep": KEEP_SNAPSHOTS, "epoch": 0, "keep_params": keep_params, "parent_pid": os.getpid(),
+            "probe_port": 0,
         }  # fmt: skip
         self.device = device
         self.threads = threads or torch.get_num_threads()
@@ -187,6 +189,9 @@ class Agent:
         # A new agent holds no state: whatever lies in its folder was left by a killed worker of an earlier
         # run with the same job and worker id, and must not pass for this run's snapshots.
         shutil.rmtree(self.store_dir, ignore_errors=True)
+        # Lives as long as this process: the coordinator's proof that this worker is gone is a refused connect.
+        liveness = LivenessListener()
+        self.ids["probe_port"] = liveness.port
         try:
             while True:
                 current = self._take_standby()
@@ -200,6 +205,7 @@ class Agent:
                 if self.restarts > self.max_restarts:
                     raise RuntimeError(f"gave up after {self.max_restarts} restarts of the training process")
         finally:
+            liveness.close()
             if self._standby is not None:
                 self._standby.discard()
                 self._standby = None
