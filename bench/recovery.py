@@ -121,9 +121,13 @@ def _meridian(args: argparse.Namespace) -> dict[str, Any]:
             formed = [e for e in log.epochs if e["epoch"] == 2]
             if phases.kill_time is None or not formed:
                 raise RuntimeError("the Meridian job never re-formed after the kill")
-            return recovery_metrics(log.records(), kill_time=phases.kill_time, full_workers=full,
-                                    survivors=full - 1, tokens_per_step=_tokens_per_step(args),
-                                    resume_step=formed[0]["resume_step"], back_time=phases.back_time)  # fmt: skip
+            out = recovery_metrics(log.records(), kill_time=phases.kill_time, full_workers=full,
+                                   survivors=full - 1, tokens_per_step=_tokens_per_step(args),
+                                   resume_step=formed[0]["resume_step"], back_time=phases.back_time)  # fmt: skip
+            out["after_kill_s"] = log.timeline(phases.kill_time, phases.back_time)
+            if phases.back_time is not None:
+                out["after_back_s"] = log.timeline(phases.back_time, None)
+            return out
     finally:
         service.stop()
         cluster.shutdown()
@@ -137,6 +141,7 @@ class _MeridianLog:
         self._points: dict[tuple[int, int], dict[str, Any]] = {}
         self._event_cursor = 0
         self.epochs: list[dict[str, Any]] = []
+        self.events: list[tuple[str, float]] = []
 
     def records(self) -> list[dict[str, Any]]:
         after = max((s for _, s in self._points), default=0)
@@ -144,10 +149,20 @@ class _MeridianLog:
             self._points[(p.get("epoch", 1), p["step"])] = p
         for e in self.api.get(f"/v1/jobs/{self.job_id}/events", params={"after": self._event_cursor}).json()["events"]:
             self._event_cursor = max(self._event_cursor, e["id"])
+            self.events.append((e["kind"], e["time"]))
             if e["kind"] == "epoch_formed":
                 self.epochs.append(e["data"])
         size = {e["epoch"]: len(e["datacenters"]) for e in self.epochs}
+        # (a record's time is the wall clock of the rank that reported it; so is the kill's: one host)
         return [{"step": s, "time": p["time"], "workers": size.get(ep, self.full)} for (ep, s), p in self._points.items()]
+
+    def timeline(self, since: float, until: float | None) -> dict[str, float]:
+        """Seconds from ``since`` to the first event of each kind before ``until``: where the time went."""
+        out: dict[str, float] = {}
+        for kind, at in self.events:
+            if at >= since and (until is None or at < until) and kind not in out:
+                out[kind] = round(at - since, 2)
+        return out
 
 
 # -- Ray Train's elastic path -----------------------------------------------------------------------------
