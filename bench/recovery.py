@@ -111,10 +111,10 @@ def _meridian(args: argparse.Namespace) -> dict[str, Any]:
                     break
                 if action == "kill":
                     victim = next(p for p in job["placement"] if p["rank"] != 0 and p["datacenter"] == victim_dc)
-                    phases.kill_time = time.time()
+                    phases.killed()
                     cluster.remove_node(next(n for n in nodes if n.node_id == victim["node_id"]), allow_graceful=False)
                 elif action == "back":
-                    phases.back_time = time.time()
+                    phases.came_back()
                     cluster.add_node(num_cpus=1, labels={"datacenter": victim_dc})
                 time.sleep(0.5)
             api.delete(f"/v1/jobs/{job_id}")
@@ -125,6 +125,7 @@ def _meridian(args: argparse.Namespace) -> dict[str, Any]:
                                    survivors=full - 1, tokens_per_step=_tokens_per_step(args),
                                    resume_step=formed[0]["resume_step"], back_time=phases.back_time)  # fmt: skip
             out["after_kill_s"] = log.timeline(phases.kill_time, phases.back_time)
+            out["cpu_from_kill_to_return"] = phases.cpu_report()
             if phases.back_time is not None:
                 out["after_back_s"] = log.timeline(phases.back_time, None)
             return out
@@ -268,18 +269,20 @@ def _ray_train_elastic(args: argparse.Namespace) -> dict[str, Any]:
                 break
             if action == "kill":
                 victim = _node_of_a_worker(nodes, nodes[-args.nodes_per_dc:])
-                phases.kill_time = time.time()
+                phases.killed()
                 cluster.remove_node(victim, allow_graceful=False)
             elif action == "back":
-                phases.back_time = time.time()
+                phases.came_back()
                 cluster.add_node(num_cpus=1, labels={"datacenter": _dc(args.dcs - 1)})
             time.sleep(0.5)
         records, starts = ray.get(log.get.remote())
         if phases.kill_time is None or len(starts) < 2:
             raise RuntimeError("Ray Train's run finished without restarting its worker group after the kill")
-        return recovery_metrics(records, kill_time=phases.kill_time, full_workers=workers, survivors=workers - 1,
-                                tokens_per_step=_tokens_per_step(args), resume_step=starts[1],
-                                back_time=phases.back_time)  # fmt: skip
+        out = recovery_metrics(records, kill_time=phases.kill_time, full_workers=workers, survivors=workers - 1,
+                               tokens_per_step=_tokens_per_step(args), resume_step=starts[1],
+                               back_time=phases.back_time)  # fmt: skip
+        out["cpu_from_kill_to_return"] = phases.cpu_report()
+        return out
     finally:
         ray.shutdown()
         cluster.shutdown()

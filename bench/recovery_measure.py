@@ -91,6 +91,30 @@ class Phases:
         self.kill_time: float | None = None
         self.back_time: float | None = None
         self._give_up = 0.0
+        self.cpu_samples: list[Any] = []
+        """Per-process CPU snapshots the driver takes at the kill and when the node returns."""
+
+    def killed(self) -> None:
+        """Call right before the kill."""
+        from meridian.bench.cpu_sample import snapshot
+
+        self.cpu_samples.append(snapshot())
+        self.kill_time = time.time()
+
+    def came_back(self) -> None:
+        """Call right before the node (process) is started again."""
+        from meridian.bench.cpu_sample import snapshot
+
+        self.back_time = time.time()
+        self.cpu_samples.append(snapshot())
+
+    def cpu_report(self) -> dict[str, Any] | None:
+        """Who used the CPU from the kill to the node's return (the recovery and its throughput window)."""
+        if len(self.cpu_samples) < 2 or self.kill_time is None or self.back_time is None:
+            return None
+        from meridian.bench.cpu_sample import cpu_between
+
+        return cpu_between(self.cpu_samples[0], self.cpu_samples[1], self.back_time - self.kill_time)
 
     def next_action(self, records: list[dict[str, Any]]) -> str | None:
         """``"kill"``, ``"back"``, ``"done"`` or ``None`` (keep waiting)."""

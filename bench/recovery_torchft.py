@@ -94,16 +94,17 @@ def run_torchft(args: argparse.Namespace) -> dict[str, Any]:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the torchft side did not finish within {args.timeout_s:.0f} s")
             if action == "kill":
-                phases.kill_time = time.time()
+                phases.killed()
                 workers.kill(victim)
             elif action == "back":
-                phases.back_time = time.time()
+                phases.came_back()
                 workers.start(victim)
             time.sleep(0.2)
         if phases.kill_time is None:
             raise RuntimeError("the torchft side finished before the kill")
         out = recovery_metrics(_records(watched), kill_time=phases.kill_time, full_workers=n, survivors=n - 1,
                                tokens_per_step=args.tokens_per_step, back_time=phases.back_time)  # fmt: skip
+        out["cpu_from_kill_to_return"] = phases.cpu_report()
         out["runs_on"] = "plain processes, no Ray: a torchft lighthouse and one replica group per worker"
         out["replica_groups"] = n
         out["killed"] = f"SIGKILL of replica group {victim}'s process (in {workers.dcs[victim]})"
