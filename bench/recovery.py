@@ -308,14 +308,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     sides: dict[str, list[dict[str, Any]]] = {side: [] for side in SIDES if side in args.sides}
     for _ in range(args.rounds):
         for side in sides:
-            if side == "meridian":
-                sides[side].append(_meridian(args))
-            elif side == "torchft":
-                from meridian.bench.recovery_torchft import run_torchft
-
-                sides[side].append(run_torchft(args))
-            else:
-                sides[side].append(_ray_train_elastic(args))
+            sides[side].append(_isolated(side, args))
     report: dict[str, Any] = {
         "setup": {"datacenters": args.dcs, "nodes_per_dc": args.nodes_per_dc, "model": args.model,
                   "global_batch": args.global_batch, "kill_at_step": args.kill_at_step, "kill_after_s": args.kill_after_s,
@@ -330,13 +323,48 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "scale_up_s": "node back → end of the first step trained by every worker again",
         },
     }
-    for side, runs in sides.items():
+    for side, all_runs in sides.items():
+        runs = [r for r in all_runs if "error" not in r]
+        if not runs:
+            report[side] = {"error": all_runs[0]["error"], "runs": all_runs}
+            continue
         report[side] = {key: _median([r[key] for r in runs]) for key in
                         ("kill_to_next_step_s", "post_recovery_throughput_ratio", "scale_up_s")}
         report[side]["steps_lost"] = max(r["steps_lost"] for r in runs)
         report[side]["runs"] = runs
     report["setup"]["loadavg_at_end"] = _loadavg()
     return report
+
+
+def _side(side: str, args: argparse.Namespace) -> dict[str, Any]:
+    if side == "meridian":
+        return _meridian(args)
+    if side == "torchft":
+        from meridian.bench.recovery_torchft import run_torchft
+
+        return run_torchft(args)
+    return _ray_train_elastic(args)
+
+
+def _isolated(side: str, args: argparse.Namespace) -> dict[str, Any]:
+    """One side in a fresh process: a Ray driver that crashes (measured once here: a segfault after the
+    baseline's kill) or torchft's native runtime cannot take the other sides' results with it. Each side's
+    result also goes to stderr as soon as it is known."""
+    import json
+    import sys
+    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
+    from multiprocessing import get_context
+
+    try:
+        with ProcessPoolExecutor(max_workers=1, mp_context=get_context("spawn")) as pool:
+            result = pool.submit(_side, side, args).result(timeout=args.timeout_s + 120)
+    except BrokenProcessPool as e:
+        result = {"error": f"the process running this side died ({e})"}
+    except Exception as e:  # noqa: BLE001 - one side failing must not lose the others' numbers
+        result = {"error": f"{type(e).__name__}: {e}"}
+    print(f"recovery bench, {side}: {json.dumps(result)}", file=sys.stderr, flush=True)
+    return result
 
 
 def _median(values: list[Any]) -> Any:
@@ -358,7 +386,9 @@ def render(r: dict[str, Any]) -> str:
 
     lines = [f"{'side':<20} {'kill→next step (s)':>19} {'steps lost':>11} {'throughput ratio':>17} {'scale-up (s)':>13}"]
     for side in SIDES:
-        if side in r:
+        if side in r and "error" in r[side]:
+            lines.append(f"{side:<20} failed: {r[side]['error']}")
+        elif side in r:
             x = r[side]
             lines.append(f"{side:<20} {fmt(x['kill_to_next_step_s']):>19} {x['steps_lost']:>11} "
                          f"{fmt(x['post_recovery_throughput_ratio']):>17} {fmt(x['scale_up_s']):>13}")

@@ -111,6 +111,7 @@ def _child_main(conn: Any, cfg: TrainConfig, ids: dict[str, Any], store_dir: str
         device=torch.device(device), join_timeout_s=ids["join_timeout_s"],
         snapshots=SnapshotStore(ids["keep"], store_dir), exit_on_failure=True,
         on_epoch=lambda n: client.tell("epoch", n), keep_params=ids["keep_params"],
+        peak=ids["peak"], on_peak=lambda p: client.tell("peak", p),
     )  # fmt: skip
     try:
         result = trainer.run()
@@ -175,7 +176,7 @@ class Agent:
             "worker_id": worker_id, "datacenter": datacenter, "node_id": node_id, "address": address,
             "backend": backend, "collective_timeout_s": collective_timeout_s, "join_timeout_s": join_timeout_s,
             "keep": KEEP_SNAPSHOTS, "epoch": 0, "keep_params": keep_params, "parent_pid": os.getpid(),
-            "probe_port": 0,
+            "probe_port": 0, "peak": None,
         }  # fmt: skip
         self.device = device
         self.threads = threads or torch.get_num_threads()
@@ -254,6 +255,8 @@ class Agent:
                 self.on_event(*msg[1:])
             elif kind == "epoch":
                 self.ids["epoch"] = msg[1]
+            elif kind == "peak":
+                self.ids["peak"] = msg[1]  # the next training process reuses rank 0's device peak
             elif kind == "done":
                 return ("done", msg[1])
             elif kind == "error":

@@ -115,6 +115,7 @@ class ElasticTrainer:
         self, cfg: TrainConfig, rendezvous: Rendezvous, *, sink: ProgressSink, on_event: EventFn,
         device: torch.device | None = None, join_timeout_s: float = 600.0, snapshots: SnapshotStore | None = None,
         exit_on_failure: bool = False, on_epoch: Callable[[int], None] | None = None, keep_params: bool = False,
+        peak: Any = None, on_peak: Callable[[Any], None] | None = None,
     ) -> None:  # fmt: skip
         self.cfg = cfg
         self.rdzv = rendezvous
@@ -125,7 +126,8 @@ class ElasticTrainer:
         """Leave the process on a peer's failure (:mod:`meridian.workers.elastic.agent` starts a new one): the only way
         to close sockets that gloo operations still in flight hold open."""
         self.on_epoch = on_epoch or (lambda n: None)
-        self.loop = TrainingLoop(cfg, sink=sink, device=device, keep_params=keep_params, on_failure=self._on_failure)
+        self.loop = TrainingLoop(cfg, sink=sink, device=device, keep_params=keep_params, on_failure=self._on_failure,
+                                 peak=peak, on_peak=on_peak)
         self.checkpoints = Checkpointer(cfg)
 
     def run(self) -> TrainResult | None:
