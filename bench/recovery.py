@@ -1,22 +1,21 @@
-"""``meridian bench recovery``: kill a node mid-run; how long until training steps again, how much is lost.
+"""``meridian bench recovery``: kill a node mid-run; how long until training steps again, how much is lost,
+how fast it trains after, and how long until a returning node trains again — Meridian, torchft, Ray Train.
 
-Runs on an embedded Ray cluster of ``--dcs`` datacenters × ``--nodes-per-dc`` one-CPU nodes, with the fast
-health checks Meridian sets on clusters it starts (the same for both sides), twice, each on a fresh cluster:
+Three sides, one after the other in the same invocation, the same model, data order and global batch, 2 DCs ×
+2 one-CPU workers on gloo by default:
 
-- ``meridian``: a job submitted through the REST API; at ``--kill-at-step`` the node of a worker in the
-  first datacenter (not rank 0) is killed with no grace. The survivors re-form and resume from the state
-  they hold in memory.
-- ``ray_train_elastic``: the same model, data order and batch as plain DDP under Ray Train's built-in
-  elastic path (``num_workers=(min, max)``, ``FailureConfig``), checkpointing to disk every
-  ``--checkpoint-every`` steps (what it needs to resume); the same kill at the same step.
+- ``meridian``: a job submitted through the REST API on an embedded Ray cluster (the fast health checks
+  Meridian sets on clusters it starts). At ``--kill-at-step`` (and ``--kill-after-s`` after its first step) the node of a worker in the last datacenter
+  is killed with no grace; the survivors re-form and resume from the state they hold in memory.
+- ``torchft``: torchft 0.2's ``Manager`` with one replica group per worker and its lighthouse, as plain
+  processes (no Ray); the same kill is a SIGKILL of that worker's process (:mod:`meridian.bench.recovery_torchft`).
+- ``ray_train_elastic``: plain DDP under Ray Train's built-in elastic path (``num_workers=(min, max)``,
+  ``FailureConfig``), checkpointing to disk every ``--checkpoint-every`` steps; the same node kill.
 
-For each: ``kill_to_next_step_s`` = wall time from the kill to the end of the first step completed by the
-re-formed group (Meridian: the first step of the next epoch; Ray Train: the first step of the restarted
-worker group) — not merely the first step stamped after the kill, since the victim's processes can outlive
-the kill of their node by a few steps; step end times are stamped by the workers. ``steps_lost`` = the last
-step completed before the re-formation minus the step training resumed from (steps trained twice). Sides run
-one after the other, so their timings share the machine's state; on a loaded 2-core machine the absolute
-seconds move, the ratio less.
+``--back-after-s`` after the re-formed group's first step the node (process) comes back; each side stops once
+the returning worker trained a step, or ``--scale-up-timeout-s`` later (``--steps`` is only a cap). Every
+number comes from step records stamped by the workers (:mod:`meridian.bench.recovery_measure` says what each
+measures). On a loaded 2-core machine the absolute seconds move; compare sides within one run.
 """
 
 from __future__ import annotations
@@ -29,22 +28,30 @@ import threading
 import time
 from typing import Any
 
+from meridian.bench.recovery_measure import WINDOW_S, Phases, recovery_metrics
+
 NAME = "recovery"
-HELP = "seconds from a node kill to the next training step, and steps lost: Meridian vs Ray Train's elastic path"
+HELP = "node kill → next step, steps lost, throughput after, scale-up: Meridian vs torchft vs Ray Train elastic"
+SIDES = ("meridian", "torchft", "ray_train_elastic")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dcs", type=int, default=2)
     p.add_argument("--nodes-per-dc", type=int, default=2)
     p.add_argument("--model", default="nano", help="model preset (default: nano)")
-    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--steps", type=int, default=20_000, help="a cap: each side stops once it measured the scale-up")
     p.add_argument("--kill-at-step", type=int, default=20)
+    p.add_argument("--kill-after-s", type=float, default=30.0,
+                   help="and no sooner than this long after the first step (the pre-kill throughput's window)")
+    p.add_argument("--back-after-s", type=float, default=WINDOW_S,
+                   help="the node returns this long after the re-formed group's first step (the throughput window)")
+    p.add_argument("--scale-up-timeout-s", type=float, default=180.0)
     p.add_argument("--global-batch", type=int, default=12)
     p.add_argument("--micro-batch", type=int, default=2)
     p.add_argument("--checkpoint-every", type=int, default=10, help="the baseline's disk checkpoint interval")
     p.add_argument("--rounds", type=int, default=1)
-    p.add_argument("--skip-baseline", action="store_true")
-    p.add_argument("--timeout-s", type=float, default=600.0, help="give up on one side after this long")
+    p.add_argument("--sides", nargs="+", choices=SIDES, default=list(SIDES))
+    p.add_argument("--timeout-s", type=float, default=900.0, help="give up on one side after this long")
 
 
 def _cluster(args: argparse.Namespace):
@@ -55,27 +62,20 @@ def _cluster(args: argparse.Namespace):
     # The dashboard is on for both sides: the baseline finds a worker's node through the state API.
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 0, "include_dashboard": True, "_system_config": FAST_FAILURE_DETECTION})
-    nodes = [cluster.add_node(num_cpus=1, labels={"datacenter": f"dc-{chr(ord('a') + d)}"})
+    nodes = [cluster.add_node(num_cpus=1, labels={"datacenter": _dc(d)})
              for d in range(args.dcs) for _ in range(args.nodes_per_dc)]
     cluster.wait_for_nodes()
     return cluster, nodes
 
 
-def _measure(old: list[dict[str, Any]], new: list[dict[str, Any]], kill_time: float, resume_step: int) -> dict[str, Any]:
-    """``old``: the step records of the group that lost a node; ``new``: those of the group formed after,
-    which resumed from ``resume_step`` — a step the old group completed even where its record is missing
-    (Meridian's rank 0 reports a step one step late, so a break can swallow the last record)."""
-    if not new:
-        raise RuntimeError("no training step completed after the re-formation")
-    first = min(new, key=lambda r: r["time"])
-    last_old = max([r["step"] for r in old] + [resume_step])
-    return {
-        "kill_to_next_step_s": round(first["time"] - kill_time, 2),
-        "last_step_before_kill": max((r["step"] for r in old if r["time"] <= kill_time), default=0),
-        "last_step_before_reforming": last_old,
-        "resumed_from_step": resume_step,
-        "steps_lost": max(0, last_old - resume_step),
-    }
+def _dc(d: int) -> str:
+    return f"dc-{chr(ord('a') + d)}"
+
+
+def _tokens_per_step(args: argparse.Namespace) -> int:
+    from meridian.workers.contracts.model_config import model_preset
+
+    return args.global_batch * model_preset(args.model).seq_len
 
 
 # -- Meridian -------------------------------------------------------------------------------------------------
@@ -86,6 +86,7 @@ def _meridian(args: argparse.Namespace) -> dict[str, Any]:
     from meridian.service.core import MeridianService, ServiceConfig
 
     cluster, nodes = _cluster(args)
+    full = args.dcs * args.nodes_per_dc
     service = MeridianService(ServiceConfig(data_dir=tempfile.mkdtemp(prefix="meridian-bench-"),
                                             ray_address=cluster.address, poll_interval_s=0.2)).start()
     try:
@@ -97,35 +98,72 @@ def _meridian(args: argparse.Namespace) -> dict[str, Any]:
             if r.status_code != 201:
                 raise RuntimeError(f"the job was refused: {r.text}")
             job_id = r.json()["id"]
-            deadline = time.monotonic() + args.timeout_s
-            job = _wait(api, job_id, lambda j: (j["progress"]["step"] or 0) >= args.kill_at_step, deadline)
-            victim = next(p for p in job["placement"] if p["rank"] != 0 and p["datacenter"] == "dc-a")
-            kill_time = time.time()
-            cluster.remove_node(next(n for n in nodes if n.node_id == victim["node_id"]), allow_graceful=False)
-            job = _wait(api, job_id, lambda j: j["state"] in ("succeeded", "failed", "cancelled"), deadline)
-            if job["state"] != "succeeded":
-                raise RuntimeError(f"the Meridian job ended {job['state']}: {job['message']}")
-            events = api.get(f"/v1/jobs/{job_id}/events").json()["events"]
-            formed = [e["data"] for e in events if e["kind"] == "epoch_formed" and e["data"]["epoch"] == 2]
-            records = api.get(f"/v1/jobs/{job_id}/metrics").json()["points"]
-            old = [r for r in records if r.get("epoch", 1) < 2]
-            new = [r for r in records if r.get("epoch", 1) >= 2]
-            out = _measure(old, new, kill_time, formed[0]["resume_step"])
-            out["workers_after"] = formed[0]["datacenters"]
-            out["final_loss"] = job["result"]["final_loss"]
+            log = _MeridianLog(api, job_id, full)
+            phases, deadline = Phases(args, full), time.monotonic() + args.timeout_s
+            victim_dc = _dc(args.dcs - 1)
+            while (action := phases.next_action(log.records())) != "done":
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the Meridian side did not finish within {args.timeout_s:.0f} s")
+                job = api.get(f"/v1/jobs/{job_id}").json()
+                if job["state"] in ("failed", "cancelled", "succeeded"):
+                    if job["state"] != "succeeded":
+                        raise RuntimeError(f"the Meridian job ended {job['state']}: {job['message']}")
+                    break
+                if action == "kill":
+                    victim = next(p for p in job["placement"] if p["rank"] != 0 and p["datacenter"] == victim_dc)
+                    phases.killed()
+                    cluster.remove_node(next(n for n in nodes if n.node_id == victim["node_id"]), allow_graceful=False)
+                elif action == "back":
+                    phases.came_back()
+                    cluster.add_node(num_cpus=1, labels={"datacenter": victim_dc})
+                time.sleep(0.5)
+            api.delete(f"/v1/jobs/{job_id}")
+            formed = [e for e in log.epochs if e["epoch"] == 2]
+            if phases.kill_time is None or not formed:
+                raise RuntimeError("the Meridian job never re-formed after the kill")
+            out = recovery_metrics(log.records(), kill_time=phases.kill_time, full_workers=full,
+                                   survivors=full - 1, tokens_per_step=_tokens_per_step(args),
+                                   resume_step=formed[0]["resume_step"], back_time=phases.back_time)  # fmt: skip
+            out["after_kill_s"] = log.timeline(phases.kill_time, phases.back_time)
+            out["cpu_from_kill_to_return"] = phases.cpu_report()
+            if phases.back_time is not None:
+                out["after_back_s"] = log.timeline(phases.back_time, None)
             return out
     finally:
         service.stop()
         cluster.shutdown()
 
 
-def _wait(api: Any, job_id: str, ok: Any, deadline: float) -> dict[str, Any]:
-    while time.monotonic() < deadline:
-        job = api.get(f"/v1/jobs/{job_id}").json()
-        if ok(job) or job["state"] in ("failed", "cancelled"):
-            return job
-        time.sleep(0.2)
-    raise RuntimeError(f"timed out waiting for job {job_id} ({job['state']}, step {job['progress']['step']})")
+class _MeridianLog:
+    """The job's step records (from the API, fetched incrementally), each with its epoch's worker count."""
+
+    def __init__(self, api: Any, job_id: str, full: int) -> None:
+        self.api, self.job_id, self.full = api, job_id, full
+        self._points: dict[tuple[int, int], dict[str, Any]] = {}
+        self._event_cursor = 0
+        self.epochs: list[dict[str, Any]] = []
+        self.events: list[tuple[str, float]] = []
+
+    def records(self) -> list[dict[str, Any]]:
+        after = max((s for _, s in self._points), default=0)
+        for p in self.api.get(f"/v1/jobs/{self.job_id}/metrics", params={"after_step": max(0, after - 5)}).json()["points"]:
+            self._points[(p.get("epoch", 1), p["step"])] = p
+        for e in self.api.get(f"/v1/jobs/{self.job_id}/events", params={"after": self._event_cursor}).json()["events"]:
+            self._event_cursor = max(self._event_cursor, e["id"])
+            self.events.append((e["kind"], e["time"]))
+            if e["kind"] == "epoch_formed":
+                self.epochs.append(e["data"])
+        size = {e["epoch"]: len(e["datacenters"]) for e in self.epochs}
+        # (a record's time is the wall clock of the rank that reported it; so is the kill's: one host)
+        return [{"step": s, "time": p["time"], "workers": size.get(ep, self.full)} for (ep, s), p in self._points.items()]
+
+    def timeline(self, since: float, until: float | None) -> dict[str, float]:
+        """Seconds from ``since`` to the first event of each kind before ``until``: where the time went."""
+        out: dict[str, float] = {}
+        for kind, at in self.events:
+            if at >= since and (until is None or at < until) and kind not in out:
+                out[kind] = round(at - since, 2)
+        return out
 
 
 # -- Ray Train's elastic path -----------------------------------------------------------------------------
@@ -140,8 +178,8 @@ class _StepLog:
     def start(self, step: int) -> None:
         self.starts.append(step)
 
-    def step(self, step: int, at: float) -> None:
-        self.records.append({"step": step, "time": at, "group": len(self.starts)})
+    def step(self, step: int, at: float, world: int) -> None:
+        self.records.append({"step": step, "time": at, "group": len(self.starts), "workers": world})
 
     def get(self) -> tuple[list[dict[str, Any]], list[int]]:
         return self.records, self.starts
@@ -185,7 +223,7 @@ def _baseline_loop(config: dict[str, Any]) -> None:
         opt.step()
         done = step + 1
         if rank == 0:
-            log.step.remote(done, time.time())
+            log.step.remote(done, time.time(), world)
         if done % config["every"] == 0:
             with tempfile.TemporaryDirectory() as d:
                 if rank == 0:
@@ -220,72 +258,138 @@ def _ray_train_elastic(args: argparse.Namespace) -> dict[str, Any]:
         outcome: dict[str, Any] = {}
         fit = threading.Thread(target=lambda: outcome.setdefault("result", trainer.fit()), daemon=True)
         fit.start()
-        deadline = time.monotonic() + args.timeout_s
-        while time.monotonic() < deadline:
-            records, _ = ray.get(log.get.remote())
-            if records and records[-1]["step"] >= args.kill_at_step:
+        phases, deadline = Phases(args, workers), time.monotonic() + args.timeout_s
+        while (action := phases.next_action(ray.get(log.get.remote())[0])) != "done":
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"Ray Train's elastic side did not finish within {args.timeout_s:.0f} s")
+            if not fit.is_alive():
+                result = outcome.get("result")
+                if result is not None and result.error is not None:
+                    raise RuntimeError(f"Ray Train's elastic run failed: {result.error}")
                 break
-            time.sleep(0.2)
-        victim = _node_of_a_worker(nodes)
-        kill_time = time.time()
-        cluster.remove_node(victim, allow_graceful=False)
-        fit.join(max(1.0, deadline - time.monotonic()))
-        if fit.is_alive():
-            raise RuntimeError(f"Ray Train's elastic run did not finish within {args.timeout_s:.0f} s")
-        if outcome["result"].error is not None:
-            raise RuntimeError(f"Ray Train's elastic run failed: {outcome['result'].error}")
+            if action == "kill":
+                victim = _node_of_a_worker(nodes, nodes[-args.nodes_per_dc:])
+                phases.killed()
+                cluster.remove_node(victim, allow_graceful=False)
+            elif action == "back":
+                phases.came_back()
+                cluster.add_node(num_cpus=1, labels={"datacenter": _dc(args.dcs - 1)})
+            time.sleep(0.5)
         records, starts = ray.get(log.get.remote())
-        if len(starts) < 2:
+        if phases.kill_time is None or len(starts) < 2:
             raise RuntimeError("Ray Train's run finished without restarting its worker group after the kill")
-        old = [r for r in records if r["group"] < len(starts)]
-        new = [r for r in records if r["group"] == len(starts)]
-        return _measure(old, new, kill_time, starts[-1])
+        out = recovery_metrics(records, kill_time=phases.kill_time, full_workers=workers, survivors=workers - 1,
+                               tokens_per_step=_tokens_per_step(args), resume_step=starts[1],
+                               back_time=phases.back_time)  # fmt: skip
+        out["cpu_from_kill_to_return"] = phases.cpu_report()
+        return out
     finally:
         ray.shutdown()
         cluster.shutdown()
 
 
-def _node_of_a_worker(nodes: list[Any]) -> Any:
-    """A node running a training worker but not the Train controller (whose loss ends any Train run)."""
+def _node_of_a_worker(nodes: list[Any], preferred: list[Any]) -> Any:
+    """A node running a training worker but not the Train controller (whose loss ends any Train run), one of
+    ``preferred`` (the last datacenter's) if one is such a node: the baseline does not pin workers."""
     from ray.util.state import list_actors
 
     alive = list_actors(filters=[("state", "=", "ALIVE")], limit=10_000)
     busy = {a.node_id for a in alive if a.class_name == "RayTrainWorker"}
     controller = {a.node_id for a in alive if "Controller" in a.class_name}
-    return next(n for n in nodes if n.node_id in busy - controller)
+    candidates = [n for n in nodes if n.node_id in busy - controller]
+    return next((n for n in candidates if n in preferred), candidates[0])
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     if not 0 < args.kill_at_step < args.steps:
         raise ValueError(f"--kill-at-step must be between 1 and --steps - 1 (got {args.kill_at_step})")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    sides: dict[str, list[dict[str, Any]]] = {"meridian": []}
-    if not args.skip_baseline:
-        sides["ray_train_elastic"] = []
+    args.tokens_per_step = _tokens_per_step(args)
+    sides: dict[str, list[dict[str, Any]]] = {side: [] for side in SIDES if side in args.sides}
     for _ in range(args.rounds):
-        sides["meridian"].append(_meridian(args))
-        if not args.skip_baseline:
-            sides["ray_train_elastic"].append(_ray_train_elastic(args))
+        for side in sides:
+            sides[side].append(_isolated(side, args))
     report: dict[str, Any] = {
-        "setup": {"datacenters": args.dcs, "nodes_per_dc": args.nodes_per_dc, "model": args.model, "steps": args.steps,
-                  "kill_at_step": args.kill_at_step, "baseline_checkpoint_every": args.checkpoint_every},
+        "setup": {"datacenters": args.dcs, "nodes_per_dc": args.nodes_per_dc, "model": args.model,
+                  "global_batch": args.global_batch, "kill_at_step": args.kill_at_step, "kill_after_s": args.kill_after_s,
+                  "node_back_after_first_reformed_step_s": args.back_after_s,
+                  "baseline_checkpoint_every": args.checkpoint_every, "loadavg_at_start": _loadavg()},
+        "measures": {
+            "kill_to_next_step_s": "node kill → end of the first step trained by the re-formed (smaller) group",
+            "steps_lost": "last step completed before the re-formation − step the re-formed group resumed from",
+            "post_recovery_throughput_ratio": f"steps/s of the re-formed group over the {WINDOW_S:.0f} s after its first "
+                                              "step (or until the node returned: post_recovery_window_s) ÷ (steps/s "
+                                              "before the kill × surviving fraction); same tokens per step everywhere",
+            "scale_up_s": "node back → end of the first step trained by every worker again",
+        },
     }
-    for side, runs in sides.items():
-        report[side] = {
-            "kill_to_next_step_s": statistics.median(r["kill_to_next_step_s"] for r in runs),
-            "steps_lost": max(r["steps_lost"] for r in runs), "runs": runs,
-        }
-    if "ray_train_elastic" in report:
-        report["speedup"] = round(report["ray_train_elastic"]["kill_to_next_step_s"]
-                                  / report["meridian"]["kill_to_next_step_s"], 2)
+    for side, all_runs in sides.items():
+        runs = [r for r in all_runs if "error" not in r]
+        if not runs:
+            report[side] = {"error": all_runs[0]["error"], "runs": all_runs}
+            continue
+        report[side] = {key: _median([r[key] for r in runs]) for key in
+                        ("kill_to_next_step_s", "post_recovery_throughput_ratio", "scale_up_s")}
+        report[side]["steps_lost"] = max(r["steps_lost"] for r in runs)
+        report[side]["runs"] = runs
+    report["setup"]["loadavg_at_end"] = _loadavg()
     return report
 
 
+def _side(side: str, args: argparse.Namespace) -> dict[str, Any]:
+    if side == "meridian":
+        return _meridian(args)
+    if side == "torchft":
+        from meridian.bench.recovery_torchft import run_torchft
+
+        return run_torchft(args)
+    return _ray_train_elastic(args)
+
+
+def _isolated(side: str, args: argparse.Namespace) -> dict[str, Any]:
+    """One side in a fresh process: a Ray driver that crashes (measured once here: a segfault after the
+    baseline's kill) or torchft's native runtime cannot take the other sides' results with it. Each side's
+    result also goes to stderr as soon as it is known."""
+    import json
+    import sys
+    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
+    from multiprocessing import get_context
+
+    try:
+        with ProcessPoolExecutor(max_workers=1, mp_context=get_context("spawn")) as pool:
+            result = pool.submit(_side, side, args).result(timeout=args.timeout_s + 120)
+    except BrokenProcessPool as e:
+        result = {"error": f"the process running this side died ({e})"}
+    except Exception as e:  # noqa: BLE001 - one side failing must not lose the others' numbers
+        result = {"error": f"{type(e).__name__}: {e}"}
+    print(f"recovery bench, {side}: {json.dumps(result)}", file=sys.stderr, flush=True)
+    return result
+
+
+def _median(values: list[Any]) -> Any:
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
+
+
+def _loadavg() -> str:
+    try:
+        with open("/proc/loadavg") as f:
+            return f.read().strip()
+    except OSError:
+        return "unknown"
+
+
 def render(r: dict[str, Any]) -> str:
-    lines = [f"{'path':<20} {'kill→next step (s)':>19} {'steps lost':>11}"]
-    for side in ("meridian", "ray_train_elastic"):
-        if side in r:
-            lines.append(f"{side:<20} {r[side]['kill_to_next_step_s']:>19.2f} {r[side]['steps_lost']:>11}")
-    if "speedup" in r:
-        lines.append(f"Meridian recovers {r['speedup']}× faster")
+    def fmt(v: Any) -> str:
+        return "—" if v is None else f"{v}"
+
+    lines = [f"{'side':<20} {'kill→next step (s)':>19} {'steps lost':>11} {'throughput ratio':>17} {'scale-up (s)':>13}"]
+    for side in SIDES:
+        if side in r and "error" in r[side]:
+            lines.append(f"{side:<20} failed: {r[side]['error']}")
+        elif side in r:
+            x = r[side]
+            lines.append(f"{side:<20} {fmt(x['kill_to_next_step_s']):>19} {x['steps_lost']:>11} "
+                         f"{fmt(x['post_recovery_throughput_ratio']):>17} {fmt(x['scale_up_s']):>13}")
     return "\n".join(lines)

@@ -132,7 +132,9 @@ class MeridianService:
     def read_logs(self, placement: list[dict], offsets: dict[str, int] | None, *, tail_bytes: int,
                   ranks: set[int] | None = None) -> tuple[list[LogEntry], dict[str, int]]:
         """New worker log lines since ``offsets`` (see :class:`~meridian.service.cluster.logs.WorkerLogs`)."""
-        return self.worker_logs.read(placement, offsets, tail_bytes=tail_bytes, ranks=ranks)  # type: ignore[union-attr]
+        alive = {n.node_id for n in read_topology().alive_nodes}  # no read is pinned to a node that died
+        return self.worker_logs.read(placement, offsets, tail_bytes=tail_bytes, ranks=ranks,  # type: ignore[union-attr]
+                                     alive_nodes=alive)
 
     def topology(self) -> ClusterTopology:
         return read_topology()

@@ -19,3 +19,19 @@ def test_the_log_of_the_ranks_own_worker_is_read_even_when_its_pid_was_reused(tm
     assert text == "my job's line\n"
     (_, _, unknown), = logs.read_files_here([("0:out", 4242, "out", None, "../x")], 1024, 1024)
     assert unknown == "another job's secret\n"  # no usable id (an older worker): the newest file of the pid
+
+
+def test_no_read_is_pinned_to_a_node_that_died_and_a_first_read_names_it():
+    placement = [{"rank": 0, "node_id": "alive-node", "pid": 10, "ray_worker_id": "aa"},
+                 {"rank": 1, "node_id": "dead-node", "pid": 11, "ray_worker_id": "bb"},
+                 {"rank": 2, "node_id": "alive-node", "pid": 12}]
+    by_node, ranks_of, gone = logs.plan_reads(placement, {}, ranks=None, alive_nodes={"alive-node"})
+    assert set(by_node) == {"alive-node"}
+    assert sorted(ranks_of.values()) == [0, 0, 2, 2]
+    assert gone == [(1, "dead-node")]
+    assert {offset for _, _, _, offset, _ in by_node["alive-node"]} == {None}  # a first read: the tail
+    by_node, _, gone = logs.plan_reads(placement, {"0:out": 7}, ranks={0, 1}, alive_nodes={"alive-node"})
+    assert [(k, off) for k, _, _, off, _ in by_node["alive-node"]] == [("0:out", 7), ("0:err", 0)]
+    assert gone == [(1, "dead-node")]
+    by_node, _, gone = logs.plan_reads(placement, {}, ranks=None, alive_nodes=None)  # no view of the cluster
+    assert set(by_node) == {"alive-node", "dead-node"} and not gone

@@ -14,15 +14,17 @@ from __future__ import annotations
 import os
 import socket
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
-import torch
 
 from meridian.workers.contracts.config import TrainConfig
-from meridian.workers.contracts.records import StepRecord
-from meridian.workers.distributed.devices import backend_for
-from meridian.workers.elastic.agent import Agent
+from meridian.workers.elastic.standby import start_standby
+
+if TYPE_CHECKING:
+    import torch
+
+    from meridian.workers.contracts.records import StepRecord
 
 DATACENTER_LABEL = "datacenter"
 CALL_TIMEOUT_S = 60.0
@@ -44,6 +46,8 @@ class RunnerSink:
 
 
 def _device() -> torch.device:
+    import torch
+
     try:
         from ray.train.torch import get_device
 
@@ -76,8 +80,22 @@ def ray_train_entry(loop_config: dict[str, Any]) -> None:
     cfg = loop_config["config"]
     if not isinstance(cfg, TrainConfig):
         raise TypeError(f"train_loop_config['config'] must be a TrainConfig (pickled as is), got {type(cfg).__name__}")
-    runner = ray.get_actor(loop_config["runner_name"], namespace=loop_config["namespace"])
     rt = ray.get_runtime_context()
+    # The first training process starts before this one imports torch: its imports (seconds; most of a joining
+    # worker's start-up) run beside ours instead of after them. This module is torch-free to import for that.
+    standby = start_standby(rt.get_actor_id() or str(os.getpid()))
+    try:
+        _run(loop_config, cfg, rt, standby)
+    except BaseException:
+        standby.discard()
+        raise
+
+
+def _run(loop_config: dict[str, Any], cfg: TrainConfig, rt: Any, standby: Any) -> None:
+    from meridian.workers.distributed.devices import backend_for
+    from meridian.workers.elastic.agent import Agent
+
+    runner = ray.get_actor(loop_config["runner_name"], namespace=loop_config["namespace"])
     node_id = rt.get_node_id()
     dc = rt.get_node_labels().get(DATACENTER_LABEL)
     if not dc:
@@ -95,6 +113,7 @@ def ray_train_entry(loop_config: dict[str, Any]) -> None:
         cfg, _rendezvous_call(runner), worker_id=worker_id, datacenter=dc, node_id=node_id,
         address=ray.util.get_node_ip_address(), backend=backend_for(device), device=str(device),
         sink=RunnerSink(runner), on_event=lambda kind, message, data: runner.push_event.remote(kind, message, data),
+        standby=standby,
     )  # fmt: skip
     try:
         result = agent.run()

@@ -69,6 +69,30 @@ def read_files_here(wanted: list[tuple[str, int, str, int | None, str]], tail_by
     return out
 
 
+def plan_reads(
+    placement: list[dict[str, Any]], offsets: dict[str, int], *, ranks: set[int] | None, alive_nodes: set[str] | None,
+) -> tuple[dict[str, list[tuple[str, int, str, int | None, str]]], dict[str, int], list[tuple[int, str]]]:
+    """What to read on which node: ``(by node: (key, pid, stream, offset, ray worker id)), (key → rank),
+    [(rank, node) of ranks left out because their node is not alive]``. Empty ``offsets``: a first read (the
+    tail). Pure, so what is asked of which node is tested without Ray."""
+    first = not offsets
+    by_node: dict[str, list[tuple[str, int, str, int | None, str]]] = defaultdict(list)
+    ranks_of: dict[str, int] = {}
+    gone: list[tuple[int, str]] = []
+    for p in placement:
+        if ranks is not None and p["rank"] not in ranks or not p.get("pid"):
+            continue
+        if alive_nodes is not None and p["node_id"] not in alive_nodes:
+            gone.append((p["rank"], p["node_id"]))
+            continue
+        for stream in STREAMS:
+            key = f"{p['rank']}:{stream}"
+            ranks_of[key] = p["rank"]
+            by_node[p["node_id"]].append((key, p["pid"], stream, None if first else offsets.get(key, 0),
+                                          str(p.get("ray_worker_id") or "")))
+    return by_node, ranks_of, gone
+
+
 class WorkerLogs:
     """Reads a job's worker logs on the nodes where its ranks run."""
 
@@ -79,24 +103,16 @@ class WorkerLogs:
 
     def read(
         self, placement: list[dict[str, Any]], offsets: dict[str, int] | None, *, tail_bytes: int = 64 * 1024,
-        max_bytes: int = 256 * 1024, ranks: set[int] | None = None,
+        max_bytes: int = 256 * 1024, ranks: set[int] | None = None, alive_nodes: set[str] | None = None,
     ) -> tuple[list[LogEntry], dict[str, int]]:
-        """New log lines of every rank since ``offsets`` (``None``: the tail), and the offsets to pass next."""
+        """New log lines of every rank since ``offsets`` (``None``: the tail), and the offsets to pass next.
+        A rank on a node outside ``alive_nodes`` is not read (its logs died with it; a first read says so)."""
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         offsets = dict(offsets or {})
         first = not offsets
-        by_node: dict[str, list[tuple[str, int, str, int | None, str]]] = defaultdict(list)
-        ranks_of: dict[str, int] = {}
-        for p in placement:
-            if ranks is not None and p["rank"] not in ranks or not p.get("pid"):
-                continue
-            for stream in STREAMS:
-                key = f"{p['rank']}:{stream}"
-                ranks_of[key] = p["rank"]
-                by_node[p["node_id"]].append((key, p["pid"], stream, None if first else offsets.get(key, 0),
-                                              str(p.get("ray_worker_id") or "")))
+        by_node, ranks_of, gone = plan_reads(placement, offsets, ranks=ranks, alive_nodes=alive_nodes)
         refs = [
             self._read.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote(
                 wanted, tail_bytes, max_bytes)
@@ -111,6 +127,9 @@ class WorkerLogs:
                 f"could not read worker logs on nodes {sorted(n[:12] for n in by_node)} within {READ_TIMEOUT_S:.0f} s "
                 f"({type(e).__name__}); a node may be down — GET /v1/cluster shows which") from None
         entries: list[LogEntry] = []
+        if first:
+            entries += [LogEntry(rank, "err", f"(meridian: node {node[:12]} is no longer alive; this rank's logs "
+                                 "were on it)") for rank, node in gone]  # fmt: skip
         for result in results:
             for key, offset, text in result:
                 offsets[key] = offset

@@ -34,6 +34,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from meridian.service.cluster.topology import ClusterTopology, read_topology
 from meridian.service.planning.plan import Plan
+from meridian.service.runner.backoff import Backoff
 from meridian.service.runner.buffer import AckedBuffer
 from meridian.service.runner.coordinator import Coordinator
 from meridian.service.runner.metrics import JobMetricsState, RayJobMetrics
@@ -143,6 +144,8 @@ class JobRunner:
         self._nodes: dict[str, str] = {}
         self._finished_at = 0.0
         self._replacements: dict[str, Any] = {}  # actor id → handle of a worker started after a loss
+        # How often a replacement still starting is looked up, and how often a failing cluster read is retried.
+        self._asking = Backoff(initial_s=1.0, max_s=10.0)
 
     # -- called by the service ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -235,11 +238,21 @@ class JobRunner:
 
     # -- the cluster watch --------------------------------------------------------------------------------
     def _tick_loop(self) -> None:
+        said = ""
         while not self._done.wait(TICK_S):
+            if not self._asking.due("watch"):
+                continue  # the GCS failed to answer lately: ask it less often until it does
             try:
                 self._tick()
             except Exception as e:  # noqa: BLE001 - a slow GCS answer must not end the watch
-                self.push_event("watch_error", f"watching the cluster failed once: {e}")
+                self._asking.unchanged("watch")
+                if str(e) != said:  # once per distinct error, not every tick
+                    said = str(e)
+                    self.push_event("watch_error", f"watching the cluster failed: {e} (retrying, less often "
+                                    f"while it fails: next in {self._asking.delay('watch'):.0f} s)")
+            else:
+                self._asking.changed("watch")
+                said = ""
 
     def _tick(self) -> None:
         topo = read_topology()
@@ -273,7 +286,7 @@ class JobRunner:
         waiting = set(self.coordinator.status()["waiting"])
         if not waiting - members:
             self._replacements = {k: a for k, a in self._replacements.items()
-                                  if k not in members and _actor_alive(a)}  # started, not yet in an epoch
+                                  if k not in members and self._still_starting(k, a)}  # started, not yet in an epoch
         dc = replacement_datacenter(
             self.planned_per_dc, epoch.members, alive_nodes={n.node_id for n in topo.alive_nodes},
             pending=[d for d, _ in self._replacements.values()], newcomer_waiting=bool(waiting - members),
@@ -284,6 +297,17 @@ class JobRunner:
         dc_, actor = _start_replacement(self.name, self.train_config, dc, self.plan)
         self._replacements[actor._actor_id.hex()] = (dc_, actor)
         self.push_event("worker_replacing", f"capacity returned in {dc}: starting a worker there", {"datacenter": dc})
+
+    def _still_starting(self, key: str, handle: tuple[str, Any]) -> bool:
+        """Whether a replacement that has not joined yet still lives. Looked up at once, then ever less
+        often while it keeps starting (1, 2, 4, 8, 10 s), not every tick."""
+        if not self._asking.due(key):
+            return True
+        self._asking.unchanged(key)
+        alive = _actor_alive(handle)
+        if not alive:
+            self._asking.changed(key)
+        return alive
 
     # -- the fit thread ---------------------------------------------------------------------------------
     def _finish(self, state: RunnerState, error: str = "") -> None:
@@ -378,13 +402,15 @@ def worker_label_selectors(plan: Plan) -> list[dict[str, str]]:
 
 # -- replacement workers ---------------------------------------------------------------------------------
 def _actor_alive(handle: tuple[str, Any]) -> bool:
-    from ray.util.state import get_actor
+    """Asked of the GCS directly (one actor's row), not through the state API: that goes through the
+    dashboard, which clusters may run without and which shares the head's CPU with everything else."""
+    from ray._private.state import actors
 
     try:
-        info = get_actor(handle[1]._actor_id.hex(), timeout=5)
-    except Exception:  # noqa: BLE001 - the state API is busy: assume it lives, check again next tick
+        info = actors(actor_id=handle[1]._actor_id.hex())
+    except Exception:  # noqa: BLE001 - the GCS is busy: assume it lives, check again later
         return True
-    return info is not None and info.state != "DEAD"
+    return bool(info) and info.get("State") != "DEAD"
 
 
 def _has_room(topo: ClusterTopology, dc: str, resources: dict[str, float]) -> bool:

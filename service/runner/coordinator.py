@@ -6,6 +6,12 @@ newcomer waits); each call returns within ``poll_s`` either an assignment for a 
 …", so no actor call blocks for long. Decisions come from :func:`meridian.service.runner.membership.decide`; the
 runner's ticker calls :meth:`tick` with Ray's view of live nodes so a member on a dead node is not waited
 for. Every formation and loss is reported through ``on_event``.
+
+Ray's view of a node is slow to change (3 s with the fast health checks of a cluster Meridian starts, 13 s
+with a ``ray start`` cluster's defaults). The evidence is often there sooner: when a member dies, its peers'
+collectives fail and they rejoin while it does not. From that moment (a re-formation is pending), the
+coordinator probes each member that has not rejoined (:mod:`meridian.service.runner.liveness`): whenever a
+worker rejoins and on every tick. A member whose process is gone is not waited for.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from meridian.service.runner.liveness import LivenessTracker
 from meridian.service.runner.membership import Epoch, Form, Member, MembershipState, Wait, decide
 from meridian.workers.contracts.rendezvous import Assignment, Finished, JoinReply, JoinRequest, Waiting
 
@@ -23,7 +30,8 @@ EventSink = Callable[[str, str, dict[str, Any]], None]
 
 class Coordinator:
     def __init__(self, *, planned_workers: int, min_workers: int, dc_order: tuple[str, ...], on_event: EventSink,
-                 grace_s: float = 5.0, start_timeout_s: float = 300.0, clock: Callable[[], float] = time.monotonic) -> None:
+                 grace_s: float = 5.0, start_timeout_s: float = 300.0, clock: Callable[[], float] = time.monotonic,
+                 liveness: LivenessTracker | None = None) -> None:
         self.state = MembershipState(planned_workers=planned_workers, min_workers=min_workers, dc_order=dc_order)
         self.on_event = on_event
         self.grace_s = grace_s
@@ -35,12 +43,17 @@ class Coordinator:
         self._alive_nodes: set[str] | None = None
         self.wait_reason = ""
         self.finished: set[str] = set()
+        self.liveness = liveness or LivenessTracker()
 
     # -- called by workers ------------------------------------------------------------------------------
     def join(self, request: JoinRequest, known_epoch: int = 0, poll_s: float = 2.0) -> JoinReply:
         """Register (or re-register) a worker; return its assignment in an epoch newer than ``known_epoch``,
         or :class:`Waiting` with the reason after ``poll_s`` (the worker calls again)."""
         wid = request.worker_id
+        with self._cond:
+            rejoining = self.state.epoch is not None and any(m.worker_id == wid for m in self.state.epoch.members)
+        if rejoining:
+            self._probe_silent(also=wid)  # outside the lock: a probe of an unreachable host takes its timeout
         with self._cond:
             if self.job_finished:
                 return Finished()  # a late worker (a replacement, one left out) has nothing to do
@@ -84,6 +97,7 @@ class Coordinator:
 
     # -- called by the runner ---------------------------------------------------------------------------
     def tick(self, alive_nodes: set[str]) -> None:
+        self._probe_silent()
         with self._cond:
             self._alive_nodes = alive_nodes
             self._decide_locked()
@@ -105,6 +119,24 @@ class Coordinator:
         return self.state.epoch
 
     # -- internals --------------------------------------------------------------------------------------
+    def _probe_silent(self, also: str = "") -> None:
+        """While a re-formation is pending (a member rejoined: ``also`` is one doing so now), probe the
+        members that have not rejoined; those found gone are not waited for."""
+        with self._cond:
+            e = self.state.epoch
+            if e is None or (self.state.first_rejoin_at is None and not also):
+                return
+            suspects = [(m.worker_id, m.address, m.probe_port) for m in e.members
+                        if m.worker_id not in self.state.waiting and m.worker_id != also]  # fmt: skip
+        found = self.liveness.check(suspects)
+        if found:
+            with self._cond:
+                for m in self.state.epoch.members if self.state.epoch else ():
+                    if m.worker_id in found:
+                        self.on_event("worker_gone", f"the worker in {m.datacenter} on node {m.node_id[:12]} is gone "
+                                      "(its process no longer answers): re-forming without it", {"worker_id": m.worker_id})
+                self._decide_locked()
+
     def _assignment_locked(self, wid: str, known_epoch: int) -> Assignment | None:
         e = self.state.epoch
         if e is None or e.number <= known_epoch or wid in self.state.waiting:
@@ -123,7 +155,7 @@ class Coordinator:
         alive = self._alive_nodes if self._alive_nodes is not None else {m.node_id for m in self.state.waiting.values()} | (
             {m.node_id for m in self.state.epoch.members} if self.state.epoch else set())
         decision = decide(self.state, self.clock(), alive_nodes=alive, grace_s=self.grace_s,
-                          start_timeout_s=self.start_timeout_s)
+                          start_timeout_s=self.start_timeout_s, gone=self.liveness.gone)
         if isinstance(decision, Wait):
             if decision.reason != self.wait_reason:
                 self.wait_reason = decision.reason

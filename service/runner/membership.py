@@ -7,7 +7,9 @@ why everyone must keep waiting. Pure functions: tested without Ray.
 
 Rules:
 - A new epoch forms when every live member of the current epoch has rejoined, or when the grace period
-  since the first rejoin has passed (a member that does not come back by then is treated as lost).
+  since the first rejoin has passed (a member that does not come back by then is treated as lost). A member
+  is not live when Ray reports its node dead or when its process is known gone (``gone``: its liveness port
+  refused a connection), whichever comes first.
 - Ranks are ordered by datacenter (the plan's datacenter order, then any new one), then by node (in the
   order nodes first had a member join), then by join order, so each datacenter's ranks are contiguous and so
   are each node's: a tensor-parallel group, pinned to one node, gets consecutive ranks. A datacenter with no
@@ -33,12 +35,15 @@ class Member:
     joined_at: float
     last_step: int = 0
     """Optimizer steps this worker has completed (its newest in-memory snapshot)."""
+    probe_port: int = 0
+    """Its agent's liveness port (:mod:`meridian.service.runner.liveness`); 0: it has none."""
 
     @classmethod
     def from_request(cls, request: JoinRequest, *, joined_at: float) -> Member:
         """The member a worker's join makes; ``joined_at``: when the coordinator first saw that worker."""
         return cls(worker_id=request.worker_id, datacenter=request.datacenter, node_id=request.node_id,
-                   address=request.address, joined_at=joined_at, last_step=request.last_step)
+                   address=request.address, joined_at=joined_at, last_step=request.last_step,
+                   probe_port=request.probe_port)
 
 
 @dataclass(frozen=True)
@@ -104,10 +109,11 @@ def _ordered(members: list[Member], dc_order: tuple[str, ...]) -> tuple[Member, 
 
 
 def decide(state: MembershipState, now: float, *, alive_nodes: set[str], grace_s: float,
-           start_timeout_s: float) -> Form | Wait | None:
+           start_timeout_s: float, gone: frozenset[str] | set[str] = frozenset()) -> Form | Wait | None:
     """``Form`` a new epoch, ``Wait`` (with why), or ``None`` when there is nothing to decide.
 
-    ``alive_nodes``: nodes Ray currently reports alive; a member on a dead node is not waited for.
+    ``alive_nodes``: nodes Ray currently reports alive; a member on a dead node is not waited for, nor is one
+    in ``gone`` (worker ids whose process is known to have ended).
     """
     if not state.waiting:
         return None
@@ -125,7 +131,7 @@ def decide(state: MembershipState, now: float, *, alive_nodes: set[str], grace_s
     old = {m.worker_id: m for m in current.members}
     back = [m for m in waiting if m.worker_id in old]
     new = [m for m in waiting if m.worker_id not in old]
-    reachable = [m for m in current.members if m.node_id in alive_nodes]
+    reachable = [m for m in current.members if m.node_id in alive_nodes and m.worker_id not in gone]
     if not back:
         if reachable:
             # Members are training: they re-form at their next step boundary (newcomers_waiting()).

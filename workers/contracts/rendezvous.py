@@ -26,6 +26,9 @@ class JoinRequest:
     """Where this worker hosts the store if it becomes rank 0: the same for every poll of one join."""
     last_step: int = 0
     """Optimizer steps this worker has completed (its newest in-memory snapshot)."""
+    probe_port: int = 0
+    """Where this worker's agent listens for as long as its process lives (0: nowhere); the coordinator
+    connects there to learn, without waiting for Ray, that a silent member is gone."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -17,13 +17,9 @@ coordinator, the progress sink and the event sink through the agent, over one pi
 
 from __future__ import annotations
 
-import contextlib
 import multiprocessing as mp
 import os
-import pickle
 import shutil
-import signal
-import sys
 import threading
 import traceback
 from collections.abc import Callable
@@ -33,7 +29,9 @@ import torch
 
 from meridian.workers.contracts.config import TrainConfig
 from meridian.workers.contracts.records import StepRecord
+from meridian.workers.elastic.liveness import LivenessListener
 from meridian.workers.elastic.protocol import KEEP_SNAPSHOTS, RESTART_EXIT_CODE
+from meridian.workers.elastic.standby import Standby, recv, send
 from meridian.workers.loop.records import TrainResult
 from meridian.workers.state.snapshot_paths import snapshot_dir
 from meridian.workers.state.snapshots import SnapshotStore
@@ -42,15 +40,6 @@ Call = Callable[..., Any]
 
 
 # -- the pipe between agent and child ----------------------------------------------------------------------
-def _send(conn: Any, message: Any) -> None:
-    # Plain pickle: a Connection's own pickler shares tensors by file descriptor, which dies with the sender.
-    conn.send_bytes(pickle.dumps(message))
-
-
-def _recv(conn: Any) -> Any:
-    return pickle.loads(conn.recv_bytes())
-
-
 class PipeClient:
     """The child's end: request/response calls (thread-safe) and one-way messages."""
 
@@ -60,15 +49,15 @@ class PipeClient:
 
     def call(self, method: str, *args: Any) -> Any:
         with self._lock:
-            _send(self.conn, ("call", method, args))
-            ok, value = _recv(self.conn)
+            send(self.conn, ("call", method, args))
+            ok, value = recv(self.conn)
         if not ok:
             raise RuntimeError(value)
         return value
 
     def tell(self, kind: str, *payload: Any) -> None:
         with self._lock:
-            _send(self.conn, (kind, *payload))
+            send(self.conn, (kind, *payload))
 
 
 class PipeSink:
@@ -82,27 +71,16 @@ class PipeSink:
         self.client.tell("beat", beat)
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    """If the agent is killed (its node dies), this process must not live on training alone."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
-        os._exit(1)
-
-
-def _child_main(conn: Any, cfg: TrainConfig, ids: dict[str, Any], store_dir: str, device: str, threads: int) -> None:
+def child_main(conn: Any, cfg: TrainConfig, ids: dict[str, Any], store_dir: str, device: str, threads: int) -> None:
     from meridian.workers.elastic.rendezvous import Rendezvous
     from meridian.workers.elastic.trainer import ElasticTrainer
 
-    _die_with_parent(ids["parent_pid"])
     torch.set_num_threads(threads)
     client = PipeClient(conn)
     rdzv = Rendezvous(
         client.call, worker_id=ids["worker_id"], datacenter=ids["datacenter"], node_id=ids["node_id"],
         address=ids["address"], backend=ids["backend"], collective_timeout_s=ids["collective_timeout_s"],
-        device=device,
+        device=device, probe_port=ids["probe_port"],
     )  # fmt: skip
     rdzv.epoch = ids["epoch"]
     trainer = ElasticTrainer(
@@ -110,6 +88,7 @@ def _child_main(conn: Any, cfg: TrainConfig, ids: dict[str, Any], store_dir: str
         device=torch.device(device), join_timeout_s=ids["join_timeout_s"],
         snapshots=SnapshotStore(ids["keep"], store_dir), exit_on_failure=True,
         on_epoch=lambda n: client.tell("epoch", n), keep_params=ids["keep_params"],
+        peak=ids["peak"], on_peak=lambda p: client.tell("peak", p),
     )  # fmt: skip
     try:
         result = trainer.run()
@@ -121,44 +100,6 @@ def _child_main(conn: Any, cfg: TrainConfig, ids: dict[str, Any], store_dir: str
     conn.close()
 
 
-def _standby_main(conn: Any, parent_pid: int) -> None:
-    """A training process that has started and imported everything, waiting for the agent's ``go``."""
-    import meridian.workers.elastic.rendezvous  # noqa: F401
-    import meridian.workers.elastic.trainer  # noqa: F401 - the heavy imports, paid for before they are needed
-
-    _die_with_parent(parent_pid)
-    try:
-        msg = _recv(conn)
-    except (EOFError, ConnectionResetError):
-        os._exit(0)  # the agent is done with us
-    if msg[0] != "go":
-        os._exit(0)
-    _, cfg, ids, store_dir, device, threads = msg
-    _child_main(conn, cfg, ids, store_dir, device, threads)
-
-
-class _Standby:
-    """A started training process and the agent's end of its pipe."""
-
-    def __init__(self, ctx: Any, worker_id: str) -> None:
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_standby_main, args=(child, os.getpid()), name=f"meridian-trainer-{worker_id}",
-                                daemon=True)  # fmt: skip
-        self.proc.start()
-        child.close()
-
-    def go(self, *args: Any) -> None:
-        _send(self.conn, ("go", *args))
-
-    def discard(self) -> None:
-        with contextlib.suppress(OSError):
-            self.conn.close()  # the standby reads EOF and exits
-        self.proc.join(5)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join(5)
-
-
 class Agent:
     """Runs the job's training in child processes until it finishes; restarts a child whose epoch broke."""
 
@@ -166,7 +107,7 @@ class Agent:
         self, cfg: TrainConfig, call: Call, *, worker_id: str, datacenter: str, node_id: str, address: str,
         backend: str | None = None, device: str = "cpu", sink: Any = None, on_event: Callable[..., None] | None = None,
         join_timeout_s: float = 600.0, collective_timeout_s: float = 300.0, threads: int | None = None,
-        max_restarts: int = 100, keep_params: bool = False,
+        max_restarts: int = 100, keep_params: bool = False, standby: Standby | None = None,
     ) -> None:  # fmt: skip
         self.cfg, self.call, self.sink = cfg, call, sink
         self.on_event = on_event or (lambda *a: None)
@@ -174,6 +115,7 @@ class Agent:
             "worker_id": worker_id, "datacenter": datacenter, "node_id": node_id, "address": address,
             "backend": backend, "collective_timeout_s": collective_timeout_s, "join_timeout_s": join_timeout_s,
             "keep": KEEP_SNAPSHOTS, "epoch": 0, "keep_params": keep_params, "parent_pid": os.getpid(),
+            "probe_port": 0, "peak": None,
         }  # fmt: skip
         self.device = device
         self.threads = threads or torch.get_num_threads()
@@ -181,12 +123,16 @@ class Agent:
         self.store_dir = snapshot_dir(cfg.job_id, worker_id)
         self.restarts = 0
         self._ctx = mp.get_context("spawn")
-        self._standby: _Standby | None = None
+        self._standby: Standby | None = standby
+        """The next training process, started and waiting; the caller may hand over one it started early."""
 
     def run(self) -> TrainResult | None:
         # A new agent holds no state: whatever lies in its folder was left by a killed worker of an earlier
         # run with the same job and worker id, and must not pass for this run's snapshots.
         shutil.rmtree(self.store_dir, ignore_errors=True)
+        # Lives as long as this process: the coordinator's proof that this worker is gone is a refused connect.
+        liveness = LivenessListener()
+        self.ids["probe_port"] = liveness.port
         try:
             while True:
                 current = self._take_standby()
@@ -200,12 +146,13 @@ class Agent:
                 if self.restarts > self.max_restarts:
                     raise RuntimeError(f"gave up after {self.max_restarts} restarts of the training process")
         finally:
+            liveness.close()
             if self._standby is not None:
                 self._standby.discard()
                 self._standby = None
             shutil.rmtree(self.store_dir, ignore_errors=True)
 
-    def _take_standby(self) -> _Standby:
+    def _take_standby(self) -> Standby:
         """The started standby (or, the first time or if it died, a new one), told to train now."""
         args = (self.cfg, dict(self.ids), self.store_dir, self.device, self.threads)
         standby, self._standby = self._standby, None
@@ -215,7 +162,7 @@ class Agent:
                 return standby
             except OSError:  # it died while waiting (killed, out of memory): start one now
                 standby.discard()
-        standby = _Standby(self._ctx, self.ids["worker_id"])
+        standby = Standby(self._ctx, self.ids["worker_id"])
         standby.go(*args)
         return standby
 
@@ -223,7 +170,7 @@ class Agent:
         """Relay the child's messages until it ends; ``("done", result)`` when training finished."""
         while True:
             try:
-                msg = _recv(conn)
+                msg = recv(conn)
             except (EOFError, ConnectionResetError):
                 return None  # the child exited (to be restarted, or it crashed: the exit code says)
             kind = msg[0]
@@ -233,14 +180,14 @@ class Agent:
                     reply = (True, self.call(method, *args))
                 except Exception as e:  # noqa: BLE001 - the child raises it
                     reply = (False, f"{type(e).__name__}: {e}")
-                _send(conn, reply)
+                send(conn, reply)
             elif kind == "progress":
                 if self.sink is not None:
                     self.sink.step(msg[1])
             elif kind == "beat":
                 if self._standby is None:
                     # The child trains: start the next one now, so its import never competes with a re-formation.
-                    self._standby = _Standby(self._ctx, self.ids["worker_id"])
+                    self._standby = Standby(self._ctx, self.ids["worker_id"])
                 rank_step = getattr(self.sink, "rank_step", None)
                 if rank_step is not None:
                     rank_step(msg[1])
@@ -248,6 +195,8 @@ class Agent:
                 self.on_event(*msg[1:])
             elif kind == "epoch":
                 self.ids["epoch"] = msg[1]
+            elif kind == "peak":
+                self.ids["peak"] = msg[1]  # the next training process reuses rank 0's device peak
             elif kind == "done":
                 return ("done", msg[1])
             elif kind == "error":

@@ -37,7 +37,8 @@ class JobFinished(Exception):
 
 class Rendezvous:
     def __init__(self, call: Call, *, worker_id: str, datacenter: str, node_id: str, address: str | None = None,
-                 backend: str | None = None, collective_timeout_s: float = 300.0, device: str = "cpu") -> None:
+                 backend: str | None = None, collective_timeout_s: float = 300.0, device: str = "cpu",
+                 probe_port: int = 0) -> None:
         self.call = call
         self.worker_id = worker_id
         self.datacenter = datacenter
@@ -47,6 +48,8 @@ class Rendezvous:
         self.backend = backend
         """``None``: per the device (:func:`meridian.workers.distributed.devices.backend_for`)."""
         self.collective_timeout_s = collective_timeout_s
+        self.probe_port = probe_port
+        """The agent's liveness port (:mod:`meridian.workers.elastic.liveness`), sent with every join."""
         self.epoch = 0
 
     def join(self, *, last_step: int, timeout_s: float, on_wait: Callable[[str], None] | None = None) -> Assignment:
@@ -57,7 +60,7 @@ class Rendezvous:
         # told the port of the poll before — a rank 0 hosting its store on a newer one would never be reached.
         port = free_port()
         request = JoinRequest(worker_id=self.worker_id, datacenter=self.datacenter, node_id=self.node_id,
-                              address=self.address, port=port, last_step=last_step)
+                              address=self.address, port=port, last_step=last_step, probe_port=self.probe_port)
         while True:
             reply = self.call("join", request, self.epoch)
             if isinstance(reply, Finished):

@@ -139,14 +139,18 @@ class TrainingLoop:
 
     def __init__(
         self, cfg: TrainConfig, *, sink: ProgressSink, device: torch.device | None = None, keep_params: bool = False,
-        on_failure: Callable[[Exception], None] | None = None,
+        on_failure: Callable[[Exception], None] | None = None, peak: DevicePeak | None = None,
+        on_peak: Callable[[DevicePeak], None] | None = None,
     ) -> None:  # fmt: skip
         self.cfg = cfg
         self.sink = sink
         self.device = device or torch.device("cpu")
         self.keep_params = keep_params
         self.on_failure = on_failure
-        self._peak: DevicePeak | None = None
+        self._peak: DevicePeak | None = peak
+        """Measured by an earlier training process of this worker, if any: a re-formed epoch's first step
+        does not wait for rank 0 to measure it again."""
+        self.on_peak = on_peak
 
     def run_epoch(self, membership: Membership, state: EpochState | None = None) -> EpochOutcome:
         """Train ``membership``'s epoch on this rank; every rank of the epoch's default group must call it."""
@@ -170,6 +174,8 @@ class TrainingLoop:
         service's); a sink without them (tests, benchmarks) does not pay for the measurement."""
         if self._peak is None and rank == 0 and getattr(self.sink, "rank_step", None) is not None:
             self._peak = measure_peak_flops(self.device)
+            if self.on_peak is not None:
+                self.on_peak(self._peak)
         return self._peak if rank == 0 else None
 
     def _train(self, replica: Replica, start: int, state: EpochState | None) -> EpochOutcome:

@@ -1,0 +1,114 @@
+"""The recovery benchmark's torchft side: the same model, data and kill as Meridian's, on torchft 0.2.
+
+Plain processes, no Ray (torchft does not need it): a lighthouse in this process and one replica group
+of one worker per slot (``--dcs`` × ``--nodes-per-dc`` processes, :mod:`meridian.bench.torchft_worker`).
+One replica group per worker is what torchft's design recommends for plain data parallelism with one
+process per node: the replica group is its unit of failure and of healing, so one group per node (here
+per worker) loses only that worker on a node's death, where one group per datacenter would drop the whole
+datacenter's group from the quorum until every one of its ranks is back. At ``--kill-at-step`` one
+worker of the last datacenter gets SIGKILL (its "node" dies with no grace); once the shrunk quorum has
+trained ``--back-after-s``, the worker is started again (the node is back) and heals from a peer; the
+side stops once that group trains again (or after ``--scale-up-timeout-s``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from meridian.bench.recovery_measure import Phases, recovery_metrics
+
+
+def _records(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip().endswith("}")]
+
+
+class _Workers:
+    def __init__(self, args: argparse.Namespace, lighthouse: str, folder: Path) -> None:
+        self.args, self.lighthouse, self.folder = args, lighthouse, folder
+        self.procs: dict[int, subprocess.Popen] = {}
+        self.dcs = [f"dc-{chr(ord('a') + d)}" for d in range(args.dcs) for _ in range(args.nodes_per_dc)]
+
+    def start(self, replica: int) -> None:
+        a = self.args
+        cmd = [sys.executable, "-m", "meridian.bench.torchft_worker", "--replica", str(replica),
+               "--datacenter", self.dcs[replica], "--lighthouse", self.lighthouse,
+               "--out", str(self.folder / f"replica-{replica}.jsonl"), "--model", a.model, "--steps", str(a.steps),
+               "--global-batch", str(a.global_batch), "--micro-batch", str(a.micro_batch)]  # fmt: skip
+        log = open(self.folder / f"replica-{replica}.log", "a")  # noqa: SIM115 - the child owns it
+        self.procs[replica] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ})
+
+    def kill(self, replica: int) -> None:
+        self.procs[replica].send_signal(signal.SIGKILL)
+        self.procs[replica].wait(10)
+
+    def failed(self) -> str | None:
+        for r, p in self.procs.items():
+            if p.poll() not in (None, 0, -signal.SIGKILL):
+                tail = (self.folder / f"replica-{r}.log").read_text()[-2000:]
+                return f"torchft replica {r} exited with {p.returncode}:\n{tail}"
+        return None
+
+    def stop(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+
+
+def run_torchft(args: argparse.Namespace) -> dict[str, Any]:
+    from torchft._torchft import LighthouseServer
+
+    folder = Path(tempfile.mkdtemp(prefix="meridian-bench-torchft-"))
+    # torchft's defaults for the quorum (join timeout, heartbeat timeout, tick); min_replicas=1 lets the
+    # quorum shrink to any number of survivors, as Meridian's min_workers=1 does.
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1)
+    n = args.dcs * args.nodes_per_dc
+    workers = _Workers(args, lighthouse.address(), folder)
+    watched = folder / "replica-0.jsonl"  # a group that is never killed: the job's step log
+    victim = n - 1  # a worker of the last datacenter
+    deadline = time.monotonic() + args.timeout_s
+
+    try:
+        for r in range(n):
+            workers.start(r)
+        while not all((folder / f"ready-{r}").exists() for r in range(n)):
+            if (why := workers.failed()) is not None or time.monotonic() > deadline:
+                raise RuntimeError(why or "torchft side: the workers did not start in time")
+            time.sleep(0.1)
+        (folder / "go").touch()
+        phases = Phases(args, n)
+        while (action := phases.next_action(_records(watched))) != "done":
+            if (why := workers.failed()) is not None:
+                raise RuntimeError(why)
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the torchft side did not finish within {args.timeout_s:.0f} s")
+            if action == "kill":
+                phases.killed()
+                workers.kill(victim)
+            elif action == "back":
+                phases.came_back()
+                workers.start(victim)
+            time.sleep(0.2)
+        if phases.kill_time is None:
+            raise RuntimeError("the torchft side finished before the kill")
+        out = recovery_metrics(_records(watched), kill_time=phases.kill_time, full_workers=n, survivors=n - 1,
+                               tokens_per_step=args.tokens_per_step, back_time=phases.back_time)  # fmt: skip
+        out["cpu_from_kill_to_return"] = phases.cpu_report()
+        out["runs_on"] = "plain processes, no Ray: a torchft lighthouse and one replica group per worker"
+        out["replica_groups"] = n
+        out["killed"] = f"SIGKILL of replica group {victim}'s process (in {workers.dcs[victim]})"
+        return out
+    finally:
+        workers.stop()
+        lighthouse.shutdown()

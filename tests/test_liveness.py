@@ -1,0 +1,129 @@
+"""Detecting a dead member without Ray: the agent's liveness port, the probe, and the coordinator re-forming
+as soon as a silent member's process is known gone (deterministic fakes for the probe; real sockets for the
+port itself)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from meridian.service.runner.coordinator import Coordinator
+from meridian.service.runner.liveness import LivenessTracker, Probe, probe
+from meridian.service.runner.membership import Epoch, Member, MembershipState, decide
+from meridian.workers.contracts.rendezvous import Assignment, JoinRequest
+from meridian.workers.elastic.liveness import LivenessListener
+
+
+def test_the_port_answers_while_the_listener_lives_and_refuses_after():
+    listener = LivenessListener("127.0.0.1")
+    try:
+        assert probe("127.0.0.1", listener.port) is Probe.ALIVE
+        assert probe("127.0.0.1", listener.port) is Probe.ALIVE  # one connection does not use it up
+    finally:
+        listener.close()
+    assert probe("127.0.0.1", listener.port) is Probe.GONE
+
+
+def test_refused_is_gone_at_once_unreachable_only_when_repeated_and_an_answer_resets_it():
+    answers = {"a": [Probe.GONE], "b": [Probe.UNREACHABLE, Probe.ALIVE, Probe.UNREACHABLE, Probe.UNREACHABLE],
+               "c": [Probe.ALIVE] * 4}
+    asked: list[str] = []
+
+    def fake(address, port):
+        asked.append(address)
+        return answers[address].pop(0)
+
+    t = LivenessTracker(probe_fn=fake)
+    suspects = [("wa", "a", 1), ("wb", "b", 2), ("wc", "c", 3), ("wz", "z", 0)]
+    assert t.check(suspects) == {"wa"}
+    assert t.check(suspects) == set()  # b answered this time
+    assert t.check(suspects) == set()  # one miss
+    assert t.check(suspects) == {"wb"}  # two in a row
+    assert t.gone == {"wa", "wb"}
+    assert "z" not in asked  # a worker without a port is never probed
+    assert asked.count("a") == 1  # nor one already known gone
+
+
+def _m(i, dc, port=0):
+    return Member(worker_id=f"w{i}", datacenter=dc, node_id=f"n{i}", address=f"10.0.0.{i}", joined_at=float(i),
+                  last_step=5, probe_port=port)
+
+
+def test_decide_does_not_wait_for_a_member_known_gone_although_its_node_looks_alive():
+    members = tuple(_m(i, dc) for i, dc in enumerate(["dc-a", "dc-a", "dc-b", "dc-b"]))
+    state = MembershipState(planned_workers=4, min_workers=1, dc_order=("dc-a", "dc-b"),
+                            epoch=Epoch(1, members, resume_step=0), first_rejoin_at=100.0)
+    state.waiting = {m.worker_id: m for m in members if m.worker_id != "w3"}
+    alive = {"n0", "n1", "n2", "n3"}
+    assert type(decide(state, 101.0, alive_nodes=alive, grace_s=30, start_timeout_s=1)).__name__ == "Wait"
+    form = decide(state, 101.0, alive_nodes=alive, grace_s=30, start_timeout_s=1, gone={"w3"})
+    assert [m.worker_id for m in form.epoch.members] == ["w0", "w1", "w2"]
+    assert [m.worker_id for m in form.lost] == ["w3"]
+
+
+def _request(i, dc, step=0):
+    return JoinRequest(worker_id=f"w{i}", datacenter=dc, node_id=f"n{i}", address=f"10.0.0.{i}", port=29500 + i,
+                       last_step=step, probe_port=40000 + i)
+
+
+def _join(coord, requests, known_epoch):
+    out: dict[str, Assignment] = {}
+
+    def go(r):
+        for _ in range(100):
+            a = coord.join(r, known_epoch=known_epoch, poll_s=0.1)
+            if isinstance(a, Assignment):
+                out[r.worker_id] = a
+                return
+
+    threads = [threading.Thread(target=go, args=(r,)) for r in requests]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    return out
+
+
+def _formed_coordinator(answer):
+    events: list[tuple] = []
+    probed: list[str] = []
+
+    def fake(address, port):
+        probed.append(address)
+        return answer(address)
+
+    c = Coordinator(planned_workers=4, min_workers=1, dc_order=("dc-a", "dc-b"), on_event=lambda *e: events.append(e),
+                    grace_s=30, liveness=LivenessTracker(probe_fn=fake))
+    dcs = ["dc-a", "dc-a", "dc-b", "dc-b"]
+    _join(c, [_request(i, dc) for i, dc in enumerate(dcs)], 0)
+    assert c.epoch.number == 1 and not probed  # nobody is probed while no re-formation is pending
+    return c, events, probed
+
+
+def test_survivors_re_form_at_once_when_the_silent_member_is_gone_though_ray_says_its_node_lives():
+    c, events, probed = _formed_coordinator(lambda address: Probe.GONE if address == "10.0.0.3" else Probe.ALIVE)
+    c.tick({"n0", "n1", "n2", "n3"})  # Ray still reports every node alive
+    out = _join(c, [_request(0, "dc-a", 7), _request(1, "dc-a", 7), _request(2, "dc-b", 7)], 1)
+    assert {a.world_size for a in out.values()} == {3} and {a.epoch for a in out.values()} == {2}
+    assert {a.resume_step for a in out.values()} == {7}
+    assert "10.0.0.3" in probed
+    kinds = [e[0] for e in events]
+    assert "worker_gone" in kinds and kinds.index("worker_gone") < len(kinds) - 1 - kinds[::-1].index("epoch_formed")
+
+
+def test_a_silent_member_that_still_answers_is_waited_for():
+    c, events, _ = _formed_coordinator(lambda address: Probe.ALIVE)
+    result: dict[str, Assignment] = {}
+    t = threading.Thread(target=lambda: result.update(_join(c, [_request(0, "dc-a", 7), _request(1, "dc-a", 7),
+                                                                 _request(2, "dc-b", 7)], 1)))
+    t.start()
+    for _ in range(200):  # until the three survivors are all waiting in the rendezvous
+        if len(c.status()["waiting"]) == 3:
+            break
+        time.sleep(0.05)
+    for _ in range(5):
+        c.tick({"n0", "n1", "n2", "n3"})
+    assert c.epoch.number == 1 and "worker_gone" not in [e[0] for e in events]
+    c.join(_request(3, "dc-b", 7), known_epoch=1, poll_s=0.1)  # it was only slow: everyone re-forms with it
+    t.join(20)
+    assert {a.world_size for a in result.values()} == {4}

@@ -1,0 +1,82 @@
+"""A started training process waiting for its agent's ``go``, and the pipe both speak; torch-free to import.
+
+Kept apart from :mod:`meridian.workers.elastic.agent` (which imports torch) so a worker can start its first
+standby before it imports torch itself: the child's imports (torch and the training stack, seconds) then
+run while the worker's own do, instead of after them. That is most of a joining worker's start-up, so it
+is most of a scale-up's time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import signal
+import sys
+from typing import Any
+
+
+def send(conn: Any, message: Any) -> None:
+    # Plain pickle: a Connection's own pickler shares tensors by file descriptor, which dies with the sender.
+    conn.send_bytes(pickle.dumps(message))
+
+
+def recv(conn: Any) -> Any:
+    return pickle.loads(conn.recv_bytes())
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """If the agent is killed (its node dies), this process must not live on training alone."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def _standby_main(conn: Any, parent_pid: int) -> None:
+    """A training process that has started and imported everything, waiting for the agent's ``go``."""
+    die_with_parent(parent_pid)
+    # The heavy imports (torch, the training stack), paid for before they are needed.
+    import meridian.workers.elastic.rendezvous  # noqa: F401
+    import meridian.workers.elastic.trainer  # noqa: F401
+    from meridian.workers.elastic.agent import child_main
+
+    try:
+        msg = recv(conn)
+    except (EOFError, ConnectionResetError):
+        os._exit(0)  # the agent is done with us
+    if msg[0] != "go":
+        os._exit(0)
+    _, cfg, ids, store_dir, device, threads = msg
+    child_main(conn, cfg, ids, store_dir, device, threads)
+
+
+class Standby:
+    """A started training process and the agent's end of its pipe."""
+
+    def __init__(self, ctx: Any, worker_id: str) -> None:
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_standby_main, args=(child, os.getpid()), name=f"meridian-trainer-{worker_id}",
+                                daemon=True)  # fmt: skip
+        self.proc.start()
+        child.close()
+
+    def go(self, *args: Any) -> None:
+        send(self.conn, ("go", *args))
+
+    def discard(self) -> None:
+        with contextlib.suppress(OSError):
+            self.conn.close()  # the standby reads EOF and exits
+        self.proc.join(5)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(5)
+
+
+def start_standby(worker_id: str) -> Standby:
+    """Start a standby now (spawned: a fresh interpreter, safe beside Ray's threads)."""
+    import multiprocessing as mp
+
+    return Standby(mp.get_context("spawn"), worker_id)
