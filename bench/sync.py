@@ -51,7 +51,7 @@ NAME = "sync"
 HELP = "train every sync strategy on local gloo processes behind an emulated WAN; step time, bytes, overlap"
 
 WARMUP_STEPS = 2
-WIRE_BYTES = {Compression.NONE: 4, Compression.BF16: 2, Compression.INT8: 1}
+WIRE_BYTES = {Compression.NONE: 4, Compression.BF16: 2, Compression.INT8: 1, Compression.INT4: 0.5}
 
 
 @dataclass(frozen=True)
