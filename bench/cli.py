@@ -17,6 +17,7 @@ from collections.abc import Iterator
 # name → module (imported lazily: a benchmark's heavy imports only load when it runs)
 BENCHMARKS: dict[str, str] = {
     "sync": "meridian.bench.sync",
+    "lowcomm": "meridian.bench.lowcomm",
     "scaling": "meridian.bench.scaling",
     "api": "meridian.bench.api",
     "consistency": "meridian.bench.consistency",

@@ -51,7 +51,7 @@ NAME = "sync"
 HELP = "train every sync strategy on local gloo processes behind an emulated WAN; step time, bytes, overlap"
 
 WARMUP_STEPS = 2
-WIRE_BYTES = {Compression.NONE: 4, Compression.BF16: 2, Compression.INT8: 1}
+WIRE_BYTES = {Compression.NONE: 4, Compression.BF16: 2, Compression.INT8: 1, Compression.INT4: 0.5}
 
 
 @dataclass(frozen=True)
@@ -104,7 +104,8 @@ def job_config(args: argparse.Namespace, sync: SyncConfig, datacenters: tuple[st
 def _run_rank(rank: int, world: int, rounds: int, configs: dict[str, TrainConfig]) -> dict:
     torch.set_num_threads(1)  # several ranks share this machine's cores
     out: dict[str, dict] = {
-        name: {"step_s": [], "overlap": [], "bytes": [], "loss_tail": [], "result": None} for name in configs
+        name: {"step_s": [], "compute_s": [], "overlap": [], "bytes": [], "loss_tail": [], "result": None}
+        for name in configs
     }
     for r in range(rounds):
         for name, cfg in configs.items():
@@ -113,6 +114,7 @@ def _run_rank(rank: int, world: int, rounds: int, configs: dict[str, TrainConfig
             timed = sink.records[WARMUP_STEPS:]
             o = out[name]
             o["step_s"] += [x.step_s for x in timed]
+            o["compute_s"] += [x.step_s - x.sync_wait_s for x in timed]
             o["overlap"] += [x.overlap_fraction for x in timed]
             o["bytes"].append(result.inter_dc_bytes_per_step)
             o["loss_tail"].append(statistics.mean(x.loss for x in sink.records[-5:]) if rank == 0 else None)
@@ -203,7 +205,24 @@ def run(args: argparse.Namespace) -> dict:
         "diloco": {"inner_steps": args.diloco_h, "fragments": args.fragments, "overlap_steps": args.overlap_steps,
                    "outer_lr": args.outer_lr, "outer_momentum": args.outer_momentum},
         "quality": quality(report),
+        "auto_choice": auto_choice(wan, params, len(dcs) // num_dcs, num_dcs, per_rank[0], args.bucket_mb),
     }
+
+
+def auto_choice(wan: WanConfig | None, params: int, per_dc: int, num_dcs: int, r0: dict, bucket_mb: float) -> dict | None:
+    """What the planner's ``auto`` picks for this link and the compute time of a step measured here (median
+    over every strategy's timed steps of step time minus time waiting for the sync)."""
+    if wan is None or num_dcs < 2:
+        return None
+    from meridian.service.planning.sync_choice import choose_sync
+
+    compute_s = statistics.median(x for r in r0.values() for x in r["compute_s"])
+    c = choose_sync(rtt_ms=wan.rtt_ms, gbps=wan.gbps, num_params=params, compute_s=compute_s, num_dcs=num_dcs,
+                    bucket_mb=bucket_mb)  # fmt: skip
+    d = c.diloco
+    return {"strategy": c.strategy.value, "compression": c.compression.value, "compute_s_measured": round(compute_s, 5),
+            "inner_steps": d.inner_steps if d else None, "fragments": d.fragments if d else None,
+            "overlap_steps": d.overlap_steps if d else None, "workers_per_dc": per_dc, "reason": c.explanation}  # fmt: skip
 
 
 def quality(report: dict) -> dict | None:

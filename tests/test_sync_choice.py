@@ -11,9 +11,16 @@ from meridian.service.jobs import JobRequest, TopologyRequest
 from meridian.service.planning.cost_model import Link
 from meridian.service.planning.figures import figures_for
 from meridian.service.planning.planner import default_figures, plan_job
-from meridian.service.planning.sync_choice import choose_sync, cross_dc_time
+from meridian.service.planning.sync_choice import (
+    FRAGMENTS,
+    MAX_H,
+    MIN_INNER_STEPS,
+    OUTER_BYTES_PER_PARAM,
+    choose_sync,
+    cross_dc_time,
+)
 from meridian.service.planning.train_config import build_train_config
-from meridian.workers.contracts.config import DiLoCoConfig, SyncConfig, SyncStrategy, WanConfig
+from meridian.workers.contracts.config import Compression, DiLoCoConfig, SyncConfig, SyncStrategy, WanConfig
 from meridian.workers.contracts.model_config import model_preset
 
 TINY = model_preset("tiny").num_params  # 0.8 M parameters: 3.3 MB of fp32
@@ -26,25 +33,44 @@ def test_fast_link_keeps_per_step_hierarchical_sync():
     assert "identical to one process" in c.explanation and "1 ms RTT / 100 Gbit/s" in c.explanation
 
 
-def test_slow_link_picks_diloco_with_h_that_amortises_the_sync():
-    # 21 ms RTT, 1 Gbit/s: one whole-model sync ≈ 10.5 ms + 28 ms; 45 ms of compute hides only 30 ms of it
+def test_slow_link_one_bucket_picks_diloco_with_4bit_deltas_and_h_that_amortises_the_sync():
+    # 21 ms RTT, 1 Gbit/s: per-step sync ≈ 10.5 ms + 28 ms; 45 ms of compute hides only 30 ms of it. The
+    # model is one 4 MiB bucket: nothing to stream, so plain DiLoCo with int4 outer deltas.
     c = choose_sync(rtt_ms=21, gbps=1, num_params=TINY, compute_s=0.045)
     sync_s = cross_dc_time(4 * TINY, rtt_ms=21, gbps=1, num_dcs=2)
-    assert c.outer_sync_s == pytest.approx(sync_s) and sync_s < 0.045
     assert c.har_exposed_s == pytest.approx(max(sync_s - 0.03, 0.0105))  # at least the last bucket's RTT/2
-    assert c.strategy is SyncStrategy.DILOCO
-    h = c.diloco.inner_steps
-    assert sync_s / h <= 0.05 * 0.045 < sync_s / (h - 1)  # the smallest H under half the 10% budget
-    assert f"H={h}" in c.explanation
+    assert c.strategy is SyncStrategy.DILOCO and c.compression is Compression.INT4
+    outer_s = cross_dc_time(OUTER_BYTES_PER_PARAM * TINY, rtt_ms=21, gbps=1, num_dcs=2)
+    assert c.outer_sync_s == pytest.approx(outer_s) and outer_s < sync_s / 2
+    assert c.diloco.inner_steps == MIN_INNER_STEPS  # the amortisation needs fewer: the evidence floor binds
+    assert f"H={MIN_INNER_STEPS}" in c.explanation and "4-bit" in c.explanation
+    # without the floor: the smallest H that keeps the averaged sync under half the 10% budget
+    h = choose_sync(rtt_ms=21, gbps=1, num_params=TINY, compute_s=0.045, min_inner_steps=1).diloco.inner_steps
+    assert outer_s / h <= 0.05 * 0.045 < outer_s / (h - 1)
 
 
-def test_very_slow_link_picks_streaming_diloco_with_fragments_and_overlap():
+def test_very_slow_link_picks_streaming_diloco_whose_overlap_covers_each_fragment_sync():
     c = choose_sync(rtt_ms=100, gbps=0.1, num_params=TINY, compute_s=0.05, bucket_mb=0.5)
-    assert c.strategy is SyncStrategy.STREAMING_DILOCO
+    assert c.strategy is SyncStrategy.STREAMING_DILOCO and c.compression is Compression.INT4
     cfg = c.diloco
-    sync_s = cross_dc_time(4 * TINY, rtt_ms=100, gbps=0.1, num_dcs=2)  # ≈ 0.32 s, over six steps of compute
-    assert cfg.fragments == 7  # ceil(0.32 / 0.05), under the 7 buckets of 0.5 MiB and H / 2
-    assert cfg.overlap_steps == 1 and cfg.inner_steps == 133 and sync_s / cfg.fragments < 0.05
+    assert cfg.fragments == FRAGMENTS and cfg.inner_steps % cfg.fragments == 0
+    frag_s = cross_dc_time(OUTER_BYTES_PER_PARAM * TINY / cfg.fragments, rtt_ms=100, gbps=0.1, num_dcs=2)
+    assert (cfg.overlap_steps - 1) * 0.05 < frag_s <= cfg.overlap_steps * 0.05  # the fewest steps that hide it
+    assert cfg.inner_steps == MIN_INNER_STEPS and cfg.overlap_steps < cfg.inner_steps // cfg.fragments
+    assert "evidence floor" in c.explanation and "x fewer inter-DC bytes" in c.explanation
+    DiLoCoConfig(**{f: getattr(cfg, f) for f in ("inner_steps", "fragments", "overlap_steps")})  # valid
+
+
+@pytest.mark.parametrize("params, bound", [(10**9, "link at most 50% busy"), (2 * 10**10, "largest H")])
+def test_a_huge_model_on_a_slow_link_raises_h_until_the_link_keeps_up_then_caps_it(params, bound):
+    c = choose_sync(rtt_ms=100, gbps=0.1, num_params=params, compute_s=0.5, bucket_mb=64)
+    cfg = c.diloco
+    assert c.strategy is SyncStrategy.STREAMING_DILOCO and cfg.inner_steps % cfg.fragments == 0
+    if "busy" in bound:
+        assert c.outer_sync_s <= 0.5 * cfg.inner_steps * 0.5 < c.outer_sync_s + 0.5 * cfg.fragments * 0.5
+        assert bound in c.explanation
+    else:
+        assert cfg.inner_steps == MAX_H and "capped at H=500" in c.explanation
     DiLoCoConfig(**{f: getattr(cfg, f) for f in ("inner_steps", "fragments", "overlap_steps")})  # valid
 
 
@@ -67,6 +93,10 @@ def test_planner_picks_diloco_on_a_measured_slow_link_and_hierarchical_on_a_fast
     assert "DiLoCo" in plan.explanation and plan.to_dict()["diloco"]["inner_steps"] == plan.diloco.inner_steps
     config = build_train_config("j1", _req(), plan, "")
     assert config.sync.strategy is plan.sync_strategy and config.sync.outer == plan.diloco
+    assert plan.compression is Compression.INT4 and config.sync.compression is Compression.INT4
+    assert plan.to_dict()["compression"] == "int4"
+    asked = _req(sync=SyncConfig(strategy=None, compression=Compression.INT8))  # the job's own encoding stays
+    assert build_train_config("j2", asked, plan_job(asked, topo, slow), "").sync.compression is Compression.INT8
     fast = replace(base, inter_dc=Link(0.0001, 100e9 / 8), inter_dc_known=True)
     assert not plan_job(_req(), topo, fast).sync_strategy.is_diloco  # per-step sync (flat is fastest here)
     # unmeasured default figures never trade exact per-step sync away

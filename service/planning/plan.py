@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from meridian.workers.contracts.config import DiLoCoConfig, SyncStrategy
+from meridian.workers.contracts.config import Compression, DiLoCoConfig, SyncStrategy
 from meridian.workers.contracts.fields import to_plain
 
 
@@ -28,6 +28,9 @@ class Plan:
     explanation: str
     diloco: DiLoCoConfig | None = None
     """H, fragments, overlap when ``sync_strategy`` is a DiLoCo one (:mod:`meridian.service.planning.sync_choice`)."""
+    compression: Compression | None = None
+    """The inter-DC encoding the planner chose with an ``auto`` DiLoCo pick (4-bit outer deltas); ``None``
+    keeps the request's ``sync.compression``."""
     resources_per_worker: dict[str, float] = field(default_factory=dict)
     tp: int = 1
     pp: int = 1
@@ -63,6 +66,7 @@ class Plan:
             "resources_per_worker": self.resources_per_worker,
             "sync_strategy": self.sync_strategy.value,
             "diloco": None if self.diloco is None else to_plain(self.diloco),
+            "compression": None if self.compression is None else self.compression.value,
             "estimate": self.estimate,
             "alternatives": list(self.alternatives),
             "explanation": self.explanation,

@@ -38,7 +38,7 @@ from meridian.service.planning.placement import (
 )
 from meridian.service.planning.plan import Plan
 from meridian.service.planning.sync_choice import SyncChoice, choose_sync
-from meridian.workers.contracts.config import DiLoCoConfig, SyncStrategy
+from meridian.workers.contracts.config import Compression, DiLoCoConfig, SyncStrategy
 
 
 def plan_job(request: JobRequest, topo: ClusterTopology, figures: Figures | None = None) -> Plan:
@@ -60,10 +60,13 @@ def plan_job(request: JobRequest, topo: ClusterTopology, figures: Figures | None
         )
     rank_dcs, rank_nodes = rank_placement(best, devices, {dc: list(topo.nodes_in(dc)) for dc in best.datacenters}, use_gpu)
     strategy, diloco, reason = _sync_for(request, best, choice)
+    # an auto DiLoCo pick brings its outer-delta encoding, unless the job asked for one
+    auto_diloco = choice is not None and strategy.is_diloco and strategy is choice.strategy
+    compression = choice.compression if auto_diloco and request.sync.compression is Compression.NONE else None
     return Plan(
         datacenters=best.datacenters, rank_datacenters=rank_dcs, use_gpu=use_gpu, sync_strategy=strategy,
         explanation=explain(best, feasible[1:], [c for c in cands if c.rejected], worker_unit(use_gpu)) + reason,
-        diloco=diloco, resources_per_worker={"CPU": CPUS_PER_WORKER, **({"GPU": 1.0} if use_gpu else {})},
+        diloco=diloco, compression=compression, resources_per_worker={"CPU": CPUS_PER_WORKER, **({"GPU": 1.0} if use_gpu else {})},
         tp=best.layout.tp, pp=best.layout.pp, schedule=request.parallelism.schedule,
         stages_span_dcs=best.layout.pp_spans_dcs, micro_batches=best.layout.micro_batches, rank_nodes=rank_nodes,
         estimate={k: round(v, 6) for k, v in best.estimate.to_dict().items()},

@@ -5,14 +5,18 @@ the same link arithmetic as :mod:`meridian.service.planning.cost_model`:
 
 - ``hierarchical`` while its inter-DC all-reduce hides behind backward (about 2/3 of the step's compute)
   well enough that the step slows by at most ``max_slowdown``: it keeps training identical to one process.
-- Otherwise ``diloco`` (Douillard et al. 2023, arXiv:2311.08105): an outer sync moves the same bytes as one
-  HAR step (each DC's fp32 copy of the model), but only every H steps; H is the smallest that brings the
-  averaged cost under half of ``max_slowdown`` (at most 500: the papers' range; quality drops beyond).
-- ``streaming-diloco`` (Douillard et al. 2025, arXiv:2501.18512) when one blocking outer sync would stall
-  for longer than a whole step: the model is cut into fragments whose all-reduce runs behind the next
-  inner step(s), so the link carries one fragment at a time instead of stalling compute.
+- Otherwise ``streaming-diloco`` (Douillard et al. 2025, arXiv:2501.18512) with 4-bit outer deltas and
+  error feedback, whenever the model fills at least two gradient buckets: ``fragments`` fragments, each
+  sync in flight behind ``overlap_steps`` inner steps, enough to cover the link's latency plus the
+  fragment's transfer, so compute never waits for the WAN. H is the largest of: the evidence floor
+  ``min_inner_steps`` (what ``meridian bench lowcomm`` measured to stay near per-step sync's loss while
+  cutting bytes 100×+), room for the overlap (H / fragments > overlap_steps), and the link's capacity (one
+  compressed model per H steps keeps the link at most half busy).
+- Plain ``diloco`` (Douillard et al. 2023, arXiv:2311.08105) when the model is one bucket (nothing to
+  stream): its blocking outer sync is amortised over H steps to under half of ``max_slowdown``.
 
-Never reads the cluster or the store: the planner passes what it measured or was told.
+H is capped at 500 (the papers' range; quality drops beyond). Never reads the cluster or the store: the
+planner passes what it measured or was told.
 """
 
 from __future__ import annotations
@@ -20,11 +24,18 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from meridian.workers.contracts.config import DiLoCoConfig, SyncStrategy
+from meridian.workers.contracts.config import Compression, DiLoCoConfig, SyncStrategy
 
 BYTES_FP32 = 4
 MAX_H = 500
 MIN_H = 4
+OUTER_COMPRESSION = Compression.INT4
+"""Outer deltas in 4 bits with error feedback: in ``bench lowcomm`` as close to per-step sync's loss as int8."""
+OUTER_BYTES_PER_PARAM = 0.5 + 4 / 128  # int4 nibbles plus one fp32 scale per 128-element block
+MIN_INNER_STEPS = 32
+"""Evidence floor for H (``bench lowcomm``): fewer inner steps buy little loss and cost bytes."""
+FRAGMENTS = 4
+LINK_BUSY_MAX = 0.5
 
 
 @dataclass(frozen=True)
@@ -37,6 +48,8 @@ class SyncChoice:
     """Estimated seconds per step the per-step inter-DC all-reduce would not hide."""
     outer_sync_s: float
     """Estimated seconds one whole-model sync across DCs takes on the link."""
+    compression: Compression = Compression.NONE
+    """Encoding of what crosses DCs (for DiLoCo: the outer deltas)."""
 
 
 def cross_dc_time(nbytes: float, *, rtt_ms: float, gbps: float, num_dcs: int) -> float:
@@ -60,6 +73,7 @@ def choose_sync(
     overlap: bool = True,
     bucket_mb: float = 4.0,
     max_slowdown: float = 0.10,
+    min_inner_steps: int = MIN_INNER_STEPS,
 ) -> SyncChoice:
     """Pick the data-parallel sync across DCs. ``compute_s``: one optimizer step's forward+backward time."""
     for name, value in (("gbps", gbps), ("num_params", num_params), ("compute_s", compute_s), ("max_slowdown", max_slowdown)):
@@ -80,25 +94,39 @@ def choose_sync(
                "training stays step-for-step identical to one process")
         return SyncChoice(SyncStrategy.HIERARCHICAL, None, f"Sync 'hierarchical' (chosen: {why}).", exposed, sync_s)
 
-    budget = max_slowdown / 2 * compute_s
-    h = min(MAX_H, max(MIN_H, math.ceil(sync_s / budget)))
-    capped = " (capped at the papers' largest H; the link stays the bottleneck)" if sync_s / budget > MAX_H else ""
+    buckets = max(1, math.ceil(model_bytes / (bucket_mb * 2**20)))
     head = (f"per-step sync would leave {exposed * 1e3:.0f} ms per step exposed ({exposed / compute_s:.0%} of "
             f"{step}) on {link} for {size}")
-    if sync_s <= compute_s:
+    wire = OUTER_BYTES_PER_PARAM * num_params
+    outer_s = cross_dc_time(wire, rtt_ms=rtt_ms, gbps=gbps, num_dcs=num_dcs)
+    fragments = min(FRAGMENTS, buckets)
+    if fragments < 2:
+        budget = max_slowdown / 2 * compute_s
+        h = min(MAX_H, max(min_inner_steps, math.ceil(outer_s / budget)))
+        capped = " (capped at the papers' largest H; the link stays the bottleneck)" if outer_s / budget > MAX_H else ""
         cfg = DiLoCoConfig(inner_steps=h)
-        why = (f"{head}; DiLoCo syncs the whole model once every H={h} steps ({sync_s * 1e3:.0f} ms each, "
-               f"{sync_s / h / compute_s:.1%} of a step on average){capped}")
-        return SyncChoice(SyncStrategy.DILOCO, cfg, f"Sync 'diloco' (chosen: {why}).", exposed, sync_s)
-
-    buckets = max(1, math.ceil(model_bytes / (bucket_mb * 2**20)))
-    fragments = max(1, min(math.ceil(sync_s / compute_s), buckets, h // 2))
-    # fragments <= H/2 leaves room for at least one step of overlap before a fragment's next sync
-    overlap_steps = min(max(1, math.ceil(sync_s / fragments / compute_s)), h // fragments - 1)
+        why = (f"{head}; the model fills one gradient bucket, so nothing can stream: DiLoCo syncs 4-bit outer "
+               f"deltas ({wire / 1e6:.2f} MB, {outer_s * 1e3:.0f} ms) once every H={h} steps, "
+               f"{outer_s / h / compute_s:.1%} of a step on average{capped}")
+        return SyncChoice(SyncStrategy.DILOCO, cfg, f"Sync 'diloco' (chosen: {why}).", exposed, outer_s,
+                          OUTER_COMPRESSION)
+    frag_s = cross_dc_time(wire / fragments, rtt_ms=rtt_ms, gbps=gbps, num_dcs=num_dcs)
+    overlap_steps = max(1, math.ceil(frag_s / compute_s))
+    h_overlap = fragments * (overlap_steps + 1)
+    h_link = math.ceil(outer_s / (LINK_BUSY_MAX * compute_s))
+    wanted = max(min_inner_steps, h_overlap, h_link)
+    h = min(MAX_H - MAX_H % fragments, math.ceil(wanted / fragments) * fragments)
+    capped = (f"; capped at H={h}, the papers' largest (H={wanted} would keep up): the link stays the "
+              "bottleneck and compute will wait for it" if h < wanted else "")
+    overlap_steps = min(overlap_steps, h // fragments - 1)
+    bounds = [(h_link, f"keeping the link at most {LINK_BUSY_MAX:.0%} busy"), (h_overlap, "room for the overlap"),
+              (min_inner_steps, f"the evidence floor H >= {min_inner_steps}")]
+    binding = max(bounds, key=lambda b: b[0])[1]
     cfg = DiLoCoConfig(inner_steps=h, fragments=fragments, overlap_steps=overlap_steps)
-    spread = (f"sends {fragments} fragments on a staggered schedule over H={h} steps" if fragments > 1 else
-              f"syncs every H={h} steps as one fragment (the model fills {buckets} gradient bucket(s); a smaller "
-              "sync.bucket_mb allows more fragments)")
-    why = (f"{head}; a whole-model sync would take {sync_s * 1e3:.0f} ms, longer than a step, so streaming "
-           f"DiLoCo {spread}, each sync in flight behind {overlap_steps} inner step(s){capped}")
-    return SyncChoice(SyncStrategy.STREAMING_DILOCO, cfg, f"Sync 'streaming-diloco' (chosen: {why}).", exposed, sync_s)
+    why = (f"{head}; streaming DiLoCo sends {fragments} fragments of 4-bit outer deltas with error feedback "
+           f"({wire / fragments / 1e6:.3f} MB, {frag_s * 1e3:.0f} ms each) on a staggered schedule over H={h} steps "
+           f"(set by {binding}), each in flight behind {overlap_steps} "
+           f"inner step(s) so compute does not wait for the link; {model_bytes * h / wire:.0f}x fewer inter-DC "
+           f"bytes than per-step sync{capped}")
+    return SyncChoice(SyncStrategy.STREAMING_DILOCO, cfg, f"Sync 'streaming-diloco' (chosen: {why}).", exposed,
+                      outer_s, OUTER_COMPRESSION)

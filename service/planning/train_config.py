@@ -15,7 +15,8 @@ def build_train_config(job_id: str, request: JobRequest, plan: Plan, checkpoint_
     sync strategy with its DiLoCo knobs, which resolves a request's ``sync.strategy=None``)."""
     return TrainConfig(
         job_id=job_id, model=request.model, data=request.data, optim=request.optim,
-        sync=replace(request.sync, strategy=plan.sync_strategy, diloco=plan.diloco), wan=request.wan,
+        sync=replace(request.sync, strategy=plan.sync_strategy, diloco=plan.diloco,
+                     compression=plan.compression or request.sync.compression), wan=request.wan,
         steps=request.steps, global_batch=request.global_batch, micro_batch=request.micro_batch,
         seed=request.seed, precision=request.precision, checkpoint_every=request.checkpoint_every,
         checkpoint_dir=checkpoint_dir, datacenters=plan.rank_datacenters,

@@ -36,6 +36,7 @@ class Compression(str, enum.Enum):
     NONE = "none"
     BF16 = "bf16"
     INT8 = "int8"  # per-chunk absmax quantisation with error feedback
+    INT4 = "int4"  # per-128-element absmax, 4 bits, error feedback (meant for DiLoCo's outer deltas)
 
 
 class Precision(str, enum.Enum):

@@ -4,6 +4,11 @@
 - :class:`Int8Codec`: one absmax scale per chunk, ``q = round(x / scale)`` in [-127, 127], 1 byte per
   element plus a 4-byte fp32 scale. int8 values cannot be summed on the wire (they overflow, and every
   sender has its own scale), so the receivers all-gather the payloads and sum after decoding.
+- :class:`Int4Codec`: blocks of ``INT4_BLOCK`` elements, one absmax scale each, ``q = round(x / scale)`` in
+  [-7, 7] packed two to a byte: ``0.5 + 4 / INT4_BLOCK`` bytes per element plus a 4-byte length header.
+  Like int8 it cannot be summed on the wire: receivers all-gather and sum after decoding. Meant for outer
+  DiLoCo deltas (streaming DiLoCo quantises them to 4 bits, Douillard et al. 2025, arXiv:2501.18512 §3),
+  where error feedback carries what one sync rounds away into the next.
 - :class:`ErrorFeedback`: keeps, per rank and per chunk, what the encoding lost (``x - decode(encode(x))``)
   and adds it to the next step's value of that chunk before encoding (Seide et al. 2014, "1-bit SGD";
   Karimireddy et al. 2019, "Error Feedback Fixes SignSGD"). Summed over steps, what was sent differs
@@ -20,7 +25,12 @@ from typing import Protocol
 import torch
 
 INT8_LEVELS = 127
+INT4_LEVELS = 7
+INT4_BLOCK = 128
+"""Elements per int4 scale: a smaller block follows the delta's local magnitude better, at 4 / BLOCK bytes
+per element more on the wire."""
 _SCALE_BYTES = 4  # one fp32 scale rides at the end of every int8 payload
+_HEADER_BYTES = 4  # int4: the element count (int32) leads the payload, so a payload decodes on its own
 
 
 class Codec(Protocol):
@@ -58,10 +68,56 @@ class Int8Codec:
 
     def decode_sum(self, gathered: torch.Tensor) -> torch.Tensor:
         """(k, n + 4) payloads of the k datacenters → their fp32 sum, added in row order on every rank."""
-        total = self.decode(gathered[0])
-        for row in gathered[1:]:
-            total += self.decode(row)
-        return total
+        return decode_sum(self, gathered)
+
+
+class Int4Codec:
+    """``[n (int32) | nibbles, two per byte | one fp32 scale per block]``; the last block is zero-padded.
+
+    Nibble ``q + 8`` (1…15) for ``q`` in [-7, 7]; the even element of a pair sits in the low nibble."""
+
+    def __init__(self, block: int = INT4_BLOCK) -> None:
+        if block < 2 or block % 2:
+            raise ValueError(f"int4 block must be an even number >= 2, got {block}")
+        self.block = block
+
+    def payload_bytes(self, n: int) -> int:
+        blocks = -(-n // self.block)
+        return _HEADER_BYTES + blocks * self.block // 2 + blocks * _SCALE_BYTES
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.float().reshape(-1)
+        n = x.numel()
+        blocks = -(-n // self.block)
+        padded = torch.zeros(blocks * self.block, dtype=torch.float32, device=x.device)
+        padded[:n] = x
+        rows = padded.view(blocks, self.block)
+        absmax = rows.abs().amax(dim=1, keepdim=True)
+        scale = torch.where(absmax > 0, absmax / INT4_LEVELS, torch.ones_like(absmax))
+        q = (torch.round(rows / scale).clamp_(-INT4_LEVELS, INT4_LEVELS) + 8).to(torch.uint8).view(-1, 2)
+        packed = q[:, 0] | (q[:, 1] << 4)
+        header = torch.tensor([n], dtype=torch.int32, device=x.device).view(torch.uint8)
+        return torch.cat([header, packed, scale.reshape(-1).view(torch.uint8)])
+
+    def decode(self, payload: torch.Tensor) -> torch.Tensor:
+        n = int(payload[:_HEADER_BYTES].clone().view(torch.int32))
+        blocks = -(-n // self.block)
+        body = payload[_HEADER_BYTES : _HEADER_BYTES + blocks * self.block // 2]
+        scales = payload[_HEADER_BYTES + body.numel() :].clone().view(torch.float32).view(blocks, 1)
+        q = torch.stack([body & 0x0F, body >> 4], dim=1).view(blocks, self.block).float() - 8
+        return (q * scales).reshape(-1)[:n]
+
+    def decode_sum(self, gathered: torch.Tensor) -> torch.Tensor:
+        """(k, payload) payloads of the k datacenters → their fp32 sum, added in row order on every rank."""
+        return decode_sum(self, gathered)
+
+
+def decode_sum(codec: Codec, gathered: torch.Tensor) -> torch.Tensor:
+    """Rows of ``gathered`` decoded and summed in row order, so every receiver gets bit-identical sums."""
+    total = codec.decode(gathered[0])
+    for row in gathered[1:]:
+        total += codec.decode(row)
+    return total
 
 
 class ErrorFeedback:

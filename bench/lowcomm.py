@@ -1,0 +1,260 @@
+"""``meridian bench lowcomm``: per-step sync against DiLoCo, streaming DiLoCo and torchft's DiLoCo, over
+thousands of steps on a far, slow link.
+
+Every strategy trains the same model from the same seed on the same samples for the same number of steps
+(equal tokens) on ``--dcs`` processes, one per datacenter (gloo), and is evaluated on the same held-out
+batches after its last step (for DiLoCo: rank 0's datacenter replica). Strategies run one after the other in
+the same processes, so machine load hits them alike only in expectation: the report carries the load
+average before and after.
+
+- ``har``: per-step hierarchical sync (``hierarchical``, gradient buckets synced behind backward, fp32);
+- ``diloco+int8|int4/H<h>``: Meridian's DiLoCo (:mod:`meridian.workers.sync.diloco`), outer deltas in int8 or
+  4 bits with error feedback (:mod:`meridian.workers.sync.compression`);
+- ``streaming-diloco+int8|int4/H<h>``: the same with ``--fragments`` fragments, each in flight behind
+  ``--overlap-steps`` inner steps;
+- ``torchft-diloco/H<h>``, ``torchft-streaming-diloco/H<h>``: torchft's ``DiLoCo``
+  (:mod:`meridian.bench.lowcomm_torchft`), same fragments, delay and merge weight.
+
+Per strategy, all measured: ``inter_dc_bytes_per_step`` (bytes handed to the collectives that cross DCs,
+summed over ranks, divided by steps), ``bytes_reduction_vs_har``, ``final_val_loss``, ``loss_gap_vs_har``
+(relative), ``wall_s`` (first step's start to last step's end on rank 0), ``compute_utilisation`` (1 − time
+blocked on inter-DC communication ÷ ``wall_s``). ``auto_choice`` is what the planner
+(:func:`meridian.service.planning.sync_choice.choose_sync`) picks for the link and the measured compute time
+of a step, with its reason. ``link`` says whether the link was the lab's or the application's emulator.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from meridian.bench.lowcomm_torchft import TorchftOuter, run_torchft
+from meridian.workers.contracts.config import (
+    Compression,
+    DiLoCoConfig,
+    OptimConfig,
+    SyncConfig,
+    SyncStrategy,
+    TrainConfig,
+    ValidationConfig,
+    WanConfig,
+)
+from meridian.workers.contracts.model_config import model_preset
+
+NAME = "lowcomm"
+HELP = "per-step sync vs DiLoCo / streaming DiLoCo (int8, int4) vs torchft's DiLoCo over 1000+ steps on a slow link"
+
+TAIL = 50  # training-loss steps averaged at the end
+
+
+@dataclass(frozen=True)
+class Strategy:
+    name: str
+    sync: SyncConfig | None = None
+    """Meridian's engine; ``None`` for torchft."""
+    torchft: TorchftOuter | None = None
+
+
+def strategies(args: argparse.Namespace) -> list[Strategy]:
+    common = {"bucket_mb": args.bucket_mb, "inter_dc_chunk_mb": args.chunk_mb}
+    out = [Strategy("har", SyncConfig(strategy=SyncStrategy.HIERARCHICAL, overlap=True, **common))]
+    for h in args.inner_steps:
+        outer = {"inner_steps": h, "outer_lr": args.outer_lr, "outer_momentum": args.outer_momentum}
+        plain = DiLoCoConfig(**outer)
+        streaming = DiLoCoConfig(fragments=args.fragments, overlap_steps=args.overlap_steps, mix_alpha=args.mix_alpha,
+                                 **outer)  # fmt: skip
+        for kind, strategy, cfg in (("diloco", SyncStrategy.DILOCO, plain),
+                                    ("streaming-diloco", SyncStrategy.STREAMING_DILOCO, streaming)):  # fmt: skip
+            for c in args.compression:
+                sync = SyncConfig(strategy=strategy, diloco=cfg, compression=Compression(c), **common)
+                out.append(Strategy(f"{kind}+{c}/H{h}", sync))
+        ft = {"outer_lr": args.outer_lr, "outer_momentum": args.outer_momentum}
+        out.append(Strategy(f"torchft-diloco/H{h}", torchft=TorchftOuter(h, **ft)))
+        out.append(Strategy(f"torchft-streaming-diloco/H{h}", torchft=TorchftOuter(
+            h, fragments=args.fragments, sync_delay=args.overlap_steps, alpha=args.mix_alpha, **ft)))  # fmt: skip
+    if args.strategies:
+        unknown = sorted(set(args.strategies) - {s.name for s in out})
+        if unknown:
+            raise ValueError(f"unknown --strategies {unknown}; choose from {[s.name for s in out]}")
+        out = [s for s in out if s.name in args.strategies or s.name == "har"]  # har is the baseline
+    return out
+
+
+def job_config(args: argparse.Namespace, sync: SyncConfig | None) -> TrainConfig:
+    datacenters = tuple(f"dc-{chr(ord('a') + i)}" for i in range(args.dcs))
+    return TrainConfig(
+        job_id="bench-lowcomm", model=model_preset(args.model), steps=args.steps, global_batch=args.global_batch,
+        micro_batch=args.micro_batch, datacenters=datacenters, sync=sync or SyncConfig(),
+        optim=OptimConfig(lr=args.lr, warmup_steps=args.warmup_steps), seed=args.seed,
+        wan=WanConfig(rtt_ms=args.rtt_ms, gbps=args.inter_dc_gbps),
+        validation=ValidationConfig(every_steps=args.steps, batches=args.val_batches),
+    )  # fmt: skip
+
+
+def _meridian(cfg: TrainConfig) -> dict[str, Any]:
+    from meridian.workers.loop.train import ListSink, train
+
+    sink = ListSink()
+    result = train(cfg, sink=sink)
+    recs = sink.records
+    if not recs:
+        return {}
+    return {
+        "step_s": [r.step_s for r in recs], "blocked_s": [r.sync_wait_s for r in recs],
+        # ``time`` is when each step finished (its loss sum was issued): the loop's wall, evaluation excluded
+        "loop_wall_s": recs[-1].time - recs[0].time + recs[0].step_s, "val_loss": recs[-1].val_loss,
+        "losses": [r.loss for r in recs], "inter_dc_bytes": result.inter_dc_bytes_per_step * cfg.steps,
+    }  # fmt: skip
+
+
+def _run_rank(rank: int, world: int, jobs: list[tuple[str, TrainConfig, TorchftOuter | None]], val_batches: int):
+    import torch
+
+    torch.set_num_threads(1)
+    out = {}
+    for name, cfg, outer in jobs:
+        t0 = time.perf_counter()
+        got = run_torchft(rank, cfg, outer, val_batches) if outer is not None else _meridian(cfg)
+        got["run_s"] = time.perf_counter() - t0
+        out[name] = got
+    return out if rank == 0 else None
+
+
+def summarise(name: str, s: Strategy, got: dict[str, Any], steps: int) -> dict[str, Any]:
+    blocked, wall = sum(got["blocked_s"]), got["loop_wall_s"]
+    row: dict[str, Any] = {
+        "engine": "torchft" if s.torchft else "meridian",
+        "inter_dc_bytes_per_step": round(got["inter_dc_bytes"] / steps, 1),
+        "final_val_loss": round(got["val_loss"], 5),
+        "train_loss_last50": round(statistics.mean(got["losses"][-TAIL:]), 5),
+        "wall_s": round(wall, 2),
+        "run_s": round(got["run_s"], 2),
+        "step_ms_mean": round(1000 * statistics.mean(got["step_s"]), 2),
+        "blocked_s": round(blocked, 3),
+        "compute_utilisation": round(1 - blocked / wall, 4),
+    }
+    if s.sync is not None and s.sync.strategy.is_diloco:
+        o = s.sync.outer
+        row.update(inner_steps=o.inner_steps, fragments=o.fragments, overlap_steps=o.overlap_steps,
+                   compression=s.sync.compression.value, outer_lr=o.outer_lr, outer_momentum=o.outer_momentum)  # fmt: skip
+    elif s.torchft is not None:
+        t = s.torchft
+        row.update(inner_steps=t.inner_steps, fragments=t.fragments, overlap_steps=t.sync_delay, compression="none",
+                   outer_lr=t.outer_lr, outer_momentum=t.outer_momentum, collective_calls=got["collective_calls"],
+                   commits=got["commits"])  # fmt: skip
+    return row
+
+
+def compare(report: dict[str, dict[str, Any]]) -> None:
+    """Ratios to per-step sync, and the issue's goals per strategy (torchft's best in the same run)."""
+    har = report["har"]
+    ft = [r for r in report.values() if r["engine"] == "torchft"]
+    for r in report.values():
+        r["bytes_reduction_vs_har"] = round(har["inter_dc_bytes_per_step"] / r["inter_dc_bytes_per_step"], 2)
+        r["loss_gap_vs_har"] = round((r["final_val_loss"] - har["final_val_loss"]) / har["final_val_loss"], 5)
+    for r in report.values():
+        if r["engine"] != "meridian" or r is har:
+            continue
+        r["goals"] = {
+            "bytes_100x": r["bytes_reduction_vs_har"] >= 100,
+            "loss_within_2pct": r["loss_gap_vs_har"] <= 0.02,
+            "utilisation_97pct": r["compute_utilisation"] >= 0.97,
+            "bytes_le_torchft": bool(ft) and all(r["inter_dc_bytes_per_step"] <= f["inter_dc_bytes_per_step"] for f in ft),
+            "loss_le_torchft": bool(ft) and r["final_val_loss"] <= min(f["final_val_loss"] for f in ft),
+        }  # fmt: skip
+
+
+def auto_choice(args: argparse.Namespace, params: int, per_rank: dict[str, Any], chosen: list[Strategy]) -> dict:
+    """The planner's pick for the link and the compute time of a step measured here (the median over the
+    first DiLoCo run's steps of step time minus blocked time: pure compute, data and optimizer)."""
+    from meridian.service.planning.sync_choice import choose_sync
+
+    ref = next((s.name for s in chosen if s.sync is not None and s.sync.strategy.is_diloco), "har")
+    got = per_rank[ref]
+    compute_s = statistics.median(a - b for a, b in zip(got["step_s"], got["blocked_s"], strict=True))
+    c = choose_sync(rtt_ms=args.rtt_ms, gbps=args.inter_dc_gbps, num_params=params, compute_s=compute_s,
+                    num_dcs=args.dcs, bucket_mb=args.bucket_mb)  # fmt: skip
+    d = c.diloco
+    return {
+        "link": {"rtt_ms": args.rtt_ms, "gbps": args.inter_dc_gbps}, "compute_s_measured": round(compute_s, 5),
+        "strategy": c.strategy.value, "compression": c.compression.value,
+        "inner_steps": d.inner_steps if d else None, "fragments": d.fragments if d else None,
+        "overlap_steps": d.overlap_steps if d else None, "reason": c.explanation,
+    }  # fmt: skip
+
+
+def loadavg() -> list[float]:
+    with open("/proc/loadavg") as f:
+        return [float(x) for x in f.read().split()[:3]]
+
+
+def run(args: argparse.Namespace) -> dict:
+    from meridian.bench.sync import count_params, measure_link
+    from meridian.workers.distributed.multiproc import run_processes
+
+    if args.dcs < 2:
+        raise ValueError("--dcs must be at least 2: the bench measures the link between datacenters")
+    chosen = strategies(args)
+    jobs = [(s.name, job_config(args, s.sync), s.torchft) for s in chosen]
+    load_before, t0 = loadavg(), time.perf_counter()
+    per_rank = run_processes(_run_rank, args.dcs, jobs, args.val_batches, timeout_s=args.timeout_s)[0]
+    total_s = time.perf_counter() - t0
+    report = {s.name: summarise(s.name, s, per_rank[s.name], args.steps) for s in chosen}
+    compare(report)
+    params = count_params(args.model)
+    return {
+        "command": "meridian bench lowcomm " + " ".join(sys.argv[3:] if sys.argv[1:3] == ["bench", NAME] else sys.argv[1:]),
+        "model": args.model, "params": params, "datacenters": args.dcs, "ranks_per_dc": 1, "steps": args.steps,
+        "global_batch": args.global_batch, "tokens_per_strategy": args.steps * args.global_batch * model_preset(args.model).seq_len,
+        "lr": args.lr, "warmup_steps": args.warmup_steps, "val_batches": args.val_batches,
+        "link": {"kind": "emulated", "rtt_ms": args.rtt_ms, "gbps": args.inter_dc_gbps,
+                 "measured": measure_link(WanConfig(rtt_ms=args.rtt_ms, gbps=args.inter_dc_gbps)),
+                 "note": "the application's WAN emulator (workers/wan) for Meridian; the same α–β model in "
+                         "bench/lowcomm_torchft.py for torchft; the lab's real link was not used"},
+        "strategies": report,
+        "auto_choice": auto_choice(args, params, per_rank, chosen),
+        "total_s": round(total_s, 1), "loadavg_before": load_before, "loadavg_after": loadavg(), "cpus": os.cpu_count(),
+    }  # fmt: skip
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dcs", type=int, default=2, help="datacenters, one rank each (default 2)")
+    p.add_argument("--rtt-ms", type=float, default=100.0, help="inter-DC round trip (default 100)")
+    p.add_argument("--inter-dc-gbps", type=float, default=0.1, help="inter-DC bandwidth (default 0.1)")
+    p.add_argument("--model", default="nano", help="model preset (default nano)")
+    p.add_argument("--steps", type=int, default=1024, help="optimizer steps per strategy (default 1024)")
+    p.add_argument("--global-batch", type=int, default=16, help="samples per step over all DCs (default 16)")
+    p.add_argument("--micro-batch", type=int, default=8, help="samples per forward/backward (default 8)")
+    p.add_argument("--lr", type=float, default=3e-3, help="inner AdamW peak learning rate (default 3e-3)")
+    p.add_argument("--warmup-steps", type=int, default=50, help="inner learning-rate warm-up (default 50)")
+    p.add_argument("--val-batches", type=int, default=16, help="held-out micro-batches evaluated (default 16)")
+    p.add_argument("--inner-steps", type=int, nargs="+", default=[32], help="DiLoCo H values (default 32)")
+    p.add_argument("--compression", nargs="+", default=["int8", "int4"], choices=["none", "bf16", "int8", "int4"],
+                   help="outer-delta encodings for Meridian's DiLoCo (default int8 int4)")  # fmt: skip
+    p.add_argument("--fragments", type=int, default=4, help="streaming fragments (default 4)")
+    p.add_argument("--overlap-steps", type=int, default=1, help="streaming: steps a sync is in flight (default 1)")
+    p.add_argument("--mix-alpha", type=float, default=0.5, help="streaming: local weight in the merge (default 0.5)")
+    p.add_argument("--outer-lr", type=float, default=0.7, help="outer Nesterov learning rate (default 0.7)")
+    p.add_argument("--outer-momentum", type=float, default=0.9, help="outer Nesterov momentum (default 0.9)")
+    p.add_argument("--bucket-mb", type=float, default=0.1, help="gradient bucket size (default 0.1: fragments)")
+    p.add_argument("--chunk-mb", type=float, default=1.0, help="inter-DC chunk size (default 1)")
+    p.add_argument("--strategies", nargs="*", default=[], help="run only these (har always runs)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout-s", type=float, default=3600.0, help="give up after this long (default 3600)")
+
+
+def render(result: dict) -> str:
+    head = (f"{result['model']} ({result['params']:,} params), {result['steps']} steps, link {result['link']['kind']} "
+            f"{result['link']['rtt_ms']} ms / {result['link']['gbps']} Gbit/s, load {result['loadavg_before']}")
+    rows = [head, f"{'strategy':<34}{'B/step':>12}{'x less':>9}{'val loss':>10}{'gap':>8}{'wall s':>9}{'util':>7}"]
+    for name, r in result["strategies"].items():
+        rows.append(f"{name:<34}{r['inter_dc_bytes_per_step']:>12,.0f}{r['bytes_reduction_vs_har']:>9.1f}"
+                    f"{r['final_val_loss']:>10.4f}{r['loss_gap_vs_har']:>8.2%}{r['wall_s']:>9.1f}{r['compute_utilisation']:>7.1%}")
+    a = result["auto_choice"]
+    rows.append(f"auto: {a['strategy']} H={a['inner_steps']} {a['compression']} — {a['reason']}")
+    return "\n".join(rows)  # fmt: skip
