@@ -132,6 +132,20 @@ def test_fragments_partition_the_parameters_and_each_syncs_once_per_cycle():
         SyncConfig(strategy=SyncStrategy.DILOCO, diloco=DiLoCoConfig(inner_steps=4, fragments=2))
 
 
+def test_warmup_syncs_every_fragment_on_the_short_cycle_then_switches_to_h():
+    sched = FragmentSchedule(inner_steps=12, fragments=2, overlap_steps=1, warmup_steps=8)  # short cycle: 4
+    started = {t: sched.starting(t) for t in range(1, 33) if sched.starting(t)}
+    # warm-up: fragment 0 after 2 steps of each 4-step cycle, fragment 1 after 4; then H = 12 from step 8
+    assert started == {2: [0], 4: [1], 6: [0], 8: [1], 14: [0], 20: [1], 26: [0], 32: [1]}
+    landed = {t: sched.landing(t) for t in range(1, 34) if sched.landing(t)}
+    assert landed == {t + 1: p for t, p in started.items()}  # each lands overlap_steps later, none skipped
+    assert sorted(p for _, p in sched.cycle(9)) == [0, 1]
+    with pytest.raises(ValueError, match="multiple of the warm-up's sync cycle"):
+        DiLoCoConfig(inner_steps=12, fragments=2, overlap_steps=1, warmup_steps=6)
+    plain = FragmentSchedule(inner_steps=8, fragments=1, warmup_steps=4)  # plain DiLoCo: every H/4 steps, then H
+    assert [t for t in range(1, 21) if plain.starting(t)] == [2, 4, 12, 20]
+
+
 def _streaming(rank, world):
     sync = _sync(SyncStrategy.STREAMING_DILOCO, inner_steps=6, fragments=3, overlap_steps=0, outer_momentum=0.9)
     e = _engine(rank, ("a", "a", "b", "b"), sync)

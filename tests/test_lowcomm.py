@@ -20,7 +20,7 @@ H = 4
 def test_torchft_and_meridian_diloco_agree_and_bytes_are_what_was_sent():
     args = build_parser().parse_args(
         ["lowcomm", "--steps", "16", "--inner-steps", str(H), "--compression", "none", "int4", "--rtt-ms", "10",
-         "--inter-dc-gbps", "1", "--val-batches", "2", "--warmup-steps", "2", "--fragments", "2",
+         "--inter-dc-gbps", "1", "--val-batches", "2", "--warmup-steps", "2", "--fragments", "2", "--overlap-steps", "1", "--diloco-warmup-steps", "0",
          "--strategies", f"diloco+none/H{H}", f"diloco+int4/H{H}", f"torchft-diloco/H{H}"]
     )  # fmt: skip
     out = run(args)

@@ -59,6 +59,10 @@ def test_very_slow_link_picks_streaming_diloco_whose_overlap_covers_each_fragmen
     assert cfg.inner_steps == MIN_INNER_STEPS and cfg.overlap_steps < cfg.inner_steps // cfg.fragments
     assert "evidence floor" in c.explanation and "x fewer inter-DC bytes" in c.explanation
     DiLoCoConfig(**{f: getattr(cfg, f) for f in ("inner_steps", "fragments", "overlap_steps")})  # valid
+    assert cfg.warmup_steps == 0  # the job's length unknown: no warm-up
+    warm = choose_sync(rtt_ms=100, gbps=0.1, num_params=TINY, compute_s=0.05, bucket_mb=0.5, steps=1000).diloco
+    cycle = max(cfg.fragments * (cfg.overlap_steps + 1), cfg.inner_steps // 4)
+    assert warm.warmup_steps % cycle == 0 and 0.4 * 1000 - cycle < warm.warmup_steps <= 0.4 * 1000
 
 
 @pytest.mark.parametrize("params, bound", [(10**9, "link at most 50% busy"), (2 * 10**10, "largest H")])

@@ -107,7 +107,8 @@ def _diloco_override(request: JobRequest, feasible: list[Candidate],
     dp = data_parallel[0]
     choice = choose_sync(rtt_ms=figures.inter_dc.latency_s * 2000, gbps=figures.inter_dc.bytes_per_s * 8 / 1e9,
                          num_params=request.model.num_params, compute_s=dp.estimate.compute_s,
-                         num_dcs=dp.layout.num_dcs, overlap=request.sync.overlap, bucket_mb=request.sync.bucket_mb)
+                         num_dcs=dp.layout.num_dcs, overlap=request.sync.overlap, bucket_mb=request.sync.bucket_mb,
+                         steps=request.steps)
     if choice.strategy.is_diloco:
         # DiLoCo hides the link behind H inner steps: it beats any per-step layout (a stage-spanning
         # pipeline included) when its compute plus the amortised outer sync is shorter.

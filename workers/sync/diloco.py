@@ -96,7 +96,7 @@ class DiLoCoSync(GradientSync):
         self.buffer = self.inner.buffer
         self.buffer.flatten_params()  # the outer step writes this rank's shard of the flat parameters
         self.fragments = split_fragments([b.padded_numel for b in self.buffer.buckets], cfg.fragments)
-        self.schedule = FragmentSchedule(cfg.inner_steps, cfg.fragments, cfg.overlap_steps)
+        self.schedule = FragmentSchedule(cfg.inner_steps, cfg.fragments, cfg.overlap_steps, cfg.warmup_steps)
         self.comm = InterDCComm(sync.compression, emulator=emulator)  # the only inter-DC traffic
         self.chunk_bytes = sync.inter_dc_chunk_mb * 2**20
         self.grad_scale = dist.get_world_size() / groups.dc_size

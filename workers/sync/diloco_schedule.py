@@ -9,6 +9,11 @@ cycle, so the WAN carries 1/P of the model every H/P steps instead of all of it 
 Fragments are groups of whole gradient buckets (buckets are cut at parameter boundaries, so a fragment
 holds whole parameters), balanced by element count in bucket order. Every rank computes the same schedule
 from the same numbers, which is what keeps their inter-DC collectives in the same order.
+
+Warm-up: the first ``warmup_steps`` inner steps run the same schedule with a short cycle,
+:func:`warmup_cycle` (the shortest the fragments and the overlap allow, and at least H / 4), while the
+replicas drift apart fastest; then the cycle of H steps starts. ``warmup_steps`` is a whole number of short cycles, so every fragment has synced
+when the long cycle begins.
 """
 
 from __future__ import annotations
@@ -41,6 +46,11 @@ def split_fragments(bucket_numels: list[int], fragments: int) -> tuple[tuple[int
     return tuple(out)
 
 
+def warmup_cycle(inner_steps: int, fragments: int, overlap_steps: int) -> int:
+    """Inner steps per cycle during the warm-up: ``max(fragments × (overlap_steps + 1), H // 4)``."""
+    return max(fragments * (overlap_steps + 1), inner_steps // 4)
+
+
 @dataclass(frozen=True)
 class FragmentSchedule:
     """Which fragment's sync starts, and which lands, after each inner step."""
@@ -49,6 +59,8 @@ class FragmentSchedule:
     """H: each fragment is synced once every H inner steps."""
     fragments: int
     overlap_steps: int = 0
+    warmup_steps: int = 0
+    """Inner steps at the start with the short cycle :attr:`warmup_cycle` instead of H."""
 
     def __post_init__(self) -> None:
         if self.inner_steps < 1 or self.fragments < 1 or self.fragments > self.inner_steps:
@@ -60,19 +72,36 @@ class FragmentSchedule:
                 f"overlap_steps ({self.overlap_steps}) must be in [0, inner_steps // fragments = "
                 f"{self.inner_steps // self.fragments})"
             )
+        if self.warmup_steps % self.warmup_cycle:
+            raise ValueError(
+                f"warmup_steps ({self.warmup_steps}) must be a multiple of the warm-up's cycle, "
+                f"{self.warmup_cycle} steps"
+            )
 
-    def offset(self, fragment: int) -> int:
+    @property
+    def warmup_cycle(self) -> int:
+        return warmup_cycle(self.inner_steps, self.fragments, self.overlap_steps)
+
+    def _phase(self, done: int) -> tuple[int, int]:
+        """``(steps into the phase, cycle length)`` after ``done`` inner steps."""
+        if done <= self.warmup_steps:
+            return done, self.warmup_cycle
+        return done - self.warmup_steps, self.inner_steps
+
+    def offset(self, fragment: int, cycle: int | None = None) -> int:
         """Inner steps into each cycle after which ``fragment``'s sync starts (the last ones sync at H)."""
-        return (fragment + 1) * self.inner_steps // self.fragments
+        return (fragment + 1) * (cycle or self.inner_steps) // self.fragments
 
     def starting(self, done: int) -> list[int]:
         """Fragments whose all-reduce is issued once ``done`` inner steps are complete (``done`` >= 1)."""
-        return [p for p in range(self.fragments) if done >= 1 and done % self.inner_steps == self.offset(p) % self.inner_steps]
+        t, h = self._phase(done)
+        return [p for p in range(self.fragments) if t >= 1 and t % h == self.offset(p, h) % h]
 
     def landing(self, done: int) -> list[int]:
         """Fragments whose all-reduce, issued ``overlap_steps`` steps earlier, is applied at ``done``."""
         return self.starting(done - self.overlap_steps) if done - self.overlap_steps >= 1 else []
 
     def cycle(self, start: int = 1) -> list[tuple[int, int]]:
-        """``(inner step, fragment)`` of every sync started in the H steps from ``start``: each fragment once."""
+        """``(inner step, fragment)`` of every sync started in the H steps from ``start`` (after the warm-up):
+        each fragment once."""
         return [(t, p) for t in range(start, start + self.inner_steps) for p in self.starting(t)]
