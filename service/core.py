@@ -40,12 +40,26 @@ class ServiceConfig:
     itself, which holds the database and, by default, the token file)."""
     data_max_bytes: int = DEFAULT_MAX_BYTES
     """The most ``data.max_bytes`` a job may ask for."""
+    storage: str = ""
+    """Where jobs' checkpoints and final weights go (``<storage>/<job id>/``): a path every node and the
+    service can read and write, e.g. a shared filesystem's mount; empty: ``<data_dir>/checkpoints``, which on one
+    machine every node shares."""
 
     def __post_init__(self) -> None:
         if self.poll_interval_s <= 0:
             raise ValueError(f"poll_interval_s must be > 0, got {self.poll_interval_s}")
         if self.cpus_per_node < 1:
             raise ValueError(f"cpus_per_node must be >= 1, got {self.cpus_per_node}")
+        if "://" in self.storage:
+            raise ValueError(f"storage {self.storage!r}: URLs are not supported yet; mount the filesystem on every "
+                             "node and the service and give the mount's path")
+        if self.storage and not os.path.isabs(os.path.expanduser(self.storage)):
+            raise ValueError(f"storage {self.storage!r} must be an absolute path (every node resolves it alike)")
+
+    @property
+    def checkpoint_root(self) -> str:
+        """The folder of every job's checkpoints (``<job id>/step-*``)."""
+        return str(Path(os.path.expanduser(self.storage) or Path(self.data_dir) / "checkpoints").resolve())
 
     @property
     def effective_data_roots(self) -> tuple[str, ...]:
@@ -92,7 +106,7 @@ class MeridianService:
         launcher = Launcher(storage_path=str(Path(cfg.data_dir).resolve() / "ray-train"))
         self.supervisor = Supervisor(
             self.store, launcher, read_topology,
-            checkpoint_root=str(Path(cfg.data_dir).resolve() / "checkpoints"), poll_interval_s=cfg.poll_interval_s,
+            checkpoint_root=cfg.checkpoint_root, poll_interval_s=cfg.poll_interval_s,
             probe_report=self.probe_cache.latest, data_access=cfg.data_access(), lease=self.lease,
         )
         self.worker_logs = WorkerLogs()
