@@ -17,6 +17,7 @@ import datetime
 import json
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,10 @@ class Checkpointer:
         self._writer: threading.Thread | None = None
         self._group: Any = None
         self.last_error: BaseException | None = None
+        self.call_s: list[float] = []
+        """Seconds the training thread spent in each :meth:`save` (waiting for the previous save included)."""
+        self.write_s: list[float] = []
+        """Seconds each completed write took on the writer thread."""
 
     def new_epoch(self) -> None:
         """The epoch's groups are new: a save still running in the last one is abandoned with its group (it
@@ -51,20 +56,24 @@ class Checkpointer:
     def save(self, shard: LocalShard, *, rank: int, datacenter: str, shapes: dict[str, torch.Size],
              ready: Any = None) -> None:
         """Start writing ``shard``; ``ready``: a CUDA event after which its host copies are complete."""
+        t0 = time.perf_counter()
         self.wait()
         if self._group is None:  # collective: every rank reaches its first save at the same step
             self._group = dist.new_group(backend="gloo", timeout=GROUP_TIMEOUT)
         args = (shard, rank, datacenter, shapes, ready, self._group)
         self._writer = threading.Thread(target=self._write, args=args, name="meridian-checkpoint", daemon=True)
         self._writer.start()
+        self.call_s.append(time.perf_counter() - t0)
 
     def _write(self, shard: LocalShard, rank: int, datacenter: str, shapes: dict[str, torch.Size], ready: Any,
                group: Any) -> None:
+        t0 = time.perf_counter()
         try:
             if ready is not None:
                 ready.synchronize()
             save_shard(self.directory, shard, rank=rank, datacenter=datacenter, shapes=shapes,
                        fingerprint=self.fingerprint, group=group)
+            self.write_s.append(time.perf_counter() - t0)
         except BaseException as e:  # a peer died mid-save: the epoch's failure handling deals with it
             self.last_error = e
             print(f"meridian: checkpoint of step {shard.step} not written: {e}", file=sys.stderr, flush=True)
