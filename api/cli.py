@@ -106,9 +106,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     local = parse_datacenters(args.local_datacenters) if args.local_datacenters else None
-    config = ServiceConfig(data_dir=args.data_dir, database_url=args.database_url, ray_address=args.address,
-                           local_datacenters=local, cpus_per_node=args.cpus_per_node,
-                           data_roots=tuple(args.data_root or ()), storage=args.storage)
+    try:
+        config = ServiceConfig(data_dir=args.data_dir, database_url=args.database_url, ray_address=args.address,
+                               local_datacenters=local, cpus_per_node=args.cpus_per_node,
+                               data_roots=tuple(args.data_root or ()), storage=args.storage)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     who = f"auth on, {len(auth.hashes)} token(s) from {auth.token_file}" if auth.enabled else "auth off (loopback only)"
     # Started here, in the main thread, not in the app's lifespan (a worker thread): an embedded cluster
     # installs signal handlers, which Python allows only in the main thread.
@@ -303,11 +307,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--cpus-per-node", type=int, default=1, help="CPUs of each embedded node (default 1)")
     s.add_argument("--data-dir", default=os.path.expanduser("~/.meridian"), help="database, checkpoints, run folders")
     s.add_argument("--database-url", default="", help="SQLAlchemy URL of the job store (default: SQLite in --data-dir)")
-    s.add_argument("--storage", default="", metavar="PATH",
-                   help="folder for checkpoints and final weights that every node mounts at the same path "
-                        "(default: DATA_DIR/checkpoints)")
     s.add_argument("--data-root", action="append", metavar="PATH",
                    help="a folder whose files jobs may train on (data.source); repeatable (default: DATA_DIR/data)")
+    s.add_argument("--storage", default="", metavar="PATH",
+                   help="where checkpoints and final weights go: a path every node and the service can read and "
+                        "write, e.g. a shared filesystem (default: DATA_DIR/checkpoints)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     s.add_argument("--auth", action="store_true", help="require bearer tokens (always on for a non-loopback --host)")
     s.add_argument("--token-file", default=default_token_file(), help="token hashes (default: $MERIDIAN_TOKEN_FILE "

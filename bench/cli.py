@@ -24,6 +24,7 @@ BENCHMARKS: dict[str, str] = {
     "plan": "meridian.bench.plan",
     "recovery": "meridian.bench.recovery",
     "data": "meridian.bench.data",
+    "checkpoint": "meridian.bench.checkpoint",
 }
 
 

@@ -46,14 +46,25 @@ class ServiceConfig:
     data_max_bytes: int = DEFAULT_MAX_BYTES
     """The most ``data.max_bytes`` a job may ask for."""
     storage: str = ""
-    """Where jobs write checkpoints and final weights: a folder that every node and the service reach at this
-    same path (a shared filesystem); empty: ``<data_dir>/checkpoints``, which on one machine every node shares."""
+    """Where jobs' checkpoints and final weights go (``<storage>/<job id>/``): a path every node and the
+    service can read and write, e.g. a shared filesystem's mount; empty: ``<data_dir>/checkpoints``, which on one
+    machine every node shares."""
 
     def __post_init__(self) -> None:
         if self.poll_interval_s <= 0:
             raise ValueError(f"poll_interval_s must be > 0, got {self.poll_interval_s}")
         if self.cpus_per_node < 1:
             raise ValueError(f"cpus_per_node must be >= 1, got {self.cpus_per_node}")
+        if "://" in self.storage:
+            raise ValueError(f"storage {self.storage!r}: URLs are not supported yet; mount the filesystem on every "
+                             "node and the service and give the mount's path")
+        if self.storage and not os.path.isabs(os.path.expanduser(self.storage)):
+            raise ValueError(f"storage {self.storage!r} must be an absolute path (every node resolves it alike)")
+
+    @property
+    def checkpoint_root(self) -> str:
+        """The folder of every job's checkpoints (``<job id>/step-*``)."""
+        return str(Path(os.path.expanduser(self.storage) or Path(self.data_dir) / "checkpoints").resolve())
 
     @property
     def effective_data_roots(self) -> tuple[str, ...]:
@@ -62,18 +73,10 @@ class ServiceConfig:
     def data_access(self) -> DataAccess:
         return DataAccess.for_roots(self.effective_data_roots, max_bytes=self.data_max_bytes)
 
-    @property
-    def checkpoint_root(self) -> str:
-        return str(Path(self.storage or Path(self.data_dir) / "checkpoints").expanduser().resolve())
-
     def check_storage(self) -> None:
         """Make the storage folder and prove this process can write there, or raise :class:`StorageUnusable`
         saying what to fix (before any job is accepted, not when its first checkpoint fails)."""
         root = Path(self.checkpoint_root)
-        if "://" in self.storage:
-            raise StorageUnusable(
-                f"--storage {self.storage!r} is a URL; give a folder that every node mounts at the same path "
-                "(a shared filesystem such as NFS), since workers write their checkpoint shards there directly")
         try:
             root.mkdir(parents=True, exist_ok=True)
             probe = root / f".meridian-write-test-{os.getpid()}"

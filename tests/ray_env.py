@@ -38,9 +38,11 @@ def local_cluster(node_datacenters: Sequence[str], system_config: dict[str, Any]
 
 
 @contextlib.contextmanager
-def service_client(ray_address: str, data_dir: str) -> Iterator[httpx.Client]:
-    """The service on ``ray_address``, served over HTTP on a free local port; a client of it."""
-    service = MeridianService(ServiceConfig(data_dir=data_dir, ray_address=ray_address, poll_interval_s=0.3)).start()
+def service_client(ray_address: str, data_dir: str, **config: Any) -> Iterator[httpx.Client]:
+    """The service on ``ray_address``, served over HTTP on a free local port; a client of it. ``config``: more
+    :class:`ServiceConfig` fields."""
+    service = MeridianService(ServiceConfig(data_dir=data_dir, ray_address=ray_address, poll_interval_s=0.3,
+                                            **config)).start()
     try:
         with serve_in_thread(service) as url, httpx.Client(base_url=url, timeout=30) as client:
             yield client

@@ -81,3 +81,15 @@ def test_every_example_job_file_is_a_valid_spec():
     assert len(files) >= 2
     for path in files:
         JobSpec.model_validate(load_spec(str(path)))  # raises naming the field if an example went stale
+
+
+def test_serve_storage_puts_checkpoints_on_the_given_path_and_refuses_what_it_cannot_use(tmp_path, capsys, monkeypatch):
+    from meridian.service.core import ServiceConfig
+
+    shared = tmp_path / "shared"
+    assert ServiceConfig(data_dir=str(tmp_path), storage=str(shared)).checkpoint_root == str(shared.resolve())
+    assert ServiceConfig(data_dir=str(tmp_path)).checkpoint_root == str((tmp_path / "checkpoints").resolve())
+    monkeypatch.setenv("MERIDIAN_TOKEN_FILE", str(tmp_path / "tokens.json"))
+    for bad, why in (("s3://bucket/ckpt", "mount the filesystem"), ("relative/dir", "absolute path")):
+        assert main(["serve", "--data-dir", str(tmp_path), "--storage", bad]) == 2
+        assert why in capsys.readouterr().err

@@ -1,5 +1,6 @@
 """A user's whole path, on CPU, through the REST API against a real two-datacenter Ray cluster: prepare a
-dataset with a trained BPE, train ``llama-tiny`` across two datacenters with validation on, export it, load the
+dataset with a trained BPE, train ``llama-tiny`` across two datacenters with validation on (checkpoints in a
+``--storage`` folder of their own), export it, load the
 export with ``transformers`` (model and tokenizer), and find transformers' loss on the validation batches the
 job evaluated equal to the job's last ``val_loss``."""
 
@@ -51,7 +52,9 @@ def test_prepare_train_on_two_datacenters_export_and_transformers_agrees_on_vali
                  "--vocab-size", str(VOCAB), "--val-fraction", "0.05", "--json"]) == 0
     capsys.readouterr()
 
-    with local_cluster(("dc-a", "dc-b")) as cluster, service_client(cluster.address, str(data_dir)) as api:
+    storage = tmp_path / "shared"  # `meridian serve --storage PATH`: checkpoints and final weights go there
+    with local_cluster(("dc-a", "dc-b")) as cluster, \
+            service_client(cluster.address, str(data_dir), storage=str(storage)) as api:  # fmt: skip
         body = spec(name="e2e", model={"preset": "llama-tiny", "n_layers": 2, "seq_len": SEQ_LEN, "vocab_size": VOCAB},
                     data={"dataset": str(dataset)},
                     training={"steps": 24, "global_batch": 8, "micro_batch": MICRO, "lr": 3e-3, "seed": SEED},
@@ -67,6 +70,9 @@ def test_prepare_train_on_two_datacenters_export_and_transformers_agrees_on_vali
         assert [s for s, _ in vals] == [12, 24], vals
         job_val_loss = vals[-1][1]
         artifacts = api.get(f"/v1/jobs/{job['id']}/artifacts").json()
+        assert artifacts["storage"] == str(storage.resolve() / job["id"]), artifacts
+        final = artifacts["artifacts"][-1]  # written by both ranks, one shard each (DCP)
+        assert final["final"] and {"meridian.json", "__0_0.distcp", "__1_0.distcp"} <= {f["name"] for f in final["files"]}
 
         monkeypatch.setenv("MERIDIAN_URL", str(api.base_url))
         out = tmp_path / "hf"

@@ -224,16 +224,22 @@ def test_every_job_keeps_its_final_weights_and_export_writes_what_transformers_l
     with torch.no_grad():
         assert (theirs(x).logits - trained(x)).abs().max().item() < 1e-4
     tokenizer = exported["tokenizer"]
-    if data == "builtin":  # raw bytes: nothing to write, and the output says so
-        assert tokenizer["written"] is False and "raw bytes" in tokenizer["reason"]
-        assert not (out / "tokenizer.json").exists()
+    loaded = transformers.AutoTokenizer.from_pretrained(str(out))
+    sample = "def f(x):\n    return x ** 2  # Übung: ünïcödé 😀\n"
+    if data == "builtin":  # raw text: the byte tokenizer, id = UTF-8 byte, as the workers read the text
+        from meridian.workers.contracts.config import DataConfig
+        from meridian.workers.data.text import load_text
+
+        assert tokenizer["written"] is True and "bytes" in tokenizer["source"]
+        assert loaded(sample)["input_ids"] == list(sample.encode()) and len(loaded) == 256
+        text = load_text(DataConfig(max_bytes=4096))
+        assert loaded.decode(list(text)) == text.decode("utf-8", errors="replace")
+        assert loaded.decode(loaded(sample)["input_ids"]) == sample
         return
     from tokenizers import Tokenizer
 
     assert tokenizer["written"] is True and tokenizer["reason"] == ""
     ours = Tokenizer.from_file(str(tmp_path / "data" / "ds" / "tokenizer.json"))
-    loaded = transformers.AutoTokenizer.from_pretrained(str(out))
-    sample = "def f(x):\n    return x ** 2  # Übung: ünïcödé\n"
     assert loaded(sample)["input_ids"] == ours.encode(sample, add_special_tokens=False).ids
     assert loaded.decode(loaded(sample)["input_ids"]) == sample
     assert loaded.eos_token == "<|endoftext|>" and loaded.eos_token_id == ours.token_to_id("<|endoftext|>")

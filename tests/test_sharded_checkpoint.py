@@ -125,3 +125,49 @@ def test_a_2_plus_2_checkpoint_resumes_on_3_plus_1_like_an_uninterrupted_run(tmp
     ref = reference_params(2 * STEPS, OPTIM)
     for out in resumed:
         assert max_rel_diff(out, ref) < FP32_TOL
+
+
+# -- through the elastic trainer ---------------------------------------------------------------------------
+def _elastic_run(rank, world, cfg):
+    from test_parallel import _FormedRendezvous
+
+    from meridian.workers.elastic.trainer import ElasticTrainer
+    from meridian.workers.loop.train import ListSink
+
+    events: list = []
+    result = ElasticTrainer(cfg, _FormedRendezvous(rank, world, cfg), sink=ListSink(), keep_params=True,
+                            on_event=lambda *e: events.append(e[:2])).run()
+    return result.final_params, events
+
+
+@pytest.mark.slow  # three 3-4 process runs: 57 s measured at load average ~20
+def test_the_elastic_trainer_checkpoints_every_rank_s_shard_and_resumes_on_other_dc_sizes(tmp_path):
+    import shutil
+    from dataclasses import replace
+
+    import test_elastic_loop as el
+
+    cfg = replace(el.job(job_id=el._unique_job_id(), steps=6), checkpoint_dir=str(tmp_path), checkpoint_every=3)
+    uninterrupted = run_processes(_elastic_run, 4, cfg, timeout_s=180)[0][0]
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-00000003", "step-00000006"]
+    assert len(list((tmp_path / "step-00000006").glob("*.distcp"))) == 4  # every rank wrote its shard
+    shutil.rmtree(tmp_path / "step-00000006")  # as if the job had died after step 5
+    (tmp_path / "latest").write_text("step-00000003")
+    saved = tmp_path.parent / f"{tmp_path.name}-step3"
+    shutil.copytree(tmp_path, saved)
+
+    # The same layout resumes bit for bit: the checkpoint lost nothing.
+    same = run_processes(_elastic_run, 4, cfg, timeout_s=180)
+    for params, _ in same:
+        assert all(torch.equal(params[n], p) for n, p in uninterrupted.items())
+    assert ("checkpoint_loaded", "resumed from the durable checkpoint of step 3") in same[0][1]
+
+    # 2 + 1: the same state, resharded (sums over other groupings round differently: within fp32 noise).
+    shutil.rmtree(tmp_path)
+    shutil.copytree(saved, tmp_path)
+    resumed = run_processes(_elastic_run, 3, replace(cfg, datacenters=("dc-a", "dc-a", "dc-b")), timeout_s=180)
+    for params, _ in resumed:
+        assert max_rel_diff(params, uninterrupted) < 1e-4
+    assert ("checkpoint_loaded", "resumed from the durable checkpoint of step 3") in resumed[0][1]
+    ck = open_checkpoint(str(tmp_path / "step-00000006"))  # written again by the 2 + 1 layout
+    assert ck.step == 6 and len(list((tmp_path / "step-00000006").glob("*.distcp"))) == 3

@@ -16,15 +16,20 @@ def test_the_default_storage_is_the_data_dirs_checkpoints_folder_and_storage_mov
     assert list((tmp_path / "shared" / "ckpt").iterdir()) == []  # the write test leaves nothing behind
 
 
-@pytest.mark.parametrize("storage, says", [
-    ("{file}/sub", "is not writable"),
-    ("s3://bucket/ckpt", "is a URL; give a folder that every node mounts"),
-])
-def test_storage_that_cannot_be_written_is_refused_at_start_with_what_to_do(tmp_path, storage, says):
+def test_storage_that_cannot_be_written_is_refused_at_start_with_what_to_do(tmp_path):
     (tmp_path / "file").write_text("not a folder")
-    cfg = ServiceConfig(data_dir=str(tmp_path / "data"), storage=storage.format(file=tmp_path / "file"))
-    with pytest.raises(StorageUnusable, match=says):
+    cfg = ServiceConfig(data_dir=str(tmp_path / "data"), storage=str(tmp_path / "file" / "sub"))
+    with pytest.raises(StorageUnusable, match="is not writable .* give --storage a folder"):
         cfg.check_storage()
+
+
+@pytest.mark.parametrize("storage, says", [
+    ("s3://bucket/ckpt", "URLs are not supported yet; mount the filesystem"),
+    ("relative/ckpt", "must be an absolute path"),
+])
+def test_storage_every_node_could_not_resolve_alike_is_refused(tmp_path, storage, says):
+    with pytest.raises(ValueError, match=says):
+        ServiceConfig(data_dir=str(tmp_path), storage=storage)
 
 
 def test_meridian_serve_with_unusable_storage_exits_2_before_starting_anything(tmp_path, capsys):

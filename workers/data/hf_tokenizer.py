@@ -3,9 +3,10 @@
 A job trained on a prepared dataset (:mod:`meridian.workers.data.manifest`) carries its tokenizer: the export
 copies that ``tokenizer.json`` and writes a ``tokenizer_config.json`` (class ``PreTrainedTokenizerFast``, the
 end-of-text token, the model's context length) and a ``special_tokens_map.json``. A blend exports the
-tokenizer only when every dataset of it was made with the same one (same file hash). A job trained on raw
-text (``data.source``: token id = byte value, no tokenizer file) gets no tokenizer, and the export says why.
-Torch-free.
+tokenizer only when every dataset of it was made with the same one (same file hash); otherwise none, and the
+export says why. A job trained on raw text (``data.source``: token id = byte value) gets the exact byte
+tokenizer: 256 tokens, id = UTF-8 byte, no merges (GPT-2's byte-to-character table, so ``tokenizers``'
+byte-level pre-tokenizer and decoder do the work). Torch-free.
 """
 
 from __future__ import annotations
@@ -26,10 +27,14 @@ def export_tokenizer(data: DataConfig, out: str, *, model_max_length: int) -> di
     """Write the tokenizer of the job whose data was ``data`` into ``out``. Returns ``{"written": bool, "files",
     "source", "reason"}``: ``reason`` says, when nothing was written, why."""
     if not data.datasets:
-        return _not_written(
-            f"the job trained on the raw bytes of {data.source!r} (token id = byte value, vocabulary 256), "
-            "which no tokenizer file describes; encode text as UTF-8 bytes to use the model, or train on a "
-            "dataset made by `meridian data prepare`, whose tokenizer is exported with the weights")
+        os.makedirs(out, exist_ok=True)
+        byte_tokenizer().save(os.path.join(out, "tokenizer.json"))
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": model_max_length,
+                  "clean_up_tokenization_spaces": False}
+        _write_json(os.path.join(out, CONFIG_FILE), config)
+        _write_json(os.path.join(out, SPECIALS_FILE), {})
+        return {"written": True, "files": ["tokenizer.json", CONFIG_FILE, SPECIALS_FILE],
+                "source": f"UTF-8 bytes of {data.source} (token id = byte value)", "eos_token_id": None, "reason": ""}
     try:
         manifests = [(d, read_manifest(d)) for d, _ in data.datasets]
     except ValueError as e:
@@ -51,6 +56,23 @@ def export_tokenizer(data: DataConfig, out: str, *, model_max_length: int) -> di
     _write_json(os.path.join(out, SPECIALS_FILE), specials)
     return {"written": True, "files": ["tokenizer.json", CONFIG_FILE, SPECIALS_FILE], "source": src,
             "eos_token_id": manifest.eos_id, "reason": ""}
+
+
+def _byte_to_char() -> dict[int, str]:
+    """GPT-2's table: printable bytes stand for themselves, the others for the characters from U+0100 on."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in kept]
+    return {**{b: chr(b) for b in kept}, **{b: chr(256 + i) for i, b in enumerate(others)}}
+
+
+def byte_tokenizer():
+    """The ``tokenizers`` tokenizer of raw-text jobs: UTF-8 bytes as ids ``0..255``, and back."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    tok = Tokenizer(models.BPE(vocab={c: b for b, c in _byte_to_char().items()}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    return tok
 
 
 def _special_tokens(tokenizer_json: str, eos_id: int | None) -> dict[str, str]:

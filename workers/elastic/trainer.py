@@ -36,6 +36,8 @@ import torch.distributed as dist
 from meridian.workers.contracts.config import TrainConfig
 from meridian.workers.contracts.model_config import ModelFamily
 from meridian.workers.contracts.rendezvous import Assignment
+from meridian.workers.elastic.durable import Checkpointer
+from meridian.workers.elastic.durable import load_latest as load_durable
 from meridian.workers.elastic.protocol import KEEP_SNAPSHOTS, RESTART_EXIT_CODE
 from meridian.workers.elastic.rendezvous import JobFinished, Rendezvous
 from meridian.workers.loop.replica import Membership, Replica
@@ -128,7 +130,7 @@ class ElasticTrainer:
         self.on_epoch = on_epoch or (lambda n: None)
         self.loop = TrainingLoop(cfg, sink=sink, device=device, keep_params=keep_params, on_failure=self._on_failure,
                                  peak=peak, on_peak=on_peak)
-        self.checkpoints = Checkpointer(cfg)
+        self.checkpoints = Checkpointer(cfg.checkpoint_dir, fingerprint(cfg))
 
     def run(self) -> TrainResult | None:
         """Train to the last step; ``None`` when the job finished without this worker (it joined too late)."""
@@ -140,6 +142,7 @@ class ElasticTrainer:
             self.on_epoch(a.epoch)
             try:
                 outcome = self._run_epoch(a)
+                self.checkpoints.wait()  # a save in flight needs this epoch's groups, torn down next
             except Exception as e:
                 if not is_peer_failure(e):
                     raise
@@ -220,6 +223,9 @@ class ElasticState:
         self.cfg, self.a, self.watch, self.formed_at = trainer.cfg, a, watch, formed_at
         self.snapshots, self.checkpoints, self.on_event = trainer.snapshots, trainer.checkpoints, trainer.on_event
         self.device = trainer.loop.device
+        self.checkpoints.new_epoch()
+        self._last: tuple[LocalShard, Any] | None = None
+        """The last shard kept and its CUDA event: a checkpoint of that step writes it, copying nothing."""
 
     def restore(self, replica: Replica) -> int:
         """Load the state this epoch starts from; returns the step to train next. Afterwards this rank holds
@@ -238,11 +244,16 @@ class ElasticState:
 
     def keep(self, shard: LocalShard) -> None:
         # On a GPU the shard's copies are still in flight: written once they land, off the training thread.
-        ready = None
-        if self.device.type == "cuda":
-            ready = torch.cuda.Event()
-            ready.record()
+        ready = self._copies_done()
+        self._last = (shard, ready)
         self.snapshots.append(shard, ready)
+
+    def _copies_done(self) -> Any:
+        if self.device.type != "cuda":
+            return None
+        ready = torch.cuda.Event()
+        ready.record()
+        return ready
 
     def leave_requested(self) -> bool:
         return self.watch is not None and self.watch.flag.is_set()
@@ -250,12 +261,25 @@ class ElasticState:
     def step_done(self, replica: Replica, steps_done: int) -> None:
         every = self.cfg.checkpoint_every
         if self.cfg.checkpoint_dir and every and steps_done % every == 0:
-            self.checkpoints.save(replica, self.a.rank, steps_done)
+            self._checkpoint(replica, steps_done)
 
     def finish(self, replica: Replica) -> None:
         cfg = self.cfg
         if cfg.checkpoint_dir and (cfg.checkpoint_every == 0 or cfg.steps % cfg.checkpoint_every):
-            self.checkpoints.save(replica, self.a.rank, cfg.steps)  # the final state, always
+            self._checkpoint(replica, cfg.steps)  # the final state, always
+        self.checkpoints.wait()  # the job has finished only once its final state is written
+
+    def _checkpoint(self, replica: Replica, step: int) -> None:
+        """Every rank writes its own shard of ``step``'s state, in the background."""
+        assert replica.model is not None and replica.engine is not None
+        if self._last is not None and self._last[0].step == step:
+            shard, ready = self._last
+        else:
+            shard = replica.engine.local_shard(step)
+            ready = self._copies_done()
+        shapes = {n: p.shape for n, p in replica.model.named_parameters()}
+        self.checkpoints.save(shard, rank=self.a.rank, datacenter=self.a.datacenters[self.a.rank], shapes=shapes,
+                              ready=ready)
 
     def _load_state(self, model: torch.nn.Module, engine: GradientSync) -> int:
         a = self.a
@@ -272,18 +296,18 @@ class ElasticState:
             else:
                 _load(model, engine, params, optimizer)
                 return a.resume_step
-        ck = ckpt_io.load_latest(self.cfg.checkpoint_dir) if self.cfg.checkpoint_dir else None
+        ck = load_durable(self.cfg.checkpoint_dir, fingerprint(self.cfg)) if self.cfg.checkpoint_dir else None
         if ck is None:
             if a.epoch > 1 and a.rank == 0:
                 self.on_event("restarted", "no copy of the state survived and there is no checkpoint: "
                               "training restarts from step 0", {})  # fmt: skip
             return 0
-        ckpt_io.check_fingerprint(ck, fingerprint(self.cfg), self.cfg.checkpoint_dir)
-        _load(model, engine, ck.model, ck.optimizer)
+        step, params, optimizer = ck
+        _load(model, engine, params, optimizer)
         if a.rank == 0:
-            self.on_event("checkpoint_loaded", f"resumed from the durable checkpoint of step {ck.step}",
-                          {"step": ck.step})  # fmt: skip
-        return ck.step
+            self.on_event("checkpoint_loaded", f"resumed from the durable checkpoint of step {step}",
+                          {"step": step})  # fmt: skip
+        return step
 
 
 def _load(model: torch.nn.Module, engine: GradientSync, params: dict[str, torch.Tensor], optimizer: dict) -> None:
@@ -292,32 +316,3 @@ def _load(model: torch.nn.Module, engine: GradientSync, params: dict[str, torch.
         for name, p in model.named_parameters():
             p.copy_(params[name].reshape(p.shape))
     engine.load_optimizer_state(optimizer)
-
-
-# -- durable checkpoints -------------------------------------------------------------------------------------
-class Checkpointer:
-    """Gathers the full state (inside each DC) and lets rank 0 write it on a background thread, one write at
-    a time, in step order."""
-
-    def __init__(self, cfg: TrainConfig) -> None:
-        self.cfg = cfg
-        self._writer: threading.Thread | None = None
-
-    def save(self, replica: Replica, rank: int, step: int) -> None:
-        assert replica.model is not None and replica.engine is not None
-        optimizer = replica.engine.optimizer_state()  # collective inside the DC: every rank calls it
-        if rank != 0:
-            return
-        replica.engine.synchronize()
-        state = {n: t.detach().cpu().clone() for n, t in replica.model.state_dict().items()}
-        ck = ckpt_io.Checkpoint(step=step, model=state, optimizer=optimizer, fingerprint=fingerprint(self.cfg))
-        self.wait()
-        self._writer = threading.Thread(
-            target=ckpt_io.save, args=(self.cfg.checkpoint_dir, ck), name="meridian-checkpoint", daemon=True
-        )
-        self._writer.start()
-
-    def wait(self) -> None:
-        if self._writer is not None:
-            self._writer.join()
-            self._writer = None

@@ -1,4 +1,5 @@
-"""``meridian export``: a job's checkpoint (:mod:`meridian.workers.state.checkpoint`) as a Hugging Face directory."""
+"""``meridian export``: a job's checkpoint (sharded, :mod:`meridian.workers.state.sharded_checkpoint`, or a single
+file, :mod:`meridian.workers.state.checkpoint`) as a Hugging Face directory."""
 
 from __future__ import annotations
 
@@ -15,13 +16,17 @@ from meridian.workers.data.hf_tokenizer import export_tokenizer
 from meridian.workers.model.build import build_model
 from meridian.workers.model.hf import save_hf
 from meridian.workers.state.checkpoint import STATE_FILE
+from meridian.workers.state.sharded_checkpoint import is_sharded, load_full, open_checkpoint
 
 
 def export_checkpoint(checkpoint: str, model: dict, out: str) -> Path:
     """Write the weights of the checkpoint folder ``checkpoint`` (:mod:`meridian.workers.state.checkpoint`)
     of a model described by ``model`` (a plain :class:`ModelConfig`) as a Hugging Face directory ``out``."""
     cfg = from_plain(ModelConfig, model)
-    state = torch.load(Path(checkpoint) / STATE_FILE, map_location="cpu", weights_only=False)["model"]
+    if is_sharded(checkpoint):  # each rank's shard (DCP): read whole tensors on this process
+        state, _ = load_full(open_checkpoint(checkpoint))
+    else:
+        state = torch.load(Path(checkpoint) / STATE_FILE, map_location="cpu", weights_only=False)["model"]
     with torch.device("meta"):
         shapes = {n: tuple(p.shape) for n, p in build_model(replace(cfg, init_from="")).named_parameters()}
     for name, shape in shapes.items():

@@ -1,9 +1,10 @@
-"""Durable checkpoints that load into any layout.
+"""Single-file checkpoints: the whole state in one ``state.pt``, written by one rank.
 
-A checkpoint holds the *full* model and optimizer state (the sync engine gathers a sharded optimizer
-before saving and re-shards after loading), the step, and the data position, so a job can resume with a
-different world size or different datacenter sizes. One rank writes; files land in a temporary folder that
-is renamed into place, so a crash mid-write never leaves a checkpoint that looks complete.
+Elastic data-parallel jobs write sharded checkpoints instead (:mod:`meridian.workers.state.sharded_checkpoint`:
+every rank its own shard, nothing gathered). This format remains for the full weights a tensor/pipeline-parallel
+job keeps at its end, and for reading checkpoints written before. It holds the *full* model and optimizer
+state, the step and a fingerprint, so it loads into any layout. Files land in a temporary folder that is
+renamed into place, so a crash mid-write never leaves a checkpoint that looks complete.
 
 Layout on disk::
 

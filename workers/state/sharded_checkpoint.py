@@ -159,8 +159,10 @@ def save_shard(directory: str, shard: LocalShard, *, rank: int, datacenter: str,
     mine = (rank, datacenter, shard.adam_step, shard.outer.inner_steps_done if shard.outer else None,
             [(p.name, p.start, p.stop) for p in shard.pieces],
             [(p.name, p.start, p.stop) for p in shard.outer.pieces] if shard.outer else None)
+    if rank == 0 and partial.exists():  # an earlier attempt at this step (maybe of another world size)
+        shutil.rmtree(partial)
     everyone: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, mine, group=group)
+    dist.all_gather_object(everyone, mine, group=group)  # (also: nobody writes before that clean-up)
     first_dc = min(everyone, key=lambda e: e[0])[1]
     diloco = any(e[5] is not None for e in everyone)
     offers = []

@@ -1,0 +1,107 @@
+"""An elastic job's durable checkpoints: every rank writes its own shard in the background, and any later
+layout loads them.
+
+:class:`Checkpointer` hands the rank's shard of the step (the in-memory snapshot the loop already took, or a
+fresh copy of what the rank owns) to a writer thread, which saves it with
+:func:`~meridian.workers.state.sharded_checkpoint.save_shard` over a gloo group of its own: the shard is a host
+copy on every device, and a separate group keeps the save's collectives apart from the training's, which run
+meanwhile on the epoch's groups. The step pays only for that copy (nothing when the snapshot is reused).
+
+:func:`load_latest` reads the newest checkpoint of either format: the sharded one, or a single-file one
+(:mod:`meridian.workers.state.checkpoint`: older jobs, and the full weights a tensor/pipeline-parallel job keeps).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from meridian.workers.state import checkpoint as single_file
+from meridian.workers.state.replica_state import LocalShard
+from meridian.workers.state.sharded_checkpoint import is_sharded, load_full, open_checkpoint, save_shard
+
+GROUP_TIMEOUT = datetime.timedelta(minutes=5)
+"""A save whose peer died fails after this long, on its own thread, leaving only a ``.partial`` folder."""
+
+
+class Checkpointer:
+    """One save at a time, in step order, each on a background thread; every rank of the epoch calls
+    :meth:`save` at the same steps."""
+
+    def __init__(self, directory: str, fingerprint: dict[str, Any]) -> None:
+        self.directory, self.fingerprint = directory, fingerprint
+        self._writer: threading.Thread | None = None
+        self._group: Any = None
+        self.last_error: BaseException | None = None
+        self.call_s: list[float] = []
+        """Seconds the training thread spent in each :meth:`save` (waiting for the previous save included)."""
+        self.write_s: list[float] = []
+        """Seconds each completed write took on the writer thread."""
+
+    def new_epoch(self) -> None:
+        """The epoch's groups are new: a save still running in the last one is abandoned with its group (it
+        fails on its own; its folder stays ``.partial`` and is never read)."""
+        if self._writer is not None and self._writer.is_alive():
+            print("meridian: a checkpoint save of the previous epoch is abandoned", file=sys.stderr, flush=True)
+        self._writer, self._group = None, None
+
+    def save(self, shard: LocalShard, *, rank: int, datacenter: str, shapes: dict[str, torch.Size],
+             ready: Any = None) -> None:
+        """Start writing ``shard``; ``ready``: a CUDA event after which its host copies are complete."""
+        t0 = time.perf_counter()
+        self.wait()
+        if self._group is None:  # collective: every rank reaches its first save at the same step
+            self._group = dist.new_group(backend="gloo", timeout=GROUP_TIMEOUT)
+        args = (shard, rank, datacenter, shapes, ready, self._group)
+        self._writer = threading.Thread(target=self._write, args=args, name="meridian-checkpoint", daemon=True)
+        self._writer.start()
+        self.call_s.append(time.perf_counter() - t0)
+
+    def _write(self, shard: LocalShard, rank: int, datacenter: str, shapes: dict[str, torch.Size], ready: Any,
+               group: Any) -> None:
+        t0 = time.perf_counter()
+        try:
+            if ready is not None:
+                ready.synchronize()
+            save_shard(self.directory, shard, rank=rank, datacenter=datacenter, shapes=shapes,
+                       fingerprint=self.fingerprint, group=group)
+            self.write_s.append(time.perf_counter() - t0)
+        except BaseException as e:  # a peer died mid-save: the epoch's failure handling deals with it
+            self.last_error = e
+            print(f"meridian: checkpoint of step {shard.step} not written: {e}", file=sys.stderr, flush=True)
+
+    def wait(self) -> None:
+        """Until the save in flight (if any) is done."""
+        if self._writer is not None:
+            self._writer.join()
+            self._writer = None
+
+
+def load_latest(directory: str, expected: dict[str, Any]) -> tuple[int, dict[str, torch.Tensor], dict] | None:
+    """``(step, parameters, full optimizer state)`` of the newest checkpoint in ``directory`` (either format),
+    or ``None``; a checkpoint of another job (``expected`` fingerprint differs) is a ``ValueError``."""
+    pointer = Path(directory) / "latest"
+    if not pointer.is_file():
+        return None
+    path = str(Path(directory) / pointer.read_text().strip())
+    if not is_sharded(path):
+        ck = single_file.load_latest(directory)
+        assert ck is not None
+        single_file.check_fingerprint(ck, expected, directory)
+        return ck.step, ck.model, ck.optimizer
+    ck = open_checkpoint(path)
+    want = json.loads(json.dumps(expected))  # as stored: tuples become lists
+    if ck.fingerprint != want:
+        diff = {k: (ck.fingerprint.get(k), v) for k, v in want.items() if ck.fingerprint.get(k) != v}
+        raise ValueError(f"checkpoint in {directory} belongs to a different job (checkpoint vs job: {diff}); "
+                         "point the job at an empty checkpoint directory")
+    params, optimizer = load_full(ck)
+    return ck.step, params, optimizer
