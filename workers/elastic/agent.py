@@ -12,7 +12,10 @@ the next standby while the new child trains. A restart is therefore a pipe messa
 What survives the child: the in-memory snapshots, written after each step to a tmpfs folder (``/dev/shm``,
 RAM) that the next child reads, and the epoch number it last belonged to. The child reaches the
 coordinator, the progress sink and the event sink through the agent, over one pipe
-(:class:`PipeClient`), so it never touches Ray.
+(:class:`PipeClient`), so it never touches Ray. The standby process and the pipe's framing live in
+:mod:`meridian.workers.elastic.standby` (torch-free, so a worker can start its first standby before it imports
+torch). The agent also keeps a liveness port open (:mod:`meridian.workers.elastic.liveness`): the coordinator's
+proof, when this process is gone, that it need not wait for it.
 """
 
 from __future__ import annotations
