@@ -13,6 +13,7 @@ import os
 import pickle
 import signal
 import sys
+import threading
 from typing import Any
 
 
@@ -43,7 +44,9 @@ def _standby_main(conn: Any, parent_pid: int) -> None:
     import meridian.workers.elastic.trainer  # noqa: F401
     from meridian.workers.elastic.agent import child_main
 
-    prewarm_torch()
+    # Beside the wait, not before it: a ``go`` that comes while this still runs (a failure soon after the
+    # previous process started, on a loaded machine) starts training at once, the import finishing meanwhile.
+    threading.Thread(target=prewarm_torch, name="meridian-prewarm", daemon=True).start()
 
     try:
         msg = recv(conn)
@@ -58,7 +61,15 @@ def _standby_main(conn: Any, parent_pid: int) -> None:
 def prewarm_torch() -> None:
     """Pay now for what torch imports lazily on a training process's first optimizer step: torch._dynamo
     (pulled in by the optimizers' ``_disable_dynamo`` wrappers; sympy and ~800 modules) and DTensor. Measured
-    here: 3.1 s at load 20, which a re-formed epoch's first step otherwise waited for, on every rank."""
+    here: 3.1 s at load 20, which a re-formed epoch's first step otherwise waited for, on every rank. Safe
+    beside the training thread: its own tensors only, and imports are locked per module."""
+    import contextlib
+
+    with contextlib.suppress(Exception):  # only a head start: the training process imports what it needs anyway
+        _prewarm()
+
+
+def _prewarm() -> None:
     import torch
     import torch._dynamo  # noqa: F401
     import torch.distributed.tensor  # noqa: F401
