@@ -10,30 +10,10 @@ from __future__ import annotations
 
 import contextlib
 import os
-import pickle
-import signal
-import sys
 import threading
 from typing import Any
 
-
-def send(conn: Any, message: Any) -> None:
-    # Plain pickle: a Connection's own pickler shares tensors by file descriptor, which dies with the sender.
-    conn.send_bytes(pickle.dumps(message))
-
-
-def recv(conn: Any) -> Any:
-    return pickle.loads(conn.recv_bytes())
-
-
-def die_with_parent(parent_pid: int) -> None:
-    """If the agent is killed (its node dies), this process must not live on training alone."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
-        os._exit(1)
+from meridian.workers.elastic.pipe import die_with_parent, recv, send
 
 
 def _standby_main(conn: Any, parent_pid: int) -> None:
@@ -42,7 +22,7 @@ def _standby_main(conn: Any, parent_pid: int) -> None:
     # The heavy imports (torch, the training stack), paid for before they are needed.
     import meridian.workers.elastic.rendezvous  # noqa: F401
     import meridian.workers.elastic.trainer  # noqa: F401
-    from meridian.workers.elastic.agent import child_main
+    from meridian.workers.elastic.child import child_main
 
     # Beside the wait, not before it: a ``go`` that comes while this still runs (a failure soon after the
     # previous process started, on a loaded machine) starts training at once, the import finishing meanwhile.
