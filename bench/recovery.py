@@ -305,6 +305,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError(f"--kill-at-step must be between 1 and --steps - 1 (got {args.kill_at_step})")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     args.tokens_per_step = _tokens_per_step(args)
+    load_at_start = _loadavg()
     sides: dict[str, list[dict[str, Any]]] = {side: [] for side in SIDES if side in args.sides}
     for _ in range(args.rounds):
         for side in sides:
@@ -313,7 +314,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "setup": {"datacenters": args.dcs, "nodes_per_dc": args.nodes_per_dc, "model": args.model,
                   "global_batch": args.global_batch, "kill_at_step": args.kill_at_step, "kill_after_s": args.kill_after_s,
                   "node_back_after_first_reformed_step_s": args.back_after_s,
-                  "baseline_checkpoint_every": args.checkpoint_every, "loadavg_at_start": _loadavg()},
+                  "baseline_checkpoint_every": args.checkpoint_every, "loadavg_at_start": load_at_start},
         "measures": {
             "kill_to_next_step_s": "node kill → end of the first step trained by the re-formed (smaller) group",
             "steps_lost": "last step completed before the re-formation − step the re-formed group resumed from",

@@ -12,7 +12,11 @@ the next standby while the new child trains. A restart is therefore a pipe messa
 What survives the child: the in-memory snapshots, written after each step to a tmpfs folder (``/dev/shm``,
 RAM) that the next child reads, and the epoch number it last belonged to. The child reaches the
 coordinator, the progress sink and the event sink through the agent, over one pipe
-(:class:`PipeClient`), so it never touches Ray.
+(:class:`~meridian.workers.elastic.child.PipeClient`), so it never touches Ray. The standby process lives in
+:mod:`meridian.workers.elastic.standby` (torch-free, so a worker can start its first standby before it imports
+torch), the pipe's framing in :mod:`meridian.workers.elastic.pipe`, the training process's side in
+:mod:`meridian.workers.elastic.child`. The agent also keeps a liveness port open (:mod:`meridian.workers.elastic.liveness`): the coordinator's
+proof, when this process is gone, that it need not wait for it.
 """
 
 from __future__ import annotations
@@ -20,84 +24,20 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import shutil
-import threading
-import traceback
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from meridian.workers.contracts.config import TrainConfig
-from meridian.workers.contracts.records import StepRecord
 from meridian.workers.elastic.liveness import LivenessListener
+from meridian.workers.elastic.pipe import recv, send
 from meridian.workers.elastic.protocol import KEEP_SNAPSHOTS, RESTART_EXIT_CODE
-from meridian.workers.elastic.standby import Standby, recv, send
+from meridian.workers.elastic.standby import Standby
 from meridian.workers.loop.records import TrainResult
 from meridian.workers.state.snapshot_paths import snapshot_dir
-from meridian.workers.state.snapshots import SnapshotStore
 
 Call = Callable[..., Any]
-
-
-# -- the pipe between agent and child ----------------------------------------------------------------------
-class PipeClient:
-    """The child's end: request/response calls (thread-safe) and one-way messages."""
-
-    def __init__(self, conn: Any) -> None:
-        self.conn = conn
-        self._lock = threading.Lock()
-
-    def call(self, method: str, *args: Any) -> Any:
-        with self._lock:
-            send(self.conn, ("call", method, args))
-            ok, value = recv(self.conn)
-        if not ok:
-            raise RuntimeError(value)
-        return value
-
-    def tell(self, kind: str, *payload: Any) -> None:
-        with self._lock:
-            send(self.conn, (kind, *payload))
-
-
-class PipeSink:
-    def __init__(self, client: PipeClient) -> None:
-        self.client = client
-
-    def step(self, record: StepRecord) -> None:
-        self.client.tell("progress", record)  # the record itself: the pipe pickles the dataclass
-
-    def rank_step(self, beat: dict[str, Any]) -> None:
-        self.client.tell("beat", beat)
-
-
-def child_main(conn: Any, cfg: TrainConfig, ids: dict[str, Any], store_dir: str, device: str, threads: int) -> None:
-    from meridian.workers.elastic.rendezvous import Rendezvous
-    from meridian.workers.elastic.trainer import ElasticTrainer
-
-    torch.set_num_threads(threads)
-    client = PipeClient(conn)
-    rdzv = Rendezvous(
-        client.call, worker_id=ids["worker_id"], datacenter=ids["datacenter"], node_id=ids["node_id"],
-        address=ids["address"], backend=ids["backend"], collective_timeout_s=ids["collective_timeout_s"],
-        device=device, probe_port=ids["probe_port"],
-    )  # fmt: skip
-    rdzv.epoch = ids["epoch"]
-    trainer = ElasticTrainer(
-        cfg, rdzv, sink=PipeSink(client), on_event=lambda k, m, d: client.tell("event", k, m, d),
-        device=torch.device(device), join_timeout_s=ids["join_timeout_s"],
-        snapshots=SnapshotStore(ids["keep"], store_dir), exit_on_failure=True,
-        on_epoch=lambda n: client.tell("epoch", n), keep_params=ids["keep_params"],
-        peak=ids["peak"], on_peak=lambda p: client.tell("peak", p),
-    )  # fmt: skip
-    try:
-        result = trainer.run()
-    except BaseException:  # noqa: BLE001 - the agent reports it
-        client.tell("error", traceback.format_exc())
-        conn.close()
-        os._exit(1)
-    client.tell("done", result)
-    conn.close()
 
 
 class Agent:

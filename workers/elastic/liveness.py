@@ -10,15 +10,31 @@ agent has to be scheduled for a "gone" answer to come fast.
 from __future__ import annotations
 
 import contextlib
+import random
 import socket
 import threading
+
+PORTS = range(20000, 32768)
+"""Where the port is picked: below the kernel's ephemeral range (32768 and up by default), where a rendezvous
+port chosen by binding port 0 and closing it comes from. Bound with port 0 instead, an agent starting beside
+a worker that has just picked its store port could be handed that very port, and rank 0's store would not
+bind; above Ray's worker ports (10002-19999 by default)."""
+
+
+def _bind(sock: socket.socket, host: str) -> None:
+    for _ in range(100):
+        try:
+            sock.bind((host, random.choice(PORTS)))
+            return
+        except OSError:
+            continue  # taken: another
+    sock.bind((host, 0))
 
 
 class LivenessListener:
     def __init__(self, host: str = "") -> None:
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind((host, 0))
+        _bind(self._sock, host)
         self._sock.listen(64)
         self.port: int = self._sock.getsockname()[1]
         self._closed = threading.Event()
