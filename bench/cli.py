@@ -23,6 +23,7 @@ BENCHMARKS: dict[str, str] = {
     "plan": "meridian.bench.plan",
     "recovery": "meridian.bench.recovery",
     "data": "meridian.bench.data",
+    "lab": "meridian.bench.lab",
 }
 
 
