@@ -80,7 +80,7 @@ def test_overlapped_sync_gives_the_same_parameters_bit_for_bit():
 
 # -- accumulation communicates once per step ---------------------------------------------------------------
 
-COLLECTIVES = ("all_reduce", "reduce_scatter_single", "all_gather_single", "broadcast")
+COLLECTIVES = ("all_reduce", "reduce_scatter_single", "all_gather_single", "broadcast", "batch_isend_irecv")
 
 
 def _count_collectives(rank, world, micro):
