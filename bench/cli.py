@@ -25,6 +25,7 @@ BENCHMARKS: dict[str, str] = {
     "recovery": "meridian.bench.recovery",
     "data": "meridian.bench.data",
     "checkpoint": "meridian.bench.checkpoint",
+    "lab": "meridian.bench.lab",
 }
 
 

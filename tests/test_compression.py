@@ -119,14 +119,14 @@ def _compressed_sums(rank, world, compression):
 
 @pytest.mark.parametrize(
     "compression, bytes_per_step, tol",
-    [
-        (Compression.NONE, 4 * 377, 1e-6),
-        (Compression.BF16, 2 * 377, 2e-2),  # bf16 partial sums round too
-        (Compression.INT8, 377 + 2 * 4, 2e-2),  # ≤ 3 half-steps of absmax/127 against a sum of 3
-        (Compression.INT4, Int4Codec().payload_bytes(300) + Int4Codec().payload_bytes(77), 0.4),  # steps of /7
+    [  # what the ring over 3 owners sends: an all-reduce 2(k-1)/k = 4/3 of the payload, an all-gather 2×
+        (Compression.NONE, round(4 / 3 * 4 * 377), 1e-6),
+        (Compression.BF16, round(4 / 3 * 2 * 377), 2e-2),  # bf16 partial sums round too
+        (Compression.INT8, 2 * (377 + 2 * 4), 2e-2),  # ≤ 3 half-steps of absmax/127 against a sum of 3
+        (Compression.INT4, 2 * (Int4Codec().payload_bytes(300) + Int4Codec().payload_bytes(77)), 0.4),  # steps of /7
     ],
 )
-def test_inter_dc_sum_is_close_identical_everywhere_and_bytes_are_the_payload(
+def test_inter_dc_sum_is_close_identical_everywhere_and_bytes_are_what_the_ring_sends(
     compression, bytes_per_step, tol
 ):
     for per_step in run_processes(_compressed_sums, 3, compression):

@@ -31,7 +31,7 @@ from meridian.workers.distributed.layout import DCGroups, DCLayout
 from meridian.workers.distributed.multiproc import run_processes
 from meridian.workers.loop.train import ListSink, train
 from meridian.workers.sync.hierarchical import HierarchicalSync
-from meridian.workers.wan.collectives import WanEmulator, cleanup, shm_dir
+from meridian.workers.wan.collectives import Algorithm, WanEmulator, cleanup, collective_cost, shm_dir
 from meridian.workers.wan.link import FILE_PREFIX
 
 OPTIM = OptimConfig(lr=0.05, weight_decay=0.1, grad_clip=0.5, warmup_steps=0)
@@ -80,7 +80,7 @@ def test_overlapped_sync_gives_the_same_parameters_bit_for_bit():
 
 # -- accumulation communicates once per step ---------------------------------------------------------------
 
-COLLECTIVES = ("all_reduce", "reduce_scatter_single", "all_gather_single", "broadcast")
+COLLECTIVES = ("all_reduce", "reduce_scatter_single", "all_gather_single", "broadcast", "batch_isend_irecv")
 
 
 def _count_collectives(rank, world, micro):
@@ -123,8 +123,14 @@ def test_accumulation_communicates_only_on_the_last_micro_batch():
 # -- overlap is measured, under the WAN emulator -------------------------------------------------------------
 
 LINK_DELAY_S = 0.05
-WAN = WanConfig(rtt_ms=2000 * LINK_DELAY_S, gbps=100.0)  # 50 ms one way; bandwidth time is negligible
+"""What one bucket's inter-DC sum waits on the emulated link (an exchange, or int8's all-gather of two: one
+step, a round trip)."""
+WAN = WanConfig(rtt_ms=1000 * LINK_DELAY_S, gbps=100.0)  # 25 ms one way; bandwidth time is negligible
 COMPUTE_S = 2 * LINK_DELAY_S  # backward per layer: compute-bound, so each bucket's sync can hide
+
+
+def _op_latency(algorithm: Algorithm) -> float:
+    return collective_cost(algorithm, [0, 1], DCLayout(("a", "b")), 0.0).rounds * WAN.one_way_s
 
 
 class SleepInBackward(torch.autograd.Function):
@@ -183,10 +189,12 @@ def test_overlap_fraction_under_the_wan_emulator():
         per_rank = run_processes(_measure_overlap, 2, key)
     finally:
         cleanup(key)
+    assert _op_latency(Algorithm.EXCHANGE) == _op_latency(Algorithm.RING_GATHER) == pytest.approx(LINK_DELAY_S)
     for out in per_rank:
-        # 4 buckets, each one 50 ms round on the emulated link; backward computes 100 ms more after each of
+        # 4 buckets, each one 50 ms step on the emulated link; backward computes 100 ms more after each of
         # the first three is ready, so ~3/4 of the link time hides. Without overlap all four start in
-        # step() and are in flight together: one round (not four), all of it exposed.
+        # step() and are in flight together (exchanges do not queue on the group's threads): one step, all
+        # of it exposed.
         # Step 0 is left out: one rank reaches backward later (first-call costs), and a collective's time
         # includes waiting for the slowest peer, so comm_s and exposed_s grow by that skew.
         for name in ("hidden", "hidden int8"):
@@ -267,7 +275,8 @@ def test_every_engine_trains_like_one_process(single_process):
     numel = model_preset("nano").num_params
     har = out["har sharded"][0].inter_dc_bytes_per_step
     assert har == pytest.approx(2 * 4 * numel, rel=0.01)
-    assert out["flat"][0].inter_dc_bytes_per_step == pytest.approx(3 * 4 * numel, rel=0.01)
+    # DDP's ring a, a, b: edges 1→2 and 2→0 cross, each carrying 2(W-1)/W = 4/3 of the gradients.
+    assert out["flat"][0].inter_dc_bytes_per_step == pytest.approx(2 * 4 / 3 * 4 * numel, rel=0.01)
 
 
 def test_two_plus_two_trains_like_one_process(single_process):

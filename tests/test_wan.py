@@ -31,6 +31,7 @@ from meridian.workers.wan.collectives import (
     recv,
     send,
 )
+from meridian.workers.wan.exchange import ExchangeWork
 from meridian.workers.wan.probe import probe, probe_link
 
 # ------------------------------------------------------------------------------- two DCs, one rank each
@@ -131,15 +132,27 @@ def test_results_equal_the_plain_collective_bit_for_bit(two_dc) -> None:
     assert two_dc[1]["p2p_exact"]
 
 
+def _waves(n: int, bytes_s: float, latency_s: float, in_flight: int = 2) -> float:
+    """The model's completion of ``n`` equal collectives issued together on one group at time 0: the link
+    carries their bytes in order, a group runs ``in_flight`` at once (see meridian.workers.wan.collectives)."""
+    ready: list[float] = []
+    link_free = 0.0
+    for i in range(n):
+        begin = ready[i - in_flight] if i >= in_flight else 0.0
+        link_free = max(begin, link_free) + bytes_s
+        ready.append(link_free + latency_s)
+    return max(ready)
+
+
 def test_single_op_takes_the_modelled_time(two_dc) -> None:
-    model = BIG / WAN.bytes_per_s + WAN.one_way_s  # 16.8 ms + 10 ms
+    model = BIG / WAN.bytes_per_s + 2 * WAN.one_way_s  # 16.8 ms + one step (a round trip)
     for r in two_dc:
         assert model <= r["single_s"] <= _late(model)
 
 
 def test_chunks_in_flight_pay_latency_once(two_dc) -> None:
-    one = CHUNK / WAN.bytes_per_s + WAN.one_way_s
-    pipelined = K * CHUNK / WAN.bytes_per_s + WAN.one_way_s  # 16.8 ms + 10 ms, against 8 × 12.1 ms
+    one = CHUNK / WAN.bytes_per_s + 2 * WAN.one_way_s
+    pipelined = _waves(K, CHUNK / WAN.bytes_per_s, 2 * WAN.one_way_s)  # 2 at a time: 4 waves of ~22 ms
     for r in two_dc:
         assert r["handle_type"] == "EmulatedWork"
         assert r["sequential_s"] >= K * one
@@ -207,12 +220,12 @@ def _four_ranks(rank: int, world: int, key: str) -> dict:
         out["arrived"] = time.monotonic()
     dist.barrier()
 
-    # HAR step 2: both segments' owner pairs all-reduce across DCs at once.
-    (seg_group,) = groups.inter_dc.values()
+    # HAR step 2: both segments' owner pairs exchange across DCs at once (what InterDCComm runs for 2 DCs).
+    ((seg, seg_group),) = groups.inter_dc.items()
     shard = torch.full((BIG // 4,), float(rank))
     dist.barrier()
     t0 = time.monotonic()
-    all_reduce(shard, seg_group, emulator=emu)
+    ExchangeWork(shard, seg_group, emulator=emu, group_ranks=seg.owners).wait()
     out["har_s"] = time.monotonic() - t0
     out["har_exact"] = torch.equal(shard, torch.full_like(shard, float(2 * (rank % 2) + 2)))
 
@@ -265,13 +278,13 @@ def test_two_senders_of_one_dc_share_the_bandwidth(four_ranks) -> None:
 
 
 def test_concurrent_segment_exchanges_share_the_link(four_ranks) -> None:
-    model = 2 * BIG / WAN.bytes_per_s + WAN.one_way_s
+    model = 2 * BIG / WAN.bytes_per_s + 2 * WAN.one_way_s
     assert all(r["har_exact"] for r in four_ranks)
     assert model <= max(r["har_s"] for r in four_ranks) <= _late(model)
 
 
 def test_flat_ring_completes_together_at_the_modelled_time(four_ranks) -> None:
-    model = 1.5 * MB / WAN.bytes_per_s + 6 * WAN.one_way_s
+    model = 1.5 * MB / WAN.bytes_per_s + 12 * WAN.one_way_s  # 6 ring steps, each a round trip
     assert all(r["ring_exact"] for r in four_ranks)
     assert len({r["ring_ready"] for r in four_ranks}) == 1
     for r in four_ranks:
@@ -341,7 +354,7 @@ def test_ddp_hook_gradients_equal_plain_ddp(ddp) -> None:
 def test_ddp_hook_delays_the_step_by_the_flat_ring_model(ddp) -> None:
     s = ddp[0]["param_bytes"]  # one bucket: DDP's first bucket holds up to 1 MiB
     per_edge = 2 * 2 / 3 * s
-    model = per_edge / DDP_WAN.bytes_per_s + 4 * DDP_WAN.one_way_s
+    model = per_edge / DDP_WAN.bytes_per_s + 8 * DDP_WAN.one_way_s  # 4 ring steps, each a round trip
     for rank, r in enumerate(ddp):
         wire = 0.0 if rank == 0 else per_edge  # edge 0→1 stays in dc-a; 1→2 and 2→0 cross
         assert r["counter"] == [(s, pytest.approx(wire), 1)] * 3

@@ -27,39 +27,57 @@ from meridian.workers.wan.link import SharedLink
 # --------------------------------------------------------------------------------------------- cost model
 
 
-def test_exchange_two_dcs_sends_the_tensor_once_in_one_round() -> None:
+def test_exchange_two_dcs_sends_the_tensor_once_in_one_step() -> None:
     c = collective_cost(Algorithm.EXCHANGE, [0, 1], AB, 4 * MB)
-    assert (c.algorithm, c.rounds) == (Algorithm.DIRECT, 1)
+    assert (c.algorithm, c.rounds) == (Algorithm.DIRECT, 2)  # one step waits a round trip: 2 one-way delays
     assert c.bytes_of(0) == c.bytes_of(1) == 4 * MB
     assert c.link_bytes() == {("dc-a", "dc-b"): 4 * MB, ("dc-b", "dc-a"): 4 * MB}
-    assert c.isolated_s(WAN) == pytest.approx(4 * MB / 125e6 + 0.010)
+    assert c.isolated_s(WAN) == pytest.approx(4 * MB / 125e6 + 0.020)
+
+
+def test_two_rank_all_reduce_is_a_ring_of_two_steps_not_an_exchange() -> None:
+    # What dist.all_reduce runs between the two owners of a HAR segment: twice the exchange's latency, the
+    # same bytes (half the tensor in each of the two steps).
+    ring = collective_cost(Algorithm.RING, [0, 1], AB, 4 * MB)
+    exchange = collective_cost(Algorithm.EXCHANGE, [0, 1], AB, 4 * MB)
+    assert (ring.rounds, exchange.rounds) == (4, 2)
+    assert ring.link_bytes() == exchange.link_bytes() == {("dc-a", "dc-b"): 4 * MB, ("dc-b", "dc-a"): 4 * MB}
+    assert ring.isolated_s(WAN) - exchange.isolated_s(WAN) == pytest.approx(WAN.one_way_s * 2)
+
+
+def test_ring_all_gather_sends_every_other_payload_in_w_minus_1_steps() -> None:
+    c = collective_cost(Algorithm.RING_GATHER, [0, 1, 2], ABC, MB)
+    assert c.rounds == 2 * 2
+    assert [c.bytes_of(r) for r in range(3)] == [2 * MB] * 3
+    two = collective_cost(Algorithm.RING_GATHER, [0, 1], AB, MB)
+    assert (two.rounds, two.bytes_of(0)) == (2, MB)
 
 
 def test_exchange_three_dcs_picks_direct_over_ring() -> None:
     ring = collective_cost(Algorithm.RING, [0, 1, 2], ABC, 3 * MB)
-    assert ring.rounds == 4
+    assert ring.rounds == 8  # 4 steps, each a round trip
     assert [c.wire_bytes for c in ring.charges] == [4 * MB] * 3  # 2(D-1)/D · S on every edge
-    assert ring.isolated_s(WAN) == pytest.approx(4 * MB / 125e6 + 0.040)
+    assert ring.isolated_s(WAN) == pytest.approx(4 * MB / 125e6 + 0.080)
     c = collective_cost(Algorithm.EXCHANGE, [0, 1, 2], ABC, 3 * MB, WAN)
-    assert (c.algorithm, c.rounds) == (Algorithm.DIRECT, 1)
+    assert (c.algorithm, c.rounds) == (Algorithm.DIRECT, 2)
     assert c.bytes_of(0) == 2 * 3 * MB  # (D-1) · S, one S on each of its two outbound links
     assert c.link_bytes()[("dc-a", "dc-c")] == 3 * MB
-    assert c.isolated_s(WAN) == pytest.approx(3 * MB / 125e6 + 0.010)
+    assert c.isolated_s(WAN) == pytest.approx(3 * MB / 125e6 + 0.020)
 
 
 def test_flat_ring_charges_the_crossing_edges() -> None:
     c = collective_cost(Algorithm.RING, range(4), AABB, 8 * MB)
-    assert c.rounds == 6
+    assert c.rounds == 12  # 6 ring steps, each a round trip
     per_edge = 2 * 3 / 4 * 8 * MB
     assert [c.bytes_of(r) for r in range(4)] == [0, per_edge, 0, per_edge]  # edges 1→2 and 3→0 cross
     assert c.link_bytes() == {("dc-a", "dc-b"): per_edge, ("dc-b", "dc-a"): per_edge}
-    assert c.isolated_s(WAN) == pytest.approx(per_edge / 125e6 + 0.060)
+    assert c.isolated_s(WAN) == pytest.approx(per_edge / 125e6 + 0.120)
 
     interleaved = collective_cost(Algorithm.RING, range(4), ABAB, 8 * MB)
     assert interleaved.link_bytes() == {("dc-a", "dc-b"): 2 * per_edge, ("dc-b", "dc-a"): 2 * per_edge}
 
     uneven = collective_cost(Algorithm.RING, range(3), AAB, 3 * MB)
-    assert (uneven.rounds, [uneven.bytes_of(r) for r in range(3)]) == (4, [0, 4 * MB, 4 * MB])
+    assert (uneven.rounds, [uneven.bytes_of(r) for r in range(3)]) == (8, [0, 4 * MB, 4 * MB])
 
 
 def test_groups_inside_one_dc_and_p2p() -> None:
@@ -106,18 +124,41 @@ def test_emulator_books_latency_once_per_round_and_agrees_per_collective(tmp_pat
     b = WanEmulator(WAN, AB, 1, key=key, directory=str(tmp_path))
     cost = collective_cost(Algorithm.EXCHANGE, [0, 1], AB, 1.25e6)  # 10 ms of bytes
     t = 1000.0
-    assert a.book(cost, t) == pytest.approx(t + 0.010 + 0.010)
-    assert a.book(cost, t) == pytest.approx(t + 0.020 + 0.010)  # in flight together: latency paid once
+    assert a.book(cost, t) == pytest.approx(t + 0.010 + 0.020)
+    assert a.book(cost, t) == pytest.approx(t + 0.020 + 0.020)  # in flight together: latency paid once
     first = a.settle(cost, tag="g", seq=0, start=t + 1)
-    assert first == pytest.approx(t + 1.020)
+    assert first == pytest.approx(t + 1.030)
     assert b.settle(cost, tag="g", seq=0, start=t + 1.002) == first  # the peer reads, does not re-book
     assert a.link("dc-a", "dc-b").free_at() == pytest.approx(t + 1.010)
     stale = b.settle(cost, tag="g", seq=0, start=t + 100)  # same seq, far apart: an earlier run's record
-    assert stale == pytest.approx(t + 100.020)
+    assert stale == pytest.approx(t + 100.030)
     a.close()
     b.close()
     assert cleanup(key, str(tmp_path)) == 3  # two directions and one ledger
     assert os.listdir(tmp_path) == []
+
+
+def test_a_group_runs_two_collectives_at_once_and_the_third_waits(tmp_path) -> None:
+    # Eight small collectives issued together on one group: gloo runs two at a time, so they complete in
+    # four waves of one latency each, not all after one latency (chunks are not all concurrent).
+    emu = WanEmulator(WAN, AB, 0, key=_key(), directory=str(tmp_path))
+    cost = collective_cost(Algorithm.RING, [0, 1], AB, 0.0)
+    t = 500.0
+    ready = [emu.settle(cost, tag="g", seq=i, start=t) for i in range(8)]
+    latency = cost.rounds * WAN.one_way_s
+    assert ready == pytest.approx([t + latency * (1 + i // 2) for i in range(8)])
+    emu.close()
+
+
+def test_bytes_of_a_group_in_sequence_queue_behind_each_other(tmp_path) -> None:
+    emu = WanEmulator(WAN, AB, 0, key=_key(), directory=str(tmp_path))
+    cost = collective_cost(Algorithm.RING, [0, 1], AB, 1.25e6)  # 10 ms of bytes, 40 ms of latency
+    t = 700.0
+    ready = [emu.settle(cost, tag="g", seq=i, start=t) for i in range(3)]
+    assert ready[0] == pytest.approx(t + 0.050)
+    assert ready[1] == pytest.approx(t + 0.060)  # in flight with the first: queued on the link's bytes only
+    assert ready[2] == pytest.approx(ready[0] + 0.050)  # waits for the first to complete, then pays it all
+    emu.close()
 
 
 def test_threads_of_one_process_queue_on_a_link(tmp_path) -> None:

@@ -56,7 +56,9 @@ class StepStats:
 
     @property
     def overlap_fraction(self) -> float:
-        """Share of the gradient sync hidden behind backward: ``1 - exposed_s / comm_s``, in [0, 1]."""
+        """Share of the gradient sync's busy time that ``step`` did not wait for: ``1 - exposed_s / comm_s``, in
+        [0, 1]. A per-step indicator from this rank's timers, not the step time overlap saves (``comm_s`` counts
+        waits for slower peers too); ``meridian bench lab`` measures that saving: the same job with overlap off."""
         if self.comm_s <= 0:
             return 0.0
         return min(1.0, max(0.0, 1.0 - self.exposed_s / self.comm_s))

@@ -2,8 +2,9 @@
 
 One all-reduce per gradient bucket over all ranks, overlapped with backward by DDP itself. The baseline the
 hierarchical engine is measured against; it ignores ``shard_optimizer`` and ``overlap`` (DDP always
-overlaps and never shards) and has no compression. Under an emulated WAN its all-reduce goes through
-:func:`meridian.workers.wan.collectives.flat_ddp_comm_hook`.
+overlaps and never shards) and has no compression. Across datacenters its all-reduce goes through
+:func:`meridian.workers.wan.collectives.flat_ddp_comm_hook`, which counts the bytes each bucket's ring puts
+across a DC boundary (and, under an emulated WAN, delays the result to the emulated link's pace).
 """
 
 from __future__ import annotations
@@ -44,13 +45,15 @@ class FlatSync(GradientSync):
         self.model = DistributedDataParallel(
             model, bucket_cap_mb=sync.bucket_mb, gradient_as_bucket_view=True, process_group=groups.world
         )
-        if emulator is not None and emulator.enabled:
-            # DDP's own all-reduce, completed when the emulated WAN would deliver a flat ring all-reduce.
+        self._hook: FlatHookState | None = None
+        if groups.num_dcs > 1:
+            # DDP's own all-reduce, counted bucket by bucket (what this rank's ring edge carries across a DC
+            # boundary) and, with an emulator, completed when the emulated WAN would deliver a ring all-reduce.
             group_ranks = tuple(range(groups.layout.world_size))  # layout indices, as the emulator's layout
-            self.model.register_comm_hook(FlatHookState(emulator, groups.world, group_ranks), flat_ddp_comm_hook)
+            emu = emulator if emulator is not None and emulator.enabled else None
+            self._hook = FlatHookState(emu, groups.world, group_ranks, dc_layout=groups.layout)
+            self.model.register_comm_hook(self._hook, flat_ddp_comm_hook)
         self.optimizer = build_adamw(self.model.module, optim)
-        self._cross_dc = groups.num_dcs > 1
-        self._grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
 
     def micro_batch(self, *, last_micro_batch: bool) -> AbstractContextManager[object]:
         # DDP decides in forward whether the next backward all-reduces. Run forward outside no_sync and
@@ -66,10 +69,11 @@ class FlatSync(GradientSync):
         set_lr(self.optimizer, lr)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=False)
-        # DDP's all-reduce spans every rank: with several DCs all of it crosses a DC boundary.
+        # What DDP's ring put on this rank's outgoing edge, when that edge joins two DCs (0 for the others).
+        sent = round(self._hook.sent.reset().wire_bytes) if self._hook is not None else 0
         return StepStats(
             grad_norm=norm.detach(),
-            inter_dc_bytes=self._grad_bytes if self._cross_dc else 0,
+            inter_dc_bytes=sent,
             sync_wait_s=0.0,
             shard=None if snapshot_as is None else self.local_shard(snapshot_as),
         )

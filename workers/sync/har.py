@@ -95,7 +95,7 @@ def all_reduce_across_dcs(
     handles = start_all_reduce_across_dcs(buf, groups, comm, chunk_bytes=chunk_bytes, bucket=bucket)
     for h in handles:
         h.wait()
-    return sum(h.nbytes for h in handles)
+    return round(sum(h.nbytes for h in handles))
 
 
 def all_gather_in_dc(buf: torch.Tensor, groups: DCGroups, *, async_op: bool = False) -> dist.Work | None:

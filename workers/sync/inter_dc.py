@@ -7,8 +7,9 @@ have delivered the data) live here and nowhere else.
 
 Encodings (``SyncConfig.compression``):
 
-- ``none``: an all-reduce (SUM) of the chunk in its own dtype.
-- ``bf16``: the chunk plus its error-feedback residual, rounded to bf16, all-reduced (SUM) in bf16. The
+- ``none``: a sum of the chunk in its own dtype: with two datacenters one pairwise exchange
+  (:mod:`meridian.workers.wan.exchange`: one round trip), with more an all-reduce (a ring).
+- ``bf16``: the chunk plus its error-feedback residual, rounded to bf16, summed (as ``none``) in bf16. The
   backend adds bf16 values, so partial sums round to bf16 too (k-1 extra roundings for k datacenters);
   error feedback covers the local rounding only.
 - ``int8``: int8 cannot be summed on the wire, so the owners **all-gather** their payloads (int8 values
@@ -16,11 +17,11 @@ Encodings (``SyncConfig.compression``):
   in datacenter order, so all owners get bit-identical results.
 - ``int4``: as int8, with 4-bit values and one fp32 scale per 128 elements (0.53 bytes per element).
 
-Byte accounting: ``bytes_sent`` counts the payload this rank puts into each collective (the compressed
-size: 2 bytes/element for bf16, 1 + 4/chunk for int8). With two datacenters that is also what a ring
-algorithm puts on the link per rank for both an all-reduce and an all-gather. With k > 2 datacenters a
-ring all-reduce sends 2(k-1)/k × payload and an all-gather (k-1) × payload, so int8's all-gather beats an
-fp32 all-reduce on the wire only while k < 8; that fan-out is not in ``bytes_sent``.
+Byte accounting: ``bytes_sent`` counts what this rank puts on the wire (:mod:`meridian.workers.wan.wire`), from
+the payload it passes (the compressed size: 2 bytes/element for bf16, 1 + 4/chunk for int8, ~0.53 for int4) and the ring the
+backend runs over the k owners, one per datacenter, so every ring edge crosses: an all-reduce sends
+2(k-1)/k × payload, an all-gather (k-1) × payload. With two datacenters both are the payload; int8's
+all-gather beats an fp32 all-reduce on the wire only while k < 8.
 
 This module never touches intra-DC groups.
 """
@@ -38,7 +39,9 @@ from meridian.workers.contracts.config import Compression
 from meridian.workers.distributed.layout import Segment
 from meridian.workers.sync.compression import Bf16Codec, ErrorFeedback, Int4Codec, Int8Codec
 from meridian.workers.wan import collectives as wan
+from meridian.workers.wan import wire
 from meridian.workers.wan.emulator import WanEmulator
+from meridian.workers.wan.exchange import ExchangeWork
 
 
 class Waitable(Protocol):
@@ -58,7 +61,8 @@ class CommHandle:
     """An in-flight inter-DC collective. ``wait()`` completes it and writes the sum into the chunk."""
 
     work: Waitable | None
-    nbytes: int
+    nbytes: float
+    """Bytes this rank puts on inter-DC links for this collective (:mod:`meridian.workers.wan.wire`)."""
     finish: Callable[[], None] | None = None
 
     def is_completed(self) -> bool:
@@ -82,7 +86,7 @@ class InterDCComm:
     ) -> None:
         self.compression = compression
         self.emulator = emulator
-        self.bytes_sent = 0
+        self.bytes_sent = 0.0
         self.calls = 0
         # int8 / int4 payloads are gathered, then decoded and summed by every owner
         self._gathered: Int8Codec | Int4Codec | None = {Compression.INT8: Int8Codec(), Compression.INT4: Int4Codec()}.get(compression)
@@ -100,29 +104,37 @@ class InterDCComm:
         come back with the same key); without one, the chunk's address stands in for it.
         """
         self.calls += 1
+        k = len(segment.owners)
         if self._feedback is None:
-            return self._count(CommHandle(self._all_reduce(tensor, group, segment), _nbytes(tensor)))
+            work = self._all_reduce(tensor, group, segment)
+            return self._count(CommHandle(work, wire.ring_all_reduce_edge(k, _nbytes(tensor))))
 
         key = (segment, key if key is not None else (tensor.data_ptr(), tensor.numel()))
         payload = self._feedback.encode(key, tensor)
         if self.compression is Compression.BF16:
             work = self._all_reduce(payload, group, segment)
-            return self._count(CommHandle(work, _nbytes(payload), lambda: tensor.copy_(payload)))
+            sent = wire.ring_all_reduce_edge(k, _nbytes(payload))
+            return self._count(CommHandle(work, sent, lambda: tensor.copy_(payload)))
 
-        k = dist.get_world_size(group)
         gathered = torch.empty(k * payload.numel(), dtype=payload.dtype, device=payload.device)
         work = self._all_gather(gathered, payload, group, segment)
         rows = gathered.view(k, payload.numel())  # gloo wants the flat output; row j is DC j's payload
         codec = self._gathered
         assert codec is not None
-        return self._count(CommHandle(work, _nbytes(payload), lambda: tensor.copy_(codec.decode_sum(rows))))
+        sent = wire.ring_all_gather_edge(k, _nbytes(payload))
+        return self._count(CommHandle(work, sent, lambda: tensor.copy_(codec.decode_sum(rows))))
 
     # The two collectives that cross DCs, each through the WAN emulator when there is one.
 
     def _all_reduce(self, t: torch.Tensor, group: dist.ProcessGroup, segment: Segment) -> Waitable:
+        if len(segment.owners) == 2:  # two datacenters: one exchange (one round trip), not a ring of two
+            return ExchangeWork(t, group, emulator=self.emulator, group_ranks=segment.owners)
         if self.emulator is None:
             return dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group, async_op=True)
-        return wan.all_reduce(t, group, emulator=self.emulator, group_ranks=segment.owners, async_op=True)
+        # dist.all_reduce runs a ring: the emulator books the ring's rounds and bytes, not a cheaper exchange.
+        return wan.all_reduce(
+            t, group, emulator=self.emulator, algorithm=wan.Algorithm.RING, group_ranks=segment.owners, async_op=True
+        )
 
     def _all_gather(
         self, out: torch.Tensor, t: torch.Tensor, group: dist.ProcessGroup, segment: Segment
@@ -132,9 +144,8 @@ class InterDCComm:
         plan = emu.plan(group, segment.owners) if emu is not None and emu.enabled else None
         if emu is None or plan is None or not plan.crosses:
             return work
-        # Gathering S bytes from one owner per DC is the emulator's EXCHANGE pattern (every owner sends
-        # its S bytes to every other DC, one round), the same model as an all-reduce of S bytes.
-        cost = emu.cost(wan.Algorithm.EXCHANGE, plan.ranks, _nbytes(t))
+        # dist.all_gather runs a ring too: (k-1) rounds, (k-1) payloads on every edge.
+        cost = emu.cost(wan.Algorithm.RING_GATHER, plan.ranks, _nbytes(t))
         emu.counter.add(_nbytes(t), cost.bytes_of(emu.rank))
         return wan.EmulatedWork(work, emu, cost, plan.tag, emu.next_seq(plan.tag))
 
@@ -143,9 +154,9 @@ class InterDCComm:
         return handle
 
     def take_bytes(self) -> int:
-        """Bytes sent since the last call (one step's worth when called once per step)."""
-        sent, self.bytes_sent = self.bytes_sent, 0
-        return sent
+        """Inter-DC bytes sent since the last call (one step's worth when called once per step)."""
+        sent, self.bytes_sent = self.bytes_sent, 0.0
+        return round(sent)
 
     @property
     def state_nbytes(self) -> int:

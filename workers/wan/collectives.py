@@ -13,17 +13,22 @@ occupies the link from ``begin = max(t, free_at)`` for ``b / bytes_per_s``; the 
 ``begin + b / bytes_per_s + rounds · one_way_s`` (the α–β model). Chunks in flight together therefore pay the
 latency once per round, not once per chunk.
 
-The cost of a collective (:func:`collective_cost`, :func:`p2p_cost`, pure functions) is a round count and
-the bytes each rank puts on its outbound inter-DC link(s):
+The cost of a collective (:func:`collective_cost`, :func:`p2p_cost`, pure functions) is its latency and
+the bytes each rank puts on its outbound inter-DC link(s), for the algorithm the backend really runs
+(:mod:`meridian.workers.wan.wire`). Latency is counted in *steps* of that algorithm, and each step of a gloo
+collective waits a whole round trip (``wire.ONE_WAYS_PER_STEP`` = 2 one-way delays; measured on the lab):
 
-* EXCHANGE, one rank per DC (HAR step 2): the cheaper of DIRECT (every rank sends its S bytes to every other
-  DC, 1 round) and RING (2(D−1) rounds, 2(D−1)/D·S per ring edge). With D = 2 DIRECT is "each side sends its
-  shard to the other and adds". Because each DC pair has its own link, DIRECT puts only S on any link and so
-  never loses to RING here; RING stays selectable for models of what a library actually runs.
-* RING over a group in rank order, as DDP's flat all-reduce: 2(W−1) rounds, 2(W−1)/W·S on every edge; each
-  rank whose outgoing edge crosses DCs is charged its edge, so a DC-pair direction carries
-  (crossing edges in that direction) × 2(W−1)/W·S.
-* P2P: S bytes from sender to receiver, 1 round.
+* RING over a group in rank order, what ``dist.all_reduce`` runs (DDP's flat all-reduce, HAR step 2):
+  2(W−1) steps, 2(W−1)/W·S on every edge; each rank whose outgoing edge crosses DCs is charged its edge, so
+  a DC-pair direction carries (crossing edges in that direction) × 2(W−1)/W·S. Two ranks: 2 steps, S each.
+* RING_GATHER, what ``dist.all_gather`` runs (int8's step 2): W−1 steps, (W−1)·S on every edge.
+* EXCHANGE, one rank per DC, a pairwise send/recv: the cheaper of DIRECT (every rank sends its S bytes to
+  every other DC, 1 step) and RING. Only for callers that really exchange; ``dist.all_reduce`` is a RING.
+* P2P: S bytes from sender to receiver, one one-way delay (the receive was announced ahead of the data).
+
+A process group runs at most ``wire.IN_FLIGHT_PER_GROUP`` collectives at once (gloo's worker threads), so
+a collective starts on the emulated wire no earlier than the one that many places before it on its group
+completed; chunks issued together on one group are therefore booked mostly in sequence, not all at once.
 
 A collective completes at one emulated time for all its ranks: the first rank whose real collective
 finishes books every charge of the collective and writes the completion time in a per-group ledger file;
@@ -38,7 +43,9 @@ future, and a send books its link when it is issued, which is when its bytes wou
 Limits (all conservative or stated): only the sender's outbound direction is charged for each message — the
 reverse traffic of a ring or an exchange is symmetric in Meridian and books the reverse link; the emulated
 start is when the real collective finished (a send: when it is issued), which over-charges by the loopback
-time; one host only (one CLOCK_MONOTONIC, one /dev/shm); no loss, jitter or TCP slow start.
+time; one host only (one CLOCK_MONOTONIC, one /dev/shm); no loss, jitter, TCP slow start or window limits
+(on the lab a 1 MiB 2-rank all_reduce at 21 ms / 1 Gbit/s took 68 ms against the model's 50 ms); collectives
+the loop runs outside the engines (the async loss all-reduce) are not charged.
 """
 
 # No `from __future__ import annotations` here: DDP checks a comm hook's annotations against the real
@@ -50,12 +57,13 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from meridian.workers.distributed.layout import DCLayout
+from meridian.workers.wan import wire
 from meridian.workers.wan.emulator import (
     Algorithm,
     CollectiveCost,
@@ -245,33 +253,52 @@ def all_reduce_future(
 
 @dataclass
 class FlatHookState:
-    """State of :func:`flat_ddp_comm_hook`: the emulator (with its layout and byte counter) and the group."""
+    """State of :func:`flat_ddp_comm_hook`: the emulator (None: no emulation), the group, and the count of
+    inter-DC bytes this rank's ring edge carried."""
 
-    emulator: WanEmulator
+    emulator: WanEmulator | None
     group: dist.ProcessGroup | None = None
     group_ranks: Sequence[int] | None = None
-    """The group's ranks in the emulator's layout, when that layout is not the world's (one data-parallel
-    group of a tensor/pipeline-parallel job)."""
+    """The group's ranks in the layout, when that layout is not the world's (one data-parallel group of a
+    tensor/pipeline-parallel job)."""
+    dc_layout: DCLayout | None = None
+    """The datacenter of every rank; the emulator's when None."""
+    sent: WanCounter = field(default_factory=WanCounter)
+    """What this rank passed to DDP's all-reduces (tensor bytes) and put on inter-DC links (wire bytes)."""
+    _ring: tuple[tuple[str, ...], int] | None = field(default=None, repr=False)
 
     @property
     def layout(self) -> DCLayout:
+        if self.dc_layout is not None:
+            return self.dc_layout
+        assert self.emulator is not None, "FlatHookState needs a layout or an emulator"
         return self.emulator.layout
 
     @property
     def counter(self) -> WanCounter:
-        return self.emulator.counter
+        return self.sent
+
+    def ring(self) -> tuple[tuple[str, ...], int]:
+        """The datacenter of every position of the all-reduce ring (group-rank order), and this rank's position."""
+        if self._ring is None:
+            ranks = self.group_ranks if self.group_ranks is not None else range(self.layout.world_size)
+            self._ring = tuple(self.layout.dc_of(r) for r in ranks), dist.get_rank(self.group)
+        return self._ring
 
 
 def flat_ddp_comm_hook(state: FlatHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP comm hook: DDP's own averaging all-reduce of the bucket, completed when the emulated WAN would
-    have delivered a flat ring all-reduce over the world group.
+    """DDP comm hook: DDP's own averaging all-reduce of the bucket, counted (the bytes this rank's ring edge
+    puts across a DC boundary, from the bucket actually passed) and, with an emulator, completed when the
+    emulated WAN would have delivered a ring all-reduce over the group.
 
-    Register with ``ddp.register_comm_hook(FlatHookState(emulator), flat_ddp_comm_hook)``."""
+    Register with ``ddp.register_comm_hook(FlatHookState(emulator_or_None, ...), flat_ddp_comm_hook)``."""
     buf = bucket.buffer()
     # Multiply by 1/W rather than divide by W: that is what DDP's reducer does when no hook is registered
     # (reducer.cpp, mul_out with a wrapped 1/div_factor scalar), so gradients equal plain DDP bit for bit
     # for any world size, not only powers of two.
     buf.mul_(1.0 / dist.get_world_size(state.group))
+    ring, me = state.ring()
+    state.sent.add(_nbytes(buf), wire.ring_all_reduce_sent(ring, me, _nbytes(buf)))
     return all_reduce_future(
         buf, state.group, emulator=state.emulator, algorithm=Algorithm.RING, group_ranks=state.group_ranks
     )

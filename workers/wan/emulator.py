@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from meridian.workers.contracts.config import WanConfig
 from meridian.workers.distributed.layout import DCLayout
+from meridian.workers.wan import wire
 from meridian.workers.wan.link import FILE_PREFIX, KEY_RE, Ledger, SharedLink, safe_name, shm_dir
 
 # ----------------------------------------------------------------------------------------------- cost model
@@ -32,6 +33,7 @@ class Algorithm(str, enum.Enum):
     EXCHANGE = "exchange"  # one rank per DC: the cheaper of DIRECT and RING
     DIRECT = "direct"  # every rank sends its tensor to every other DC, one round
     RING = "ring"  # the group's ranks in rank order form a ring, as DDP / gloo all-reduce
+    RING_GATHER = "ring_gather"  # a ring all-gather, as gloo's all_gather: (W-1) rounds, (W-1)·S per edge
     P2P = "p2p"  # one send
 
 
@@ -47,10 +49,11 @@ class LinkCharge:
 
 @dataclass(frozen=True)
 class CollectiveCost:
-    """Rounds of latency and per-rank outbound link charges of one collective."""
+    """Latency and per-rank outbound link charges of one collective."""
 
     algorithm: Algorithm
     rounds: int
+    """One-way latencies on the collective's critical path: steps × :data:`wire.ONE_WAYS_PER_STEP`."""
     charges: tuple[LinkCharge, ...]
 
     @property
@@ -75,22 +78,23 @@ class CollectiveCost:
         return max(self.link_bytes().values()) / wan.bytes_per_s + self.rounds * wan.one_way_s
 
 
-def _ring(ranks: Sequence[int], layout: DCLayout, nbytes: float) -> CollectiveCost:
+def _ring(ranks: Sequence[int], layout: DCLayout, nbytes: float, *, gather: bool = False) -> CollectiveCost:
     w = len(ranks)
-    per_edge = 2 * (w - 1) / w * nbytes
+    per_edge = wire.ring_all_gather_edge(w, nbytes) if gather else wire.ring_all_reduce_edge(w, nbytes)
     charges = []
     for i, r in enumerate(ranks):
         nxt = ranks[(i + 1) % w]
         if layout.dc_of(r) != layout.dc_of(nxt):
             charges.append(LinkCharge(r, layout.dc_of(r), layout.dc_of(nxt), per_edge))
-    return CollectiveCost(Algorithm.RING, 2 * (w - 1), tuple(charges))
+    rounds = wire.ring_steps(w, gather=gather) * wire.ONE_WAYS_PER_STEP
+    return CollectiveCost(Algorithm.RING_GATHER if gather else Algorithm.RING, rounds, tuple(charges))
 
 
 def _direct(ranks: Sequence[int], layout: DCLayout, nbytes: float) -> CollectiveCost:
     charges = tuple(
         LinkCharge(r, layout.dc_of(r), layout.dc_of(p), float(nbytes)) for r in ranks for p in ranks if p != r
     )
-    return CollectiveCost(Algorithm.DIRECT, 1, charges)
+    return CollectiveCost(Algorithm.DIRECT, wire.ONE_WAYS_PER_STEP, charges)
 
 
 def collective_cost(
@@ -108,10 +112,10 @@ def collective_cost(
     dcs = [layout.dc_of(r) for r in ranks]
     if len(set(dcs)) <= 1:
         return CollectiveCost(algorithm, 0, ())
-    if algorithm is Algorithm.RING:
-        return _ring(ranks, layout, nbytes)
+    if algorithm in (Algorithm.RING, Algorithm.RING_GATHER):
+        return _ring(ranks, layout, nbytes, gather=algorithm is Algorithm.RING_GATHER)
     if algorithm not in (Algorithm.EXCHANGE, Algorithm.DIRECT):
-        raise ValueError(f"collective_cost takes RING, EXCHANGE or DIRECT, got {algorithm}; use p2p_cost")
+        raise ValueError(f"collective_cost takes RING, RING_GATHER, EXCHANGE or DIRECT, got {algorithm}; use p2p_cost")
     if len(set(dcs)) != len(dcs):
         raise ValueError(f"{algorithm.value} needs one rank per datacenter, got ranks {ranks} in {dcs}")
     direct = _direct(ranks, layout, nbytes)
@@ -123,12 +127,14 @@ def collective_cost(
 
 
 def p2p_cost(src: int, dst: int, layout: DCLayout, nbytes: float) -> CollectiveCost:
-    """Cost of sending ``nbytes`` from world rank ``src`` to ``dst``: one round, nothing inside a DC."""
+    """Cost of sending ``nbytes`` from world rank ``src`` to ``dst``: one one-way delay, nothing inside a DC.
+
+    One way, not a step's round trip: gloo's receiver announces its posted receive ahead of the data, and a
+    receive posted before the send (a pipeline stage waiting for activations) has announced itself already."""
     if layout.dc_of(src) == layout.dc_of(dst):
         return CollectiveCost(Algorithm.P2P, 0, ())
-    return CollectiveCost(
-        Algorithm.P2P, 1, (LinkCharge(src, layout.dc_of(src), layout.dc_of(dst), float(nbytes)),)
-    )
+    charge = LinkCharge(src, layout.dc_of(src), layout.dc_of(dst), float(nbytes))
+    return CollectiveCost(Algorithm.P2P, 1, (charge,))
 
 
 # ------------------------------------------------------------------------------------------------- emulator
@@ -242,14 +248,18 @@ class WanEmulator:
         end = max(self.link(src, dst).reserve(b, start) for (src, dst), b in cost.link_bytes().items())
         return end + cost.rounds * self.wan.one_way_s
 
-    def settle(self, cost: CollectiveCost, *, tag: str, seq: int, start: float) -> float:
+    def settle(
+        self, cost: CollectiveCost, *, tag: str, seq: int, start: float, in_flight: int = wire.IN_FLIGHT_PER_GROUP
+    ) -> float:
         """Completion time of collective ``seq`` on group ``tag``: booked by the first rank to call this,
         read by the others, so all ranks of one collective finish together."""
         with self._open_lock:
             ledger = self._ledgers.get(tag)
             if ledger is None:
                 ledger = self._ledgers[tag] = Ledger(self._path("ledger", tag))
-        return ledger.settle(seq, start, lambda s: self.book(cost, s))
+        # A group runs at most IN_FLIGHT_PER_GROUP collectives at once (gloo's worker threads): the next one
+        # goes on the wire when one of those has completed, not alongside all of them.
+        return ledger.settle(seq, start, lambda s: self.book(cost, s), in_flight=in_flight)
 
     def cost(self, algorithm: Algorithm, group_ranks: Sequence[int], nbytes: float) -> CollectiveCost:
         return collective_cost(algorithm, group_ranks, self.layout, nbytes, self.wan)

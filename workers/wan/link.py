@@ -175,13 +175,21 @@ class Ledger:
     def __init__(self, path: str) -> None:
         self._file = _SharedFile(path)
 
-    def settle(self, seq: int, start: float, book: Callable[[float], float]) -> float:
+    def settle(self, seq: int, start: float, book: Callable[[float], float], *, in_flight: int = 0) -> float:
+        """Completion of collective ``seq``: the recorded one, else ``book(begin)``'s, recorded. With
+        ``in_flight`` > 0 the collective begins no earlier than collective ``seq - in_flight`` completed (the
+        group runs that many at once); 0: no such limit."""
         offset = (seq % _LEDGER_SLOTS) * self._SLOT.size
         with self._file.locked():
             rec = self._file.read(offset, self._SLOT)
             if rec and rec[0] == seq and abs(rec[1] - start) < _LEDGER_MATCH_S:
                 return rec[2]
-            ready = book(start)
+            begin = start
+            if in_flight > 0 and seq >= in_flight:
+                before = self._file.read(((seq - in_flight) % _LEDGER_SLOTS) * self._SLOT.size, self._SLOT)
+                if before and before[0] == seq - in_flight and abs(before[1] - start) < _LEDGER_MATCH_S:
+                    begin = max(start, before[2])
+            ready = book(begin)
             self._file.write(offset, self._SLOT, seq, start, ready)
         return ready
 

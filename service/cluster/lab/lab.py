@@ -115,7 +115,9 @@ def node_ports(index_in_dc: int) -> list[str]:
 
 
 def up(datacenters: dict[str, int], *, rtt_ms: float, gbps: float, name: str = "lab", cpus_per_node: int = 1,
-       mtu: int = 9000, timeout_s: float = NODES_TIMEOUT_S) -> LabState:  # fmt: skip
+       mtu: int = 9000, timeout_s: float = NODES_TIMEOUT_S, ray: bool = True) -> LabState:  # fmt: skip
+    """Build the lab; ``ray=False`` builds only the network and the delay line (``meridian bench lab`` starts
+    its own processes in the namespaces)."""
     _require_root()
     if state_path(name).exists():
         raise LabError(f"a lab named {name!r} is already up ({state_path(name)}); `meridian lab down` removes it")
@@ -134,7 +136,8 @@ def up(datacenters: dict[str, int], *, rtt_ms: float, gbps: float, name: str = "
 
         network.create(layout, made, mtu=mtu)
         _start_delay_line(state, layout)
-        _start_ray(state, layout, timeout_s)
+        if ray:
+            _start_ray(state, layout, timeout_s)
     except BaseException:
         down(name)
         raise

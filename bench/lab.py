@@ -1,0 +1,276 @@
+"""``meridian bench lab``: the same job over real TCP between datacenters, under the app's emulator, in one DC.
+
+For every link (``--links``, RTT ms : Gbit/s) and strategy (``--strategies``) the same training job (model,
+data, seed, steps) runs three ways, and one row reports them side by side:
+
+- ``step_ms_lab``: the ranks run as processes inside the lab's datacenter namespaces (``meridian lab``,
+  brought up here without Ray), their inter-DC traffic crossing the delay line and ``tbf``; nothing is
+  emulated inside Meridian;
+- ``step_ms_emulated``: the same ranks on this host's loopback, behind the app's WAN emulator
+  (:mod:`meridian.workers.wan.collectives`) with the same RTT and rate;
+- ``step_ms_one_dc``: the same ranks all in the first datacenter's namespace, the job's layout one DC: no
+  inter-DC link at all (measured once per strategy, used for every link);
+- ``scaling_efficiency``: ``step_ms_one_dc / step_ms_lab``;
+- ``inter_dc_bytes_kernel``: what the kernel counted leaving every datacenter's end of the link
+  (``tx_bytes`` of its TUN device, read by the datacenter's first rank after each step), per step;
+- ``inter_dc_bytes_reported``: what the engines reported for the same steps (summed over ranks);
+- ``har_min_bytes``: the HAR minimum, every rank's 1/N shard once: ``dcs × params × 4`` per step
+  (divided by H for DiLoCo);
+- ``overlap_saving`` (hierarchical): what overlapping the sync with backward saves, measured:
+  ``1 − step_ms_lab / step_ms_lab_no_overlap``, the same job run again on the lab with overlap off.
+
+Step times are over the steps after ``--warmup`` (the median for per-step strategies; the mean for DiLoCo,
+whose median step has no outer sync); bytes over the same steps. The lab is held under the machine's lab lock
+(``--lock``) for one link at a time and always brought down before the lock is released.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import json
+import os
+import pickle
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import meridian
+from meridian.bench.lab_worker import run_rank
+from meridian.bench.sync import count_params
+from meridian.service.cluster.lab import lab as lab_mod
+from meridian.workers.contracts.config import (
+    DiLoCoConfig,
+    OptimConfig,
+    SyncConfig,
+    SyncStrategy,
+    TrainConfig,
+    WanConfig,
+)
+from meridian.workers.contracts.model_config import model_preset
+from meridian.workers.distributed.multiproc import run_processes
+
+NAME = "lab"
+HELP = "the same job on the network lab (real TCP), behind the app's emulator, and in one DC: step time, bytes"
+
+LAB_NAME = "bench"
+MASTER_PORT = 29710
+
+
+def parse_links(text: str) -> list[tuple[float, float]]:
+    """``"21:1,100:0.1"`` → ``[(21.0, 1.0), (100.0, 0.1)]`` (RTT ms, Gbit/s)."""
+    try:
+        links = [(float(a), float(b)) for a, b in (part.split(":") for part in text.split(",") if part)]
+    except ValueError as e:
+        raise ValueError(f"--links takes RTT_MS:GBPS pairs separated by commas, e.g. 21:1,100:0.1; got {text!r}") from e
+    if not links:
+        raise ValueError("--links names no link")
+    return links
+
+
+def sync_of(strategy: str, args: argparse.Namespace) -> SyncConfig:
+    common = {"bucket_mb": args.bucket_mb, "inter_dc_chunk_mb": args.chunk_mb}
+    if strategy == "flat":
+        return SyncConfig(strategy=SyncStrategy.FLAT, bucket_mb=args.bucket_mb)
+    if strategy in ("hierarchical", "hierarchical-no-overlap"):
+        return SyncConfig(overlap=strategy == "hierarchical", shard_optimizer=True, **common)
+    if strategy == "diloco":
+        return SyncConfig(strategy=SyncStrategy.DILOCO, diloco=DiLoCoConfig(inner_steps=args.diloco_h), **common)
+    raise ValueError(f"unknown strategy {strategy!r}; choose from flat, hierarchical, diloco")
+
+
+def job(args: argparse.Namespace, strategy: str, datacenters: tuple[str, ...], wan: WanConfig | None) -> TrainConfig:
+    return TrainConfig(
+        job_id=f"bench-lab-{strategy}", model=model_preset(args.model), steps=args.steps,
+        global_batch=args.global_batch or 8 * len(datacenters), micro_batch=args.micro_batch,
+        datacenters=datacenters, sync=sync_of(strategy, args), optim=OptimConfig(warmup_steps=2), wan=wan,
+        seed=args.seed,
+    )  # fmt: skip
+
+
+@contextlib.contextmanager
+def lab_lock(path: str, timeout_s: float) -> Iterator[None]:
+    """The machine's one-lab-at-a-time lock (``flock``), waited for up to ``timeout_s``."""
+    with open(path, "a+") as f:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"another session held the lab lock {path} for {timeout_s:.0f} s; try later") from None
+                time.sleep(1.0)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def run_in_lab(state: lab_mod.LabState, cfg: TrainConfig, placement: list[str], workdir: Path,
+               timeout_s: float) -> list[dict]:  # fmt: skip
+    """Run ``cfg``'s ranks as processes, rank ``i`` in datacenter ``placement[i]``'s namespace."""
+    dcs = {dc.name: dc for dc in state.layout.datacenters}
+    master = f"{dcs[placement[0]].nodes[0].ip}:{MASTER_PORT}"
+    config_path = workdir / "config.pkl"
+    config_path.write_bytes(pickle.dumps(cfg))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(meridian.__file__).resolve().parent.parent),
+                                                         os.environ.get("PYTHONPATH", "")])}  # fmt: skip
+    procs, outputs, first_of_dc = [], [], set()
+    for rank, dc_name in enumerate(placement):
+        dc = dcs[dc_name]
+        output = workdir / f"rank{rank}.json"
+        output.unlink(missing_ok=True)
+        spec = {"rank": rank, "world": len(placement), "master": master, "config": str(config_path),
+                "output": str(output), "link_device": dc.tun if dc_name not in first_of_dc else None}  # fmt: skip
+        first_of_dc.add(dc_name)
+        (workdir / f"rank{rank}.spec.json").write_text(json.dumps(spec))
+        cmd = ["ip", "netns", "exec", dc.netns, "env", f"GLOO_SOCKET_IFNAME={dc.dc_veth}", sys.executable, "-m",
+               "meridian.bench.lab_worker", str(workdir / f"rank{rank}.spec.json")]  # fmt: skip
+        log = open(workdir / f"rank{rank}.log", "wb")  # noqa: SIM115 - closed below
+        procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), log))
+        outputs.append(output)
+    deadline = time.monotonic() + timeout_s
+    try:
+        for rank, (proc, _) in enumerate(procs):
+            try:
+                code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                raise RuntimeError(f"rank {rank} of {cfg.job_id} did not finish within {timeout_s:.0f} s; "
+                                   f"see {workdir}/rank{rank}.log") from None  # fmt: skip
+            if code != 0:
+                tail = (workdir / f"rank{rank}.log").read_text(errors="replace")[-1500:]
+                raise RuntimeError(f"rank {rank} of {cfg.job_id} exited with {code}: {tail}")
+    finally:
+        for proc, log in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=30)
+            log.close()
+    return [json.loads(p.read_text()) for p in outputs]
+
+
+def _emulated(rank: int, world: int, cfg: TrainConfig) -> dict:
+    return run_rank(rank, world, cfg)
+
+
+def summarise(ranks: list[dict], warmup: int, use_mean: bool) -> dict:
+    """Step time of rank 0 and per-step bytes (reported; and the kernel's, when counters were read) over
+    the steps after ``warmup``."""
+    r0 = ranks[0]
+    timed = r0["step_s"][warmup:]
+    out = {"step_ms": 1000 * (statistics.mean(timed) if use_mean else statistics.median(timed)),
+           "steps_timed": len(timed),
+           "reported": statistics.mean(r0["inter_dc_bytes"][warmup:])}  # fmt: skip
+    counted = [r["counters"] for r in ranks if r["counters"]]
+    if counted:
+        last = len(r0["step_s"])
+        out["kernel"] = sum(c[str(last)] - c[str(warmup)] for c in counted) / (last - warmup)
+    return out
+
+
+def run(args: argparse.Namespace) -> dict:
+    links = parse_links(args.links)
+    strategies = [s for s in args.strategies.split(",") if s]
+    for s in strategies:
+        sync_of(s, args)  # unknown names fail before anything starts
+    if os.geteuid() != 0:
+        raise RuntimeError("the lab creates network namespaces: run `meridian bench lab` as root")
+    if args.steps <= args.warmup + 1:
+        raise ValueError(f"--steps must exceed --warmup + 1 ({args.warmup + 1}), got {args.steps}")
+    names = [f"dc-{chr(ord('a') + i)}" for i in range(args.dcs)]
+    multi = [dc for dc in names for _ in range(args.workers_per_dc)]
+    one = [names[0]] * len(multi)
+    params = count_params(args.model)
+    one_dc: dict[str, dict] = {}
+    rows = []
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="meridian-bench-lab-") as tmp:
+        workdir = Path(tmp)
+        for rtt_ms, gbps in links:
+            lab_runs: dict[str, dict] = {}
+            with lab_lock(args.lock, args.lock_timeout_s):
+                state = lab_mod.up({dc: args.workers_per_dc for dc in names}, rtt_ms=rtt_ms, gbps=gbps,
+                                   name=LAB_NAME, ray=False)  # fmt: skip
+                try:
+                    for s in strategies:
+                        mean = s == "diloco"
+                        lab_runs[s] = summarise(run_in_lab(state, job(args, s, tuple(multi), None), multi, workdir,
+                                                           args.timeout_s), args.warmup, mean)  # fmt: skip
+                        if s == "hierarchical" and args.overlap_saving:  # the same job with overlap off
+                            off = "hierarchical-no-overlap"
+                            lab_runs[off] = summarise(run_in_lab(state, job(args, off, tuple(multi), None), multi,
+                                                                 workdir, args.timeout_s), args.warmup, False)  # fmt: skip
+                        if s not in one_dc:
+                            ranks = run_in_lab(state, job(args, s, tuple(one), None), one, workdir, args.timeout_s)
+                            one_dc[s] = summarise(ranks, args.warmup, mean)
+                finally:
+                    lab_mod.down(LAB_NAME)
+            wan = WanConfig(rtt_ms=rtt_ms, gbps=gbps)
+            for s in strategies:
+                emu = summarise(run_processes(_emulated, len(multi), job(args, s, tuple(multi), wan),
+                                              timeout_s=args.timeout_s), args.warmup, s == "diloco")  # fmt: skip
+                lab_r = lab_runs[s]
+                har_min = args.dcs * params * 4 / (args.diloco_h if s == "diloco" else 1)
+                rows.append({
+                    "rtt_ms": rtt_ms, "gbps": gbps, "strategy": s,
+                    "step_ms_lab": round(lab_r["step_ms"], 1), "step_ms_emulated": round(emu["step_ms"], 1),
+                    "step_ms_one_dc": round(one_dc[s]["step_ms"], 1),
+                    "emulated_vs_lab": round(emu["step_ms"] / lab_r["step_ms"], 3),
+                    "scaling_efficiency": round(one_dc[s]["step_ms"] / lab_r["step_ms"], 3),
+                    "inter_dc_bytes_kernel": round(lab_r["kernel"]),
+                    "inter_dc_bytes_reported": round(lab_r["reported"]),
+                    "reported_vs_kernel": round(lab_r["reported"] / lab_r["kernel"], 4) if lab_r["kernel"] else None,
+                    "inter_dc_bytes_reported_emulated": round(emu["reported"]),
+                    "har_min_bytes": round(har_min),
+                    "step_stat": "mean" if s == "diloco" else "median", "steps_timed": lab_r["steps_timed"],
+                })  # fmt: skip
+                off = lab_runs.get(f"{s}-no-overlap")
+                if off is not None:  # overlap as what it saves: step time with it off minus with it on
+                    rows[-1]["step_ms_lab_no_overlap"] = round(off["step_ms"], 1)
+                    rows[-1]["overlap_saving"] = round(1 - lab_r["step_ms"] / off["step_ms"], 3)
+    return {
+        "model": args.model, "params": params, "workers": len(multi), "datacenters": args.dcs,
+        "steps": args.steps, "warmup": args.warmup, "bucket_mb": args.bucket_mb, "chunk_mb": args.chunk_mb,
+        "diloco_h": args.diloco_h, "wall_s": round(time.monotonic() - started, 1),
+        "loadavg": Path("/proc/loadavg").read_text().split()[:3], "rows": rows,
+    }  # fmt: skip
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--links", default="21:1,100:0.1", help="RTT_MS:GBPS pairs (default 21:1,100:0.1)")
+    p.add_argument("--strategies", default="flat,hierarchical,diloco", help="comma-separated (default all three)")
+    p.add_argument("--dcs", type=int, default=2, help="datacenters (default 2)")
+    p.add_argument("--workers-per-dc", type=int, default=2, help="ranks per datacenter (default 2)")
+    p.add_argument("--model", default="tiny", help="model preset (default tiny)")
+    p.add_argument("--steps", type=int, default=14, help="optimizer steps per job (default 14)")
+    p.add_argument("--warmup", type=int, default=2, help="first steps left out of the figures (default 2)")
+    p.add_argument("--global-batch", type=int, default=0, help="samples per step (default 8 per worker)")
+    p.add_argument("--micro-batch", type=int, default=4, help="samples per forward/backward (default 4)")
+    p.add_argument("--bucket-mb", type=float, default=1.0, help="gradient bucket size (default 1)")
+    p.add_argument("--chunk-mb", type=float, default=0.25, help="inter-DC chunk size (default 0.25)")
+    p.add_argument("--diloco-h", type=int, default=4, help="DiLoCo inner steps between syncs (default 4)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-overlap-saving", dest="overlap_saving", action="store_false",
+                   help="skip the hierarchical job with overlap off (its step time gives overlap_saving)")
+    p.add_argument("--lock", default="/tmp/meridian-lab.lock", help="the machine's lab lock file")
+    p.add_argument("--lock-timeout-s", type=float, default=900.0, help="wait this long for the lab lock")
+    p.add_argument("--timeout-s", type=float, default=300.0, help="give up on one job after this long")
+
+
+def render(result: dict) -> str:
+    head = (f"{result['model']}, {result['workers']} workers in {result['datacenters']} DCs, "
+            f"{result['steps']} steps ({result['warmup']} warm-up), load {' '.join(result['loadavg'])}")  # fmt: skip
+    cols = f"{'link':<12}{'strategy':<14}{'lab ms':>9}{'emul ms':>9}{'1-DC ms':>9}{'eff':>7}{'kernel B':>13}{'reported B':>13}{'HAR min B':>12}"
+    rows = [head, cols]
+    for r in result["rows"]:
+        link = f"{r['rtt_ms']:g}/{r['gbps']:g}"
+        rows.append(f"{link:<12}{r['strategy']:<14}{r['step_ms_lab']:>9.1f}{r['step_ms_emulated']:>9.1f}"
+                    f"{r['step_ms_one_dc']:>9.1f}{r['scaling_efficiency']:>7.3f}{r['inter_dc_bytes_kernel']:>13,}"
+                    f"{r['inter_dc_bytes_reported']:>13,}{r['har_min_bytes']:>12,}")  # fmt: skip
+    return "\n".join(rows)

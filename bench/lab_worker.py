@@ -1,0 +1,84 @@
+"""One rank of a ``meridian bench lab`` job: train, and note per step what the kernel counted on the link.
+
+Run as ``python -m meridian.bench.lab_worker SPEC.json`` inside a datacenter's network namespace (the lab's
+workers) or called as :func:`run_rank` by :func:`meridian.workers.distributed.multiproc.run_processes` (the
+emulated and local runs). A rank whose spec names a ``link_device`` reads that device's ``tx_bytes`` after
+every step: inside its namespace ``/sys/class/net`` shows the namespace's devices, so the datacenter's
+first rank reads its own end of the inter-DC link.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import pickle
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from meridian.workers.contracts.config import TrainConfig
+from meridian.workers.contracts.records import StepRecord
+from meridian.workers.loop.train import train
+
+RANK_TIMEOUT_S = 600.0
+
+
+def tx_bytes(device: str) -> int:
+    return int(Path(f"/sys/class/net/{device}/statistics/tx_bytes").read_text())
+
+
+@dataclass
+class LabSink:
+    """Rank 0's step records, and (with ``link_device``) the link's sent bytes after each step on this rank."""
+
+    link_device: str | None = None
+    records: list[StepRecord] = field(default_factory=list)
+    counters: dict[int, int] = field(default_factory=dict)
+    """Step (1-based, steps done) → the link device's ``tx_bytes`` right after this rank finished it."""
+
+    def step(self, record: StepRecord) -> None:
+        self.records.append(record)
+
+    def rank_step(self, beat: dict[str, Any]) -> None:
+        if self.link_device is not None and beat.get("phase") == "done":
+            self.counters[int(beat["step"])] = tx_bytes(self.link_device)
+
+
+def run_rank(rank: int, world: int, cfg: TrainConfig, link_device: str | None = None) -> dict[str, Any]:
+    """Train ``cfg`` on this rank (the default process group is up); what the bench needs of it."""
+    torch.set_num_threads(1)  # every rank of the job shares this machine's cores
+    sink = LabSink(link_device)
+    train(cfg, sink=sink)
+    return {
+        "rank": rank,
+        "step_s": [r.step_s for r in sink.records],
+        "inter_dc_bytes": [r.inter_dc_bytes for r in sink.records],
+        "loss": [r.loss for r in sink.records],
+        "counters": sink.counters,
+    }
+
+
+def main(spec_path: str) -> int:
+    spec = json.loads(Path(spec_path).read_text())
+    cfg = pickle.loads(Path(spec["config"]).read_bytes())
+    dist.init_process_group("gloo", init_method=f"tcp://{spec['master']}", rank=spec["rank"],
+                            world_size=spec["world"], timeout=datetime.timedelta(seconds=RANK_TIMEOUT_S))  # fmt: skip
+    try:
+        out = run_rank(spec["rank"], spec["world"], cfg, spec.get("link_device"))
+    finally:
+        dist.destroy_process_group()
+    out["finished_at"] = time.time()
+    tmp = spec["output"] + ".tmp"
+    Path(tmp).write_text(json.dumps(out))
+    os.replace(tmp, spec["output"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))
