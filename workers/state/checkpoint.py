@@ -44,13 +44,20 @@ def save(directory: str, ckpt: Checkpoint, *, keep: int = 2) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root))
     torch.save({"step": ckpt.step, "model": ckpt.model, "optimizer": ckpt.optimizer,
                 "fingerprint": ckpt.fingerprint}, tmp / STATE_FILE)
+    return publish(root, tmp, name, keep=keep)
+
+
+def publish(root: Path, written: Path, name: str, *, keep: int) -> Path:
+    """Make the complete folder ``written`` the checkpoint ``root/name`` (a rename, so it appears whole or not
+    at all), point ``latest`` at it the same way, and delete all but the newest ``keep`` checkpoints. Both
+    formats finish a save with this."""
     final = root / name
     if final.exists():
         shutil.rmtree(final)
-    os.replace(tmp, final)
-    latest_tmp = root / ".latest.tmp"
-    latest_tmp.write_text(name)
-    os.replace(latest_tmp, root / "latest")
+    os.replace(written, final)
+    pointer = root / ".latest.tmp"
+    pointer.write_text(name)
+    os.replace(pointer, root / "latest")
     for old in sorted(p for p in root.glob("step-*") if p.is_dir())[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final

@@ -27,7 +27,6 @@ Layout::
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +41,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWrite
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from meridian.workers.optim.adamw import MOMENTS
+from meridian.workers.state.checkpoint import publish
 from meridian.workers.state.replica_state import LocalShard, OuterShard, StatePiece, assemble
 
 FORMAT = "meridian.dcp/1"
@@ -181,15 +181,7 @@ def save_shard(directory: str, shard: LocalShard, *, rank: int, datacenter: str,
             "diloco": {"dc": first_dc, "inner_steps_done": next(e[3] for e in everyone if e[3] is not None)}
             if diloco else None}  # fmt: skip
     (partial / META_FILE).write_text(json.dumps(meta, indent=1))
-    final = root / name
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(partial, final)
-    pointer = root / ".latest.tmp"
-    pointer.write_text(name)
-    os.replace(pointer, root / "latest")
-    for old in sorted(p for p in root.glob("step-*") if p.is_dir())[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+    final = publish(root, partial, name, keep=keep)
     for stale in root.glob(".step-*.partial"):
         if stale.name < partial.name:
             shutil.rmtree(stale, ignore_errors=True)
