@@ -13,8 +13,10 @@ import os
 import pickle
 import queue
 import signal
+import socket
 import time
 import uuid
+from dataclasses import replace
 from multiprocessing.managers import BaseManager
 
 import pytest
@@ -55,14 +57,34 @@ class RecordingCoordinator(Coordinator):
         return list(self.log)
 
 
+class TakenStorePortCoordinator(RecordingCoordinator):
+    """Hands rank 0 of epoch ``epoch`` a store port that something else holds, as an outgoing connection's
+    ephemeral port can: rank 0 cannot bind it (it leaves and rejoins), and its peers retry connecting to a
+    port where nothing listens until their collective timeout, unless they are told to stop."""
+
+    def __init__(self, *, epoch: int, **kw) -> None:
+        super().__init__(**kw)
+        self.taken_epoch = epoch
+        self.holder = socket.socket()
+        self.holder.bind(("", 0))  # bound, never listening: connects are refused, binds fail
+
+    def _assignment_locked(self, wid, known_epoch):
+        a = super()._assignment_locked(wid, known_epoch)
+        if a is not None and a.epoch == self.taken_epoch:
+            a = replace(a, master_port=self.holder.getsockname()[1])
+        return a
+
+
 _SERVER: dict[str, RecordingCoordinator] = {}
 
 
-def _coordinator(planned: int = 0) -> RecordingCoordinator:
+def _coordinator(planned: int = 0, taken_store_epoch: int = 0) -> RecordingCoordinator:
     """The one coordinator of this manager's server process (created by the first call, which names the size)."""
     if "c" not in _SERVER:
-        _SERVER["c"] = RecordingCoordinator(planned_workers=planned, min_workers=1, dc_order=("dc-a", "dc-b"),
-                                            grace_s=3.0)  # fmt: skip
+        kw = {"planned_workers": planned, "min_workers": 1, "dc_order": ("dc-a", "dc-b")}
+        # (A stopped member's next process needs a few seconds to rejoin on a loaded machine: a longer grace.)
+        _SERVER["c"] = (TakenStorePortCoordinator(epoch=taken_store_epoch, grace_s=9.0, **kw) if taken_store_epoch
+                        else RecordingCoordinator(grace_s=3.0, **kw))  # fmt: skip
     return _SERVER["c"]
 
 
@@ -94,10 +116,10 @@ AUTHKEY = b"meridian-test"
 class ElasticRun:
     """The coordinator server and the worker processes of one test run."""
 
-    def __init__(self, planned: int) -> None:
+    def __init__(self, planned: int, taken_store_epoch: int = 0) -> None:
         self.manager = CoordinatorManager(address=("127.0.0.1", 0), authkey=AUTHKEY)
         self.manager.start()
-        self.coordinator = self.manager.coordinator(planned)
+        self.coordinator = self.manager.coordinator(planned, taken_store_epoch)
         self.ctx = mp.get_context("spawn")
         self.results = self.ctx.Queue()
         self.procs: dict[int, mp.Process] = {}
@@ -144,8 +166,8 @@ class ElasticRun:
 def elastic_run():
     runs: list[ElasticRun] = []
 
-    def make(planned: int) -> ElasticRun:
-        runs.append(ElasticRun(planned))
+    def make(planned: int, **kw) -> ElasticRun:
+        runs.append(ElasticRun(planned, **kw))
         return runs[-1]
 
     yield make
@@ -203,6 +225,28 @@ def test_losing_a_rank_mid_run_reforms_on_the_survivors_and_matches_an_uninterru
     # Rank 0 of the new epoch reported every step after the resume point (the victim's reports died with it).
     steps = {r.step for o in out.values() for r in o["records"] if r.epoch == 2}
     assert steps == set(range(formed[1]["resume_step"] + 1, STEPS + 1))
+
+
+def test_members_stuck_on_a_store_that_never_came_up_are_stopped_and_everyone_re_forms(elastic_run, reference):
+    # The failure CI met: after a loss, the new rank 0 could not bind its store port (taken), left and rejoined;
+    # its peers kept retrying that port, alive and silent, and were counted lost when the grace ran out.
+    run = elastic_run(4, taken_store_epoch=2)
+    cfg = job(job_id=_unique_job_id())
+    for i, dc in enumerate(DCS):
+        run.start(i, dc, cfg)
+    run.kill_after_step(1, cfg, 3)
+    out = run.collect({0, 2, 3})
+    events = run.events()
+    formed = [e[2] for e in events if e[0] == "epoch_formed"]
+    stuck = [e[2]["worker_id"] for e in events if e[0] == "worker_stuck"]
+    assert sorted(stuck) == ["w2", "w3"], events  # rank 0 of epoch 2 rejoined by itself; the others were told
+    assert len(formed) == 3 and formed[2]["datacenters"] == ["dc-a", "dc-b", "dc-b"], formed
+    assert formed[2]["lost"] == [] and formed[2]["resume_step"] == formed[1]["resume_step"]
+    # Re-formed within seconds, not after the 60 s collective timeout the stuck ranks would otherwise wait out.
+    assert formed[2]["time"] - formed[1]["time"] < 30
+    finished = [o for o in out.values() if o["result"] is not None]
+    assert len(finished) == 3 and all(o["restarts"] == 2 for o in finished)
+    assert _max_rel(out[0]["result"].final_params, reference) < 1e-4
 
 
 def test_snapshots_every_two_steps_resume_from_the_last_snapshot_and_train_the_rest_again(elastic_run, reference):

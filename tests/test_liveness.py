@@ -4,14 +4,16 @@ port itself)."""
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 
 from meridian.service.runner.coordinator import Coordinator
-from meridian.service.runner.liveness import LivenessTracker, Probe, probe
+from meridian.service.runner.liveness import LivenessTracker, Probe, probe, send_abort
 from meridian.service.runner.membership import Epoch, Member, MembershipState, decide
 from meridian.workers.contracts.rendezvous import Assignment, JoinRequest
-from meridian.workers.elastic.liveness import LivenessListener
+from meridian.workers.elastic.agent import Agent
+from meridian.workers.elastic.liveness import LivenessListener, parse_abort
 
 
 def test_the_port_answers_while_the_listener_lives_and_refuses_after():
@@ -127,3 +129,80 @@ def test_a_silent_member_that_still_answers_is_waited_for():
     c.join(_request(3, "dc-b", 7), known_epoch=1, poll_s=0.1)  # it was only slow: everyone re-forms with it
     t.join(20)
     assert {a.world_size for a in result.values()} == {4}
+
+
+# -- stopping a member that answers but does not rejoin ----------------------------------------------------------
+def test_the_port_carries_an_abort_of_one_epoch_and_a_probe_or_garbage_triggers_nothing():
+    told: list[int] = []
+    listener = LivenessListener("127.0.0.1", on_abort=told.append)
+    try:
+        assert probe("127.0.0.1", listener.port) is Probe.ALIVE
+        with socket.create_connection(("127.0.0.1", listener.port)) as conn:
+            conn.sendall(b"hello 3\n")
+        assert send_abort("127.0.0.1", listener.port, 7)  # answered once the agent has acted
+        assert told == [7]
+    finally:
+        listener.close()
+    assert not send_abort("127.0.0.1", listener.port, 8)  # nobody listens any more
+    assert parse_abort(b"abort 12\n") == 12 and parse_abort(b"abort x") is None and parse_abort(b"") is None
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_a_member_that_answers_but_stays_silent_is_told_to_stop_once_after_abort_after_s():
+    told: list[tuple[str, int, int]] = []
+    events: list[tuple] = []
+    clock = _Clock()
+    tracker = LivenessTracker(probe_fn=lambda address, port: Probe.ALIVE,
+                              abort_fn=lambda address, port, epoch: told.append((address, port, epoch)) or True)
+    c = Coordinator(planned_workers=4, min_workers=1, dc_order=("dc-a", "dc-b"), on_event=lambda *e: events.append(e),
+                    grace_s=30, liveness=tracker, clock=clock)  # abort_after_s defaults to grace_s / 3
+    for i, dc in enumerate(["dc-a", "dc-a", "dc-b", "dc-b"]):
+        c.join(_request(i, dc), known_epoch=0, poll_s=0)
+    assert c.epoch.number == 1
+    for i, dc in enumerate(["dc-a", "dc-a", "dc-b"]):  # three members rejoin: their epoch broke
+        c.join(_request(i, dc, 7), known_epoch=1, poll_s=0)
+    clock.t += 9.0
+    c.tick({"n0", "n1", "n2", "n3"})
+    assert told == []  # not yet: it may be on its way
+    clock.t += 1.0
+    c.tick({"n0", "n1", "n2", "n3"})
+    c.tick({"n0", "n1", "n2", "n3"})
+    assert told == [("10.0.0.3", 40003, 1)]  # once, naming the epoch it must leave
+    clock.t += 29.0
+    c.tick({"n0", "n1", "n2", "n3"})
+    assert c.epoch.number == 1  # told to stop, it has a fresh grace period to come back in
+    stuck = [e for e in events if e[0] == "worker_stuck"]
+    assert len(stuck) == 1 and stuck[0][2] == {"worker_id": "w3", "epoch": 1} and "dc-b" in stuck[0][1]
+    c.join(_request(3, "dc-b", 7), known_epoch=1, poll_s=0)  # its next process rejoins: everyone re-forms
+    assert c.epoch.number == 2 and len(c.epoch.members) == 4 and "worker_lost" not in [e[0] for e in events]
+
+
+def test_the_agent_stops_only_a_child_still_training_in_the_named_epoch():
+    agent = Agent.__new__(Agent)  # only the state abort() reads
+    agent._lock, agent.aborts, agent._aborted = threading.Lock(), 0, None
+    child = _FakeChild()
+    agent._child, agent._joining, agent.ids = child, False, {"epoch": 4}
+    agent.abort(3)  # an older epoch: it already left that one
+    agent._joining = True
+    agent.abort(4)  # it is rejoining: nothing to stop
+    assert not child.killed and agent.aborts == 0
+    agent._joining = False
+    agent.abort(4)
+    assert child.killed and agent._aborted is child and agent.aborts == 1
+
+
+class _FakeChild:
+    killed = False
+
+    def is_alive(self) -> bool:
+        return not self.killed
+
+    def kill(self) -> None:
+        self.killed = True

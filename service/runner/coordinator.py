@@ -11,7 +11,10 @@ Ray's view of a node is slow to change (3 s with the fast health checks of a clu
 with a ``ray start`` cluster's defaults). The evidence is often there sooner: when a member dies, its peers'
 collectives fail and they rejoin while it does not. From that moment (a re-formation is pending), the
 coordinator probes each member that has not rejoined (:mod:`meridian.service.runner.liveness`): whenever a
-worker rejoins and on every tick. A member whose process is gone is not waited for.
+worker rejoins and on every tick. A member whose process is gone is not waited for. One that still answers
+``abort_after_s`` after the first rejoin is stuck (a collective or a group formation with a peer that left):
+its agent is told to stop that epoch's training process, and the next one rejoins within seconds instead of
+after gloo's collective timeout, while the grace period still runs.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ EventSink = Callable[[str, str, dict[str, Any]], None]
 class Coordinator:
     def __init__(self, *, planned_workers: int, min_workers: int, dc_order: tuple[str, ...], on_event: EventSink,
                  grace_s: float = 5.0, start_timeout_s: float = 300.0, clock: Callable[[], float] = time.monotonic,
-                 liveness: LivenessTracker | None = None) -> None:
+                 liveness: LivenessTracker | None = None, abort_after_s: float | None = None) -> None:
         self.state = MembershipState(planned_workers=planned_workers, min_workers=min_workers, dc_order=dc_order)
         self.on_event = on_event
         self.grace_s = grace_s
@@ -44,6 +47,8 @@ class Coordinator:
         self.wait_reason = ""
         self.finished: set[str] = set()
         self.liveness = liveness or LivenessTracker()
+        self.abort_after_s = grace_s / 3 if abort_after_s is None else abort_after_s
+        """How long after the first rejoin a member that answers but has not rejoined is told to stop."""
 
     # -- called by workers ------------------------------------------------------------------------------
     def join(self, request: JoinRequest, known_epoch: int = 0, poll_s: float = 2.0) -> JoinReply:
@@ -128,6 +133,7 @@ class Coordinator:
                 return
             suspects = [(m.worker_id, m.address, m.probe_port) for m in e.members
                         if m.worker_id not in self.state.waiting and m.worker_id != also]  # fmt: skip
+            since = self.clock() - (self.state.first_rejoin_at or self.clock())
         found = self.liveness.check(suspects)
         if found:
             with self._cond:
@@ -136,6 +142,19 @@ class Coordinator:
                         self.on_event("worker_gone", f"the worker in {m.datacenter} on node {m.node_id[:12]} is gone "
                                       "(its process no longer answers): re-forming without it", {"worker_id": m.worker_id})
                 self._decide_locked()
+        if since >= self.abort_after_s:
+            stopped = self.liveness.abort(suspects, e.number)
+            with self._cond:
+                if stopped and self.state.epoch is e:
+                    self.state.first_rejoin_at = self.clock()  # a fresh grace period: they are on their way back
+                for m in e.members:
+                    if m.worker_id in stopped:
+                        self.on_event(
+                            "worker_stuck",
+                            f"the worker in {m.datacenter} on node {m.node_id[:12]} answers but had not rejoined "
+                            f"{since:.0f} s after its peers (stuck in a collective with a peer that left): its training "
+                            "process was stopped, and the next one rejoins from its snapshots",
+                            {"worker_id": m.worker_id, "epoch": e.number})  # fmt: skip
 
     def _assignment_locked(self, wid: str, known_epoch: int) -> Assignment | None:
         e = self.state.epoch

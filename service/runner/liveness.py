@@ -5,7 +5,10 @@ Each worker's agent listens on a port for as long as its process lives
 not, the coordinator probes it: a refused connection means its process is gone (the kernel of a live host
 answers for it at once); a connect that times out twice in a row means its host is unreachable. Either is
 enough to re-form without it, on any cluster, before Ray declares its node dead. An answered connection means
-it lives (it is restarting, or slow): it is waited for as usual.
+it lives (it is restarting, or slow): it is waited for as usual, for a while. One that still answers but has
+not rejoined long after its peers is stuck (in a collective, or forming a group, with a peer that already
+left; gloo keeps it there for the whole collective timeout): the coordinator tells its agent to stop the
+training process of that epoch (:func:`send_abort`), and the next one rejoins from its snapshots.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ import enum
 import socket
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+
+from meridian.workers.elastic.liveness import abort_message
 
 
 class Probe(str, enum.Enum):
@@ -32,6 +37,17 @@ def probe(address: str, port: int, timeout_s: float = 1.0) -> Probe:
         return Probe.UNREACHABLE
 
 
+def send_abort(address: str, port: int, epoch: int, timeout_s: float = 2.0) -> bool:
+    """Tell the agent listening at ``address:port`` to stop its training process if it still trains in
+    ``epoch``; ``True`` once the agent has acted on it."""
+    try:
+        with socket.create_connection((address, port), timeout=timeout_s) as conn:
+            conn.sendall(abort_message(epoch))
+            return conn.recv(16).startswith(b"ok")
+    except OSError:
+        return False
+
+
 UNREACHABLE_TIMES = 2
 """A member whose host did not answer this many probes in a row is treated as gone."""
 
@@ -41,7 +57,10 @@ class LivenessTracker:
     """Which suspected members are gone, from probes; ``probe_fn(address, port)`` is injectable for tests."""
 
     probe_fn: Callable[[str, int], Probe] = probe
+    abort_fn: Callable[[str, int, int], bool] = send_abort
     gone: set[str] = field(default_factory=set)
+    aborted: set[tuple[str, int]] = field(default_factory=set)
+    """``(worker_id, epoch)`` pairs told to stop: each is told once."""
     _misses: dict[str, int] = field(default_factory=dict)
 
     def check(self, suspects: Iterable[tuple[str, str, int]]) -> set[str]:
@@ -60,3 +79,15 @@ class LivenessTracker:
                 found.add(wid)
         self.gone |= found
         return found
+
+    def abort(self, stuck: Iterable[tuple[str, str, int]], epoch: int) -> set[str]:
+        """Tell each ``(worker_id, address, port)`` not known gone and not told before to leave ``epoch``;
+        the worker ids whose agent acted on it."""
+        done: set[str] = set()
+        for wid, address, port in stuck:
+            if not port or wid in self.gone or (wid, epoch) in self.aborted:
+                continue
+            self.aborted.add((wid, epoch))
+            if self.abort_fn(address, port, epoch):
+                done.add(wid)
+        return done

@@ -12,21 +12,16 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
-import socket
 import time
 import traceback
 from collections.abc import Callable
 from typing import Any
 
+from meridian.workers.distributed.ports import free_port
+
 
 class RankFailed(RuntimeError):
     """A rank raised, died or timed out."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _entry(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: tuple, results: Any) -> None:

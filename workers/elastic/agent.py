@@ -24,6 +24,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import shutil
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -65,22 +66,34 @@ class Agent:
         self._ctx = mp.get_context("spawn")
         self._standby: Standby | None = standby
         """The next training process, started and waiting; the caller may hand over one it started early."""
+        self._lock = threading.Lock()
+        self._child: Any = None
+        """The training process now running (its ``Process``), for :meth:`abort`."""
+        self._joining = False
+        """The child is in a join (it left its epoch, or has none yet): an abort of its old epoch is moot."""
+        self._aborted: Any = None
+        """The child :meth:`abort` stopped: its exit is a restart, whatever its code."""
+        self.aborts = 0
 
     def run(self) -> TrainResult | None:
         # A new agent holds no state: whatever lies in its folder was left by a killed worker of an earlier
         # run with the same job and worker id, and must not pass for this run's snapshots.
         shutil.rmtree(self.store_dir, ignore_errors=True)
         # Lives as long as this process: the coordinator's proof that this worker is gone is a refused connect.
-        liveness = LivenessListener()
+        liveness = LivenessListener(on_abort=self.abort)
         self.ids["probe_port"] = liveness.port
         try:
             while True:
                 current = self._take_standby()
+                with self._lock:
+                    self._child, self._joining = current.proc, True
                 outcome = self._serve(current.conn, current.proc)
                 current.proc.join()
+                with self._lock:
+                    self._child, aborted = None, self._aborted is current.proc
                 if outcome is not None:
                     return outcome[1]
-                if current.proc.exitcode != RESTART_EXIT_CODE:
+                if current.proc.exitcode != RESTART_EXIT_CODE and not aborted:
                     raise RuntimeError(f"the training process exited with code {current.proc.exitcode}")
                 self.restarts += 1
                 if self.restarts > self.max_restarts:
@@ -91,6 +104,18 @@ class Agent:
                 self._standby.discard()
                 self._standby = None
             shutil.rmtree(self.store_dir, ignore_errors=True)
+
+    def abort(self, epoch: int) -> None:
+        """The coordinator's order (over the liveness port): this worker's peers re-form without it, while it
+        has not left ``epoch`` (stuck in a collective with a peer that is gone). Stop the training process if it
+        still trains in that epoch; the next one rejoins from the snapshots the stopped one kept."""
+        with self._lock:
+            child = self._child
+            if child is None or self._joining or self.ids["epoch"] != epoch or not child.is_alive():
+                return
+            self._aborted = child
+            self.aborts += 1
+        child.kill()  # SIGKILL: closes its sockets at once, like the exit of a rank that saw its peer fail
 
     def _take_standby(self) -> Standby:
         """The started standby (or, the first time or if it died, a new one), told to train now."""
@@ -116,11 +141,17 @@ class Agent:
             kind = msg[0]
             if kind == "call":
                 _, method, args = msg
+                if method == "join":
+                    with self._lock:
+                        self._joining = True
                 try:
                     reply = (True, self.call(method, *args))
                 except Exception as e:  # noqa: BLE001 - the child raises it
                     reply = (False, f"{type(e).__name__}: {e}")
-                send(conn, reply)
+                try:
+                    send(conn, reply)
+                except OSError:  # it exited while the call was out (stopped, or its epoch broke)
+                    return None
             elif kind == "progress":
                 if self.sink is not None:
                     self.sink.step(msg[1])
@@ -134,7 +165,8 @@ class Agent:
             elif kind == "event":
                 self.on_event(*msg[1:])
             elif kind == "epoch":
-                self.ids["epoch"] = msg[1]
+                with self._lock:
+                    self.ids["epoch"], self._joining = msg[1], False
             elif kind == "peak":
                 self.ids["peak"] = msg[1]  # the next training process reuses rank 0's device peak
             elif kind == "done":

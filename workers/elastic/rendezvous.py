@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from meridian.workers.contracts.rendezvous import Assignment, Finished, JoinRequest, Waiting
 from meridian.workers.distributed.devices import bind_device, init_kwargs
-from meridian.workers.distributed.multiproc import free_port
+from meridian.workers.distributed.ports import free_port
 
 Call = Callable[..., Any]
 

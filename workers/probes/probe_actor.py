@@ -10,7 +10,8 @@ from __future__ import annotations
 import socket
 from typing import Any
 
-from meridian.workers.distributed.multiproc import free_port, run_processes
+from meridian.workers.distributed.multiproc import run_processes
+from meridian.workers.distributed.ports import free_port
 from meridian.workers.probes.collective_bench import all_reduce_perf
 
 
