@@ -236,6 +236,7 @@ def _ray_train_elastic(args: argparse.Namespace) -> dict[str, Any]:
     import ray
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from meridian.workers.contracts.config import DataConfig, OptimConfig, TrainConfig
     from meridian.workers.contracts.model_config import model_preset
@@ -243,7 +244,11 @@ def _ray_train_elastic(args: argparse.Namespace) -> dict[str, Any]:
     cluster, nodes = _cluster(args)
     try:
         ray.init(address=cluster.address, namespace="meridian-bench")
-        log = ray.remote(_StepLog).options(name="steplog", namespace="meridian-bench", num_cpus=0).remote()
+        # On the head node, which the bench never kills: unpinned, the log once landed on the victim node and
+        # the run ended with ActorUnavailableError instead of a measurement.
+        head = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        log = ray.remote(_StepLog).options(name="steplog", namespace="meridian-bench", num_cpus=0,
+                                           scheduling_strategy=head).remote()  # fmt: skip
         workers = args.dcs * args.nodes_per_dc
         cfg = TrainConfig(job_id="bench-baseline", model=model_preset(args.model), data=DataConfig(),
                           optim=OptimConfig(lr=3e-3), steps=args.steps, global_batch=args.global_batch,
