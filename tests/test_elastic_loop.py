@@ -205,16 +205,19 @@ def _max_rel(a, b):
 DCS = ("dc-a", "dc-a", "dc-b", "dc-b")
 
 
-def test_losing_a_rank_mid_run_reforms_on_the_survivors_and_matches_an_uninterrupted_run(
-    elastic_run, reference
-):
-    run = elastic_run(4)
+def _lose_w1_after_step_3(run: ElasticRun) -> tuple[dict[int, dict], list[tuple]]:
+    """Four workers over two DCs; w1 (dc-a) is SIGKILLed after step 3. The survivors' results and the events."""
     cfg = job(job_id=_unique_job_id())
     for i, dc in enumerate(DCS):
         run.start(i, dc, cfg)
     run.kill_after_step(1, cfg, 3)
-    out = run.collect({0, 2, 3})
-    events = run.events()
+    return run.collect({0, 2, 3}), run.events()
+
+
+def test_losing_a_rank_mid_run_reforms_on_the_survivors_and_matches_an_uninterrupted_run(
+    elastic_run, reference
+):
+    out, events = _lose_w1_after_step_3(elastic_run(4))
     formed = [e[2] for e in events if e[0] == "epoch_formed"]
     assert len(formed) == 2 and "worker_lost" in [e[0] for e in events], events
     assert formed[1]["datacenters"] == ["dc-a", "dc-b", "dc-b"]
@@ -230,13 +233,7 @@ def test_losing_a_rank_mid_run_reforms_on_the_survivors_and_matches_an_uninterru
 def test_members_stuck_on_a_store_that_never_came_up_are_stopped_and_everyone_re_forms(elastic_run, reference):
     # The failure CI met: after a loss, the new rank 0 could not bind its store port (taken), left and rejoined;
     # its peers kept retrying that port, alive and silent, and were counted lost when the grace ran out.
-    run = elastic_run(4, taken_store_epoch=2)
-    cfg = job(job_id=_unique_job_id())
-    for i, dc in enumerate(DCS):
-        run.start(i, dc, cfg)
-    run.kill_after_step(1, cfg, 3)
-    out = run.collect({0, 2, 3})
-    events = run.events()
+    out, events = _lose_w1_after_step_3(elastic_run(4, taken_store_epoch=2))
     formed = [e[2] for e in events if e[0] == "epoch_formed"]
     stuck = [e[2]["worker_id"] for e in events if e[0] == "worker_stuck"]
     assert sorted(stuck) == ["w2", "w3"], events  # rank 0 of epoch 2 rejoined by itself; the others were told

@@ -135,6 +135,24 @@ def test_plan_with_tp_pins_each_tensor_parallel_group_to_one_node():
         {"datacenter": "dc-b", "ray.io/node-id": "n-b"}, {"datacenter": "dc-b", "ray.io/node-id": "n-b"}]
     dp_only = plan_job(replace(req(global_batch=8), parallelism=ParallelismRequest(tp=1, pp=1)), _two_slot_nodes())
     assert all(set(sel) == {"datacenter"} for sel in worker_label_selectors(dp_only))
+    # At launch, with the cluster as it is then, every rank gets a node: the TP groups keep theirs.
+    assert worker_label_selectors(plan, _two_slot_nodes()) == worker_label_selectors(plan)
+
+
+def test_at_launch_every_rank_is_pinned_to_a_node_with_room_now_most_free_first():
+    from meridian.service.planning.placement import pin_ranks_to_nodes
+    from meridian.service.runner.actor import worker_label_selectors
+
+    planned = ClusterTopology((node("a0", "dc-a", cpus=2), node("a1", "dc-a", cpus=2), node("b0", "dc-b", cpus=2)))
+    plan = plan_job(req(workers=(("dc-a", 3), ("dc-b", 2)), global_batch=10), planned)
+    assert plan.rank_datacenters == ("dc-a", "dc-a", "dc-a", "dc-b", "dc-b") and not any(plan.rank_nodes)
+    # Since planning, another workload took one CPU of a0 and b0 went away: a1 (2 free) fills first, then a0;
+    # dc-b's ranks have no node with room, so they keep the datacenter-only selector.
+    now = ClusterTopology((node("a0", "dc-a", cpus=2, free_cpus=1), node("a1", "dc-a", cpus=2),
+                           node("b0", "dc-b", cpus=2, alive=False)))  # fmt: skip
+    assert pin_ranks_to_nodes(plan, now) == ("a1", "a1", "a0", None, None)
+    assert worker_label_selectors(plan, now)[0] == {"datacenter": "dc-a", "ray.io/node-id": "a1"}
+    assert worker_label_selectors(plan, now)[3] == {"datacenter": "dc-b"}
 
 
 def test_flat_sync_request_never_gets_a_pipeline():

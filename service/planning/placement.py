@@ -99,6 +99,32 @@ def rank_placement(c: Candidate, devices: dict[str, list[int]], nodes: dict[str,
     return tuple(dcs), tuple(pins)
 
 
+def pin_ranks_to_nodes(plan: Plan, topo: ClusterTopology) -> tuple[str | None, ...]:
+    """The node each rank starts on, chosen from the free capacity now (when the job is launched, not when it
+    was planned): ranks the plan pinned keep their node (a tensor-parallel group); the others fill their
+    datacenter's nodes one after the other, the node with most free slots first. ``None`` where the datacenter has no free slot left for it (its
+    worker then takes any node of the datacenter once one frees up).
+
+    Why pin every rank: Ray Train keeps its workers in one placement group. When a node dies, Ray reschedules
+    the lost bundle; a bundle any node of the datacenter could take stays "feasible", and Ray 2.60's GCS retries
+    it in a busy loop (measured: 91 % of a core for as long as the bundle is missing, 0.7 % with the bundle
+    pinned to its dead node, whose loss makes it infeasible). Meridian never needs that bundle back: a lost worker
+    is replaced by a worker of its own outside the group."""
+    pins = list(plan.rank_nodes or (None,) * plan.num_workers)
+    free = {n.node_id: worker_slots(n, use_gpu=plan.use_gpu, available=True) for n in topo.alive_nodes}
+    for node in pins:
+        if node is not None and node in free:
+            free[node] -= 1
+    order = {dc: sorted((n.node_id for n in topo.nodes_in(dc)), key=lambda i: (-free.get(i, 0), i))
+             for dc in set(plan.rank_datacenters)}  # fmt: skip
+    for rank, (dc, node) in enumerate(zip(plan.rank_datacenters, pins, strict=True)):
+        if node is None:  # the first node in the order with room left: consecutive ranks share a node
+            pins[rank] = next((i for i in order[dc] if free.get(i, 0) > 0), None)
+            if pins[rank] is not None:
+                free[pins[rank]] -= 1
+    return tuple(pins)
+
+
 def admission(plan: Plan, topo: ClusterTopology) -> str | None:
     """``None`` if the plan fits in the free capacity now, else why it must wait (e.g. 'waiting for 2
     CPUs in dc-b')."""

@@ -33,6 +33,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from meridian.service.cluster.topology import ClusterTopology, read_topology
+from meridian.service.planning.placement import pin_ranks_to_nodes
 from meridian.service.planning.plan import Plan
 from meridian.service.runner.backoff import Backoff
 from meridian.service.runner.buffer import AckedBuffer
@@ -338,7 +339,7 @@ class JobRunner:
 
             from meridian.workers.entry import ray_train_entry
 
-            labels = worker_label_selectors(self.plan)
+            labels = worker_label_selectors(self.plan, read_topology())
             resources = dict(self.plan.resources_per_worker)
             trainer = TorchTrainer(
                 ray_train_entry,
@@ -392,10 +393,11 @@ def _sweep_snapshots(job_id: str, timeout_s: float = 30.0) -> list[str]:
     return removed
 
 
-def worker_label_selectors(plan: Plan) -> list[dict[str, str]]:
-    """One label selector per Train worker: its datacenter, and for a rank of a tensor-parallel group the
-    node the planner gave the group (Ray's ``ray.io/node-id`` label), so the group shares one node."""
-    nodes = plan.rank_nodes or (None,) * plan.num_workers
+def worker_label_selectors(plan: Plan, topo: ClusterTopology | None = None) -> list[dict[str, str]]:
+    """One label selector per Train worker: its datacenter and its node (Ray's ``ray.io/node-id`` label): the
+    node the planner gave a tensor-parallel group, so the group shares one node, and for every other rank one
+    with room in its datacenter now (:func:`meridian.service.planning.placement.pin_ranks_to_nodes`: why)."""
+    nodes = pin_ranks_to_nodes(plan, topo) if topo is not None else plan.rank_nodes or (None,) * plan.num_workers
     return [{"datacenter": dc, **({NODE_ID_LABEL: node} if node else {})}
             for dc, node in zip(plan.rank_datacenters, nodes, strict=True)]
 
