@@ -102,8 +102,8 @@ def rank_placement(c: Candidate, devices: dict[str, list[int]], nodes: dict[str,
 def pin_ranks_to_nodes(plan: Plan, topo: ClusterTopology) -> tuple[str | None, ...]:
     """The node each rank starts on, chosen from the free capacity now (when the job is launched, not when it
     was planned): ranks the plan pinned keep their node (a tensor-parallel group); the others fill their
-    datacenter's nodes one after the other, the node with most free slots first. ``None`` where the datacenter has no free slot left for it (its
-    worker then takes any node of the datacenter once one frees up).
+    datacenter's nodes one after the other, the node with most free slots first. ``None`` where the datacenter
+    has no free slot left for it (its worker then takes any node of the datacenter once one frees up).
 
     Why pin every rank: Ray Train keeps its workers in one placement group. When a node dies, Ray reschedules
     the lost bundle; a bundle any node of the datacenter could take stays "feasible", and Ray 2.60's GCS retries
