@@ -42,7 +42,7 @@ from pathlib import Path
 
 import meridian
 from meridian.bench.lab_worker import run_rank
-from meridian.bench.sync import count_params
+from meridian.bench.sync import add_job_shape_arguments, count_params
 from meridian.service.cluster.lab import lab as lab_mod
 from meridian.workers.contracts.config import (
     DiLoCoConfig,
@@ -245,17 +245,10 @@ def run(args: argparse.Namespace) -> dict:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--links", default="21:1,100:0.1", help="RTT_MS:GBPS pairs (default 21:1,100:0.1)")
     p.add_argument("--strategies", default="flat,hierarchical,diloco", help="comma-separated (default all three)")
-    p.add_argument("--dcs", type=int, default=2, help="datacenters (default 2)")
-    p.add_argument("--workers-per-dc", type=int, default=2, help="ranks per datacenter (default 2)")
-    p.add_argument("--model", default="tiny", help="model preset (default tiny)")
+    add_job_shape_arguments(p)
     p.add_argument("--steps", type=int, default=14, help="optimizer steps per job (default 14)")
     p.add_argument("--warmup", type=int, default=2, help="first steps left out of the figures (default 2)")
-    p.add_argument("--global-batch", type=int, default=0, help="samples per step (default 8 per worker)")
-    p.add_argument("--micro-batch", type=int, default=4, help="samples per forward/backward (default 4)")
-    p.add_argument("--bucket-mb", type=float, default=1.0, help="gradient bucket size (default 1)")
-    p.add_argument("--chunk-mb", type=float, default=0.25, help="inter-DC chunk size (default 0.25)")
     p.add_argument("--diloco-h", type=int, default=4, help="DiLoCo inner steps between syncs (default 4)")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-overlap-saving", dest="overlap_saving", action="store_false",
                    help="skip the hierarchical job with overlap off (its step time gives overlap_saving)")
     p.add_argument("--lock", default="/tmp/meridian-lab.lock", help="the machine's lab lock file")

@@ -248,19 +248,25 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError("an emulated WAN needs --dcs 2 or more (or pass --no-wan)")
 
 
-def add_common_arguments(p: argparse.ArgumentParser) -> None:
+def add_job_shape_arguments(p: argparse.ArgumentParser) -> None:
+    """The job every sync benchmark trains (``bench sync``, ``bench scaling``, ``bench lab``): its layout,
+    model, batch and bucket sizes."""
     p.add_argument("--dcs", type=int, default=2, help="datacenters (default 2)")
     p.add_argument("--workers-per-dc", type=int, default=2, help="ranks per datacenter (default 2)")
-    p.add_argument("--rtt-ms", type=float, default=21.0, help="emulated inter-DC round trip (default 21)")
-    p.add_argument("--inter-dc-gbps", type=float, default=1.0, help="emulated inter-DC bandwidth (default 1)")
     p.add_argument("--model", default="tiny", help="model preset (default tiny)")
-    p.add_argument("--steps", type=int, default=20, help="optimizer steps per run (default 20)")
-    p.add_argument("--rounds", type=int, default=1, help="repeat every strategy, interleaved (default 1)")
     p.add_argument("--global-batch", type=int, default=0, help="samples per step (default 8 per worker)")
     p.add_argument("--micro-batch", type=int, default=4, help="samples per forward/backward (default 4)")
     p.add_argument("--bucket-mb", type=float, default=1.0, help="gradient bucket size (default 1)")
     p.add_argument("--chunk-mb", type=float, default=0.25, help="inter-DC chunk size (default 0.25)")
     p.add_argument("--seed", type=int, default=0)
+
+
+def add_common_arguments(p: argparse.ArgumentParser) -> None:
+    add_job_shape_arguments(p)
+    p.add_argument("--rtt-ms", type=float, default=21.0, help="emulated inter-DC round trip (default 21)")
+    p.add_argument("--inter-dc-gbps", type=float, default=1.0, help="emulated inter-DC bandwidth (default 1)")
+    p.add_argument("--steps", type=int, default=20, help="optimizer steps per run (default 20)")
+    p.add_argument("--rounds", type=int, default=1, help="repeat every strategy, interleaved (default 1)")
     p.add_argument("--timeout-s", type=float, default=1800.0, help="give up after this long (default 1800)")
 
 

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
 from meridian.service.cluster.topology import ClusterTopology, NodeInfo
 from meridian.service.runner.poll import RunnerLost, RunnerPoll, RunnerState
 from meridian.workers.contracts.records import StepRecord
+from meridian.workers.contracts.rendezvous import Assignment
 
 
 def node(node_id: str, dc: str | None, *, cpus: float = 1, gpus: float = 0, alive: bool = True,
@@ -141,3 +143,22 @@ class FakeService:
                     entries += [LogEntry(p["rank"], stream, line) for line in lines[offsets.get(key, 0):]]
                     offsets[key] = len(lines)
         return entries, offsets
+
+
+def join_concurrently(coord, requests, known_epoch=0, *, poll_s=0.2, polls=100):
+    """Each join request polls ``coord.join`` from its own thread until it gets an assignment (at most ``polls``
+    polls, so a test that fails never leaves a thread behind). Returns the started threads and the
+    assignments by worker id, filled in as they come."""
+    out: dict[str, Assignment] = {}
+
+    def go(r):
+        for _ in range(polls):
+            a = coord.join(r, known_epoch=known_epoch, poll_s=poll_s)
+            if isinstance(a, Assignment):
+                out[r.worker_id] = a
+                return
+
+    threads = [threading.Thread(target=go, args=(r,)) for r in requests]
+    for t in threads:
+        t.start()
+    return threads, out

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import threading
-
 import pytest
+from fakes import join_concurrently
 
 from meridian.service.runner.coordinator import Coordinator
 from meridian.workers.contracts.rendezvous import Assignment, Finished, JoinRequest, Waiting
@@ -15,26 +14,10 @@ def member(i, dc, step=0):
                        last_step=step)
 
 
-def join_all(coord, members, known_epoch=0):
-    out = {}
-
-    def go(m):
-        while True:
-            a = coord.join(m, known_epoch=known_epoch, poll_s=0.2)
-            if isinstance(a, Assignment):
-                out[m.worker_id] = a
-                return
-
-    threads = [threading.Thread(target=go, args=(m,)) for m in members]
-    for t in threads:
-        t.start()
-    return threads, out
-
-
 def test_workers_get_ranks_grouped_by_datacenter_and_rank0_hosts_the_store():
     events = []
     c = Coordinator(planned_workers=4, min_workers=1, dc_order=("dc-a", "dc-b"), on_event=lambda *e: events.append(e))
-    threads, out = join_all(c, [member(0, "dc-b"), member(1, "dc-a"), member(2, "dc-b"), member(3, "dc-a")])
+    threads, out = join_concurrently(c, [member(0, "dc-b"), member(1, "dc-a"), member(2, "dc-b"), member(3, "dc-a")])
     for t in threads:
         t.join(10)
     assert sorted(a.rank for a in out.values()) == [0, 1, 2, 3]
@@ -48,10 +31,10 @@ def test_survivors_re_form_without_the_dead_member_and_resume_from_the_oldest_sn
     events = []
     c = Coordinator(planned_workers=4, min_workers=1, dc_order=("dc-a", "dc-b"), on_event=lambda *e: events.append(e),
                     grace_s=30)
-    threads, _ = join_all(c, [member(i, dc) for i, dc in enumerate(["dc-a", "dc-a", "dc-b", "dc-b"])])
+    threads, _ = join_concurrently(c, [member(i, dc) for i, dc in enumerate(["dc-a", "dc-a", "dc-b", "dc-b"])])
     for t in threads:
         t.join(10)
-    threads, out = join_all(c, [member(0, "dc-a", step=9), member(2, "dc-b", step=10), member(3, "dc-b", step=10)],
+    threads, out = join_concurrently(c, [member(0, "dc-a", step=9), member(2, "dc-b", step=10), member(3, "dc-b", step=10)],
                             known_epoch=1)
     c.tick({"n0", "n1", "n2", "n3"})  # n1 still looks alive: keep waiting (grace 30 s)
     assert not out
@@ -67,14 +50,14 @@ def test_survivors_re_form_without_the_dead_member_and_resume_from_the_oldest_sn
 
 def test_newcomer_is_signalled_to_members_and_joins_at_the_next_boundary():
     c = Coordinator(planned_workers=2, min_workers=1, dc_order=("dc-a",), on_event=lambda *e: None)
-    threads, _ = join_all(c, [member(0, "dc-a"), member(1, "dc-a")])
+    threads, _ = join_concurrently(c, [member(0, "dc-a"), member(1, "dc-a")])
     for t in threads:
         t.join(10)
     assert not c.pending_change(1)
-    newcomer_threads, newcomer = join_all(c, [member(5, "dc-a")])
+    newcomer_threads, newcomer = join_concurrently(c, [member(5, "dc-a")])
     assert isinstance(c.join(member(5, "dc-a"), poll_s=0.1), Waiting)
     assert c.pending_change(1)
-    threads, out = join_all(c, [member(0, "dc-a", step=4), member(1, "dc-a", step=4)], known_epoch=1)
+    threads, out = join_concurrently(c, [member(0, "dc-a", step=4), member(1, "dc-a", step=4)], known_epoch=1)
     for t in threads + newcomer_threads:
         t.join(10)
     assert newcomer["w5"].newcomer_ranks == (2,) and newcomer["w5"].world_size == 3
@@ -105,7 +88,7 @@ def test_a_worker_joining_after_the_last_step_is_told_the_job_finished():
     from meridian.workers.elastic.rendezvous import JobFinished, Rendezvous
 
     c = Coordinator(planned_workers=1, min_workers=1, dc_order=("dc-a",), on_event=lambda *e: None)
-    threads, out = join_all(c, [member(0, "dc-a")])
+    threads, out = join_concurrently(c, [member(0, "dc-a")])
     for t in threads:
         t.join(10)
     assert out["w0"].rank == 0 and not c.job_finished

@@ -8,6 +8,8 @@ import socket
 import threading
 import time
 
+from fakes import join_concurrently
+
 from meridian.service.runner.coordinator import Coordinator
 from meridian.service.runner.liveness import LivenessTracker, Probe, probe, send_abort
 from meridian.service.runner.membership import Epoch, Member, MembershipState, decide
@@ -69,18 +71,8 @@ def _request(i, dc, step=0):
 
 
 def _join(coord, requests, known_epoch):
-    out: dict[str, Assignment] = {}
-
-    def go(r):
-        for _ in range(100):
-            a = coord.join(r, known_epoch=known_epoch, poll_s=0.1)
-            if isinstance(a, Assignment):
-                out[r.worker_id] = a
-                return
-
-    threads = [threading.Thread(target=go, args=(r,)) for r in requests]
-    for t in threads:
-        t.start()
+    """Join them all at once; the assignments, once every thread is done."""
+    threads, out = join_concurrently(coord, requests, known_epoch, poll_s=0.1)
     for t in threads:
         t.join(20)
     return out

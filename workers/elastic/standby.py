@@ -43,8 +43,6 @@ def prewarm_torch() -> None:
     (pulled in by the optimizers' ``_disable_dynamo`` wrappers; sympy and ~800 modules) and DTensor. Measured
     here: 3.1 s at load 20, which a re-formed epoch's first step otherwise waited for, on every rank. Safe
     beside the training thread: its own tensors only, and imports are locked per module."""
-    import contextlib
-
     with contextlib.suppress(Exception):  # only a head start: the training process imports what it needs anyway
         _prewarm()
 
