@@ -26,6 +26,7 @@ BENCHMARKS: dict[str, str] = {
     "data": "meridian.bench.data",
     "checkpoint": "meridian.bench.checkpoint",
     "lab": "meridian.bench.lab",
+    "pgspin": "meridian.bench.pgspin",
 }
 
 

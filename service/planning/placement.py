@@ -107,8 +107,8 @@ def pin_ranks_to_nodes(plan: Plan, topo: ClusterTopology) -> tuple[str | None, .
 
     Why pin every rank: Ray Train keeps its workers in one placement group. When a node dies, Ray reschedules
     the lost bundle; a bundle any node of the datacenter could take stays "feasible", and Ray 2.60's GCS retries
-    it in a busy loop (measured: 91 % of a core for as long as the bundle is missing, 0.7 % with the bundle
-    pinned to its dead node, whose loss makes it infeasible). Meridian never needs that bundle back: a lost worker
+    it in a busy loop (``meridian bench pgspin``: 98 % of a core for as long as the bundle is missing, 0.7 % with
+    the bundle pinned to its dead node, whose loss makes it infeasible). Meridian never needs that bundle back: a lost worker
     is replaced by a worker of its own outside the group."""
     pins = list(plan.rank_nodes or (None,) * plan.num_workers)
     free = {n.node_id: worker_slots(n, use_gpu=plan.use_gpu, available=True) for n in topo.alive_nodes}
