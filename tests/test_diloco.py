@@ -16,9 +16,11 @@ from meridian.workers.contracts.config import DiLoCoConfig, OptimConfig, SyncCon
 from meridian.workers.data.text import rank_slice
 from meridian.workers.distributed.layout import DCGroups, DCLayout
 from meridian.workers.distributed.multiproc import run_processes
+from meridian.workers.elastic.durable import restore_latest
 from meridian.workers.optim.adamw import build_adamw
 from meridian.workers.state import checkpoint as ckpt_io
 from meridian.workers.state.replica_state import assemble
+from meridian.workers.state.sharded_checkpoint import save_shard
 from meridian.workers.sync.diloco import DiLoCoSync
 from meridian.workers.sync.diloco_schedule import FragmentSchedule, split_fragments
 from meridian.workers.sync.grad_buffer import GradBuffer
@@ -190,6 +192,8 @@ def _before(rank, world, directory):
     if rank == 0:
         model = {n: p.detach().clone() for n, p in e.model.state_dict().items()}
         ckpt_io.save(directory, ckpt_io.Checkpoint(step=6, model=model, optimizer=full, fingerprint={}))
+    shapes = {n: p.shape for n, p in e.model.named_parameters()}
+    save_shard(f"{directory}/sharded", shard, rank=rank, datacenter=e.groups.dc, shapes=shapes, fingerprint={})
     return _close(e), shard, full
 
 
@@ -200,6 +204,15 @@ def _after(rank, world, params, optimizer):
         for name, p in e.model.named_parameters():
             p.copy_(params[name])
     e.load_optimizer_state(optimizer)
+    restored = e.optimizer_state()
+    stats = train_steps(e, rank, world, steps=4, micro=2, first_step=6)
+    return restored, [s.inter_dc_bytes for s in stats], _close(e)
+
+
+def _after_sharded(rank, world, directory):
+    """As :func:`_after`, each rank reading from the sharded checkpoint only what it holds."""
+    e = _engine(rank, ("a", "a", "b"), RESIZE)
+    restore_latest(directory, {}, e.model, e)
     restored = e.optimizer_state()
     stats = train_steps(e, rank, world, steps=4, micro=2, first_step=6)
     return restored, [s.inter_dc_bytes for s in stats], _close(e)
@@ -227,8 +240,8 @@ def test_outer_state_survives_a_resize_from_memory_and_from_a_checkpoint(tmp_pat
         assert torch.equal(params[name], t)
     ck = ckpt_io.load_latest(str(tmp_path))
     assert ck is not None
-    for source in ((params, optimizer), (ck.model, ck.optimizer)):
-        after = run_processes(_after, 3, *source)
+    for source in ((params, optimizer), (ck.model, ck.optimizer), f"{tmp_path}/sharded"):
+        after = run_processes(_after_sharded, 3, source) if isinstance(source, str) else run_processes(_after, 3, *source)
         for restored, sent, _ in after:
             _assert_same_state(restored, dc_a_full)
             # The schedule resumes where it was: fragment 0's sync in flight at the failure is dropped (its

@@ -263,22 +263,33 @@ def _elastic(rank, world, cfg):
     from test_parallel import _FormedRendezvous
 
     from meridian.workers.elastic.trainer import ElasticTrainer
+    from meridian.workers.parallel.dims import ParallelDims
 
-    ElasticTrainer(cfg, _FormedRendezvous(rank, world, cfg), sink=ListSink(), on_event=lambda *e: None).run()
+    result = ElasticTrainer(cfg, _FormedRendezvous(rank, world, cfg), sink=ListSink(), keep_params=True,
+                            on_event=lambda *e: None).run()
+    return ParallelDims(cfg.parallel.tp, cfg.parallel.pp, cfg.datacenters).coords(rank), result.final_params
 
 
-def test_a_tensor_parallel_job_keeps_its_full_final_weights_for_export(tmp_path):
+def test_a_tensor_and_pipeline_parallel_job_writes_its_final_weights_from_every_rank_for_export(tmp_path):
     from meridian.workers.contracts.fields import to_plain
     from meridian.workers.model.export import export_checkpoint
-    from meridian.workers.state import checkpoint as ckpt_io
+    from meridian.workers.state.sharded_checkpoint import load_full, open_checkpoint
 
-    cfg = replace(_cfg(("a", "a"), tp=2), checkpoint_dir=str(tmp_path / "ckpt"))
-    run_processes(_elastic, 2, cfg, timeout_s=180)
-    ck = ckpt_io.load_latest(cfg.checkpoint_dir)
-    assert ck is not None and ck.step == cfg.steps
+    cfg = replace(_cfg(("a", "a", "b", "b"), tp=2, pp=2), checkpoint_dir=str(tmp_path / "ckpt"))
+    out = run_processes(_elastic, 4, cfg, timeout_s=240)
+    path = tmp_path / "ckpt" / f"step-{cfg.steps:08d}"
+    assert (tmp_path / "ckpt" / "latest").read_text() == path.name
+    assert len(list(path.glob("*.distcp"))) == 4  # every rank wrote its own slices: nothing was gathered
+    ck = open_checkpoint(str(path))
+    assert ck.step == cfg.steps and ck.adam_step == 0  # weights only
+    weights, _ = load_full(ck)
+    held = assemble({(c.stage, c.tp_rank): params for c, params in out if c.replica == 0})
+    assert sorted(weights) == sorted(held)
+    for name, t in held.items():  # the full model, every slice in its place
+        assert torch.equal(weights[name], t.float()), name
     ours = build_model(cfg.model).eval()
-    ours.load_state_dict(ck.model)  # the full model, not rank 0's slice
-    export_checkpoint(str(tmp_path / "ckpt" / f"step-{cfg.steps:08d}"), to_plain(cfg.model), str(tmp_path / "hf"))
+    ours.load_state_dict(weights)
+    export_checkpoint(str(path), to_plain(cfg.model), str(tmp_path / "hf"))
     theirs = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).float().eval()
     x = _tokens()
     with torch.no_grad():

@@ -127,6 +127,45 @@ def test_a_2_plus_2_checkpoint_resumes_on_3_plus_1_like_an_uninterrupted_run(tmp
         assert max_rel_diff(out, ref) < FP32_TOL
 
 
+def _restore_run(rank, world, dcs, directory):
+    from meridian.workers.elastic.durable import restore_latest
+
+    engine = _engine(rank, dcs, SyncStrategy.HIERARCHICAL)
+    done = restore_latest(directory, {"toy": [1, 2]}, engine.model, engine)
+    owned = sum(b - a for _, a, b in engine.owned_ranges())
+    restored = engine.optimizer_state()  # gathered inside the DC, to compare with the checkpoint's
+    train_steps(engine, rank, world, STEPS, MICRO, first_step=STEPS)
+    engine.synchronize()
+    out = params_of(engine.model)
+    engine.close()
+    engine.groups.destroy()
+    return done, owned, restored, out
+
+
+def test_each_rank_of_another_layout_reads_the_weights_and_only_its_own_optimizer_state(tmp_path):
+    run_processes(_save_run, 4, ("a", "a", "b", "b"), SyncStrategy.HIERARCHICAL, str(tmp_path))
+    ck = open_checkpoint(str(tmp_path / f"step-{STEPS:08d}"))
+    params, full = load_full(ck)
+    dcs = ("a", "a", "a", "b")
+    resumed = run_processes(_restore_run, 4, dcs, str(tmp_path))
+    numel = sum(s.numel() for s in _shapes().values())
+    for rank, (done, owned, restored, _) in enumerate(resumed):
+        assert done.step == STEPS and done.bytes_stored == 3 * 4 * numel
+        # the whole weights (every rank holds them) and the two moments of what it owns, nothing else
+        assert owned == numel or dcs[rank] == "a"
+        assert done.bytes_read == 4 * numel + 2 * 4 * owned
+        assert restored["step"] == full["step"]
+        for name in params:  # the state each DC holds after the load is the checkpoint's, exactly
+            for m in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(restored["params"][name][m], full["params"][name][m]), (rank, name, m)
+    assert sum(resumed[r][1] for r in (0, 1, 2)) == numel  # DC a's three ranks own it all, once
+    assert resumed[3][0].bytes_read == resumed[3][0].bytes_stored  # DC b's single rank holds everything
+    assert all(resumed[r][0].bytes_read < 0.6 * resumed[r][0].bytes_stored for r in (0, 1, 2))
+    ref = reference_params(2 * STEPS, OPTIM)
+    for *_, out in resumed:
+        assert max_rel_diff(out, ref) < FP32_TOL
+
+
 # -- through the elastic trainer ---------------------------------------------------------------------------
 def _elastic_run(rank, world, cfg):
     from test_parallel import _FormedRendezvous

@@ -7,8 +7,9 @@ fresh copy of what the rank owns) to a writer thread, which saves it with
 copy on every device, and a separate group keeps the save's collectives apart from the training's, which run
 meanwhile on the epoch's groups. The step pays only for that copy (nothing when the snapshot is reused).
 
-:func:`load_latest` reads the newest checkpoint of either format: the sharded one, or a single-file one
-(:mod:`meridian.workers.state.checkpoint`: older jobs, and the full weights a tensor/pipeline-parallel job keeps).
+:func:`restore_latest` loads the newest checkpoint of either format into a model and its engine: the sharded
+one (each rank reading the weights and only its own optimizer state), or a single-file one
+(:mod:`meridian.workers.state.checkpoint`, written by older versions).
 """
 
 from __future__ import annotations
@@ -18,15 +19,25 @@ import json
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from meridian.workers.state import checkpoint as single_file
-from meridian.workers.state.replica_state import LocalShard
-from meridian.workers.state.sharded_checkpoint import is_sharded, load_full, open_checkpoint, save_shard
+from meridian.workers.state.replica_state import LocalShard, assemble
+from meridian.workers.state.sharded_checkpoint import (
+    is_sharded,
+    open_checkpoint,
+    read_ranges,
+    read_weights,
+    save_shard,
+    stored_nbytes,
+)
+from meridian.workers.sync.engine import GradientSync
 
 GROUP_TIMEOUT = datetime.timedelta(minutes=5)
 """A save whose peer died fails after this long, on its own thread, leaving only a ``.partial`` folder."""
@@ -85,23 +96,60 @@ class Checkpointer:
             self._writer = None
 
 
-def load_latest(directory: str, expected: dict[str, Any]) -> tuple[int, dict[str, torch.Tensor], dict] | None:
-    """``(step, parameters, full optimizer state)`` of the newest checkpoint in ``directory`` (either format),
-    or ``None``; a checkpoint of another job (``expected`` fingerprint differs) is a ``ValueError``."""
+@dataclass(frozen=True)
+class Restored:
+    step: int
+    """Steps the checkpoint holds; training goes on at this step."""
+    bytes_read: int
+    """Bytes of tensors this rank read: the whole weights and only the optimizer state it holds."""
+    bytes_stored: int
+    """Bytes of tensors in the checkpoint (every rank reading all of them is what a sharded load avoids)."""
+
+
+def restore_latest(directory: str, expected: dict[str, Any], model: nn.Module, engine: GradientSync) -> Restored | None:
+    """Load the newest checkpoint in ``directory`` (either format) into ``model`` and ``engine``; ``None`` if
+    there is none. A checkpoint of another job (``expected`` fingerprint differs) is a ``ValueError``.
+
+    From a sharded checkpoint every rank reads the whole weights, but of the optimizer state only the ranges
+    its engine holds (:meth:`~meridian.workers.sync.engine.GradientSync.owned_ranges`): with AdamW sharded
+    N ways in a DC, a rank reads (1 + 2/N)/3 of the checkpoint. No collective; any layout reads any other's."""
     pointer = Path(directory) / "latest"
     if not pointer.is_file():
         return None
-    path = str(Path(directory) / pointer.read_text().strip())
-    if not is_sharded(path):
-        ck = single_file.load_latest(directory)
-        assert ck is not None
-        single_file.check_fingerprint(ck, expected, directory)
-        return ck.step, ck.model, ck.optimizer
-    ck = open_checkpoint(path)
+    path = Path(directory) / pointer.read_text().strip()
+    if not is_sharded(str(path)):
+        single = single_file.load_latest(directory)
+        assert single is not None
+        single_file.check_fingerprint(single, expected, directory)
+        load_weights(model, engine, single.model)
+        engine.load_optimizer_state(single.optimizer)
+        size = (path / single_file.STATE_FILE).stat().st_size
+        return Restored(single.step, size, size)
+    ck = open_checkpoint(str(path))
     want = json.loads(json.dumps(expected))  # as stored: tuples become lists
     if ck.fingerprint != want:
         diff = {k: (ck.fingerprint.get(k), v) for k, v in want.items() if ck.fingerprint.get(k) != v}
         raise ValueError(f"checkpoint in {directory} belongs to a different job (checkpoint vs job: {diff}); "
                          "point the job at an empty checkpoint directory")
-    params, optimizer = load_full(ck)
-    return ck.step, params, optimizer
+    owned = engine.owned_ranges()
+    if owned is None:  # the engine holds the whole state
+        shard = read_ranges(ck, [(n, 0, s.numel()) for n, s in ck.shapes.items()])
+        params, optimizer = assemble([shard], ck.shapes)
+        load_weights(model, engine, params)
+        engine.load_optimizer_state(optimizer)
+        return Restored(ck.step, shard.nbytes, stored_nbytes(ck))
+    weights = read_weights(ck)
+    load_weights(model, engine, weights)
+    shard = read_ranges(ck, owned, weights=weights)  # the moments and outer state; values are views of weights
+    engine.load_local_shard(shard)
+    values = sum(t.numel() * t.element_size() for t in weights.values())
+    return Restored(ck.step, values + shard.nbytes - sum(p.value.numel() * 4 for p in shard.pieces),
+                    stored_nbytes(ck))
+
+
+def load_weights(model: nn.Module, engine: GradientSync, params: dict[str, torch.Tensor]) -> None:
+    """Copy whole parameters into ``model`` once the engine's communication in flight has finished."""
+    engine.synchronize()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(params[name].reshape(p.shape))

@@ -36,15 +36,13 @@ import torch.distributed as dist
 from meridian.workers.contracts.config import TrainConfig
 from meridian.workers.contracts.model_config import ModelFamily
 from meridian.workers.contracts.rendezvous import Assignment
-from meridian.workers.elastic.durable import Checkpointer
-from meridian.workers.elastic.durable import load_latest as load_durable
+from meridian.workers.elastic.durable import Checkpointer, load_weights, restore_latest
 from meridian.workers.elastic.protocol import KEEP_SNAPSHOTS, RESTART_EXIT_CODE
 from meridian.workers.elastic.rendezvous import JobFinished, Rendezvous
 from meridian.workers.loop.replica import Membership, Replica
 from meridian.workers.loop.train import EpochOutcome, ProgressSink, TrainingLoop, TrainResult
 from meridian.workers.parallel.dims import ParallelDims
-from meridian.workers.parallel.tensor_parallel import assemble as assemble_slices
-from meridian.workers.state import checkpoint as ckpt_io
+from meridian.workers.state.model_parallel_weights import save_model_parallel_weights
 from meridian.workers.state.replica_state import IncompleteState, LocalShard, assemble
 from meridian.workers.state.snapshots import SnapshotStore
 from meridian.workers.sync.build import GradientSync
@@ -189,9 +187,10 @@ class ElasticTrainer:
 
 
     def _run_model_parallel_epoch(self, m: Membership) -> EpochOutcome:
-        """One epoch of a tensor/pipeline-parallel job; with a checkpoint dir, replica 0's slices are gathered
-        on rank 0 after the last step and written as one full-model checkpoint (weights only: such a job does
-        not resume from it), so its final weights can be exported like a data-parallel job's."""
+        """One epoch of a tensor/pipeline-parallel job; with a checkpoint dir, replica 0's ranks write their
+        slices after the last step into one checkpoint (:mod:`meridian.workers.state.model_parallel_weights`:
+        weights only, such a job does not resume from it), so its final weights export like a data-parallel
+        job's."""
         keep = self.loop.keep_params
         self.loop.keep_params = keep or bool(self.cfg.checkpoint_dir)
         try:
@@ -202,13 +201,9 @@ class ElasticTrainer:
             return outcome
         assert outcome.result is not None
         coords = ParallelDims(self.cfg.parallel.tp, self.cfg.parallel.pp, m.datacenters).coords(m.rank)
-        mine = (coords.replica, coords.stage, coords.tp_rank, outcome.result.final_params)
-        parts: list[Any] | None = [None] * m.world_size if m.rank == 0 else None
-        dist.gather_object(mine, parts, dst=0)
-        if parts is not None:
-            full = assemble_slices({(s, t): p for r, s, t, p in parts if r == 0})
-            ck = ckpt_io.Checkpoint(step=self.cfg.steps, model=full, optimizer={}, fingerprint=fingerprint(self.cfg))
-            ckpt_io.save(self.cfg.checkpoint_dir, ck)
+        save_model_parallel_weights(self.cfg.checkpoint_dir, outcome.result.final_params, rank=m.rank,
+                                    replica=coords.replica, stage=coords.stage, tp_rank=coords.tp_rank,
+                                    tp=self.cfg.parallel.tp, step=self.cfg.steps, fingerprint=fingerprint(self.cfg))
         if not keep:
             outcome = EpochOutcome(finished=True, result=replace(outcome.result, final_params=None))
         return outcome
@@ -296,23 +291,19 @@ class ElasticState:
             else:
                 _load(model, engine, params, optimizer)
                 return a.resume_step
-        ck = load_durable(self.cfg.checkpoint_dir, fingerprint(self.cfg)) if self.cfg.checkpoint_dir else None
-        if ck is None:
+        done = (restore_latest(self.cfg.checkpoint_dir, fingerprint(self.cfg), model, engine)
+                if self.cfg.checkpoint_dir else None)  # fmt: skip
+        if done is None:
             if a.epoch > 1 and a.rank == 0:
                 self.on_event("restarted", "no copy of the state survived and there is no checkpoint: "
                               "training restarts from step 0", {})  # fmt: skip
             return 0
-        step, params, optimizer = ck
-        _load(model, engine, params, optimizer)
         if a.rank == 0:
-            self.on_event("checkpoint_loaded", f"resumed from the durable checkpoint of step {step}",
-                          {"step": step})  # fmt: skip
-        return step
+            self.on_event("checkpoint_loaded", f"resumed from the durable checkpoint of step {done.step}",
+                          {"step": done.step, "bytes_read": done.bytes_read, "bytes_stored": done.bytes_stored})
+        return done.step
 
 
 def _load(model: torch.nn.Module, engine: GradientSync, params: dict[str, torch.Tensor], optimizer: dict) -> None:
-    engine.synchronize()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(params[name].reshape(p.shape))
+    load_weights(model, engine, params)
     engine.load_optimizer_state(optimizer)

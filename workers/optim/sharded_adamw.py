@@ -41,7 +41,7 @@ from meridian.workers.optim.adamw import (
     set_lr,
     state_nbytes,
 )
-from meridian.workers.state.replica_state import LocalShard, piece_of
+from meridian.workers.state.replica_state import LocalShard, cut, piece_of
 from meridian.workers.sync.grad_buffer import Bucket, GradBuffer, ParamSlot
 from meridian.workers.sync.har import all_gather_in_dc
 
@@ -334,6 +334,32 @@ class ShardedAdamW:
                     for m in MOMENTS
                 },
             }
+
+    def owned_ranges(self) -> list[tuple[str, int, int]]:
+        """``(parameter, start, stop)`` of every piece, in :meth:`local_shard`'s order."""
+        return [(p.slot.name, p.in_param.start, p.in_param.stop) for p in self.pieces]
+
+    def load_local_shard(self, shard: LocalShard) -> None:
+        """Take this rank's pieces from a shard holding (at least) :meth:`owned_ranges`: fp32 values into the
+        master, moments into AdamW. The model's weights are loaded already; no collective."""
+        self.wait_params()
+        self.steps = shard.adam_step
+        for b, master in self.master.items():  # padding and other ranks' elements: from the loaded weights
+            lo, hi = self.bounds[b]
+            master.copy_(self.buffer.buckets[b].data[lo:hi].float())
+        if self.optimizer is not None:
+            self.optimizer.state.clear()
+        for piece, t in zip(self.pieces, self.tensors, strict=True):
+            saved = cut(shard.pieces, piece.slot.name, piece.in_param.start, piece.in_param.stop)
+            if piece.bucket in self.master:
+                t.copy_(saved.value)
+            if self.optimizer is not None and self.steps:
+                if not saved.moments:
+                    raise ValueError(f"the state of step {shard.step} has no AdamW moments for {piece.slot.name!r}")
+                self.optimizer.state[t] = {
+                    "step": torch.tensor(float(self.steps), dtype=torch.float32),
+                    **{m: saved.moments[m].to(device=t.device, dtype=t.dtype).clone() for m in MOMENTS},
+                }
 
     def _master_slice(self, b: int, masters: dict[str, torch.Tensor]) -> torch.Tensor:
         lo, hi = self.bounds[b]

@@ -1,8 +1,9 @@
 """Single-file checkpoints: the whole state in one ``state.pt``, written by one rank.
 
-Elastic data-parallel jobs write sharded checkpoints instead (:mod:`meridian.workers.state.sharded_checkpoint`:
-every rank its own shard, nothing gathered). This format remains for the full weights a tensor/pipeline-parallel
-job keeps at its end, and for reading checkpoints written before. It holds the *full* model and optimizer
+Jobs write sharded checkpoints instead (:mod:`meridian.workers.state.sharded_checkpoint`: every rank its own
+shard, nothing gathered; a tensor/pipeline-parallel job's final weights too,
+:mod:`meridian.workers.state.model_parallel_weights`). This format remains so that checkpoints written by
+earlier versions still resume and export. It holds the *full* model and optimizer
 state, the step and a fingerprint, so it loads into any layout. Files land in a temporary folder that is
 renamed into place, so a crash mid-write never leaves a checkpoint that looks complete.
 

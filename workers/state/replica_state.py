@@ -97,6 +97,15 @@ def piece_of(
     return StatePiece(name, start, stop, host_copy(value), moments)
 
 
+def cut(pieces: tuple[StatePiece, ...], name: str, start: int, stop: int) -> StatePiece:
+    """Elements ``[start, stop)`` of parameter ``name`` (values and moments), from the piece that holds them."""
+    for p in pieces:
+        if p.name == name and p.start <= start and stop <= p.stop:
+            a, b = start - p.start, stop - p.start
+            return StatePiece(name, start, stop, p.value[a:b], {m: t[a:b] for m, t in p.moments.items()})
+    raise ValueError(f"no piece holds elements {start}..{stop} of parameter {name!r}")
+
+
 def replicated_shard(
     optimizer: torch.optim.Optimizer, named: list[tuple[str, torch.Tensor]], step: int
 ) -> LocalShard:

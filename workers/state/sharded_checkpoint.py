@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -75,7 +76,7 @@ def _offers(rank: int, shard: LocalShard, write_inner: bool) -> list[tuple[int, 
     return inner + outer
 
 
-def _chunks_of(shard: LocalShard, mine: list[tuple[str, int, int]]) -> list[tuple[str, int, torch.Tensor]]:
+def _chunks_of(shard: LocalShard, mine: list[tuple[str, int, int]]) -> list[Chunk]:
     """``(DCP key, start, tensor)`` of the ranges ``mine`` this rank writes, cut from its shard's pieces."""
     out = []
     for name, a, b in mine:
@@ -85,18 +86,22 @@ def _chunks_of(shard: LocalShard, mine: list[tuple[str, int, int]]) -> list[tupl
         p = next(p for p in pieces if p.name == base and p.start <= a and b <= p.stop)
         kinds = {"outer": p.value, **({"outer_momentum": p.moments["momentum"]} if p.moments else {})} if outer \
             else {"param": p.value, **{m: p.moments[m] for m in MOMENTS if m in p.moments}}  # fmt: skip
-        out += [(f"{kind}/{base}", a, t[a - p.start : b - p.start]) for kind, t in kinds.items()]
+        out += [(f"{kind}/{base}", (a,), t[a - p.start : b - p.start]) for kind, t in kinds.items()]
     return out
 
 
 # -- DCP planners over element ranges ----------------------------------------------------------------------
-class _RangeSavePlanner(DefaultSavePlanner):
-    """Writes the given 1-D chunks of global tensors (no state dict walk, no ShardedTensor)."""
+Chunk = tuple[str, tuple[int, ...], torch.Tensor]
+"""``(DCP key, offsets, tensor)``: a box of a global tensor, at ``offsets`` (1-D ranges: ``(start,)``)."""
 
-    def __init__(self, chunks: list[tuple[str, int, torch.Tensor]], numel: dict[str, int]) -> None:
+
+class _RangeSavePlanner(DefaultSavePlanner):
+    """Writes the given chunks of global tensors (no state dict walk, no ShardedTensor)."""
+
+    def __init__(self, chunks: list[Chunk], sizes: dict[str, torch.Size]) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-        self._chunks, self._numel = chunks, numel
-        self._data: dict[tuple[str, int], torch.Tensor] = {}
+        self._chunks, self._sizes = chunks, sizes
+        self._data: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
 
     def set_up_planner(self, state_dict: dict[str, Any], storage_meta: Any = None,
                        is_coordinator: bool = False) -> None:
@@ -104,13 +109,13 @@ class _RangeSavePlanner(DefaultSavePlanner):
 
     def create_local_plan(self) -> SavePlan:
         items = []
-        for key, start, t in self._chunks:
-            self._data[(key, start)] = t
-            chunk = ChunkStorageMetadata(offsets=torch.Size([start]), sizes=torch.Size([t.numel()]))
+        for key, offsets, t in self._chunks:
+            self._data[(key, offsets)] = t
+            chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=t.shape)
             items.append(WriteItem(
-                index=MetadataIndex(key, torch.Size([start])), type=WriteItemType.SHARD,
+                index=MetadataIndex(key, torch.Size(offsets)), type=WriteItemType.SHARD,
                 tensor_data=TensorWriteData(chunk=chunk, properties=TensorProperties(dtype=t.dtype),
-                                            size=torch.Size([self._numel[key.split("/", 1)[1]]]))))  # fmt: skip
+                                            size=self._sizes[key])))  # fmt: skip
         self.plan = SavePlan(items)
         return self.plan
 
@@ -119,13 +124,14 @@ class _RangeSavePlanner(DefaultSavePlanner):
         return new_plan
 
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor:
-        return self._data[(write_item.index.fqn, write_item.index.offset[0])]
+        return self._data[(write_item.index.fqn, tuple(write_item.index.offset))]
 
 
 class _RangeLoadPlanner(DefaultLoadPlanner):
-    """Reads element ranges of 1-D checkpoint tensors into the given tensors, in place."""
+    """Reads boxes of checkpoint tensors (1-D element ranges, or whole N-D tensors) into the given tensors,
+    in place."""
 
-    def __init__(self, wants: dict[str, list[tuple[int, torch.Tensor]]]) -> None:
+    def __init__(self, wants: dict[str, list[tuple[tuple[int, ...], torch.Tensor]]]) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
         self._wants = wants
 
@@ -134,17 +140,41 @@ class _RangeLoadPlanner(DefaultLoadPlanner):
 
     def create_local_plan(self) -> LoadPlan:
         items = []
-        for key, ranges in self._wants.items():
-            local = [ChunkStorageMetadata(offsets=torch.Size([s]), sizes=torch.Size([t.numel()])) for s, t in ranges]
+        for key, boxes in self._wants.items():
+            local = [ChunkStorageMetadata(offsets=torch.Size(o), sizes=t.shape) for o, t in boxes]
             items += create_read_items_for_chunk_list(key, self.metadata.state_dict_metadata[key], local)
         return LoadPlan(items)
 
     def resolve_tensor(self, read_item: Any) -> torch.Tensor:
         _, t = self._wants[read_item.dest_index.fqn][read_item.dest_index.index]
-        return t.narrow(0, read_item.dest_offsets[0], read_item.lengths[0])
+        for dim, (offset, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths, strict=True)):
+            t = t.narrow(dim, offset, length)
+        return t
 
     def commit_tensor(self, read_item: Any, tensor: torch.Tensor) -> None:
         pass  # resolve_tensor handed out a view of the destination: the data is already there
+
+
+def write_chunks(directory: str, name: str, chunks: list[Chunk], sizes: dict[str, torch.Size], *, rank: int,
+                 group: dist.ProcessGroup | None, meta: Any, keep: int = 2) -> Path | None:
+    """Every rank of ``group`` writes its ``chunks`` into ``directory/name`` (a collective); rank 0 then adds
+    ``meta()`` as ``meridian.json`` and publishes the folder (and ``latest``). An interrupted save leaves
+    only a ``.partial`` folder. Returns the folder on rank 0, ``None`` elsewhere."""
+    root = Path(directory)
+    partial = root / f".{name}.partial"
+    if rank == 0 and partial.exists():  # an earlier attempt at this step (maybe of another world size)
+        shutil.rmtree(partial)
+    dist.barrier(group=group)  # nobody writes before that clean-up
+    dcp.save({}, storage_writer=dcp.FileSystemWriter(str(partial)), planner=_RangeSavePlanner(chunks, sizes),
+             process_group=group)
+    if rank != 0:
+        return None
+    (partial / META_FILE).write_text(json.dumps(meta(), indent=1))
+    final = publish(root, partial, name, keep=keep)
+    for stale in root.glob(".step-*.partial"):
+        if stale.name < partial.name:
+            shutil.rmtree(stale, ignore_errors=True)
+    return final
 
 
 # -- save --------------------------------------------------------------------------------------------------
@@ -153,16 +183,11 @@ def save_shard(directory: str, shard: LocalShard, *, rank: int, datacenter: str,
     """Write the job's state at ``shard.step``: every rank of ``group`` calls this with its own shard (a
     collective over ``group``). Rank 0 finishes it (``meridian.json``, rename, ``latest``) and returns the
     folder; the others return ``None``. An interrupted save leaves only a ``.partial`` folder."""
-    root = Path(directory)
-    name = f"step-{shard.step:08d}"
-    partial = root / f".{name}.partial"
     mine = (rank, datacenter, shard.adam_step, shard.outer.inner_steps_done if shard.outer else None,
             [(p.name, p.start, p.stop) for p in shard.pieces],
             [(p.name, p.start, p.stop) for p in shard.outer.pieces] if shard.outer else None)
-    if rank == 0 and partial.exists():  # an earlier attempt at this step (maybe of another world size)
-        shutil.rmtree(partial)
     everyone: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, mine, group=group)  # (also: nobody writes before that clean-up)
+    dist.all_gather_object(everyone, mine, group=group)
     first_dc = min(everyone, key=lambda e: e[0])[1]
     diloco = any(e[5] is not None for e in everyone)
     offers = []
@@ -171,21 +196,16 @@ def save_shard(directory: str, shard: LocalShard, *, rank: int, datacenter: str,
             offers += [(r, n, a, b) for n, a, b in inner]
         offers += [(r, OUTER + n, a, b) for n, a, b in outer or ()]
     chunks = _chunks_of(shard, assign_writers(offers).get(rank, []))
-    numel = {n: torch.Size(s).numel() for n, s in shapes.items()}
-    dcp.save({}, storage_writer=dcp.FileSystemWriter(str(partial)), planner=_RangeSavePlanner(chunks, numel),
-             process_group=group)
-    if rank != 0:
-        return None
-    meta = {"format": FORMAT, "step": shard.step, "adam_step": max(e[2] for e in everyone),
-            "fingerprint": fingerprint, "shapes": {n: list(s) for n, s in shapes.items()},
-            "diloco": {"dc": first_dc, "inner_steps_done": next(e[3] for e in everyone if e[3] is not None)}
-            if diloco else None}  # fmt: skip
-    (partial / META_FILE).write_text(json.dumps(meta, indent=1))
-    final = publish(root, partial, name, keep=keep)
-    for stale in root.glob(".step-*.partial"):
-        if stale.name < partial.name:
-            shutil.rmtree(stale, ignore_errors=True)
-    return final
+    sizes = {key: torch.Size([shapes[key.split("/", 1)[1]].numel()]) for key, _, _ in chunks}
+
+    def meta() -> dict[str, Any]:
+        return {"format": FORMAT, "step": shard.step, "adam_step": max(e[2] for e in everyone),
+                "fingerprint": fingerprint, "shapes": {n: list(s) for n, s in shapes.items()},
+                "diloco": {"dc": first_dc, "inner_steps_done": next(e[3] for e in everyone if e[3] is not None)}
+                if diloco else None}  # fmt: skip
+
+    return write_chunks(directory, f"step-{shard.step:08d}", chunks, sizes, rank=rank, group=group, meta=meta,
+                        keep=keep)
 
 
 # -- load --------------------------------------------------------------------------------------------------
@@ -212,35 +232,61 @@ def open_checkpoint(path: str) -> ShardedCheckpoint:
                              shapes={n: torch.Size(s) for n, s in meta["shapes"].items()})
 
 
-def read_ranges(ck: ShardedCheckpoint, ranges: list[tuple[str, int, int]]) -> LocalShard:
-    """The elements ``[start, stop)`` of each ``(parameter, start, stop)`` (values, moments, outer state), read
-    on this rank alone (no collective), as a :class:`LocalShard` (:func:`assemble` pools such shards)."""
-    keys = set(dcp.FileSystemReader(ck.path).read_metadata().state_dict_metadata)
-    wants: dict[str, list[tuple[int, torch.Tensor]]] = {}
+def read_ranges(ck: ShardedCheckpoint, ranges: list[tuple[str, int, int]], *, state: bool = True,
+                weights: dict[str, torch.Tensor] | None = None) -> LocalShard:
+    """The elements ``[start, stop)`` of each ``(parameter, start, stop)`` (values, moments, outer state; only
+    the values without ``state``), read on this rank alone (no collective), as a :class:`LocalShard`
+    (:func:`assemble` pools such shards). DCP reads just those bytes of its files. ``weights``: the values
+    already read (:func:`read_weights`); the pieces' values are views of them, not read again."""
+    stored = dcp.FileSystemReader(ck.path).read_metadata().state_dict_metadata
+    wants: dict[str, list[tuple[tuple[int, ...], torch.Tensor]]] = {}
 
     def want(key: str, start: int, stop: int) -> torch.Tensor | None:
-        if key not in keys:
+        if key not in stored:
             return None
-        t = torch.empty(stop - start, dtype=torch.float32)
-        wants.setdefault(key, []).append((start, t))
-        return t
+        shape = stored[key].size
+        if len(shape) == 1:
+            t = torch.empty(stop - start, dtype=torch.float32)
+            wants.setdefault(key, []).append(((start,), t))
+            return t
+        # a tensor stored in its own shape (a model-parallel job's weights): read whole, flattened
+        if (start, stop) != (0, shape.numel()):
+            raise ValueError(f"{ck.path}: {key} is stored as {list(shape)}, read whole only")
+        t = torch.empty(shape, dtype=torch.float32)
+        wants.setdefault(key, []).append(((0,) * len(shape), t))
+        return t.reshape(-1)
 
     pieces, outer = [], []
     for name, a, b in ranges:
-        value = want(f"param/{name}", a, b)
+        value = weights[name].reshape(-1)[a:b] if weights is not None else want(f"param/{name}", a, b)
         assert value is not None, f"{ck.path} has no values of {name!r}"
-        moments = {m: want(f"{m}/{name}", a, b) for m in MOMENTS} if ck.adam_step else {}
+        moments = {m: want(f"{m}/{name}", a, b) for m in MOMENTS} if ck.adam_step and state else {}
         pieces.append((name, a, b, value, moments))
-        if ck.diloco is not None:
+        if ck.diloco is not None and state:
             outer.append((name, a, b, want(f"outer/{name}", a, b), want(f"outer_momentum/{name}", a, b)))
-    dcp.load({}, storage_reader=dcp.FileSystemReader(ck.path), planner=_RangeLoadPlanner(wants), no_dist=True)
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load({}, storage_reader=dcp.FileSystemReader(ck.path), planner=_RangeLoadPlanner(wants), no_dist=True)
     shard = LocalShard(ck.step, ck.adam_step, tuple(
         StatePiece(n, a, b, v, {m: t for m, t in ms.items() if t is not None}) for n, a, b, v, ms in pieces))
-    if ck.diloco is None:
+    if ck.diloco is None or not state:
         return shard
     outer_pieces = tuple(StatePiece(n, a, b, v, {"momentum": m}) for n, a, b, v, m in outer)
     return LocalShard(shard.step, shard.adam_step, shard.pieces,
                       OuterShard(ck.diloco["dc"], ck.diloco["inner_steps_done"], outer_pieces))
+
+
+def read_weights(ck: ShardedCheckpoint) -> dict[str, torch.Tensor]:
+    """Every parameter's fp32 values, whole, without optimizer state: what every data-parallel rank holds."""
+    shard = read_ranges(ck, [(n, 0, s.numel()) for n, s in ck.shapes.items()], state=False)
+    return {p.name: p.value.reshape(ck.shapes[p.name]) for p in shard.pieces}
+
+
+def stored_nbytes(ck: ShardedCheckpoint) -> int:
+    """Bytes of tensor data the checkpoint holds (values, moments, outer state), from its DCP metadata."""
+    md = dcp.FileSystemReader(ck.path).read_metadata()
+    return sum(m.size.numel() * m.properties.dtype.itemsize for m in md.state_dict_metadata.values()
+               if hasattr(m, "chunks"))
 
 
 def load_full(ck: ShardedCheckpoint) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:

@@ -48,6 +48,7 @@ from meridian.workers.state.replica_state import (
     LocalShard,
     OuterShard,
     StatePiece,
+    cut,
     replicated_shard,
 )
 from meridian.workers.sync.diloco_schedule import FragmentSchedule, split_fragments
@@ -279,6 +280,36 @@ class DiLoCoSync(GradientSync):
                         src = saved[s.name].reshape(-1)[start - s.offset : stop - s.offset]
                         target[start - lo : stop - lo].copy_(src)
         self.done = int(outer["inner_steps_done"]) if outer is not None else 0
+
+    def owned_ranges(self) -> list[tuple[str, int, int]] | None:
+        """The inner optimizer's ranges and this rank's shard of the outer state; ``None`` with a replicated
+        inner optimizer (the full state is then what it holds)."""
+        inner = self.inner.owned_ranges()
+        if inner is None:
+            return None
+        outer = [(p.name, p.start, p.stop) for p in self._outer_pieces()]
+        return inner + [r for r in outer if r not in set(inner)]
+
+    def load_local_shard(self, shard: LocalShard) -> None:
+        """:meth:`load_optimizer_state` from this rank's ranges only (what ``owned_ranges`` names)."""
+        self.drain()
+        self.inner.load_local_shard(shard)
+        self.inner.synchronize()
+        for b, bucket in enumerate(self.buffer.buckets):
+            if shard.outer is None:  # a checkpoint of another strategy: DiLoCo starts here
+                self.anchor[b].copy_(self._theta(b))
+                self.momentum[b].zero_()
+                continue
+            lo, hi = self.bounds[b]
+            self.anchor[b].zero_()
+            self.momentum[b].zero_()
+            for s in bucket.slots:
+                start, stop = max(lo, s.offset), min(hi, s.stop)
+                if start < stop:
+                    saved = cut(shard.outer.pieces, s.name, start - s.offset, stop - s.offset)
+                    self.anchor[b][start - lo : stop - lo].copy_(saved.value)
+                    self.momentum[b][start - lo : stop - lo].copy_(saved.moments["momentum"])
+        self.done = shard.outer.inner_steps_done if shard.outer is not None else 0
 
     def optimizer_state_nbytes(self) -> int:
         """Inner AdamW state plus this rank's shard of the outer parameters and momentum."""

@@ -104,6 +104,18 @@ class GradientSync(ABC):
         """Take a full state written by any engine and layout; every rank passes the same whole state.
         Load the model's weights first."""
 
+    def owned_ranges(self) -> list[tuple[str, int, int]] | None:
+        """The flat element ranges ``(parameter, start, stop)`` of optimizer state this rank holds, which is all
+        a resume from a sharded checkpoint reads of the moments on this rank; ``None``: everything (a
+        replicated optimizer, which loads the full state)."""
+        return None
+
+    def load_local_shard(self, shard: LocalShard) -> None:
+        """Take the optimizer state of exactly :meth:`owned_ranges` (their fp32 values and moments, and the
+        AdamW step), as :func:`~meridian.workers.state.sharded_checkpoint.read_ranges` reads it. Load the
+        model's weights first. Only engines with :meth:`owned_ranges` implement it."""
+        raise TypeError(f"{type(self).__name__} holds the whole optimizer state: load it with load_optimizer_state")
+
     @abstractmethod
     def optimizer_state_nbytes(self) -> int:
         """Bytes of optimizer state held on this rank."""

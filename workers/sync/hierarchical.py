@@ -151,6 +151,15 @@ class HierarchicalSync(GradientSync):
         assert self.optimizer is not None
         load_full_state(self.optimizer, self._named(), state)
 
+    def owned_ranges(self) -> list[tuple[str, int, int]] | None:
+        return self.sharded.owned_ranges() if self.sharded is not None else None
+
+    def load_local_shard(self, shard: LocalShard) -> None:
+        if self.sharded is None:
+            super().load_local_shard(shard)
+        else:
+            self.sharded.load_local_shard(shard)
+
     def optimizer_state_nbytes(self) -> int:
         if self.sharded is not None:
             return self.sharded.state_nbytes()
