@@ -6,7 +6,10 @@ Runs the elastic trainer (the loop every job runs) twice in the same layout: wit
 checkpoint every ``--every`` steps (each rank writes its shard on a background thread; the final save is
 waited for, as a job does). Reports, per run, the wall-clock interval between consecutive steps (rank 0's
 step records; the first two steps, warm-up, are left out) split into steps right after a save and the rest,
-the whole run's wall time, and the checkpoint's size and files. Timings are this machine's, not assertions.
+the whole run's wall time, and the checkpoint's size and files. Then it resumes the last checkpoint in the
+same layout in fresh processes, twice: each rank reading the weights and only the optimizer state it holds
+(what a job does), and each reading everything; per rank, the bytes read, the seconds, and the growth of its
+peak RSS. Timings are this machine's, not assertions.
 """
 
 from __future__ import annotations
@@ -66,6 +69,37 @@ def _run(rank: int, world: int, cfg: Any) -> dict[str, Any] | None:
             "write_s": trainer.checkpoints.write_s}
 
 
+def _resume(rank: int, world: int, cfg: Any, own_ranges_only: bool) -> dict[str, Any]:
+    """Load the run's last checkpoint into a fresh engine of the same layout: each rank reading only what it
+    holds (what a job does), or everything (the full-state path an engine without ranges takes)."""
+    import resource
+
+    from meridian.workers.distributed.layout import DCGroups, DCLayout
+    from meridian.workers.elastic.durable import load_weights, restore_latest
+    from meridian.workers.elastic.trainer import fingerprint
+    from meridian.workers.model.build import build_model
+    from meridian.workers.state.sharded_checkpoint import load_full, open_checkpoint, stored_nbytes
+    from meridian.workers.sync.build import build_sync
+
+    engine = build_sync(build_model(cfg.model), DCGroups(DCLayout(cfg.datacenters), rank), cfg.sync, cfg.optim)
+    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    t0 = time.perf_counter()
+    if own_ranges_only:
+        done = restore_latest(cfg.checkpoint_dir, fingerprint(cfg), engine.model, engine)
+        assert done is not None
+        read = done.bytes_read
+    else:
+        ck = open_checkpoint(str(Path(cfg.checkpoint_dir) / (Path(cfg.checkpoint_dir) / "latest").read_text()))
+        params, optimizer = load_full(ck)
+        load_weights(engine.model, engine, params)
+        engine.load_optimizer_state(optimizer)
+        read = stored_nbytes(ck)
+    seconds = time.perf_counter() - t0
+    rss_growth = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0
+    engine.close()
+    return {"bytes_read": read, "seconds": seconds, "peak_rss_growth_mb": rss_growth / 1024}
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from meridian.workers.contracts.config import OptimConfig, SyncConfig, TrainConfig
     from meridian.workers.contracts.model_config import model_preset
@@ -93,6 +127,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 out[name]["training_thread_ms"] = {"first": round(got["call_s"][0] * 1e3, 2),
                                                    "median_rest": round(statistics.median(got["call_s"][1:]) * 1e3, 3)}
                 out[name]["writer_median_ms"] = round(statistics.median(got["write_s"]) * 1e3, 1)
+        # Resuming that checkpoint in the same layout, both ways, each in fresh processes.
+        resumed = replace(cfg, checkpoint_dir=tmp)
+        out["resume"] = {}
+        for name, own in (("own_ranges", True), ("full_state", False)):
+            per_rank = run_processes(_resume, len(dcs), resumed, own, timeout_s=600)
+            out["resume"][name] = {
+                "mb_read_per_rank": [round(r["bytes_read"] / 2**20, 3) for r in per_rank],
+                "seconds_max": round(max(r["seconds"] for r in per_rank), 3),
+                "peak_rss_growth_mb_per_rank": [round(r["peak_rss_growth_mb"], 1) for r in per_rank]}
         final = Path(tmp) / f"step-{args.steps:08d}"
         files = sorted(final.iterdir()) if final.is_dir() else []
         out["checkpoint"] = {"files": [f.name for f in files], "bytes": sum(f.stat().st_size for f in files)}
@@ -102,6 +145,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if dcp_["after_save_median_s"] else None,
         "other_steps_vs_none": round(dcp_["step_median_s"] / none["step_median_s"], 3),
         "wall_vs_none": round(dcp_["wall_s"] / none["wall_s"], 3),
+        "resume_bytes_own_vs_full": round(sum(out["resume"]["own_ranges"]["mb_read_per_rank"])
+                                          / sum(out["resume"]["full_state"]["mb_read_per_rank"]), 3),
     }
     return out
 
@@ -114,5 +159,6 @@ def render(r: dict[str, Any]) -> str:
             f"{(r['dcp']['after_save_median_s'] or 0) * 1e3:.1f} ms, run {r['dcp']['wall_s']:.1f} s\n"
             f"  per save       : training thread {r['dcp'].get('training_thread_ms')} ms, writer "
             f"{r['dcp'].get('writer_median_ms')} ms\n"
+            f"  resume         : {r['resume']}\n"
             f"  ratios         : {r['ratios']}\n  checkpoint     : {r['checkpoint']['bytes']} bytes, "
             f"{len(r['checkpoint']['files'])} files")
