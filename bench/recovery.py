@@ -4,8 +4,9 @@ how fast it trains after, and how long until a returning node trains again — M
 Three sides, one after the other in the same invocation, the same model, data order and global batch, 2 DCs ×
 2 one-CPU workers on gloo by default:
 
-- ``meridian``: a job submitted through the REST API on an embedded Ray cluster (the fast health checks
-  Meridian sets on clusters it starts). At ``--kill-at-step`` (and ``--kill-after-s`` after its first step) the node of a worker in the last datacenter
+- ``meridian``: a job submitted through the REST API on a Ray cluster: by default an embedded one (the fast
+  health checks Meridian sets on clusters it starts); with ``--cluster ray-start`` the path a user runs,
+  ``ray start`` head and nodes with Ray's default health checks (:mod:`meridian.bench.recovery_cluster`). At ``--kill-at-step`` (and ``--kill-after-s`` after its first step) the node of a worker in the last datacenter
   is killed with no grace; the survivors re-form and resume from the state they hold in memory.
 - ``torchft``: torchft 0.2's ``Manager`` with one replica group per worker and its lighthouse, as plain
   processes (no Ray); the same kill is a SIGKILL of that worker's process (:mod:`meridian.bench.recovery_torchft`).
@@ -28,6 +29,7 @@ import threading
 import time
 from typing import Any
 
+from meridian.bench.recovery_cluster import CLUSTERS, dc_name, make_cluster
 from meridian.bench.recovery_measure import WINDOW_S, Phases, recovery_metrics
 
 NAME = "recovery"
@@ -52,24 +54,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--sides", nargs="+", choices=SIDES, default=list(SIDES))
     p.add_argument("--timeout-s", type=float, default=900.0, help="give up on one side after this long")
-
-
-def _cluster(args: argparse.Namespace):
-    from ray.cluster_utils import Cluster
-
-    from meridian.service.cluster.connect import FAST_FAILURE_DETECTION
-
-    # The dashboard is on for both sides: the baseline finds a worker's node through the state API.
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 0, "include_dashboard": True, "_system_config": FAST_FAILURE_DETECTION})
-    nodes = [cluster.add_node(num_cpus=1, labels={"datacenter": _dc(d)})
-             for d in range(args.dcs) for _ in range(args.nodes_per_dc)]
-    cluster.wait_for_nodes()
-    return cluster, nodes
-
-
-def _dc(d: int) -> str:
-    return f"dc-{chr(ord('a') + d)}"
+    p.add_argument("--cluster", choices=CLUSTERS, default="embedded",
+                   help="embedded: a cluster this process starts, with fast health checks; ray-start: `ray start` "
+                        "head and nodes as a user runs them (the network lab's, Ray's default health checks; root)")
+    p.add_argument("--lab-rtt-ms", type=float, default=1.0, help="ray-start: the delay line's RTT between DCs")
+    p.add_argument("--lab-gbps", type=float, default=1.0, help="ray-start: the link's rate between DCs")
 
 
 def _tokens_per_step(args: argparse.Namespace) -> int:
@@ -85,7 +74,7 @@ def _meridian(args: argparse.Namespace) -> dict[str, Any]:
     from meridian.api.server import serve_in_thread
     from meridian.service.core import MeridianService, ServiceConfig
 
-    cluster, nodes = _cluster(args)
+    cluster = make_cluster(args)
     full = args.dcs * args.nodes_per_dc
     service = MeridianService(ServiceConfig(data_dir=tempfile.mkdtemp(prefix="meridian-bench-"),
                                             ray_address=cluster.address, poll_interval_s=0.2)).start()
@@ -100,7 +89,7 @@ def _meridian(args: argparse.Namespace) -> dict[str, Any]:
             job_id = r.json()["id"]
             log = _MeridianLog(api, job_id, full)
             phases, deadline = Phases(args, full), time.monotonic() + args.timeout_s
-            victim_dc = _dc(args.dcs - 1)
+            victim_dc = dc_name(args.dcs - 1)
             while (action := phases.next_action(log.records())) != "done":
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"the Meridian side did not finish within {args.timeout_s:.0f} s")
@@ -112,10 +101,10 @@ def _meridian(args: argparse.Namespace) -> dict[str, Any]:
                 if action == "kill":
                     victim = next(p for p in job["placement"] if p["rank"] != 0 and p["datacenter"] == victim_dc)
                     phases.killed()
-                    cluster.remove_node(next(n for n in nodes if n.node_id == victim["node_id"]), allow_graceful=False)
+                    cluster.kill(victim["node_id"])
                 elif action == "back":
                     phases.came_back()
-                    cluster.add_node(num_cpus=1, labels={"datacenter": victim_dc})
+                    cluster.add(victim_dc)
                 time.sleep(0.5)
             api.delete(f"/v1/jobs/{job_id}")
             formed = [e for e in log.epochs if e["epoch"] == 2]
@@ -241,7 +230,7 @@ def _ray_train_elastic(args: argparse.Namespace) -> dict[str, Any]:
     from meridian.workers.contracts.config import DataConfig, OptimConfig, TrainConfig
     from meridian.workers.contracts.model_config import model_preset
 
-    cluster, nodes = _cluster(args)
+    cluster = make_cluster(args)
     try:
         ray.init(address=cluster.address, namespace="meridian-bench")
         # On the head node, which the bench never kills: unpinned, the log once landed on the victim node and
@@ -273,12 +262,14 @@ def _ray_train_elastic(args: argparse.Namespace) -> dict[str, Any]:
                     raise RuntimeError(f"Ray Train's elastic run failed: {result.error}")
                 break
             if action == "kill":
-                victim = _node_of_a_worker(nodes, nodes[-args.nodes_per_dc:])
+                last_dc = dc_name(args.dcs - 1)
+                everyone = [i for d in range(args.dcs) for i in cluster.node_ids(dc_name(d))]
+                victim = _node_of_a_worker(everyone, cluster.node_ids(last_dc))
                 phases.killed()
-                cluster.remove_node(victim, allow_graceful=False)
+                cluster.kill(victim)
             elif action == "back":
                 phases.came_back()
-                cluster.add_node(num_cpus=1, labels={"datacenter": _dc(args.dcs - 1)})
+                cluster.add(dc_name(args.dcs - 1))
             time.sleep(0.5)
         records, starts = ray.get(log.get.remote())
         if phases.kill_time is None or len(starts) < 2:
@@ -293,7 +284,7 @@ def _ray_train_elastic(args: argparse.Namespace) -> dict[str, Any]:
         cluster.shutdown()
 
 
-def _node_of_a_worker(nodes: list[Any], preferred: list[Any]) -> Any:
+def _node_of_a_worker(nodes: list[str], preferred: list[str]) -> str:
     """A node running a training worker but not the Train controller (whose loss ends any Train run), one of
     ``preferred`` (the last datacenter's) if one is such a node: the baseline does not pin workers."""
     from ray.util.state import list_actors
@@ -301,7 +292,7 @@ def _node_of_a_worker(nodes: list[Any], preferred: list[Any]) -> Any:
     alive = list_actors(filters=[("state", "=", "ALIVE")], limit=10_000)
     busy = {a.node_id for a in alive if a.class_name == "RayTrainWorker"}
     controller = {a.node_id for a in alive if "Controller" in a.class_name}
-    candidates = [n for n in nodes if n.node_id in busy - controller]
+    candidates = [n for n in nodes if n in busy - controller]
     return next((n for n in candidates if n in preferred), candidates[0])
 
 
@@ -316,10 +307,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for side in sides:
             sides[side].append(_isolated(side, args))
     report: dict[str, Any] = {
-        "setup": {"datacenters": args.dcs, "nodes_per_dc": args.nodes_per_dc, "model": args.model,
+        "setup": {"cluster": args.cluster, "datacenters": args.dcs, "nodes_per_dc": args.nodes_per_dc, "model": args.model,
                   "global_batch": args.global_batch, "kill_at_step": args.kill_at_step, "kill_after_s": args.kill_after_s,
                   "node_back_after_first_reformed_step_s": args.back_after_s,
-                  "baseline_checkpoint_every": args.checkpoint_every, "loadavg_at_start": load_at_start},
+                  "baseline_checkpoint_every": args.checkpoint_every, "loadavg_at_start": load_at_start,
+                  **({"lab": {"rtt_ms": args.lab_rtt_ms, "gbps": args.lab_gbps}} if args.cluster == "ray-start" else {})},
         "measures": {
             "kill_to_next_step_s": "node kill → end of the first step trained by the re-formed (smaller) group",
             "steps_lost": "last step completed before the re-formation − step the re-formed group resumed from",

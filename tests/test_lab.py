@@ -75,6 +75,46 @@ def test_ray_nodes_are_labelled_and_a_gloo_all_reduce_crosses_the_link(lab):
     assert _counter(a["netns"], a["link_device"]) - before >= result["tensor_bytes"]
 
 
+def _gone(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except OSError:
+        return True
+
+
+def _wait_for(what: str, ok, timeout_s: float = 90.0):
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if got := ok():
+            return got
+        time.sleep(1.0)
+    raise AssertionError(f"{what}: not within {timeout_s:.0f} s")
+
+
+def test_a_killed_node_dies_whole_and_comes_back_with_the_same_ray_start(lab):
+    """What ``bench recovery --cluster ray-start`` does to a node: its raylet and everything under it die at
+    once, Ray notices on its own, and the node's ``ray start`` brings it back (a new node id)."""
+    from meridian.service.cluster.lab import lab as lab_mod
+
+    state = lab_mod.load_state(NAME)
+
+    def dc_b() -> list[dict]:
+        return [n for n in lab_mod.alive_nodes(state) if n["labels"].get("datacenter") == "dc-b"]
+
+    (node,) = dc_b()
+    family = lab_mod._descendants(lab_mod.lab_processes(f"--node_id={node['node_id']}"))
+    raylet = lab_mod.kill_node(state, node["node_id"])
+    assert raylet in family and len(family) > 1  # the raylet and what it started (agents, workers)
+    _wait_for("every process of the killed node gone", lambda: all(_gone(p) for p in family), 10)
+    _wait_for("Ray marks the node dead", lambda: not dc_b())
+    dc = state.layout.datacenters[1]
+    lab_mod.start_node(state, dc, dc.nodes[0])
+    (back,) = _wait_for("the node back", dc_b)
+    assert back["ip"] == node["ip"] and back["node_id"] != node["node_id"]
+
+
 def test_down_removes_everything_it_made(lab):
     _lab("down")
     netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from meridian.service.cluster.lab import network
-from meridian.service.cluster.lab.layout import HEAD_IP, LabLayout, LinkSpec
+from meridian.service.cluster.lab.layout import HEAD_IP, LabDatacenter, LabLayout, LabNode, LinkSpec
 
 STATE_DIR = Path("/run/meridian-lab")
 RAY_PORT = 6390
@@ -169,13 +169,32 @@ def _start_ray(state: LabState, layout: LabLayout, timeout_s: float) -> None:
     _run_ray(head, _ray_env())
     for dc in layout.datacenters:
         for node in dc.nodes:
-            cmd = network.in_ns(dc.netns, [
-                _ray_bin(), "start", "--address", state.ray_address, "--node-ip-address", node.ip,
-                "--num-cpus", str(state.cpus_per_node), "--labels", f"datacenter={dc.name}",
-                "--temp-dir", state.ray_temp_dir, "--disable-usage-stats", *node_ports(node.index),
-            ])  # fmt: skip
-            _run_ray(cmd, _ray_env(GLOO_SOCKET_IFNAME=dc.dc_veth))
+            start_node(state, dc, node)
     _wait_for_nodes(state, len(layout.nodes) + 1, timeout_s)
+
+
+def start_node(state: LabState, dc: LabDatacenter, node: LabNode) -> None:
+    """``ray start`` one lab node in its datacenter's namespace (at ``up``, or again after it was killed)."""
+    cmd = network.in_ns(dc.netns, [
+        _ray_bin(), "start", "--address", state.ray_address, "--node-ip-address", node.ip,
+        "--num-cpus", str(state.cpus_per_node), "--labels", f"datacenter={dc.name}",
+        "--temp-dir", state.ray_temp_dir, "--disable-usage-stats", *node_ports(node.index),
+    ])  # fmt: skip
+    _run_ray(cmd, _ray_env(GLOO_SOCKET_IFNAME=dc.dc_veth))
+
+
+def kill_node(state: LabState, node_id: str) -> int:
+    """A node's death, as a machine dies: SIGKILL its raylet (found by ``--node_id=`` on its command line),
+    then every process it started (agents, workers), so its ports are free for a node that comes back.
+    Returns the raylet's pid."""
+    raylet = [p for p in lab_processes(f"--node_id={node_id}") if _comm(p) == "raylet"]
+    if not raylet:
+        raise LabError(f"no raylet of node {node_id} runs on this machine")
+    family = _descendants(raylet)
+    for pid in family:  # the raylet first: the failure the cluster sees is the raylet's
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    return raylet[0]
 
 
 def _run_ray(cmd: list[str], env: dict[str, str]) -> None:
@@ -238,20 +257,32 @@ def _kill(pids: list[int], timeout_s: float = 10.0) -> list[int]:
 def _ray_processes(state: LabState) -> list[int]:
     """Every process of the lab's Ray cluster: the ones naming its temp dir and their descendants (Ray's
     workers do not name it)."""
-    roots = set(lab_processes(state.ray_temp_dir)) if state.ray_temp_dir else set()
+    return _descendants(lab_processes(state.ray_temp_dir) if state.ray_temp_dir else [])
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
+def _descendants(roots: list[int]) -> list[int]:
+    """``roots`` (in their order) and every process below them."""
     children: dict[int, list[int]] = {}
     for proc in Path("/proc").iterdir():
         if proc.name.isdigit():
             with contextlib.suppress(OSError, ValueError, IndexError):
                 ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
                 children.setdefault(ppid, []).append(int(proc.name))
-    found, todo = set(), list(roots)
+    found: list[int] = []
+    todo = list(reversed(roots))
     while todo:
         pid = todo.pop()
         if pid not in found:
-            found.add(pid)
+            found.append(pid)
             todo += children.get(pid, [])
-    return sorted(found)
+    return found
 
 
 def down(name: str = "lab") -> dict[str, Any]:
