@@ -195,7 +195,7 @@ def test_a_job_trains_into_s3_lists_its_artifacts_there_and_exports_for_transfor
                 service_client(cluster.address, str(tmp_path / "data"), storage=url) as api:  # fmt: skip
             body = spec(name="s3", model={"preset": "llama-tiny", "n_layers": 1, "seq_len": 32},
                         training={"steps": 4, "global_batch": 4, "micro_batch": 2},
-                        topology={"datacenters": ["dc-a", "dc-b"]}, checkpoint={"every_steps": 2})
+                        topology={"datacenters": ["dc-a", "dc-b"]}, checkpoint={"interval_steps": 2})
             r = api.post("/v1/jobs", json=body)
             assert r.status_code == 201, r.text
             job_id, deadline = r.json()["id"], time.monotonic() + 240
