@@ -26,7 +26,7 @@ from meridian.service.artifacts import list_artifacts
 from meridian.service.core import ServiceConfig, StorageUnusable
 from meridian.workers.contracts.config import SyncStrategy
 from meridian.workers.distributed.multiproc import run_processes
-from meridian.workers.elastic.durable import load_latest as load_durable
+from meridian.workers.optim.adamw import MOMENTS
 from meridian.workers.state import checkpoint as ckpt_io
 from meridian.workers.state import storage
 from meridian.workers.state.sharded_checkpoint import is_sharded, load_full, open_checkpoint, save_shard
@@ -59,6 +59,21 @@ def _save_both(rank, world, dcs, local_dir, url):
     return {"written": written, "params": params}
 
 
+def _restore(rank, world, dcs, url):
+    """What a resuming rank does: load the newest checkpoint under ``url`` into a fresh engine."""
+    from meridian.workers.elastic.durable import restore_latest
+
+    engine = _engine(rank, dcs, SyncStrategy.FLAT)
+    model = engine.model.module if hasattr(engine.model, "module") else engine.model  # DDP's wrapped module
+    done = restore_latest(url, FINGERPRINT, model, engine)
+    state = engine.optimizer_state()
+    engine.synchronize()
+    params = params_of(model)
+    engine.close()
+    engine.groups.destroy()
+    return done.step if done else None, params, state
+
+
 def _job(steps: int):
     """A stored job of ``steps`` steps (what the artifacts listing reads of it)."""
     from fakes import spec
@@ -88,8 +103,6 @@ def test_a_sharded_save_over_two_ranks_to_s3_reads_back_exactly_as_the_local_one
         assert torch.equal(theirs[0][name], p) and torch.equal(mine[0][name], p), name
         for m in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(theirs[1]["params"][name][m], mine[1]["params"][name][m]), (name, m)
-    step, params, _ = load_durable(url, FINGERPRINT)  # what a resuming worker reads
-    assert step == STEPS and all(torch.equal(params[n], p) for n, p in outs[0]["params"].items())
 
     # A save of step 9 that died before its marker: every shard and DCP's metadata there, no meridian.json.
     fs, root = storage._fs(url)
@@ -97,12 +110,15 @@ def test_a_sharded_save_over_two_ranks_to_s3_reads_back_exactly_as_the_local_one
         if name != "meridian.json":
             fs.copy(f"{root}/step-{STEPS:08d}/{name}", f"{root}/step-00000009/{name}")
     assert not is_sharded(f"{url}/step-00000009")
-    assert load_durable(url, FINGERPRINT)[0] == STEPS  # never read
+    # Two ranks resume from S3 (what a restarted job's workers do): step 3, not the dead step 9, exactly.
+    for step, params, state in run_processes(_restore, 2, ("a", "b"), url):
+        assert step == STEPS and all(torch.equal(params[n], p) for n, p in outs[0]["params"].items())
+        assert all(torch.equal(state["params"][n][m], mine[1]["params"][n][m]) for n in params for m in MOMENTS)
     listing = list_artifacts(bucket, _job(steps=10))
     assert [a["step"] for a in listing["artifacts"]] == [STEPS] and listing["latest"] == remote
     assert listing["storage"] == url and listing["readable_here"]
     # The next commit (step 10, keeping 2) deletes what the dead save left.
-    ckpt_io.save(url, ckpt_io.Checkpoint(step=10, model=params, optimizer={}, fingerprint=FINGERPRINT))
+    ckpt_io.save(url, ckpt_io.Checkpoint(step=10, model=outs[0]["params"], optimizer={}, fingerprint=FINGERPRINT))
     assert sorted(storage.step_folders(url)) == [f"step-{STEPS:08d}", "step-00000010"]
     listing = list_artifacts(bucket, _job(steps=10))
     assert [a["step"] for a in listing["artifacts"]] == [STEPS, 10] and listing["artifacts"][-1]["final"]
