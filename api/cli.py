@@ -258,17 +258,36 @@ def cmd_logs(args: argparse.Namespace, client: Client) -> int:
     return 0
 
 
+def _check_readable_here(info: dict) -> None:
+    """A local path: the service says whether it is readable (this runs where it is mounted); a URL: this
+    process reads it with its own environment's credentials."""
+    from meridian.workers.state import storage
+
+    latest = info["latest"]
+    if not storage.is_url(latest):
+        if not info["readable_here"]:
+            raise SystemExit(f"{latest} is not readable from this machine: run `meridian export` where the "
+                             "service's storage is mounted")
+        return
+    try:
+        storage.check_url(latest)
+        if not any(storage.exists(storage.join(latest, marker)) for marker in storage.MARKERS):
+            raise FileNotFoundError(f"{latest} holds no complete checkpoint")
+    except Exception as e:  # the filesystem library's own errors (credentials, endpoint) too
+        raise SystemExit(f"cannot read {latest} from here ({type(e).__name__}: {e}); set the credentials and "
+                         "endpoint in this shell's environment (for S3: AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, "
+                         "AWS_ENDPOINT_URL)") from e
+
+
 def cmd_export(args: argparse.Namespace, client: Client) -> int:
     """Convert a job's final (or latest) checkpoint into a Hugging Face directory. The checkpoint is read from
-    the path the artifacts endpoint gives, so this runs where the service's storage is readable (its machine,
-    or a node sharing it)."""
+    the path or URL the artifacts endpoint gives, so this runs where the service's storage is readable (its
+    machine, or a node sharing it; for a URL, wherever its credentials are)."""
     info = client.artifacts(args.id)
     if info["latest"] is None:
         why = "it opted out (checkpoint.keep_final: false)" if not info["keep_final"] else "it has not finished yet"
         raise SystemExit(f"job {args.id} has no checkpoint in {info['storage']}: {why}")
-    if not info["readable_here"]:
-        raise SystemExit(f"{info['latest']} is not readable from this machine: run `meridian export` where the "
-                         "service's storage is mounted")
+    _check_readable_here(info)
     from meridian.workers.model.export import export_job  # torch: only this verb needs it
 
     latest = next(a for a in info["artifacts"] if a["path"] == info["latest"])
@@ -309,9 +328,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--database-url", default="", help="SQLAlchemy URL of the job store (default: SQLite in --data-dir)")
     s.add_argument("--data-root", action="append", metavar="PATH",
                    help="a folder whose files jobs may train on (data.source); repeatable (default: DATA_DIR/data)")
-    s.add_argument("--storage", default="", metavar="PATH",
+    s.add_argument("--storage", default="", metavar="PATH_OR_URL",
                    help="where checkpoints and final weights go: a path every node and the service can read and "
-                        "write, e.g. a shared filesystem (default: DATA_DIR/checkpoints)")
+                        "write (a shared filesystem), or an fsspec URL such as s3://bucket/prefix, credentials "
+                        "from the environment (AWS_ACCESS_KEY_ID, AWS_ENDPOINT_URL, ...) (default: "
+                        "DATA_DIR/checkpoints)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     s.add_argument("--auth", action="store_true", help="require bearer tokens (always on for a non-loopback --host)")
     s.add_argument("--token-file", default=default_token_file(), help="token hashes (default: $MERIDIAN_TOKEN_FILE "

@@ -29,6 +29,7 @@ from meridian.service.errors import (
     JobNotFound,
     MeridianError,
     PayloadTooLarge,
+    StorageUnreadable,
     Unauthorized,
     Unschedulable,
 )
@@ -43,6 +44,7 @@ STATUS: dict[type[MeridianError], int] = {
     IdempotencyConflict: 422,
     Forbidden: 403,
     ClusterUnavailable: 503,
+    StorageUnreadable: 503,
     Unauthorized: 401,
     PayloadTooLarge: 413,
 }

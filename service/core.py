@@ -20,6 +20,7 @@ from meridian.service.launcher import Launcher
 from meridian.service.lease import DatabaseOwned, Lease
 from meridian.service.store import JobStore
 from meridian.service.supervision.supervisor import Supervisor
+from meridian.workers.state import storage
 
 log = logging.getLogger(__name__)
 
@@ -47,23 +48,25 @@ class ServiceConfig:
     """The most ``data.max_bytes`` a job may ask for."""
     storage: str = ""
     """Where jobs' checkpoints and final weights go (``<storage>/<job id>/``): a path every node and the
-    service can read and write, e.g. a shared filesystem's mount; empty: ``<data_dir>/checkpoints``, which on one
-    machine every node shares."""
+    service can read and write, e.g. a shared filesystem's mount, or an fsspec URL (``s3://bucket/prefix``;
+    credentials from the environment); empty: ``<data_dir>/checkpoints``, which on one machine every node
+    shares."""
 
     def __post_init__(self) -> None:
         if self.poll_interval_s <= 0:
             raise ValueError(f"poll_interval_s must be > 0, got {self.poll_interval_s}")
         if self.cpus_per_node < 1:
             raise ValueError(f"cpus_per_node must be >= 1, got {self.cpus_per_node}")
-        if "://" in self.storage:
-            raise ValueError(f"storage {self.storage!r}: URLs are not supported yet; mount the filesystem on every "
-                             "node and the service and give the mount's path")
-        if self.storage and not os.path.isabs(os.path.expanduser(self.storage)):
+        if storage.is_url(self.storage):
+            storage.check_url(self.storage)  # a ValueError naming the scheme or the package to install
+        elif self.storage and not os.path.isabs(os.path.expanduser(self.storage)):
             raise ValueError(f"storage {self.storage!r} must be an absolute path (every node resolves it alike)")
 
     @property
     def checkpoint_root(self) -> str:
-        """The folder of every job's checkpoints (``<job id>/step-*``)."""
+        """The folder (or URL) of every job's checkpoints (``<job id>/step-*``)."""
+        if storage.is_url(self.storage):
+            return self.storage.rstrip("/")
         return str(Path(os.path.expanduser(self.storage) or Path(self.data_dir) / "checkpoints").resolve())
 
     @property
@@ -76,19 +79,29 @@ class ServiceConfig:
     def check_storage(self) -> None:
         """Make the storage folder and prove this process can write there, or raise :class:`StorageUnusable`
         saying what to fix (before any job is accepted, not when its first checkpoint fails)."""
-        root = Path(self.checkpoint_root)
+        root = self.checkpoint_root
         try:
-            root.mkdir(parents=True, exist_ok=True)
-            probe = root / f".meridian-write-test-{os.getpid()}"
-            probe.write_bytes(b"ok")
-            probe.unlink()
+            storage.probe_writable(root)
         except OSError as e:
-            raise StorageUnusable(f"storage folder {root} is not writable ({e.strerror or e}); give --storage a "
-                                  "folder this service and every node can write") from e
+            if not storage.is_url(root):
+                raise StorageUnusable(f"storage folder {root} is not writable ({e.strerror or e}); give --storage "
+                                      "a folder this service and every node can write") from e
+            raise StorageUnusable(_url_unusable(root, e)) from e
+        except Exception as e:  # an object store's library raises its own types too
+            if not storage.is_url(root):
+                raise
+            raise StorageUnusable(_url_unusable(root, e)) from e
 
     @property
     def db_url(self) -> str:
         return self.database_url or f"sqlite:///{Path(self.data_dir) / 'meridian.db'}"
+
+
+def _url_unusable(root: str, e: BaseException) -> str:
+    return (f"storage {root} is not writable ({type(e).__name__}: {e}); the service and every node read "
+            "credentials and endpoint from their environment (for S3: AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, "
+            "AWS_ENDPOINT_URL or AWS_PROFILE; the bucket must exist), so set them where the service and the Ray "
+            "cluster start, or give --storage another location")
 
 
 class MeridianService:

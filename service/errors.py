@@ -37,6 +37,10 @@ class ClusterUnavailable(MeridianError):
     """Ray cannot be reached right now."""
 
 
+class StorageUnreadable(MeridianError):
+    """The jobs' storage cannot be read right now (for a URL: credentials, endpoint, network)."""
+
+
 class Forbidden(MeridianError):
     """The caller may not act on this resource."""
 

@@ -90,6 +90,6 @@ def test_serve_storage_puts_checkpoints_on_the_given_path_and_refuses_what_it_ca
     assert ServiceConfig(data_dir=str(tmp_path), storage=str(shared)).checkpoint_root == str(shared.resolve())
     assert ServiceConfig(data_dir=str(tmp_path)).checkpoint_root == str((tmp_path / "checkpoints").resolve())
     monkeypatch.setenv("MERIDIAN_TOKEN_FILE", str(tmp_path / "tokens.json"))
-    for bad, why in (("s3://bucket/ckpt", "mount the filesystem"), ("relative/dir", "absolute path")):
+    for bad, why in (("nosuch://bucket/ckpt", "knows no scheme"), ("relative/dir", "absolute path")):
         assert main(["serve", "--data-dir", str(tmp_path), "--storage", bad]) == 2
         assert why in capsys.readouterr().err

@@ -20,7 +20,6 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -28,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from meridian.workers.state import checkpoint as single_file
+from meridian.workers.state import storage
 from meridian.workers.state.replica_state import LocalShard, assemble
 from meridian.workers.state.sharded_checkpoint import (
     is_sharded,
@@ -40,7 +40,8 @@ from meridian.workers.state.sharded_checkpoint import (
 from meridian.workers.sync.engine import GradientSync
 
 GROUP_TIMEOUT = datetime.timedelta(minutes=5)
-"""A save whose peer died fails after this long, on its own thread, leaving only a ``.partial`` folder."""
+"""A save whose peer died fails after this long, on its own thread, leaving only an uncommitted folder (never
+read: :mod:`meridian.workers.state.storage`)."""
 
 
 class Checkpointer:
@@ -59,7 +60,7 @@ class Checkpointer:
 
     def new_epoch(self) -> None:
         """The epoch's groups are new: a save still running in the last one is abandoned with its group (it
-        fails on its own; its folder stays ``.partial`` and is never read)."""
+        fails on its own; its folder stays uncommitted and is never read)."""
         if self._writer is not None and self._writer.is_alive():
             print("meridian: a checkpoint save of the previous epoch is abandoned", file=sys.stderr, flush=True)
         self._writer, self._group = None, None
@@ -113,19 +114,19 @@ def restore_latest(directory: str, expected: dict[str, Any], model: nn.Module, e
     From a sharded checkpoint every rank reads the whole weights, but of the optimizer state only the ranges
     its engine holds (:meth:`~meridian.workers.sync.engine.GradientSync.owned_ranges`): with AdamW sharded
     N ways in a DC, a rank reads (1 + 2/N)/3 of the checkpoint. No collective; any layout reads any other's."""
-    pointer = Path(directory) / "latest"
-    if not pointer.is_file():
+    name = storage.latest(directory)  # a folder or a URL
+    if name is None:
         return None
-    path = Path(directory) / pointer.read_text().strip()
-    if not is_sharded(str(path)):
+    path = storage.join(directory, name)
+    if not is_sharded(path):
         single = single_file.load_latest(directory)
         assert single is not None
         single_file.check_fingerprint(single, expected, directory)
         load_weights(model, engine, single.model)
         engine.load_optimizer_state(single.optimizer)
-        size = (path / single_file.STATE_FILE).stat().st_size
+        size = storage.size(storage.join(path, single_file.STATE_FILE))
         return Restored(single.step, size, size)
-    ck = open_checkpoint(str(path))
+    ck = open_checkpoint(path)
     want = json.loads(json.dumps(expected))  # as stored: tuples become lists
     if ck.fingerprint != want:
         diff = {k: (ck.fingerprint.get(k), v) for k, v in want.items() if ck.fingerprint.get(k) != v}

@@ -15,18 +15,20 @@ from meridian.workers.contracts.model_config import ModelConfig
 from meridian.workers.data.hf_tokenizer import export_tokenizer
 from meridian.workers.model.build import build_model
 from meridian.workers.model.hf import save_hf
+from meridian.workers.state import storage
 from meridian.workers.state.checkpoint import STATE_FILE
 from meridian.workers.state.sharded_checkpoint import is_sharded, load_full, open_checkpoint
 
 
 def export_checkpoint(checkpoint: str, model: dict, out: str) -> Path:
-    """Write the weights of the checkpoint folder ``checkpoint`` (:mod:`meridian.workers.state.checkpoint`)
+    """Write the weights of the checkpoint folder (or URL) ``checkpoint`` (:mod:`meridian.workers.state.checkpoint`)
     of a model described by ``model`` (a plain :class:`ModelConfig`) as a Hugging Face directory ``out``."""
     cfg = from_plain(ModelConfig, model)
     if is_sharded(checkpoint):  # each rank's shard (DCP): read whole tensors on this process
         state, _ = load_full(open_checkpoint(checkpoint))
     else:
-        state = torch.load(Path(checkpoint) / STATE_FILE, map_location="cpu", weights_only=False)["model"]
+        with storage.open_file(storage.join(checkpoint, STATE_FILE), "rb") as f:
+            state = torch.load(f, map_location="cpu", weights_only=False)["model"]
     with torch.device("meta"):
         shapes = {n: tuple(p.shape) for n, p in build_model(replace(cfg, init_from="")).named_parameters()}
     for name, shape in shapes.items():

@@ -4,10 +4,11 @@ Jobs write sharded checkpoints instead (:mod:`meridian.workers.state.sharded_che
 shard, nothing gathered; a tensor/pipeline-parallel job's final weights too,
 :mod:`meridian.workers.state.model_parallel_weights`). This format remains so that checkpoints written by
 earlier versions still resume and export. It holds the *full* model and optimizer
-state, the step and a fingerprint, so it loads into any layout. Files land in a temporary folder that is
-renamed into place, so a crash mid-write never leaves a checkpoint that looks complete.
+state, the step and a fingerprint, so it loads into any layout. ``<dir>`` is a local folder or an fsspec URL;
+a save commits as :mod:`meridian.workers.state.storage` describes, so a crash mid-write never leaves a
+checkpoint that looks complete.
 
-Layout on disk::
+Layout::
 
     <dir>/step-00000040/state.pt     model, optimizer, step, config fingerprint
     <dir>/latest                     "step-00000040"
@@ -15,14 +16,13 @@ Layout on disk::
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from meridian.workers.state import storage
 
 STATE_FILE = "state.pt"
 
@@ -37,41 +37,33 @@ class Checkpoint:
     """What must match to resume (model shape, global batch, seed): a checkpoint of another job is refused."""
 
 
-def save(directory: str, ckpt: Checkpoint, *, keep: int = 2) -> Path:
-    """Write ``ckpt`` atomically under ``directory``; keep the newest ``keep`` checkpoints."""
-    root = Path(directory)
-    root.mkdir(parents=True, exist_ok=True)
+def save(directory: str, ckpt: Checkpoint, *, keep: int = 2) -> Path | str:
+    """Write ``ckpt`` under ``directory`` (a folder or a URL); keep the newest ``keep`` checkpoints."""
     name = f"step-{ckpt.step:08d}"
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root))
-    torch.save({"step": ckpt.step, "model": ckpt.model, "optimizer": ckpt.optimizer,
-                "fingerprint": ckpt.fingerprint}, tmp / STATE_FILE)
-    return publish(root, tmp, name, keep=keep)
+    folder = storage.prepare(directory, name)
+    if not storage.is_url(folder):
+        Path(folder).mkdir()
+    with storage.open_file(storage.join(folder, STATE_FILE), "wb") as f:
+        torch.save({"step": ckpt.step, "model": ckpt.model, "optimizer": ckpt.optimizer,
+                    "fingerprint": ckpt.fingerprint}, f)
+    return publish(directory, folder, name, keep=keep)
 
 
-def publish(root: Path, written: Path, name: str, *, keep: int) -> Path:
-    """Make the complete folder ``written`` the checkpoint ``root/name`` (a rename, so it appears whole or not
-    at all), point ``latest`` at it the same way, and delete all but the newest ``keep`` checkpoints. Both
-    formats finish a save with this."""
-    final = root / name
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(written, final)
-    pointer = root / ".latest.tmp"
-    pointer.write_text(name)
-    os.replace(pointer, root / "latest")
-    for old in sorted(p for p in root.glob("step-*") if p.is_dir())[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
-    return final
+def publish(root: str | Path, written: str | Path, name: str, *, keep: int) -> Path | str:
+    """Make the complete folder ``written`` (:func:`storage.writing_folder`, its marker file written last) the
+    checkpoint ``root/name``, point ``latest`` at it, and delete all but the newest ``keep`` checkpoints
+    (:func:`storage.commit`). Both formats finish a save with this. The folder: a ``Path``, or the URL."""
+    final = storage.commit(str(root), name, str(written), keep=keep)
+    return final if storage.is_url(final) else Path(final)
 
 
 def load_latest(directory: str) -> Checkpoint | None:
     """The newest complete checkpoint in ``directory``, or ``None`` if there is none."""
-    root = Path(directory)
-    pointer = root / "latest"
-    if not pointer.exists():
+    name = storage.latest(directory)
+    if name is None:
         return None
-    path = root / pointer.read_text().strip() / STATE_FILE
-    data = torch.load(path, map_location="cpu", weights_only=False)
+    with storage.open_file(storage.join(directory, name, STATE_FILE), "rb") as f:
+        data = torch.load(f, map_location="cpu", weights_only=False)
     return Checkpoint(step=data["step"], model=data["model"], optimizer=data["optimizer"],
                       fingerprint=data["fingerprint"])
 

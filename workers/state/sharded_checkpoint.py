@@ -17,6 +17,8 @@ the gathered format did).
 Loading reads any element range of any tensor (:class:`_RangeLoadPlanner`, no collective), so a checkpoint
 written by one layout loads into any other world size and datacenter sizes.
 
+``<dir>`` is a local folder or an fsspec URL (DCP's fsspec writer and reader); a save commits as
+:mod:`meridian.workers.state.storage` describes (``meridian.json`` is the folder's marker, written last).
 Layout::
 
     <dir>/step-00000040/.metadata, __<rank>_0.distcp ...   DCP
@@ -27,7 +29,6 @@ Layout::
 from __future__ import annotations
 
 import json
-import shutil
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +43,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWrite
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from meridian.workers.optim.adamw import MOMENTS
+from meridian.workers.state import storage
 from meridian.workers.state.checkpoint import publish
 from meridian.workers.state.replica_state import LocalShard, OuterShard, StatePiece, assemble
 
@@ -156,33 +158,46 @@ class _RangeLoadPlanner(DefaultLoadPlanner):
 
 
 def write_chunks(directory: str, name: str, chunks: list[Chunk], sizes: dict[str, torch.Size], *, rank: int,
-                 group: dist.ProcessGroup | None, meta: Any, keep: int = 2) -> Path | None:
+                 group: dist.ProcessGroup | None, meta: Any, keep: int = 2) -> Path | str | None:
     """Every rank of ``group`` writes its ``chunks`` into ``directory/name`` (a collective); rank 0 then adds
     ``meta()`` as ``meridian.json`` and publishes the folder (and ``latest``). An interrupted save leaves
-    only a ``.partial`` folder. Returns the folder on rank 0, ``None`` elsewhere."""
-    root = Path(directory)
-    partial = root / f".{name}.partial"
-    if rank == 0 and partial.exists():  # an earlier attempt at this step (maybe of another world size)
-        shutil.rmtree(partial)
+    a folder that is never read (locally ``.step-N.partial``; under a URL ``step-N/`` without ``meridian.json``).
+    Returns the folder (the URL under a URL) on rank 0, ``None`` elsewhere."""
+    partial = storage.writing_folder(directory, name)
+    if rank == 0:  # an earlier attempt at this step (maybe of another world size)
+        storage.prepare(directory, name)
     dist.barrier(group=group)  # nobody writes before that clean-up
-    dcp.save({}, storage_writer=dcp.FileSystemWriter(str(partial)), planner=_RangeSavePlanner(chunks, sizes),
+    dcp.save({}, storage_writer=_writer(partial), planner=_RangeSavePlanner(chunks, sizes),
              process_group=group)
     if rank != 0:
         return None
-    (partial / META_FILE).write_text(json.dumps(meta(), indent=1))
-    final = publish(root, partial, name, keep=keep)
-    for stale in root.glob(".step-*.partial"):
-        if stale.name < partial.name:
-            shutil.rmtree(stale, ignore_errors=True)
-    return final
+    storage.write_text(storage.join(partial, META_FILE), json.dumps(meta(), indent=1))
+    return publish(directory, partial, name, keep=keep)
+
+
+def _writer(path: str) -> dcp.StorageWriter:
+    if not storage.is_url(path):
+        return dcp.FileSystemWriter(path)
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+    return FsspecWriter(path, sync_files=False)  # an object is durable once closed; no fsync of an upload
+
+
+def _reader(path: str) -> dcp.StorageReader:
+    if not storage.is_url(path):
+        return dcp.FileSystemReader(path)
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+    return FsspecReader(path)
 
 
 # -- save --------------------------------------------------------------------------------------------------
 def save_shard(directory: str, shard: LocalShard, *, rank: int, datacenter: str, shapes: dict[str, torch.Size],
-               fingerprint: dict[str, Any], group: dist.ProcessGroup | None = None, keep: int = 2) -> Path | None:
+               fingerprint: dict[str, Any], group: dist.ProcessGroup | None = None,
+               keep: int = 2) -> Path | str | None:
     """Write the job's state at ``shard.step``: every rank of ``group`` calls this with its own shard (a
     collective over ``group``). Rank 0 finishes it (``meridian.json``, rename, ``latest``) and returns the
-    folder; the others return ``None``. An interrupted save leaves only a ``.partial`` folder."""
+    folder; the others return ``None``. An interrupted save is never read (:func:`write_chunks`)."""
     mine = (rank, datacenter, shard.adam_step, shard.outer.inner_steps_done if shard.outer else None,
             [(p.name, p.start, p.stop) for p in shard.pieces],
             [(p.name, p.start, p.stop) for p in shard.outer.pieces] if shard.outer else None)
@@ -220,11 +235,14 @@ class ShardedCheckpoint:
 
 
 def is_sharded(path: str) -> bool:
-    return (Path(path) / META_FILE).is_file()
+    return storage.exists(storage.join(path, META_FILE))
 
 
 def open_checkpoint(path: str) -> ShardedCheckpoint:
-    meta = json.loads((Path(path) / META_FILE).read_text())
+    text = storage.read_text(storage.join(path, META_FILE))
+    if text is None:
+        raise FileNotFoundError(f"{path} holds no {META_FILE}: not a complete checkpoint")
+    meta = json.loads(text)
     if meta.get("format") != FORMAT:
         raise ValueError(f"{path}: checkpoint format {meta.get('format')!r}, this Meridian reads {FORMAT!r}")
     return ShardedCheckpoint(path=path, step=meta["step"], adam_step=meta["adam_step"],
@@ -238,7 +256,7 @@ def read_ranges(ck: ShardedCheckpoint, ranges: list[tuple[str, int, int]], *, st
     the values without ``state``), read on this rank alone (no collective), as a :class:`LocalShard`
     (:func:`assemble` pools such shards). DCP reads just those bytes of its files. ``weights``: the values
     already read (:func:`read_weights`); the pieces' values are views of them, not read again."""
-    stored = dcp.FileSystemReader(ck.path).read_metadata().state_dict_metadata
+    stored = _reader(ck.path).read_metadata().state_dict_metadata
     wants: dict[str, list[tuple[tuple[int, ...], torch.Tensor]]] = {}
 
     def want(key: str, start: int, stop: int) -> torch.Tensor | None:
@@ -266,7 +284,7 @@ def read_ranges(ck: ShardedCheckpoint, ranges: list[tuple[str, int, int]], *, st
             outer.append((name, a, b, want(f"outer/{name}", a, b), want(f"outer_momentum/{name}", a, b)))
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load({}, storage_reader=dcp.FileSystemReader(ck.path), planner=_RangeLoadPlanner(wants), no_dist=True)
+        dcp.load({}, storage_reader=_reader(ck.path), planner=_RangeLoadPlanner(wants), no_dist=True)
     shard = LocalShard(ck.step, ck.adam_step, tuple(
         StatePiece(n, a, b, v, {m: t for m, t in ms.items() if t is not None}) for n, a, b, v, ms in pieces))
     if ck.diloco is None or not state:
@@ -284,7 +302,7 @@ def read_weights(ck: ShardedCheckpoint) -> dict[str, torch.Tensor]:
 
 def stored_nbytes(ck: ShardedCheckpoint) -> int:
     """Bytes of tensor data the checkpoint holds (values, moments, outer state), from its DCP metadata."""
-    md = dcp.FileSystemReader(ck.path).read_metadata()
+    md = _reader(ck.path).read_metadata()
     return sum(m.size.numel() * m.properties.dtype.itemsize for m in md.state_dict_metadata.values()
                if hasattr(m, "chunks"))
 

@@ -1,0 +1,231 @@
+"""Where durable checkpoints live, a local folder or an fsspec URL (``s3://bucket/prefix``, ``gs://…``), and
+how a checkpoint is committed on either.
+
+Torch-free: the service lists a job's artifacts and proves its storage writable with it.
+
+A job's folder holds one folder per checkpoint, ``step-<N>/``, each with a *marker* file written after every
+other file of it (``meridian.json`` for the sharded format, ``state.pt``, the whole state, for the single-file
+one), and ``latest``, the name of the newest committed checkpoint. Readers start from ``latest``; the listing
+shows only folders with their marker. How a save commits:
+
+- **local folder**: the files go to a hidden ``.step-<N>.partial`` folder, which is renamed into place (a
+  rename: the folder appears whole or not at all), then ``latest`` is replaced atomically.
+- **URL** (an object store has no directories and no atomic rename): the files go straight to ``step-<N>/``,
+  the marker last, and ``latest`` (one small object, one PUT, written after the marker) is the commit point.
+  A save of the step ``latest`` names first points ``latest`` back at the previous complete checkpoint and
+  deletes the marker, so no reader ever trusts a folder being rewritten. A crashed save leaves a folder
+  without a marker: never listed, never read, deleted by the next commit.
+
+Credentials and endpoints come from the environment, read the way the filesystem's library reads them (for
+S3, s3fs/botocore: ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_ENDPOINT_URL``, ``AWS_PROFILE`` …).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any
+
+LATEST = "latest"
+MARKERS = ("meridian.json", "state.pt")
+"""A checkpoint folder is complete once one of these exists in it (each format writes its own last)."""
+PREFIX = "step-"
+
+
+def is_url(location: str) -> bool:
+    return "://" in location
+
+
+def join(root: str, *names: str) -> str:
+    if is_url(root):
+        return "/".join([root.rstrip("/"), *names])
+    return os.path.join(root, *names)
+
+
+def check_url(url: str) -> str:
+    """``url`` without a trailing ``/`` if fsspec knows its scheme, the scheme's package is importable and it
+    names a location, else a ``ValueError`` saying what to fix."""
+    import fsspec
+
+    protocol, _, rest = url.partition("://")
+    if not rest.strip("/"):
+        raise ValueError(f"storage {url!r} names no bucket or folder; give e.g. {protocol}://bucket/checkpoints")
+    try:
+        fsspec.get_filesystem_class(protocol)
+    except ValueError as e:
+        raise ValueError(f"storage {url!r}: fsspec knows no scheme {protocol!r} (e.g. s3://, gs://, az://)") from e
+    except ImportError as e:  # fsspec's message names the package: "Install s3fs to access S3"
+        raise ValueError(f"storage {url!r} needs a package that is not installed: {e}") from e
+    return url.rstrip("/")
+
+
+def _fs(location: str) -> tuple[Any, str]:
+    """The fsspec filesystem of ``location`` and the path on it (listings re-read, not cached)."""
+    from fsspec.core import url_to_fs
+
+    fs, path = url_to_fs(location)
+    fs.invalidate_cache(path)  # s3fs caches listings: another process may have written since
+    return fs, path
+
+
+# -- files -------------------------------------------------------------------------------------------------
+def read_text(location: str) -> str | None:
+    """The file's text, or ``None`` if there is no such file."""
+    try:
+        if not is_url(location):
+            return Path(location).read_text()
+        fs, path = _fs(location)
+        return fs.cat_file(path).decode()
+    except FileNotFoundError:
+        return None
+
+
+def write_text(location: str, text: str) -> None:
+    """Replace the file whole: a rename of a temporary file locally, one PUT on an object store."""
+    if not is_url(location):
+        tmp = f"{location}.tmp"
+        Path(tmp).write_text(text)
+        os.replace(tmp, location)
+        return
+    fs, path = _fs(location)
+    fs.pipe_file(path, text.encode())
+
+
+def exists(location: str) -> bool:
+    if not is_url(location):
+        return os.path.exists(location)
+    fs, path = _fs(location)
+    return fs.exists(path)
+
+
+def size(location: str) -> int:
+    """The file's bytes."""
+    if not is_url(location):
+        return os.path.getsize(location)
+    fs, path = _fs(location)
+    return int(fs.size(path))
+
+
+@contextlib.contextmanager
+def open_file(location: str, mode: str) -> Iterator[IO[bytes]]:
+    """A binary file to ``torch.save`` to or ``torch.load`` from (on an object store, the object is complete
+    once the file is closed)."""
+    if not is_url(location):
+        with open(location, mode) as f:
+            yield f
+        return
+    fs, path = _fs(location)
+    with fs.open(path, mode) as f:
+        yield f
+
+
+def remove(location: str) -> None:
+    """Delete the file or folder (with what it holds); nothing if there is none."""
+    if not is_url(location):
+        if os.path.isdir(location):
+            shutil.rmtree(location, ignore_errors=True)
+        elif os.path.lexists(location):
+            os.unlink(location)
+        return
+    fs, path = _fs(location)
+    with contextlib.suppress(FileNotFoundError):
+        fs.rm(path, recursive=True)
+
+
+def probe_writable(root: str) -> None:
+    """Write and delete a small file in ``root`` (made if a local folder), or raise ``OSError`` (or the
+    filesystem library's error) saying why not. A URL's bucket is never created here."""
+    if not is_url(root):
+        Path(root).mkdir(parents=True, exist_ok=True)
+    probe = join(root, f".meridian-write-test-{os.getpid()}")
+    write_text(probe, "ok")
+    if read_text(probe) != "ok":
+        raise OSError(f"{probe} did not read back what was written")
+    remove(probe)
+
+
+# -- checkpoint folders ------------------------------------------------------------------------------------
+def step_folders(root: str) -> dict[str, dict[str, int]]:
+    """Every ``step-*`` folder under ``root``, complete or not: name → {file name: bytes}."""
+    if not is_url(root):
+        base = Path(root)
+        if not base.is_dir():
+            return {}
+        return {d.name: {f.name: f.stat().st_size for f in d.iterdir() if f.is_file()}
+                for d in base.glob(PREFIX + "*") if d.is_dir()}  # fmt: skip
+    fs, path = _fs(root)
+    out: dict[str, dict[str, int]] = {}
+    try:
+        found = fs.find(path, detail=True)
+    except FileNotFoundError:
+        return {}
+    for p, info in found.items():
+        parts = p[len(path.rstrip("/")) + 1 :].split("/")
+        if len(parts) == 2 and parts[0].startswith(PREFIX) and info.get("type") != "directory":
+            out.setdefault(parts[0], {})[parts[1]] = int(info.get("size") or 0)
+    return out
+
+
+def complete(folders: dict[str, dict[str, int]]) -> list[str]:
+    """The names of the folders that hold a marker, oldest first."""
+    return sorted(name for name, files in folders.items() if any(m in files for m in MARKERS))
+
+
+def latest(root: str) -> str | None:
+    """The name ``root/latest`` gives, or ``None``."""
+    text = read_text(join(root, LATEST))
+    return text.strip() if text else None
+
+
+# -- a save: where it writes, how it commits --------------------------------------------------------------
+def writing_folder(root: str, name: str) -> str:
+    """Where the files of checkpoint ``name`` are written before :func:`commit`."""
+    return join(root, name) if is_url(root) else join(root, f".{name}.partial")
+
+
+def prepare(root: str, name: str) -> str:
+    """Clear what an earlier attempt at ``name`` left (one writer, before the others start), and for a URL
+    take back a commit of ``name`` (``latest`` names the previous complete checkpoint meanwhile). Returns
+    :func:`writing_folder`."""
+    folder = writing_folder(root, name)
+    if is_url(root) and latest(root) == name:
+        older = [n for n in complete(step_folders(root)) if n < name]
+        if older:
+            write_text(join(root, LATEST), older[-1])
+        else:
+            remove(join(root, LATEST))
+    for marker in MARKERS:  # first, so that no listing shows the folder while its files go
+        remove(join(folder, marker))
+    remove(folder)
+    if not is_url(root):
+        Path(root).mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def commit(root: str, name: str, written: str, *, keep: int) -> str:
+    """Make the complete folder ``written`` (:func:`writing_folder`, its marker written last) the checkpoint
+    ``root/name`` and ``latest``; delete all but the newest ``keep`` checkpoints and what crashed saves before
+    this one left. Returns the checkpoint's folder."""
+    final = join(root, name)
+    if not is_url(root):
+        if os.path.exists(final):
+            shutil.rmtree(final)
+        os.replace(written, final)
+    write_text(join(root, LATEST), name)  # the commit point
+    folders = step_folders(root)
+    done = complete(folders)
+    for old in [n for n in done if n != name][: max(0, len(done) - keep)]:
+        for marker in MARKERS:
+            remove(join(root, old, marker))
+        remove(join(root, old))
+    for stale in sorted(set(folders) - set(done)):  # a URL's crashed saves
+        if stale < name:
+            remove(join(root, stale))
+    if not is_url(root):
+        for partial in Path(root).glob(f".{PREFIX}*.partial"):  # a local folder's crashed saves
+            if partial.name < f".{name}.partial":
+                shutil.rmtree(partial, ignore_errors=True)
+    return final
