@@ -66,15 +66,20 @@ def _engine(rank, dcs, strategy):
     return build_sync(toy_model(0), DCGroups(DCLayout(dcs), rank), sync, OPTIM)
 
 
-def _save_run(rank, world, dcs, strategy, directory):
-    engine = _engine(rank, dcs, strategy)
+def trained_shard(engine, rank, world):
+    """Train ``STEPS`` steps; the rank's shard of the last one (taken by the step, as the loop takes it)."""
     train_steps(engine, rank, world, STEPS - 1, MICRO)
     batches = micro_batches(STEPS - 1, rank, world, MICRO)
     for i, (x, y) in enumerate(batches):
         last = i == len(batches) - 1
         with engine.micro_batch(last_micro_batch=last):
             engine.backward(share_loss(engine.model, x, y), last_micro_batch=last)
-    shard = engine.step(lr_of(STEPS - 1), snapshot_as=STEPS).shard
+    return engine.step(lr_of(STEPS - 1), snapshot_as=STEPS).shard
+
+
+def _save_run(rank, world, dcs, strategy, directory):
+    engine = _engine(rank, dcs, strategy)
+    shard = trained_shard(engine, rank, world)
     written = save_shard(directory, shard, rank=rank, datacenter=dcs[rank], shapes=_shapes(),
                          fingerprint={"toy": [1, 2]})
     full = engine.optimizer_state()  # the gathered state, as the reference

@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 from s3_env import aws_env, moto_s3
-from sync_helpers import lr_of, micro_batches, params_of, share_loss, train_steps
-from test_replica_state import MICRO, STEPS, _shapes
-from test_sharded_checkpoint import _engine
+from sync_helpers import params_of
+from test_replica_state import STEPS, _shapes
+from test_sharded_checkpoint import _engine, trained_shard
 
 from meridian.api.cli import main as cli_main
 from meridian.service.artifacts import list_artifacts
@@ -43,13 +43,7 @@ def bucket():
 def _save_both(rank, world, dcs, local_dir, url):
     """Train the toy model, then save the very same shard to a local folder and to S3."""
     engine = _engine(rank, dcs, SyncStrategy.FLAT)
-    train_steps(engine, rank, world, STEPS - 1, MICRO)
-    batches = micro_batches(STEPS - 1, rank, world, MICRO)
-    for i, (x, y) in enumerate(batches):
-        last = i == len(batches) - 1
-        with engine.micro_batch(last_micro_batch=last):
-            engine.backward(share_loss(engine.model, x, y), last_micro_batch=last)
-    shard = engine.step(lr_of(STEPS - 1), snapshot_as=STEPS).shard
+    shard = trained_shard(engine, rank, world)
     written = [save_shard(d, shard, rank=rank, datacenter=dcs[rank], shapes=_shapes(), fingerprint=FINGERPRINT)
                for d in (local_dir, url)]  # fmt: skip
     engine.synchronize()
