@@ -234,9 +234,13 @@ def test_members_stuck_on_a_store_that_never_came_up_are_stopped_and_everyone_re
     # The failure CI met: after a loss, the new rank 0 could not bind its store port (taken), left and rejoined;
     # its peers kept retrying that port, alive and silent, and were counted lost when the grace ran out.
     out, events = _lose_w1_after_step_3(elastic_run(4, taken_store_epoch=2))
+    print("events:", *events, sep="\n  ")  # the whole sequence in the report, should this fail
     formed = [e[2] for e in events if e[0] == "epoch_formed"]
-    stuck = [e[2]["worker_id"] for e in events if e[0] == "worker_stuck"]
-    assert sorted(stuck) == ["w2", "w3"], events  # rank 0 of epoch 2 rejoined by itself; the others were told
+    stuck = [(e[2]["worker_id"], e[2]["epoch"]) for e in events if e[0] == "worker_stuck"]
+    assert len(stuck) == len(set(stuck)), stuck  # each worker is told once per epoch
+    # Rank 0 of epoch 2 rejoined by itself; the others were told. (On a loaded machine survivors slow to leave
+    # epoch 1 after the kill may be told too: that is the same rule, and harmless.)
+    assert sorted(w for w, epoch in stuck if epoch == 2) == ["w2", "w3"], stuck
     assert len(formed) == 3 and formed[2]["datacenters"] == ["dc-a", "dc-b", "dc-b"], formed
     assert formed[2]["lost"] == [] and formed[2]["resume_step"] == formed[1]["resume_step"]
     # Re-formed within seconds, not after the 60 s collective timeout the stuck ranks would otherwise wait out.

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import enum
 import socket
+import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -62,6 +63,7 @@ class LivenessTracker:
     aborted: set[tuple[str, int]] = field(default_factory=set)
     """``(worker_id, epoch)`` pairs told to stop: each is told once."""
     _misses: dict[str, int] = field(default_factory=dict)
+    _claims: threading.Lock = field(default_factory=threading.Lock)
 
     def check(self, suspects: Iterable[tuple[str, str, int]]) -> set[str]:
         """Probe each ``(worker_id, address, port)`` (a port of 0: the worker has none, it is never judged
@@ -83,11 +85,8 @@ class LivenessTracker:
     def abort(self, stuck: Iterable[tuple[str, str, int]], epoch: int) -> set[str]:
         """Tell each ``(worker_id, address, port)`` not known gone and not told before to leave ``epoch``;
         the worker ids whose agent acted on it."""
-        done: set[str] = set()
-        for wid, address, port in stuck:
-            if not port or wid in self.gone or (wid, epoch) in self.aborted:
-                continue
-            self.aborted.add((wid, epoch))
-            if self.abort_fn(address, port, epoch):
-                done.add(wid)
-        return done
+        with self._claims:  # the coordinator probes from every rejoin's thread: one of them tells each worker
+            told = [(wid, address, port) for wid, address, port in stuck
+                    if port and wid not in self.gone and (wid, epoch) not in self.aborted]  # fmt: skip
+            self.aborted |= {(wid, epoch) for wid, _, _ in told}
+        return {wid for wid, address, port in told if self.abort_fn(address, port, epoch)}
