@@ -121,4 +121,5 @@ def test_down_removes_everything_it_made(lab):
     assert "mrd-dc-a" not in netns and "mrd-dc-b" not in netns
     ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
     assert f"meridian-lab-{NAME}" not in ps
+    assert f"--address={lab['ray_address']}" not in ps  # the head's Ray client server too
     assert not Path(f"/run/meridian-lab/{NAME}.json").exists()

@@ -255,9 +255,12 @@ def _kill(pids: list[int], timeout_s: float = 10.0) -> list[int]:
 
 
 def _ray_processes(state: LabState) -> list[int]:
-    """Every process of the lab's Ray cluster: the ones naming its temp dir and their descendants (Ray's
-    workers do not name it)."""
-    return _descendants(lab_processes(state.ray_temp_dir) if state.ray_temp_dir else [])
+    """Every process of the lab's Ray cluster: the ones naming its temp dir or its head's address, and their
+    descendants (Ray's workers name neither)."""
+    roots = lab_processes(state.ray_temp_dir) if state.ray_temp_dir else []
+    # The head's Ray client server names neither the temp dir nor a parent of ours, only the head's address.
+    roots += [p for p in lab_processes(f"--address={state.ray_address}") if p not in roots]
+    return _descendants(roots)
 
 
 def _comm(pid: int) -> str:
