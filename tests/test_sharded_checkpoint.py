@@ -4,6 +4,7 @@ loads into any other layout exactly as the gathered full state would."""
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 import torch
@@ -215,3 +216,15 @@ def test_the_elastic_trainer_checkpoints_every_rank_s_shard_and_resumes_on_other
     assert ("checkpoint_loaded", "resumed from the durable checkpoint of step 3") in resumed[0][1]
     ck = open_checkpoint(str(tmp_path / "step-00000006"))  # written again by the 2 + 1 layout
     assert ck.step == 6 and len(list((tmp_path / "step-00000006").glob("*.distcp"))) == 3
+
+
+def test_a_checkpoint_of_another_job_is_refused_in_either_format_naming_what_differs(tmp_path):
+    from meridian.workers.elastic.durable import restore_latest
+    from meridian.workers.state import checkpoint as ckpt_io
+
+    run_processes(_save_run, 2, ("a", "b"), SyncStrategy.FLAT, str(tmp_path / "sharded"))
+    ckpt_io.save(str(tmp_path / "single"), ckpt_io.Checkpoint(step=1, model={}, optimizer={},
+                                                              fingerprint={"toy": (1, 2)}))
+    for folder, differs in (("sharded", "([1, 2], [1, 3])"), ("single", "((1, 2), (1, 3))")):
+        with pytest.raises(ValueError, match=re.escape(f"different job (checkpoint vs job: {{'toy': {differs}}})")):
+            restore_latest(str(tmp_path / folder), {"toy": (1, 3)}, None, None)

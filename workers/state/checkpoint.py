@@ -68,9 +68,10 @@ def load_latest(directory: str) -> Checkpoint | None:
                       fingerprint=data["fingerprint"])
 
 
-def check_fingerprint(ckpt: Checkpoint, expected: dict[str, Any], directory: str) -> None:
-    if ckpt.fingerprint != expected:
-        diff = {k: (ckpt.fingerprint.get(k), v) for k, v in expected.items() if ckpt.fingerprint.get(k) != v}
+def check_fingerprint(found: dict[str, Any], expected: dict[str, Any], directory: str) -> None:
+    """A ``ValueError`` naming what differs, unless the checkpoint's fingerprint ``found`` is ``expected``."""
+    if found != expected:
+        diff = {k: (found.get(k), v) for k, v in expected.items() if found.get(k) != v}
         raise ValueError(
             f"checkpoint in {directory} belongs to a different job (checkpoint vs job: {diff}); "
             "point the job at an empty checkpoint directory"
