@@ -35,6 +35,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -266,20 +267,28 @@ class DiLoCoSync(GradientSync):
         outer = state.get("diloco")
         if outer is not None and outer.get("format") != DILOCO_STATE_FORMAT:
             raise ValueError(f"DiLoCo state has format {outer.get('format')!r}, expected {DILOCO_STATE_FORMAT!r}")
+        self._set_outer(None if outer is None else lambda name, a, b: (
+            outer["anchor"][name].reshape(-1)[a:b], outer["momentum"][name].reshape(-1)[a:b]))
+        self.done = int(outer["inner_steps_done"]) if outer is not None else 0
+
+    def _set_outer(self, saved: Callable[[str, int, int], tuple[torch.Tensor, torch.Tensor]] | None) -> None:
+        """This rank's outer anchor and momentum from ``saved(parameter, start, stop) -> (anchor, momentum)``
+        of those flat elements; ``None`` (a state of another strategy): DiLoCo starts here, anchored at the
+        current weights with no momentum."""
         for b, bucket in enumerate(self.buffer.buckets):
-            lo, hi = self.bounds[b]
-            if outer is None:
+            if saved is None:
                 self.anchor[b].copy_(self._theta(b))
                 self.momentum[b].zero_()
                 continue
-            for target, saved in ((self.anchor[b], outer["anchor"]), (self.momentum[b], outer["momentum"])):
-                target.zero_()
-                for s in bucket.slots:
-                    start, stop = max(lo, s.offset), min(hi, s.stop)
-                    if start < stop:
-                        src = saved[s.name].reshape(-1)[start - s.offset : stop - s.offset]
-                        target[start - lo : stop - lo].copy_(src)
-        self.done = int(outer["inner_steps_done"]) if outer is not None else 0
+            lo, hi = self.bounds[b]
+            self.anchor[b].zero_()
+            self.momentum[b].zero_()
+            for s in bucket.slots:
+                start, stop = max(lo, s.offset), min(hi, s.stop)
+                if start < stop:
+                    anchor, momentum = saved(s.name, start - s.offset, stop - s.offset)
+                    self.anchor[b][start - lo : stop - lo].copy_(anchor)
+                    self.momentum[b][start - lo : stop - lo].copy_(momentum)
 
     def owned_ranges(self) -> list[tuple[str, int, int]] | None:
         """The inner optimizer's ranges and this rank's shard of the outer state; ``None`` with a replicated
@@ -295,20 +304,14 @@ class DiLoCoSync(GradientSync):
         self.drain()
         self.inner.load_local_shard(shard)
         self.inner.synchronize()
-        for b, bucket in enumerate(self.buffer.buckets):
-            if shard.outer is None:  # a checkpoint of another strategy: DiLoCo starts here
-                self.anchor[b].copy_(self._theta(b))
-                self.momentum[b].zero_()
-                continue
-            lo, hi = self.bounds[b]
-            self.anchor[b].zero_()
-            self.momentum[b].zero_()
-            for s in bucket.slots:
-                start, stop = max(lo, s.offset), min(hi, s.stop)
-                if start < stop:
-                    saved = cut(shard.outer.pieces, s.name, start - s.offset, stop - s.offset)
-                    self.anchor[b][start - lo : stop - lo].copy_(saved.value)
-                    self.momentum[b][start - lo : stop - lo].copy_(saved.moments["momentum"])
+        outer = shard.outer
+
+        def saved(name: str, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+            assert outer is not None
+            piece = cut(outer.pieces, name, a, b)
+            return piece.value, piece.moments["momentum"]
+
+        self._set_outer(None if outer is None else saved)
         self.done = shard.outer.inner_steps_done if shard.outer is not None else 0
 
     def optimizer_state_nbytes(self) -> int:
