@@ -1,7 +1,8 @@
 """The Ray clusters ``meridian bench recovery`` kills a node of: the embedded one, or the ``ray start`` path.
 
 - ``embedded``: ``ray.cluster_utils.Cluster`` in this process's care, with the fast health checks Meridian sets
-  on clusters it starts itself; a node's death is ``remove_node(allow_graceful=False)``.
+  on clusters it starts itself. A node's death is a SIGKILL of its raylet and of everything it started, at
+  once (as on the other path), then ``remove_node`` for Ray's bookkeeping.
 - ``ray-start``: what a user runs, ``ray start --head`` and ``ray start --address … --labels datacenter=…`` per
   node, with Ray's default health checks. Its nodes are the network lab's (:mod:`meridian.service.cluster.lab`):
   each datacenter in its own network namespace, joined over real TCP through the delay line (``--lab-rtt-ms``).
@@ -49,8 +50,14 @@ class EmbeddedCluster:
         for nodes in self._nodes.values():
             for n in nodes:
                 if n.node_id == node_id:
+                    from meridian.service.cluster.lab.lab import kill_ray_node
+
                     nodes.remove(n)
-                    self._cluster.remove_node(n, allow_graceful=False)
+                    # Every process of the node at once, as on the ray-start path and as a machine dies:
+                    # Ray's remove_node kills only the node's Ray processes, and its workers (with their
+                    # training processes) lived on for ~0.7 s, training steps "after the kill".
+                    kill_ray_node(node_id)
+                    self._cluster.remove_node(n, allow_graceful=False)  # Ray's bookkeeping of the node
                     return
         raise ValueError(f"node {node_id} is not one of this cluster's")
 

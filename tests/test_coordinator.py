@@ -84,6 +84,47 @@ def test_every_poll_of_one_join_offers_the_same_store_port():
     assert len(ports) == 3 and len(set(ports)) == 1
 
 
+def test_a_joiner_hosts_its_store_while_it_waits_so_peers_never_race_it():
+    # A store started only when the epoch formed raced its clients: one that found nothing listening backed
+    # off 0.3-0.65 s before trying again, on every re-formation where rank 0 was not first.
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from meridian.workers.elastic.rendezvous import Rendezvous
+
+    seen = []
+
+    def call(method, request, epoch):
+        # A peer connects to the offered port while this worker still waits: something answers already.
+        peer = dist.TCPStore("127.0.0.1", request.port, is_master=False, timeout=timedelta(seconds=2))
+        peer.set("hello", "there")
+        seen.append(request.port)
+        return Assignment(epoch=1, rank=0, world_size=2, datacenters=("a", "b"), master_addr="127.0.0.1",
+                          master_port=request.port, resume_step=0, from_checkpoint=False, newcomer_ranks=(0, 1))
+
+    rdzv = Rendezvous(call, worker_id="w0", datacenter="a", node_id="n0", address="127.0.0.1")
+    a = rdzv.join(last_step=0, timeout_s=10)
+    assert seen == [a.master_port]
+    assert rdzv._store is not None and rdzv._store.get("hello") == b"there"  # the store rank 0 will form on
+
+
+def test_rank_0_told_a_store_port_it_does_not_host_leaves_to_join_again():
+    from meridian.workers.elastic.rendezvous import Rendezvous, StoreNotHosted
+    from meridian.workers.elastic.trainer import is_peer_failure
+
+    def call(method, request, epoch):
+        return Assignment(epoch=1, rank=0, world_size=2, datacenters=("a", "b"), master_addr="127.0.0.1",
+                          master_port=request.port + 1, resume_step=0, from_checkpoint=False, newcomer_ranks=(0, 1))
+
+    rdzv = Rendezvous(call, worker_id="w0", datacenter="a", node_id="n0", address="127.0.0.1",
+                      collective_timeout_s=5)  # fmt: skip
+    a = rdzv.join(last_step=0, timeout_s=10)
+    with pytest.raises(StoreNotHosted, match=f"names store port {a.master_port}") as e:
+        rdzv.form(a)
+    assert is_peer_failure(e.value)  # the trainer rejoins instead of failing the job
+
+
 def test_a_worker_joining_after_the_last_step_is_told_the_job_finished():
     from meridian.workers.elastic.rendezvous import JobFinished, Rendezvous
 

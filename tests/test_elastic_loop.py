@@ -58,9 +58,10 @@ class RecordingCoordinator(Coordinator):
 
 
 class TakenStorePortCoordinator(RecordingCoordinator):
-    """Hands rank 0 of epoch ``epoch`` a store port that something else holds, as an outgoing connection's
-    ephemeral port can: rank 0 cannot bind it (it leaves and rejoins), and its peers retry connecting to a
-    port where nothing listens until their collective timeout, unless they are told to stop."""
+    """Hands epoch ``epoch`` a store port that something else holds (once an outgoing connection's ephemeral
+    port could take rank 0's; now every joiner binds its store while it joins, but a port mix-up must still not
+    hang the job): rank 0 does not host it (it leaves and rejoins), and its peers retry connecting to a port
+    where nothing listens until their collective timeout, unless they are told to stop."""
 
     def __init__(self, *, epoch: int, **kw) -> None:
         super().__init__(**kw)

@@ -31,6 +31,7 @@ def _formed(monkeypatch, device: str) -> tuple[dict, list]:
     seen: dict = {}
     bound: list = []
     monkeypatch.setattr(dist, "init_process_group", lambda **kw: seen.update(kw))
+    monkeypatch.setattr(dist, "TCPStore", lambda *a, **kw: "rank 0's store")  # (rank 1 connects to it)
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: bound.append(torch.device(d)))
     rdzv = Rendezvous(lambda *a: None, worker_id="w", datacenter="a", node_id="n", address="127.0.0.1", device=device)
     rdzv.form(_assignment())
@@ -41,7 +42,7 @@ def test_a_cuda_rank_binds_its_device_and_inits_per_device_type(monkeypatch):
     seen, bound = _formed(monkeypatch, "cuda:1")
     assert bound == [torch.device("cuda", 1)]  # set_device before the group exists
     assert seen["backend"] == "cpu:gloo,cuda:nccl" and seen["device_id"] == torch.device("cuda", 1)
-    assert seen["rank"] == 1 and seen["world_size"] == 2
+    assert seen["rank"] == 1 and seen["world_size"] == 2 and seen["store"] == "rank 0's store"
 
 
 def test_a_cpu_rank_inits_gloo_without_a_device(monkeypatch):

@@ -38,7 +38,7 @@ from meridian.workers.contracts.model_config import ModelFamily
 from meridian.workers.contracts.rendezvous import Assignment
 from meridian.workers.elastic.durable import Checkpointer, load_weights, restore_latest
 from meridian.workers.elastic.protocol import KEEP_SNAPSHOTS, RESTART_EXIT_CODE
-from meridian.workers.elastic.rendezvous import JobFinished, Rendezvous
+from meridian.workers.elastic.rendezvous import JobFinished, Rendezvous, StoreNotHosted
 from meridian.workers.loop.replica import Membership, Replica
 from meridian.workers.loop.train import EpochOutcome, ProgressSink, TrainingLoop, TrainResult
 from meridian.workers.parallel.dims import ParallelDims
@@ -66,8 +66,9 @@ _PEER_FAILURE_MARKERS = (
 
 
 def is_peer_failure(error: BaseException) -> bool:
-    """A collective failed because a peer went away (as opposed to a bug in this rank's own work)."""
-    if isinstance(error, getattr(dist, "DistError", ())):
+    """A collective failed because a peer went away (as opposed to a bug in this rank's own work), or the
+    epoch cannot form around this rank: either way it joins again."""
+    if isinstance(error, (StoreNotHosted, getattr(dist, "DistError", ()))):
         return True
     return isinstance(error, RuntimeError) and any(m in str(error) for m in _PEER_FAILURE_MARKERS)
 

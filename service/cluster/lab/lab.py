@@ -184,9 +184,16 @@ def start_node(state: LabState, dc: LabDatacenter, node: LabNode) -> None:
 
 
 def kill_node(state: LabState, node_id: str) -> int:
-    """A node's death, as a machine dies: SIGKILL its raylet (found by ``--node_id=`` on its command line),
-    then every process it started (agents, workers), so its ports are free for a node that comes back.
-    Returns the raylet's pid."""
+    """A lab node's death, as a machine dies (:func:`kill_ray_node`); returns its raylet's pid."""
+    return kill_ray_node(node_id)
+
+
+def kill_ray_node(node_id: str) -> int:
+    """A Ray node of this machine dies as a machine dies: SIGKILL its raylet (found by ``--node_id=`` on its
+    command line), then every process it started (agents, workers, their training processes), all within
+    milliseconds, so none trains on after the "death" and its ports are free for a node that comes back.
+    Works for any node on this machine (the lab's, or one that ``ray.cluster_utils`` started). Returns the
+    raylet's pid."""
     raylet = [p for p in lab_processes(f"--node_id={node_id}") if _comm(p) == "raylet"]
     if not raylet:
         raise LabError(f"no raylet of node {node_id} runs on this machine")

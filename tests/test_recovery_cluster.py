@@ -1,0 +1,47 @@
+"""The embedded cluster of ``meridian bench recovery`` kills a node the way a machine dies: every process of it
+at once, so no process of the "dead" node trains on while the clock already runs."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except OSError:
+        return True
+
+
+@pytest.mark.slow
+def test_an_embedded_node_dies_whole_at_once():
+    import ray
+
+    from meridian.bench.recovery_cluster import EmbeddedCluster
+
+    cluster = EmbeddedCluster(argparse.Namespace(dcs=2, nodes_per_dc=1))
+    try:
+        ray.init(address=cluster.address)
+
+        @ray.remote(num_cpus=1)
+        class Holder:
+            def start(self) -> tuple[int, int]:
+                self.child = subprocess.Popen(["sleep", "600"])  # stands in for a worker's training process
+                return os.getpid(), self.child.pid
+
+        (node,) = cluster.node_ids("dc-b")
+        holder = Holder.options(label_selector={"datacenter": "dc-b"}).remote()
+        worker, child = ray.get(holder.start.remote(), timeout=60)
+        assert not _gone(worker) and not _gone(child)
+        cluster.kill(node)
+        # Already dead when kill() returns. Ray's remove_node alone kills only the node's Ray processes: its
+        # workers (and what they started) lived on until they noticed, ~0.7 s of training after the "kill".
+        assert _gone(worker) and _gone(child)
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
