@@ -41,6 +41,17 @@ from meridian.workers.state.snapshot_paths import snapshot_dir
 Call = Callable[..., Any]
 
 
+LEAVING = "leaving"
+
+
+def _reap(proc: Any) -> None:
+    """Wait for a training process that said it exits (it is in ``os._exit``); kill one that does not."""
+    proc.join(10)
+    if proc.is_alive():
+        proc.kill()
+        proc.join(5)
+
+
 class Agent:
     """Runs the job's training in child processes until it finishes; restarts a child whose epoch broke."""
 
@@ -82,23 +93,33 @@ class Agent:
         # Lives as long as this process: the coordinator's proof that this worker is gone is a refused connect.
         liveness = LivenessListener(on_abort=self.abort)
         self.ids["probe_port"] = liveness.port
+        leaving: Any = None  # a process that said it exits for a restart: the next starts before that exit is done
         try:
             while True:
                 current = self._take_standby()
                 with self._lock:
                     self._child, self._joining = current.proc, True
+                if leaving is not None:
+                    _reap(leaving)
+                    leaving = None
                 outcome = self._serve(current.conn, current.proc)
-                current.proc.join()
-                with self._lock:
-                    self._child, aborted = None, self._aborted is current.proc
-                if outcome is not None:
-                    return outcome[1]
-                if current.proc.exitcode != RESTART_EXIT_CODE and not aborted:
-                    raise RuntimeError(f"the training process exited with code {current.proc.exitcode}")
+                if outcome == LEAVING:
+                    with self._lock:
+                        self._child, leaving = None, current.proc
+                else:
+                    current.proc.join()
+                    with self._lock:
+                        self._child, aborted = None, self._aborted is current.proc
+                    if outcome is not None:
+                        return outcome[1]
+                    if current.proc.exitcode != RESTART_EXIT_CODE and not aborted:
+                        raise RuntimeError(f"the training process exited with code {current.proc.exitcode}")
                 self.restarts += 1
                 if self.restarts > self.max_restarts:
                     raise RuntimeError(f"gave up after {self.max_restarts} restarts of the training process")
         finally:
+            if leaving is not None:
+                _reap(leaving)
             liveness.close()
             if self._standby is not None:
                 self._standby.discard()
@@ -131,8 +152,9 @@ class Agent:
         standby.go(*args)
         return standby
 
-    def _serve(self, conn: Any, proc: Any) -> tuple[str, TrainResult | None] | None:
-        """Relay the child's messages until it ends; ``("done", result)`` when training finished."""
+    def _serve(self, conn: Any, proc: Any) -> tuple[str, TrainResult | None] | str | None:
+        """Relay the child's messages until it ends; ``("done", result)`` when training finished,
+        :data:`LEAVING` when it said it exits for a restart, ``None`` when it exited."""
         while True:
             try:
                 msg = recv(conn)
@@ -169,6 +191,9 @@ class Agent:
                     self.ids["epoch"], self._joining = msg[1], False
             elif kind == "peak":
                 self.ids["peak"] = msg[1]  # the next training process reuses rank 0's device peak
+            elif kind == "leaving" and not self.device.startswith("cuda"):
+                # (On a GPU the next process waits for the exit: the old one's device memory is freed by it.)
+                return LEAVING
             elif kind == "done":
                 return ("done", msg[1])
             elif kind == "error":

@@ -3,6 +3,7 @@ and the process's main function (:func:`child_main`), run by a standby once the 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import traceback
@@ -36,6 +37,18 @@ class PipeClient:
         with self._lock:
             send(self.conn, (kind, *payload))
 
+    def leaving(self) -> None:
+        """Tell the agent this process exits to be restarted, so it hands over to the next one at once instead
+        of when the exit completes (a torch process takes ~30 ms to exit). Skipped when another thread's call
+        holds the pipe: the agent then sees the exit, as before."""
+        if not self._lock.acquire(timeout=0.05):
+            return
+        try:
+            with contextlib.suppress(OSError):  # the agent is gone: nobody to hand over to
+                send(self.conn, ("leaving",))
+        finally:
+            self._lock.release()
+
 
 class PipeSink:
     def __init__(self, client: PipeClient) -> None:
@@ -65,7 +78,7 @@ def child_main(conn: Any, cfg: TrainConfig, ids: dict[str, Any], store_dir: str,
         device=torch.device(device), join_timeout_s=ids["join_timeout_s"],
         snapshots=SnapshotStore(ids["keep"], store_dir), exit_on_failure=True,
         on_epoch=lambda n: client.tell("epoch", n), keep_params=ids["keep_params"],
-        peak=ids["peak"], on_peak=lambda p: client.tell("peak", p),
+        peak=ids["peak"], on_peak=lambda p: client.tell("peak", p), before_exit=client.leaving,
     )  # fmt: skip
     try:
         result = trainer.run()

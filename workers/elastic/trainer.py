@@ -116,7 +116,7 @@ class ElasticTrainer:
         self, cfg: TrainConfig, rendezvous: Rendezvous, *, sink: ProgressSink, on_event: EventFn,
         device: torch.device | None = None, join_timeout_s: float = 600.0, snapshots: SnapshotStore | None = None,
         exit_on_failure: bool = False, on_epoch: Callable[[int], None] | None = None, keep_params: bool = False,
-        peak: Any = None, on_peak: Callable[[Any], None] | None = None,
+        peak: Any = None, on_peak: Callable[[Any], None] | None = None, before_exit: Callable[[], None] | None = None,
     ) -> None:  # fmt: skip
         self.cfg = cfg
         self.rdzv = rendezvous
@@ -126,6 +126,8 @@ class ElasticTrainer:
         self.exit_on_failure = exit_on_failure
         """Leave the process on a peer's failure (:mod:`meridian.workers.elastic.agent` starts a new one): the only way
         to close sockets that gloo operations still in flight hold open."""
+        self.before_exit = before_exit or (lambda: None)
+        """Called right before that exit: the agent hands over to the next process without waiting for it."""
         self.on_epoch = on_epoch or (lambda n: None)
         self.loop = TrainingLoop(cfg, sink=sink, device=device, keep_params=keep_params, on_failure=self._on_failure,
                                  peak=peak, on_peak=on_peak)
@@ -156,6 +158,7 @@ class ElasticTrainer:
 
     def _on_failure(self, error: Exception) -> None:
         if self.exit_on_failure and is_peer_failure(error):
+            self.before_exit()
             os._exit(RESTART_EXIT_CODE)  # closes every socket now; the agent starts a fresh process
 
     # -- one epoch ----------------------------------------------------------------------------------------

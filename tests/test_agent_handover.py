@@ -1,0 +1,59 @@
+"""The agent hands over to the next training process as soon as the failed one says it leaves, not when its
+exit completes (a torch process takes ~30 ms to exit: on the critical path of every re-formation). On a GPU it
+waits for the exit, which frees the old process's device memory."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from meridian.workers.contracts.config import TrainConfig
+from meridian.workers.contracts.model_config import model_preset
+from meridian.workers.elastic.agent import Agent
+from meridian.workers.elastic.pipe import send
+from meridian.workers.elastic.protocol import RESTART_EXIT_CODE
+
+
+def _fails_and_exits_slowly(conn) -> None:
+    send(conn, ("leaving",))
+    time.sleep(3.0)  # a slow exit (a big process's takes tens of ms; this leaves a wide margin)
+    os._exit(RESTART_EXIT_CODE)
+
+
+def _finishes(conn, first_pid: int) -> None:
+    try:
+        state = Path(f"/proc/{first_pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        state = "gone"
+    send(conn, ("done", state not in ("Z", "X", "gone")))  # was the failed process still exiting?
+
+
+@pytest.mark.parametrize("device, handed_over_early", [("cpu", True), ("cuda:0", False)])
+def test_the_next_process_starts_while_the_failed_one_still_exits(device, handed_over_early):
+    ctx = mp.get_context("fork")
+    cfg = TrainConfig(job_id="handover-test", model=model_preset("nano"), steps=2, global_batch=2, micro_batch=1,
+                      datacenters=("a",))  # fmt: skip
+    agent = Agent(cfg, lambda *a: None, worker_id="w0", datacenter="a",
+                  node_id="n0", address="127.0.0.1", device=device, threads=1)  # fmt: skip
+    started: list = []
+
+    def take_standby():  # each "standby" starts when the agent takes it: the moment of the handover
+        parent, child = ctx.Pipe()
+        if not started:
+            proc = ctx.Process(target=_fails_and_exits_slowly, args=(child,))
+        else:
+            proc = ctx.Process(target=_finishes, args=(child, started[0].pid))
+        proc.start()
+        child.close()
+        started.append(proc)
+        return SimpleNamespace(conn=parent, proc=proc)
+
+    agent._take_standby = take_standby
+    still_exiting = agent.run()
+    assert still_exiting is handed_over_early
+    assert agent.restarts == 1 and started[0].exitcode == RESTART_EXIT_CODE  # reaped either way
