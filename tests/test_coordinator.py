@@ -109,6 +109,29 @@ def test_a_joiner_hosts_its_store_while_it_waits_so_peers_never_race_it():
     assert rdzv._store is not None and rdzv._store.get("hello") == b"there"  # the store rank 0 will form on
 
 
+def test_a_taken_low_port_is_skipped_for_sockets_and_stores_alike_and_port_0_is_the_last_resort():
+    from meridian.workers.distributed.ports import LOW_PORTS, on_low_port
+
+    tried = []
+
+    def bind(port):  # a socket's bind raises OSError when taken, a TCPStore's DistNetworkError (a RuntimeError)
+        tried.append(port)
+        if len(tried) < 3:
+            raise (OSError if len(tried) == 1 else RuntimeError)("address in use")
+        return port
+
+    assert on_low_port(bind) == tried[-1] and len(tried) == 3 and all(p in LOW_PORTS for p in tried)
+    tried.clear()
+
+    def all_taken(port):
+        tried.append(port)
+        if port:
+            raise OSError("address in use")
+        return port
+
+    assert on_low_port(all_taken) == 0 and len(tried) == 101
+
+
 def test_rank_0_told_a_store_port_it_does_not_host_leaves_to_join_again():
     from meridian.workers.elastic.rendezvous import Rendezvous, StoreNotHosted
     from meridian.workers.elastic.trainer import is_peer_failure

@@ -17,7 +17,6 @@ nothing listening backed off for 0.3–0.65 s before trying again (measured: a r
 
 from __future__ import annotations
 
-import random
 import socket
 import time
 from collections.abc import Callable
@@ -28,7 +27,7 @@ import torch.distributed as dist
 
 from meridian.workers.contracts.rendezvous import Assignment, Finished, JoinRequest, Waiting
 from meridian.workers.distributed.devices import bind_device, init_kwargs
-from meridian.workers.distributed.ports import LOW_PORTS
+from meridian.workers.distributed.ports import on_low_port
 
 Call = Callable[..., Any]
 
@@ -50,13 +49,8 @@ class StoreNotHosted(RuntimeError):
 def host_store(host: str, timeout: timedelta) -> dist.TCPStore:
     """A store server listening now on a free port below the ephemeral range (see
     :mod:`meridian.workers.distributed.ports`)."""
-    for _ in range(100):
-        try:
-            return dist.TCPStore(host, random.choice(LOW_PORTS), is_master=True, wait_for_workers=False,
-                                 timeout=timeout)  # fmt: skip
-        except RuntimeError:  # taken: another
-            continue
-    return dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timeout)
+    return on_low_port(lambda port: dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
+                                                  timeout=timeout))  # fmt: skip
 
 
 class Rendezvous:
