@@ -7,30 +7,26 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from processes import is_gone
 
 from meridian.workers.contracts.config import TrainConfig
 from meridian.workers.contracts.model_config import model_preset
 from meridian.workers.elastic.agent import Agent
 from meridian.workers.elastic.pipe import send
-from meridian.workers.elastic.protocol import RESTART_EXIT_CODE
+from meridian.workers.elastic.protocol import LEAVING, RESTART_EXIT_CODE
 
 
 def _fails_and_exits_slowly(conn) -> None:
-    send(conn, ("leaving",))
+    send(conn, (LEAVING,))
     time.sleep(3.0)  # a slow exit (a big process's takes tens of ms; this leaves a wide margin)
     os._exit(RESTART_EXIT_CODE)
 
 
 def _finishes(conn, first_pid: int) -> None:
-    try:
-        state = Path(f"/proc/{first_pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        state = "gone"
-    send(conn, ("done", state not in ("Z", "X", "gone")))  # was the failed process still exiting?
+    send(conn, ("done", not is_gone(first_pid)))  # was the failed process still exiting?
 
 
 @pytest.mark.parametrize("device, handed_over_early", [("cpu", True), ("cuda:0", False)])

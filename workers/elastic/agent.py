@@ -33,15 +33,12 @@ import torch
 from meridian.workers.contracts.config import TrainConfig
 from meridian.workers.elastic.liveness import LivenessListener
 from meridian.workers.elastic.pipe import recv, send
-from meridian.workers.elastic.protocol import KEEP_SNAPSHOTS, RESTART_EXIT_CODE
+from meridian.workers.elastic.protocol import KEEP_SNAPSHOTS, LEAVING, RESTART_EXIT_CODE
 from meridian.workers.elastic.standby import Standby
 from meridian.workers.loop.records import TrainResult
 from meridian.workers.state.snapshot_paths import snapshot_dir
 
 Call = Callable[..., Any]
-
-
-LEAVING = "leaving"
 
 
 def _reap(proc: Any) -> None:
@@ -191,7 +188,7 @@ class Agent:
                     self.ids["epoch"], self._joining = msg[1], False
             elif kind == "peak":
                 self.ids["peak"] = msg[1]  # the next training process reuses rank 0's device peak
-            elif kind == "leaving" and not self.device.startswith("cuda"):
+            elif kind == LEAVING and not self.device.startswith("cuda"):
                 # (On a GPU the next process waits for the exit: the old one's device memory is freed by it.)
                 return LEAVING
             elif kind == "done":

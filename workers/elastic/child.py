@@ -14,6 +14,7 @@ import torch
 from meridian.workers.contracts.config import TrainConfig
 from meridian.workers.contracts.records import StepRecord
 from meridian.workers.elastic.pipe import recv, send
+from meridian.workers.elastic.protocol import LEAVING
 from meridian.workers.state.snapshots import SnapshotStore
 
 
@@ -45,7 +46,7 @@ class PipeClient:
             return
         try:
             with contextlib.suppress(OSError):  # the agent is gone: nobody to hand over to
-                send(self.conn, ("leaving",))
+                send(self.conn, (LEAVING,))
         finally:
             self._lock.release()
 
