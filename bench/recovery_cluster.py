@@ -91,7 +91,7 @@ class RayStartCluster:
         if node is None:
             raise ValueError(f"node {node_id} is not an alive node of the lab")
         dc = next(d for d in self.state.layout.datacenters if d.name == node["labels"]["datacenter"])
-        self._lab.kill_node(self.state, node_id)
+        self._lab.kill_ray_node(node_id)
         self._dead.setdefault(dc.name, []).append(next(n for n in dc.nodes if n.ip == node["ip"]))
 
     def add(self, dc: str) -> None:

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from processes import is_gone
 
 pytestmark = [
     pytest.mark.slow,
@@ -75,12 +76,6 @@ def test_ray_nodes_are_labelled_and_a_gloo_all_reduce_crosses_the_link(lab):
     assert _counter(a["netns"], a["link_device"]) - before >= result["tensor_bytes"]
 
 
-def _gone(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except OSError:
-        return True
-
 
 def _wait_for(what: str, ok, timeout_s: float = 90.0):
     import time
@@ -105,9 +100,9 @@ def test_a_killed_node_dies_whole_and_comes_back_with_the_same_ray_start(lab):
 
     (node,) = dc_b()
     family = lab_mod._descendants(lab_mod.lab_processes(f"--node_id={node['node_id']}"))
-    raylet = lab_mod.kill_node(state, node["node_id"])
+    raylet = lab_mod.kill_ray_node(node["node_id"])
     assert raylet in family and len(family) > 1  # the raylet and what it started (agents, workers)
-    _wait_for("every process of the killed node gone", lambda: all(_gone(p) for p in family), 10)
+    _wait_for("every process of the killed node gone", lambda: all(is_gone(p) for p in family), 10)
     _wait_for("Ray marks the node dead", lambda: not dc_b())
     dc = state.layout.datacenters[1]
     lab_mod.start_node(state, dc, dc.nodes[0])

@@ -6,16 +6,9 @@ from __future__ import annotations
 import argparse
 import os
 import subprocess
-from pathlib import Path
 
 import pytest
-
-
-def _gone(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except OSError:
-        return True
+from processes import is_gone
 
 
 @pytest.mark.slow
@@ -37,11 +30,11 @@ def test_an_embedded_node_dies_whole_at_once():
         (node,) = cluster.node_ids("dc-b")
         holder = Holder.options(label_selector={"datacenter": "dc-b"}).remote()
         worker, child = ray.get(holder.start.remote(), timeout=60)
-        assert not _gone(worker) and not _gone(child)
+        assert not is_gone(worker) and not is_gone(child)
         cluster.kill(node)
         # Already dead when kill() returns. Ray's remove_node alone kills only the node's Ray processes: its
         # workers (and what they started) lived on until they noticed, ~0.7 s of training after the "kill".
-        assert _gone(worker) and _gone(child)
+        assert is_gone(worker) and is_gone(child)
     finally:
         ray.shutdown()
         cluster.shutdown()

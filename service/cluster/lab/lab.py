@@ -183,11 +183,6 @@ def start_node(state: LabState, dc: LabDatacenter, node: LabNode) -> None:
     _run_ray(cmd, _ray_env(GLOO_SOCKET_IFNAME=dc.dc_veth))
 
 
-def kill_node(state: LabState, node_id: str) -> int:
-    """A lab node's death, as a machine dies (:func:`kill_ray_node`); returns its raylet's pid."""
-    return kill_ray_node(node_id)
-
-
 def kill_ray_node(node_id: str) -> int:
     """A Ray node of this machine dies as a machine dies: SIGKILL its raylet (found by ``--node_id=`` on its
     command line), then every process it started (agents, workers, their training processes), all within
