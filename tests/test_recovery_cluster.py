@@ -8,7 +8,7 @@ import os
 import subprocess
 
 import pytest
-from processes import is_gone
+from processes import is_gone, process_line
 
 
 @pytest.mark.slow
@@ -34,7 +34,7 @@ def test_an_embedded_node_dies_whole_at_once():
         cluster.kill(node)
         # Already dead when kill() returns. Ray's remove_node alone kills only the node's Ray processes: its
         # workers (and what they started) lived on until they noticed, ~0.7 s of training after the "kill".
-        assert is_gone(worker) and is_gone(child)
+        assert is_gone(worker) and is_gone(child), [process_line(pid) for pid in (worker, child)]
     finally:
         ray.shutdown()
         cluster.shutdown()

@@ -183,12 +183,12 @@ def start_node(state: LabState, dc: LabDatacenter, node: LabNode) -> None:
     _run_ray(cmd, _ray_env(GLOO_SOCKET_IFNAME=dc.dc_veth))
 
 
-def kill_ray_node(node_id: str) -> int:
+def kill_ray_node(node_id: str, timeout_s: float = 5.0) -> int:
     """A Ray node of this machine dies as a machine dies: SIGKILL its raylet (found by ``--node_id=`` on its
     command line), then every process it started (agents, workers, their training processes), all within
     milliseconds, so none trains on after the "death" and its ports are free for a node that comes back.
-    Works for any node on this machine (the lab's, or one that ``ray.cluster_utils`` started). Returns the
-    raylet's pid."""
+    Works for any node on this machine (the lab's, or one that ``ray.cluster_utils`` started). Returns, once
+    all of them have exited, the raylet's pid."""
     raylet = [p for p in lab_processes(f"--node_id={node_id}") if _comm(p) == "raylet"]
     if not raylet:
         raise LabError(f"no raylet of node {node_id} runs on this machine")
@@ -196,7 +196,22 @@ def kill_ray_node(node_id: str) -> int:
     for pid in family:  # the raylet first: the failure the cluster sees is the raylet's
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
+    # SIGKILL only marks a process; it dies when the kernel next runs it, which on a busy machine can be
+    # milliseconds later. Return once every one has exited, so that "killed" means dead to the caller.
+    deadline = time.monotonic() + timeout_s
+    while (alive := [p for p in family if not _exited(p)]) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    if alive:
+        raise LabError(f"processes {alive} of node {node_id} still run {timeout_s:.0f} s after SIGKILL")
     return raylet[0]
+
+
+def _exited(pid: int) -> bool:
+    """No longer listed, or a zombie its parent has not reaped yet."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except (OSError, IndexError):
+        return True
 
 
 def _run_ray(cmd: list[str], env: dict[str, str]) -> None:
