@@ -227,9 +227,9 @@ def _four_ranks(rank: int, world: int, key: str) -> dict:
     ((seg, seg_group),) = groups.inter_dc.items()
     shard = torch.full((BIG // 4,), float(rank))
     dist.barrier()
-    t0 = time.monotonic()
+    out["har_t0"] = time.monotonic()  # one clock for all ranks of this machine: ranks leave the barrier apart
     ExchangeWork(shard, seg_group, emulator=emu, group_ranks=seg.owners).wait()
-    out["har_s"] = time.monotonic() - t0
+    out["har_done"] = time.monotonic()
     out["har_exact"] = torch.equal(shard, torch.full_like(shard, float(2 * (rank % 2) + 2)))
 
     # Flat ring over the world, as DDP: every rank sees the same completion.
@@ -237,11 +237,11 @@ def _four_ranks(rank: int, world: int, key: str) -> dict:
     ref = x.clone()
     dist.all_reduce(ref)
     dist.barrier()
-    t0 = time.monotonic()
+    out["ring_t0"] = time.monotonic()
     work = all_reduce(x, emulator=emu, algorithm=Algorithm.RING, async_op=True)
     assert isinstance(work, EmulatedWork)
     work.wait()
-    out["ring_s"] = time.monotonic() - t0
+    out["ring_done"] = time.monotonic()
     out["ring_ready"] = work.ready_at
     out["ring_exact"] = torch.equal(x, ref)
 
@@ -283,15 +283,19 @@ def test_two_senders_of_one_dc_share_the_bandwidth(four_ranks) -> None:
 def test_concurrent_segment_exchanges_share_the_link(four_ranks) -> None:
     model = 2 * BIG / WAN.bytes_per_s + 2 * WAN.one_way_s
     assert all(r["har_exact"] for r in four_ranks)
-    assert model <= max(r["har_s"] for r in four_ranks) <= _late(model)
+    # From the first rank's start to the last rank's end: one rank's own clock starts late if it left the barrier
+    # after the others, and measured up to 1 ms under the model that way.
+    took = max(r["har_done"] for r in four_ranks) - min(r["har_t0"] for r in four_ranks)
+    assert model <= took <= _late(model)
 
 
 def test_flat_ring_completes_together_at_the_modelled_time(four_ranks) -> None:
     model = 1.5 * MB / WAN.bytes_per_s + 12 * WAN.one_way_s  # 6 ring steps, each a round trip
     assert all(r["ring_exact"] for r in four_ranks)
     assert len({r["ring_ready"] for r in four_ranks}) == 1
+    t0 = min(r["ring_t0"] for r in four_ranks)
     for r in four_ranks:
-        assert model <= r["ring_s"] <= _late(model)
+        assert model <= r["ring_done"] - t0 <= _late(model)
 
 
 def test_intra_dc_groups_are_not_slowed(four_ranks) -> None:
