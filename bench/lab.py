@@ -145,7 +145,8 @@ def run_in_lab(state: lab_mod.LabState, cfg: TrainConfig, placement: list[str], 
                                    f"see {workdir}/rank{rank}.log") from None  # fmt: skip
             if code != 0:
                 tail = (workdir / f"rank{rank}.log").read_text(errors="replace")[-1500:]
-                raise RuntimeError(f"rank {rank} of {cfg.job_id} exited with {code}: {tail}")
+                when = "after writing its result" if outputs[rank].exists() else "before writing its result"
+                raise RuntimeError(f"rank {rank} of {cfg.job_id} exited with {code} {when}: {tail}")
     finally:
         for proc, log in procs:
             if proc.poll() is None:
