@@ -5,6 +5,7 @@ Needs root (the lab makes network namespaces); takes the machine's lab lock like
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -41,3 +42,14 @@ def test_bench_lab_rows_and_bytes_against_the_kernel() -> None:
     har, flat = result["rows"]
     assert har["inter_dc_bytes_reported"] == pytest.approx(har["har_min_bytes"], rel=0.01)
     assert flat["inter_dc_bytes_reported"] == pytest.approx(1.5 * har["har_min_bytes"], rel=0.01)  # ring of 4
+
+
+def test_diloco_is_timed_over_whole_cycles_after_its_first_sync() -> None:
+    from meridian.bench.lab import window
+
+    args = argparse.Namespace(warmup=2, steps=14, diloco_h=4)
+    assert window(args, "hierarchical") == (2, 14)  # every step is alike: all after the warm-up
+    assert window(args, "diloco") == (4, 12)  # steps 5-12: two cycles; step 4 (the first sync) and 13-14 left out
+    assert window(argparse.Namespace(warmup=5, steps=14, diloco_h=4), "diloco") == (8, 12)
+    with pytest.raises(ValueError, match="diloco needs --steps >= 8"):
+        window(argparse.Namespace(warmup=2, steps=7, diloco_h=4), "diloco")
