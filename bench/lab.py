@@ -164,11 +164,13 @@ def _emulated(rank: int, world: int, cfg: TrainConfig) -> dict:
 def window(args: argparse.Namespace, strategy: str) -> tuple[int, int]:
     """The timed steps as (steps done before, steps done at the end). DiLoCo's steps differ (every H-th one
     syncs), so its window is whole cycles after a warm-up that includes the first sync, which also pays for
-    setting up the inter-DC connections (on the lab at 100 ms: 0.95 s against 0.56 s for each later sync)."""
+    setting up the inter-DC connections (on the lab at 100 ms: 0.95 s against 0.56 s for each later sync). Its
+    ends fall a step after a sync, not on one: the link counters are read when a rank finishes a step, and
+    right after a sync some of its bytes may still wait in the socket (0.88 of the kernel's count at 21 ms)."""
     if strategy != "diloco":
         return args.warmup, args.steps
     h = args.diloco_h
-    first = h * -(-max(args.warmup, 1) // h)
+    first = h * -(-max(args.warmup, 1) // h) + 1
     last = first + h * ((args.steps - first) // h)
     if last <= first:
         raise ValueError(f"diloco needs --steps >= {first + h} (a whole cycle of H = {h} after the warm-up and the "

@@ -49,7 +49,9 @@ def test_diloco_is_timed_over_whole_cycles_after_its_first_sync() -> None:
 
     args = argparse.Namespace(warmup=2, steps=14, diloco_h=4)
     assert window(args, "hierarchical") == (2, 14)  # every step is alike: all after the warm-up
-    assert window(args, "diloco") == (4, 12)  # steps 5-12: two cycles; step 4 (the first sync) and 13-14 left out
-    assert window(argparse.Namespace(warmup=5, steps=14, diloco_h=4), "diloco") == (8, 12)
-    with pytest.raises(ValueError, match="diloco needs --steps >= 8"):
-        window(argparse.Namespace(warmup=2, steps=7, diloco_h=4), "diloco")
+    # Steps 6-13: two cycles, each with one sync (8, 12); step 4 (the first sync, which also connects) is left out,
+    # and the ends (after steps 5 and 13) are a step away from a sync.
+    assert window(args, "diloco") == (5, 13)
+    assert window(argparse.Namespace(warmup=5, steps=14, diloco_h=4), "diloco") == (9, 13)
+    with pytest.raises(ValueError, match="diloco needs --steps >= 9"):
+        window(argparse.Namespace(warmup=2, steps=8, diloco_h=4), "diloco")
