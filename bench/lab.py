@@ -185,7 +185,7 @@ def summarise(ranks: list[dict], timed_window: tuple[int, int], use_mean: bool) 
     r0 = ranks[0]
     timed = r0["step_s"][first:last]
     out = {"step_ms": 1000 * (statistics.mean(timed) if use_mean else statistics.median(timed)),
-           "steps_timed": len(timed),
+           "steps_timed": len(timed), "timed_steps": [first + 1, last],
            "reported": statistics.mean(r0["inter_dc_bytes"][first:last])}  # fmt: skip
     counted = [r["counters"] for r in ranks if r["counters"]]
     if counted:
@@ -250,7 +250,7 @@ def run(args: argparse.Namespace) -> dict:
                     "inter_dc_bytes_reported_emulated": round(emu["reported"]),
                     "har_min_bytes": round(har_min),
                     "step_stat": "mean" if s == "diloco" else "median", "steps_timed": lab_r["steps_timed"],
-                    "timed_steps": [window(args, s)[0] + 1, window(args, s)[1]],
+                    "timed_steps": lab_r["timed_steps"],
                 })  # fmt: skip
                 off = lab_runs.get(f"{s}-no-overlap")
                 if off is not None:  # overlap as what it saves: step time with it off minus with it on

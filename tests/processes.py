@@ -13,7 +13,6 @@ def is_gone(pid: int) -> bool:
         return True
 
 
-
 def process_line(pid: int) -> str:
     """The kernel's one-line status of ``pid`` (state, parent, ...), for an assertion's message."""
     try:
