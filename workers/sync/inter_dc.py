@@ -41,7 +41,7 @@ from meridian.workers.sync.compression import Bf16Codec, ErrorFeedback, Int4Code
 from meridian.workers.wan import collectives as wan
 from meridian.workers.wan import wire
 from meridian.workers.wan.emulator import WanEmulator
-from meridian.workers.wan.exchange import ExchangeWork
+from meridian.workers.wan.exchange import ExchangeWork, PostedReceives
 
 
 class Waitable(Protocol):
@@ -90,6 +90,8 @@ class InterDCComm:
         self.calls = 0
         # int8 / int4 payloads are gathered, then decoded and summed by every owner
         self._gathered: Int8Codec | Int4Codec | None = {Compression.INT8: Int8Codec(), Compression.INT4: Int4Codec()}.get(compression)
+        self._receives = PostedReceives()
+        """Each named chunk's next receive, posted once its exchange is summed (two datacenters)."""
         self._feedback: ErrorFeedback | None = (
             ErrorFeedback(Bf16Codec()) if compression is Compression.BF16
             else ErrorFeedback(self._gathered) if self._gathered is not None else None
@@ -105,14 +107,15 @@ class InterDCComm:
         """
         self.calls += 1
         k = len(segment.owners)
+        name = None if key is None else (segment, key)  # posts this chunk's next receive ahead (exchanges)
         if self._feedback is None:
-            work = self._all_reduce(tensor, group, segment)
+            work = self._all_reduce(tensor, group, segment, name)
             return self._count(CommHandle(work, wire.ring_all_reduce_edge(k, _nbytes(tensor))))
 
         key = (segment, key if key is not None else (tensor.data_ptr(), tensor.numel()))
         payload = self._feedback.encode(key, tensor)
         if self.compression is Compression.BF16:
-            work = self._all_reduce(payload, group, segment)
+            work = self._all_reduce(payload, group, segment, name)
             sent = wire.ring_all_reduce_edge(k, _nbytes(payload))
             return self._count(CommHandle(work, sent, lambda: tensor.copy_(payload)))
 
@@ -126,9 +129,11 @@ class InterDCComm:
 
     # The two collectives that cross DCs, each through the WAN emulator when there is one.
 
-    def _all_reduce(self, t: torch.Tensor, group: dist.ProcessGroup, segment: Segment) -> Waitable:
-        if len(segment.owners) == 2:  # two datacenters: one exchange (one round trip), not a ring of two
-            return ExchangeWork(t, group, emulator=self.emulator, group_ranks=segment.owners)
+    def _all_reduce(self, t: torch.Tensor, group: dist.ProcessGroup, segment: Segment, key: Hashable) -> Waitable:
+        if len(segment.owners) == 2:  # two datacenters: one exchange, not a ring of two; with a named chunk
+            # its receive is posted a step ahead, so the data flows at once (one way instead of a round trip)
+            return ExchangeWork(t, group, emulator=self.emulator, group_ranks=segment.owners,
+                                receives=self._receives, key=key)
         if self.emulator is None:
             return dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group, async_op=True)
         # dist.all_reduce runs a ring: the emulator books the ring's rounds and bytes, not a cheaper exchange.

@@ -24,6 +24,8 @@ collective waits a whole round trip (``wire.ONE_WAYS_PER_STEP`` = 2 one-way dela
 * RING_GATHER, what ``dist.all_gather`` runs (int8's step 2): W−1 steps, (W−1)·S on every edge.
 * EXCHANGE, one rank per DC, a pairwise send/recv: the cheaper of DIRECT (every rank sends its S bytes to
   every other DC, 1 step) and RING. Only for callers that really exchange; ``dist.all_reduce`` is a RING.
+  An exchange whose receive was posted ahead (:class:`meridian.workers.wan.exchange.PostedReceives`, HAR's
+  chunks from their second step on) waits one one-way delay, as P2P: the announcement went out a step ago.
 * P2P: S bytes from sender to receiver, one one-way delay (the receive was announced ahead of the data).
 
 A process group runs at most ``wire.IN_FLIGHT_PER_GROUP`` collectives at once (gloo's worker threads), so

@@ -8,14 +8,23 @@ ms. gloo's send/recv also bypass the process group's two worker threads, so ever
 in flight at once. The sum is ``mine + theirs`` on one owner and ``theirs + mine`` on the other: IEEE
 addition commutes, so both hold the same bits. What it must never do: touch the chunk before both
 transfers are done, or serve a group that is not two ranks.
+
+That round trip is gloo's, not the data's: its TCP pair holds a send until the receiver has announced the
+matching receive, so an exchange posted on both sides at once waits one way for the announcements and one way
+for the data. :class:`PostedReceives` removes the first: as soon as an exchange is summed, the receive of the
+same chunk's next exchange is posted (and announced), so next step the peer's data flows the moment it is
+sent. On the lab at 21 ms RTT, 20 exchanges after 100 ms of idle each: 4 KiB 21.7 → 11.0 ms, 1 MiB 40.0 →
+20.0 ms on average. The cost: each chunk's receive buffer stays allocated between steps.
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -27,8 +36,50 @@ _WAITER = ThreadPoolExecutor(1, thread_name_prefix="meridian-exchange")
 books the link then). gloo's send/recv work reports completion only once waited for, so polling cannot."""
 
 
+_TAGS: dict[str, itertools.count[int]] = {}
+"""Per process group (by name): the next point-to-point tag for a posted exchange. Never reused in a process,
+so a receive left posted by a closed engine can never take a later engine's data."""
+FIRST_TAG = 1 << 20
+"""Above the tags anything else sends with (0 by default)."""
+
+
+class PostedReceives:
+    """Every exchange's next receive, posted as soon as the exchange is summed (module docstring).
+
+    An exchange is named by its caller's ``key`` (the same chunk of the same bucket every step); each key gets
+    a tag of its own on its group when first seen. Both owners name their exchanges in the same order, so they
+    agree on the tags without talking. A receive still posted when the engine closes is left to the group's
+    teardown (never matched: its tag is never used again)."""
+
+    def __init__(self) -> None:
+        self._tags: dict[Hashable, int] = {}
+        self._posted: dict[Hashable, tuple[torch.Tensor, dist.Work]] = {}
+
+    def tag(self, key: Hashable, group: dist.ProcessGroup) -> int:
+        if key not in self._tags:
+            self._tags[key] = next(_TAGS.setdefault(group.group_name, itertools.count(FIRST_TAG)))
+        return self._tags[key]
+
+    def take(self, key: Hashable, like: torch.Tensor) -> tuple[torch.Tensor, dist.Work] | None:
+        """The receive posted for ``key``'s exchange, if any (its buffer, its work)."""
+        posted = self._posted.pop(key, None)
+        if posted is not None and (posted[0].shape != like.shape or posted[0].dtype != like.dtype):
+            raise ValueError(f"exchange {key!r} was {tuple(posted[0].shape)} {posted[0].dtype} and is now "
+                             f"{tuple(like.shape)} {like.dtype}: one key must name the same chunk every time")
+        return posted
+
+    def post(self, key: Hashable, buffer: torch.Tensor, peer: int, group: dist.ProcessGroup) -> None:
+        self._posted[key] = (buffer, dist.irecv(buffer, peer, group=group, tag=self.tag(key, group)))
+
+    def __len__(self) -> int:
+        return len(self._posted)
+
+
 class ExchangeWork:
-    """Handle of an in-flight exchange; :meth:`wait` leaves the sum of both owners' chunks in ``tensor``."""
+    """Handle of an in-flight exchange; :meth:`wait` leaves the sum of both owners' chunks in ``tensor``.
+
+    With ``receives`` and ``key`` the exchange takes the receive posted for it last time (if any) and, once
+    summed, posts the next one."""
 
     def __init__(
         self,
@@ -37,14 +88,29 @@ class ExchangeWork:
         *,
         emulator: WanEmulator | None = None,
         group_ranks: Sequence[int] | None = None,
+        receives: PostedReceives | None = None,
+        key: Hashable = None,
     ) -> None:
         if dist.get_world_size(group) != 2:
             raise ValueError(f"an exchange is between two ranks; this group has {dist.get_world_size(group)}")
         peer = dist.get_global_rank(group, 1 - dist.get_rank(group))
         self._tensor = tensor
-        self._theirs = torch.empty_like(tensor)
-        ops = [dist.P2POp(dist.isend, tensor, peer, group), dist.P2POp(dist.irecv, self._theirs, peer, group)]
-        self._works = dist.batch_isend_irecv(ops)
+        self._next = (receives, key, peer, group) if receives is not None and key is not None else None
+        posted = None
+        if self._next is None:
+            self._theirs = torch.empty_like(tensor)
+            ops = [dist.P2POp(dist.isend, tensor, peer, group), dist.P2POp(dist.irecv, self._theirs, peer, group)]
+            self._works = dist.batch_isend_irecv(ops)
+        else:
+            assert receives is not None
+            tag = receives.tag(key, group)
+            posted = receives.take(key, tensor)
+            if posted is None:
+                self._theirs = torch.empty_like(tensor)
+                received = dist.irecv(self._theirs, peer, group=group, tag=tag)
+            else:
+                self._theirs, received = posted
+            self._works = [dist.isend(tensor, peer, group=group, tag=tag), received]
         self._ready_at: float | None = None
         self._error: BaseException | None = None
         self._done = threading.Event()
@@ -54,6 +120,8 @@ class ExchangeWork:
             assert emulator is not None
             emu, nbytes = emulator, tensor.numel() * tensor.element_size()
             cost = emu.cost(Algorithm.EXCHANGE, plan.ranks, nbytes)
+            if posted is not None:  # the peer's receive was announced a step ago (it posts when we do): one way
+                cost = replace(cost, rounds=1)
             emu.counter.add(nbytes, cost.bytes_of(emu.rank))
             seq, tag = emu.next_seq(plan.tag), plan.tag  # in issue order, the same on both owners
             # Booked when the real transfers are done (both owners had sent: the later one's issue is when the
@@ -85,4 +153,7 @@ class ExchangeWork:
             sleep_until(self._ready_at)
             self._tensor.add_(self._theirs)
             self._summed = True
+            if self._next is not None:  # announce the receive of this chunk's next exchange now
+                receives, key, peer, group = self._next
+                receives.post(key, self._theirs, peer, group)
         return True

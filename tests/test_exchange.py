@@ -1,0 +1,68 @@
+"""Exchanges whose next receive is posted ahead: the same sums, one way instead of a round trip, and a later
+engine on the same group never takes a closed one's data."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+from wan_helpers import AB
+from wan_helpers import late as _late
+from wan_helpers import new_key as _key
+
+from meridian.workers.contracts.config import WanConfig
+from meridian.workers.distributed.layout import DCGroups
+from meridian.workers.distributed.multiproc import run_processes
+from meridian.workers.wan.collectives import WanEmulator, cleanup
+from meridian.workers.wan.exchange import ExchangeWork, PostedReceives
+
+SLOW = WanConfig(rtt_ms=200.0, gbps=10.0)  # 100 ms one way: a round trip and one way are far apart
+STEPS = 4
+CHUNKS = 3
+
+
+def _exchanges(rank: int, world: int, key: str) -> dict:
+    emu = WanEmulator(SLOW, AB, rank, key=key)
+    groups = DCGroups(AB, rank)
+    ((seg, group),) = groups.inter_dc.items()
+    receives = PostedReceives()
+    out: dict = {"sums": [], "posted": [], "waited": []}
+    for step in range(STEPS):
+        chunks = [torch.full((1000 * (c + 1),), float(10 * step + rank + c)) for c in range(CHUNKS)]
+        dist.barrier()
+        t0 = time.monotonic()
+        works = [ExchangeWork(x, group, emulator=emu, group_ranks=seg.owners, receives=receives, key=c)
+                 for c, x in enumerate(chunks)]  # fmt: skip
+        for w in works:
+            w.wait()
+        out["waited"].append(time.monotonic() - t0)
+        out["sums"].append([(x.min().item(), x.max().item()) for x in chunks])
+        out["posted"].append(len(receives))
+    # A later engine on the same group, its keys named alike: the first one's posted receives stay unmatched.
+    later = PostedReceives()
+    x = torch.full((1000,), float(rank + 1))
+    ExchangeWork(x, group, receives=later, key=0).wait()
+    out["later"] = (x.min().item(), x.max().item())
+    out["tags"] = (receives.tag(0, group), later.tag(0, group))
+    emu.close()
+    groups.destroy()
+    return out
+
+
+def test_posted_receives_give_the_same_sums_at_one_way_after_the_first_exchange():
+    key = _key()
+    try:
+        per_rank = run_processes(_exchanges, 2, key)
+    finally:
+        cleanup(key)
+    one_way, rtt = SLOW.one_way_s, 2 * SLOW.one_way_s
+    for out in per_rank:
+        for step, sums in enumerate(out["sums"]):
+            assert sums == [(20.0 * step + 1 + 2 * c,) * 2 for c in range(CHUNKS)], step
+        assert out["posted"] == [CHUNKS] * STEPS  # every chunk's next receive is out after each step
+        assert out["waited"][0] >= rtt  # nothing was posted yet: the announcement, then the data
+        for waited in out["waited"][1:]:
+            assert one_way <= waited < min(_late(one_way), rtt), out["waited"]
+        assert out["later"] == (3.0, 3.0)
+        assert out["tags"][1] > out["tags"][0]  # never reused on the group
