@@ -1,6 +1,7 @@
 """``meridian bench lab``: the same job over real TCP between datacenters, under the app's emulator, in one DC.
 
-For every link (``--links``, RTT ms : Gbit/s) and strategy (``--strategies``) the same training job (model,
+For every link (``--links``, RTT ms : Gbit/s) and strategy (``--strategies``: ``flat``, ``hierarchical``,
+``hierarchical-delayed`` — the same sync applied one step late — and ``diloco``) the same training job (model,
 data, seed, steps) runs three ways, and one row reports them side by side:
 
 - ``step_ms_lab``: the ranks run as processes inside the lab's datacenter namespaces (``meridian lab``,
@@ -80,9 +81,11 @@ def sync_of(strategy: str, args: argparse.Namespace) -> SyncConfig:
         return SyncConfig(strategy=SyncStrategy.FLAT, bucket_mb=args.bucket_mb)
     if strategy in ("hierarchical", "hierarchical-no-overlap"):
         return SyncConfig(overlap=strategy == "hierarchical", shard_optimizer=True, **common)
+    if strategy == "hierarchical-delayed":  # the same sync, applied one step late
+        return SyncConfig(shard_optimizer=True, delay_one_step=True, **common)
     if strategy == "diloco":
         return SyncConfig(strategy=SyncStrategy.DILOCO, diloco=DiLoCoConfig(inner_steps=args.diloco_h), **common)
-    raise ValueError(f"unknown strategy {strategy!r}; choose from flat, hierarchical, diloco")
+    raise ValueError(f"unknown strategy {strategy!r}; choose from flat, hierarchical, hierarchical-delayed, diloco")
 
 
 def job(args: argparse.Namespace, strategy: str, datacenters: tuple[str, ...], wan: WanConfig | None) -> TrainConfig:
@@ -266,7 +269,8 @@ def run(args: argparse.Namespace) -> dict:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--links", default="21:1,100:0.1", help="RTT_MS:GBPS pairs (default 21:1,100:0.1)")
-    p.add_argument("--strategies", default="flat,hierarchical,diloco", help="comma-separated (default all three)")
+    p.add_argument("--strategies", default="flat,hierarchical,hierarchical-delayed,diloco",
+                   help="comma-separated (default all four)")
     add_job_shape_arguments(p)
     p.add_argument("--steps", type=int, default=14, help="optimizer steps per job (default 14)")
     p.add_argument("--warmup", type=int, default=2, help="first steps left out of the figures (default 2)")
@@ -281,11 +285,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def render(result: dict) -> str:
     head = (f"{result['model']}, {result['workers']} workers in {result['datacenters']} DCs, "
             f"{result['steps']} steps ({result['warmup']} warm-up), load {' '.join(result['loadavg'])}")  # fmt: skip
-    cols = f"{'link':<12}{'strategy':<14}{'lab ms':>9}{'emul ms':>9}{'1-DC ms':>9}{'eff':>7}{'kernel B':>13}{'reported B':>13}{'HAR min B':>12}"
+    cols = f"{'link':<12}{'strategy':<22}{'lab ms':>9}{'emul ms':>9}{'1-DC ms':>9}{'eff':>7}{'kernel B':>13}{'reported B':>13}{'HAR min B':>12}"
     rows = [head, cols]
     for r in result["rows"]:
         link = f"{r['rtt_ms']:g}/{r['gbps']:g}"
-        rows.append(f"{link:<12}{r['strategy']:<14}{r['step_ms_lab']:>9.1f}{r['step_ms_emulated']:>9.1f}"
+        rows.append(f"{link:<12}{r['strategy']:<22}{r['step_ms_lab']:>9.1f}{r['step_ms_emulated']:>9.1f}"
                     f"{r['step_ms_one_dc']:>9.1f}{r['scaling_efficiency']:>7.3f}{r['inter_dc_bytes_kernel']:>13,}"
                     f"{r['inter_dc_bytes_reported']:>13,}{r['har_min_bytes']:>12,}")  # fmt: skip
     return "\n".join(rows)

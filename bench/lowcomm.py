@@ -8,6 +8,7 @@ the same processes, so machine load hits them alike only in expectation: the rep
 average before and after.
 
 - ``har``: per-step hierarchical sync (``hierarchical``, gradient buckets synced behind backward, fp32);
+- ``har-delayed``: the same sync applied one step late (``sync.delay_one_step``), behind the whole next step;
 - ``diloco+int8|int4/H<h>``: Meridian's DiLoCo (:mod:`meridian.workers.sync.diloco`), outer deltas in int8 or
   4 bits with error feedback (:mod:`meridian.workers.sync.compression`);
 - ``streaming-diloco+int8|int4/H<h>``: the same with ``--fragments`` fragments, each in flight behind
@@ -63,7 +64,8 @@ class Strategy:
 
 def strategies(args: argparse.Namespace) -> list[Strategy]:
     common = {"bucket_mb": args.bucket_mb, "inter_dc_chunk_mb": args.chunk_mb}
-    out = [Strategy("har", SyncConfig(strategy=SyncStrategy.HIERARCHICAL, overlap=True, **common))]
+    out = [Strategy("har", SyncConfig(strategy=SyncStrategy.HIERARCHICAL, overlap=True, **common)),
+           Strategy("har-delayed", SyncConfig(strategy=SyncStrategy.HIERARCHICAL, delay_one_step=True, **common))]
     for h in args.inner_steps:
         outer = {"inner_steps": h, "outer_lr": args.outer_lr, "outer_momentum": args.outer_momentum}
         plain = DiLoCoConfig(**outer)  # no warm-up: syncing every H/4 steps with the outer momentum overshot (+25-45%)

@@ -83,14 +83,28 @@ def train_steps(
     return stats
 
 
-def reference_params(steps: int, cfg: OptimConfig, micro: int = 3, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Plain single-process AdamW (same groups, clipping) on the whole global batch, accumulated in micro-batches."""
+def reference_params(
+    steps: int, cfg: OptimConfig, micro: int = 3, seed: int = 0, *, delayed: bool = False
+) -> dict[str, torch.Tensor]:
+    """Plain single-process AdamW (same groups, clipping) on the whole global batch, accumulated in micro-batches.
+
+    ``delayed``: step t applies the gradients computed at step t-1 (step 0 applies none), with step t's lr."""
     model = toy_model(seed)
     opt = build_adamw(model, cfg)
+    previous: list[torch.Tensor] | None = None
     for step in range(steps):
         for a in range(0, GLOBAL_BATCH, micro):
             x, y = toy_batch(step, a, min(a + micro, GLOBAL_BATCH))
             share_loss(model, x, y).backward()
+        if delayed:
+            fresh = [p.grad.clone() for p in model.parameters()]
+            if previous is not None:
+                for p, g in zip(model.parameters(), previous, strict=True):
+                    p.grad.copy_(g)
+            previous, apply = fresh, previous is not None
+            if not apply:
+                opt.zero_grad()
+                continue
         clip = cfg.grad_clip
         torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip > 0 else float("inf"))
         for group in opt.param_groups:

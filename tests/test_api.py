@@ -47,6 +47,7 @@ def test_submit_read_list_and_plan(client):
     (spec(model={"preset": "huge"}), "model.preset"),
     (spec(model={"preset": "nano", "n_heads": 3}), "model.d_model"),
     (spec(sync={"strategy": "flat", "compression": "int8"}), "sync.compression"),
+    (spec(sync={"strategy": "auto", "delay_one_step": True}), "sync.delay_one_step"),
     (spec(wan={"rtt_ms": -1, "gbps": 1}), "wan.rtt_ms"),
     (spec(topology={"datacenters": ["bad name!"]}), "topology.datacenters"),
     ({"name": "x"}, "training"),

@@ -120,6 +120,19 @@ def test_a_job_can_force_a_strategy_and_its_knobs():
     assert plan.sync_strategy is SyncStrategy.DILOCO and plan.diloco == knobs and "as requested" in plan.explanation
 
 
+def test_one_step_late_sync_is_the_jobs_choice_never_autos():
+    topo = topology(dc_a=2, dc_b=2)
+    base = default_figures(topo, ("dc-a", "dc-b"), False)
+    for rtt_s, bps in ((0.0005, 100e9 / 8), (0.0105, 1e9 / 8), (0.05, 0.1e9 / 8)):  # exposed or not
+        link = replace(base, inter_dc=Link(rtt_s, bps), inter_dc_known=True)
+        assert not build_train_config("j", _req(), plan_job(_req(), topo, link), "").sync.delay_one_step
+    late = _req(sync=SyncConfig(strategy=SyncStrategy.HIERARCHICAL, delay_one_step=True))
+    config = build_train_config("j", late, plan_job(late, topo, base), "")
+    assert config.sync.strategy is SyncStrategy.HIERARCHICAL and config.sync.delay_one_step
+    with pytest.raises(ValueError, match="delay_one_step applies to 'hierarchical' sync only, not 'auto'"):
+        SyncConfig(strategy=None, delay_one_step=True)
+
+
 def test_diloco_knobs_cross_the_service_to_workers_boundary_intact():
     import json
     import pickle

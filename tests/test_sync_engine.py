@@ -14,7 +14,15 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from sync_helpers import micro_batches, params_of, share_loss, toy_model, train_steps
+from sync_helpers import (
+    max_rel_diff,
+    micro_batches,
+    params_of,
+    reference_params,
+    share_loss,
+    toy_model,
+    train_steps,
+)
 from torch import nn
 
 from meridian.workers.contracts.config import (
@@ -78,9 +86,36 @@ def test_overlapped_sync_gives_the_same_parameters_bit_for_bit():
                 assert stats.inter_dc_bytes == out[shard, False][1][0].inter_dc_bytes
 
 
+# -- one step late, exactly -----------------------------------------------------------------------------------
+
+
+def _delayed(rank, world):
+    out = {}
+    for shard in (False, True):
+        for compression in (Compression.NONE, Compression.INT8):
+            e = _engine(rank, UNEVEN, shard_optimizer=shard, delay_one_step=True, compression=compression)
+            stats = train_steps(e, rank, world, steps=5, micro=3)
+            out[shard, compression] = (_close(e), stats)
+    return out
+
+
+def test_delayed_sync_applies_each_steps_gradients_one_step_late():
+    delayed, exact = reference_params(5, OPTIM, delayed=True), reference_params(5, OPTIM)
+    assert max_rel_diff(delayed, exact) > 1e-2  # the two references really differ
+    for out in run_processes(_delayed, 3):
+        for (shard, compression), (params, stats) in out.items():
+            # int8 on the wire rounds the gradients (error feedback carries the rest to later steps)
+            tolerance = 1e-5 if compression is Compression.NONE else 0.05
+            assert max_rel_diff(params, delayed) < tolerance, (shard, compression)
+            assert float(stats[0].grad_norm) == 0.0 and float(stats[1].grad_norm) > 0.0  # step 0 applies nothing
+            assert all(s.inter_dc_bytes == stats[0].inter_dc_bytes > 0 for s in stats)  # one sync per step
+
+
 # -- accumulation communicates once per step ---------------------------------------------------------------
 
-COLLECTIVES = ("all_reduce", "reduce_scatter_single", "all_gather_single", "broadcast", "batch_isend_irecv")
+COLLECTIVES = (
+    "all_reduce", "reduce_scatter_single", "all_gather_single", "broadcast", "batch_isend_irecv", "isend", "irecv"
+)
 
 
 def _count_collectives(rank, world, micro):
@@ -161,6 +196,7 @@ OVERLAP_RUNS = {
     "exposed": SyncConfig(overlap=False),
     "hidden": SyncConfig(overlap=True),
     "hidden int8": SyncConfig(overlap=True, compression=Compression.INT8),  # the emulated all-gather path
+    "delayed": SyncConfig(overlap=True, delay_one_step=True),  # in flight behind the whole next step
 }
 
 
@@ -191,18 +227,22 @@ def test_overlap_fraction_under_the_wan_emulator():
         cleanup(key)
     assert _op_latency(Algorithm.EXCHANGE) == _op_latency(Algorithm.RING_GATHER) == pytest.approx(LINK_DELAY_S)
     for out in per_rank:
-        # 4 buckets, each one 50 ms step on the emulated link; backward computes 100 ms more after each of
-        # the first three is ready, so ~3/4 of the link time hides. Without overlap all four start in
-        # step() and are in flight together (exchanges do not queue on the group's threads): one step, all
-        # of it exposed.
+        # 4 buckets. int8's all-gather of two waits a 50 ms step on the emulated link; an exchange does too on
+        # step 0, then only one way (25 ms): its receive was posted when the step before was summed. Backward
+        # computes 100 ms more after each of the first three buckets is ready, so ~3/4 of the link time hides.
+        # Without overlap all four start in step() and are in flight together (exchanges do not queue on the
+        # group's threads): one step, all of it exposed.
         # Step 0 is left out: one rank reaches backward later (first-call costs), and a collective's time
         # includes waiting for the slowest peer, so comm_s and exposed_s grow by that skew.
-        for name in ("hidden", "hidden int8"):
+        for name, link_s in (("hidden", WAN.one_way_s), ("hidden int8", LINK_DELAY_S)):
             for s in out[name][0][1:]:
-                assert s.comm_s >= 4 * LINK_DELAY_S and s.overlap_fraction > 0.5, (name, s)
-                assert s.exposed_s < 2 * LINK_DELAY_S, (name, s)
+                assert s.comm_s >= 4 * link_s and s.overlap_fraction > 0.5, (name, s)
+                assert s.exposed_s < 2 * link_s, (name, s)
         for s in out["exposed"][0][1:]:
-            assert LINK_DELAY_S <= s.comm_s < 2 * LINK_DELAY_S and s.overlap_fraction == 0.0, s
+            assert WAN.one_way_s <= s.comm_s < LINK_DELAY_S and s.overlap_fraction == 0.0, s
+        # Delayed: the previous step's four buckets had a whole backward (400 ms) to cross; nothing waits.
+        for s in out["delayed"][0][1:]:
+            assert s.comm_s >= WAN.one_way_s and s.exposed_s < WAN.one_way_s / 2, s
         for name, p in out["hidden"][1].items():  # the emulator delays results, never changes them
             assert torch.equal(p, out["exposed"][1][name]), name
         for name, (stats, _, emulated_bytes) in out.items():  # both counters see the same payload bytes
@@ -259,9 +299,16 @@ def single_process():
 def test_every_engine_trains_like_one_process(single_process):
     configs = {name: _config(UNEVEN, sync) for name, sync in ENGINES.items()}
     configs["har sharded overlap bf16"] = _config(UNEVEN, ENGINES["har sharded overlap"], Precision.BF16)
+    configs["har delayed"] = _config(UNEVEN, dataclasses.replace(ENGINES["har sharded overlap"], delay_one_step=True))
     out = run_processes(_train_all, 3, configs)[0]
     ref = [r.loss for r in single_process[Precision.FP32][1]]
     ref_bf16 = [r.loss for r in single_process[Precision.BF16][1]]
+    # One step late (its maths against a one-process reference: test_delayed_sync_applies_...): step 0 applies
+    # nothing, so step 1 still runs on the initial weights; the job trains, and sends what per-step sync sends.
+    _, delayed = out.pop("har delayed")
+    assert delayed[0].loss == pytest.approx(ref[0], rel=2e-5) and delayed[1].loss != pytest.approx(ref[1], rel=1e-3)
+    assert delayed[-1].loss < delayed[0].loss
+    assert [r.inter_dc_bytes for r in delayed] == [r.inter_dc_bytes for r in out["har sharded overlap"][1]]
     for name, (result, records) in out.items():
         losses = [r.loss for r in records]
         if "bf16" in name:

@@ -15,6 +15,11 @@ the same link arithmetic as :mod:`meridian.service.planning.cost_model`:
 - Plain ``diloco`` (Douillard et al. 2023, arXiv:2311.08105) when the model is one bucket (nothing to
   stream): its blocking outer sync is amortised over H steps to under half of ``max_slowdown``.
 
+Never the one-step-late variant of ``hierarchical`` (``sync.delay_one_step``): it hides the whole sync behind
+the next step, but ``meridian bench lowcomm`` measured its loss at equal tokens 42-44% above per-step sync's
+(``har-delayed``, nano, 1,024 steps, lr 5e-3, seeds 0 and 1), so ``auto`` cannot offer it as "the same
+training"; a job that accepts stale gradients asks for it.
+
 H is capped at 500 (the papers' range; quality drops beyond). Never reads the cluster or the store: the
 planner passes what it measured or was told.
 """

@@ -224,6 +224,12 @@ class SyncConfig:
     """The inter-DC all-reduce of a shard is split in chunks of this size, all in flight together."""
     compression: Compression = Compression.NONE
     """Encoding of the inter-DC step (for the DiLoCo strategies: of the outer parameter delta)."""
+    delay_one_step: bool = False
+    """``hierarchical`` only: apply each step's averaged gradients one step later, so their sync runs behind
+    the whole next step (forward included) instead of behind backward alone. Every replica still applies the
+    exact global-batch gradient, in the same order; the update simply uses gradients one step stale (the
+    first step applies none, and the gradient in flight at a checkpoint or re-formation is not kept). Staleness
+    costs loss: ``meridian bench lowcomm``'s ``har-delayed`` row measures how much, and ``auto`` never sets it."""
     diloco: DiLoCoConfig | None = None
     """Knobs of the ``diloco`` / ``streaming-diloco`` strategies; ``None`` takes :class:`DiLoCoConfig`'s
     defaults for them and is required for the others."""
@@ -232,6 +238,11 @@ class SyncConfig:
         check_bounds(self, "sync.")
         if self.strategy is SyncStrategy.FLAT and self.compression is not Compression.NONE:
             raise ValueError("sync.compression applies to the inter-DC step of 'hierarchical' sync only")
+        if self.delay_one_step and self.strategy is not SyncStrategy.HIERARCHICAL:
+            raise ValueError(
+                f"sync.delay_one_step applies to 'hierarchical' sync only, not "
+                f"{self.strategy.value if self.strategy else 'auto'!r} (with 'auto' the planner decides it)"
+            )
         if self.strategy is SyncStrategy.DILOCO and self.diloco is not None and (
             self.diloco.fragments != 1 or self.diloco.overlap_steps
         ):

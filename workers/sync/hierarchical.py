@@ -15,6 +15,17 @@ Per step, on every rank (``last`` = the last micro-batch; earlier ones only accu
                     with overlap each module's forward pre-hook waits for its own buckets, so the gather
                     overlaps the next forward; without, step() waits for it.
 
+With ``delay_one_step`` the sync runs one step behind (an exact sync whose result is applied a step late)::
+
+    step(lr) at step t
+        copy step t's gradients out of the buckets into a spare set, start their steps 1-2 there
+        wait for step t-1's sync (started a whole step ago, so normally done), 3) all-gather (replicated)
+        copy its result into the buckets; clip + AdamW as above, on step t-1's averaged gradients
+
+Nothing is started during backward then: the link has the whole next step (forward, backward) to finish,
+instead of what is left of backward. Two spare sets alternate, so step t's sync never writes where step
+t-1's result is read. Step 0 applies nothing; a snapshot or re-formation drops the sync in flight.
+
 Every rank issues its inter-DC collectives in global segment order, bucket by bucket, so any datacenter
 sizes work without deadlock. Never builds process groups: it gets them from :class:`DCGroups`.
 """
@@ -37,7 +48,7 @@ from meridian.workers.sync.engine import GradientSync, StepStats, broadcast_para
 from meridian.workers.sync.grad_buffer import Bucket, GradBuffer
 from meridian.workers.sync.har import all_gather_in_dc, reduce_scatter_in_dc, start_all_reduce_across_dcs
 from meridian.workers.sync.inter_dc import InterDCComm
-from meridian.workers.sync.overlap import BucketPipeline, InFlight
+from meridian.workers.sync.overlap import BucketPipeline, InFlight, union_s
 from meridian.workers.wan.emulator import WanEmulator
 
 
@@ -70,17 +81,26 @@ class HierarchicalSync(GradientSync):
                 self.sharded.install_prefetch_hooks(model)
         else:
             self.optimizer = build_adamw(model, optim)
-        self.pipeline = BucketPipeline(self.buffer, self._start_bucket, overlap=sync.overlap)
+        self.delayed = sync.delay_one_step
+        # Delayed, nothing starts during backward: the sync of step t is started in step() and hides behind
+        # step t+1 whole.
+        self.pipeline = BucketPipeline(self.buffer, self._start_bucket, overlap=sync.overlap and not self.delayed)
         self._intra_dc_s = 0.0  # HAR step 1 time this step, for the per-tier metrics
+        self._spares = [[torch.zeros_like(b.grad) for b in self.buffer.buckets] for _ in range(2)] if self.delayed else []
+        self._in_flight: list[InFlight] = []
+        """Delayed: the previous step's sync, running on ``self._spares[self._flights % 2]``."""
+        self._flights = 0
 
     def _start_bucket(self, bucket: Bucket) -> InFlight:
-        g = bucket.grad
+        return self._start_sync(bucket.grad, bucket.index)
+
+    def _start_sync(self, g: torch.Tensor, index: int) -> InFlight:
         t0 = time.perf_counter()
         reduce_scatter_in_dc(g, self.groups)  # 1) reduce-scatter inside the DC
         self._intra_dc_s += time.perf_counter() - t0
         # 2) all-reduce the shard across DCs: chunked, every chunk in flight, through InterDCComm
         handles = start_all_reduce_across_dcs(
-            g, self.groups, self.comm, chunk_bytes=self.chunk_bytes, bucket=bucket.index
+            g, self.groups, self.comm, chunk_bytes=self.chunk_bytes, bucket=index
         )
         if self.sharded is not None:  # 3) is the all-gather of updated parameters, after AdamW
             return InFlight(list(handles))
@@ -89,6 +109,8 @@ class HierarchicalSync(GradientSync):
         )  # 3) all-gather in the DC
 
     def backward(self, loss: torch.Tensor, *, last_micro_batch: bool) -> None:
+        for flight in self._in_flight:  # delayed: note when the previous step's sync completes
+            flight.poll()
         if not last_micro_batch:
             loss.backward()
             return
@@ -97,10 +119,22 @@ class HierarchicalSync(GradientSync):
             loss.backward()
         finally:
             self.pipeline.backward_done()
+        for flight in self._in_flight:
+            flight.poll()
 
     def step(self, lr: float, *, snapshot_as: int | None = None) -> StepStats:
-        comm_s, exposed_s = self.pipeline.finish()
+        if self.delayed:
+            comm_s, exposed_s, ready = self._swap_in_previous()
+        else:
+            comm_s, exposed_s = self.pipeline.finish()
+            ready = True
         intra_dc_s, self._intra_dc_s = self._intra_dc_s, 0.0  # every bucket has finished
+        if not ready:  # delayed, first step: no averaged gradients yet, nothing to apply
+            self.buffer.zero()
+            zero = torch.zeros((), device=self.buffer.buckets[0].grad.device)
+            return StepStats(grad_norm=zero, inter_dc_bytes=self.comm.take_bytes(), sync_wait_s=0.0,
+                             comm_s=comm_s, exposed_s=exposed_s, intra_dc_comm_s=intra_dc_s,
+                             shard=self.local_shard(snapshot_as) if snapshot_as is not None else None)
         shard = None
         if self.sharded is not None:
             norm = self.sharded.step(lr).detach()
@@ -126,6 +160,31 @@ class HierarchicalSync(GradientSync):
             intra_dc_comm_s=intra_dc_s,
             shard=shard,
         )
+
+    def _swap_in_previous(self) -> tuple[float, float, bool]:
+        """Delayed: start this step's sync on a spare set, then put the previous step's synced gradients in
+        the buckets. Returns (comm_s, exposed_s) of the previous sync, and whether there was one."""
+        current, previous_set = self._spares[self._flights % 2], self._spares[(self._flights + 1) % 2]
+        started = []
+        for bucket, spare in zip(self.buffer.buckets, current, strict=True):
+            spare.copy_(bucket.grad)
+            started.append(self._start_sync(spare, bucket.index))
+        previous, self._in_flight = self._in_flight, started
+        self._flights += 1
+        if self._flights == 1:
+            return 0.0, 0.0, False
+        t0 = time.perf_counter()
+        busy = [interval for flight in previous for interval in flight.finish()]  # bucket order, everywhere
+        exposed_s = time.perf_counter() - t0
+        for bucket, synced in zip(self.buffer.buckets, previous_set, strict=True):
+            bucket.grad.copy_(synced)
+        return union_s(busy), exposed_s, True
+
+    def _drop_in_flight(self) -> None:
+        """Delayed: finish the sync still in flight and forget it (a snapshot does not carry it)."""
+        for flight in self._in_flight:
+            flight.finish()
+        self._in_flight = []
 
     def local_shard(self, step: int) -> LocalShard:
         if self.sharded is not None:
@@ -169,6 +228,7 @@ class HierarchicalSync(GradientSync):
         return [(s.name, s.param) for s in self.buffer.slots]
 
     def close(self) -> None:
+        self._drop_in_flight()  # no collective may outlive the engine's process groups
         self.pipeline.close()
         if self.sharded is not None:
             self.sharded.wait_params()

@@ -144,7 +144,7 @@ class BucketPipeline:
         if self.streams is not None:
             return self.streams.finish(started)
         busy = [interval for flight in started for interval in flight.finish()]  # bucket order, everywhere
-        return _union(busy), time.perf_counter() - t0
+        return union_s(busy), time.perf_counter() - t0
 
     def _start_all(self, wait_ready: bool) -> list[InFlight]:
         started: list[InFlight] = []
@@ -241,10 +241,10 @@ class CommStream:
         origin = self._start[0]
         busy = [(origin.elapsed_time(self._start[i]) / 1e3, origin.elapsed_time(self._end[i]) / 1e3) for i in range(n)]
         exposed = max(0.0, self._waits.elapsed_time(self._end[n - 1]) / 1e3)
-        return _union(busy), exposed
+        return union_s(busy), exposed
 
 
-def _union(intervals: list[tuple[float, float]]) -> float:
+def union_s(intervals: list[tuple[float, float]]) -> float:
     """Total length covered by ``intervals``."""
     total, end = 0.0, float("-inf")
     for a, b in sorted(intervals):
