@@ -20,6 +20,7 @@ from meridian.workers.wan.exchange import ExchangeWork, PostedReceives
 SLOW = WanConfig(rtt_ms=200.0, gbps=10.0)  # 100 ms one way: a round trip and one way are far apart
 STEPS = 4
 CHUNKS = 3
+SKEW_S = 0.3
 
 
 def _exchanges(rank: int, world: int, key: str) -> dict:
@@ -39,6 +40,16 @@ def _exchanges(rank: int, world: int, key: str) -> dict:
         out["waited"].append(time.monotonic() - t0)
         out["sums"].append([(x.min().item(), x.max().item()) for x in chunks])
         out["posted"].append(len(receives))
+    # One owner sends 0.3 s after the other: with its receive announced, the early owner's bytes go on its
+    # outbound link at once, not when the late one sends.
+    x = torch.full((1000,), 1.0)
+    dist.barrier()
+    if rank == 1:
+        time.sleep(SKEW_S)
+    out["issued"] = time.monotonic()
+    ExchangeWork(x, group, emulator=emu, group_ranks=seg.owners, receives=receives, key=0).wait()
+    out["outbound_free_at"] = emu.link(*(("dc-a", "dc-b") if rank == 0 else ("dc-b", "dc-a"))).free_at()
+    out["done"] = time.monotonic()
     # A later engine on the same group, its keys named alike: the first one's posted receives stay unmatched.
     later = PostedReceives()
     x = torch.full((1000,), float(rank + 1))
@@ -65,4 +76,9 @@ def test_posted_receives_give_the_same_sums_at_one_way_after_the_first_exchange(
         for waited in out["waited"][1:]:
             assert one_way <= waited < min(_late(one_way), rtt), out["waited"]
         assert out["later"] == (3.0, 3.0)
+    early, late_rank = per_rank
+    assert early["outbound_free_at"] < late_rank["issued"]  # booked when sent, not when the peer sent
+    assert late_rank["outbound_free_at"] >= late_rank["issued"]
+    for out in per_rank:  # both finish one way after the late owner's bytes left
+        assert out["done"] >= late_rank["issued"] + one_way
         assert out["tags"][1] > out["tags"][0]  # never reused on the group

@@ -253,13 +253,33 @@ class WanEmulator:
     ) -> float:
         """Completion time of collective ``seq`` on group ``tag``: booked by the first rank to call this,
         read by the others, so all ranks of one collective finish together."""
+        ledger = self._ledger(tag)
+        # A group runs at most IN_FLIGHT_PER_GROUP collectives at once (gloo's worker threads): the next one
+        # goes on the wire when one of those has completed, not alongside all of them.
+        return ledger.settle(seq, start, lambda s: self.book(cost, s), in_flight=in_flight)
+
+    def _ledger(self, tag: str) -> Ledger:
         with self._open_lock:
             ledger = self._ledgers.get(tag)
             if ledger is None:
                 ledger = self._ledgers[tag] = Ledger(self._path("ledger", tag))
-        # A group runs at most IN_FLIGHT_PER_GROUP collectives at once (gloo's worker threads): the next one
-        # goes on the wire when one of those has completed, not alongside all of them.
-        return ledger.settle(seq, start, lambda s: self.book(cost, s), in_flight=in_flight)
+            return ledger
+
+    def book_outbound(self, cost: CollectiveCost, *, tag: str, seq: int, start: float) -> None:
+        """A point-to-point exchange whose receives were announced ahead: book this rank's outbound charges of
+        collective ``seq`` from ``start`` (when it sent) and record when they leave, for its peers. Call before
+        the real send, so the record exists by the time the data can arrive."""
+        mine = [c for c in cost.charges if c.rank == self.rank]
+        end = max((self.link(c.src_dc, c.dst_dc).reserve(c.wire_bytes, start) for c in mine), default=start)
+        self._ledger(f"{tag}>{self.rank}").settle(seq, start, lambda _: end)
+
+    def settle_outbound(self, cost: CollectiveCost, *, tag: str, seq: int) -> float:
+        """Completion of an exchange booked with :meth:`book_outbound` by every sender: when the last sender's
+        bytes have left, plus the latency rounds. Call once the real transfers are done (every record exists)."""
+        assert self.wan is not None
+        ends = [self._ledger(f"{tag}>{r}").recorded(seq) for r in sorted({c.rank for c in cost.charges})]
+        left = max((e for e in ends if e is not None), default=time.monotonic())
+        return left + cost.rounds * self.wan.one_way_s
 
     def cost(self, algorithm: Algorithm, group_ranks: Sequence[int], nbytes: float) -> CollectiveCost:
         return collective_cost(algorithm, group_ranks, self.layout, nbytes, self.wan)

@@ -96,7 +96,26 @@ class ExchangeWork:
         peer = dist.get_global_rank(group, 1 - dist.get_rank(group))
         self._tensor = tensor
         self._next = (receives, key, peer, group) if receives is not None and key is not None else None
-        posted = None
+        posted = receives.take(key, tensor) if receives is not None and key is not None else None
+        settle: Callable[[], float] | None = None
+        plan = emulator.plan(group, group_ranks) if emulator is not None and emulator.enabled else None
+        if plan is not None and plan.crosses:
+            assert emulator is not None
+            emu, nbytes = emulator, tensor.numel() * tensor.element_size()
+            cost = emu.cost(Algorithm.EXCHANGE, plan.ranks, nbytes)
+            emu.counter.add(nbytes, cost.bytes_of(emu.rank))
+            seq, group_tag = emu.next_seq(plan.tag), plan.tag  # in issue order, the same on both owners
+            if posted is None:
+                # Booked when the real transfers are done (both owners had sent: the later one's issue is when the
+                # exchange could start, the receives announced then), by whichever owner gets there first; not held
+                # behind the group's collectives, since send/recv do not queue on its worker threads.
+                settle = lambda: emu.settle(cost, tag=group_tag, seq=seq, start=time.monotonic(), in_flight=0)  # noqa: E731
+            else:
+                # The peer's receive was announced a step ago (it posts when we do): our bytes go on our outbound
+                # link the moment we send, and the data lands one way after the last of them left.
+                cost = replace(cost, rounds=1)
+                emu.book_outbound(cost, tag=group_tag, seq=seq, start=time.monotonic())  # before the data can arrive
+                settle = lambda: emu.settle_outbound(cost, tag=group_tag, seq=seq)  # noqa: E731
         if self._next is None:
             self._theirs = torch.empty_like(tensor)
             ops = [dist.P2POp(dist.isend, tensor, peer, group), dist.P2POp(dist.irecv, self._theirs, peer, group)]
@@ -104,7 +123,6 @@ class ExchangeWork:
         else:
             assert receives is not None
             tag = receives.tag(key, group)
-            posted = receives.take(key, tensor)
             if posted is None:
                 self._theirs = torch.empty_like(tensor)
                 received = dist.irecv(self._theirs, peer, group=group, tag=tag)
@@ -114,20 +132,6 @@ class ExchangeWork:
         self._ready_at: float | None = None
         self._error: BaseException | None = None
         self._done = threading.Event()
-        settle: Callable[[], float] | None = None
-        plan = emulator.plan(group, group_ranks) if emulator is not None and emulator.enabled else None
-        if plan is not None and plan.crosses:
-            assert emulator is not None
-            emu, nbytes = emulator, tensor.numel() * tensor.element_size()
-            cost = emu.cost(Algorithm.EXCHANGE, plan.ranks, nbytes)
-            if posted is not None:  # the peer's receive was announced a step ago (it posts when we do): one way
-                cost = replace(cost, rounds=1)
-            emu.counter.add(nbytes, cost.bytes_of(emu.rank))
-            seq, tag = emu.next_seq(plan.tag), plan.tag  # in issue order, the same on both owners
-            # Booked when the real transfers are done (both owners had sent: the later one's issue is when the
-            # exchange could start), by whichever owner gets there first; not held behind the group's
-            # collectives, since send/recv do not queue on its worker threads.
-            settle = lambda: emu.settle(cost, tag=tag, seq=seq, start=time.monotonic(), in_flight=0)  # noqa: E731
         _WAITER.submit(self._wait_real, settle)
         self._summed = False
 

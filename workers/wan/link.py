@@ -193,5 +193,11 @@ class Ledger:
             self._file.write(offset, self._SLOT, seq, start, ready)
         return ready
 
+    def recorded(self, seq: int) -> float | None:
+        """The completion recorded for collective ``seq``, if any."""
+        with self._file.locked():
+            rec = self._file.read((seq % _LEDGER_SLOTS) * self._SLOT.size, self._SLOT)
+        return rec[2] if rec and rec[0] == seq else None
+
     def close(self) -> None:
         self._file.close()
