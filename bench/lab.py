@@ -9,6 +9,8 @@ data, seed, steps) runs three ways, and one row reports them side by side:
   emulated inside Meridian;
 - ``step_ms_emulated``: the same ranks on this host's loopback, behind the app's WAN emulator
   (:mod:`meridian.workers.wan.collectives`) with the same RTT and rate;
+- ``sync_wait_ms_lab``, ``sync_wait_ms_emulated``: of the step, what rank 0 waited for communication (the
+  same statistic as the step time), to see where lab and emulator part;
 - ``step_ms_one_dc``: the same ranks all in the first datacenter's namespace, the job's layout one DC: no
   inter-DC link at all (measured once per strategy, used for every link);
 - ``scaling_efficiency``: ``step_ms_one_dc / step_ms_lab``;
@@ -187,7 +189,8 @@ def summarise(ranks: list[dict], timed_window: tuple[int, int], use_mean: bool) 
     first, last = timed_window
     r0 = ranks[0]
     timed = r0["step_s"][first:last]
-    out = {"step_ms": 1000 * (statistics.mean(timed) if use_mean else statistics.median(timed)),
+    stat = statistics.mean if use_mean else statistics.median
+    out = {"step_ms": 1000 * stat(timed), "sync_wait_ms": 1000 * stat(r0["sync_wait_s"][first:last]),
            "steps_timed": len(timed), "timed_steps": [first + 1, last],
            "reported": statistics.mean(r0["inter_dc_bytes"][first:last])}  # fmt: skip
     counted = [r["counters"] for r in ranks if r["counters"]]
@@ -246,6 +249,8 @@ def run(args: argparse.Namespace) -> dict:
                     "step_ms_lab": round(lab_r["step_ms"], 1), "step_ms_emulated": round(emu["step_ms"], 1),
                     "step_ms_one_dc": round(one_dc[s]["step_ms"], 1),
                     "emulated_vs_lab": round(emu["step_ms"] / lab_r["step_ms"], 3),
+                    # of which rank 0 waited for communication (the same statistic): where the two differ
+                    "sync_wait_ms_lab": round(lab_r["sync_wait_ms"], 1), "sync_wait_ms_emulated": round(emu["sync_wait_ms"], 1),
                     "scaling_efficiency": round(one_dc[s]["step_ms"] / lab_r["step_ms"], 3),
                     "inter_dc_bytes_kernel": round(lab_r["kernel"]),
                     "inter_dc_bytes_reported": round(lab_r["reported"]),

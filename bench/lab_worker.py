@@ -58,6 +58,7 @@ def run_rank(rank: int, world: int, cfg: TrainConfig, link_device: str | None = 
     return {
         "rank": rank,
         "step_s": [r.step_s for r in sink.records],
+        "sync_wait_s": [r.sync_wait_s for r in sink.records],
         "inter_dc_bytes": [r.inter_dc_bytes for r in sink.records],
         "loss": [r.loss for r in sink.records],
         "counters": sink.counters,

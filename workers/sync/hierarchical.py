@@ -88,7 +88,7 @@ class HierarchicalSync(GradientSync):
         self._intra_dc_s = 0.0  # HAR step 1 time this step, for the per-tier metrics
         self._spares = [[torch.zeros_like(b.grad) for b in self.buffer.buckets] for _ in range(2)] if self.delayed else []
         self._in_flight: list[InFlight] = []
-        """Delayed: the previous step's sync, running on ``self._spares[self._flights % 2]``."""
+        """Delayed: the sync started by the last ``step()``, on the spare set ``self._spares[(self._flights - 1) % 2]``."""
         self._flights = 0
 
     def _start_bucket(self, bucket: Bucket) -> InFlight:
