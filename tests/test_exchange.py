@@ -82,3 +82,25 @@ def test_posted_receives_give_the_same_sums_at_one_way_after_the_first_exchange(
     for out in per_rank:  # both finish one way after the late owner's bytes left
         assert out["done"] >= late_rank["issued"] + one_way
         assert out["tags"][1] > out["tags"][0]  # never reused on the group
+
+
+def _through_comm(rank: int, world: int, backend: str) -> tuple[int, float]:
+    from meridian.workers.sync.inter_dc import InterDCComm
+
+    groups = DCGroups(AB, rank)
+    ((seg, group),) = groups.inter_dc.items()
+    if backend != "gloo":  # what InterDCComm sees on a GPU; the collectives still run on gloo here
+        dist.get_backend = lambda group=None: backend
+    comm = InterDCComm()
+    x = torch.full((8,), float(rank + 1))
+    comm.all_reduce_async(x, group, seg, key=(0, 0)).wait()
+    posted = len(comm._receives)
+    groups.destroy()
+    return posted, x[0].item()
+
+
+def test_only_gloo_posts_receives_ahead():
+    # NCCL runs a pair's point-to-point operations in order on one stream: a receive posted a step ahead would
+    # hold the next send behind it on both owners.
+    assert run_processes(_through_comm, 2, "gloo") == [(1, 3.0), (1, 3.0)]
+    assert run_processes(_through_comm, 2, "nccl") == [(0, 3.0), (0, 3.0)]

@@ -132,8 +132,10 @@ class InterDCComm:
     def _all_reduce(self, t: torch.Tensor, group: dist.ProcessGroup, segment: Segment, key: Hashable) -> Waitable:
         if len(segment.owners) == 2:  # two datacenters: one exchange, not a ring of two; with a named chunk
             # its receive is posted a step ahead, so the data flows at once (one way instead of a round trip)
-            return ExchangeWork(t, group, emulator=self.emulator, group_ranks=segment.owners,
-                                receives=self._receives, key=key)
+            # (gloo only: NCCL runs a pair's point-to-point operations in order on one stream, so a receive
+            # posted a step ahead would hold the next send behind it on both owners)
+            posted = self._receives if dist.get_backend(group) == dist.Backend.GLOO else None
+            return ExchangeWork(t, group, emulator=self.emulator, group_ranks=segment.owners, receives=posted, key=key)
         if self.emulator is None:
             return dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group, async_op=True)
         # dist.all_reduce runs a ring: the emulator books the ring's rounds and bytes, not a cheaper exchange.
