@@ -22,6 +22,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+import weakref
 from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -36,9 +37,11 @@ _WAITER = ThreadPoolExecutor(1, thread_name_prefix="meridian-exchange")
 books the link then). gloo's send/recv work reports completion only once waited for, so polling cannot."""
 
 
-_TAGS: dict[str, itertools.count[int]] = {}
-"""Per process group (by name): the next point-to-point tag for a posted exchange. Never reused in a process,
-so a receive left posted by a closed engine can never take a later engine's data."""
+_TAGS: weakref.WeakKeyDictionary[dist.ProcessGroup, itertools.count[int]] = weakref.WeakKeyDictionary()
+"""Per process group object: the next point-to-point tag for a posted exchange. Never reused on a group, so a
+receive left posted by a closed engine can never take a later engine's data on it; and every new group starts
+from :data:`FIRST_TAG` on every rank, whatever each process ran before (a newcomer and the ranks that were
+already training re-form into new groups and must agree)."""
 FIRST_TAG = 1 << 20
 """Above the tags anything else sends with (0 by default)."""
 
@@ -57,7 +60,7 @@ class PostedReceives:
 
     def tag(self, key: Hashable, group: dist.ProcessGroup) -> int:
         if key not in self._tags:
-            self._tags[key] = next(_TAGS.setdefault(group.group_name, itertools.count(FIRST_TAG)))
+            self._tags[key] = next(_TAGS.setdefault(group, itertools.count(FIRST_TAG)))
         return self._tags[key]
 
     def take(self, key: Hashable, like: torch.Tensor) -> tuple[torch.Tensor, dist.Work] | None:
