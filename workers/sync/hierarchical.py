@@ -48,7 +48,7 @@ from meridian.workers.sync.engine import GradientSync, StepStats, broadcast_para
 from meridian.workers.sync.grad_buffer import Bucket, GradBuffer
 from meridian.workers.sync.har import all_gather_in_dc, reduce_scatter_in_dc, start_all_reduce_across_dcs
 from meridian.workers.sync.inter_dc import InterDCComm
-from meridian.workers.sync.overlap import BucketPipeline, InFlight, union_s
+from meridian.workers.sync.overlap import BucketPipeline, InFlight, finish_all
 from meridian.workers.wan.emulator import WanEmulator
 
 
@@ -87,9 +87,9 @@ class HierarchicalSync(GradientSync):
         self.pipeline = BucketPipeline(self.buffer, self._start_bucket, overlap=sync.overlap and not self.delayed)
         self._intra_dc_s = 0.0  # HAR step 1 time this step, for the per-tier metrics
         self._spares = [[torch.zeros_like(b.grad) for b in self.buffer.buckets] for _ in range(2)] if self.delayed else []
+        """Delayed: ``[where this step's sync goes, where the last step's runs]``; swapped every step."""
         self._in_flight: list[InFlight] = []
-        """Delayed: the sync started by the last ``step()``, on the spare set ``self._spares[(self._flights - 1) % 2]``."""
-        self._flights = 0
+        """Delayed: the sync started by the last ``step()`` (none before the first)."""
 
     def _start_bucket(self, bucket: Bucket) -> InFlight:
         return self._start_sync(bucket.grad, bucket.index)
@@ -129,14 +129,13 @@ class HierarchicalSync(GradientSync):
             comm_s, exposed_s = self.pipeline.finish()
             ready = True
         intra_dc_s, self._intra_dc_s = self._intra_dc_s, 0.0  # every bucket has finished
-        if not ready:  # delayed, first step: no averaged gradients yet, nothing to apply
-            self.buffer.zero()
-            zero = torch.zeros((), device=self.buffer.buckets[0].grad.device)
-            return StepStats(grad_norm=zero, inter_dc_bytes=self.comm.take_bytes(), sync_wait_s=0.0,
-                             comm_s=comm_s, exposed_s=exposed_s, intra_dc_comm_s=intra_dc_s,
-                             shard=self.local_shard(snapshot_as) if snapshot_as is not None else None)
         shard = None
-        if self.sharded is not None:
+        if not ready:  # delayed, first step: no averaged gradients yet, nothing to apply
+            norm = torch.zeros((), device=self.buffer.buckets[0].grad.device)
+            waited = 0.0
+            if snapshot_as is not None:
+                shard = self.local_shard(snapshot_as)
+        elif self.sharded is not None:
             norm = self.sharded.step(lr).detach()
             if snapshot_as is not None:  # before the all-gather: this rank's shard is already final
                 shard = self.sharded.local_shard(snapshot_as)
@@ -164,21 +163,21 @@ class HierarchicalSync(GradientSync):
     def _swap_in_previous(self) -> tuple[float, float, bool]:
         """Delayed: start this step's sync on a spare set, then put the previous step's synced gradients in
         the buckets. Returns (comm_s, exposed_s) of the previous sync, and whether there was one."""
-        current, previous_set = self._spares[self._flights % 2], self._spares[(self._flights + 1) % 2]
+        current, previous_set = self._spares
         started = []
         for bucket, spare in zip(self.buffer.buckets, current, strict=True):
             spare.copy_(bucket.grad)
             started.append(self._start_sync(spare, bucket.index))
         previous, self._in_flight = self._in_flight, started
-        self._flights += 1
-        if self._flights == 1:
+        self._spares.reverse()  # next step writes where this step reads, once read
+        if not previous:
             return 0.0, 0.0, False
         t0 = time.perf_counter()
-        busy = [interval for flight in previous for interval in flight.finish()]  # bucket order, everywhere
+        comm_s = finish_all(previous)
         exposed_s = time.perf_counter() - t0
         for bucket, synced in zip(self.buffer.buckets, previous_set, strict=True):
             bucket.grad.copy_(synced)
-        return union_s(busy), exposed_s, True
+        return comm_s, exposed_s, True
 
     def _drop_in_flight(self) -> None:
         """Delayed: finish the sync still in flight and forget it (a snapshot does not carry it)."""

@@ -143,8 +143,7 @@ class BucketPipeline:
             started = future.result()
         if self.streams is not None:
             return self.streams.finish(started)
-        busy = [interval for flight in started for interval in flight.finish()]  # bucket order, everywhere
-        return union_s(busy), time.perf_counter() - t0
+        return finish_all(started), time.perf_counter() - t0
 
     def _start_all(self, wait_ready: bool) -> list[InFlight]:
         started: list[InFlight] = []
@@ -241,10 +240,15 @@ class CommStream:
         origin = self._start[0]
         busy = [(origin.elapsed_time(self._start[i]) / 1e3, origin.elapsed_time(self._end[i]) / 1e3) for i in range(n)]
         exposed = max(0.0, self._waits.elapsed_time(self._end[n - 1]) / 1e3)
-        return union_s(busy), exposed
+        return _union(busy), exposed
 
 
-def union_s(intervals: list[tuple[float, float]]) -> float:
+def finish_all(flights: list[InFlight]) -> float:
+    """Finish ``flights`` in bucket order (every rank the same); return how long at least one was busy."""
+    return _union([interval for flight in flights for interval in flight.finish()])
+
+
+def _union(intervals: list[tuple[float, float]]) -> float:
     """Total length covered by ``intervals``."""
     total, end = 0.0, float("-inf")
     for a, b in sorted(intervals):
