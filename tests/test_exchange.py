@@ -104,3 +104,28 @@ def test_only_gloo_posts_receives_ahead():
     # hold the next send behind it on both owners.
     assert run_processes(_through_comm, 2, "gloo") == [(1, 3.0), (1, 3.0)]
     assert run_processes(_through_comm, 2, "nccl") == [(0, 3.0), (0, 3.0)]
+
+
+def _peer_gone_before_the_next_post(rank: int, world: int) -> tuple[float, int]:
+    groups = DCGroups(AB, rank)
+    ((seg, group),) = groups.inter_dc.items()
+    receives = PostedReceives()
+    x = torch.full((1000,), float(rank + 1))
+    work = ExchangeWork(x, group, group_ranks=seg.owners, receives=receives, key=0)
+    if rank == 1:
+        work.wait()  # summed, its next receive posted: now it leaves, closing its side of the pair
+        groups.destroy()
+        return x[0].item(), len(receives)
+    time.sleep(1.0)  # rank 0 sums only after its peer is gone
+    work.wait()
+    posted = len(receives)
+    groups.destroy()
+    return x[0].item(), posted
+
+
+def test_an_exchange_that_completed_is_not_failed_by_a_peer_that_left_after_it():
+    # The data had arrived; only posting the *next* receive meets the closed pair. That failure belongs to the
+    # next exchange (which posts afresh and fails there if the peer is really gone), not to this one.
+    (mine, posted), (theirs, _) = run_processes(_peer_gone_before_the_next_post, 2)
+    assert mine == theirs == 3.0
+    assert posted == 0

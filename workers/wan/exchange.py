@@ -72,7 +72,14 @@ class PostedReceives:
         return posted
 
     def post(self, key: Hashable, buffer: torch.Tensor, peer: int, group: dist.ProcessGroup) -> None:
-        self._posted[key] = (buffer, dist.irecv(buffer, peer, group=group, tag=self.tag(key, group)))
+        """Post ``key``'s next receive; not posted when the pair is already closed (the peer left after this
+        exchange completed, e.g. at the end of a job or a resize). That failure belongs to the next exchange,
+        which then posts afresh and fails where it matters, never to the one that just completed."""
+        try:
+            work = dist.irecv(buffer, peer, group=group, tag=self.tag(key, group))
+        except RuntimeError:  # gloo: "Connection closed by peer"
+            return
+        self._posted[key] = (buffer, work)
 
     def __len__(self) -> int:
         return len(self._posted)
