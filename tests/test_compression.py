@@ -137,9 +137,10 @@ def test_inter_dc_sum_is_close_identical_everywhere_and_bytes_are_what_the_ring_
 
 
 def _gathered_sums_vs_one_process(rank, world, compression, codec):
-    """The 3-DC compressed all-reduce over 4 steps, and the same sums computed in this one process: every
-    DC's stream through its own error feedback, decoded and added in DC order."""
-    groups = DCGroups(DCLayout(("a", "b", "c")), rank)
+    """The compressed all-reduce over ``world`` DCs (3: an all-gather; 2: an exchange of payloads, receives
+    posted ahead) for 4 steps, and the same sums computed in this one process: every DC's stream through its
+    own error feedback, decoded and added in DC order."""
+    groups = DCGroups(DCLayout(("a", "b", "c")[:world]), rank)
     comm = InterDCComm(compression)
     ((seg, group),) = groups.inter_dc.items()
     reference = [ErrorFeedback(codec) for _ in range(world)]
@@ -156,9 +157,10 @@ def _gathered_sums_vs_one_process(rank, world, compression, codec):
     return same
 
 
+@pytest.mark.parametrize("dcs", [2, 3])
 @pytest.mark.parametrize("compression, codec", [(Compression.INT8, Int8Codec()), (Compression.INT4, Int4Codec())])
-def test_gathered_codecs_match_a_single_process_reference_bit_for_bit(compression, codec):
-    for same in run_processes(_gathered_sums_vs_one_process, 3, compression, codec):
+def test_gathered_codecs_match_a_single_process_reference_bit_for_bit(compression, codec, dcs):
+    for same in run_processes(_gathered_sums_vs_one_process, dcs, compression, codec):
         assert same == [True] * 4
 
 

@@ -14,7 +14,8 @@ Encodings (``SyncConfig.compression``):
   error feedback covers the local rounding only.
 - ``int8``: int8 cannot be summed on the wire, so the owners **all-gather** their payloads (int8 values
   + one fp32 absmax scale per chunk, with error feedback) and every owner decodes and sums them in fp32,
-  in datacenter order, so all owners get bit-identical results.
+  in datacenter order, so all owners get bit-identical results. With two datacenters the all-gather is an
+  exchange of payloads (as ``none``'s, its receive posted ahead).
 - ``int4``: as int8, with 4-bit values and one fp32 scale per 128 elements (0.53 bytes per element).
 
 Byte accounting: ``bytes_sent`` counts what this rank puts on the wire (:mod:`meridian.workers.wan.wire`), from
@@ -41,7 +42,7 @@ from meridian.workers.sync.compression import Bf16Codec, ErrorFeedback, Int4Code
 from meridian.workers.wan import collectives as wan
 from meridian.workers.wan import wire
 from meridian.workers.wan.emulator import WanEmulator
-from meridian.workers.wan.exchange import ExchangeWork, PostedReceives
+from meridian.workers.wan.exchange import ExchangeWork, PostedReceives, add_theirs
 
 
 class Waitable(Protocol):
@@ -119,23 +120,36 @@ class InterDCComm:
             sent = wire.ring_all_reduce_edge(k, _nbytes(payload))
             return self._count(CommHandle(work, sent, lambda: tensor.copy_(payload)))
 
-        gathered = torch.empty(k * payload.numel(), dtype=payload.dtype, device=payload.device)
-        work = self._all_gather(gathered, payload, group, segment)
-        rows = gathered.view(k, payload.numel())  # gloo wants the flat output; row j is DC j's payload
         codec = self._gathered
         assert codec is not None
         sent = wire.ring_all_gather_edge(k, _nbytes(payload))
+        if k == 2:  # an all-gather of two is an exchange of payloads: one way with a receive posted ahead
+            me = dist.get_rank(group)
+
+            def decode_sum(mine: torch.Tensor, theirs: torch.Tensor) -> None:
+                tensor.copy_(codec.decode_sum(torch.stack((mine, theirs) if me == 0 else (theirs, mine))))
+
+            return self._count(CommHandle(self._exchange(payload, group, segment, name, decode_sum), sent))
+        gathered = torch.empty(k * payload.numel(), dtype=payload.dtype, device=payload.device)
+        work = self._all_gather(gathered, payload, group, segment)
+        rows = gathered.view(k, payload.numel())  # gloo wants the flat output; row j is DC j's payload
         return self._count(CommHandle(work, sent, lambda: tensor.copy_(codec.decode_sum(rows))))
 
     # The two collectives that cross DCs, each through the WAN emulator when there is one.
 
+    def _exchange(self, t: torch.Tensor, group: dist.ProcessGroup, segment: Segment, key: Hashable,
+                  combine: Callable[[torch.Tensor, torch.Tensor], None] = add_theirs) -> Waitable:
+        """Two datacenters: one exchange, not a ring of two; with a named chunk its receive is posted a step
+        ahead, so the data flows at once (one way instead of a round trip) (gloo only: NCCL runs a pair's
+        point-to-point operations in order on one stream, so a receive posted a step ahead would hold the
+        next send behind it on both owners)."""
+        posted = self._receives if dist.get_backend(group) == dist.Backend.GLOO else None
+        return ExchangeWork(t, group, emulator=self.emulator, group_ranks=segment.owners, receives=posted, key=key,
+                            combine=combine)
+
     def _all_reduce(self, t: torch.Tensor, group: dist.ProcessGroup, segment: Segment, key: Hashable) -> Waitable:
-        if len(segment.owners) == 2:  # two datacenters: one exchange, not a ring of two; with a named chunk
-            # its receive is posted a step ahead, so the data flows at once (one way instead of a round trip)
-            # (gloo only: NCCL runs a pair's point-to-point operations in order on one stream, so a receive
-            # posted a step ahead would hold the next send behind it on both owners)
-            posted = self._receives if dist.get_backend(group) == dist.Backend.GLOO else None
-            return ExchangeWork(t, group, emulator=self.emulator, group_ranks=segment.owners, receives=posted, key=key)
+        if len(segment.owners) == 2:
+            return self._exchange(t, group, segment, key)
         if self.emulator is None:
             return dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group, async_op=True)
         # dist.all_reduce runs a ring: the emulator books the ring's rounds and bytes, not a cheaper exchange.

@@ -85,11 +85,16 @@ class PostedReceives:
         return len(self._posted)
 
 
+def add_theirs(mine: torch.Tensor, theirs: torch.Tensor) -> None:
+    mine.add_(theirs)
+
+
 class ExchangeWork:
-    """Handle of an in-flight exchange; :meth:`wait` leaves the sum of both owners' chunks in ``tensor``.
+    """Handle of an in-flight exchange; :meth:`wait` leaves the sum of both owners' chunks in ``tensor``, or
+    whatever ``combine(tensor, theirs)`` makes of the two (it runs before ``theirs``' buffer is reused).
 
     With ``receives`` and ``key`` the exchange takes the receive posted for it last time (if any) and, once
-    summed, posts the next one."""
+    combined, posts the next one."""
 
     def __init__(
         self,
@@ -100,11 +105,12 @@ class ExchangeWork:
         group_ranks: Sequence[int] | None = None,
         receives: PostedReceives | None = None,
         key: Hashable = None,
+        combine: Callable[[torch.Tensor, torch.Tensor], None] = add_theirs,
     ) -> None:
         if dist.get_world_size(group) != 2:
             raise ValueError(f"an exchange is between two ranks; this group has {dist.get_world_size(group)}")
         peer = dist.get_global_rank(group, 1 - dist.get_rank(group))
-        self._tensor = tensor
+        self._tensor, self._combine = tensor, combine
         self._next = (receives, key, peer, group) if receives is not None and key is not None else None
         posted = receives.take(key, tensor) if receives is not None and key is not None else None
         settle: Callable[[], float] | None = None
@@ -165,7 +171,7 @@ class ExchangeWork:
                 raise self._error
             assert self._ready_at is not None
             sleep_until(self._ready_at)
-            self._tensor.add_(self._theirs)
+            self._combine(self._tensor, self._theirs)
             self._summed = True
             if self._next is not None:  # announce the receive of this chunk's next exchange now
                 receives, key, peer, group = self._next
