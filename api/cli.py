@@ -216,6 +216,12 @@ def cmd_cluster(args: argparse.Namespace, client: Client) -> int:
     return 0
 
 
+def cmd_probe(args: argparse.Namespace, client: Client) -> int:
+    data = client.probe_links(args.tiers, int(args.max_mb * 2**20))
+    emit(args, data, render.probe_view(data))
+    return 0
+
+
 def cmd_plan(args: argparse.Namespace, client: Client) -> int:
     plan = client.plan(load_spec(args.file))
     emit(args, plan, json.dumps(plan, indent=2))
@@ -398,6 +404,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--format", choices=["hf"], default="hf", help="hf: what AutoModelForCausalLM loads")
     s.set_defaults(run=cmd_export)
 
+    s = verb("probe", "measure the cluster's links with collectives (10-60 s); later plans use the figures")
+    s.add_argument("--tiers", nargs="+", choices=["intra_node", "intra_dc", "inter_dc"], default=None,
+                   help="which links (default: every tier the cluster has)")
+    s.add_argument("--max-mb", type=float, default=64.0, help="largest message in MiB (default 64)")
+    s.set_defaults(run=cmd_probe)
     s = verb("plan", "dry-run the planner for a job spec")
     s.add_argument("file")
     s.set_defaults(run=cmd_plan)

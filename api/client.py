@@ -114,6 +114,11 @@ class Client:
     def plan(self, spec: dict[str, Any]) -> dict[str, Any]:
         return self.request("POST", "/v1/plans", json=spec)
 
+    def probe_links(self, tiers: list[str] | None, max_bytes: int, *, timeout_s: float = 600.0) -> dict[str, Any]:
+        """Run the collective benchmark on the cluster's link tiers (the planner uses the result)."""
+        body: dict[str, Any] = {"max_bytes": max_bytes, **({"tiers": tiers} if tiers else {})}
+        return self.request("POST", "/v1/diagnostics/collectives", json=body, timeout=timeout_s)
+
     def events(self, job_id: str, after: int = 0) -> dict[str, Any]:
         return self.request("GET", f"/v1/jobs/{job_id}/events", params={"after": after})
 

@@ -80,6 +80,15 @@ def cluster_view(cluster: dict[str, Any]) -> str:
     return table(rows, ["datacenter", "node", "state", "CPUs", "GPUs", "free CPUs", "address"])
 
 
+def probe_view(report: dict[str, Any]) -> str:
+    rows = [[t["tier"], " ↔ ".join(dict.fromkeys(d or "?" for d in t["datacenters"])),
+             f"{t['summary']['latency_us'] / 1e3:.3f}", f"{t['summary']['bandwidth_gbps']:.3f}"]
+            for t in report.get("tiers", [])]
+    text = table(rows, ["tier", "datacenters", "latency ms (per round)", "bus Gbit/s"]) if rows else "no tier measured"
+    skipped = report.get("skipped") or []
+    return text + ("\nskipped: " + "; ".join(map(str, skipped)) if skipped else "")
+
+
 def summary(job: dict[str, Any], wall_s: float | None = None) -> str:
     r, p = job.get("result") or {}, job["progress"]
     lines = [f"job {job['id']} ({job['name']}): {job['state']} — {job['message']}"]

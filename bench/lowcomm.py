@@ -9,6 +9,8 @@ average before and after.
 
 - ``har``: per-step hierarchical sync (``hierarchical``, gradient buckets synced behind backward, fp32);
 - ``har-delayed``: the same sync applied one step late (``sync.delay_one_step``), behind the whole next step;
+- ``har+bf16``: per-step sync with the inter-DC exchange in bf16 (error feedback): half the bytes, what
+  ``auto`` picks when that hides the link (:mod:`meridian.service.planning.sync_choice`);
 - ``diloco+int8|int4/H<h>``: Meridian's DiLoCo (:mod:`meridian.workers.sync.diloco`), outer deltas in int8 or
   4 bits with error feedback (:mod:`meridian.workers.sync.compression`);
 - ``streaming-diloco+int8|int4/H<h>``: the same with ``--fragments`` fragments, each in flight behind
@@ -65,7 +67,9 @@ class Strategy:
 def strategies(args: argparse.Namespace) -> list[Strategy]:
     common = {"bucket_mb": args.bucket_mb, "inter_dc_chunk_mb": args.chunk_mb}
     out = [Strategy("har", SyncConfig(strategy=SyncStrategy.HIERARCHICAL, overlap=True, **common)),
-           Strategy("har-delayed", SyncConfig(strategy=SyncStrategy.HIERARCHICAL, delay_one_step=True, **common))]
+           Strategy("har-delayed", SyncConfig(strategy=SyncStrategy.HIERARCHICAL, delay_one_step=True, **common)),
+           Strategy("har+bf16", SyncConfig(strategy=SyncStrategy.HIERARCHICAL, overlap=True,
+                                           compression=Compression.BF16, **common))]
     for h in args.inner_steps:
         outer = {"inner_steps": h, "outer_lr": args.outer_lr, "outer_momentum": args.outer_momentum}
         plain = DiLoCoConfig(**outer)  # no warm-up: syncing every H/4 steps with the outer momentum overshot (+25-45%)

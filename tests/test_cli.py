@@ -59,6 +59,17 @@ def test_verbs_with_json(served, capsys, tmp_path):
     assert code == 1 and json.loads(out.splitlines()[-1])["state"] == "cancelled"
 
 
+def test_probe_runs_the_collective_benchmark_through_the_api(served, capsys):
+    code, out, _ = run(capsys, "probe", "--tiers", "inter_dc", "--max-mb", "2", "--json")
+    assert code == 0 and served.probes == [(("inter_dc",), 2 * 2**20)]
+    assert json.loads(out)["tiers"][0]["summary"]["bandwidth_gbps"] == 0.62
+    code, out, _ = run(capsys, "probe", "--tiers", "inter_dc")
+    assert code == 0 and "dc-a ↔ dc-b" in out and "10.500" in out and "0.620" in out
+    with pytest.raises(SystemExit):  # argparse refuses an unknown tier before anything is sent
+        run(capsys, "probe", "--tiers", "wan")
+    assert len(served.probes) == 2
+
+
 def test_friendly_errors(served, capsys, monkeypatch):
     code, _, err = run(capsys, "get", "nope")
     assert code == 1 and err.startswith("error: no job with id 'nope'")

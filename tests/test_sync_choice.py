@@ -28,17 +28,33 @@ TINY = model_preset("tiny").num_params  # 0.8 M parameters: 3.3 MB of fp32
 
 def test_fast_link_keeps_per_step_hierarchical_sync():
     c = choose_sync(rtt_ms=1, gbps=100, num_params=TINY, compute_s=0.2)
-    assert c.strategy is SyncStrategy.HIERARCHICAL and c.diloco is None
-    assert c.har_exposed_s == pytest.approx(0.0005)  # only the last bucket's one-way latency shows
+    assert c.strategy is SyncStrategy.HIERARCHICAL and c.diloco is None and c.compression is Compression.NONE
+    # one bucket: its whole exchange follows backward
+    assert c.har_exposed_s == pytest.approx(cross_dc_time(4 * TINY, rtt_ms=1, gbps=100, num_dcs=2))
     assert "identical to one process" in c.explanation and "1 ms RTT / 100 Gbit/s" in c.explanation
+    # with 8 buckets behind 133 ms of backward, only the last one's latency and eighth of the transfer show
+    c = choose_sync(rtt_ms=1, gbps=100, num_params=TINY, compute_s=0.2, bucket_mb=4 * TINY / 2**20 / 8)
+    assert c.har_exposed_s == pytest.approx(0.0005 + (c.outer_sync_s - 0.0005) / 8)
+
+
+def test_per_step_sync_goes_bf16_across_dcs_when_fp32_would_be_exposed_and_bf16_is_not():
+    # 21 ms RTT, 1 Gbit/s, one 3.5 MB bucket: fp32 leaves 10.5 + 28 ms after backward, bf16 10.5 + 14 ms.
+    fp32 = cross_dc_time(4 * TINY, rtt_ms=21, gbps=1, num_dcs=2)
+    bf16 = cross_dc_time(2 * TINY, rtt_ms=21, gbps=1, num_dcs=2)
+    compute_s = bf16 / 0.10  # bf16 exactly at the per-step limit, fp32 far over the exact limit
+    c = choose_sync(rtt_ms=21, gbps=1, num_params=TINY, compute_s=compute_s)
+    assert c.strategy is SyncStrategy.HIERARCHICAL and c.compression is Compression.BF16 and c.diloco is None
+    assert c.har_exposed_s == pytest.approx(bf16) and c.outer_sync_s == pytest.approx(bf16)
+    assert "bf16" in c.explanation and "still one sync per step" in c.explanation
+    assert choose_sync(rtt_ms=21, gbps=1, num_params=TINY, compute_s=fp32 / 0.05).compression is Compression.NONE
+    assert choose_sync(rtt_ms=21, gbps=1, num_params=TINY, compute_s=compute_s * 0.9).strategy.is_diloco
 
 
 def test_slow_link_one_bucket_picks_diloco_with_4bit_deltas_and_h_that_amortises_the_sync():
-    # 21 ms RTT, 1 Gbit/s: per-step sync ≈ 10.5 ms + 28 ms; 45 ms of compute hides only 30 ms of it. The
-    # model is one 4 MiB bucket: nothing to stream, so plain DiLoCo with int4 outer deltas.
+    # 21 ms RTT, 1 Gbit/s: per-step sync ≈ 10.5 ms + 28 ms, all after backward (the model is one 4 MiB
+    # bucket); 45 ms of compute: nothing to stream either, so plain DiLoCo with int4 outer deltas.
     c = choose_sync(rtt_ms=21, gbps=1, num_params=TINY, compute_s=0.045)
     sync_s = cross_dc_time(4 * TINY, rtt_ms=21, gbps=1, num_dcs=2)
-    assert c.har_exposed_s == pytest.approx(max(sync_s - 0.03, 0.0105))  # at least the last bucket's RTT/2
     assert c.strategy is SyncStrategy.DILOCO and c.compression is Compression.INT4
     outer_s = cross_dc_time(OUTER_BYTES_PER_PARAM * TINY, rtt_ms=21, gbps=1, num_dcs=2)
     assert c.outer_sync_s == pytest.approx(outer_s) and outer_s < sync_s / 2
@@ -159,3 +175,22 @@ def test_auto_strategy_is_resolved_by_the_plan_never_by_the_config():
         TrainConfig(job_id="x", model=model_preset("nano"), steps=1, global_batch=2, micro_batch=1, sync=request.sync)
     with pytest.raises(ValueError, match="with 'auto' the planner picks H"):
         SyncConfig(strategy=None, diloco=DiLoCoConfig())
+
+
+def test_planner_sends_per_step_sync_in_bf16_on_a_measured_link_where_fp32_would_show():
+    # The demo job (tiny, one 4 MB bucket) on a measured 21 ms / 1 Gbit/s link: fp32 sync all after backward
+    topo = topology(dc_a=2, dc_b=2)
+    base = default_figures(topo, ("dc-a", "dc-b"), False)
+    link = replace(base, inter_dc=Link(0.0105, 1e9 / 8), inter_dc_known=True)
+    demo = JobRequest(name="demo", model=model_preset("tiny"), steps=60, global_batch=16, micro_batch=4,
+                      topology=TopologyRequest())
+    plan = plan_job(demo, topo, link)
+    assert plan.sync_strategy is SyncStrategy.HIERARCHICAL and plan.compression is Compression.BF16
+    assert "in bf16" in plan.explanation and plan.to_dict()["compression"] == "bf16"
+    assert build_train_config("j", demo, plan, "").sync.compression is Compression.BF16
+    asked = replace(demo, sync=SyncConfig(strategy=None, compression=Compression.INT8))  # the job's encoding stays
+    assert build_train_config("j", asked, plan_job(asked, topo, link), "").sync.compression is Compression.INT8
+    # guessed figures never trade exact sync away; a fast measured link keeps fp32
+    assert plan_job(demo, topo, replace(link, inter_dc_known=False)).compression is None
+    fast = replace(base, inter_dc=Link(0.0001, 100e9 / 8), inter_dc_known=True)
+    assert plan_job(demo, topo, fast).compression is None

@@ -60,9 +60,10 @@ def plan_job(request: JobRequest, topo: ClusterTopology, figures: Figures | None
         )
     rank_dcs, rank_nodes = rank_placement(best, devices, {dc: list(topo.nodes_in(dc)) for dc in best.datacenters}, use_gpu)
     strategy, diloco, reason = _sync_for(request, best, choice)
-    # an auto DiLoCo pick brings its outer-delta encoding, unless the job asked for one
-    auto_diloco = choice is not None and strategy.is_diloco and strategy is choice.strategy
-    compression = choice.compression if auto_diloco and request.sync.compression is Compression.NONE else None
+    # an auto pick brings its inter-DC encoding (DiLoCo's outer deltas, or per-step sync in bf16), unless the
+    # job asked for one
+    picked = choice is not None and strategy is choice.strategy and choice.compression is not Compression.NONE
+    compression = choice.compression if picked and request.sync.compression is Compression.NONE else None
     return Plan(
         datacenters=best.datacenters, rank_datacenters=rank_dcs, use_gpu=use_gpu, sync_strategy=strategy,
         explanation=explain(best, feasible[1:], [c for c in cands if c.rejected], worker_unit(use_gpu)) + reason,
