@@ -55,8 +55,12 @@ def run_rank(rank: int, world: int, cfg: TrainConfig, link_device: str | None = 
     torch.set_num_threads(1)  # every rank of the job shares this machine's cores
     sink = LabSink(link_device)
     train(cfg, sink=sink)
+    recs = sink.records
     return {
         "rank": rank,
+        # the loop's wall from the first step's start to the last one's end (evaluation excluded)
+        "loop_wall_s": recs[-1].time - recs[0].time + recs[0].step_s if recs else 0.0,
+        "val_loss": next((r.val_loss for r in reversed(recs) if r.val_loss is not None), None),
         "step_s": [r.step_s for r in sink.records],
         "sync_wait_s": [r.sync_wait_s for r in sink.records],
         "inter_dc_bytes": [r.inter_dc_bytes for r in sink.records],

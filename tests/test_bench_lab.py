@@ -55,3 +55,28 @@ def test_diloco_is_timed_over_whole_cycles_after_its_first_sync() -> None:
     assert window(argparse.Namespace(warmup=5, steps=14, diloco_h=4), "diloco") == (9, 13)
     with pytest.raises(ValueError, match="diloco needs --steps >= 9"):
         window(argparse.Namespace(warmup=2, steps=8, diloco_h=4), "diloco")
+
+
+def _lowcomm(*extra: str) -> dict:
+    cmd = [sys.executable, "-m", "meridian.api.cli", "bench", "lowcomm", "--json", "--steps", "40", "--inner-steps",
+           "8", "--compression", "int4", "--diloco-warmup-steps", "0", "--overlap-steps", "1", "--rtt-ms", "21",
+           "--inter-dc-gbps", "1", "--strategies", "streaming-diloco+int4/H8", *extra]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=1200,
+                         env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout)
+
+
+def test_bench_lowcomm_over_the_lab_trains_the_same_values_and_the_kernel_counts_the_bytes() -> None:
+    lab, emulated = _lowcomm("--lab"), _lowcomm()
+    assert lab["link"]["kind"] == "lab" and emulated["link"]["kind"] == "emulated"
+    assert list(lab["strategies"]) == ["har", "streaming-diloco+int4/H8"]  # torchft's rows: loopback only
+    for name, row in lab["strategies"].items():
+        # real TCP changes when things arrive, never what: the same losses as behind the emulator
+        assert row["final_val_loss"] == emulated["strategies"][name]["final_val_loss"], name
+        assert row["inter_dc_bytes_per_step"] == emulated["strategies"][name]["inter_dc_bytes_per_step"], name
+        assert 0 < row["compute_utilisation"] <= 1 and row["inter_dc_bytes_kernel_per_step"] > 0
+        if name != "har":  # no torchft row to compare with
+            assert row["goals"]["loss_le_torchft"] is None and row["goals"]["bytes_le_torchft"] is None
+    # per-step sync's 1.1 MB a step, against the link's count (headers, ACKs and the loop's loss all-reduce on top)
+    assert 0.8 < lab["strategies"]["har"]["reported_vs_kernel"] <= 1.0
