@@ -39,8 +39,10 @@ import argparse
 import os
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from meridian.bench.lowcomm_torchft import TorchftOuter, run_torchft
@@ -122,20 +124,17 @@ def job_config(args: argparse.Namespace, sync: SyncConfig | None, *, emulated: b
     )  # fmt: skip
 
 
-def _meridian(cfg: TrainConfig) -> dict[str, Any]:
-    from meridian.workers.loop.train import ListSink, train
+def _meridian(rank: int, world: int, cfg: TrainConfig) -> dict[str, Any]:
+    from meridian.bench.lab_worker import run_rank
 
-    sink = ListSink()
-    result = train(cfg, sink=sink)
-    recs = sink.records
-    if not recs:
-        return {}
-    return {
-        "step_s": [r.step_s for r in recs], "blocked_s": [r.sync_wait_s for r in recs],
-        # ``time`` is when each step finished (its loss sum was issued): the loop's wall, evaluation excluded
-        "loop_wall_s": recs[-1].time - recs[0].time + recs[0].step_s, "val_loss": recs[-1].val_loss,
-        "losses": [r.loss for r in recs], "inter_dc_bytes": result.inter_dc_bytes_per_step * cfg.steps,
-    }  # fmt: skip
+    return _as_run(run_rank(rank, world, cfg))
+
+
+def _as_run(r0: dict[str, Any]) -> dict[str, Any]:
+    """Rank 0's :func:`~meridian.bench.lab_worker.run_rank` output (behind the emulator or in the lab) as
+    :func:`summarise` reads a strategy."""
+    return {"step_s": r0["step_s"], "blocked_s": r0["sync_wait_s"], "loop_wall_s": r0["loop_wall_s"],
+            "val_loss": r0["val_loss"], "losses": r0["loss"], "inter_dc_bytes": sum(r0["inter_dc_bytes"])}  # fmt: skip
 
 
 def _run_rank(rank: int, world: int, jobs: list[tuple[str, TrainConfig, TorchftOuter | None]], val_batches: int):
@@ -145,7 +144,7 @@ def _run_rank(rank: int, world: int, jobs: list[tuple[str, TrainConfig, TorchftO
     out = {}
     for name, cfg, outer in jobs:
         t0 = time.perf_counter()
-        got = run_torchft(rank, cfg, outer, val_batches) if outer is not None else _meridian(cfg)
+        got = run_torchft(rank, cfg, outer, val_batches) if outer is not None else _meridian(rank, world, cfg)
         got["run_s"] = time.perf_counter() - t0
         out[name] = got
     return out if rank == 0 else None
@@ -153,9 +152,6 @@ def _run_rank(rank: int, world: int, jobs: list[tuple[str, TrainConfig, TorchftO
 
 def run_on_lab(args: argparse.Namespace, chosen: list[Strategy]) -> dict[str, dict[str, Any]]:
     """Meridian's strategies as processes in the lab's namespaces, one rank per datacenter (real TCP)."""
-    import tempfile
-    from pathlib import Path
-
     from meridian.bench.lab import lab_lock, run_in_lab
     from meridian.service.cluster.lab import lab as lab_mod
 
@@ -180,16 +176,15 @@ def run_on_lab(args: argparse.Namespace, chosen: list[Strategy]) -> dict[str, di
 def from_lab(ranks: list[dict[str, Any]], run_s: float) -> dict[str, Any]:
     """A lab run's ranks as :func:`summarise` reads a strategy, plus the kernel's count of the inter-DC bytes
     over the steps after the first (which also sets up the connections), against what the engines reported
-    for the same steps."""
-    r0 = ranks[0]
-    steps = len(r0["step_s"])
-    got = {"step_s": r0["step_s"], "blocked_s": r0["sync_wait_s"], "loop_wall_s": r0["loop_wall_s"],
-           "val_loss": r0["val_loss"], "losses": r0["loss"], "inter_dc_bytes": sum(r0["inter_dc_bytes"]),
-           "run_s": run_s}  # fmt: skip
-    counted = [r["counters"] for r in ranks if r["counters"]]
-    if counted and steps > 1:
-        got["kernel_per_step"] = sum(c[str(steps)] - c["1"] for c in counted) / (steps - 1)
-        got["reported_per_step_after_first"] = statistics.mean(r0["inter_dc_bytes"][1:])
+    for the same steps (:func:`meridian.bench.lab.summarise`)."""
+    from meridian.bench.lab import summarise as lab_summarise
+
+    got = {**_as_run(ranks[0]), "run_s": run_s}
+    steps = len(ranks[0]["step_s"])
+    if steps > 1:
+        counted = lab_summarise(ranks, (1, steps), use_mean=True)
+        if "kernel" in counted:
+            got["kernel_per_step"], got["reported_per_step_after_first"] = counted["kernel"], counted["reported"]
     return got
 
 
