@@ -23,8 +23,8 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -35,9 +35,9 @@ from meridian.workers.loop.observe import DevicePeak, measure_peak_flops
 from meridian.workers.loop.parallel import ModelParallelReplica
 from meridian.workers.loop.records import ListSink, ProgressSink, TrainResult, step_record
 from meridian.workers.loop.replica import DataParallelReplica, Membership, Replica
-from meridian.workers.loop.step import BatchPrefetch, StepOutput, timed_step
+from meridian.workers.loop.report import ReportWindows, StepReport
+from meridian.workers.loop.step import BatchPrefetch, timed_step
 from meridian.workers.state.replica_state import LocalShard
-from meridian.workers.sync.engine import StepStats
 
 __all__ = ["EpochOutcome", "EpochState", "ListSink", "Membership", "ProgressSink", "TrainResult", "TrainingLoop",
            "train"]  # fmt: skip
@@ -72,59 +72,6 @@ class EpochOutcome:
     finished: bool
     """The job's last step is done (else every rank left at a step boundary to re-form)."""
     result: TrainResult | None = None
-
-
-@dataclass
-class _Pending:
-    """A step whose global loss is still being summed."""
-
-    totals: torch.Tensor
-    work: dist.Work
-    out: StepOutput
-    step: int
-    done_at: float
-    ready: Any = None
-    """On CUDA: an event after which ``totals`` (pinned host copies of the sum, then the grad norm) are
-    readable; waiting for it does not wait for the steps queued since (``.item()`` on the device would)."""
-    device_totals: torch.Tensor | None = None
-    val_loss: float | None = None
-    """The validation loss measured after this step, when the job asks for one."""
-
-    @classmethod
-    def of(cls, totals: torch.Tensor, work: dist.Work, out: StepOutput, step: int) -> _Pending:
-        if not totals.is_cuda:  # gloo: the host waits one step later, in publish()
-            return cls(totals, work, out, step, time.time())
-        # NCCL: a side stream waits for the sum and the step, then copies to pinned memory; neither the
-        # host nor the training stream waits here.
-        side = _side_stream(totals.device)
-        side.wait_stream(torch.cuda.current_stream(totals.device))
-        host = torch.empty(4, pin_memory=True)
-        with torch.cuda.stream(side):
-            work.wait()
-            host[:3].copy_(totals, non_blocking=True)
-            norm = torch.as_tensor(out.stats.grad_norm, device=totals.device).float().reshape(1)
-            host[3:].copy_(norm, non_blocking=True)
-            ready = torch.cuda.Event()
-            ready.record(side)
-        return cls(host, work, out, step, time.time(), ready, totals)
-
-    def wait(self) -> StepStats:
-        """Until the sum is readable; returns the step's stats with the grad norm as a float."""
-        if self.ready is None:
-            self.work.wait()
-            return self.out.stats
-        self.ready.synchronize()
-        return replace(self.out.stats, grad_norm=float(self.totals[3]))
-
-
-_SIDE_STREAMS: dict[torch.device, Any] = {}
-
-
-def _side_stream(device: torch.device) -> Any:
-    """The stream that copies each step's sums to the host (CUDA)."""
-    if device not in _SIDE_STREAMS:
-        _SIDE_STREAMS[device] = torch.cuda.Stream(device=device)
-    return _SIDE_STREAMS[device]
 
 
 def build_replica(cfg: TrainConfig, membership: Membership, device: torch.device) -> Replica:
@@ -189,22 +136,21 @@ class TrainingLoop:
         peak = self._device_peak(m.rank)
         first_loss = final_loss = math.nan
         timed_tokens, timed_s, inter_dc_total, steps_here = 0, 0.0, 0, 0
-        pending: _Pending | None = None
-        leave = False
+        reports = ReportWindows(replica.device, m.world_size)
         prefetch = BatchPrefetch.for_replica(data, cfg, replica)  # CUDA: pinned, one step ahead; CPU: None
 
-        def publish(p: _Pending) -> float:
-            nonlocal leave
-            # The global loss is summed with an async all-reduce and read one step later, so reporting it
-            # never puts a latency round on the critical path.
-            stats = p.wait()
-            loss, inter_dc = p.totals[0].item(), int(p.totals[1].item())
-            leave = leave or p.totals[2].item() > 0  # every rank reads the same sum: all leave after one step
-            if m.rank == 0:
-                sink.step(step_record(cfg, p.step, loss, p.out.step_s, stats, inter_dc, p.done_at,
-                                      data_s=p.out.data_s, peak=peak, world=m.world_size, epoch=m.epoch,
-                                      val_loss=p.val_loss))
-            return loss
+        def publish(rows: list[StepReport]) -> None:
+            # Each step's global loss is summed a window of steps at a time and read a window later, so
+            # reporting it never puts a latency round on the critical path, over a LAN or a far link.
+            nonlocal first_loss, final_loss
+            for r in rows:
+                assert r.stats is not None
+                first_loss = r.loss if math.isnan(first_loss) else first_loss
+                final_loss = r.loss
+                if m.rank == 0:
+                    sink.step(step_record(cfg, r.step, r.loss, r.out.step_s, r.stats, r.inter_dc_bytes, r.done_at,
+                                          data_s=r.out.data_s, peak=peak, world=m.world_size, epoch=m.epoch,
+                                          val_loss=r.val_loss))
 
         step = start
         while step < cfg.steps:
@@ -215,22 +161,13 @@ class TrainingLoop:
             if snap:
                 assert state is not None and out.stats.shard is not None
                 state.keep(out.stats.shard)
-            flag = 1.0 if state is not None and state.leave_requested() else 0.0
-            # On this rank's device (NCCL on a GPU, the same device type on every rank): no host sync here,
-            # the sum is read one step later.
             dev = replica.device
-            contrib = out.loss.detach().float().to(dev) if replica.reports_loss else torch.zeros((), device=dev)
-            extra = torch.tensor([float(out.inter_dc_bytes), flag]).to(dev, non_blocking=True)
-            totals = torch.cat([contrib.reshape(1), extra])
-            work = dist.all_reduce(totals, async_op=True)
-            if pending is not None:
-                loss = publish(pending)
-                first_loss = loss if math.isnan(first_loss) else first_loss
-            pending = _Pending.of(totals, work, out, step)
+            contrib = out.loss if replica.reports_loss else torch.zeros((), device=dev)
+            publish(reports.add(step, out, contrib, leave=state is not None and state.leave_requested()))
             if steps_here > 0:  # the epoch's first step pays for warm-up: not timed
                 timed_tokens += cfg.tokens_per_step
-                # On CUDA the step only queues kernels; the loop is paced where publish() waits for the step
-                # before, so the whole iteration is the step's time there.
+                # On CUDA the step only queues kernels; the loop is paced where a window's sum is read, so the
+                # whole iteration is the step's time there.
                 timed_s += time.perf_counter() - started if dev.type == "cuda" else out.step_s
             steps_here += 1
             inter_dc_total += out.inter_dc_bytes
@@ -238,18 +175,17 @@ class TrainingLoop:
             if cfg.validation is not None and (step % cfg.validation.every_steps == 0 or step == cfg.steps):
                 assert val_data is not None
                 replica.engine.synchronize()  # every rank evaluates at the same step (pipelines all-reduce)
-                pending.val_loss = replica.evaluate(val_data, batches=cfg.validation.batches)
+                reports.set_val_loss(replica.evaluate(val_data, batches=cfg.validation.batches))
             if state is not None:
                 state.step_done(replica, step)
-            if leave and step < cfg.steps:
-                publish(pending)
+            if reports.leave and step < cfg.steps:
+                publish(reports.flush())
                 if state is not None and not snap:  # the next epoch resumes here: nothing to train again
                     replica.engine.synchronize()
                     state.keep(replica.engine.local_shard(step))
                 return EpochOutcome(finished=False)  # a newcomer joins at this step boundary
 
-        if pending is not None:
-            final_loss = publish(pending)
+        publish(reports.flush())
         if math.isnan(first_loss):
             first_loss = final_loss
         replica.engine.synchronize()

@@ -1,0 +1,103 @@
+"""The training loop's per-step sums over all ranks (:mod:`meridian.workers.loop.report`), on real gloo processes.
+
+Every step is reported once, in order, with the sum over ranks of its loss and bytes; every rank reads the leave
+flag after the same step; and when the sum takes longer than a step (a far link, emulated here by a sum that
+cannot be read before a fixed latency), every rank widens its windows alike, so the loop stops waiting for it.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from meridian.workers.distributed.multiproc import run_processes
+from meridian.workers.loop.report import ReportWindows
+from meridian.workers.loop.step import StepOutput
+from meridian.workers.sync.engine import StepStats
+
+
+class _LateWork:
+    """A sum that cannot be read before ``latency_s`` after it was issued (a far link's round trips)."""
+
+    def __init__(self, work, latency_s: float) -> None:
+        self.work, self.until = work, time.perf_counter() + latency_s
+
+    def wait(self) -> bool:
+        time.sleep(max(0.0, self.until - time.perf_counter()))
+        return self.work.wait()
+
+
+def _run(rank: int, world: int, steps: int, step_s: float, latency_s: float, leave_at: int | None) -> dict:
+    import torch.distributed as dist
+
+    if latency_s:
+        all_reduce = dist.all_reduce
+        dist.all_reduce = lambda t, **kw: _LateWork(all_reduce(t, **kw), latency_s)
+    windows = ReportWindows(torch.device("cpu"), world)
+    seen, sizes, left_after = [], [], None
+    blocked_s = 0.0
+    for step in range(steps):
+        time.sleep(step_s)  # the step's compute
+        out = StepOutput(loss=torch.zeros(()), stats=StepStats(grad_norm=float(step), inter_dc_bytes=0, sync_wait_s=0.0),
+                         step_s=step_s, data_s=0.0, inter_dc_bytes=100 * step + rank)  # fmt: skip
+        t0 = time.perf_counter()
+        rows = windows.add(step, out, torch.tensor(10.0 * step + rank), leave=rank == 1 and step == leave_at)
+        blocked_s += time.perf_counter() - t0 if step >= steps // 2 else 0.0
+        if step == steps // 2 and latency_s:
+            windows.set_val_loss(0.5)
+        seen += [(r.step, r.loss, r.inter_dc_bytes, r.stats.grad_norm, r.val_loss) for r in rows]
+        sizes.append(windows.window)
+        if windows.leave:
+            left_after = step
+            break
+    seen += [(r.step, r.loss, r.inter_dc_bytes, r.stats.grad_norm, r.val_loss) for r in windows.flush()]
+    return {"seen": seen, "sizes": sizes, "left_after": left_after, "blocked_s": blocked_s}
+
+
+def _expected(world: int, steps: range) -> list[tuple]:
+    return [(s, sum(10.0 * s + r for r in range(world)), sum(100 * s + r for r in range(world)), float(s))
+            for s in steps]  # fmt: skip
+
+
+def test_every_step_is_reported_once_in_order_with_the_sum_over_ranks():
+    world, steps = 3, 40
+    results = run_processes(_run, world, steps, 0.002, 0.0, None, timeout_s=120)
+    for res in results:
+        assert [row[:4] for row in res["seen"]] == _expected(world, range(steps))
+        assert res["left_after"] is None
+    # The windows' widths are agreed: every rank closes its windows after the same steps.
+    assert len({tuple(r["sizes"]) for r in results}) == 1
+
+
+@pytest.mark.parametrize("latency_s", [0.0, 0.12])
+def test_every_rank_leaves_after_the_same_step_and_reports_every_step_before_it(latency_s):
+    world, steps, asked_at = 2, 120, 30
+    results = run_processes(_run, world, steps, 0.01, latency_s, asked_at, timeout_s=120)
+    left = {r["left_after"] for r in results}
+    assert len(left) == 1 and None not in left
+    (left_after,) = left
+    # Read a window or two after it was asked for; never before.
+    assert asked_at <= left_after < steps - 1
+    for res in results:
+        assert [row[:4] for row in res["seen"]] == _expected(world, range(left_after + 1))
+
+
+def test_a_sum_slower_than_a_step_widens_every_ranks_window_alike_and_stops_pacing_the_loop():
+    world, steps, step_s, latency_s = 2, 80, 0.01, 0.12
+    results = run_processes(_run, world, steps, step_s, latency_s, None, timeout_s=120)
+    sizes = {tuple(r["sizes"]) for r in results}
+    assert len(sizes) == 1
+    (sizes,) = sizes
+    assert sizes[0] == 1  # a LAN's width until a sum was seen to be slow
+    # Twice the ~12 steps the latency spans (the measured step includes the loop's own overhead, so a little
+    # under 24), and never past max_window_s (2 s) of steps.
+    assert 12 <= sizes[-1] <= 2.0 / step_s
+    assert list(sizes) == sorted(sizes)  # only ever widens
+    for res in results:
+        assert [row[:4] for row in res["seen"]] == _expected(world, range(steps))
+        assert [row[0] for row in res["seen"] if row[4] is not None] == [steps // 2]
+        # In the second half the loop blocks on a sum for far less than the one latency per step (4.8 s) it
+        # would wait at a window of one step; the flush at the end is not counted.
+        assert res["blocked_s"] < 0.25 * (steps // 2) * latency_s
