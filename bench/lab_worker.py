@@ -35,10 +35,13 @@ def tx_bytes(device: str) -> int:
 
 @dataclass
 class LabSink:
-    """Rank 0's step records, and (with ``link_device``) the link's sent bytes after each step on this rank."""
+    """Rank 0's step records; on every rank its own steps' times (the loop's per-step heartbeats) and, with
+    ``link_device``, the link's sent bytes after each step."""
 
     link_device: str | None = None
     records: list[StepRecord] = field(default_factory=list)
+    beats: list[dict[str, Any]] = field(default_factory=list)
+    """This rank's heartbeat after each of its steps: ``step_s``, ``sync_wait_s`` and the ``time`` it ended."""
     counters: dict[int, int] = field(default_factory=dict)
     """Step (1-based, steps done) → the link device's ``tx_bytes`` right after this rank finished it."""
 
@@ -46,7 +49,10 @@ class LabSink:
         self.records.append(record)
 
     def rank_step(self, beat: dict[str, Any]) -> None:
-        if self.link_device is not None and beat.get("phase") == "done":
+        if beat.get("phase") != "done":
+            return
+        self.beats.append(beat)
+        if self.link_device is not None:
             self.counters[int(beat["step"])] = tx_bytes(self.link_device)
 
 
@@ -55,16 +61,18 @@ def run_rank(rank: int, world: int, cfg: TrainConfig, link_device: str | None = 
     torch.set_num_threads(1)  # every rank of the job shares this machine's cores
     sink = LabSink(link_device)
     train(cfg, sink=sink)
-    recs = sink.records
+    recs, beats = sink.records, sink.beats
     return {
         "rank": rank,
-        # the loop's wall from the first step's start to the last one's end (evaluation excluded)
-        "loop_wall_s": recs[-1].time - recs[0].time + recs[0].step_s if recs else 0.0,
+        # this rank's own steps: the loop's wall from the first step's start to the last one's end (evaluation
+        # excluded), each step's time and what it waited for its sync
+        "loop_wall_s": beats[-1]["time"] - beats[0]["time"] + beats[0]["step_s"] if beats else 0.0,
+        "step_s": [b["step_s"] for b in beats],
+        "sync_wait_s": [b["sync_wait_s"] for b in beats],
+        # what rank 0 reports for the job (empty on the other ranks)
         "val_loss": next((r.val_loss for r in reversed(recs) if r.val_loss is not None), None),
-        "step_s": [r.step_s for r in sink.records],
-        "sync_wait_s": [r.sync_wait_s for r in sink.records],
-        "inter_dc_bytes": [r.inter_dc_bytes for r in sink.records],
-        "loss": [r.loss for r in sink.records],
+        "inter_dc_bytes": [r.inter_dc_bytes for r in recs],
+        "loss": [r.loss for r in recs],
         "counters": sink.counters,
     }
 

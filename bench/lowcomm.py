@@ -27,8 +27,10 @@ run there (its processes are this bench's own, on loopback).
 Per strategy, all measured: ``inter_dc_bytes_per_step`` (bytes handed to the collectives that cross DCs,
 summed over ranks, divided by steps), ``bytes_reduction_vs_har``, ``final_val_loss``, ``loss_gap_vs_har``
 (relative), ``wall_s`` (first step's start to last step's end on rank 0), ``compute_utilisation`` (time
-computing ÷ ``wall_s``: the steps' time less what they waited for inter-DC sync; time the loop spends between
-steps counts against it) and ``not_blocked_in_sync`` (1 − what the steps waited for their sync ÷ ``wall_s``). ``auto_choice`` is what the planner
+computing ÷ wall: each rank's steps' time less what they waited for inter-DC sync, over all ranks, ÷ their loops'
+walls; time a loop spends between steps, or waiting for a slower datacenter, counts against it; each rank's in
+``compute_utilisation_per_rank``) and ``not_blocked_in_sync`` (rank 0: 1 − what its steps waited for their sync
+÷ ``wall_s``). ``auto_choice`` is what the planner
 (:func:`meridian.service.planning.sync_choice.choose_sync`) picks for the link and the measured compute time
 of a step, with its reason. ``link`` says whether the link was the lab's or the application's emulator.
 """
@@ -83,8 +85,9 @@ def strategies(args: argparse.Namespace) -> list[Strategy]:
     for h in args.inner_steps:
         outer = {"inner_steps": h, "outer_lr": args.outer_lr, "outer_momentum": args.outer_momentum}
         plain = DiLoCoConfig(**outer)  # no warm-up: syncing every H/4 steps with the outer momentum overshot (+25-45%)
-        streaming = DiLoCoConfig(fragments=args.fragments, overlap_steps=args.overlap_steps, mix_alpha=args.mix_alpha,
-                                 warmup_steps=_whole_cycles(args.diloco_warmup_steps, h, args.fragments, args.overlap_steps),
+        tau = overlap_steps(args, h)
+        streaming = DiLoCoConfig(fragments=args.fragments, overlap_steps=tau, mix_alpha=args.mix_alpha,
+                                 warmup_steps=_whole_cycles(args.diloco_warmup_steps, h, args.fragments, tau),
                                  **outer)  # fmt: skip
         for kind, strategy, cfg in (("diloco", SyncStrategy.DILOCO, plain),
                                     ("streaming-diloco", SyncStrategy.STREAMING_DILOCO, streaming)):  # fmt: skip
@@ -94,13 +97,20 @@ def strategies(args: argparse.Namespace) -> list[Strategy]:
         ft = {"outer_lr": args.outer_lr, "outer_momentum": args.outer_momentum}
         out.append(Strategy(f"torchft-diloco/H{h}", torchft=TorchftOuter(h, **ft)))
         out.append(Strategy(f"torchft-streaming-diloco/H{h}", torchft=TorchftOuter(
-            h, fragments=args.fragments, sync_delay=args.overlap_steps, alpha=args.mix_alpha, **ft)))  # fmt: skip
+            h, fragments=args.fragments, sync_delay=tau, alpha=args.mix_alpha, **ft)))  # fmt: skip
     if args.strategies:
         unknown = sorted(set(args.strategies) - {s.name for s in out})
         if unknown:
             raise ValueError(f"unknown --strategies {unknown}; choose from {[s.name for s in out]}")
         out = [s for s in out if s.name in args.strategies or s.name == "har"]  # har is the baseline
     return out
+
+
+def overlap_steps(args: argparse.Namespace, h: int) -> int:
+    """Streaming: the inner steps a fragment's sync stays in flight; by default the most this H and fragment count
+    allow (a fragment's sync lands before its next one starts), what ``auto`` picks when the link's latency spans
+    more steps than that."""
+    return args.overlap_steps if args.overlap_steps is not None else h // args.fragments - 1
 
 
 def _whole_cycles(steps: int, h: int, fragments: int, overlap_steps: int) -> int:
@@ -130,11 +140,21 @@ def _meridian(rank: int, world: int, cfg: TrainConfig) -> dict[str, Any]:
     return _as_run(run_rank(rank, world, cfg))
 
 
-def _as_run(r0: dict[str, Any]) -> dict[str, Any]:
-    """Rank 0's :func:`~meridian.bench.lab_worker.run_rank` output (behind the emulator or in the lab) as
-    :func:`summarise` reads a strategy."""
-    return {"step_s": r0["step_s"], "blocked_s": r0["sync_wait_s"], "loop_wall_s": r0["loop_wall_s"],
-            "val_loss": r0["val_loss"], "losses": r0["loss"], "inter_dc_bytes": sum(r0["inter_dc_bytes"])}  # fmt: skip
+def _as_run(r: dict[str, Any]) -> dict[str, Any]:
+    """A rank's :func:`~meridian.bench.lab_worker.run_rank` output (behind the emulator or in the lab) as
+    :func:`summarise` reads a strategy (the loss and bytes only on rank 0, which reports them)."""
+    return {"step_s": r["step_s"], "blocked_s": r["sync_wait_s"], "loop_wall_s": r["loop_wall_s"],
+            "val_loss": r["val_loss"], "losses": r["loss"], "inter_dc_bytes": sum(r["inter_dc_bytes"])}  # fmt: skip
+
+
+def _timing(r: dict[str, Any]) -> dict[str, float]:
+    """One rank's time computing (its steps' time less what they waited for inter-DC sync) and its loop's wall."""
+    return {"computing_s": sum(r["step_s"]) - sum(r["blocked_s"]), "wall_s": r["loop_wall_s"]}
+
+
+def _with_ranks(ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    """Rank 0's run of a strategy, with every rank's timing."""
+    return {**ranks[0], "ranks": [_timing(r) for r in ranks]}
 
 
 def _run_rank(rank: int, world: int, jobs: list[tuple[str, TrainConfig, TorchftOuter | None]], val_batches: int):
@@ -147,7 +167,7 @@ def _run_rank(rank: int, world: int, jobs: list[tuple[str, TrainConfig, TorchftO
         got = run_torchft(rank, cfg, outer, val_batches) if outer is not None else _meridian(rank, world, cfg)
         got["run_s"] = time.perf_counter() - t0
         out[name] = got
-    return out if rank == 0 else None
+    return out
 
 
 def run_on_lab(args: argparse.Namespace, chosen: list[Strategy]) -> dict[str, dict[str, Any]]:
@@ -179,7 +199,7 @@ def from_lab(ranks: list[dict[str, Any]], run_s: float) -> dict[str, Any]:
     for the same steps (:func:`meridian.bench.lab.summarise`)."""
     from meridian.bench.lab import summarise as lab_summarise
 
-    got = {**_as_run(ranks[0]), "run_s": run_s}
+    got = {**_with_ranks([_as_run(r) for r in ranks]), "run_s": run_s}
     steps = len(ranks[0]["step_s"])
     if steps > 1:
         counted = lab_summarise(ranks, (1, steps), use_mean=True)
@@ -190,7 +210,10 @@ def from_lab(ranks: list[dict[str, Any]], run_s: float) -> dict[str, Any]:
 
 def summarise(name: str, s: Strategy, got: dict[str, Any], steps: int) -> dict[str, Any]:
     blocked, wall = sum(got["blocked_s"]), got["loop_wall_s"]
-    computing = sum(got["step_s"]) - blocked  # the steps' own time, less what they waited for the link
+    # Each rank's time computing (its steps' own time, less what they waited for the link) ÷ its wall; the job's
+    # figure is all ranks' computing ÷ all ranks' wall (a rank that waits for a slower peer counts against it).
+    ranks = got["ranks"]
+    utilisation = sum(r["computing_s"] for r in ranks) / sum(r["wall_s"] for r in ranks)
     row: dict[str, Any] = {
         "engine": "torchft" if s.torchft else "meridian",
         "inter_dc_bytes_per_step": round(got["inter_dc_bytes"] / steps, 1),
@@ -201,9 +224,10 @@ def summarise(name: str, s: Strategy, got: dict[str, Any], steps: int) -> dict[s
         "step_ms_mean": round(1000 * statistics.mean(got["step_s"]), 2),
         "blocked_s": round(blocked, 3),
         # time computing ÷ wall: whatever else holds the loop (waiting on the link inside a step, or between
-        # steps, e.g. for the loop's own per-step loss sum across datacenters) counts against it
-        "compute_utilisation": round(computing / wall, 4),
-        "not_blocked_in_sync": round(1 - blocked / wall, 4),  # 1 − what the steps waited for their sync ÷ wall
+        # steps, e.g. for the loop's own loss sums across datacenters) counts against it
+        "compute_utilisation": round(utilisation, 4),
+        "compute_utilisation_per_rank": [round(r["computing_s"] / r["wall_s"], 4) for r in ranks],
+        "not_blocked_in_sync": round(1 - blocked / wall, 4),  # rank 0: 1 − what its steps waited for sync ÷ wall
     }
     if "kernel_per_step" in got:
         row["inter_dc_bytes_kernel_per_step"] = round(got["kernel_per_step"], 1)
@@ -279,7 +303,9 @@ def run(args: argparse.Namespace) -> dict:
         per_rank = run_on_lab(args, chosen)
     else:
         jobs = [(s.name, job_config(args, s.sync), s.torchft) for s in chosen]
-        per_rank = run_processes(_run_rank, args.dcs, jobs, args.val_batches, timeout_s=args.timeout_s)[0]
+        ranks = run_processes(_run_rank, args.dcs, jobs, args.val_batches, timeout_s=args.timeout_s)
+        per_rank = {name: {**_with_ranks([r[name] for r in ranks]), "run_s": ranks[0][name]["run_s"]}
+                    for name, _, _ in jobs}  # fmt: skip
     total_s = time.perf_counter() - t0
     report = {s.name: summarise(s.name, s, per_rank[s.name], args.steps) for s in chosen}
     compare(report)
@@ -308,7 +334,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rtt-ms", type=float, default=100.0, help="inter-DC round trip (default 100)")
     p.add_argument("--inter-dc-gbps", type=float, default=0.1, help="inter-DC bandwidth (default 0.1)")
     p.add_argument("--model", default="nano", help="model preset (default nano)")
-    p.add_argument("--steps", type=int, default=1024, help="optimizer steps per strategy (default 1024)")
+    p.add_argument("--steps", type=int, default=4096, help="optimizer steps per strategy (default 4096)")
     p.add_argument("--global-batch", type=int, default=16, help="samples per step over all DCs (default 16)")
     p.add_argument("--micro-batch", type=int, default=8, help="samples per forward/backward (default 8)")
     p.add_argument("--lr", type=float, default=5e-3,
@@ -319,8 +345,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compression", nargs="+", default=["int8", "int4"], choices=["none", "bf16", "int8", "int4"],
                    help="outer-delta encodings for Meridian's DiLoCo (default int8 int4)")  # fmt: skip
     p.add_argument("--fragments", type=int, default=4, help="streaming fragments (default 4)")
-    p.add_argument("--overlap-steps", type=int, default=4,
-                   help="streaming: steps a sync is in flight (default 4: covers 100 ms RTT at ~15 ms steps)")
+    p.add_argument("--overlap-steps", type=int, default=None,
+                   help="streaming: steps a sync is in flight (default H // fragments - 1, the most the cycle allows: "
+                        "on the 100 ms link a ~9 ms step needs 7 to cover one way and the transfer)")
     p.add_argument("--mix-alpha", type=float, default=0.5, help="streaming: local weight in the merge (default 0.5)")
     p.add_argument("--outer-lr", type=float, default=0.7, help="outer Nesterov learning rate (default 0.7)")
     p.add_argument("--outer-momentum", type=float, default=0.9, help="outer Nesterov momentum (default 0.9)")

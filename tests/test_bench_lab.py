@@ -76,6 +76,7 @@ def test_bench_lowcomm_over_the_lab_trains_the_same_values_and_the_kernel_counts
         assert row["final_val_loss"] == emulated["strategies"][name]["final_val_loss"], name
         assert row["inter_dc_bytes_per_step"] == emulated["strategies"][name]["inter_dc_bytes_per_step"], name
         assert 0 < row["compute_utilisation"] <= 1 and row["inter_dc_bytes_kernel_per_step"] > 0
+        assert len(row["compute_utilisation_per_rank"]) == 2  # each datacenter's rank timed its own steps
         if name != "har":  # no torchft row to compare with
             assert row["goals"]["loss_le_torchft"] is None and row["goals"]["bytes_le_torchft"] is None
     # per-step sync's 1.1 MB a step, against the link's count (headers, ACKs and the loop's loss all-reduce on top)

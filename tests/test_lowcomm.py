@@ -37,5 +37,9 @@ def test_torchft_and_meridian_diloco_agree_and_bytes_are_what_was_sent():
     assert 7 <= mine["inter_dc_bytes_per_step"] / int4["inter_dc_bytes_per_step"] <= 8  # 0.53 of 4 bytes
     for r in rows.values():
         assert 0 < r["compute_utilisation"] <= 1 and r["wall_s"] > 0
+        # every rank's own figure (both sides: torchft's ranks too); the job's lies between them
+        per_rank = r["compute_utilisation_per_rank"]
+        assert len(per_rank) == 2 and all(0 < u <= 1 for u in per_rank)
+        assert min(per_rank) - 1e-4 <= r["compute_utilisation"] <= max(per_rank) + 1e-4
     assert out["auto_choice"]["strategy"] in ("hierarchical", "diloco", "streaming-diloco")
     assert out["auto_choice"]["reason"]
