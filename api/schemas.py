@@ -248,7 +248,11 @@ class SyncSpec(Strict):
     strategy: Literal[(AUTO, *(s.value for s in SyncStrategy))] = (  # type: ignore[valid-type]
         _REQUEST_SYNC.strategy.value if _REQUEST_SYNC.strategy else AUTO
     )
-    bucket_mb: float = config_field(SyncConfig, "bucket_mb")
+    bucket_mb: float | None = config_field(
+        SyncConfig, "bucket_mb", default=_REQUEST_SYNC.bucket_mb,
+        description="Gradients are reduced in buckets of about this many MiB (fp32); omitted or null: the planner "
+                    "sizes them so backward has several to overlap (the plan's bucket_mb says what it chose)",
+    )
     shard_optimizer: bool = config_field(SyncConfig, "shard_optimizer")
     overlap: bool = config_field(SyncConfig, "overlap")
     inter_dc_chunk_mb: float = config_field(SyncConfig, "inter_dc_chunk_mb")

@@ -155,7 +155,7 @@ class DeclaredLink:
 
 
 def _auto_sync() -> SyncConfig:
-    return SyncConfig(strategy=None)
+    return SyncConfig(strategy=None, bucket_mb=None)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -179,7 +179,8 @@ class JobRequest:
     """Declared inter-DC link figures (per DC pair) for the planner."""
     sync: SyncConfig = field(default_factory=_auto_sync)
     """The sync knobs; ``sync.strategy`` is the one place a job asks for a strategy: ``None`` (the default,
-    "auto") lets the planner choose, and its choice is the plan's ``sync_strategy``."""
+    "auto") lets the planner choose, and its choice is the plan's ``sync_strategy``. Likewise ``sync.bucket_mb``:
+    ``None`` (the default) lets the planner size the gradient buckets (the plan's ``bucket_mb``)."""
     wan: WanConfig | None = like(TrainConfig, "wan")
     checkpoint_every: int = like(TrainConfig, "checkpoint_every")
     validation: ValidationConfig | None = like(TrainConfig, "validation")

@@ -38,6 +38,11 @@ def test_submit_read_list_and_plan(client):
     assert client.get("/v1/jobs", params={"state": "running"}).json()["count"] == 0
     plan = client.post("/v1/plans", json=spec()).json()
     assert plan["num_workers"] == 4 and plan["sync_strategy"] == "hierarchical"
+    # the gradient buckets: sized by the planner when the spec leaves them out (or null), else the spec's
+    assert plan["bucket_mb"] == 1.0 and "Gradient buckets of 1.00 MiB: one holds" in plan["explanation"]
+    assert client.post("/v1/plans", json=spec(sync={"bucket_mb": None})).json()["bucket_mb"] == 1.0
+    mine = client.post("/v1/plans", json=spec(sync={"bucket_mb": 0.25})).json()
+    assert mine["bucket_mb"] == 0.25 and "Gradient buckets of" not in mine["explanation"]
 
 
 @pytest.mark.parametrize("body, field", [
@@ -49,6 +54,7 @@ def test_submit_read_list_and_plan(client):
     (spec(sync={"strategy": "flat", "compression": "int8"}), "sync.compression"),
     (spec(sync={"strategy": "auto", "delay_one_step": True}), "sync.delay_one_step"),
     (spec(wan={"rtt_ms": -1, "gbps": 1}), "wan.rtt_ms"),
+    (spec(sync={"bucket_mb": 0}), "sync.bucket_mb"),
     (spec(topology={"datacenters": ["bad name!"]}), "topology.datacenters"),
     ({"name": "x"}, "training"),
 ])

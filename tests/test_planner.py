@@ -217,3 +217,41 @@ def test_1f1b_pays_one_activation_hop_per_tick_gpipe_two():
     f1b = estimate(model_preset("tiny"), _layout(schedule="1f1b", **kw), _figures(), 8)
     gpipe = estimate(model_preset("tiny"), _layout(schedule="gpipe", **kw), _figures(), 8)
     assert gpipe.pp_comm_s == pytest.approx(2 * f1b.pp_comm_s) and f1b.pp_comm_s > 0
+
+
+def test_bucket_size_aims_at_four_buckets_within_its_limits():
+    from meridian.service.planning.buckets import MAX_BUCKET_MB, MIN_BUCKET_MB, bucket_mb_for, buckets_of
+
+    assert bucket_mb_for(40 * 2**20) == 10.0  # four buckets
+    assert bucket_mb_for(0.5 * 2**20) == MIN_BUCKET_MB  # a tiny model: one bucket, not four of 128 KiB
+    assert bucket_mb_for(10 * 2**30) == MAX_BUCKET_MB  # a large one: many buckets of DDP's size
+    assert buckets_of(40 * 2**20, 10.0) == 4 and buckets_of(3.5e6, 1.0) == 4
+    with pytest.raises(ValueError, match="grad_bytes must be > 0"):
+        bucket_mb_for(0)
+
+
+def test_a_job_that_leaves_the_bucket_size_out_gets_the_planner_s_and_says_why():
+    from meridian.service.planning.buckets import bucket_mb_for
+    from meridian.service.planning.train_config import build_train_config
+
+    tiny = model_preset("tiny")  # 3.5 MB of fp32 gradients: one 4 MiB bucket would hold it all
+    auto = replace(req(), model=tiny, sync=SyncConfig(strategy=None, bucket_mb=None))
+    plan = plan_job(auto, topology(dc_a=2, dc_b=2))
+    assert plan.bucket_mb == bucket_mb_for(4 * tiny.num_params) < 4.0
+    assert "Gradient buckets of 1.00 MiB: about 4 for the 3.34 MiB" in plan.explanation
+    assert plan.to_dict()["bucket_mb"] == plan.bucket_mb
+    assert build_train_config("j", auto, plan, "").sync.bucket_mb == plan.bucket_mb
+    # the estimate is the one of those buckets: less of the sync exposed than behind one bucket
+    whole = plan_job(replace(auto, sync=SyncConfig(strategy=None, bucket_mb=4.0)), topology(dc_a=2, dc_b=2))
+    assert plan.estimate["exposed_dp_s"] < whole.estimate["exposed_dp_s"]
+    # an explicit size is the job's: kept, and not explained as the planner's
+    assert whole.bucket_mb == 4.0 and "Gradient buckets of" not in whole.explanation
+    assert build_train_config("j", auto, whole, "").sync.bucket_mb == 4.0
+
+
+def test_a_train_config_never_leaves_the_bucket_size_to_the_workers():
+    from meridian.workers.contracts.config import TrainConfig
+
+    with pytest.raises(ValueError, match=r"sync.bucket_mb is 'auto' \(None\)"):
+        TrainConfig(job_id="j", model=model_preset("nano"), steps=1, global_batch=2, micro_batch=1,
+                    sync=SyncConfig(bucket_mb=None))  # fmt: skip

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from meridian.service.jobs import JobRequest
-from meridian.service.planning.cost_model import Estimate, Figures, Layout, estimate
+from meridian.service.planning.buckets import bucket_mb_for
+from meridian.service.planning.cost_model import BYTES_FP32, Estimate, Figures, Layout, estimate
 from meridian.workers.contracts.config import SyncStrategy
 
 TP_SIZES = (1, 2, 4, 8)
@@ -107,6 +108,13 @@ def _sync_options(request: JobRequest, *, across: bool, num_dcs: int, pp: int) -
     return [True] if across or num_dcs == 1 or pp > 1 else [True, False]
 
 
+def bucket_mb(request: JobRequest, *, tp: int, pp: int) -> float:
+    """The job's ``sync.bucket_mb``, or the planner's size for the gradients one device of this layout holds."""
+    if request.sync.bucket_mb is not None:
+        return request.sync.bucket_mb
+    return bucket_mb_for(BYTES_FP32 * request.model.num_params / (tp * pp))
+
+
 def _candidate(request: JobRequest, figures: Figures, *, tp: int, pp: int, dp: int, across: bool,
                dcs: tuple[str, ...], replicas: tuple[int, ...], hierarchical: bool) -> Candidate:
     micro_batches = max(1, -(-request.global_batch // dp // request.micro_batch))
@@ -114,7 +122,7 @@ def _candidate(request: JobRequest, figures: Figures, *, tp: int, pp: int, dp: i
         tp=tp, pp=pp, dp=dp, num_dcs=len(dcs), dp_per_dc=0 if across else min(replicas), pp_spans_dcs=across,
         micro_batch=request.micro_batch, micro_batches=micro_batches, hierarchical=hierarchical,
         shard_optimizer=request.sync.shard_optimizer, overlap=request.sync.overlap,
-        schedule=request.parallelism.schedule, bucket_bytes=request.sync.bucket_mb * 2**20,
+        schedule=request.parallelism.schedule, bucket_bytes=bucket_mb(request, tp=tp, pp=pp) * 2**20,
     )
     est = estimate(request.model, lay, figures, request.global_batch)
     rejected = ""

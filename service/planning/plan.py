@@ -31,6 +31,9 @@ class Plan:
     compression: Compression | None = None
     """The inter-DC encoding the planner chose with an ``auto`` DiLoCo pick (4-bit outer deltas); ``None``
     keeps the request's ``sync.compression``."""
+    bucket_mb: float = 4.0
+    """The gradient bucket size every rank uses: the job's ``sync.bucket_mb``, or the planner's
+    (:mod:`meridian.service.planning.buckets`) when the job left it out."""
     resources_per_worker: dict[str, float] = field(default_factory=dict)
     tp: int = 1
     pp: int = 1
@@ -67,6 +70,7 @@ class Plan:
             "sync_strategy": self.sync_strategy.value,
             "diloco": None if self.diloco is None else to_plain(self.diloco),
             "compression": None if self.compression is None else self.compression.value,
+            "bucket_mb": self.bucket_mb,
             "estimate": self.estimate,
             "alternatives": list(self.alternatives),
             "explanation": self.explanation,

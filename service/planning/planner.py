@@ -25,8 +25,9 @@ from __future__ import annotations
 from meridian.service.cluster.topology import ClusterTopology
 from meridian.service.errors import InvalidJob, Unschedulable
 from meridian.service.jobs import JobRequest
+from meridian.service.planning.buckets import MAX_BUCKET_MB, MIN_BUCKET_MB, TARGET_BUCKETS, buckets_of
 from meridian.service.planning.candidates import Candidate, enumerate_candidates
-from meridian.service.planning.cost_model import Figures, Layout, runs_hierarchical
+from meridian.service.planning.cost_model import BYTES_FP32, Figures, Layout, runs_hierarchical
 from meridian.service.planning.explain import explain, no_fit_in_memory_reason, no_layout_reason, sync_reason
 from meridian.service.planning.placement import (
     CPUS_PER_WORKER,
@@ -64,10 +65,13 @@ def plan_job(request: JobRequest, topo: ClusterTopology, figures: Figures | None
     # job asked for one
     picked = choice is not None and strategy is choice.strategy and choice.compression is not Compression.NONE
     compression = choice.compression if picked and request.sync.compression is Compression.NONE else None
+    bucket_mb = best.layout.bucket_bytes / 2**20
+    if request.sync.bucket_mb is None and best.layout.dp > 1 and not strategy.is_diloco:
+        reason += " " + bucket_reason(request, best.layout)
     return Plan(
         datacenters=best.datacenters, rank_datacenters=rank_dcs, use_gpu=use_gpu, sync_strategy=strategy,
         explanation=explain(best, feasible[1:], [c for c in cands if c.rejected], worker_unit(use_gpu)) + reason,
-        diloco=diloco, compression=compression, resources_per_worker={"CPU": CPUS_PER_WORKER, **({"GPU": 1.0} if use_gpu else {})},
+        diloco=diloco, compression=compression, bucket_mb=bucket_mb, resources_per_worker={"CPU": CPUS_PER_WORKER, **({"GPU": 1.0} if use_gpu else {})},
         tp=best.layout.tp, pp=best.layout.pp, schedule=request.parallelism.schedule,
         stages_span_dcs=best.layout.pp_spans_dcs, micro_batches=best.layout.micro_batches, rank_nodes=rank_nodes,
         estimate={k: round(v, 6) for k, v in best.estimate.to_dict().items()},
@@ -108,7 +112,7 @@ def _diloco_override(request: JobRequest, feasible: list[Candidate],
     dp = data_parallel[0]
     choice = choose_sync(rtt_ms=figures.inter_dc.latency_s * 2000, gbps=figures.inter_dc.bytes_per_s * 8 / 1e9,
                          num_params=request.model.num_params, compute_s=dp.estimate.compute_s,
-                         num_dcs=dp.layout.num_dcs, overlap=request.sync.overlap, bucket_mb=request.sync.bucket_mb,
+                         num_dcs=dp.layout.num_dcs, overlap=request.sync.overlap, bucket_mb=dp.layout.bucket_bytes / 2**20,
                          steps=request.steps)
     if choice.strategy.is_diloco:
         # DiLoCo hides the link behind H inner steps: it beats any per-step layout (a stage-spanning
@@ -118,6 +122,19 @@ def _diloco_override(request: JobRequest, feasible: list[Candidate],
             return dp, choice
         return best, None
     return best, choice if best is dp else None
+
+
+def bucket_reason(request: JobRequest, lay: Layout) -> str:
+    """The sentence that says how big the planner made the gradient buckets, and why."""
+    grads = BYTES_FP32 * request.model.num_params / (lay.tp * lay.pp)
+    n = buckets_of(grads, lay.bucket_bytes / 2**20)
+    size = f"Gradient buckets of {lay.bucket_bytes / 2**20:.2f} MiB"
+    limits = f"(aim {TARGET_BUCKETS}, none under {MIN_BUCKET_MB:g} or over {MAX_BUCKET_MB:g} MiB)"
+    if n == 1:
+        return (f"{size}: one holds the {grads / 2**20:.2f} MiB of gradients each device holds, so the sync follows "
+                f"backward; smaller buckets would cost more than overlapping them saves {limits}.")
+    return (f"{size}: about {n} for the {grads / 2**20:.2f} MiB of gradients each device holds, so the sync of all "
+            f"but the last can overlap backward {limits}.")
 
 
 def _sync_for(request: JobRequest, best: Candidate,

@@ -214,8 +214,10 @@ class SyncConfig:
     """How gradients travel. ``None`` ("auto") exists only in a job request: the planner then picks the
     strategy (and the DiLoCo knobs), its choice is the plan's ``sync_strategy``, and the :class:`TrainConfig`
     built from request and plan always carries the resolved strategy."""
-    bucket_mb: float = knob(4.0, gt=0, le=1024)
-    """Gradients are reduced in buckets of about this many MiB (fp32)."""
+    bucket_mb: float | None = knob(4.0, gt=0, le=1024)
+    """Gradients are reduced in buckets of about this many MiB (fp32). ``None`` exists only in a job request
+    (its default): the planner sizes the buckets (:func:`meridian.service.planning.buckets.bucket_mb_for`), and
+    the :class:`TrainConfig` built from request and plan carries the plan's size."""
     shard_optimizer: bool = True
     """Partial distributed optimizer: AdamW state sharded inside a DC, replicated across DCs."""
     overlap: bool = True
@@ -360,6 +362,9 @@ class TrainConfig:
         if self.sync.strategy is None:
             raise ValueError("sync.strategy is 'auto' (None): build a TrainConfig from a plan, whose "
                              "sync_strategy resolves it")
+        if self.sync.bucket_mb is None:
+            raise ValueError("sync.bucket_mb is 'auto' (None): build a TrainConfig from a plan, whose bucket_mb "
+                             "resolves it")
         replicas = len(self.datacenters) // self.parallel.model_parallel
         if self.datacenters and replicas > self.global_batch:
             raise ValueError(
