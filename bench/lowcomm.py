@@ -10,7 +10,8 @@ average before and after.
 - ``har``: per-step hierarchical sync (``hierarchical``, gradient buckets synced behind backward, fp32);
 - ``har-delayed``: the same sync applied one step late (``sync.delay_one_step``), behind the whole next step;
 - ``har+bf16``: per-step sync with the inter-DC exchange in bf16 (error feedback): half the bytes, what
-  ``auto`` picks when that hides the link (:mod:`meridian.service.planning.sync_choice`);
+  ``auto`` picks when that hides the link (:mod:`meridian.service.planning.sync_choice`); these two only when
+  ``--strategies`` names them (each takes minutes of per-step waits on the slow link);
 - ``diloco+int8|int4/H<h>``: Meridian's DiLoCo (:mod:`meridian.workers.sync.diloco`), outer deltas in int8 or
   4 bits with error feedback (:mod:`meridian.workers.sync.compression`);
 - ``streaming-diloco+int8|int4/H<h>``: the same with ``--fragments`` fragments, each in flight behind
@@ -74,14 +75,17 @@ class Strategy:
     sync: SyncConfig | None = None
     """Meridian's engine; ``None`` for torchft."""
     torchft: TorchftOuter | None = None
+    by_default: bool = True
+    """Run without ``--strategies``; the per-step variants are opt-in (each takes minutes on the slow link)."""
 
 
 def strategies(args: argparse.Namespace) -> list[Strategy]:
     common = {"bucket_mb": args.bucket_mb, "inter_dc_chunk_mb": args.chunk_mb}
     out = [Strategy("har", SyncConfig(strategy=SyncStrategy.HIERARCHICAL, overlap=True, **common)),
-           Strategy("har-delayed", SyncConfig(strategy=SyncStrategy.HIERARCHICAL, delay_one_step=True, **common)),
+           Strategy("har-delayed", SyncConfig(strategy=SyncStrategy.HIERARCHICAL, delay_one_step=True, **common),
+                    by_default=False),
            Strategy("har+bf16", SyncConfig(strategy=SyncStrategy.HIERARCHICAL, overlap=True,
-                                           compression=Compression.BF16, **common))]
+                                           compression=Compression.BF16, **common), by_default=False)]
     for h in args.inner_steps:
         outer = {"inner_steps": h, "outer_lr": args.outer_lr, "outer_momentum": args.outer_momentum}
         plain = DiLoCoConfig(**outer)  # no warm-up: syncing every H/4 steps with the outer momentum overshot (+25-45%)
@@ -102,8 +106,8 @@ def strategies(args: argparse.Namespace) -> list[Strategy]:
         unknown = sorted(set(args.strategies) - {s.name for s in out})
         if unknown:
             raise ValueError(f"unknown --strategies {unknown}; choose from {[s.name for s in out]}")
-        out = [s for s in out if s.name in args.strategies or s.name == "har"]  # har is the baseline
-    return out
+        return [s for s in out if s.name in args.strategies or s.name == "har"]  # har is the baseline
+    return [s for s in out if s.by_default]
 
 
 def overlap_steps(args: argparse.Namespace, h: int) -> int:
@@ -355,7 +359,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="Meridian's streaming DiLoCo: first inner steps on the short sync cycle, whole cycles (default 400)")
     p.add_argument("--bucket-mb", type=float, default=0.1, help="gradient bucket size (default 0.1: fragments)")
     p.add_argument("--chunk-mb", type=float, default=1.0, help="inter-DC chunk size (default 1)")
-    p.add_argument("--strategies", nargs="*", default=[], help="run only these (har always runs)")
+    p.add_argument("--strategies", nargs="*", default=[],
+                   help="run only these (har always runs; har-delayed and har+bf16 run only when named)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout-s", type=float, default=3600.0, help="give up after this long (default 3600)")
     p.add_argument("--lab", action="store_true",
