@@ -81,6 +81,16 @@ def test_very_slow_link_picks_streaming_diloco_whose_overlap_covers_each_fragmen
     assert warm.warmup_steps % cycle == 0 and 0.4 * 1000 - cycle < warm.warmup_steps <= 0.4 * 1000
 
 
+def test_no_warm_up_when_its_cycle_would_be_h_itself():
+    # the bench's nano model and step on 100 ms / 0.1 Gbit/s: 7 overlapped steps fill a 32-step cycle of 4
+    # fragments, so a "warm-up" would sync exactly as often as H does
+    nano = 136_960
+    c = choose_sync(rtt_ms=100, gbps=0.1, num_params=nano, compute_s=0.0076, bucket_mb=0.1, steps=4096)
+    cfg = c.diloco
+    assert max(cfg.fragments * (cfg.overlap_steps + 1), cfg.inner_steps // 4) == cfg.inner_steps
+    assert cfg.warmup_steps == 0 and "warm-up" not in c.explanation
+
+
 @pytest.mark.parametrize("params, bound", [(10**9, "link at most 50% busy"), (2 * 10**10, "largest H")])
 def test_a_huge_model_on_a_slow_link_raises_h_until_the_link_keeps_up_then_caps_it(params, bound):
     c = choose_sync(rtt_ms=100, gbps=0.1, num_params=params, compute_s=0.5, bucket_mb=64)
@@ -183,14 +193,17 @@ def test_planner_sends_per_step_sync_in_bf16_on_a_measured_link_where_fp32_would
     base = default_figures(topo, ("dc-a", "dc-b"), False)
     link = replace(base, inter_dc=Link(0.0105, 1e9 / 8), inter_dc_known=True)
     demo = JobRequest(name="demo", model=model_preset("tiny"), steps=60, global_batch=16, micro_batch=4,
-                      topology=TopologyRequest())
+                      topology=TopologyRequest(), sync=SyncConfig(strategy=None, bucket_mb=4.0))
     plan = plan_job(demo, topo, link)
     assert plan.sync_strategy is SyncStrategy.HIERARCHICAL and plan.compression is Compression.BF16
     assert "in bf16" in plan.explanation and plan.to_dict()["compression"] == "bf16"
     assert build_train_config("j", demo, plan, "").sync.compression is Compression.BF16
-    asked = replace(demo, sync=SyncConfig(strategy=None, compression=Compression.INT8))  # the job's encoding stays
+    asked = replace(demo, sync=SyncConfig(strategy=None, bucket_mb=4.0, compression=Compression.INT8))  # kept
     assert build_train_config("j", asked, plan_job(asked, topo, link), "").sync.compression is Compression.INT8
     # guessed figures never trade exact sync away; a fast measured link keeps fp32
     assert plan_job(demo, topo, replace(link, inter_dc_known=False)).compression is None
     fast = replace(base, inter_dc=Link(0.0001, 100e9 / 8), inter_dc_known=True)
     assert plan_job(demo, topo, fast).compression is None
+    # with the planner's buckets (four of 1 MiB) backward hides all but the last one's sync: exact fp32 again
+    sized = plan_job(replace(demo, sync=SyncConfig(strategy=None, bucket_mb=None)), topo, link)
+    assert sized.bucket_mb == 1.0 and sized.compression is None and "limit 5%" in sized.explanation

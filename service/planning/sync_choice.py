@@ -160,7 +160,8 @@ def choose_sync(
               "bottleneck and compute will wait for it" if h < wanted else "")
     overlap_steps = min(overlap_steps, h // fragments - 1)
     cycle = warmup_cycle(h, fragments, overlap_steps)
-    warmup = int(WARMUP_FRACTION * steps) // cycle * cycle if steps else 0
+    # a warm-up cycle as long as H itself would sync no more often: none then
+    warmup = int(WARMUP_FRACTION * steps) // cycle * cycle if steps and cycle < h else 0
     warm = (f"; the first {warmup} steps sync every {cycle} steps (warm-up: replicas drift apart fastest early)"
             if warmup else "")
     bounds = [(h_link, f"keeping the link at most {LINK_BUSY_MAX:.0%} busy"), (h_overlap, "room for the overlap"),
