@@ -308,8 +308,7 @@ def run(args: argparse.Namespace) -> dict:
     else:
         jobs = [(s.name, job_config(args, s.sync), s.torchft) for s in chosen]
         ranks = run_processes(_run_rank, args.dcs, jobs, args.val_batches, timeout_s=args.timeout_s)
-        per_rank = {name: {**_with_ranks([r[name] for r in ranks]), "run_s": ranks[0][name]["run_s"]}
-                    for name, _, _ in jobs}  # fmt: skip
+        per_rank = {name: _with_ranks([r[name] for r in ranks]) for name, _, _ in jobs}  # rank 0's run_s with it
     total_s = time.perf_counter() - t0
     report = {s.name: summarise(s.name, s, per_rank[s.name], args.steps) for s in chosen}
     compare(report)

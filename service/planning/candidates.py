@@ -13,7 +13,7 @@ from typing import Any
 
 from meridian.service.jobs import JobRequest
 from meridian.service.planning.buckets import bucket_mb_for
-from meridian.service.planning.cost_model import BYTES_FP32, Estimate, Figures, Layout, estimate
+from meridian.service.planning.cost_model import Estimate, Figures, Layout, estimate, grad_bytes_per_device
 from meridian.workers.contracts.config import SyncStrategy
 
 TP_SIZES = (1, 2, 4, 8)
@@ -112,7 +112,7 @@ def bucket_mb(request: JobRequest, *, tp: int, pp: int) -> float:
     """The job's ``sync.bucket_mb``, or the planner's size for the gradients one device of this layout holds."""
     if request.sync.bucket_mb is not None:
         return request.sync.bucket_mb
-    return bucket_mb_for(BYTES_FP32 * request.model.num_params / (tp * pp))
+    return bucket_mb_for(grad_bytes_per_device(request.model, tp, pp))
 
 
 def _candidate(request: JobRequest, figures: Figures, *, tp: int, pp: int, dp: int, across: bool,

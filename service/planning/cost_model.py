@@ -97,6 +97,11 @@ class Estimate:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
 
 
+def grad_bytes_per_device(model: ModelConfig, tp: int, pp: int) -> float:
+    """One replica's fp32 gradient bytes on each of its devices (its tensor/pipeline slice of the model)."""
+    return BYTES_FP32 * model.num_params / (tp * pp)
+
+
 def activation_bytes(model: ModelConfig, micro_batch: int, layers: int, tp: int) -> float:
     """Activations kept for backward, per micro-batch: Korthikanti et al. 2022, eq. 2 (fp32 doubles
     their 16-bit figure), with TP dividing the attention/MLP part. Of their 24·sbh split by TP, 8 are attention
@@ -139,7 +144,7 @@ def estimate(model: ModelConfig, lay: Layout, fig: Figures, global_batch: int) -
             boundaries = lay.num_dcs - 1
             inter_dc += 2 * boundaries * lay.micro_batches * act * lay.dp  # fwd activations + bwd grads
 
-    grads = BYTES_FP32 * model.num_params / (lay.tp * lay.pp)  # one replica's gradient bytes per device
+    grads = grad_bytes_per_device(model, lay.tp, lay.pp)
     dp_comm, last_bucket = _dp_comm(lay, fig, grads)
     if lay.dp > 1 and not lay.pp_spans_dcs and lay.num_dcs > 1:
         # HAR: each DC sends one copy of the gradients (split over its ranks); flat: every rank sends all.

@@ -27,7 +27,7 @@ from meridian.service.errors import InvalidJob, Unschedulable
 from meridian.service.jobs import JobRequest
 from meridian.service.planning.buckets import MAX_BUCKET_MB, MIN_BUCKET_MB, TARGET_BUCKETS, buckets_of
 from meridian.service.planning.candidates import Candidate, enumerate_candidates
-from meridian.service.planning.cost_model import BYTES_FP32, Figures, Layout, runs_hierarchical
+from meridian.service.planning.cost_model import Figures, Layout, grad_bytes_per_device, runs_hierarchical
 from meridian.service.planning.explain import explain, no_fit_in_memory_reason, no_layout_reason, sync_reason
 from meridian.service.planning.placement import (
     CPUS_PER_WORKER,
@@ -126,7 +126,7 @@ def _diloco_override(request: JobRequest, feasible: list[Candidate],
 
 def bucket_reason(request: JobRequest, lay: Layout) -> str:
     """The sentence that says how big the planner made the gradient buckets, and why."""
-    grads = BYTES_FP32 * request.model.num_params / (lay.tp * lay.pp)
+    grads = grad_bytes_per_device(request.model, lay.tp, lay.pp)
     n = buckets_of(grads, lay.bucket_bytes / 2**20)
     size = f"Gradient buckets of {lay.bucket_bytes / 2**20:.2f} MiB"
     limits = f"(aim {TARGET_BUCKETS}, none under {MIN_BUCKET_MB:g} or over {MAX_BUCKET_MB:g} MiB)"

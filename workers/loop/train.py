@@ -186,8 +186,6 @@ class TrainingLoop:
                 return EpochOutcome(finished=False)  # a newcomer joins at this step boundary
 
         publish(reports.flush())
-        if math.isnan(first_loss):
-            first_loss = final_loss
         replica.engine.synchronize()
         eval_loss = replica.evaluate(val_data or make_dataset(cfg.data, cfg.model.seq_len, cfg.seed, split="eval"))
         final_params = replica.parameters() if self.keep_params else None
