@@ -6,13 +6,14 @@ durable checkpoint."""
 from __future__ import annotations
 
 import dataclasses
+import threading
 
 import pytest
 import torch
 from sync_helpers import GLOBAL_BATCH, lr_of, params_of, share_loss, toy_batch, toy_model, train_steps
 from test_elastic_loop import elastic_run  # noqa: F401 - the fixture
 
-from meridian.workers.contracts.config import DiLoCoConfig, OptimConfig, SyncConfig, SyncStrategy
+from meridian.workers.contracts.config import DiLoCoConfig, OptimConfig, OuterMerge, SyncConfig, SyncStrategy
 from meridian.workers.data.text import rank_slice
 from meridian.workers.distributed.layout import DCGroups, DCLayout
 from meridian.workers.distributed.multiproc import run_processes
@@ -128,8 +129,11 @@ def test_fragments_partition_the_parameters_and_each_syncs_once_per_cycle():
     assert [sched.landing(t) for t in range(1, 8)] == [[], [], [0], [], [1], [], [2]]
     with pytest.raises(ValueError, match="need at least as many gradient buckets"):
         split_fragments([10, 10], 3)
-    with pytest.raises(ValueError, match="overlap_steps"):
-        DiLoCoConfig(inner_steps=4, fragments=2, overlap_steps=2)
+    DiLoCoConfig(inner_steps=4, fragments=2, overlap_steps=3)  # fragments may be in flight together ...
+    with pytest.raises(ValueError, match="overlap_steps"):  # ... each landing before its own next sync
+        DiLoCoConfig(inner_steps=4, fragments=2, overlap_steps=4)
+    with pytest.raises(ValueError, match="warm-up cycle no longer than inner_steps"):  # max(2 * 4, 1) = 8 > 4
+        DiLoCoConfig(inner_steps=4, fragments=2, overlap_steps=3, warmup_steps=8)
     with pytest.raises(ValueError, match="streaming-diloco"):
         SyncConfig(strategy=SyncStrategy.DILOCO, diloco=DiLoCoConfig(inner_steps=4, fragments=2))
 
@@ -175,6 +179,80 @@ def test_streaming_syncs_each_fragment_once_per_cycle_on_the_wire():
             assert torch.equal(per_step[step][name], other[step][name]), (step, name)
     # ... while a fragment synced earlier has drifted apart again by then
     assert any(not torch.equal(per_step[5][n], other[5][n]) for n in frags[0])
+
+
+# -- overlap: the merge when a fragment lands, against a single-process reference -------------------------------
+
+OVERLAP = dict(inner_steps=4, fragments=2, outer_lr=0.7, outer_momentum=0.9)
+OVERLAP_STEPS = 10  # fragment 0 syncs after inner steps 2, 6, 10 and lands tau steps later; fragment 1 after 4, 8
+
+
+def _overlap_run(rank, world, dcs, merge, shard, tau):
+    e = _engine(rank, dcs, _sync(SyncStrategy.STREAMING_DILOCO, merge=merge, overlap_steps=tau, **OVERLAP), shard=shard)
+    train_steps(e, rank, world, steps=OVERLAP_STEPS, micro=2)
+    frags = [[s.name for b in f for s in e.buffer.buckets[b].slots] for f in e.fragments]
+    comm_thread = any(t.name.startswith("meridian-comm") for t in threading.enumerate())
+    return _close(e), frags, comm_thread
+
+
+def _streaming_reference(dcs, fragments, merge: OuterMerge, tau: int, alpha: float = 0.5) -> dict[str, dict[str, torch.Tensor]]:
+    """One AdamW replica per DC; each fragment's outer Nesterov step on the DCs' mean delta ``anchor - theta``
+    taken when its sync starts, applied ``tau`` steps later, merged into every replica's weights then."""
+    cfg = DiLoCoConfig(overlap_steps=tau, **OVERLAP)
+    sched = FragmentSchedule(cfg.inner_steps, cfg.fragments, cfg.overlap_steps)
+    layout = DCLayout(dcs)
+    replicas = {dc: toy_model(0) for dc in layout.dcs}
+    opts = {dc: build_adamw(m, OPTIM) for dc, m in replicas.items()}
+    theta = {dc: dict(m.named_parameters()) for dc, m in replicas.items()}
+    anchor = {n: p.detach().clone() for n, p in replicas[layout.dcs[0]].named_parameters()}
+    momentum = {n: torch.zeros_like(a) for n, a in anchor.items()}
+    started, mean_delta = {}, {}
+    for step in range(OVERLAP_STEPS):
+        for dc, model in replicas.items():
+            for r in layout.ranks_in(dc):
+                share = rank_slice(GLOBAL_BATCH, r, layout.world_size)
+                x, y = toy_batch(step, share.start, share.stop)
+                (share_loss(model, x, y) * layout.world_size / len(layout.ranks_in(dc))).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), OPTIM.grad_clip)
+            for g in opts[dc].param_groups:
+                g["lr"] = lr_of(step)
+            opts[dc].step()
+            opts[dc].zero_grad()
+        done = step + 1
+        with torch.no_grad():
+            for f in sched.starting(done):
+                started[f] = {dc: {n: theta[dc][n].detach().clone() for n in fragments[f]} for dc in layout.dcs}
+                mean_delta[f] = {n: torch.stack([anchor[n] - theta[dc][n] for dc in layout.dcs]).mean(0)
+                                 for n in fragments[f]}  # fmt: skip
+            for f in sched.landing(done):
+                for n in fragments[f]:
+                    momentum[n].mul_(cfg.outer_momentum).add_(mean_delta[f][n])
+                    anchor[n].sub_(mean_delta[f][n] + cfg.outer_momentum * momentum[n], alpha=cfg.outer_lr)
+                    for dc in layout.dcs:
+                        if merge is OuterMerge.KEEP_PROGRESS:
+                            theta[dc][n].copy_(theta[dc][n] - started[f][dc][n] + anchor[n])
+                        else:
+                            theta[dc][n].copy_(alpha * theta[dc][n] + (1 - alpha) * anchor[n])
+    return {dc: params_of(m) for dc, m in replicas.items()}
+
+
+@pytest.mark.parametrize("dcs,merge,shard,tau", [(("a", "a", "b", "b"), OuterMerge.KEEP_PROGRESS, True, 1),
+                                                 (("a", "b"), OuterMerge.KEEP_PROGRESS, False, 3),
+                                                 (("a", "b"), OuterMerge.MIX, False, 1)])  # fmt: skip
+def test_a_fragment_landing_late_merges_as_the_single_process_reference(dcs, merge, shard, tau):
+    # tau 3 of H 4 with 2 fragments: the second fragment starts while the first is still in flight
+    out = run_processes(_overlap_run, len(dcs), dcs, merge, shard, tau)
+    fragments = out[0][1]
+    # the inner sync overlaps its intra-DC collectives with backward on a comm thread; a rank alone in its DC has
+    # none to overlap, and no thread hands its buckets over every step
+    assert all(comm_thread == (len(dcs) > 2) for _, _, comm_thread in out)
+    ref = _streaming_reference(dcs, fragments, merge, tau)
+    other = _streaming_reference(dcs, fragments, next(m for m in OuterMerge if m is not merge), tau)
+    for rank, (params, _, _) in enumerate(out):
+        for name in params:
+            torch.testing.assert_close(params[name], ref[dcs[rank]][name], rtol=1e-5, atol=1e-6)
+    # the two merges train differently here, so the comparison above tells them apart
+    assert any(not torch.allclose(ref[d][n], other[d][n], rtol=1e-3, atol=1e-4) for d in ref for n in ref[d])
 
 
 # -- state survives a resize -----------------------------------------------------------------------------------

@@ -129,3 +129,49 @@ def test_an_exchange_that_completed_is_not_failed_by_a_peer_that_left_after_it()
     (mine, posted), (theirs, _) = run_processes(_peer_gone_before_the_next_post, 2)
     assert mine == theirs == 3.0
     assert posted == 0
+
+
+def _first_exchange_posted_ahead(rank: int, world: int, key: str, compression: str, backend: str) -> dict:
+    from meridian.workers.contracts.config import Compression
+    from meridian.workers.sync.inter_dc import InterDCComm
+
+    emu = WanEmulator(SLOW, AB, rank, key=key)
+    groups = DCGroups(AB, rank)
+    ((seg, group),) = groups.inter_dc.items()
+    if backend != "gloo":  # what InterDCComm sees on a GPU; the collectives still run on gloo here
+        dist.get_backend = lambda group=None: backend
+    comm = InterDCComm(Compression(compression), emulator=emu)
+    x = torch.full((300,), float(rank + 1))
+    comm.post_receive(x, group, seg, key=(0, 0))
+    posted = len(comm._receives)
+    dist.barrier()
+    t0 = time.monotonic()
+    comm.all_reduce_async(x, group, seg, key=(0, 0)).wait()
+    out = {"posted": posted, "waited": time.monotonic() - t0, "sum": x.tolist()}
+    emu.close()
+    groups.destroy()
+    return out
+
+
+def test_a_receive_posted_before_the_first_exchange_makes_it_one_way_in_every_encoding():
+    # DiLoCo posts each chunk's first receive when its engine starts: a fragment's first sync, like every later
+    # one, then waits one way (plus the transfer), not the round trip gloo needs to announce a receive.
+    one_way, rtt = SLOW.one_way_s, 2 * SLOW.one_way_s
+    for compression in ("none", "bf16", "int8", "int4"):
+        key = _key()
+        try:
+            per_rank = run_processes(_first_exchange_posted_ahead, 2, key, compression, "gloo")
+        finally:
+            cleanup(key)
+        for out in per_rank:
+            assert out["posted"] == 1, compression
+            assert one_way <= out["waited"] < min(_late(one_way), rtt), (compression, out["waited"])
+            torch.testing.assert_close(torch.tensor(out["sum"]), torch.full((300,), 3.0), rtol=2e-2, atol=0)
+    key = _key()
+    try:
+        per_rank = run_processes(_first_exchange_posted_ahead, 2, key, "int4", "nccl")
+    finally:
+        cleanup(key)
+    for out in per_rank:  # not on NCCL (see above): the first exchange is the round trip it always was there
+        assert out["posted"] == 0
+        assert out["waited"] >= rtt

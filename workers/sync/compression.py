@@ -54,6 +54,9 @@ class Bf16Codec:
 class Int8Codec:
     """``[q_0 … q_{n-1} | scale]`` as n + 4 bytes (uint8 on the wire: every backend carries bytes)."""
 
+    def payload_bytes(self, n: int) -> int:
+        return n + _SCALE_BYTES
+
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         x = x.float()
         absmax = x.abs().max() if x.numel() else x.new_zeros(())

@@ -6,8 +6,10 @@ replicas average their parameter deltas ``anchor - theta`` and apply them with a
 to the shared *outer* parameters (the anchor), which become every replica's new start. Streaming DiLoCo
 (Douillard et al. 2025, "Streaming DiLoCo with overlapping communication", arXiv:2501.18512) syncs P
 fragments of the parameters at staggered offsets (:mod:`meridian.workers.sync.diloco_schedule`), lets each
-fragment's all-reduce run behind ``overlap_steps`` inner steps, merges the result with
-``alpha * local + (1 - alpha) * outer``, and may quantise the delta (bf16 / int8 with error feedback).
+fragment's all-reduce run behind ``overlap_steps`` inner steps, and may quantise the delta (bf16 / int8 /
+int4 with error feedback). When a fragment lands, the paper merges ``alpha * local + (1 - alpha) * outer``;
+Meridian by default keeps what the replica trained meanwhile on top of the new outer weights
+(:class:`~meridian.workers.contracts.config.OuterMerge`), which measured closer to per-step sync's loss.
 
 Per step, on every rank::
 
@@ -18,7 +20,9 @@ Per step, on every rank::
         #    compression, byte count, WAN emulation), kept in flight for overlap_steps inner steps
     for each fragment landing at t:
         # 3) outer Nesterov SGD on the shard:  m = mu*m + mean(d);  anchor -= lr_out * (mean(d) + mu*m)
-        # 4) theta = anchor (or alpha*theta + (1-alpha)*anchor with overlap); all-gather theta in the DC
+        # 4) theta = anchor, plus with overlap what trained since the sync started (merge "keep-progress":
+        #    theta = anchor + theta - theta_start; or the paper's "mix": alpha*theta + (1-alpha)*anchor);
+        #    all-gather theta in the DC
 
 Only step 2 crosses DCs, carrying 1/N of the fragment per rank (N = ranks in the DC), once per H/P steps.
 The outer state (anchor, momentum) is sharded like the inner AdamW state, so it costs 2/N of the model per
@@ -42,7 +46,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meridian.workers.contracts.config import Compression, OptimConfig, SyncConfig, SyncStrategy
+from meridian.workers.contracts.config import Compression, OptimConfig, OuterMerge, SyncConfig, SyncStrategy
 from meridian.workers.distributed.layout import DCGroups
 from meridian.workers.state.replica_state import (
     DILOCO_STATE_FORMAT,
@@ -54,7 +58,12 @@ from meridian.workers.state.replica_state import (
 )
 from meridian.workers.sync.diloco_schedule import FragmentSchedule, split_fragments
 from meridian.workers.sync.engine import GradientSync, StepStats
-from meridian.workers.sync.har import all_gather_in_dc, shard_range, start_all_reduce_across_dcs
+from meridian.workers.sync.har import (
+    all_gather_in_dc,
+    post_receives_across_dcs,
+    shard_range,
+    start_all_reduce_across_dcs,
+)
 from meridian.workers.sync.hierarchical import HierarchicalSync
 from meridian.workers.sync.inter_dc import CommHandle, InterDCComm
 from meridian.workers.wan.emulator import WanEmulator
@@ -107,9 +116,16 @@ class DiLoCoSync(GradientSync):
         self.anchor = [self._theta(b).float().clone() for b in range(len(self.buffer.buckets))]
         self.momentum = [torch.zeros_like(a) for a in self.anchor]
         self.scratch = [torch.zeros(b.padded_numel, dtype=torch.float32, device=b.data.device) for b in self.buffer.buckets]
+        self.keep_progress = cfg.overlap_steps > 0 and cfg.merge is OuterMerge.KEEP_PROGRESS
+        self.started = [torch.empty_like(a) for a in self.anchor] if self.keep_progress else []
+        """keep-progress: this rank's shard of each bucket as it was when its fragment's sync started."""
         self.in_flight: dict[int, list[CommHandle]] = {}
         self.done = 0
         """Inner steps completed: the schedule's clock, saved with the state."""
+        # Every exchange's first receive, posted now (in bucket order, the same on every owner): a fragment's
+        # first sync then flows one way, as every later one does, instead of paying a round trip.
+        for b, scratch in enumerate(self.scratch):
+            post_receives_across_dcs(scratch, groups, self.comm, chunk_bytes=self.chunk_bytes, bucket=b)
 
     # -- the shard of the flat parameters this rank owns (the fp32 master where the inner AdamW keeps one)
 
@@ -163,6 +179,8 @@ class DiLoCoSync(GradientSync):
             lo, hi = self.bounds[b]
             delta = self.scratch[b]
             torch.sub(self.anchor[b], self._theta(b).float(), out=delta[lo:hi])  # 1) delta of the shard
+            if self.keep_progress:
+                self.started[b].copy_(self._theta(b))
             # 2) all-reduce across DCs: only this rank's segments, all chunks in flight
             handles += start_all_reduce_across_dcs(
                 delta, self.groups, self.comm, chunk_bytes=self.chunk_bytes, bucket=b
@@ -186,7 +204,9 @@ class DiLoCoSync(GradientSync):
             else:
                 update = mean
             self.anchor[b].sub_(update, alpha=self.cfg.outer_lr)
-            if self.cfg.overlap_steps:  # 4) the paper's merge of what trained meanwhile with the outer result
+            if self.keep_progress:  # 4) the outer result plus what this replica trained since the sync started
+                self._set_theta(b, torch.sub(self._theta(b).float(), self.started[b]).add_(self.anchor[b]))
+            elif self.cfg.overlap_steps:  # 4) the paper's merge of what trained meanwhile with the outer result
                 a = self.cfg.mix_alpha
                 self._set_theta(b, self._theta(b).float().mul(a).add_(self.anchor[b], alpha=1 - a))
             else:

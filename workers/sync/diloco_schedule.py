@@ -67,11 +67,11 @@ class FragmentSchedule:
             raise ValueError(
                 f"need 1 <= fragments ({self.fragments}) <= inner_steps ({self.inner_steps})"
             )
-        if not 0 <= self.overlap_steps < self.inner_steps // self.fragments:
-            raise ValueError(
-                f"overlap_steps ({self.overlap_steps}) must be in [0, inner_steps // fragments = "
-                f"{self.inner_steps // self.fragments})"
-            )
+        if not 0 <= self.overlap_steps < self.inner_steps:  # a fragment lands before its own next sync starts
+            raise ValueError(f"overlap_steps ({self.overlap_steps}) must be in [0, inner_steps = {self.inner_steps})")
+        if self.warmup_steps and self.warmup_cycle > self.inner_steps:
+            raise ValueError(f"a warm-up cycle of {self.warmup_cycle} steps syncs less often than H = "
+                             f"{self.inner_steps}: set warmup_steps to 0")
         if self.warmup_steps % self.warmup_cycle:
             raise ValueError(
                 f"warmup_steps ({self.warmup_steps}) must be a multiple of the warm-up's cycle, "

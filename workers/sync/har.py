@@ -83,6 +83,21 @@ def start_all_reduce_across_dcs(
     return handles
 
 
+def post_receives_across_dcs(
+    buf: torch.Tensor,
+    groups: DCGroups,
+    comm: InterDCComm,
+    *,
+    chunk_bytes: float | None = None,
+    bucket: int = 0,
+) -> None:
+    """Post the receive of every chunk's first step-2 exchange ahead (:meth:`InterDCComm.post_receive`), with the
+    same chunks and names :func:`start_all_reduce_across_dcs` will use for ``buf``."""
+    for seg, group in groups.inter_dc.items():
+        for c, chunk in enumerate(chunk_views(segment_view(buf, groups, seg), chunk_bytes)):
+            comm.post_receive(chunk, group, seg, key=(bucket, c))
+
+
 def all_reduce_across_dcs(
     buf: torch.Tensor,
     groups: DCGroups,

@@ -135,6 +135,24 @@ class InterDCComm:
         rows = gathered.view(k, payload.numel())  # gloo wants the flat output; row j is DC j's payload
         return self._count(CommHandle(work, sent, lambda: tensor.copy_(codec.decode_sum(rows))))
 
+    def post_receive(self, tensor: torch.Tensor, group: dist.ProcessGroup, segment: Segment, *, key: Hashable) -> None:
+        """Post the receive of the first exchange of the chunk ``key`` names (``tensor``'s shape), before it is
+        sent: its data then flows one way, where a first exchange otherwise waits a round trip for gloo to
+        announce the receive (:mod:`meridian.workers.wan.exchange`). Two owners on gloo only, as :meth:`_exchange`
+        posts; otherwise nothing. Every owner must post the same keys in the same order (they name the tags)."""
+        if len(segment.owners) != 2 or dist.get_backend(group) != dist.Backend.GLOO:
+            return
+        n = tensor.numel()
+        if self.compression is Compression.NONE:
+            like = torch.empty_like(tensor)
+        elif self.compression is Compression.BF16:
+            like = torch.empty(n, dtype=torch.bfloat16, device=tensor.device)
+        else:
+            assert self._gathered is not None
+            like = torch.empty(self._gathered.payload_bytes(n), dtype=torch.uint8, device=tensor.device)
+        peer = dist.get_global_rank(group, 1 - dist.get_rank(group))
+        self._receives.post((segment, key), like, peer, group)
+
     # The two collectives that cross DCs, each through the WAN emulator when there is one.
 
     def _exchange(self, t: torch.Tensor, group: dist.ProcessGroup, segment: Segment, key: Hashable,
