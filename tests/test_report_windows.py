@@ -91,6 +91,9 @@ def test_a_sum_slower_than_a_step_widens_every_ranks_window_alike_and_stops_paci
     assert len(sizes) == 1
     (sizes,) = sizes
     assert sizes[0] == 1  # a LAN's width until a sum was seen to be slow
+    # The first slow read (after step 2) travels with the very next sum, so by step 8 every rank has widened
+    # past the latency; carried one window later, it took until ~step 12.
+    assert sizes[7] >= 12, sizes[:16]
     # Twice the ~12 steps the latency spans (the measured step includes the loop's own overhead, so a little
     # under 24), and never past max_window_s (2 s) of steps.
     assert 12 <= sizes[-1] <= 2.0 / step_s
@@ -101,3 +104,17 @@ def test_a_sum_slower_than_a_step_widens_every_ranks_window_alike_and_stops_paci
         # In the second half the loop blocks on a sum for far less than the one latency per step (4.8 s) it
         # would wait at a window of one step; the flush at the end is not counted.
         assert res["blocked_s"] < 0.25 * (steps // 2) * latency_s
+
+
+def test_short_steps_share_one_sum_per_min_window_on_every_rank():
+    # A sum per 2 ms step would cost every step its issue and read and tie the ranks' loops together at each one;
+    # once the step's time is known, a window spans at least min_window_s (50 ms), on every rank alike.
+    world, steps, step_s = 2, 80, 0.002
+    results = run_processes(_run, world, steps, step_s, 0.0, None, timeout_s=120)
+    sizes = {tuple(r["sizes"]) for r in results}
+    assert len(sizes) == 1
+    (sizes,) = sizes
+    assert sizes[0] == 1
+    assert 8 <= sizes[-1] <= 25  # ceil(50 ms / the step as measured: the sleep plus the loop's own time)
+    for res in results:
+        assert [row[:4] for row in res["seen"]] == _expected(world, range(steps))

@@ -340,7 +340,7 @@ def _built(rank, world):
 
     out = {}
     for name, sync in ENGINES.items():
-        engine = build_sync(toy_model(0), DCGroups(DCLayout(("a",)), rank), sync, OPTIM)
+        engine = build_sync(toy_model(0), DCGroups(DCLayout(("a",) * world), rank), sync, OPTIM)
         out[name] = (
             type(engine).__name__,
             getattr(engine, "sharded", None) is not None,
@@ -352,7 +352,10 @@ def _built(rank, world):
 
 
 def test_build_sync_picks_the_engine_from_sync_config():
-    (out,) = run_processes(_built, 1)
+    (alone,) = run_processes(_built, 1)
+    out, _ = run_processes(_built, 2)  # two ranks in one datacenter
+    # a rank with no one to talk to has nothing to overlap: no comm thread
+    assert [overlap for _, _, overlap in alone.values()] == [None, False, False, False, False]
     assert out == {
         "flat": ("FlatSync", False, None),
         "har replicated": ("HierarchicalSync", False, False),

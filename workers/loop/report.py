@@ -5,12 +5,14 @@ which the epoch's ranks leave to re-form (:mod:`meridian.workers.loop.train`). B
 across datacenters. A *window*'s sum is issued asynchronously once its last step is done, and read once the next
 window's last step is done, so the next window's steps hide its latency.
 
-On a LAN one step hides it (a window of one step: each step's sum is read one step later). Over a far link the
-sum takes longer than a step; read every step it would pace the loop at one round trip per step even when the
-gradient sync waits for nothing (DiLoCo). So each window also carries how long every rank waited for the sum
-before and how long that sum took from issue to read. Every rank reads the same sums (an all-reduce hands every
-rank the same result), so every rank widens the window at the same step: to twice the steps the measured latency
-spans, up to ``max_window_s`` of steps (the leave flag is read at most two windows late).
+On a LAN one step hides it. But a sum costs the loop its issue and read (~0.1 ms on CPU), and each read ties the
+ranks' loops together (a rank a little ahead waits there for the slowest), so once the step's time is known a
+window spans at least ``min_window_s`` (50 ms: 6 steps of 8 ms). Over a far link the sum takes longer than a
+step; read every step it would pace the loop at one round trip per step even when the gradient sync waits for
+nothing (DiLoCo). So each window also carries how long every rank waited at the read before it and how long
+that sum took from issue to read. Every rank reads the same sums (an all-reduce hands every rank the same
+result), so every rank widens the window at the same step: to twice the steps the measured latency spans, up to
+``max_window_s`` of steps (the leave flag is read at most two windows late).
 """
 
 from __future__ import annotations
@@ -92,10 +94,14 @@ class ReportWindows:
     calls): :meth:`add` after each step, :meth:`flush` before leaving the epoch or after its last step."""
 
     def __init__(self, device: torch.device, world_size: int, *, max_window_s: float = 2.0,
-                 grow_above: float = 0.05, first_window: int = 1) -> None:  # fmt: skip
+                 min_window_s: float = 0.05, grow_above: float = 0.05, first_window: int = 1) -> None:  # fmt: skip
         self.device = device
         self.world_size = world_size
         self.max_window_s = max_window_s
+        self.min_window_s = min_window_s
+        """A window spans at least this long once the step's time is known: each sum's own cost (issuing and
+        reading it) and the rank pacing (every rank waits at a read for the slowest one's window) come once per
+        window, not once per short step."""
         self.grow_above = grow_above
         """Widen the window when ranks waited, on average, more than this share of a window's busy time."""
         self.window = first_window
@@ -138,13 +144,11 @@ class ReportWindows:
         return read
 
     def _close(self) -> list[StepReport]:
-        """Issue the open window's sum, then read the window before (its latency hidden by this one's steps)."""
+        """Read the window before (its latency hidden by this one's steps), then issue this one's sum, carrying what
+        that read measured: every rank learns of a slow sum one window after it, not two."""
         w, self._open = self._open, _Window()
-        issued = self._issue(w)
-        read: list[StepReport] = []
-        if self._in_flight is not None:
-            read = self._read(self._in_flight)
-        self._in_flight = issued
+        read = self._read(self._in_flight) if self._in_flight is not None else []
+        self._in_flight = self._issue(w)
         return read
 
     def _issue(self, w: _Window) -> _InFlight:
@@ -188,9 +192,13 @@ class ReportWindows:
         return f.rows
 
     def _widen(self, wait_s: float, latency_s: float, step_s: float) -> None:
-        """From the mean figures every rank read alike: when the loop waited for its sums, a window that spans
-        twice the sums' latency; never narrower (a window only grows within an epoch)."""
-        if step_s <= 0 or wait_s <= self.grow_above * step_s * self.window:
+        """From the mean figures every rank read alike: a window of at least ``min_window_s``, and when the loop
+        waited for its sums, one that spans twice the sums' latency; never narrower (a window only grows within
+        an epoch) nor past ``max_window_s``."""
+        if step_s <= 0:
             return
+        wanted = math.ceil(self.min_window_s / step_s)
+        if wait_s > self.grow_above * step_s * self.window:
+            wanted = max(wanted, math.ceil(2 * latency_s / step_s))
         cap = max(1, int(self.max_window_s / step_s))
-        self.window = max(self.window, min(cap, math.ceil(2 * latency_s / step_s)))
+        self.window = max(self.window, min(cap, wanted))

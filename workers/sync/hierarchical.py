@@ -67,7 +67,10 @@ class HierarchicalSync(GradientSync):
         self.model = model
         self.groups = groups
         self.optim_cfg = optim
-        self.overlap = sync.overlap
+        # Nothing to overlap when this rank talks to no one (alone in its DC, no inter-DC step: DiLoCo's inner
+        # sync with one rank per DC): the comm thread would only add its hand-offs to every step (bench
+        # lowcomm on this 2-core machine: ~1.5% of a 9 ms step, counted as waiting for sync).
+        self.overlap = sync.overlap and (groups.dc_size > 1 or bool(groups.inter_dc))
         # Inside one data-parallel group only: with tensor/pipeline parallelism other ranks hold other parts.
         broadcast_parameters(model, src=groups.world_ranks[0], group=groups.world)
         self.buffer = GradBuffer(model, bucket_mb=sync.bucket_mb, pad_to=groups.layout.units)
@@ -77,14 +80,14 @@ class HierarchicalSync(GradientSync):
         self.optimizer: torch.optim.AdamW | None = None
         if sync.shard_optimizer:
             self.sharded = ShardedAdamW(model, self.buffer, groups, optim)
-            if sync.overlap:
+            if self.overlap:
                 self.sharded.install_prefetch_hooks(model)
         else:
             self.optimizer = build_adamw(model, optim)
         self.delayed = sync.delay_one_step
         # Delayed, nothing starts during backward: the sync of step t is started in step() and hides behind
         # step t+1 whole.
-        self.pipeline = BucketPipeline(self.buffer, self._start_bucket, overlap=sync.overlap and not self.delayed)
+        self.pipeline = BucketPipeline(self.buffer, self._start_bucket, overlap=self.overlap and not self.delayed)
         self._intra_dc_s = 0.0  # HAR step 1 time this step, for the per-tier metrics
         self._spares = [[torch.zeros_like(b.grad) for b in self.buffer.buckets] for _ in range(2)] if self.delayed else []
         """Delayed: ``[where this step's sync goes, where the last step's runs]``; swapped every step."""
