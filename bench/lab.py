@@ -119,8 +119,9 @@ def lab_lock(path: str, timeout_s: float) -> Iterator[None]:
 
 
 def run_in_lab(state: lab_mod.LabState, cfg: TrainConfig, placement: list[str], workdir: Path,
-               timeout_s: float) -> list[dict]:  # fmt: skip
-    """Run ``cfg``'s ranks as processes, rank ``i`` in datacenter ``placement[i]``'s namespace."""
+               timeout_s: float, count_at: tuple[int, ...] | None = None) -> list[dict]:  # fmt: skip
+    """Run ``cfg``'s ranks as processes, rank ``i`` in datacenter ``placement[i]``'s namespace; each
+    datacenter's first rank reads the link's counter after the steps ``count_at`` names (default: every step)."""
     dcs = {dc.name: dc for dc in state.layout.datacenters}
     master = f"{dcs[placement[0]].nodes[0].ip}:{MASTER_PORT}"
     config_path = workdir / "config.pkl"
@@ -133,7 +134,8 @@ def run_in_lab(state: lab_mod.LabState, cfg: TrainConfig, placement: list[str], 
         output = workdir / f"rank{rank}.json"
         output.unlink(missing_ok=True)
         spec = {"rank": rank, "world": len(placement), "master": master, "config": str(config_path),
-                "output": str(output), "link_device": dc.tun if dc_name not in first_of_dc else None}  # fmt: skip
+                "output": str(output), "link_device": dc.tun if dc_name not in first_of_dc else None,
+                "count_at": None if count_at is None else list(count_at)}  # fmt: skip
         first_of_dc.add(dc_name)
         (workdir / f"rank{rank}.spec.json").write_text(json.dumps(spec))
         cmd = ["ip", "netns", "exec", dc.netns, "env", f"GLOO_SOCKET_IFNAME={dc.dc_veth}", sys.executable, "-m",
@@ -228,13 +230,15 @@ def run(args: argparse.Namespace) -> dict:
                     for s in strategies:
                         mean = s == "diloco"
                         lab_runs[s] = summarise(run_in_lab(state, job(args, s, tuple(multi), None), multi, workdir,
-                                                           args.timeout_s), window(args, s), mean)  # fmt: skip
+                                                           args.timeout_s, window(args, s)), window(args, s), mean)  # fmt: skip
                         if s == "hierarchical" and args.overlap_saving:  # the same job with overlap off
                             off = "hierarchical-no-overlap"
                             lab_runs[off] = summarise(run_in_lab(state, job(args, off, tuple(multi), None), multi,
-                                                                 workdir, args.timeout_s), window(args, off), False)  # fmt: skip
+                                                                 workdir, args.timeout_s, window(args, off)),
+                                                      window(args, off), False)  # fmt: skip
                         if s not in one_dc:
-                            ranks = run_in_lab(state, job(args, s, tuple(one), None), one, workdir, args.timeout_s)
+                            ranks = run_in_lab(state, job(args, s, tuple(one), None), one, workdir, args.timeout_s,
+                                               window(args, s))  # fmt: skip
                             one_dc[s] = summarise(ranks, window(args, s), mean)
                 finally:
                     lab_mod.down(LAB_NAME)

@@ -39,6 +39,9 @@ class LabSink:
     ``link_device``, the link's sent bytes after each step."""
 
     link_device: str | None = None
+    count_at: frozenset[int] | None = None
+    """The steps after which to read the link's counter (``None``: every step). Each read costs the loop ~50 µs,
+    a share of a short step that the bench would otherwise count against the job."""
     records: list[StepRecord] = field(default_factory=list)
     beats: list[dict[str, Any]] = field(default_factory=list)
     """This rank's heartbeat after each of its steps: ``step_s``, ``sync_wait_s`` and the ``time`` it ended."""
@@ -52,14 +55,16 @@ class LabSink:
         if beat.get("phase") != "done":
             return
         self.beats.append(beat)
-        if self.link_device is not None:
-            self.counters[int(beat["step"])] = tx_bytes(self.link_device)
+        step = int(beat["step"])
+        if self.link_device is not None and (self.count_at is None or step in self.count_at):
+            self.counters[step] = tx_bytes(self.link_device)
 
 
-def run_rank(rank: int, world: int, cfg: TrainConfig, link_device: str | None = None) -> dict[str, Any]:
+def run_rank(rank: int, world: int, cfg: TrainConfig, link_device: str | None = None,
+             count_at: frozenset[int] | None = None) -> dict[str, Any]:  # fmt: skip
     """Train ``cfg`` on this rank (the default process group is up); what the bench needs of it."""
     torch.set_num_threads(1)  # every rank of the job shares this machine's cores
-    sink = LabSink(link_device)
+    sink = LabSink(link_device, count_at)
     train(cfg, sink=sink)
     recs, beats = sink.records, sink.beats
     return {
@@ -83,7 +88,9 @@ def main(spec_path: str) -> int:
     dist.init_process_group("gloo", init_method=f"tcp://{spec['master']}", rank=spec["rank"],
                             world_size=spec["world"], timeout=datetime.timedelta(seconds=RANK_TIMEOUT_S))  # fmt: skip
     try:
-        out = run_rank(spec["rank"], spec["world"], cfg, spec.get("link_device"))
+        count_at = spec.get("count_at")
+        out = run_rank(spec["rank"], spec["world"], cfg, spec.get("link_device"),
+                       None if count_at is None else frozenset(count_at))  # fmt: skip
         dist.barrier()  # no rank tears down (rank 0 hosts the store) while a peer still talks to it
     finally:
         dist.destroy_process_group()

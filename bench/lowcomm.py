@@ -15,9 +15,11 @@ average before and after.
 - ``diloco+int8|int4/H<h>``: Meridian's DiLoCo (:mod:`meridian.workers.sync.diloco`), outer deltas in int8 or
   4 bits with error feedback (:mod:`meridian.workers.sync.compression`);
 - ``streaming-diloco+int8|int4/H<h>``: the same with ``--fragments`` fragments, each in flight behind
-  ``--overlap-steps`` inner steps;
+  ``--overlap-steps`` inner steps and merged as ``--merge`` says when it lands (default: the outer result plus
+  what trained meanwhile, :class:`~meridian.workers.contracts.config.OuterMerge`);
 - ``torchft-diloco/H<h>``, ``torchft-streaming-diloco/H<h>``: torchft's ``DiLoCo``
-  (:mod:`meridian.bench.lowcomm_torchft`), same fragments, delay and merge weight.
+  (:mod:`meridian.bench.lowcomm_torchft`), same fragments and delay, with torchft's merge (the paper's, local
+  weight ``--mix-alpha``).
 
 With ``--lab`` (root) Meridian's strategies run as processes inside ``meridian lab``'s datacenter namespaces,
 their inter-DC traffic real TCP through the lab's delay line and ``tbf`` at ``--rtt-ms`` / ``--inter-dc-gbps``
@@ -39,6 +41,7 @@ of a step, with its reason. ``link`` says whether the link was the lab's or the 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
@@ -49,10 +52,18 @@ from pathlib import Path
 from typing import Any
 
 from meridian.bench.lowcomm_torchft import TorchftOuter, run_torchft
+from meridian.service.planning.sync_choice import (
+    OUTER_BYTES_PER_PARAM,
+    OVERLAP_MARGIN,
+    cross_dc_time,
+    max_overlap_steps,
+    overlap_steps_for,
+)
 from meridian.workers.contracts.config import (
     Compression,
     DiLoCoConfig,
     OptimConfig,
+    OuterMerge,
     SyncConfig,
     SyncStrategy,
     TrainConfig,
@@ -90,7 +101,8 @@ def strategies(args: argparse.Namespace) -> list[Strategy]:
         outer = {"inner_steps": h, "outer_lr": args.outer_lr, "outer_momentum": args.outer_momentum}
         plain = DiLoCoConfig(**outer)  # no warm-up: syncing every H/4 steps with the outer momentum overshot (+25-45%)
         tau = overlap_steps(args, h)
-        streaming = DiLoCoConfig(fragments=args.fragments, overlap_steps=tau, mix_alpha=args.mix_alpha,
+        streaming = DiLoCoConfig(fragments=args.fragments, overlap_steps=tau, merge=OuterMerge(args.merge),
+                                 mix_alpha=args.mix_alpha,
                                  warmup_steps=_whole_cycles(args.diloco_warmup_steps, h, args.fragments, tau),
                                  **outer)  # fmt: skip
         for kind, strategy, cfg in (("diloco", SyncStrategy.DILOCO, plain),
@@ -101,7 +113,8 @@ def strategies(args: argparse.Namespace) -> list[Strategy]:
         ft = {"outer_lr": args.outer_lr, "outer_momentum": args.outer_momentum}
         out.append(Strategy(f"torchft-diloco/H{h}", torchft=TorchftOuter(h, **ft)))
         out.append(Strategy(f"torchft-streaming-diloco/H{h}", torchft=TorchftOuter(
-            h, fragments=args.fragments, sync_delay=tau, alpha=args.mix_alpha, **ft)))  # fmt: skip
+            h, fragments=args.fragments, sync_delay=min(tau, h // args.fragments - 1), alpha=args.mix_alpha,
+            **ft)))  # fmt: skip  torchft 0.2 syncs a fragment before the next one starts: sync_delay < H / fragments
     if args.strategies:
         unknown = sorted(set(args.strategies) - {s.name for s in out})
         if unknown:
@@ -111,16 +124,42 @@ def strategies(args: argparse.Namespace) -> list[Strategy]:
 
 
 def overlap_steps(args: argparse.Namespace, h: int) -> int:
-    """Streaming: the inner steps a fragment's sync stays in flight; by default the most this H and fragment count
-    allow (a fragment's sync lands before its next one starts), what ``auto`` picks when the link's latency spans
-    more steps than that."""
-    return args.overlap_steps if args.overlap_steps is not None else h // args.fragments - 1
+    """Streaming: the inner steps a fragment's sync stays in flight: ``--overlap-steps``, or by default what ``auto``
+    picks for the link and a step measured on this machine (:func:`overlap_rule`), at most a third of H."""
+    if args.overlap_steps is not None:
+        return min(args.overlap_steps, h - 1)
+    return min(args.overlap_rule["overlap_steps"], max_overlap_steps(h))
+
+
+PROBE_STEPS = 64
+_WIRE_BYTES_PER_PARAM = {"none": 4.0, "bf16": 2.0, "int8": 1.0, "int4": OUTER_BYTES_PER_PARAM}
+
+
+def overlap_rule(args: argparse.Namespace, params: int) -> dict[str, Any]:
+    """``auto``'s overlap (:func:`~meridian.service.planning.sync_choice.overlap_steps_for`) for this link, the
+    largest fragment the chosen encodings send, and a step's compute measured here: the median of a short plain
+    DiLoCo run's steps over loopback (nothing to wait for), after its first 8."""
+    from meridian.workers.distributed.multiproc import run_processes
+
+    sync = SyncConfig(strategy=SyncStrategy.DILOCO, diloco=DiLoCoConfig(inner_steps=args.inner_steps[0]),
+                      bucket_mb=args.bucket_mb, inter_dc_chunk_mb=args.chunk_mb)  # fmt: skip
+    probe = dataclasses.replace(job_config(args, sync, emulated=False), steps=PROBE_STEPS, validation=None)
+    ranks = run_processes(_meridian, args.dcs, probe, timeout_s=args.timeout_s)
+    compute_s = statistics.median(a - b for r in ranks for a, b in zip(r["step_s"][8:], r["blocked_s"][8:], strict=True))
+    per_param = max(_WIRE_BYTES_PER_PARAM[c] for c in args.compression)
+    frag_s = cross_dc_time(per_param * params / args.fragments, rtt_ms=args.rtt_ms, gbps=args.inter_dc_gbps,
+                           num_dcs=args.dcs)  # fmt: skip
+    return {"compute_s_probe": round(compute_s, 5), "fragment_sync_s": round(frag_s, 5),
+            "overlap_steps": overlap_steps_for(frag_s, compute_s),
+            "rule": f"ceil({OVERLAP_MARGIN:g} x fragment sync / step compute), at most a third of H, as auto "
+                    "picks it"}  # fmt: skip
 
 
 def _whole_cycles(steps: int, h: int, fragments: int, overlap_steps: int) -> int:
-    """``steps`` rounded down to whole warm-up cycles of this H, fragments and overlap."""
+    """``steps`` rounded down to whole warm-up cycles of this H, fragments and overlap; none when that cycle is no
+    shorter than H (it would sync no more often)."""
     cycle = warmup_cycle(h, fragments, overlap_steps)
-    return steps // cycle * cycle
+    return steps // cycle * cycle if cycle < h else 0
 
 
 def datacenters(args: argparse.Namespace) -> tuple[str, ...]:
@@ -190,7 +229,7 @@ def run_on_lab(args: argparse.Namespace, chosen: list[Strategy]) -> dict[str, di
             for s in chosen:
                 t0 = time.perf_counter()
                 ranks = run_in_lab(state, job_config(args, s.sync, emulated=False), list(names), Path(tmp),
-                                   args.timeout_s)  # fmt: skip
+                                   args.timeout_s, count_at=(1, args.steps))  # fmt: skip
                 out[s.name] = from_lab(ranks, time.perf_counter() - t0)
         finally:
             lab_mod.down(LAB_NAME)
@@ -240,7 +279,7 @@ def summarise(name: str, s: Strategy, got: dict[str, Any], steps: int) -> dict[s
         o = s.sync.outer
         row.update(inner_steps=o.inner_steps, fragments=o.fragments, overlap_steps=o.overlap_steps,
                    compression=s.sync.compression.value, outer_lr=o.outer_lr, outer_momentum=o.outer_momentum,
-                   warmup_steps=o.warmup_steps)  # fmt: skip
+                   warmup_steps=o.warmup_steps, merge=o.merge.value if o.overlap_steps else None)  # fmt: skip
     elif s.torchft is not None:
         t = s.torchft
         row.update(inner_steps=t.inner_steps, fragments=t.fragments, overlap_steps=t.sync_delay, compression="none",
@@ -299,6 +338,9 @@ def run(args: argparse.Namespace) -> dict:
 
     if args.dcs < 2:
         raise ValueError("--dcs must be at least 2: the bench measures the link between datacenters")
+    params = count_params(args.model)
+    if args.overlap_steps is None:
+        args.overlap_rule = overlap_rule(args, params)
     chosen = strategies(args)
     if args.lab:
         chosen = [s for s in chosen if s.torchft is None]
@@ -312,7 +354,6 @@ def run(args: argparse.Namespace) -> dict:
     total_s = time.perf_counter() - t0
     report = {s.name: summarise(s.name, s, per_rank[s.name], args.steps) for s in chosen}
     compare(report)
-    params = count_params(args.model)
     return {
         "command": "meridian bench lowcomm " + " ".join(sys.argv[3:] if sys.argv[1:3] == ["bench", NAME] else sys.argv[1:]),
         "model": args.model, "params": params, "datacenters": args.dcs, "ranks_per_dc": 1, "steps": args.steps,
@@ -327,6 +368,7 @@ def run(args: argparse.Namespace) -> dict:
          "note": "the application's WAN emulator (workers/wan) for Meridian; the same α–β model in "
                  "bench/lowcomm_torchft.py for torchft; the lab's real link was not used (--lab uses it)"},
         "strategies": report,
+        "overlap_rule": getattr(args, "overlap_rule", None),
         "auto_choice": auto_choice(args, params, per_rank, chosen),
         "total_s": round(total_s, 1), "loadavg_before": load_before, "loadavg_after": loadavg(), "cpus": os.cpu_count(),
     }  # fmt: skip
@@ -349,9 +391,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="outer-delta encodings for Meridian's DiLoCo (default int8 int4)")  # fmt: skip
     p.add_argument("--fragments", type=int, default=4, help="streaming fragments (default 4)")
     p.add_argument("--overlap-steps", type=int, default=None,
-                   help="streaming: steps a sync is in flight (default H // fragments - 1, the most the cycle allows: "
-                        "on the 100 ms link a ~9 ms step needs 7 to cover one way and the transfer)")
-    p.add_argument("--mix-alpha", type=float, default=0.5, help="streaming: local weight in the merge (default 0.5)")
+                   help="streaming: steps a sync is in flight (default: what auto picks for the link and a step "
+                        "measured here first, 1.5x a fragment's modelled sync, at most H / 3; reported as overlap_rule)")
+    p.add_argument("--merge", default=OuterMerge.KEEP_PROGRESS.value, choices=[m.value for m in OuterMerge],
+                   help="Meridian's streaming: what a fragment becomes when its sync lands (default keep-progress: "
+                        "the outer result plus what trained meanwhile; mix: the paper's alpha-weighted merge)")
+    p.add_argument("--mix-alpha", type=float, default=0.5,
+                   help="streaming: local weight of the mix merge, Meridian's with --merge mix and torchft's (default 0.5)")
     p.add_argument("--outer-lr", type=float, default=0.7, help="outer Nesterov learning rate (default 0.7)")
     p.add_argument("--outer-momentum", type=float, default=0.9, help="outer Nesterov momentum (default 0.9)")
     p.add_argument("--diloco-warmup-steps", type=int, default=400,

@@ -14,8 +14,10 @@ from meridian.service.planning.planner import default_figures, plan_job
 from meridian.service.planning.sync_choice import (
     FRAGMENTS,
     MAX_H,
+    MAX_OVERLAP_FRACTION,
     MIN_INNER_STEPS,
     OUTER_BYTES_PER_PARAM,
+    OVERLAP_MARGIN,
     choose_sync,
     cross_dc_time,
 )
@@ -71,8 +73,9 @@ def test_very_slow_link_picks_streaming_diloco_whose_overlap_covers_each_fragmen
     cfg = c.diloco
     assert cfg.fragments == FRAGMENTS and cfg.inner_steps % cfg.fragments == 0
     frag_s = cross_dc_time(OUTER_BYTES_PER_PARAM * TINY / cfg.fragments, rtt_ms=100, gbps=0.1, num_dcs=2)
-    assert (cfg.overlap_steps - 1) * 0.05 < frag_s <= cfg.overlap_steps * 0.05  # the fewest steps that hide it
-    assert cfg.inner_steps == MIN_INNER_STEPS and cfg.overlap_steps < cfg.inner_steps // cfg.fragments
+    # the fewest steps that cover 1.5x its modelled time
+    assert (cfg.overlap_steps - 1) * 0.05 < OVERLAP_MARGIN * frag_s <= cfg.overlap_steps * 0.05
+    assert cfg.inner_steps == MIN_INNER_STEPS and cfg.overlap_steps <= cfg.inner_steps * MAX_OVERLAP_FRACTION
     assert "evidence floor" in c.explanation and "x fewer inter-DC bytes" in c.explanation
     DiLoCoConfig(**{f: getattr(cfg, f) for f in ("inner_steps", "fragments", "overlap_steps")})  # valid
     assert cfg.warmup_steps == 0  # the job's length unknown: no warm-up
@@ -81,13 +84,16 @@ def test_very_slow_link_picks_streaming_diloco_whose_overlap_covers_each_fragmen
     assert warm.warmup_steps % cycle == 0 and 0.4 * 1000 - cycle < warm.warmup_steps <= 0.4 * 1000
 
 
-def test_no_warm_up_when_its_cycle_would_be_h_itself():
-    # the bench's nano model and step on 100 ms / 0.1 Gbit/s: 7 overlapped steps fill a 32-step cycle of 4
-    # fragments, so a "warm-up" would sync exactly as often as H does
+def test_no_warm_up_when_its_cycle_would_not_be_shorter_than_h():
+    # the bench's nano model and step on 100 ms / 0.1 Gbit/s: 11 overlapped steps need H = 36 (a third of H), and
+    # 11 steps of each of 4 fragments make a 48-step warm-up cycle, longer than H, so a "warm-up" would sync less
+    # often than H does; several fragments are in flight at once instead
     nano = 136_960
     c = choose_sync(rtt_ms=100, gbps=0.1, num_params=nano, compute_s=0.0076, bucket_mb=0.1, steps=4096)
     cfg = c.diloco
-    assert max(cfg.fragments * (cfg.overlap_steps + 1), cfg.inner_steps // 4) == cfg.inner_steps
+    assert cfg.overlap_steps == 11 and cfg.inner_steps == 36 and "room for the overlap" in c.explanation
+    assert cfg.overlap_steps <= cfg.inner_steps * MAX_OVERLAP_FRACTION
+    assert max(cfg.fragments * (cfg.overlap_steps + 1), cfg.inner_steps // 4) > cfg.inner_steps
     assert cfg.warmup_steps == 0 and "warm-up" not in c.explanation
 
 

@@ -13,10 +13,10 @@ the same link arithmetic as :mod:`meridian.service.planning.cost_model`:
   held-out loss at equal tokens -1.0% and +0.2% of fp32's with seeds 0 and 1, i.e. within the noise).
 - Otherwise ``streaming-diloco`` (Douillard et al. 2025, arXiv:2501.18512) with 4-bit outer deltas and
   error feedback, whenever the model fills at least two gradient buckets: ``fragments`` fragments, each
-  sync in flight behind ``overlap_steps`` inner steps, enough to cover the link's latency plus the
-  fragment's transfer, so compute never waits for the WAN. H is the largest of: the evidence floor
+  sync in flight behind ``overlap_steps`` inner steps, enough to cover 1.5× the link's latency plus the
+  fragment's transfer (:data:`OVERLAP_MARGIN`), so compute never waits for the WAN. H is the largest of: the evidence floor
   ``min_inner_steps`` (what ``meridian bench lowcomm`` measured to stay near per-step sync's loss while
-  cutting bytes 100×+), room for the overlap (H / fragments > overlap_steps), and the link's capacity (one
+  cutting bytes 100×+), room for the overlap (a third of H, :data:`MAX_OVERLAP_FRACTION`), and the link's capacity (one
   compressed model per H steps keeps the link at most half busy).
 - Plain ``diloco`` (Douillard et al. 2023, arXiv:2311.08105) when the model is one bucket (nothing to
   stream): its blocking outer sync is amortised over H steps to under half of ``per_step_limit``.
@@ -48,6 +48,15 @@ MIN_INNER_STEPS = 32
 """Evidence floor for H (``bench lowcomm``): fewer inner steps buy little loss and cost bytes."""
 FRAGMENTS = 4
 LINK_BUSY_MAX = 0.5
+OVERLAP_MARGIN = 1.5
+"""Streaming: each fragment's sync gets inner steps covering 1.5× its modelled time. The ranks drift a few steps
+apart between syncs, and a real link adds what the model leaves out (``meridian bench lowcomm --lab``, 100 ms /
+0.1 Gbit/s: fragments modelled at ~55 ms behind 7 steps of 8 ms waited 12-25 ms each; 10 steps waited for
+nothing, at the same loss)."""
+MAX_OVERLAP_FRACTION = 1 / 3
+"""Streaming: a fragment's sync lands within the first third of its H steps; H grows to keep it so. ``bench lowcomm``
+(nano, 4,096 steps, H 32, 4 fragments, the keep-progress merge, int8 and int4, seeds 0 and 1): overlap 7 and 10
+stayed within 1.3% of per-step sync's held-out loss, 13 reached +2.9%."""
 WARMUP_FRACTION = 0.4
 """Share of the job's steps synced on the short warm-up cycle (``bench lowcomm``: of 0, 100, 200 and 400 warm-up
 steps in 1,024, 400 came closest to per-step sync's loss, for +25% bytes)."""
@@ -76,6 +85,17 @@ def cross_dc_time(nbytes: float, *, rtt_ms: float, gbps: float, num_dcs: int) ->
     if num_dcs == 2:
         return one_way + nbytes / bps
     return 2 * (num_dcs - 1) * one_way + 2 * (num_dcs - 1) / num_dcs * nbytes / bps
+
+
+def overlap_steps_for(frag_s: float, compute_s: float) -> int:
+    """Streaming: the inner steps a fragment's sync stays in flight, ``OVERLAP_MARGIN`` × its modelled time
+    ``frag_s`` over a step's compute ``compute_s`` (at least 1)."""
+    return max(1, math.ceil(OVERLAP_MARGIN * frag_s / compute_s))
+
+
+def max_overlap_steps(inner_steps: int) -> int:
+    """The most inner steps a fragment's sync may stay in flight at this H (:data:`MAX_OVERLAP_FRACTION`)."""
+    return max(1, min(inner_steps - 1, int(inner_steps * MAX_OVERLAP_FRACTION)))
 
 
 def choose_sync(
@@ -151,14 +171,14 @@ def choose_sync(
         return SyncChoice(SyncStrategy.DILOCO, cfg, f"Sync 'diloco' (chosen: {why}).", exposed, outer_s,
                           OUTER_COMPRESSION)
     frag_s = cross_dc_time(wire / fragments, rtt_ms=rtt_ms, gbps=gbps, num_dcs=num_dcs)
-    overlap_steps = max(1, math.ceil(frag_s / compute_s))
-    h_overlap = fragments * (overlap_steps + 1)
+    overlap_steps = overlap_steps_for(frag_s, compute_s)
+    h_overlap = math.ceil(overlap_steps / MAX_OVERLAP_FRACTION)
     h_link = math.ceil(outer_s / (LINK_BUSY_MAX * compute_s))
     wanted = max(min_inner_steps, h_overlap, h_link)
     h = min(MAX_H - MAX_H % fragments, math.ceil(wanted / fragments) * fragments)
     capped = (f"; capped at H={h}, the papers' largest (H={wanted} would keep up): the link stays the "
               "bottleneck and compute will wait for it" if h < wanted else "")
-    overlap_steps = min(overlap_steps, h // fragments - 1)
+    overlap_steps = min(overlap_steps, max_overlap_steps(h))
     cycle = warmup_cycle(h, fragments, overlap_steps)
     # a warm-up cycle as long as H itself would sync no more often: none then
     warmup = int(WARMUP_FRACTION * steps) // cycle * cycle if steps and cycle < h else 0
@@ -170,8 +190,8 @@ def choose_sync(
     cfg = DiLoCoConfig(inner_steps=h, fragments=fragments, overlap_steps=overlap_steps, warmup_steps=warmup)
     why = (f"{head}; streaming DiLoCo sends {fragments} fragments of 4-bit outer deltas with error feedback "
            f"({wire / fragments / 1e6:.3f} MB, {frag_s * 1e3:.0f} ms each) on a staggered schedule over H={h} steps "
-           f"(set by {binding}), each in flight behind {overlap_steps} "
-           f"inner step(s) so compute does not wait for the link; {model_bytes * h / wire:.0f}x fewer inter-DC "
-           f"bytes than per-step sync{warm}{capped}")
+           f"(set by {binding}), each in flight behind {overlap_steps} inner step(s) ({OVERLAP_MARGIN:g}x its "
+           f"time, so compute does not wait for the link) and landing as the outer result plus what trained "
+           f"meanwhile; {model_bytes * h / wire:.0f}x fewer inter-DC bytes than per-step sync{warm}{capped}")
     return SyncChoice(SyncStrategy.STREAMING_DILOCO, cfg, f"Sync 'streaming-diloco' (chosen: {why}).", exposed,
                       outer_s, OUTER_COMPRESSION)
