@@ -58,6 +58,21 @@ def _h1_run(rank, world, dcs, shard):
     return _close(e), [s.inter_dc_bytes for s in stats], [b.padded_numel for b in e.buffer.buckets]
 
 
+def _inner_steps(layout: DCLayout, replicas, opts, step: int) -> None:
+    """Step ``step`` of every DC's replica on its DC's samples, the gradient scaled to the DC mean as the engine
+    does (its ranks' shares of the global batch, times world / DC size)."""
+    for dc, model in replicas.items():
+        for r in layout.ranks_in(dc):
+            share = rank_slice(GLOBAL_BATCH, r, layout.world_size)
+            x, y = toy_batch(step, share.start, share.stop)
+            (share_loss(model, x, y) * layout.world_size / len(layout.ranks_in(dc))).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), OPTIM.grad_clip)
+        for g in opts[dc].param_groups:
+            g["lr"] = lr_of(step)
+        opts[dc].step()
+        opts[dc].zero_grad()
+
+
 def _per_step_averaging(dcs: tuple[str, ...], steps: int) -> dict[str, torch.Tensor]:
     """One AdamW replica per DC on its DC's samples (gradient scaled to the DC mean as the engine does), the
     replicas' parameters averaged after every step; inner AdamW states stay apart, as in DiLoCo."""
@@ -65,16 +80,7 @@ def _per_step_averaging(dcs: tuple[str, ...], steps: int) -> dict[str, torch.Ten
     replicas = {dc: toy_model(0) for dc in layout.dcs}
     opts = {dc: build_adamw(m, OPTIM) for dc, m in replicas.items()}
     for step in range(steps):
-        for dc, model in replicas.items():
-            for r in layout.ranks_in(dc):
-                share = rank_slice(GLOBAL_BATCH, r, layout.world_size)
-                x, y = toy_batch(step, share.start, share.stop)
-                (share_loss(model, x, y) * layout.world_size / len(layout.ranks_in(dc))).backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), OPTIM.grad_clip)
-            for g in opts[dc].param_groups:
-                g["lr"] = lr_of(step)
-            opts[dc].step()
-            opts[dc].zero_grad()
+        _inner_steps(layout, replicas, opts, step)
         with torch.no_grad():
             for name, _ in replicas[layout.dcs[0]].named_parameters():
                 mean = torch.stack([dict(m.named_parameters())[name] for m in replicas.values()]).mean(0)
@@ -208,16 +214,7 @@ def _streaming_reference(dcs, fragments, merge: OuterMerge, tau: int, alpha: flo
     momentum = {n: torch.zeros_like(a) for n, a in anchor.items()}
     started, mean_delta = {}, {}
     for step in range(OVERLAP_STEPS):
-        for dc, model in replicas.items():
-            for r in layout.ranks_in(dc):
-                share = rank_slice(GLOBAL_BATCH, r, layout.world_size)
-                x, y = toy_batch(step, share.start, share.stop)
-                (share_loss(model, x, y) * layout.world_size / len(layout.ranks_in(dc))).backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), OPTIM.grad_clip)
-            for g in opts[dc].param_groups:
-                g["lr"] = lr_of(step)
-            opts[dc].step()
-            opts[dc].zero_grad()
+        _inner_steps(layout, replicas, opts, step)
         done = step + 1
         with torch.no_grad():
             for f in sched.starting(done):

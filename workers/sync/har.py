@@ -67,35 +67,29 @@ def reduce_scatter_in_dc(buf: torch.Tensor, groups: DCGroups) -> torch.Tensor:
     return shard
 
 
-def start_all_reduce_across_dcs(
-    buf: torch.Tensor,
-    groups: DCGroups,
-    comm: InterDCComm,
-    *,
-    chunk_bytes: float | None = None,
-    bucket: int = 0,
-) -> list[CommHandle]:
-    """Step 2, issued: every chunk of every segment this rank owns, in global segment order, in flight."""
-    handles = []
+def chunks_across_dcs(buf: torch.Tensor, groups: DCGroups, chunk_bytes: float | None):
+    """``(segment, its inter-DC group, chunk index, chunk view)`` of every chunk of every segment this rank owns,
+    in global segment order: what step 2 sends, in the order every owner issues it."""
     for seg, group in groups.inter_dc.items():  # dict order is global segment order
         for c, chunk in enumerate(chunk_views(segment_view(buf, groups, seg), chunk_bytes)):
-            handles.append(comm.all_reduce_async(chunk, group, seg, key=(bucket, c)))
-    return handles
+            yield seg, group, c, chunk
+
+
+def start_all_reduce_across_dcs(
+    buf: torch.Tensor, groups: DCGroups, comm: InterDCComm, *, chunk_bytes: float | None = None, bucket: int = 0
+) -> list[CommHandle]:
+    """Step 2, issued: every chunk of every segment this rank owns, in global segment order, in flight."""
+    return [comm.all_reduce_async(chunk, group, seg, key=(bucket, c))
+            for seg, group, c, chunk in chunks_across_dcs(buf, groups, chunk_bytes)]  # fmt: skip
 
 
 def post_receives_across_dcs(
-    buf: torch.Tensor,
-    groups: DCGroups,
-    comm: InterDCComm,
-    *,
-    chunk_bytes: float | None = None,
-    bucket: int = 0,
+    buf: torch.Tensor, groups: DCGroups, comm: InterDCComm, *, chunk_bytes: float | None = None, bucket: int = 0
 ) -> None:
     """Post the receive of every chunk's first step-2 exchange ahead (:meth:`InterDCComm.post_receive`), with the
     same chunks and names :func:`start_all_reduce_across_dcs` will use for ``buf``."""
-    for seg, group in groups.inter_dc.items():
-        for c, chunk in enumerate(chunk_views(segment_view(buf, groups, seg), chunk_bytes)):
-            comm.post_receive(chunk, group, seg, key=(bucket, c))
+    for seg, group, c, chunk in chunks_across_dcs(buf, groups, chunk_bytes):
+        comm.post_receive(chunk, group, seg, key=(bucket, c))
 
 
 def all_reduce_across_dcs(
