@@ -68,8 +68,7 @@ class HierarchicalSync(GradientSync):
         self.groups = groups
         self.optim_cfg = optim
         # Nothing to overlap when this rank talks to no one (alone in its DC, no inter-DC step: DiLoCo's inner
-        # sync with one rank per DC): the comm thread would only add its hand-offs to every step (bench
-        # lowcomm on this 2-core machine: ~1.5% of a 9 ms step, counted as waiting for sync).
+        # sync with one rank per DC): a comm thread would only add its hand-offs to every step.
         self.overlap = sync.overlap and (groups.dc_size > 1 or bool(groups.inter_dc))
         # Inside one data-parallel group only: with tensor/pipeline parallelism other ranks hold other parts.
         broadcast_parameters(model, src=groups.world_ranks[0], group=groups.world)
