@@ -43,3 +43,21 @@ def test_torchft_and_meridian_diloco_agree_and_bytes_are_what_was_sent():
         assert min(per_rank) - 1e-4 <= r["compute_utilisation"] <= max(per_rank) + 1e-4
     assert out["auto_choice"]["strategy"] in ("hierarchical", "diloco", "streaming-diloco")
     assert out["auto_choice"]["reason"]
+
+
+def test_the_default_overlap_is_autos_rule_for_the_link_and_a_step_measured_here():
+    from meridian.bench.lowcomm import overlap_rule, overlap_steps
+    from meridian.service.planning.sync_choice import cross_dc_time, max_overlap_steps, overlap_steps_for
+
+    args = build_parser().parse_args(["lowcomm", "--inner-steps", "8", "--compression", "int8", "int4"])
+    params = count_params("nano")
+    rule = overlap_rule(args, params)
+    assert 0 < rule["compute_s_probe"] < 1
+    # the largest fragment the chosen encodings send: int8's byte per parameter, a quarter of the model each
+    assert rule["fragment_sync_s"] == pytest.approx(
+        cross_dc_time(params / 4, rtt_ms=100, gbps=0.1, num_dcs=2), rel=1e-3)
+    assert rule["overlap_steps"] == overlap_steps_for(rule["fragment_sync_s"], rule["compute_s_probe"])
+    args.overlap_rule = rule
+    assert overlap_steps(args, 8) == min(rule["overlap_steps"], max_overlap_steps(8)) <= 8 // 3
+    args.overlap_steps = 5  # given: kept, under H
+    assert overlap_steps(args, 8) == 5 and overlap_steps(args, 4) == 3
