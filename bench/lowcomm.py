@@ -15,8 +15,8 @@ average before and after.
 - ``diloco+int8|int4/H<h>``: Meridian's DiLoCo (:mod:`meridian.workers.sync.diloco`), outer deltas in int8 or
   4 bits with error feedback (:mod:`meridian.workers.sync.compression`);
 - ``streaming-diloco+int8|int4/H<h>``: the same with ``--fragments`` fragments, each in flight behind
-  ``--overlap-steps`` inner steps and merged as ``--merge`` says when it lands (default: the outer result plus
-  what trained meanwhile, :class:`~meridian.workers.contracts.config.OuterMerge`);
+  ``--overlap-steps`` inner steps and merged as ``--merge`` says when it lands (default: the paper's mix, as a
+  job's; :class:`~meridian.workers.contracts.config.OuterMerge`);
 - ``torchft-diloco/H<h>``, ``torchft-streaming-diloco/H<h>``: torchft's ``DiLoCo``
   (:mod:`meridian.bench.lowcomm_torchft`), same fragments and delay, with torchft's merge (the paper's, local
   weight ``--mix-alpha``).
@@ -393,9 +393,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overlap-steps", type=int, default=None,
                    help="streaming: steps a sync is in flight (default: what auto picks for the link and a step "
                         "measured here first, 1.5x a fragment's modelled sync, at most H / 3; reported as overlap_rule)")
-    p.add_argument("--merge", default=OuterMerge.KEEP_PROGRESS.value, choices=[m.value for m in OuterMerge],
-                   help="Meridian's streaming: what a fragment becomes when its sync lands (default keep-progress: "
-                        "the outer result plus what trained meanwhile; mix: the paper's alpha-weighted merge)")
+    p.add_argument("--merge", default=DiLoCoConfig().merge.value, choices=[m.value for m in OuterMerge],
+                   help="Meridian's streaming: what a fragment becomes when its sync lands (default: the job's "
+                        "default, mix, the paper's alpha-weighted merge; keep-progress: the outer result plus what "
+                        "trained meanwhile)")
     p.add_argument("--mix-alpha", type=float, default=0.5,
                    help="streaming: local weight of the mix merge, Meridian's with --merge mix and torchft's (default 0.5)")
     p.add_argument("--outer-lr", type=float, default=0.7, help="outer Nesterov learning rate (default 0.7)")

@@ -43,12 +43,12 @@ def test_submit_read_list_and_plan(client):
     assert client.post("/v1/plans", json=spec(sync={"bucket_mb": None})).json()["bucket_mb"] == 1.0
     mine = client.post("/v1/plans", json=spec(sync={"bucket_mb": 0.25})).json()
     assert mine["bucket_mb"] == 0.25 and "Gradient buckets of" not in mine["explanation"]
-    # streaming DiLoCo's merge: the outer result plus what trained meanwhile unless the spec asks for the paper's
+    # streaming DiLoCo's merge: the paper's unless the spec asks to keep what trained meanwhile
     knobs = {"inner_steps": 8, "fragments": 2, "overlap_steps": 1}
     for merge in ("keep-progress", "mix", None):
         diloco = knobs if merge is None else {**knobs, "merge": merge}
         r = client.post("/v1/plans", json=spec(sync={"strategy": "streaming-diloco", "diloco": diloco}))
-        assert r.status_code == 200 and r.json()["diloco"]["merge"] == (merge or "keep-progress"), r.text
+        assert r.status_code == 200 and r.json()["diloco"]["merge"] == (merge or "mix"), r.text
 
 
 @pytest.mark.parametrize("body, field", [

@@ -56,7 +56,8 @@ nothing, at the same loss)."""
 MAX_OVERLAP_FRACTION = 1 / 3
 """Streaming: a fragment's sync lands within the first third of its H steps; H grows to keep it so. ``bench lowcomm``
 (nano, 4,096 steps, H 32, 4 fragments, the keep-progress merge, int8 and int4, seeds 0 and 1): overlap 7 and 10
-stayed within 1.3% of per-step sync's held-out loss, 13 reached +2.9%."""
+stayed within 1.3% of per-step sync's held-out loss, 13 reached +2.9% (with the default mix merge: 7 gave +1.9-3.3%,
+longer overlaps not measured)."""
 WARMUP_FRACTION = 0.4
 """Share of the job's steps synced on the short warm-up cycle (``bench lowcomm``: of 0, 100, 200 and 400 warm-up
 steps in 1,024, 400 came closest to per-step sync's loss, for +25% bytes)."""
@@ -191,7 +192,7 @@ def choose_sync(
     why = (f"{head}; streaming DiLoCo sends {fragments} fragments of 4-bit outer deltas with error feedback "
            f"({wire / fragments / 1e6:.3f} MB, {frag_s * 1e3:.0f} ms each) on a staggered schedule over H={h} steps "
            f"(set by {binding}), each in flight behind {overlap_steps} inner step(s) ({OVERLAP_MARGIN:g}x its "
-           f"time, so compute does not wait for the link) and landing as the outer result plus what trained "
-           f"meanwhile; {model_bytes * h / wire:.0f}x fewer inter-DC bytes than per-step sync{warm}{capped}")
+           f"time, so compute does not wait for the link); {model_bytes * h / wire:.0f}x fewer inter-DC bytes than "
+           f"per-step sync{warm}{capped}")
     return SyncChoice(SyncStrategy.STREAMING_DILOCO, cfg, f"Sync 'streaming-diloco' (chosen: {why}).", exposed,
                       outer_s, OUTER_COMPRESSION)

@@ -7,9 +7,10 @@ to the shared *outer* parameters (the anchor), which become every replica's new 
 (Douillard et al. 2025, "Streaming DiLoCo with overlapping communication", arXiv:2501.18512) syncs P
 fragments of the parameters at staggered offsets (:mod:`meridian.workers.sync.diloco_schedule`), lets each
 fragment's all-reduce run behind ``overlap_steps`` inner steps, and may quantise the delta (bf16 / int8 /
-int4 with error feedback). When a fragment lands, the paper merges ``alpha * local + (1 - alpha) * outer``;
-Meridian by default keeps what the replica trained meanwhile on top of the new outer weights
-(:class:`~meridian.workers.contracts.config.OuterMerge`), which measured closer to per-step sync's loss.
+int4 with error feedback). When a fragment lands, the paper merges ``alpha * local + (1 - alpha) * outer`` (the
+default); ``merge = "keep-progress"`` keeps what the replica trained meanwhile on top of the new outer weights
+instead (:class:`~meridian.workers.contracts.config.OuterMerge`: closer to per-step sync's loss on one model,
+much further on another).
 
 Per step, on every rank::
 
@@ -20,8 +21,8 @@ Per step, on every rank::
         #    compression, byte count, WAN emulation), kept in flight for overlap_steps inner steps
     for each fragment landing at t:
         # 3) outer Nesterov SGD on the shard:  m = mu*m + mean(d);  anchor -= lr_out * (mean(d) + mu*m)
-        # 4) theta = anchor, plus with overlap what trained since the sync started (merge "keep-progress":
-        #    theta = anchor + theta - theta_start; or the paper's "mix": alpha*theta + (1-alpha)*anchor);
+        # 4) theta = anchor, or with overlap the paper's "mix": alpha*theta + (1-alpha)*anchor (or merge
+        #    "keep-progress": theta = anchor + theta - theta_start, what trained since the sync started kept);
         #    all-gather theta in the DC
 
 Only step 2 crosses DCs, carrying 1/N of the fragment per rank (N = ranks in the DC), once per H/P steps.
