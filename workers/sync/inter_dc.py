@@ -53,6 +53,11 @@ class Waitable(Protocol):
     def is_completed(self) -> bool: ...
 
 
+def _posts_ahead(group: dist.ProcessGroup) -> bool:
+    """Whether an exchange's receive may be posted before it is sent: gloo only (:meth:`InterDCComm._exchange`)."""
+    return dist.get_backend(group) == dist.Backend.GLOO
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -140,7 +145,7 @@ class InterDCComm:
         sent: its data then flows one way, where a first exchange otherwise waits a round trip for gloo to
         announce the receive (:mod:`meridian.workers.wan.exchange`). Two owners on gloo only, as :meth:`_exchange`
         posts; otherwise nothing. Every owner must post the same keys in the same order (they name the tags)."""
-        if len(segment.owners) != 2 or dist.get_backend(group) != dist.Backend.GLOO:
+        if len(segment.owners) != 2 or not _posts_ahead(group):
             return
         n = tensor.numel()
         if self.compression is Compression.NONE:
@@ -161,7 +166,7 @@ class InterDCComm:
         ahead, so the data flows at once (one way instead of a round trip) (gloo only: NCCL runs a pair's
         point-to-point operations in order on one stream, so a receive posted a step ahead would hold the
         next send behind it on both owners)."""
-        posted = self._receives if dist.get_backend(group) == dist.Backend.GLOO else None
+        posted = self._receives if _posts_ahead(group) else None
         return ExchangeWork(t, group, emulator=self.emulator, group_ranks=segment.owners, receives=posted, key=key,
                             combine=combine)
 
