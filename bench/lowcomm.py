@@ -379,9 +379,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rtt-ms", type=float, default=100.0, help="inter-DC round trip (default 100)")
     p.add_argument("--inter-dc-gbps", type=float, default=0.1, help="inter-DC bandwidth (default 0.1)")
     p.add_argument("--model", default="nano", help="model preset (default nano)")
-    p.add_argument("--steps", type=int, default=4096, help="optimizer steps per strategy (default 4096)")
-    p.add_argument("--global-batch", type=int, default=16, help="samples per step over all DCs (default 16)")
-    p.add_argument("--micro-batch", type=int, default=8, help="samples per forward/backward (default 8)")
+    p.add_argument("--steps", type=int, default=2048, help="optimizer steps per strategy (default 2048)")
+    p.add_argument("--global-batch", type=int, default=64, help="samples per step over all DCs (default 64)")
+    p.add_argument("--micro-batch", type=int, default=32, help="samples per forward/backward (default 32)")
     p.add_argument("--lr", type=float, default=5e-3,
                    help="inner AdamW peak learning rate, every strategy (default 5e-3: per-step sync's better of 3e-3, 5e-3)")
     p.add_argument("--warmup-steps", type=int, default=50, help="inner learning-rate warm-up (default 50)")

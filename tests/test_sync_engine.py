@@ -327,6 +327,25 @@ def test_every_engine_trains_like_one_process(single_process):
     assert out["flat"][0].inter_dc_bytes_per_step == pytest.approx(2 * 4 / 3 * 4 * numel, rel=0.01)
 
 
+def _alone_trains(rank, world, configs):
+    from meridian.workers.sync.hierarchical import HierarchicalSync
+
+    def no_bucket(self, bucket):
+        raise AssertionError("a rank alone in its datacenter started a bucket's sync")
+
+    HierarchicalSync._start_bucket = no_bucket  # this process only
+    return _train_all(rank, world, configs)
+
+
+def test_a_rank_alone_starts_no_bucket_and_trains_like_flat(single_process):
+    # One rank, no inter-DC step (DiLoCo's inner sync with one rank per DC): its gradients are already the sum.
+    configs = {name: _config(("a",), sync) for name, sync in ENGINES.items() if name != "flat"}
+    (out,) = run_processes(_alone_trains, 1, configs)
+    ref = [r.loss for r in single_process[Precision.FP32][1]]
+    for name, (_, records) in out.items():
+        assert [r.loss for r in records] == pytest.approx(ref, rel=2e-5), name
+
+
 def test_two_plus_two_trains_like_one_process(single_process):
     configs = {name: _config(("a", "a", "b", "b"), ENGINES[name]) for name in ("flat", "har sharded overlap")}
     out = run_processes(_train_all, 4, configs)[0]
