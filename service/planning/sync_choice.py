@@ -23,7 +23,7 @@ the same link arithmetic as :mod:`meridian.service.planning.cost_model`:
 
 Never the one-step-late variant of ``hierarchical`` (``sync.delay_one_step``): it hides the whole sync behind
 the next step, but ``meridian bench lowcomm`` measured its loss at equal tokens 42-44% above per-step sync's
-(``har-delayed``, nano, 1,024 steps, lr 5e-3, seeds 0 and 1), so ``auto`` cannot offer it as "the same
+(``har-delayed``, nano, 1,024 steps of 16 samples, lr 5e-3, seeds 0 and 1), so ``auto`` cannot offer it as "the same
 training"; a job that accepts stale gradients asks for it.
 
 H is capped at 500 (the papers' range; quality drops beyond). Never reads the cluster or the store: the
@@ -52,15 +52,17 @@ OVERLAP_MARGIN = 1.5
 """Streaming: each fragment's sync gets inner steps covering 1.5× its modelled time. The ranks drift a few steps
 apart between syncs, and a real link adds what the model leaves out (``meridian bench lowcomm --lab``, 100 ms /
 0.1 Gbit/s: fragments modelled at ~55 ms behind 7 steps of 8 ms waited 12-25 ms each; 10 steps waited for
-nothing, at the same loss)."""
+nothing, at the same loss). With 31 ms steps (64 samples) the rule gives 3 steps; 4 waited no less: what is left
+is the faster rank waiting for the slower one."""
 MAX_OVERLAP_FRACTION = 1 / 3
-"""Streaming: a fragment's sync lands within the first third of its H steps; H grows to keep it so. ``bench lowcomm``
-(nano, 4,096 steps, H 32, 4 fragments, the keep-progress merge, int8 and int4, seeds 0 and 1): overlap 7 and 10
-stayed within 1.3% of per-step sync's held-out loss, 13 reached +2.9% (with the default mix merge: 7 gave +1.9-3.3%,
-longer overlaps not measured)."""
+"""Streaming: a fragment's sync lands within the first third of its H steps; H grows to keep it so. ``bench
+lowcomm`` (nano, 4,096 steps of 16 samples, H 32, 4 fragments, the keep-progress merge, int8 and int4, seeds 0
+and 1): overlap 7 and 10 stayed within 1.3% of per-step sync's held-out loss, 13 reached +2.9% (with the default
+mix merge: 7 gave +1.9-3.3%, longer overlaps not measured)."""
 WARMUP_FRACTION = 0.4
 """Share of the job's steps synced on the short warm-up cycle (``bench lowcomm``: of 0, 100, 200 and 400 warm-up
-steps in 1,024, 400 came closest to per-step sync's loss, for +25% bytes)."""
+steps in 1,024, 400 came closest to per-step sync's loss, for +25% bytes; over 2,048 steps of 64 samples, 400
+warm-up steps against none: int8 +0.8% against +1.7% of per-step sync's loss, int4 +0.7% against +0.6%)."""
 
 
 @dataclass(frozen=True)

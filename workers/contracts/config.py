@@ -44,11 +44,11 @@ class OuterMerge(str, enum.Enum):
 
     KEEP_PROGRESS = "keep-progress"
     """The new outer weights plus what this replica trained while the sync was in flight:
-    ``theta <- outer + (theta - theta_at_start)``, plain DiLoCo applied late. ``bench lowcomm`` (nano, 4,096 steps,
-    H 32, 4 fragments, overlap 7): held-out loss at equal tokens +0.7% / +1.3% of per-step sync's with int8 deltas
-    (seeds 0 / 1), +0.4% / +1.2% with int4, where ``mix`` gave +1.9% / +3.3% and +2.6% / +2.3%. But on the
-    ``tiny`` model (1,024 steps, overlap 2, int8, seed 0) it gave +28.8% where ``mix`` gave +14.8%: the replicas
-    keep drifting apart, where the mix pulls them toward the outer weights. Opt-in until that is understood."""
+    ``theta <- outer + (theta - theta_at_start)``, plain DiLoCo applied late. ``bench lowcomm`` (nano, 4,096 steps
+    of 16 samples, H 32, 4 fragments, overlap 7): held-out loss at equal tokens +0.7% / +1.3% of per-step sync's
+    with int8 deltas (seeds 0 / 1), +0.4% / +1.2% with int4, where ``mix`` gave +1.9% / +3.3% and +2.6% / +2.3%.
+    But with fewer, larger steps it trails: nano, 1,024 steps of 64 samples, overlap 3, int8: +13.0% where ``mix``
+    gave +3.9%; ``tiny``, 1,024 steps, overlap 2: +28.8% where ``mix`` gave +14.8%. Opt-in."""
     MIX = "mix"
     """Streaming DiLoCo's merge (Douillard et al. 2025, arXiv:2501.18512), the default: ``theta <- alpha * theta +
     (1 - alpha) * outer`` with ``alpha = mix_alpha``."""
