@@ -84,6 +84,26 @@ def test_very_slow_link_picks_streaming_diloco_whose_overlap_covers_each_fragmen
     assert warm.warmup_steps % cycle == 0 and 0.4 * 1000 - cycle < warm.warmup_steps <= 0.4 * 1000
 
 
+def test_the_explanation_counts_the_warm_up_in_the_job_s_bytes():
+    import re
+
+    from meridian.workers.sync.diloco_schedule import FragmentSchedule
+
+    # the bench's nano model at 64 samples a step (~31 ms) on 100 ms / 0.1 Gbit/s, a 2,048-step job
+    nano, steps = 136_960, 2048
+    c = choose_sync(rtt_ms=100, gbps=0.1, num_params=nano, compute_s=0.031, bucket_mb=0.1, steps=steps)
+    cfg = c.diloco
+    assert cfg.warmup_steps > 0
+    after, whole = (float(x) for x in re.search(r"(\d+)x fewer inter-DC bytes .* so (\d+)x fewer over the whole",
+                                                 c.explanation).groups())
+    # what the workers' schedule sends over the job: each fragment start sends 1/fragments of the outer deltas
+    schedule = FragmentSchedule(cfg.inner_steps, cfg.fragments, cfg.overlap_steps, cfg.warmup_steps)
+    starts = sum(len(schedule.starting(done)) for done in range(1, steps + 1))
+    sent = starts * OUTER_BYTES_PER_PARAM * nano / cfg.fragments
+    assert whole == pytest.approx(4 * nano * steps / sent, rel=0.03)
+    assert whole < after == pytest.approx(4 / OUTER_BYTES_PER_PARAM * cfg.inner_steps, abs=1)
+
+
 def test_no_warm_up_when_its_cycle_would_not_be_shorter_than_h():
     # the bench's nano model and step on 100 ms / 0.1 Gbit/s: 11 overlapped steps need H = 36 (a third of H), and
     # 11 steps of each of 4 fragments make a 48-step warm-up cycle, longer than H, so a "warm-up" would sync less

@@ -185,8 +185,13 @@ def choose_sync(
     cycle = warmup_cycle(h, fragments, overlap_steps)
     # a warm-up cycle as long as H itself would sync no more often: none then
     warmup = int(WARMUP_FRACTION * steps) // cycle * cycle if steps and cycle < h else 0
-    warm = (f"; the first {warmup} steps sync every {cycle} steps (warm-up: replicas drift apart fastest early)"
-            if warmup else "")
+    if warmup:
+        assert steps is not None
+        job_ratio = model_bytes * steps / (wire * (warmup / cycle + (steps - warmup) / h))
+        warm = (f"; the first {warmup} steps sync every {cycle} steps (warm-up: replicas drift apart fastest early), "
+                f"so {job_ratio:.0f}x fewer over the whole {steps}-step job")
+    else:
+        warm = ""
     bounds = [(h_link, f"keeping the link at most {LINK_BUSY_MAX:.0%} busy"), (h_overlap, "room for the overlap"),
               (min_inner_steps, f"the evidence floor H >= {min_inner_steps}")]
     binding = max(bounds, key=lambda b: b[0])[1]
