@@ -53,7 +53,6 @@ from typing import Any
 
 from meridian.bench.lowcomm_torchft import TorchftOuter, run_torchft
 from meridian.service.planning.sync_choice import (
-    OUTER_BYTES_PER_PARAM,
     OVERLAP_MARGIN,
     cross_dc_time,
     max_overlap_steps,
@@ -71,6 +70,7 @@ from meridian.workers.contracts.config import (
     WanConfig,
 )
 from meridian.workers.contracts.model_config import model_preset
+from meridian.workers.sync.compression import payload_nbytes
 from meridian.workers.sync.diloco_schedule import warmup_cycle
 
 NAME = "lowcomm"
@@ -132,7 +132,6 @@ def overlap_steps(args: argparse.Namespace, h: int) -> int:
 
 
 PROBE_STEPS = 64
-_WIRE_BYTES_PER_PARAM = {"none": 4.0, "bf16": 2.0, "int8": 1.0, "int4": OUTER_BYTES_PER_PARAM}
 
 
 def overlap_rule(args: argparse.Namespace, params: int) -> dict[str, Any]:
@@ -146,9 +145,8 @@ def overlap_rule(args: argparse.Namespace, params: int) -> dict[str, Any]:
     probe = dataclasses.replace(job_config(args, sync, emulated=False), steps=PROBE_STEPS, validation=None)
     ranks = run_processes(_meridian, args.dcs, probe, timeout_s=args.timeout_s)
     compute_s = statistics.median(a - b for r in ranks for a, b in zip(r["step_s"][8:], r["blocked_s"][8:], strict=True))
-    per_param = max(_WIRE_BYTES_PER_PARAM[c] for c in args.compression)
-    frag_s = cross_dc_time(per_param * params / args.fragments, rtt_ms=args.rtt_ms, gbps=args.inter_dc_gbps,
-                           num_dcs=args.dcs)  # fmt: skip
+    frag_bytes = max(payload_nbytes(Compression(c), -(-params // args.fragments)) for c in args.compression)
+    frag_s = cross_dc_time(frag_bytes, rtt_ms=args.rtt_ms, gbps=args.inter_dc_gbps, num_dcs=args.dcs)
     return {"compute_s_probe": round(compute_s, 5), "fragment_sync_s": round(frag_s, 5),
             "overlap_steps": overlap_steps_for(frag_s, compute_s),
             "rule": f"ceil({OVERLAP_MARGIN:g} x fragment sync / step compute), at most a third of H, as auto "

@@ -18,7 +18,14 @@ from meridian.workers.contracts.model_config import model_preset
 from meridian.workers.distributed.layout import DCGroups, DCLayout
 from meridian.workers.distributed.multiproc import run_processes
 from meridian.workers.loop.train import ListSink, train
-from meridian.workers.sync.compression import INT4_BLOCK, Bf16Codec, ErrorFeedback, Int4Codec, Int8Codec
+from meridian.workers.sync.compression import (
+    INT4_BLOCK,
+    Bf16Codec,
+    ErrorFeedback,
+    Int4Codec,
+    Int8Codec,
+    payload_nbytes,
+)
 from meridian.workers.sync.inter_dc import InterDCComm
 
 
@@ -56,6 +63,15 @@ def test_bf16_payload_is_two_bytes_per_element():
     payload = Bf16Codec().encode(x)
     assert payload.dtype == torch.bfloat16 and payload.element_size() == 2
     assert float(((Bf16Codec().decode(payload) - x) / x).abs().max()) <= 2**-8
+
+
+@pytest.mark.parametrize("n", [1, 127, 128, 1000])
+def test_payload_nbytes_is_what_each_encoding_puts_on_the_wire(n):
+    x = torch.randn(n)
+    encoded = {Compression.NONE: x, Compression.BF16: Bf16Codec().encode(x), Compression.INT8: Int8Codec().encode(x),
+               Compression.INT4: Int4Codec().encode(x)}
+    for compression, payload in encoded.items():
+        assert payload_nbytes(compression, n) == payload.numel() * payload.element_size(), compression
 
 
 @pytest.mark.parametrize("codec, ratio", [(Int8Codec(), 20), (Bf16Codec(), 20), (Int4Codec(), 3)],

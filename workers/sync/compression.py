@@ -24,6 +24,8 @@ from typing import Protocol
 
 import torch
 
+from meridian.workers.contracts.config import Compression
+
 INT8_LEVELS = 127
 INT4_LEVELS = 7
 INT4_BLOCK = 128
@@ -113,6 +115,16 @@ class Int4Codec:
     def decode_sum(self, gathered: torch.Tensor) -> torch.Tensor:
         """(k, payload) payloads of the k datacenters → their fp32 sum, added in row order on every rank."""
         return decode_sum(self, gathered)
+
+
+def payload_nbytes(compression: Compression, n: int) -> int:
+    """Bytes one rank puts on the wire for ``n`` fp32 values in ``compression`` (int8 / int4: the codec's payload,
+    scales and header included)."""
+    if compression is Compression.NONE:
+        return 4 * n
+    if compression is Compression.BF16:
+        return 2 * n
+    return (Int8Codec() if compression is Compression.INT8 else Int4Codec()).payload_bytes(n)
 
 
 def decode_sum(codec: Codec, gathered: torch.Tensor) -> torch.Tensor:
