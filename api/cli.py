@@ -217,6 +217,10 @@ def cmd_cluster(args: argparse.Namespace, client: Client) -> int:
 
 
 def cmd_probe(args: argparse.Namespace, client: Client) -> int:
+    if args.compute:
+        data = client.probe_compute(load_spec(args.compute))
+        emit(args, data, render.compute_probe_view(data))
+        return 0
     data = client.probe_links(args.tiers, int(args.max_mb * 2**20))
     emit(args, data, render.probe_view(data))
     return 0
@@ -408,6 +412,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--tiers", nargs="+", choices=["intra_node", "intra_dc", "inter_dc"], default=None,
                    help="which links (default: every tier the cluster has)")
     s.add_argument("--max-mb", type=float, default=64.0, help="largest message in MiB (default 64)")
+    s.add_argument("--compute", metavar="JOB_FILE",
+                   help="instead of the links: measure forward + backward of this job's model and micro-batch on "
+                        "every worker slot (seconds); later plans of that shape weigh the link against it")
     s.set_defaults(run=cmd_probe)
     s = verb("plan", "dry-run the planner for a job spec")
     s.add_argument("file")

@@ -119,6 +119,10 @@ class Client:
         body: dict[str, Any] = {"max_bytes": max_bytes, **({"tiers": tiers} if tiers else {})}
         return self.request("POST", "/v1/diagnostics/collectives", json=body, timeout=timeout_s)
 
+    def probe_compute(self, spec: dict[str, Any], *, timeout_s: float = 600.0) -> dict[str, Any]:
+        """Measure the job spec's model and micro-batch on every worker slot (the planner uses the result)."""
+        return self.request("POST", "/v1/diagnostics/compute", json=spec, timeout=timeout_s)
+
     def events(self, job_id: str, after: int = 0) -> dict[str, Any]:
         return self.request("GET", f"/v1/jobs/{job_id}/events", params={"after": after})
 

@@ -89,6 +89,13 @@ def probe_view(report: dict[str, Any]) -> str:
     return text + ("\nskipped: " + "; ".join(map(str, skipped)) if skipped else "")
 
 
+def compute_probe_view(entry: dict[str, Any]) -> str:
+    slots = entry["per_slot_flops"]
+    return (f"compute probe {entry['key']}: {entry['flops'] / 1e9:.2f} GFLOP/s per worker slot (median of "
+            f"{entry['slots']}; {min(slots) / 1e9:.2f}–{max(slots) / 1e9:.2f}), optimizer step "
+            f"{entry['optimizer_step_s'] * 1e3:.1f} ms; later plans of this model shape and micro-batch use it")
+
+
 def summary(job: dict[str, Any], wall_s: float | None = None) -> str:
     r, p = job.get("result") or {}, job["progress"]
     lines = [f"job {job['id']} ({job['name']}): {job['state']} — {job['message']}"]

@@ -258,6 +258,7 @@ class SyncSpec(Strict):
     inter_dc_chunk_mb: float = config_field(SyncConfig, "inter_dc_chunk_mb")
     compression: Compression = config_field(SyncConfig, "compression")
     delay_one_step: bool = config_field(SyncConfig, "delay_one_step")
+    local_lookahead: bool = config_field(SyncConfig, "local_lookahead")
     diloco: DiLoCoSpec | None = None  # type: ignore[valid-type]
 
     def to_config(self) -> SyncConfig:
@@ -266,7 +267,7 @@ class SyncSpec(Strict):
         return SyncConfig(
             strategy=None if strategy is None else SyncStrategy(strategy), bucket_mb=self.bucket_mb,
             shard_optimizer=self.shard_optimizer, overlap=self.overlap, inter_dc_chunk_mb=self.inter_dc_chunk_mb,
-            compression=self.compression, delay_one_step=self.delay_one_step,
+            compression=self.compression, delay_one_step=self.delay_one_step, local_lookahead=self.local_lookahead,
             diloco=None if self.diloco is None else self.diloco.to_config(),
         )
 

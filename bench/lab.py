@@ -1,7 +1,8 @@
 """``meridian bench lab``: the same job over real TCP between datacenters, under the app's emulator, in one DC.
 
 For every link (``--links``, RTT ms : Gbit/s) and strategy (``--strategies``: ``flat``, ``hierarchical``,
-``hierarchical-delayed`` — the same sync applied one step late — and ``diloco``) the same training job (model,
+``hierarchical-delayed`` — the same sync applied one step late —, ``hierarchical-lookahead`` — one step late,
+each step computed at the datacenter's own look-ahead — and ``diloco``) the same training job (model,
 data, seed, steps) runs three ways, and one row reports them side by side:
 
 - ``step_ms_lab``: the ranks run as processes inside the lab's datacenter namespaces (``meridian lab``,
@@ -85,9 +86,12 @@ def sync_of(strategy: str, args: argparse.Namespace) -> SyncConfig:
         return SyncConfig(overlap=strategy == "hierarchical", shard_optimizer=True, **common)
     if strategy == "hierarchical-delayed":  # the same sync, applied one step late
         return SyncConfig(shard_optimizer=True, delay_one_step=True, **common)
+    if strategy == "hierarchical-lookahead":  # one step late, each step computed at the DC's own look-ahead
+        return SyncConfig(shard_optimizer=True, delay_one_step=True, local_lookahead=True, **common)
     if strategy == "diloco":
         return SyncConfig(strategy=SyncStrategy.DILOCO, diloco=DiLoCoConfig(inner_steps=args.diloco_h), **common)
-    raise ValueError(f"unknown strategy {strategy!r}; choose from flat, hierarchical, hierarchical-delayed, diloco")
+    raise ValueError(f"unknown strategy {strategy!r}; choose from flat, hierarchical, hierarchical-delayed, "
+                     "hierarchical-lookahead, diloco")
 
 
 def job(args: argparse.Namespace, strategy: str, datacenters: tuple[str, ...], wan: WanConfig | None) -> TrainConfig:
@@ -278,8 +282,8 @@ def run(args: argparse.Namespace) -> dict:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--links", default="21:1,100:0.1", help="RTT_MS:GBPS pairs (default 21:1,100:0.1)")
-    p.add_argument("--strategies", default="flat,hierarchical,hierarchical-delayed,diloco",
-                   help="comma-separated (default all four)")
+    p.add_argument("--strategies", default="flat,hierarchical,hierarchical-delayed,hierarchical-lookahead,diloco",
+                   help="comma-separated (default all five)")
     add_job_shape_arguments(p)
     p.add_argument("--steps", type=int, default=14, help="optimizer steps per job (default 14)")
     p.add_argument("--warmup", type=int, default=2, help="first steps left out of the figures (default 2)")

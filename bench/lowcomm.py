@@ -9,8 +9,10 @@ average before and after.
 
 - ``har``: per-step hierarchical sync (``hierarchical``, gradient buckets synced behind backward, fp32);
 - ``har-delayed``: the same sync applied one step late (``sync.delay_one_step``), behind the whole next step;
+- ``har-lookahead``: the same, each step computed at the datacenter's own look-ahead (``sync.local_lookahead``),
+  what ``auto`` picks when the sync fits behind a step (:mod:`meridian.service.planning.sync_choice`);
 - ``har+bf16``: per-step sync with the inter-DC exchange in bf16 (error feedback): half the bytes, what
-  ``auto`` picks when that hides the link (:mod:`meridian.service.planning.sync_choice`); these two only when
+  ``auto`` picks when that hides the link and the look-ahead cannot; these three only when
   ``--strategies`` names them (each takes minutes of per-step waits on the slow link);
 - ``diloco+int8|int4/H<h>``: Meridian's DiLoCo (:mod:`meridian.workers.sync.diloco`), outer deltas in int8 or
   4 bits with error feedback (:mod:`meridian.workers.sync.compression`);
@@ -95,6 +97,8 @@ def strategies(args: argparse.Namespace) -> list[Strategy]:
     out = [Strategy("har", SyncConfig(strategy=SyncStrategy.HIERARCHICAL, overlap=True, **common)),
            Strategy("har-delayed", SyncConfig(strategy=SyncStrategy.HIERARCHICAL, delay_one_step=True, **common),
                     by_default=False),
+           Strategy("har-lookahead", SyncConfig(strategy=SyncStrategy.HIERARCHICAL, delay_one_step=True,
+                                                local_lookahead=True, **common), by_default=False),
            Strategy("har+bf16", SyncConfig(strategy=SyncStrategy.HIERARCHICAL, overlap=True,
                                            compression=Compression.BF16, **common), by_default=False)]
     for h in args.inner_steps:
@@ -404,7 +408,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bucket-mb", type=float, default=0.1, help="gradient bucket size (default 0.1: fragments)")
     p.add_argument("--chunk-mb", type=float, default=1.0, help="inter-DC chunk size (default 1)")
     p.add_argument("--strategies", nargs="*", default=[],
-                   help="run only these (har always runs; har-delayed and har+bf16 run only when named)")
+                   help="run only these (har always runs; har-delayed, har-lookahead and har+bf16 run only when named)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout-s", type=float, default=3600.0, help="give up after this long (default 3600)")
     p.add_argument("--lab", action="store_true",

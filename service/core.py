@@ -11,15 +11,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from meridian.service.cluster.connect import LocalCluster, connect
-from meridian.service.cluster.link_probe import ProbeCache, run_probe
+from meridian.service.cluster.link_probe import ProbeCache, run_compute_probe, run_probe
 from meridian.service.cluster.logs import LogEntry, WorkerLogs
 from meridian.service.cluster.topology import ClusterTopology, read_topology
 from meridian.service.data_access import DEFAULT_MAX_BYTES, DataAccess
 from meridian.service.errors import MeridianError
+from meridian.service.jobs import JobRequest
 from meridian.service.launcher import Launcher
 from meridian.service.lease import DatabaseOwned, Lease
 from meridian.service.store import JobStore
 from meridian.service.supervision.supervisor import Supervisor
+from meridian.workers.contracts.fields import to_plain
 from meridian.workers.state import storage
 
 log = logging.getLogger(__name__)
@@ -159,6 +161,15 @@ class MeridianService:
         """Run the collective benchmark on every link tier now; the result also feeds the planner."""
         report = run_probe(read_topology(), tiers=tiers, max_bytes=max_bytes)
         return self.probe_cache.store(report)  # type: ignore[union-attr]
+
+    def probe_compute(self, request: JobRequest) -> dict:
+        """Measure forward + backward of ``request``'s model and micro-batch on every worker slot of the
+        datacenters it may use, all at once (as training runs); plans of that shape use the figure from now on."""
+        topo = read_topology()
+        use_gpu = topo.has_gpus(tuple(request.topology.datacenters or topo.datacenters))
+        entry = run_compute_probe(topo, to_plain(request.model), request.micro_batch, use_gpu=use_gpu)
+        self.probe_cache.store_compute(entry)  # type: ignore[union-attr]
+        return entry
 
     def stop(self) -> None:
         import ray

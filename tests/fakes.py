@@ -136,6 +136,12 @@ class FakeService:
             {"tier": t, "nodes": ["n1", "n2"], "datacenters": ["dc-a", "dc-b"], "summary": summary, "rows": []}
             for t in tiers]}
 
+    def probe_compute(self, request: Any) -> dict[str, Any]:
+        """A compute probe that measured 2 and 3 GFLOP/s on two slots (no actors run)."""
+        self.probes.append((("compute", request.model.d_model), request.micro_batch))
+        return {"key": f"d{request.model.d_model}-b{request.micro_batch}", "slots": 2, "measured_at": 0.0,
+                "flops": 2.5e9, "optimizer_step_s": 0.004, "per_slot_flops": [2e9, 3e9]}
+
     def topology(self) -> ClusterTopology:
         return self._view()
 

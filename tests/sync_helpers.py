@@ -5,6 +5,8 @@ Module-level functions only: the multi-process tests pickle them into spawned gl
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -112,6 +114,59 @@ def reference_params(
         opt.step()
         opt.zero_grad()
     return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def reference_lookahead_params(
+    steps: int, cfg: OptimConfig, dcs: tuple[str, ...], micro: int = 3, seed: int = 0
+) -> dict[str, torch.Tensor]:
+    """Single-process ``local_lookahead`` for ranks in datacenters ``dcs``: each DC computes step t's gradients at
+    its own look-ahead parameters (its own gradients of step t-1 applied by a throwaway copy of the optimizer,
+    scaled by world / DC size); the committed parameters take the exact global gradient of step t-1 (with its
+    lr) before the look-ahead of step t; after the last step the last gradient is committed too."""
+    world = len(dcs)
+    model = toy_model(seed)
+    opt = build_adamw(model, cfg)
+    params = dict(model.named_parameters())
+
+    def load(values: dict[str, torch.Tensor]) -> None:
+        with torch.no_grad():
+            for n, v in values.items():
+                params[n].copy_(v)
+
+    def update(values: dict[str, torch.Tensor], grads: dict[str, torch.Tensor], lr: float) -> dict[str, torch.Tensor]:
+        load(values)
+        for n, g in grads.items():
+            params[n].grad = g.clone()
+        clip = cfg.grad_clip
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip > 0 else float("inf"))
+        for group in opt.param_groups:
+            group["lr"] = lr
+        opt.step()
+        return params_of(model)
+
+    committed = params_of(model)
+    ahead = {dc: committed for dc in dcs}
+    pending: tuple[dict[str, torch.Tensor], float] | None = None
+    for step in range(steps):
+        local = {}
+        for dc in dict.fromkeys(dcs):
+            load(ahead[dc])
+            model.zero_grad(set_to_none=True)
+            for rank in (r for r, d in enumerate(dcs) if d == dc):
+                for x, y in micro_batches(step, rank, world, micro):
+                    share_loss(model, x, y).backward()
+            local[dc] = {n: p.grad.clone() for n, p in params.items()}
+        total = {n: sum(g[n] for g in local.values()) for n in params}
+        if pending is not None:
+            committed = update(committed, *pending)
+        saved = copy.deepcopy(opt.state_dict())
+        for dc, grads in local.items():
+            scale = world / dcs.count(dc)
+            ahead[dc] = update(committed, {n: g * scale for n, g in grads.items()}, lr_of(step))
+            opt.load_state_dict(copy.deepcopy(saved))
+        pending = (total, lr_of(step))
+    assert pending is not None
+    return update(committed, *pending)
 
 
 def params_of(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -10,6 +10,7 @@ from fakes import FakeService, spec
 from meridian.api.auth import AuthSettings, create_token
 from meridian.api.cli import main
 from meridian.api.server import serve_in_thread
+from meridian.workers.contracts.model_config import model_preset
 
 
 @pytest.fixture
@@ -68,6 +69,18 @@ def test_probe_runs_the_collective_benchmark_through_the_api(served, capsys):
     with pytest.raises(SystemExit):  # argparse refuses an unknown tier before anything is sent
         run(capsys, "probe", "--tiers", "wan")
     assert len(served.probes) == 2
+
+
+def test_probe_compute_measures_a_job_files_model_through_the_api(served, capsys, tmp_path):
+    job_file = tmp_path / "job.json"
+    job_file.write_text(json.dumps(spec(training={"micro_batch": 1})))
+    code, out, _ = run(capsys, "probe", "--compute", str(job_file), "--json")
+    assert code == 0 and served.probes == [(("compute", model_preset("nano").d_model), 1)] and json.loads(out)["flops"] == 2.5e9
+    code, out, _ = run(capsys, "probe", "--compute", str(job_file))
+    assert code == 0 and "2.50 GFLOP/s per worker slot (median of 2; 2.00–3.00)" in out and "4.0 ms" in out
+    job_file.write_text(json.dumps(spec(training={"micro_batch": 0})))  # a bad spec: 422, nothing measured
+    code, _, err = run(capsys, "probe", "--compute", str(job_file))
+    assert code == 1 and "micro_batch" in err and len(served.probes) == 2
 
 
 def test_friendly_errors(served, capsys, monkeypatch):

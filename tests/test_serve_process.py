@@ -86,8 +86,18 @@ def serving(tmp_path: Path, *extra: str, datacenters: str = "dc-a:1,dc-b:1"):
 
 
 def test_serve_with_local_datacenters_answers_and_stops_cleanly(tmp_path):
-    with serving(tmp_path) as (proc, _, cluster):
+    with serving(tmp_path) as (proc, base, cluster):
         assert sorted(dc["name"] for dc in cluster["datacenters"]) == ["dc-a", "dc-b"]
+        # The compute probe runs on every worker slot (one per datacenter here) and feeds the plans of that shape
+        job = spec(training={"micro_batch": 1})
+        before = httpx.post(f"{base}/v1/plans", json=job, timeout=30).json()
+        assert "compute probe" not in before["explanation"]
+        measured = httpx.post(f"{base}/v1/diagnostics/compute", json=job, timeout=300)
+        assert measured.status_code == 200, measured.text
+        assert measured.json()["slots"] == 2 and measured.json()["flops"] > 0
+        after = httpx.post(f"{base}/v1/plans", json=job, timeout=30).json()
+        assert "compute probe of this model shape" in after["explanation"]
+        assert after["estimate"]["compute_s"] != before["estimate"]["compute_s"]
         ray_processes = proc.ray_processes
         assert ray_processes, "the embedded cluster's processes should be the service's children"
         proc.send_signal(signal.SIGINT)

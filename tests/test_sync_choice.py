@@ -44,18 +44,34 @@ def test_per_step_sync_goes_bf16_across_dcs_when_fp32_would_be_exposed_and_bf16_
     fp32 = cross_dc_time(4 * TINY, rtt_ms=21, gbps=1, num_dcs=2)
     bf16 = cross_dc_time(2 * TINY, rtt_ms=21, gbps=1, num_dcs=2)
     compute_s = bf16 / 0.10  # bf16 exactly at the per-step limit, fp32 far over the exact limit
-    c = choose_sync(rtt_ms=21, gbps=1, num_params=TINY, compute_s=compute_s)
+    c = choose_sync(rtt_ms=21, gbps=1, num_params=TINY, compute_s=compute_s, lookahead=False)
     assert c.strategy is SyncStrategy.HIERARCHICAL and c.compression is Compression.BF16 and c.diloco is None
     assert c.har_exposed_s == pytest.approx(bf16) and c.outer_sync_s == pytest.approx(bf16)
-    assert "bf16" in c.explanation and "still one sync per step" in c.explanation
+    assert "bf16" in c.explanation and "still one sync per step" in c.explanation and not c.local_lookahead
     assert choose_sync(rtt_ms=21, gbps=1, num_params=TINY, compute_s=fp32 / 0.05).compression is Compression.NONE
-    assert choose_sync(rtt_ms=21, gbps=1, num_params=TINY, compute_s=compute_s * 0.9).strategy.is_diloco
+    assert choose_sync(rtt_ms=21, gbps=1, num_params=TINY, compute_s=compute_s * 0.9, lookahead=False).strategy.is_diloco
+
+
+def test_per_step_sync_goes_one_step_late_at_a_look_ahead_when_the_sync_fits_behind_a_step():
+    # 21 ms RTT, 1 Gbit/s, one bucket: the whole fp32 sync (10.5 + 28 ms) follows backward, over 5% of a step
+    fp32 = cross_dc_time(4 * TINY, rtt_ms=21, gbps=1, num_dcs=2)
+    c = choose_sync(rtt_ms=21, gbps=1, num_params=TINY, compute_s=0.2)
+    assert c.strategy is SyncStrategy.HIERARCHICAL and c.local_lookahead and c.compression is Compression.NONE
+    assert c.har_exposed_s == 0.0 and c.outer_sync_s == pytest.approx(fp32)  # a whole step to land in
+    assert "one step late" in c.explanation and "look-ahead" in c.explanation and "exact global update" in c.explanation
+    # the boundary: the sync may outlast the step by 5% of it, no more
+    assert choose_sync(rtt_ms=21, gbps=1, num_params=TINY, compute_s=fp32 / 1.049).local_lookahead
+    late = choose_sync(rtt_ms=21, gbps=1, num_params=TINY, compute_s=fp32 / 1.06)
+    assert not late.local_lookahead and late.strategy.is_diloco
+    # where exact sync hides well enough it stays exact
+    assert not choose_sync(rtt_ms=21, gbps=1, num_params=TINY, compute_s=fp32 / 0.05).local_lookahead
 
 
 def test_slow_link_one_bucket_picks_diloco_with_4bit_deltas_and_h_that_amortises_the_sync():
     # 21 ms RTT, 1 Gbit/s: per-step sync ≈ 10.5 ms + 28 ms, all after backward (the model is one 4 MiB
-    # bucket); 45 ms of compute: nothing to stream either, so plain DiLoCo with int4 outer deltas.
-    c = choose_sync(rtt_ms=21, gbps=1, num_params=TINY, compute_s=0.045)
+    # bucket), longer than 35 ms of compute even one step late; nothing to stream either, so plain DiLoCo with
+    # int4 outer deltas.
+    c = choose_sync(rtt_ms=21, gbps=1, num_params=TINY, compute_s=0.035)
     sync_s = cross_dc_time(4 * TINY, rtt_ms=21, gbps=1, num_dcs=2)
     assert c.strategy is SyncStrategy.DILOCO and c.compression is Compression.INT4
     outer_s = cross_dc_time(OUTER_BYTES_PER_PARAM * TINY, rtt_ms=21, gbps=1, num_dcs=2)
@@ -63,8 +79,8 @@ def test_slow_link_one_bucket_picks_diloco_with_4bit_deltas_and_h_that_amortises
     assert c.diloco.inner_steps == MIN_INNER_STEPS  # the amortisation needs fewer: the evidence floor binds
     assert f"H={MIN_INNER_STEPS}" in c.explanation and "4-bit" in c.explanation
     # without the floor: the smallest H that keeps the averaged sync under half the 10% budget
-    h = choose_sync(rtt_ms=21, gbps=1, num_params=TINY, compute_s=0.045, min_inner_steps=1).diloco.inner_steps
-    assert outer_s / h <= 0.05 * 0.045 < outer_s / (h - 1)
+    h = choose_sync(rtt_ms=21, gbps=1, num_params=TINY, compute_s=0.035, min_inner_steps=1).diloco.inner_steps
+    assert outer_s / h <= 0.05 * 0.035 < outer_s / (h - 1)
 
 
 def test_very_slow_link_picks_streaming_diloco_whose_overlap_covers_each_fragment_sync():
@@ -172,12 +188,13 @@ def test_a_job_can_force_a_strategy_and_its_knobs():
     assert plan.sync_strategy is SyncStrategy.DILOCO and plan.diloco == knobs and "as requested" in plan.explanation
 
 
-def test_one_step_late_sync_is_the_jobs_choice_never_autos():
+def test_one_step_late_sync_without_the_look_ahead_is_the_jobs_choice_never_autos():
     topo = topology(dc_a=2, dc_b=2)
     base = default_figures(topo, ("dc-a", "dc-b"), False)
     for rtt_s, bps in ((0.0005, 100e9 / 8), (0.0105, 1e9 / 8), (0.05, 0.1e9 / 8)):  # exposed or not
         link = replace(base, inter_dc=Link(rtt_s, bps), inter_dc_known=True)
-        assert not build_train_config("j", _req(), plan_job(_req(), topo, link), "").sync.delay_one_step
+        sync = build_train_config("j", _req(), plan_job(_req(), topo, link), "").sync
+        assert sync.delay_one_step == sync.local_lookahead  # auto's one-step-late sync always looks ahead
     late = _req(sync=SyncConfig(strategy=SyncStrategy.HIERARCHICAL, delay_one_step=True))
     config = build_train_config("j", late, plan_job(late, topo, base), "")
     assert config.sync.strategy is SyncStrategy.HIERARCHICAL and config.sync.delay_one_step
@@ -213,7 +230,7 @@ def test_auto_strategy_is_resolved_by_the_plan_never_by_the_config():
         SyncConfig(strategy=None, diloco=DiLoCoConfig())
 
 
-def test_planner_sends_per_step_sync_in_bf16_on_a_measured_link_where_fp32_would_show():
+def test_planner_runs_the_demo_one_step_late_at_a_look_ahead_where_exact_sync_would_show():
     # The demo job (tiny, one 4 MB bucket) on a measured 21 ms / 1 Gbit/s link: fp32 sync all after backward
     topo = topology(dc_a=2, dc_b=2)
     base = default_figures(topo, ("dc-a", "dc-b"), False)
@@ -221,15 +238,30 @@ def test_planner_sends_per_step_sync_in_bf16_on_a_measured_link_where_fp32_would
     demo = JobRequest(name="demo", model=model_preset("tiny"), steps=60, global_batch=16, micro_batch=4,
                       topology=TopologyRequest(), sync=SyncConfig(strategy=None, bucket_mb=4.0))
     plan = plan_job(demo, topo, link)
+    assert plan.sync_strategy is SyncStrategy.HIERARCHICAL and plan.local_lookahead and plan.compression is None
+    assert "one step late" in plan.explanation and plan.to_dict()["local_lookahead"] is True
+    sync = build_train_config("j", demo, plan, "").sync
+    assert sync.delay_one_step and sync.local_lookahead and sync.shard_optimizer
+    assert not plan_job(demo, topo, replace(link, inter_dc_known=False)).local_lookahead  # never on guesses
+
+
+def test_planner_sends_per_step_sync_in_bf16_on_a_measured_link_where_fp32_would_show():
+    # The demo job (tiny, one 4 MB bucket) on a measured 21 ms / 1 Gbit/s link, replicated optimizer (no look-ahead)
+    topo = topology(dc_a=2, dc_b=2)
+    base = default_figures(topo, ("dc-a", "dc-b"), False)
+    link = replace(base, inter_dc=Link(0.0105, 1e9 / 8), inter_dc_known=True)
+    demo = JobRequest(name="demo", model=model_preset("tiny"), steps=60, global_batch=16, micro_batch=4,
+                      topology=TopologyRequest(), sync=SyncConfig(strategy=None, bucket_mb=4.0, shard_optimizer=False))
+    plan = plan_job(demo, topo, link)
     assert plan.sync_strategy is SyncStrategy.HIERARCHICAL and plan.compression is Compression.BF16
     assert "in bf16" in plan.explanation and plan.to_dict()["compression"] == "bf16"
     assert build_train_config("j", demo, plan, "").sync.compression is Compression.BF16
-    asked = replace(demo, sync=SyncConfig(strategy=None, bucket_mb=4.0, compression=Compression.INT8))  # kept
+    asked = replace(demo, sync=replace(demo.sync, compression=Compression.INT8))  # kept
     assert build_train_config("j", asked, plan_job(asked, topo, link), "").sync.compression is Compression.INT8
     # guessed figures never trade exact sync away; a fast measured link keeps fp32
     assert plan_job(demo, topo, replace(link, inter_dc_known=False)).compression is None
     fast = replace(base, inter_dc=Link(0.0001, 100e9 / 8), inter_dc_known=True)
     assert plan_job(demo, topo, fast).compression is None
     # with the planner's buckets (four of 1 MiB) backward hides all but the last one's sync: exact fp32 again
-    sized = plan_job(replace(demo, sync=SyncConfig(strategy=None, bucket_mb=None)), topo, link)
+    sized = plan_job(replace(demo, sync=replace(demo.sync, bucket_mb=None)), topo, link)
     assert sized.bucket_mb == 1.0 and sized.compression is None and "limit 5%" in sized.explanation

@@ -18,6 +18,7 @@ from sync_helpers import (
     max_rel_diff,
     micro_batches,
     params_of,
+    reference_lookahead_params,
     reference_params,
     share_loss,
     toy_model,
@@ -47,9 +48,9 @@ UNEVEN = ("a", "a", "b")
 SMALL_BUCKETS = 64 / 2**20  # 16 fp32 elements: the toy model spreads over 5 buckets
 
 
-def _engine(rank, dcs, **sync):
+def _engine(rank, dcs, optim=OPTIM, **sync):
     sync = SyncConfig(**{"bucket_mb": SMALL_BUCKETS, "inter_dc_chunk_mb": 40 / 2**20, **sync})
-    return HierarchicalSync(toy_model(0), DCGroups(DCLayout(dcs), rank), sync, OPTIM)
+    return HierarchicalSync(toy_model(0), DCGroups(DCLayout(dcs), rank), sync, optim)
 
 
 def _close(engine):
@@ -109,6 +110,47 @@ def test_delayed_sync_applies_each_steps_gradients_one_step_late():
             assert max_rel_diff(params, delayed) < tolerance, (shard, compression)
             assert float(stats[0].grad_norm) == 0.0 and float(stats[1].grad_norm) > 0.0  # step 0 applies nothing
             assert all(s.inter_dc_bytes == stats[0].inter_dc_bytes > 0 for s in stats)  # one sync per step
+
+
+# -- one step late, computed at a local look-ahead -------------------------------------------------------------
+
+
+NO_CLIP = dataclasses.replace(OPTIM, grad_clip=0.0)  # clipping hides the look-ahead's scale (clip / norm)
+LOOKAHEAD_RUNS = (
+    (UNEVEN, OPTIM, Compression.NONE), (UNEVEN, OPTIM, Compression.INT8), (UNEVEN, NO_CLIP, Compression.NONE),
+    (("a", "a", "a"), OPTIM, Compression.NONE),
+)
+
+
+def _lookahead(rank, world):
+    out = {}
+    for i, (dcs, optim, compression) in enumerate(LOOKAHEAD_RUNS):
+        e = _engine(rank, dcs, optim, delay_one_step=True, local_lookahead=True, compression=compression)
+        stats = train_steps(e, rank, world, steps=5, micro=3)
+        out[i] = (_close(e), stats)
+    return out
+
+
+def test_lookahead_commits_every_exact_update_with_gradients_taken_at_the_local_look_ahead():
+    lookahead, exact = reference_lookahead_params(5, OPTIM, UNEVEN), reference_params(5, OPTIM)
+    delayed = reference_params(5, OPTIM, delayed=True)
+    assert max_rel_diff(lookahead, exact) > 1e-3 and max_rel_diff(lookahead, delayed) > 1e-2  # all three differ
+    for out in run_processes(_lookahead, 3):
+        for i, (dcs, optim, compression) in enumerate(LOOKAHEAD_RUNS):
+            params, stats = out[i]
+            if dcs == UNEVEN:
+                tolerance = 1e-5 if compression is Compression.NONE else 0.05
+                assert max_rel_diff(params, reference_lookahead_params(5, optim, UNEVEN)) < tolerance, i
+                assert all(s.inter_dc_bytes == stats[0].inter_dc_bytes > 0 for s in stats)  # one sync per step
+            else:  # one DC: the look-ahead is the exact update, so this is exact sync
+                assert max_rel_diff(params, exact) < 1e-5
+            assert float(stats[0].grad_norm) == 0.0 and float(stats[1].grad_norm) > 0.0  # step 0 commits nothing
+
+
+def test_lookahead_needs_the_delayed_sharded_engine():
+    for bad in ({"local_lookahead": True}, {"local_lookahead": True, "delay_one_step": True, "shard_optimizer": False}):
+        with pytest.raises(ValueError, match="local_lookahead needs sync.delay_one_step=true"):
+            SyncConfig(**bad)
 
 
 # -- accumulation communicates once per step ---------------------------------------------------------------

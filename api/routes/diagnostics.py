@@ -7,8 +7,8 @@ from typing import Any, Literal
 from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field
 
-from meridian.api.deps import ServiceDep
-from meridian.api.schemas import ErrorBody
+from meridian.api.deps import ServiceDep, SupervisorDep
+from meridian.api.schemas import ErrorBody, JobSpec, admitted_request
 from meridian.service.errors import JobNotFound
 
 router = APIRouter(prefix="/v1/diagnostics", tags=["diagnostics"])
@@ -28,6 +28,15 @@ def run_collectives(body: CollectivesRequest, service: ServiceDep) -> dict[str, 
     actors pinned to chosen nodes; returns the table (size, time, algbw, busbw) and a latency/bandwidth
     summary per tier. The result is kept and feeds the planner. Takes ~10–60 s."""
     return service.probe_links(tuple(dict.fromkeys(body.tiers)), body.max_bytes)
+
+
+@router.post("/compute", responses={422: {"model": ErrorBody}, 503: {"model": ErrorBody}})
+def run_compute(spec: JobSpec, service: ServiceDep, supervisor: SupervisorDep) -> dict[str, Any]:
+    """Measure forward + backward of this job spec's model and micro-batch on every worker slot at once, as
+    training runs (a few seconds per slot, after the actors start). The figure is kept and feeds every later
+    plan of that model shape and micro-batch: ``auto`` then weighs the link against the step this cluster
+    really computes, not a default guess. Returns what was measured (``flops`` per slot, median)."""
+    return service.probe_compute(admitted_request(spec, "", supervisor.data_access.admit_checkpoint))
 
 
 class NoProbeYet(JobNotFound):

@@ -31,6 +31,9 @@ class Plan:
     compression: Compression | None = None
     """The inter-DC encoding the planner chose with an ``auto`` DiLoCo pick (4-bit outer deltas); ``None``
     keeps the request's ``sync.compression``."""
+    local_lookahead: bool = False
+    """The planner chose per-step sync applied one step late at a local look-ahead (``sync.delay_one_step`` and
+    ``sync.local_lookahead``, :mod:`meridian.service.planning.sync_choice`)."""
     bucket_mb: float = 4.0
     """The gradient bucket size every rank uses: the job's ``sync.bucket_mb``, or the planner's
     (:mod:`meridian.service.planning.buckets`) when the job left it out."""
@@ -70,6 +73,7 @@ class Plan:
             "sync_strategy": self.sync_strategy.value,
             "diloco": None if self.diloco is None else to_plain(self.diloco),
             "compression": None if self.compression is None else self.compression.value,
+            "local_lookahead": self.local_lookahead,
             "bucket_mb": self.bucket_mb,
             "estimate": self.estimate,
             "alternatives": list(self.alternatives),

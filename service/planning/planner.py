@@ -65,13 +65,14 @@ def plan_job(request: JobRequest, topo: ClusterTopology, figures: Figures | None
     # job asked for one
     picked = choice is not None and strategy is choice.strategy and choice.compression is not Compression.NONE
     compression = choice.compression if picked and request.sync.compression is Compression.NONE else None
+    lookahead = choice is not None and strategy is choice.strategy and choice.local_lookahead
     bucket_mb = best.layout.bucket_bytes / 2**20
     if request.sync.bucket_mb is None and best.layout.dp > 1 and not strategy.is_diloco:
         reason += " " + bucket_reason(request, best.layout)
     return Plan(
         datacenters=best.datacenters, rank_datacenters=rank_dcs, use_gpu=use_gpu, sync_strategy=strategy,
         explanation=explain(best, feasible[1:], [c for c in cands if c.rejected], worker_unit(use_gpu)) + reason,
-        diloco=diloco, compression=compression, bucket_mb=bucket_mb, resources_per_worker={"CPU": CPUS_PER_WORKER, **({"GPU": 1.0} if use_gpu else {})},
+        diloco=diloco, compression=compression, local_lookahead=lookahead, bucket_mb=bucket_mb, resources_per_worker={"CPU": CPUS_PER_WORKER, **({"GPU": 1.0} if use_gpu else {})},
         tp=best.layout.tp, pp=best.layout.pp, schedule=request.parallelism.schedule,
         stages_span_dcs=best.layout.pp_spans_dcs, micro_batches=best.layout.micro_batches, rank_nodes=rank_nodes,
         estimate={k: round(v, 6) for k, v in best.estimate.to_dict().items()},
@@ -113,7 +114,7 @@ def _diloco_override(request: JobRequest, feasible: list[Candidate],
     choice = choose_sync(rtt_ms=figures.inter_dc.latency_s * 2000, gbps=figures.inter_dc.bytes_per_s * 8 / 1e9,
                          num_params=request.model.num_params, compute_s=dp.estimate.compute_s,
                          num_dcs=dp.layout.num_dcs, overlap=request.sync.overlap, bucket_mb=dp.layout.bucket_bytes / 2**20,
-                         steps=request.steps)
+                         steps=request.steps, lookahead=request.sync.shard_optimizer)
     if choice.strategy.is_diloco:
         # DiLoCo hides the link behind H inner steps: it beats any per-step layout (a stage-spanning
         # pipeline included) when its compute plus the amortised outer sync is shorter.

@@ -12,12 +12,14 @@ from meridian.workers.contracts.config import ParallelConfig, PipelineSchedule, 
 def build_train_config(job_id: str, request: JobRequest, plan: Plan, checkpoint_dir: str) -> TrainConfig:
     """The service → workers boundary: a frozen config with everything a rank needs. The request's own
     knobs pass through as they are; the plan supplies what the planner decided (placement, tp/pp, and the
-    sync strategy with its DiLoCo knobs and the gradient bucket size, which resolve a request's
+    sync strategy with its DiLoCo knobs, its look-ahead, and the gradient bucket size, which resolve a request's
     ``sync.strategy=None`` and ``sync.bucket_mb=None``)."""
     return TrainConfig(
         job_id=job_id, model=request.model, data=request.data, optim=request.optim,
         sync=replace(request.sync, strategy=plan.sync_strategy, diloco=plan.diloco, bucket_mb=plan.bucket_mb,
-                     compression=plan.compression or request.sync.compression), wan=request.wan,
+                     compression=plan.compression or request.sync.compression,
+                     delay_one_step=request.sync.delay_one_step or plan.local_lookahead,
+                     local_lookahead=request.sync.local_lookahead or plan.local_lookahead), wan=request.wan,
         steps=request.steps, global_batch=request.global_batch, micro_batch=request.micro_batch,
         seed=request.seed, precision=request.precision, checkpoint_every=request.checkpoint_every,
         checkpoint_dir=checkpoint_dir, datacenters=plan.rank_datacenters,

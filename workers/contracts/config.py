@@ -255,6 +255,15 @@ class SyncConfig:
     exact global-batch gradient, in the same order; the update simply uses gradients one step stale (the
     first step applies none, and the gradient in flight at a checkpoint or re-formation is not kept). Staleness
     costs loss: ``meridian bench lowcomm``'s ``har-delayed`` row measures how much, and ``auto`` never sets it."""
+    local_lookahead: bool = False
+    """With ``delay_one_step`` (and ``shard_optimizer``): while step t's exact sync is in flight, step t+1
+    computes at parameters that already took step t's update from *this datacenter's* gradients (scaled to the
+    global batch); when the exact sync lands, the committed parameters take the exact update instead. Every
+    datacenter commits the same exact global-batch updates in the same order (optimizer state included); only
+    the point where each gradient is evaluated moves, by the difference between the local and the exact
+    update, instead of by a whole step as with ``delay_one_step`` alone. The engine's ``synchronize`` (evaluation, the
+    end of the job, a re-formation) lands the sync in flight and commits it, so nothing is dropped there.
+    ``meridian bench lowcomm``'s ``har-lookahead`` row measures its loss against per-step sync."""
     diloco: DiLoCoConfig | None = None
     """Knobs of the ``diloco`` / ``streaming-diloco`` strategies; ``None`` takes :class:`DiLoCoConfig`'s
     defaults for them and is required for the others."""
@@ -267,6 +276,12 @@ class SyncConfig:
             raise ValueError(
                 f"sync.delay_one_step applies to 'hierarchical' sync only, not "
                 f"{self.strategy.value if self.strategy else 'auto'!r} (with 'auto' the planner decides it)"
+            )
+        if self.local_lookahead and not (self.delay_one_step and self.shard_optimizer):
+            raise ValueError(
+                "sync.local_lookahead needs sync.delay_one_step=true (it steers the step that runs while the "
+                "delayed sync is in flight) and sync.shard_optimizer=true (the committed parameters live in the "
+                "sharded optimizer's fp32 copy)"
             )
         if self.strategy is SyncStrategy.DILOCO and self.diloco is not None and (
             self.diloco.fragments != 1 or self.diloco.overlap_steps

@@ -7,7 +7,15 @@ One step, after HAR steps 1–2 left the global gradient sum of this rank's shar
     # 3) all-gather the updated parameters inside the DC (instead of HAR step 3 on gradients)
 
 So each rank holds 1/N of the optimizer state (N = ranks in its DC) and the slow inter-DC link still carries
-only gradients. A rank's shard of a bucket cuts through several parameters; each (parameter ∩ shard) becomes
+only gradients.
+
+With ``keep_committed`` (the engine's ``local_lookahead``) every bucket keeps an fp32 copy of its shard, the
+*committed* parameters, which only :meth:`step` changes; :meth:`lookahead` then writes into the model's
+parameters what one more AdamW step with this datacenter's own gradients would make of them, without touching
+the committed values or the moments::
+
+    step(lr)                       committed <- AdamW(committed, exact global gradient)   moments advance
+    lookahead(lr, local, scale)    params    <- AdamW(committed, scale * local gradient)  moments do not A rank's shard of a bucket cuts through several parameters; each (parameter ∩ shard) becomes
 one 1-D *piece* tensor (a view into the flat parameter buffer, or into the fp32 master), given to a plain
 ``torch.optim.AdamW`` in the parameter's weight-decay group. AdamW is elementwise, so a piece gets exactly
 the update the whole parameter would get in a replicated AdamW.
@@ -22,6 +30,7 @@ Never talks across DCs: the caller runs HAR steps 1–2.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -105,23 +114,29 @@ def check_ownership(buffer: GradBuffer, layout: DCLayout) -> None:
 class ShardedAdamW:
     """This rank's 1/N of AdamW over a :class:`GradBuffer` whose parameters live in flat buckets."""
 
-    def __init__(self, model: nn.Module, buffer: GradBuffer, groups: DCGroups, cfg: OptimConfig) -> None:
+    def __init__(
+        self, model: nn.Module, buffer: GradBuffer, groups: DCGroups, cfg: OptimConfig, *, keep_committed: bool = False
+    ) -> None:
         self.buffer, self.groups, self.cfg = buffer, groups, cfg
         buffer.flatten_params()
         check_ownership(buffer, groups.layout)
         self.bounds = [shard_bounds(b, groups.layout, groups.rank) for b in buffer.buckets]
-        # fp32 master copy and fp32 gradient of the shard, for buckets whose parameters are not fp32.
+        # fp32 master copy of the shard: for buckets whose parameters are not fp32, and (keep_committed) for all;
+        # an fp32 gradient of the shard for the former.
         self.master: dict[int, torch.Tensor] = {}
         self.grad32: dict[int, torch.Tensor] = {}
         for b, (lo, hi) in zip(buffer.buckets, self.bounds, strict=True):
+            if b.dtype != torch.float32 or keep_committed:
+                self.master[b.index] = b.data[lo:hi].to(torch.float32, copy=True)
             if b.dtype != torch.float32:
-                self.master[b.index] = b.data[lo:hi].float()
                 self.grad32[b.index] = torch.zeros(hi - lo, dtype=torch.float32, device=b.grad.device)
         self.pieces = shard_pieces(buffer, groups.layout, groups.rank)
         self.tensors = [self._piece_tensor(p) for p in self.pieces]
         named = [(p.slot.name, t) for p, t in zip(self.pieces, self.tensors, strict=True)]
         # A rank whose shards are all padding (a model smaller than the unit count) has nothing to update.
         self.optimizer = make_adamw(param_groups(named, model, cfg), cfg) if named else None
+        self._decay = {id(t): g["weight_decay"] for g in (self.optimizer.param_groups if self.optimizer else ())
+                       for t in g["params"]}  # fmt: skip
         self.steps = 0
         self.wait_s = 0.0
         self._gathers: dict[int, dist.Work] = {}
@@ -135,7 +150,8 @@ class ShardedAdamW:
         lo, _ = self.bounds[piece.bucket]
         if piece.bucket in self.master:
             t = self.master[piece.bucket][piece.start - lo : piece.stop - lo]
-            t.grad = self.grad32[piece.bucket][piece.start - lo : piece.stop - lo]
+            grad = self.grad32.get(piece.bucket)
+            t.grad = grad[piece.start - lo : piece.stop - lo] if grad is not None else bucket.grad[piece.start : piece.stop]
         else:
             t = bucket.data[piece.start : piece.stop]
             t.grad = bucket.grad[piece.start : piece.stop]
@@ -169,7 +185,9 @@ class ShardedAdamW:
         self.steps += 1
         return norm
 
-    def _global_norm(self) -> torch.Tensor:
+    def _global_norm(self, grad_of=None) -> torch.Tensor:
+        """The norm of the gradient whose shard of bucket ``b`` is ``grad_of(b)`` (default: the synced one)."""
+        grad_of = grad_of or self._shard_grad
         layout = self.groups.layout
         mp = self.groups.mp_norm
         device = self.buffer.buckets[0].grad.device
@@ -181,7 +199,7 @@ class ShardedAdamW:
             lo, _ = self.bounds[bucket.index]
             start, stop = seg.lo * u, min(seg.hi * u, bucket.numel)  # padding excluded
             if start < stop:
-                square = self._shard_grad(bucket.index)[start - lo : stop - lo].float().square()
+                square = grad_of(bucket.index)[start - lo : stop - lo].float().square()
                 if mp is not None:
                     square = square * self._counted_mask(bucket.index)[start - lo : stop - lo]
                 sumsq[i] = square.sum()
@@ -194,6 +212,31 @@ class ShardedAdamW:
         if mp is not None:  # the other tensor/pipeline-parallel parts of this replica
             total = mp.reduce(total)
         return total.sqrt().float()
+
+    @torch.no_grad()
+    def lookahead(self, lr: float, local: list[torch.Tensor], scale: float) -> None:
+        """Write AdamW(committed, ``scale`` × ``local``) into this rank's shard of the model's parameters.
+
+        ``local[b]``: this rank's shard of bucket ``b``'s gradient summed inside its DC (HAR step 1 alone);
+        ``scale`` makes it an estimate of the global-batch gradient. Clipped like :meth:`step`, with the same
+        formula as torch's AdamW (single-tensor), from the committed values and moments, which stay as they are.
+        Needs ``keep_committed``; the parameters' all-gather follows (:meth:`gather_params`)."""
+        self.wait_params()  # the previous all-gather still writes into the shard we are about to overwrite
+        coef = torch.ones(())
+        if self.cfg.grad_clip > 0:
+            norm = self._global_norm(lambda b: local[b]) * scale
+            coef = torch.clamp(self.cfg.grad_clip / (norm + 1e-6), max=1.0)
+        beta1, beta2, eps = self.cfg.beta1, self.cfg.beta2, self.cfg.eps
+        for piece, t in zip(self.pieces, self.tensors, strict=True):
+            lo, _ = self.bounds[piece.bucket]
+            g = local[piece.bucket][piece.start - lo : piece.stop - lo].float() * (coef.to(t.device) * scale)
+            st = self.optimizer.state.get(t) if self.optimizer is not None else None
+            k = int(st["step"]) + 1 if st else 1
+            m = st["exp_avg"] * beta1 + g * (1 - beta1) if st else g * (1 - beta1)
+            v = st["exp_avg_sq"] * beta2 + g * g * (1 - beta2) if st else g * g * (1 - beta2)
+            denom = v.sqrt() / math.sqrt(1 - beta2**k) + eps
+            ahead = t * (1 - lr * self._decay[id(t)]) - (lr / (1 - beta1**k)) * m / denom
+            self.buffer.buckets[piece.bucket].data[piece.start : piece.stop].copy_(ahead)
 
     def _counted_mask(self, b: int) -> torch.Tensor:
         """1 where this rank's shard of bucket ``b`` holds a parameter it counts in the model-parallel norm."""

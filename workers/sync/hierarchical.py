@@ -26,6 +26,20 @@ Nothing is started during backward then: the link has the whole next step (forwa
 instead of what is left of backward. Two spare sets alternate, so step t's sync never writes where step
 t-1's result is read. Step 0 applies nothing; a snapshot or re-formation drops the sync in flight.
 
+With ``local_lookahead`` as well (sharded optimizer only), step t+1 does not compute at stale parameters::
+
+    step(lr) at step t
+        start step t's sync as above, keeping this rank's shard of the DC-summed gradients (after step 1)
+        commit: wait for step t-1's sync; AdamW on the fp32 committed shard with it (step t-1's lr)
+        look ahead: parameters <- AdamW(committed, DC-summed gradients × world / DC size), moments untouched
+        all-gather the parameters in the DC; step t+1's forward runs at them
+    synchronize()
+        wait for the sync in flight, commit it, parameters <- committed: nothing is dropped
+
+So every DC commits the exact global-batch update of every step, in order; step t+1's gradients are
+evaluated where this DC's own update of step t led, a local-versus-global difference away from the exact
+point, instead of a whole step behind (``delay_one_step`` alone).
+
 Every rank issues its inter-DC collectives in global segment order, bucket by bucket, so any datacenter
 sizes work without deadlock. Never builds process groups: it gets them from :class:`DCGroups`.
 """
@@ -78,8 +92,11 @@ class HierarchicalSync(GradientSync):
         self.chunk_bytes = sync.inter_dc_chunk_mb * 2**20
         self.sharded: ShardedAdamW | None = None
         self.optimizer: torch.optim.AdamW | None = None
+        self.lookahead = sync.local_lookahead
+        if self.lookahead and groups.mp_norm is not None:
+            raise ValueError("sync.local_lookahead applies to data parallelism only (tp = pp = 1)")
         if sync.shard_optimizer:
-            self.sharded = ShardedAdamW(model, self.buffer, groups, optim)
+            self.sharded = ShardedAdamW(model, self.buffer, groups, optim, keep_committed=self.lookahead)
             if self.overlap:
                 self.sharded.install_prefetch_hooks(model)
         else:
@@ -93,14 +110,25 @@ class HierarchicalSync(GradientSync):
         """Delayed: ``[where this step's sync goes, where the last step's runs]``; swapped every step."""
         self._in_flight: list[InFlight] = []
         """Delayed: the sync started by the last ``step()`` (none before the first)."""
+        self._in_flight_lr = 0.0
+        """Look-ahead: the learning rate of the step whose sync is in flight (its commit uses it)."""
+        self._local: list[torch.Tensor] = []
+        """Look-ahead: this rank's shard of each bucket's DC-summed gradients of the last step."""
+        self._scale = len(groups.world_ranks) / groups.dc_size
+        """Look-ahead: DC sum → estimate of the global-batch sum (samples are split evenly over ranks)."""
 
     def _start_bucket(self, bucket: Bucket) -> InFlight:
         return self._start_sync(bucket.grad, bucket.index)
 
     def _start_sync(self, g: torch.Tensor, index: int) -> InFlight:
         t0 = time.perf_counter()
-        reduce_scatter_in_dc(g, self.groups)  # 1) reduce-scatter inside the DC
+        shard = reduce_scatter_in_dc(g, self.groups)  # 1) reduce-scatter inside the DC
         self._intra_dc_s += time.perf_counter() - t0
+        if self.lookahead:  # step 2 sums in place: keep this DC's own sum for the look-ahead
+            if len(self._local) <= index:
+                self._local.append(shard.clone())
+            else:
+                self._local[index].copy_(shard)
         # 2) all-reduce the shard across DCs: chunked, every chunk in flight, through InterDCComm
         handles = start_all_reduce_across_dcs(
             g, self.groups, self.comm, chunk_bytes=self.chunk_bytes, bucket=index
@@ -126,7 +154,10 @@ class HierarchicalSync(GradientSync):
             flight.poll()
 
     def step(self, lr: float, *, snapshot_as: int | None = None) -> StepStats:
+        commit_lr = lr
         if self.delayed:
+            commit_lr = self._in_flight_lr if self.lookahead else lr
+            self._in_flight_lr = lr
             comm_s, exposed_s, ready = self._swap_in_previous()
         elif self.alone:
             comm_s, exposed_s, ready = 0.0, 0.0, True
@@ -140,10 +171,17 @@ class HierarchicalSync(GradientSync):
             waited = 0.0
             if snapshot_as is not None:
                 shard = self.local_shard(snapshot_as)
+            if self.lookahead:
+                assert self.sharded is not None
+                self.sharded.lookahead(lr, self._local, self._scale)
+                self.sharded.gather_params(async_op=self.overlap)
+                waited = self.sharded.take_wait_s()
         elif self.sharded is not None:
-            norm = self.sharded.step(lr).detach()
+            norm = self.sharded.step(commit_lr).detach()
             if snapshot_as is not None:  # before the all-gather: this rank's shard is already final
                 shard = self.sharded.local_shard(snapshot_as)
+            if self.lookahead:
+                self.sharded.lookahead(lr, self._local, self._scale)
             self.sharded.gather_params(async_op=self.overlap)
             waited = self.sharded.take_wait_s()  # norm all-reduce, gathers, and last step's forward waits
         else:
@@ -198,8 +236,23 @@ class HierarchicalSync(GradientSync):
         return replicated_shard(self.optimizer, self._named(), step)
 
     def synchronize(self) -> None:
+        if self.lookahead and self._in_flight:
+            self._commit_in_flight()
         if self.sharded is not None:
             self.sharded.wait_params()
+
+    def _commit_in_flight(self) -> None:
+        """Look-ahead: land the sync in flight and commit it; the parameters become the committed ones (what
+        one process would hold after every step so far), gathered in the DC."""
+        assert self.sharded is not None
+        finish_all(self._in_flight)
+        self._in_flight = []
+        for bucket, synced in zip(self.buffer.buckets, self._spares[1], strict=True):
+            bucket.grad.copy_(synced)
+        self.sharded.step(self._in_flight_lr)
+        self.sharded.gather_params(async_op=False)
+        self.sharded.take_wait_s()
+        self.buffer.zero()
 
     def optimizer_state(self) -> dict[str, Any]:
         if self.sharded is not None:
