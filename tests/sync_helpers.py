@@ -117,12 +117,13 @@ def reference_params(
 
 
 def reference_lookahead_params(
-    steps: int, cfg: OptimConfig, dcs: tuple[str, ...], micro: int = 3, seed: int = 0
+    steps: int, cfg: OptimConfig, dcs: tuple[str, ...], micro: int = 3, seed: int = 0, *, exact_first: int = 0
 ) -> dict[str, torch.Tensor]:
-    """Single-process ``local_lookahead`` for ranks in datacenters ``dcs``: each DC computes step t's gradients at
-    its own look-ahead parameters (its own gradients of step t-1 applied by a throwaway copy of the optimizer,
-    scaled by world / DC size); the committed parameters take the exact global gradient of step t-1 (with its
-    lr) before the look-ahead of step t; after the last step the last gradient is committed too."""
+    """Single-process ``local_lookahead`` for ranks in datacenters ``dcs``: the first ``exact_first`` steps are
+    plain exact steps; after them each DC computes step t's gradients at its own look-ahead parameters (its own
+    gradients of step t-1, scaled by world / DC size, clipped by the last committed update's coefficient, applied
+    by a throwaway copy of the optimizer); the committed parameters take the exact global gradient of step t-1
+    (with its lr) before the look-ahead of step t; after the last step the last gradient is committed too."""
     world = len(dcs)
     model = toy_model(seed)
     opt = build_adamw(model, cfg)
@@ -133,12 +134,18 @@ def reference_lookahead_params(
             for n, v in values.items():
                 params[n].copy_(v)
 
-    def update(values: dict[str, torch.Tensor], grads: dict[str, torch.Tensor], lr: float) -> dict[str, torch.Tensor]:
+    coef: list[torch.Tensor] = []  # the last committed update's clipping coefficient
+
+    def update(values: dict[str, torch.Tensor], grads: dict[str, torch.Tensor], lr: float, *,
+               look: bool = False) -> dict[str, torch.Tensor]:
         load(values)
         for n, g in grads.items():
-            params[n].grad = g.clone()
-        clip = cfg.grad_clip
-        torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip > 0 else float("inf"))
+            params[n].grad = g * coef[-1] if look and coef and cfg.grad_clip > 0 else g.clone()
+        if not (look and coef):
+            clip = cfg.grad_clip
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip > 0 else float("inf"))
+            if not look:
+                coef.append(torch.clamp(clip / (norm + 1e-6), max=1.0))
         for group in opt.param_groups:
             group["lr"] = lr
         opt.step()
@@ -157,16 +164,19 @@ def reference_lookahead_params(
                     share_loss(model, x, y).backward()
             local[dc] = {n: p.grad.clone() for n, p in params.items()}
         total = {n: sum(g[n] for g in local.values()) for n in params}
+        if step < exact_first:
+            committed = update(committed, total, lr_of(step))
+            ahead = {dc: committed for dc in dcs}
+            continue
         if pending is not None:
             committed = update(committed, *pending)
         saved = copy.deepcopy(opt.state_dict())
         for dc, grads in local.items():
             scale = world / dcs.count(dc)
-            ahead[dc] = update(committed, {n: g * scale for n, g in grads.items()}, lr_of(step))
+            ahead[dc] = update(committed, {n: g * scale for n, g in grads.items()}, lr_of(step), look=True)
             opt.load_state_dict(copy.deepcopy(saved))
         pending = (total, lr_of(step))
-    assert pending is not None
-    return update(committed, *pending)
+    return update(committed, *pending) if pending is not None else committed
 
 
 def params_of(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -49,6 +49,10 @@ def test_submit_read_list_and_plan(client):
         diloco = knobs if merge is None else {**knobs, "merge": merge}
         r = client.post("/v1/plans", json=spec(sync={"strategy": "streaming-diloco", "diloco": diloco}))
         assert r.status_code == 200 and r.json()["diloco"]["merge"] == (merge or "mix"), r.text
+    # one step late at a local look-ahead, asked for with its exact first steps
+    late = {"strategy": "hierarchical", "delay_one_step": True, "local_lookahead": True, "lookahead_after": 5}
+    r = client.post("/v1/plans", json=spec(sync=late))
+    assert r.status_code == 200 and r.json()["sync_strategy"] == "hierarchical", r.text
 
 
 @pytest.mark.parametrize("body, field", [
@@ -59,6 +63,10 @@ def test_submit_read_list_and_plan(client):
     (spec(model={"preset": "nano", "n_heads": 3}), "model.d_model"),
     (spec(sync={"strategy": "flat", "compression": "int8"}), "sync.compression"),
     (spec(sync={"strategy": "auto", "delay_one_step": True}), "sync.delay_one_step"),
+    (spec(sync={"strategy": "hierarchical", "local_lookahead": True}), "sync.local_lookahead"),
+    (spec(sync={"strategy": "hierarchical", "delay_one_step": True, "local_lookahead": True, "lookahead_after": -1}),
+     "sync.lookahead_after"),
+    (spec(sync={"strategy": "hierarchical", "lookahead_after": 5}), "sync.lookahead_after"),
     (spec(wan={"rtt_ms": -1, "gbps": 1}), "wan.rtt_ms"),
     (spec(sync={"bucket_mb": 0}), "sync.bucket_mb"),
     (spec(sync={"strategy": "streaming-diloco", "diloco": {"inner_steps": 8, "fragments": 2, "overlap_steps": 1,

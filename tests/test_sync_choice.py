@@ -65,6 +65,10 @@ def test_per_step_sync_goes_one_step_late_at_a_look_ahead_when_the_sync_fits_beh
     assert not late.local_lookahead and late.strategy.is_diloco
     # where exact sync hides well enough it stays exact
     assert not choose_sync(rtt_ms=21, gbps=1, num_params=TINY, compute_s=fp32 / 0.05).local_lookahead
+    # it starts with exact steps: a job no longer than them is not offered it
+    assert "after the first 30 steps" in choose_sync(rtt_ms=21, gbps=1, num_params=TINY, compute_s=0.2, steps=31,
+                                                     lookahead_after=30).explanation
+    assert not choose_sync(rtt_ms=21, gbps=1, num_params=TINY, compute_s=0.2, steps=30, lookahead_after=30).local_lookahead
 
 
 def test_slow_link_one_bucket_picks_diloco_with_4bit_deltas_and_h_that_amortises_the_sync():
@@ -240,6 +244,7 @@ def test_planner_runs_the_demo_one_step_late_at_a_look_ahead_where_exact_sync_wo
     plan = plan_job(demo, topo, link)
     assert plan.sync_strategy is SyncStrategy.HIERARCHICAL and plan.local_lookahead and plan.compression is None
     assert "one step late" in plan.explanation and plan.to_dict()["local_lookahead"] is True
+    assert plan.estimate["exposed_dp_s"] == 0.0 and plan.estimate["step_s"] < plan.estimate["compute_s"] * 1.05
     sync = build_train_config("j", demo, plan, "").sync
     assert sync.delay_one_step and sync.local_lookahead and sync.shard_optimizer
     assert not plan_job(demo, topo, replace(link, inter_dc_known=False)).local_lookahead  # never on guesses

@@ -116,16 +116,17 @@ def test_delayed_sync_applies_each_steps_gradients_one_step_late():
 
 
 NO_CLIP = dataclasses.replace(OPTIM, grad_clip=0.0)  # clipping hides the look-ahead's scale (clip / norm)
-LOOKAHEAD_RUNS = (
-    (UNEVEN, OPTIM, Compression.NONE), (UNEVEN, OPTIM, Compression.INT8), (UNEVEN, NO_CLIP, Compression.NONE),
-    (("a", "a", "a"), OPTIM, Compression.NONE),
+LOOKAHEAD_RUNS = (  # datacenters, optimizer, inter-DC encoding, exact steps first
+    (UNEVEN, OPTIM, Compression.NONE, 0), (UNEVEN, OPTIM, Compression.INT8, 0), (UNEVEN, NO_CLIP, Compression.NONE, 0),
+    (UNEVEN, OPTIM, Compression.NONE, 2), (("a", "a", "a"), NO_CLIP, Compression.NONE, 0),
 )
 
 
 def _lookahead(rank, world):
     out = {}
-    for i, (dcs, optim, compression) in enumerate(LOOKAHEAD_RUNS):
-        e = _engine(rank, dcs, optim, delay_one_step=True, local_lookahead=True, compression=compression)
+    for i, (dcs, optim, compression, exact_first) in enumerate(LOOKAHEAD_RUNS):
+        e = _engine(rank, dcs, optim, delay_one_step=True, local_lookahead=True, compression=compression,
+                    lookahead_after=exact_first)
         stats = train_steps(e, rank, world, steps=5, micro=3)
         out[i] = (_close(e), stats)
     return out
@@ -135,16 +136,39 @@ def test_lookahead_commits_every_exact_update_with_gradients_taken_at_the_local_
     lookahead, exact = reference_lookahead_params(5, OPTIM, UNEVEN), reference_params(5, OPTIM)
     delayed = reference_params(5, OPTIM, delayed=True)
     assert max_rel_diff(lookahead, exact) > 1e-3 and max_rel_diff(lookahead, delayed) > 1e-2  # all three differ
+    later = reference_lookahead_params(5, OPTIM, UNEVEN, exact_first=2)
+    assert max_rel_diff(later, lookahead) > 1e-3 and max_rel_diff(later, exact) > 1e-3
     for out in run_processes(_lookahead, 3):
-        for i, (dcs, optim, compression) in enumerate(LOOKAHEAD_RUNS):
+        for i, (dcs, optim, compression, exact_first) in enumerate(LOOKAHEAD_RUNS):
             params, stats = out[i]
             if dcs == UNEVEN:
                 tolerance = 1e-5 if compression is Compression.NONE else 0.05
-                assert max_rel_diff(params, reference_lookahead_params(5, optim, UNEVEN)) < tolerance, i
+                reference = reference_lookahead_params(5, optim, UNEVEN, exact_first=exact_first)
+                assert max_rel_diff(params, reference) < tolerance, i
                 assert all(s.inter_dc_bytes == stats[0].inter_dc_bytes > 0 for s in stats)  # one sync per step
-            else:  # one DC: the look-ahead is the exact update, so this is exact sync
-                assert max_rel_diff(params, exact) < 1e-5
-            assert float(stats[0].grad_norm) == 0.0 and float(stats[1].grad_norm) > 0.0  # step 0 commits nothing
+            else:  # one DC, no clipping: the look-ahead is the exact update, so this is exact sync
+                assert max_rel_diff(params, reference_params(5, NO_CLIP)) < 1e-5
+            # the first late step commits nothing; exact steps before it commit their own
+            norms = [float(s.grad_norm) for s in stats]
+            assert norms[exact_first] == 0.0 and all(n > 0 for j, n in enumerate(norms) if j != exact_first), i
+
+
+def _exact_first(rank, world):
+    out = []
+    for warmup, after in ((0, None), (50, None), (50, 3)):
+        optim = dataclasses.replace(OPTIM, warmup_steps=warmup)
+        e = _engine(rank, UNEVEN, optim, delay_one_step=True, local_lookahead=True, lookahead_after=after)
+        out.append(e.exact_first)
+        e.close()
+        e.groups.destroy()
+    return out
+
+
+def test_lookahead_waits_for_the_learning_rate_warm_up_and_at_least_twenty_steps():
+    from meridian.workers.contracts.config import LOOKAHEAD_AFTER_MIN
+
+    assert LOOKAHEAD_AFTER_MIN == 20
+    assert run_processes(_exact_first, 3) == [[20, 50, 3]] * 3
 
 
 def test_lookahead_needs_the_delayed_sharded_engine():

@@ -22,6 +22,8 @@ pipeline parallelism may cross datacenters, and data-parallel gradients cross th
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from meridian.service.cluster.topology import ClusterTopology
 from meridian.service.errors import InvalidJob, Unschedulable
 from meridian.service.jobs import JobRequest
@@ -39,7 +41,7 @@ from meridian.service.planning.placement import (
 )
 from meridian.service.planning.plan import Plan
 from meridian.service.planning.sync_choice import SyncChoice, choose_sync
-from meridian.workers.contracts.config import Compression, DiLoCoConfig, SyncStrategy
+from meridian.workers.contracts.config import Compression, DiLoCoConfig, SyncStrategy, lookahead_start
 
 
 def plan_job(request: JobRequest, topo: ClusterTopology, figures: Figures | None = None) -> Plan:
@@ -66,6 +68,11 @@ def plan_job(request: JobRequest, topo: ClusterTopology, figures: Figures | None
     picked = choice is not None and strategy is choice.strategy and choice.compression is not Compression.NONE
     compression = choice.compression if picked and request.sync.compression is Compression.NONE else None
     lookahead = choice is not None and strategy is choice.strategy and choice.local_lookahead
+    if lookahead:  # one step late, the sync hides behind the next step: what the estimate shows exposed changes
+        assert choice is not None
+        e = best.estimate
+        best = replace(best, estimate=replace(e, exposed_dp_s=choice.har_exposed_s,
+                                              step_s=e.step_s - e.exposed_dp_s + choice.har_exposed_s))
     bucket_mb = best.layout.bucket_bytes / 2**20
     if request.sync.bucket_mb is None and best.layout.dp > 1 and not strategy.is_diloco:
         reason += " " + bucket_reason(request, best.layout)
@@ -114,7 +121,8 @@ def _diloco_override(request: JobRequest, feasible: list[Candidate],
     choice = choose_sync(rtt_ms=figures.inter_dc.latency_s * 2000, gbps=figures.inter_dc.bytes_per_s * 8 / 1e9,
                          num_params=request.model.num_params, compute_s=dp.estimate.compute_s,
                          num_dcs=dp.layout.num_dcs, overlap=request.sync.overlap, bucket_mb=dp.layout.bucket_bytes / 2**20,
-                         steps=request.steps, lookahead=request.sync.shard_optimizer)
+                         steps=request.steps, lookahead=request.sync.shard_optimizer,
+                         lookahead_after=lookahead_start(request.sync.lookahead_after, request.optim.warmup_steps))
     if choice.strategy.is_diloco:
         # DiLoCo hides the link behind H inner steps: it beats any per-step layout (a stage-spanning
         # pipeline included) when its compute plus the amortised outer sync is shorter.

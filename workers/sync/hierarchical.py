@@ -36,6 +36,10 @@ With ``local_lookahead`` as well (sharded optimizer only), step t+1 does not com
     synchronize()
         wait for the sync in flight, commit it, parameters <- committed: nothing is dropped
 
+The first ``lookahead_after`` steps (by default the learning-rate warm-up's, at least 20) sync exactly, as
+without ``delay_one_step``: while AdamW's moments are young a look-ahead strays furthest. The engine counts
+them by the committed updates, so a resumed job carries on in the same phase.
+
 So every DC commits the exact global-batch update of every step, in order; step t+1's gradients are
 evaluated where this DC's own update of step t led, a local-versus-global difference away from the exact
 point, instead of a whole step behind (``delay_one_step`` alone).
@@ -52,7 +56,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from meridian.workers.contracts.config import OptimConfig, SyncConfig
+from meridian.workers.contracts.config import OptimConfig, SyncConfig, lookahead_start
 from meridian.workers.distributed.layout import DCGroups
 from meridian.workers.distributed.mp_norm import clip_grad_norm
 from meridian.workers.optim.adamw import build_adamw, full_state_of, load_full_state, set_lr, state_nbytes
@@ -102,9 +106,12 @@ class HierarchicalSync(GradientSync):
         else:
             self.optimizer = build_adamw(model, optim)
         self.delayed = sync.delay_one_step
+        self.exact_first = lookahead_start(sync.lookahead_after, optim.warmup_steps) if self.lookahead else 0
+        """Look-ahead: the steps synced exactly before it takes over."""
         # Delayed, nothing starts during backward: the sync of step t is started in step() and hides behind
         # step t+1 whole.
-        self.pipeline = BucketPipeline(self.buffer, self._start_bucket, overlap=self.overlap and not self.delayed)
+        self.pipeline = BucketPipeline(self.buffer, self._start_bucket,
+                                       overlap=self.overlap and (not self.delayed or self.exact_first > 0))
         self._intra_dc_s = 0.0  # HAR step 1 time this step, for the per-tier metrics
         self._spares = [[torch.zeros_like(b.grad) for b in self.buffer.buckets] for _ in range(2)] if self.delayed else []
         """Delayed: ``[where this step's sync goes, where the last step's runs]``; swapped every step."""
@@ -117,14 +124,21 @@ class HierarchicalSync(GradientSync):
         self._scale = len(groups.world_ranks) / groups.dc_size
         """Look-ahead: DC sum → estimate of the global-batch sum (samples are split evenly over ranks)."""
 
+    @property
+    def late(self) -> bool:
+        """Whether this step's sync is applied one step late (``delay_one_step``, after the exact first steps)."""
+        if not self.delayed:
+            return False
+        return self.sharded is None or self.sharded.steps >= self.exact_first
+
     def _start_bucket(self, bucket: Bucket) -> InFlight:
         return self._start_sync(bucket.grad, bucket.index)
 
-    def _start_sync(self, g: torch.Tensor, index: int) -> InFlight:
+    def _start_sync(self, g: torch.Tensor, index: int, *, keep_local: bool = False) -> InFlight:
         t0 = time.perf_counter()
         shard = reduce_scatter_in_dc(g, self.groups)  # 1) reduce-scatter inside the DC
         self._intra_dc_s += time.perf_counter() - t0
-        if self.lookahead:  # step 2 sums in place: keep this DC's own sum for the look-ahead
+        if keep_local:  # step 2 sums in place: keep this DC's own sum for the look-ahead
             if len(self._local) <= index:
                 self._local.append(shard.clone())
             else:
@@ -142,7 +156,7 @@ class HierarchicalSync(GradientSync):
     def backward(self, loss: torch.Tensor, *, last_micro_batch: bool) -> None:
         for flight in self._in_flight:  # delayed: note when the previous step's sync completes
             flight.poll()
-        if not last_micro_batch:
+        if not last_micro_batch or self.late:  # late: the sync starts in step()
             loss.backward()
             return
         self.pipeline.arm()
@@ -155,7 +169,8 @@ class HierarchicalSync(GradientSync):
 
     def step(self, lr: float, *, snapshot_as: int | None = None) -> StepStats:
         commit_lr = lr
-        if self.delayed:
+        late = self.late
+        if late:
             commit_lr = self._in_flight_lr if self.lookahead else lr
             self._in_flight_lr = lr
             comm_s, exposed_s, ready = self._swap_in_previous()
@@ -180,7 +195,7 @@ class HierarchicalSync(GradientSync):
             norm = self.sharded.step(commit_lr).detach()
             if snapshot_as is not None:  # before the all-gather: this rank's shard is already final
                 shard = self.sharded.local_shard(snapshot_as)
-            if self.lookahead:
+            if self.lookahead and late:
                 self.sharded.lookahead(lr, self._local, self._scale)
             self.sharded.gather_params(async_op=self.overlap)
             waited = self.sharded.take_wait_s()  # norm all-reduce, gathers, and last step's forward waits
@@ -210,7 +225,7 @@ class HierarchicalSync(GradientSync):
         started = []
         for bucket, spare in zip(self.buffer.buckets, current, strict=True):
             spare.copy_(bucket.grad)
-            started.append(self._start_sync(spare, bucket.index))
+            started.append(self._start_sync(spare, bucket.index, keep_local=self.lookahead))
         previous, self._in_flight = self._in_flight, started
         self._spares.reverse()  # next step writes where this step reads, once read
         if not previous:
