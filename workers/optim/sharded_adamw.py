@@ -141,8 +141,12 @@ class ShardedAdamW:
         named = [(p.slot.name, t) for p, t in zip(self.pieces, self.tensors, strict=True)]
         # A rank whose shards are all padding (a model smaller than the unit count) has nothing to update.
         self.optimizer = make_adamw(param_groups(named, model, cfg), cfg) if named else None
-        self._decay = {id(t): g["weight_decay"] for g in (self.optimizer.param_groups if self.optimizer else ())
-                       for t in g["params"]}  # fmt: skip
+        self._by_decay: dict[float, list[int]] = {}
+        """Look-ahead: this rank's pieces (indices into :attr:`pieces`) by their AdamW group's weight decay."""
+        if self.optimizer is not None:
+            decay = {id(t): g["weight_decay"] for g in self.optimizer.param_groups for t in g["params"]}
+            for i, t in enumerate(self.tensors):
+                self._by_decay.setdefault(decay[id(t)], []).append(i)
         self.steps = 0
         self.clip_coef: torch.Tensor | None = None
         """The clipping coefficient of the last committed update (``None`` before the first)."""
@@ -231,24 +235,42 @@ class ShardedAdamW:
         (single-tensor), from the committed values and moments, which stay as they are. Needs ``keep_committed``;
         the parameters' all-gather follows (:meth:`gather_params`)."""
         self.wait_params()  # the previous all-gather still writes into the shard we are about to overwrite
-        coef = torch.ones(())
+        coef = torch.ones((), device=self.buffer.buckets[0].grad.device)
         if self.cfg.grad_clip > 0:
             if self.clip_coef is not None:
                 coef = self.clip_coef
             else:
                 norm = self._global_norm(lambda b: local[b]) * scale
                 coef = torch.clamp(self.cfg.grad_clip / (norm + 1e-6), max=1.0)
+        if self.optimizer is None:
+            return
         beta1, beta2, eps = self.cfg.beta1, self.cfg.beta2, self.cfg.eps
-        for piece, t in zip(self.pieces, self.tensors, strict=True):
-            lo, _ = self.bounds[piece.bucket]
-            g = local[piece.bucket][piece.start - lo : piece.stop - lo].float() * (coef.to(t.device) * scale)
-            st = self.optimizer.state.get(t) if self.optimizer is not None else None
-            k = int(st["step"]) + 1 if st else 1
-            m = st["exp_avg"] * beta1 + g * (1 - beta1) if st else g * (1 - beta1)
-            v = st["exp_avg_sq"] * beta2 + g * g * (1 - beta2) if st else g * g * (1 - beta2)
-            denom = v.sqrt() / math.sqrt(1 - beta2**k) + eps
-            ahead = t * (1 - lr * self._decay[id(t)]) - (lr / (1 - beta1**k)) * m / denom
-            self.buffer.buckets[piece.bucket].data[piece.start : piece.stop].copy_(ahead)
+        k = self.steps + 1  # the AdamW step this update would be
+        for decay, idx in self._by_decay.items():  # one foreach pass per weight-decay group: few kernel launches
+            ts = [self.tensors[i] for i in idx]
+            gs = torch._foreach_mul([self._local_piece(local, self.pieces[i]) for i in idx], coef * scale)
+            states = [self.optimizer.state.get(t) for t in ts]
+            if all(states):
+                m = torch._foreach_mul([st["exp_avg"] for st in states], beta1)
+                v = torch._foreach_mul([st["exp_avg_sq"] for st in states], beta2)
+            else:  # before the first committed update: no moments yet
+                m, v = torch._foreach_mul(gs, 0.0), torch._foreach_mul(gs, 0.0)
+            torch._foreach_add_(m, gs, alpha=1 - beta1)
+            torch._foreach_addcmul_(v, gs, gs, value=1 - beta2)
+            torch._foreach_sqrt_(v)  # the denominator, in place
+            torch._foreach_div_(v, math.sqrt(1 - beta2**k))
+            torch._foreach_add_(v, eps)
+            torch._foreach_div_(m, v)
+            ahead = torch._foreach_mul(ts, 1 - lr * decay)
+            torch._foreach_add_(ahead, m, alpha=-lr / (1 - beta1**k))
+            torch._foreach_copy_([self._param_piece(self.pieces[i]) for i in idx], ahead)
+
+    def _local_piece(self, local: list[torch.Tensor], piece: ShardPiece) -> torch.Tensor:
+        lo, _ = self.bounds[piece.bucket]
+        return local[piece.bucket][piece.start - lo : piece.stop - lo].float()
+
+    def _param_piece(self, piece: ShardPiece) -> torch.Tensor:
+        return self.buffer.buckets[piece.bucket].data[piece.start : piece.stop]
 
     def _counted_mask(self, b: int) -> torch.Tensor:
         """1 where this rank's shard of bucket ``b`` holds a parameter it counts in the model-parallel norm."""
@@ -267,9 +289,12 @@ class ShardedAdamW:
     # -- 3) parameters back to every rank of the DC -------------------------------------------------------------
 
     def gather_params(self, *, async_op: bool) -> None:
-        """All-gather every bucket's updated parameters inside the DC; async ones finish in :meth:`wait_params`."""
+        """All-gather every bucket's updated parameters inside the DC; async ones finish in :meth:`wait_params`.
+
+        In forward order: buckets hold parameters in backward order, and a group runs its collectives in the
+        order they were issued, so the bucket the next forward needs first (the embedding's) lands first."""
         t0 = time.perf_counter()
-        for bucket in self.buffer.buckets:
+        for bucket in reversed(self.buffer.buckets):
             work = all_gather_in_dc(bucket.data, self.groups, async_op=async_op)
             if work is not None and async_op:
                 self._gathers[bucket.index] = work

@@ -108,10 +108,14 @@ class HierarchicalSync(GradientSync):
         self.delayed = sync.delay_one_step
         self.exact_first = lookahead_start(sync.lookahead_after, optim.warmup_steps) if self.lookahead else 0
         """Look-ahead: the steps synced exactly before it takes over."""
-        # Delayed, nothing starts during backward: the sync of step t is started in step() and hides behind
-        # step t+1 whole.
-        self.pipeline = BucketPipeline(self.buffer, self._start_bucket,
-                                       overlap=self.overlap and (not self.delayed or self.exact_first > 0))
+        # Delayed, the sync of step t hides behind step t+1 whole. On CPU each bucket is still copied aside and
+        # started (HAR step 1 included) by the comm thread during backward; on CUDA it starts in step(), so no
+        # copy on the communication stream races the next step's use of the gradients.
+        self.late_overlap = self.overlap and self.delayed and self.buffer.buckets[0].grad.device.type == "cpu"
+        self.pipeline = BucketPipeline(
+            self.buffer, self._start_bucket,
+            overlap=self.overlap and (not self.delayed or self.exact_first > 0 or self.late_overlap),
+        )
         self._intra_dc_s = 0.0  # HAR step 1 time this step, for the per-tier metrics
         self._spares = [[torch.zeros_like(b.grad) for b in self.buffer.buckets] for _ in range(2)] if self.delayed else []
         """Delayed: ``[where this step's sync goes, where the last step's runs]``; swapped every step."""
@@ -132,6 +136,10 @@ class HierarchicalSync(GradientSync):
         return self.sharded is None or self.sharded.steps >= self.exact_first
 
     def _start_bucket(self, bucket: Bucket) -> InFlight:
+        if self.late:  # one step late: sync a copy, the next backward accumulates into the bucket meanwhile
+            spare = self._spares[0][bucket.index]
+            spare.copy_(bucket.grad)
+            return self._start_sync(spare, bucket.index, keep_local=self.lookahead)
         return self._start_sync(bucket.grad, bucket.index)
 
     def _start_sync(self, g: torch.Tensor, index: int, *, keep_local: bool = False) -> InFlight:
@@ -156,7 +164,7 @@ class HierarchicalSync(GradientSync):
     def backward(self, loss: torch.Tensor, *, last_micro_batch: bool) -> None:
         for flight in self._in_flight:  # delayed: note when the previous step's sync completes
             flight.poll()
-        if not last_micro_batch or self.late:  # late: the sync starts in step()
+        if not last_micro_batch or (self.late and not self.late_overlap):  # the sync starts in step()
             loss.backward()
             return
         self.pipeline.arm()
@@ -221,11 +229,8 @@ class HierarchicalSync(GradientSync):
     def _swap_in_previous(self) -> tuple[float, float, bool]:
         """Delayed: start this step's sync on a spare set, then put the previous step's synced gradients in
         the buckets. Returns (comm_s, exposed_s) of the previous sync, and whether there was one."""
-        current, previous_set = self._spares
-        started = []
-        for bucket, spare in zip(self.buffer.buckets, current, strict=True):
-            spare.copy_(bucket.grad)
-            started.append(self._start_sync(spare, bucket.index, keep_local=self.lookahead))
+        previous_set = self._spares[1]
+        started = self.pipeline.take_started()  # each bucket copied to self._spares[0] and started there
         previous, self._in_flight = self._in_flight, started
         self._spares.reverse()  # next step writes where this step reads, once read
         if not previous:

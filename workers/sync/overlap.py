@@ -145,6 +145,15 @@ class BucketPipeline:
             return self.streams.finish(started)
         return finish_all(started), time.perf_counter() - t0
 
+    def take_started(self) -> list[InFlight]:
+        """Every bucket's sync as started (with overlap by the comm thread during backward; else now), not
+        waited for: for syncs that land later (one step late)."""
+        if self._future is None:
+            return self._start_all(False)
+        self.backward_done()
+        future, self._future = self._future, None
+        return future.result()
+
     def _start_all(self, wait_ready: bool) -> list[InFlight]:
         started: list[InFlight] = []
         for bucket in self.buffer.buckets:
