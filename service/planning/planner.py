@@ -122,7 +122,8 @@ def _diloco_override(request: JobRequest, feasible: list[Candidate],
                          num_params=request.model.num_params, compute_s=dp.estimate.compute_s,
                          num_dcs=dp.layout.num_dcs, overlap=request.sync.overlap, bucket_mb=dp.layout.bucket_bytes / 2**20,
                          steps=request.steps, lookahead=request.sync.shard_optimizer,
-                         lookahead_after=lookahead_start(request.sync.lookahead_after, request.optim.warmup_steps))
+                         lookahead_after=lookahead_start(request.sync.lookahead_after, request.optim.warmup_steps),
+                         optimizer_step_s=figures.step_overhead_s / max(1, dp.layout.dp_per_dc or dp.layout.dp))
     if choice.strategy.is_diloco:
         # DiLoCo hides the link behind H inner steps: it beats any per-step layout (a stage-spanning
         # pipeline included) when its compute plus the amortised outer sync is shorter.

@@ -128,13 +128,15 @@ def choose_sync(
     steps: int | None = None,
     lookahead: bool = True,
     lookahead_after: int = 20,
+    optimizer_step_s: float = 0.0,
 ) -> SyncChoice:
     """Pick the data-parallel sync across DCs. ``compute_s``: one optimizer step's forward+backward time;
     ``max_slowdown``: the most exact fp32 sync (or its one-step-late look-ahead) may slow a step;
     ``per_step_limit``: the most per-step sync in bf16 may, before DiLoCo takes over; ``steps``: the job's
     length, for the DiLoCo warm-up (none when unknown); ``lookahead``: whether the job's engine can run the
     look-ahead (it needs the sharded optimizer); ``lookahead_after``: the exact steps it starts with (a job no
-    longer than that never looks ahead, so it is not offered)."""
+    longer than that never looks ahead, so it is not offered); ``optimizer_step_s``: one AdamW pass over a
+    rank's optimizer shard, what the look-ahead adds to every step (from the compute probe; 0 when unknown)."""
     for name, value in (("gbps", gbps), ("num_params", num_params), ("compute_s", compute_s),
                         ("max_slowdown", max_slowdown), ("per_step_limit", per_step_limit)):
         if not value > 0:
@@ -167,12 +169,14 @@ def choose_sync(
 
     head = (f"per-step sync would leave {exposed * 1e3:.0f} ms per step exposed ({exposed / compute_s:.0%} of "
             f"{step}) on {link} for {size}")
-    behind_a_step = max(0.0, sync_s - compute_s)  # one step late, the sync has a whole step to land
+    # one step late the sync has a whole step to land; the look-ahead adds one AdamW pass to every step
+    behind_a_step = max(0.0, sync_s - compute_s) + optimizer_step_s
     long_enough = steps is None or steps > lookahead_after
-    if lookahead and long_enough and behind_a_step <= max_slowdown * compute_s:
+    if lookahead and long_enough and behind_a_step <= max_slowdown * compute_s and behind_a_step < exposed:
         why = (f"{head}, over the {max_slowdown:.0%} that exact sync may cost; after the first {lookahead_after} "
                f"steps, synced exactly while AdamW's moments are young, each step's sync ({sync_s * 1e3:.0f} ms) is "
-               f"applied one step late and runs behind the next step, {behind_a_step * 1e3:.0f} ms exposed; that "
+               f"applied one step late and runs behind the next step ({behind_a_step * 1e3:.0f} ms a step exposed or "
+               "spent on the look-ahead's extra AdamW pass); that "
                "step computes at this datacenter's own update of the step before (a local look-ahead) while "
                f"every datacenter commits the exact global update of every step, in order ({LOOKAHEAD_EVIDENCE})")
         return SyncChoice(SyncStrategy.HIERARCHICAL, None, f"Sync 'hierarchical' one step late (chosen: {why}).",
