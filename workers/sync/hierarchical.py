@@ -17,19 +17,21 @@ Per step, on every rank (``last`` = the last micro-batch; earlier ones only accu
 
 With ``delay_one_step`` the sync runs one step behind (an exact sync whose result is applied a step late)::
 
+    backward(loss, last_micro_batch=last)
+        last, on CPU: each bucket, once complete, is copied into a spare set and its steps 1-2 started there
     step(lr) at step t
-        copy step t's gradients out of the buckets into a spare set, start their steps 1-2 there
+        (on CUDA, or without overlap: copy every bucket into the spare set and start steps 1-2 now)
         wait for step t-1's sync (started a whole step ago, so normally done), 3) all-gather (replicated)
         copy its result into the buckets; clip + AdamW as above, on step t-1's averaged gradients
 
-Nothing is started during backward then: the link has the whole next step (forward, backward) to finish,
-instead of what is left of backward. Two spare sets alternate, so step t's sync never writes where step
-t-1's result is read. Step 0 applies nothing; a snapshot or re-formation drops the sync in flight.
+The link has the whole next step (forward, backward) to finish, instead of what is left of backward. Two spare
+sets alternate, so step t's sync never writes where step t-1's result is read. Step 0 applies nothing; a
+snapshot or re-formation drops the sync in flight.
 
 With ``local_lookahead`` as well (sharded optimizer only), step t+1 does not compute at stale parameters::
 
     step(lr) at step t
-        start step t's sync as above, keeping this rank's shard of the DC-summed gradients (after step 1)
+        step t's sync started as above, this rank's shard of the DC-summed gradients kept (after step 1)
         commit: wait for step t-1's sync; AdamW on the fp32 committed shard with it (step t-1's lr)
         look ahead: parameters <- AdamW(committed, DC-summed gradients × world / DC size), moments untouched
         all-gather the parameters in the DC; step t+1's forward runs at them
