@@ -8,10 +8,12 @@ the same link arithmetic as :mod:`meridian.service.planning.cost_model`:
   What hides is bounded by the buckets: the last gradient bucket's exchange (its latency whole, its share of
   the transfer) always follows backward, so a model that fits one bucket hides nothing.
 - Otherwise ``hierarchical`` one step late at a local look-ahead (``sync.delay_one_step`` with
-  ``sync.local_lookahead``), when the whole sync fits behind one step's compute well enough that the step slows by
-  at most ``max_slowdown``: every step's exact global-batch update is still committed, in order; each gradient
+  ``sync.local_lookahead``), when the whole sync fits behind one step's compute well enough that the step,
+  counting the look-ahead's extra AdamW pass (``optimizer_step_s``), slows by at most ``max_slowdown`` and by
+  less than exact sync would: every step's exact global-batch update is still committed, in order; each gradient
   is taken where the datacenter's own update of the step before led instead of where the exact one did
-  (loss at equal tokens: :data:`LOOKAHEAD_EVIDENCE`). Only with the sharded optimizer (``lookahead``).
+  (loss at equal tokens: :data:`LOOKAHEAD_EVIDENCE`). Only with the sharded optimizer (``lookahead``), and only
+  for a job longer than the exact steps it starts with (``lookahead_after``).
 - Otherwise ``hierarchical`` with the inter-DC exchange in bf16 (error feedback), when halving the bytes keeps
   the slowdown within ``per_step_limit``: still one sync per step, every step's rounding carried into the
   next (``meridian bench lowcomm --strategies har+bf16 --rtt-ms 21 --inter-dc-gbps 1``, nano, 1,024 steps:
