@@ -97,6 +97,14 @@ class Estimate:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
 
 
+def optimizer_share(lay: Layout) -> float:
+    """The share of the whole model's AdamW one rank runs: the measured overhead is AdamW over the whole model on
+    one device; a rank updates only its stage's TP slice, and with the sharded optimizer only its 1/N of that."""
+    shards = lay.dp_per_dc if lay.dp_per_dc else lay.dp
+    sharded = lay.shard_optimizer and lay.dp > 1 and runs_hierarchical(lay)
+    return 1 / (lay.tp * lay.pp) / (max(1, shards) if sharded else 1)
+
+
 def grad_bytes_per_device(model: ModelConfig, tp: int, pp: int) -> float:
     """One replica's fp32 gradient bytes on each of its devices (its tensor/pipeline slice of the model)."""
     return BYTES_FP32 * model.num_params / (tp * pp)
@@ -156,11 +164,7 @@ def estimate(model: ModelConfig, lay: Layout, fig: Figures, global_batch: int) -
     backward = compute * 2 / 3 / lay.micro_batches
     exposed = max(dp_comm - backward, last_bucket) if lay.overlap else dp_comm
     shards = lay.dp_per_dc if lay.dp_per_dc else lay.dp
-    # The measured overhead is AdamW over the whole model on one device; a rank updates only its stage's
-    # TP slice, and with the sharded optimizer only its 1/N of that.
-    sharded = lay.shard_optimizer and lay.dp > 1 and runs_hierarchical(lay)
-    updated = 1 / (lay.tp * lay.pp) / (max(1, shards) if sharded else 1)
-    step = compute + tp_comm + pp_comm + exposed + fig.step_overhead_s * updated
+    step = compute + tp_comm + pp_comm + exposed + fig.step_overhead_s * optimizer_share(lay)
     return Estimate(
         memory_bytes=memory_per_device(model, lay, max(1, shards)), compute_s=compute, tp_comm_s=tp_comm,
         pp_comm_s=pp_comm, dp_comm_s=dp_comm, exposed_dp_s=exposed, step_s=step, inter_dc_bytes=inter_dc,

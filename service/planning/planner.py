@@ -29,7 +29,13 @@ from meridian.service.errors import InvalidJob, Unschedulable
 from meridian.service.jobs import JobRequest
 from meridian.service.planning.buckets import MAX_BUCKET_MB, MIN_BUCKET_MB, TARGET_BUCKETS, buckets_of
 from meridian.service.planning.candidates import Candidate, enumerate_candidates
-from meridian.service.planning.cost_model import Figures, Layout, grad_bytes_per_device, runs_hierarchical
+from meridian.service.planning.cost_model import (
+    Figures,
+    Layout,
+    grad_bytes_per_device,
+    optimizer_share,
+    runs_hierarchical,
+)
 from meridian.service.planning.explain import explain, no_fit_in_memory_reason, no_layout_reason, sync_reason
 from meridian.service.planning.placement import (
     CPUS_PER_WORKER,
@@ -123,7 +129,7 @@ def _diloco_override(request: JobRequest, feasible: list[Candidate],
                          num_dcs=dp.layout.num_dcs, overlap=request.sync.overlap, bucket_mb=dp.layout.bucket_bytes / 2**20,
                          steps=request.steps, lookahead=request.sync.shard_optimizer,
                          lookahead_after=lookahead_start(request.sync.lookahead_after, request.optim.warmup_steps),
-                         optimizer_step_s=figures.step_overhead_s / max(1, dp.layout.dp_per_dc or dp.layout.dp))
+                         optimizer_step_s=figures.step_overhead_s * optimizer_share(dp.layout))
     if choice.strategy.is_diloco:
         # DiLoCo hides the link behind H inner steps: it beats any per-step layout (a stage-spanning
         # pipeline included) when its compute plus the amortised outer sync is shorter.

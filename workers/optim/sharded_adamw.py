@@ -19,9 +19,11 @@ the committed values or the moments::
 
 The look-ahead's gradient is clipped with the coefficient the last committed update used: one datacenter's
 gradient, scaled to the global batch, carries its sampling noise in its norm, and clipping by that norm
-shrank the look-ahead step (``meridian bench lowcomm``, nano, 1,024 steps: +1.5% of exact sync's held-out loss
-clipped by its own norm, +1.0% by the last committed coefficient, +0.5% unclipped: a one-process replay of
-this maths, nano, 1,024 steps of 16 samples, seed 0, a throwaway script, not in the repository). A rank's shard of a bucket cuts through several parameters; each (parameter ∩ shard) becomes
+shrank the look-ahead step (a one-process replay of this maths, a throwaway script not in the repository; nano,
+1,024 steps of 16 samples, seed 0: +1.5% of exact sync's held-out loss clipped by its own norm, +1.0% by the
+last committed coefficient, +0.5% unclipped).
+
+A rank's shard of a bucket cuts through several parameters; each (parameter ∩ shard) becomes
 one 1-D *piece* tensor (a view into the flat parameter buffer, or into the fp32 master), given to a plain
 ``torch.optim.AdamW`` in the parameter's weight-decay group. AdamW is elementwise, so a piece gets exactly
 the update the whole parameter would get in a replicated AdamW.
@@ -183,8 +185,7 @@ class ShardedAdamW:
             g32.copy_(self.buffer.buckets[b].grad[lo:hi])
         norm = self._global_norm()  # 1) clip
         if self.cfg.grad_clip > 0:
-            # Same formula as torch.nn.utils.clip_grad_norm_, so a replicated run clips identically.
-            coef = self.clip_coef = torch.clamp(self.cfg.grad_clip / (norm + 1e-6), max=1.0)
+            coef = self.clip_coef = self._clip_coef(norm)
             for b in range(len(self.buffer.buckets)):
                 grad = self._shard_grad(b)
                 grad.mul_(coef.to(grad.device))
@@ -196,6 +197,10 @@ class ShardedAdamW:
             self.buffer.buckets[b].data[lo:hi].copy_(master)
         self.steps += 1
         return norm
+
+    def _clip_coef(self, norm: torch.Tensor) -> torch.Tensor:
+        # Same formula as torch.nn.utils.clip_grad_norm_, so a replicated run clips identically.
+        return torch.clamp(self.cfg.grad_clip / (norm + 1e-6), max=1.0)
 
     def _global_norm(self, grad_of=None) -> torch.Tensor:
         """The norm of the gradient whose shard of bucket ``b`` is ``grad_of(b)`` (default: the synced one)."""
@@ -240,8 +245,7 @@ class ShardedAdamW:
             if self.clip_coef is not None:
                 coef = self.clip_coef
             else:
-                norm = self._global_norm(lambda b: local[b]) * scale
-                coef = torch.clamp(self.cfg.grad_clip / (norm + 1e-6), max=1.0)
+                coef = self._clip_coef(self._global_norm(lambda b: local[b]) * scale)
         if self.optimizer is None:
             return
         beta1, beta2, eps = self.cfg.beta1, self.cfg.beta2, self.cfg.eps

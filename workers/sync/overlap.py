@@ -135,20 +135,15 @@ class BucketPipeline:
         t0 = time.perf_counter()
         if self.streams is not None:
             self.streams.finish_begins()
-        if self._future is None:  # no overlap, or this rank had no micro-batch: start everything now
-            started = self._start_all(False)
-        else:
-            self.backward_done()
-            future, self._future = self._future, None
-            started = future.result()
+        started = self.take_started()
         if self.streams is not None:
             return self.streams.finish(started)
         return finish_all(started), time.perf_counter() - t0
 
     def take_started(self) -> list[InFlight]:
         """Every bucket's sync as started (with overlap by the comm thread during backward; else now), not
-        waited for: for syncs that land later (one step late)."""
-        if self._future is None:
+        waited for: :meth:`finish` waits, a sync that lands one step late does not."""
+        if self._future is None:  # no overlap, or this rank had no micro-batch: start everything now
             return self._start_all(False)
         self.backward_done()
         future, self._future = self._future, None
