@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 
@@ -19,3 +20,15 @@ def process_line(pid: int) -> str:
         return Path(f"/proc/{pid}/stat").read_text().strip()
     except OSError:
         return f"{pid}: not listed"
+
+
+def sleep_tied_to_agent(agent_pid: int, conn) -> None:
+    """A stand-in for a training process busy in a step (not reading its pipe): tied to its agent's life as
+    a real one is, then asleep."""
+    import time
+
+    from meridian.workers.elastic.pipe import die_with_parent
+
+    die_with_parent(agent_pid)
+    conn.send(os.getpid())
+    time.sleep(600)

@@ -83,7 +83,7 @@ def ray_train_entry(loop_config: dict[str, Any]) -> None:
     rt = ray.get_runtime_context()
     # The first training process starts before this one imports torch: its imports (seconds; most of a joining
     # worker's start-up) run beside ours instead of after them. This module is torch-free to import for that.
-    standby = start_standby(rt.get_actor_id() or str(os.getpid()))
+    standby = start_standby(rt.get_actor_id() or str(os.getpid()), "cuda" if ray.get_gpu_ids() else "cpu")
     try:
         _run(loop_config, cfg, rt, standby)
     except BaseException:

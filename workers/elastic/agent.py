@@ -7,7 +7,9 @@ wait on *it* hang until the collective timeout. A process exit closes every sock
 propagates through the whole job in well under a second. The agent — the Ray Train worker itself, which
 Ray Train must not lose — stays; it hands training to a *standby* child that it started earlier, which has
 already paid for the interpreter and the torch import (~2 s idle, far more on a loaded machine), and starts
-the next standby while the new child trains. A restart is therefore a pipe message, not a process start.
+the next standby while the new child trains (on CPU a fork of a zygote that imported everything once:
+:func:`~meridian.workers.elastic.standby.standby_context`). A restart is therefore a pipe message, not a process
+start.
 
 What survives the child: the in-memory snapshots, written after each step to a tmpfs folder (``/dev/shm``,
 RAM) that the next child reads, and the epoch number it last belonged to. The child reaches the
@@ -21,7 +23,6 @@ proof, when this process is gone, that it need not wait for it.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import shutil
 import threading
@@ -34,7 +35,7 @@ from meridian.workers.contracts.config import TrainConfig
 from meridian.workers.elastic.liveness import LivenessListener
 from meridian.workers.elastic.pipe import recv, send
 from meridian.workers.elastic.protocol import KEEP_SNAPSHOTS, LEAVING, RESTART_EXIT_CODE
-from meridian.workers.elastic.standby import Standby
+from meridian.workers.elastic.standby import Standby, standby_context
 from meridian.workers.loop.records import TrainResult
 from meridian.workers.state.snapshot_paths import snapshot_dir
 
@@ -71,7 +72,7 @@ class Agent:
         self.max_restarts = max_restarts
         self.store_dir = snapshot_dir(cfg.job_id, worker_id)
         self.restarts = 0
-        self._ctx = mp.get_context("spawn")
+        self._ctx = standby_context(device)
         self._standby: Standby | None = standby
         """The next training process, started and waiting; the caller may hand over one it started early."""
         self._lock = threading.Lock()

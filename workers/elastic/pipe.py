@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import os
 import pickle
+import select
 import signal
 import sys
+import threading
+import time
 from typing import Any
 
 
@@ -19,11 +22,37 @@ def recv(conn: Any) -> Any:
     return pickle.loads(conn.recv_bytes())
 
 
-def die_with_parent(parent_pid: int) -> None:
-    """If the agent is killed (its node dies), this process must not live on training alone."""
+def die_with_parent(agent_pid: int) -> None:
+    """If the agent is killed (its node dies), this process must not live on training alone.
+
+    A spawned training process is the agent's child: the kernel kills it when the agent dies
+    (``PR_SET_PDEATHSIG``). One forked from the zygote is the fork server's child, and the fork server outlives
+    the agent while any process it forked lives (each holds the fork server's keep-alive pipe): such a process
+    watches the agent itself, on a thread that waits on the agent's pidfd and exits the process when it ends."""
     if sys.platform.startswith("linux"):
         import ctypes
 
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+    if os.getppid() != agent_pid:
+        threading.Thread(target=_exit_when_gone, args=(agent_pid,), name="meridian-agent-watch", daemon=True).start()
+    if not _alive(agent_pid):  # the agent died before we looked
         os._exit(1)
+
+
+def _exit_when_gone(pid: int) -> None:
+    try:
+        fd = os.pidfd_open(pid)
+    except (AttributeError, OSError):  # no pidfd (Linux < 5.3, not Linux) or already gone: poll
+        while _alive(pid):
+            time.sleep(0.2)
+    else:
+        select.select([fd], [], [])  # readable once the process has exited
+    os._exit(1)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, PermissionError):  # gone (or its pid reused by another user's process)
+        return False
+    return True

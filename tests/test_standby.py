@@ -1,0 +1,91 @@
+"""Standby training processes: on CPU forked from a zygote that imported the training stack once, so a standby
+costs a fork instead of seconds of imports beside training; tied to their agent's life either way."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import sys
+import time
+
+import pytest
+from processes import is_gone, process_line, sleep_tied_to_agent
+
+from meridian.workers.elastic.standby import Standby, standby_context
+
+DEATH_TIMEOUT_S = 10.0
+
+
+def _report_imports(conn) -> None:
+    """What a new process of this context has imported before it imports anything itself."""
+    conn.send({"torch": "torch" in sys.modules, "trainer": "meridian.workers.elastic.trainer" in sys.modules,
+               "parent": os.getppid()})  # fmt: skip
+    conn.close()
+
+
+@pytest.mark.parametrize("device, preloaded", [("cpu", True), ("cuda:0", False)])
+def test_a_cpu_standby_starts_with_the_training_stack_imported_and_a_gpu_one_is_spawned(device, preloaded):
+    ctx = standby_context(device)
+    here, there = ctx.Pipe()
+    proc = ctx.Process(target=_report_imports, args=(there,))
+    proc.start()
+    there.close()
+    assert here.poll(120), "the new process never reported"
+    seen = here.recv()
+    proc.join(10)
+    assert seen["torch"] is preloaded and seen["trainer"] is preloaded
+    # Forked by the zygote (the fork server), not by this process; a spawned one is this process's child.
+    assert (seen["parent"] != os.getpid()) is preloaded
+
+
+def _agent_with_a_busy_child(conn) -> None:
+    """An agent whose training process, forked from the zygote, is busy (not reading its pipe), and waits to be
+    killed."""
+    ctx = standby_context("cpu")
+    child = ctx.Process(target=sleep_tied_to_agent, args=(os.getpid(), conn), daemon=True)
+    child.start()
+    time.sleep(600)
+
+
+def test_a_forked_training_process_dies_with_its_agent():
+    """Its parent is the fork server, not the agent: the agent's death must still end it, even while it is not
+    reading the pipe that would tell it (the fork server exits when its agent's end of their pipe closes, and the
+    training process dies with its parent)."""
+    ctx = mp.get_context("spawn")
+    here, there = ctx.Pipe()
+    agent = ctx.Process(target=_agent_with_a_busy_child, args=(there,))
+    agent.start()
+    child_pid = None
+    try:
+        assert here.poll(120), "the training process never said its pid"
+        child_pid = here.recv()
+        assert not is_gone(child_pid)
+        os.kill(agent.pid, signal.SIGKILL)
+        deadline = time.monotonic() + DEATH_TIMEOUT_S
+        while not is_gone(child_pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert is_gone(child_pid), f"the training process outlived its agent: {process_line(child_pid)}"
+    finally:
+        agent.kill()
+        agent.join(5)
+        if child_pid is not None and not is_gone(child_pid):
+            os.kill(child_pid, signal.SIGKILL)
+
+
+def test_a_standby_that_could_not_start_says_so_when_told_to_go():
+    class NoProcesses:  # a context whose processes cannot start (out of memory, a full process table)
+        def Pipe(self):  # noqa: N802 - multiprocessing's name
+            return mp.Pipe()
+
+        def Process(self, **kw):  # noqa: N802
+            class Refuses:
+                def start(self):
+                    raise OSError(11, "Resource temporarily unavailable")
+
+            return Refuses()
+
+    standby = Standby(NoProcesses(), "w-test")
+    with pytest.raises(OSError, match="did not start"):
+        standby.go("anything")
+    standby.discard()  # nothing to stop: returns
