@@ -21,7 +21,12 @@ data, seed, steps) runs three ways, and one row reports them side by side:
 - ``har_min_bytes``: the HAR minimum, every rank's 1/N shard once: ``dcs × params × 4`` per step
   (divided by H for DiLoCo);
 - ``overlap_saving`` (hierarchical): what overlapping the sync with backward saves, measured:
-  ``1 − step_ms_lab / step_ms_lab_no_overlap``, the same job run again on the lab with overlap off.
+  ``1 − step_ms_lab / step_ms_lab_no_overlap``, the same job run again on the lab with overlap off;
+- ``delay_line_cpu_ms_per_step``, ``delay_line_cpu_share``: the CPU time the lab's delay line (a Python process
+  that forwards every inter-DC packet) used during the lab job (``/proc``; start-up included, divided by all the
+  job's steps), and that as a share of all this machine's cores over a lab step (``step_ms_lab``). On a small
+  machine the datacenters share their cores with the link: the one-DC job pays none of it, so
+  ``scaling_efficiency`` carries it.
 
 Step times are over the steps after ``--warmup`` (the median for per-step strategies; for DiLoCo the mean over
 whole cycles of H steps after the first outer sync, since its median step has no sync and its first sync also
@@ -170,6 +175,12 @@ def run_in_lab(state: lab_mod.LabState, cfg: TrainConfig, placement: list[str], 
     return [json.loads(p.read_text()) for p in outputs]
 
 
+def delay_line_cpu_s(state: lab_mod.LabState) -> float:
+    """CPU seconds (user + system) the lab's delay line has used so far, as the kernel counts them."""
+    fields = Path(f"/proc/{state.delay_line_pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime (fields 14 and 15)
+
+
 def _emulated(rank: int, world: int, cfg: TrainConfig) -> dict:
     return run_rank(rank, world, cfg)
 
@@ -235,8 +246,10 @@ def run(args: argparse.Namespace) -> dict:
                 try:
                     for s in strategies:
                         mean = s == "diloco"
+                        cpu_before = delay_line_cpu_s(state)
                         lab_runs[s] = summarise(run_in_lab(state, job(args, s, tuple(multi), None), multi, workdir,
                                                            args.timeout_s, window(args, s)), window(args, s), mean)  # fmt: skip
+                        lab_runs[s]["delay_line_cpu_ms"] = 1000 * (delay_line_cpu_s(state) - cpu_before) / args.steps
                         if s == "hierarchical" and args.overlap_saving:  # the same job with overlap off
                             off = "hierarchical-no-overlap"
                             lab_runs[off] = summarise(run_in_lab(state, job(args, off, tuple(multi), None), multi,
@@ -269,6 +282,8 @@ def run(args: argparse.Namespace) -> dict:
                     "har_min_bytes": round(har_min),
                     "step_stat": "mean" if s == "diloco" else "median", "steps_timed": lab_r["steps_timed"],
                     "timed_steps": lab_r["timed_steps"],
+                    "delay_line_cpu_ms_per_step": round(lab_r["delay_line_cpu_ms"], 1),
+                    "delay_line_cpu_share": round(lab_r["delay_line_cpu_ms"] / (lab_r["step_ms"] * (os.cpu_count() or 1)), 4),
                 })  # fmt: skip
                 off = lab_runs.get(f"{s}-no-overlap")
                 if off is not None:  # overlap as what it saves: step time with it off minus with it on
@@ -300,11 +315,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def render(result: dict) -> str:
     head = (f"{result['model']}, {result['workers']} workers in {result['datacenters']} DCs, "
             f"{result['steps']} steps ({result['warmup']} warm-up), load {' '.join(result['loadavg'])}")  # fmt: skip
-    cols = f"{'link':<12}{'strategy':<22}{'lab ms':>9}{'emul ms':>9}{'1-DC ms':>9}{'eff':>7}{'kernel B':>13}{'reported B':>13}{'HAR min B':>12}"
+    cols = f"{'link':<12}{'strategy':<22}{'lab ms':>9}{'emul ms':>9}{'1-DC ms':>9}{'eff':>7}{'kernel B':>13}{'reported B':>13}{'HAR min B':>12}{'line CPU ms':>12}"
     rows = [head, cols]
     for r in result["rows"]:
         link = f"{r['rtt_ms']:g}/{r['gbps']:g}"
         rows.append(f"{link:<12}{r['strategy']:<22}{r['step_ms_lab']:>9.1f}{r['step_ms_emulated']:>9.1f}"
                     f"{r['step_ms_one_dc']:>9.1f}{r['scaling_efficiency']:>7.3f}{r['inter_dc_bytes_kernel']:>13,}"
-                    f"{r['inter_dc_bytes_reported']:>13,}{r['har_min_bytes']:>12,}")  # fmt: skip
+                    f"{r['inter_dc_bytes_reported']:>13,}{r['har_min_bytes']:>12,}"
+                    f"{r['delay_line_cpu_ms_per_step']:>12.1f}")  # fmt: skip
     return "\n".join(rows)

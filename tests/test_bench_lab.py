@@ -21,7 +21,8 @@ pytestmark = [
 ]
 
 KEYS = {"rtt_ms", "gbps", "strategy", "step_ms_lab", "step_ms_emulated", "step_ms_one_dc", "scaling_efficiency",
-        "inter_dc_bytes_kernel", "inter_dc_bytes_reported", "har_min_bytes", "emulated_vs_lab"}  # fmt: skip
+        "inter_dc_bytes_kernel", "inter_dc_bytes_reported", "har_min_bytes", "emulated_vs_lab",
+        "delay_line_cpu_ms_per_step", "delay_line_cpu_share"}  # fmt: skip
 
 
 def test_bench_lab_rows_and_bytes_against_the_kernel() -> None:
@@ -35,6 +36,8 @@ def test_bench_lab_rows_and_bytes_against_the_kernel() -> None:
     for row in result["rows"]:
         assert not KEYS - set(row), KEYS - set(row)
         assert row["step_ms_lab"] > 0 and row["step_ms_emulated"] > 0 and row["step_ms_one_dc"] > 0
+        # Every inter-DC byte crossed the delay line: it used CPU for them, and less than all of the machine's.
+        assert row["delay_line_cpu_ms_per_step"] > 0 and 0 < row["delay_line_cpu_share"] < 1, row
         # What the engines reported is what left the datacenters' link devices (TCP/IP headers, ACKs, gloo's
         # control messages and the loop's small loss all-reduce are the kernel's extra: ~0.1 MB a step, 11% of
         # the `nano` model's 1.1 MB but 1-4% of `tiny`'s 7 MB, hence `tiny` here).
