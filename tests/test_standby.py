@@ -39,22 +39,23 @@ def test_a_cpu_standby_starts_with_the_training_stack_imported_and_a_gpu_one_is_
     assert (seen["parent"] != os.getpid()) is preloaded
 
 
-def _agent_with_a_busy_child(conn) -> None:
-    """An agent whose training process, forked from the zygote, is busy (not reading its pipe), and waits to be
-    killed."""
-    ctx = standby_context("cpu")
+def _agent_with_a_busy_child(conn, device: str) -> None:
+    """An agent whose training process (forked from the zygote on CPU, spawned for a GPU) is busy, not reading
+    its pipe; the agent waits to be killed."""
+    ctx = standby_context(device)
     child = ctx.Process(target=sleep_tied_to_agent, args=(os.getpid(), conn), daemon=True)
     child.start()
     time.sleep(600)
 
 
-def test_a_forked_training_process_dies_with_its_agent():
-    """Its parent is the fork server, not the agent: the agent's death must still end it, even while it is not
-    reading the pipe that would tell it (the fork server exits when its agent's end of their pipe closes, and the
-    training process dies with its parent)."""
+@pytest.mark.parametrize("device", ["cpu", "cuda:0"])
+def test_a_training_process_dies_with_its_agent(device):
+    """Even while it is not reading the pipe that would tell it. A forked one's parent is the fork server, which
+    outlives the agent while the processes it forked live: it must watch the agent itself. A spawned one is the
+    agent's child, and the kernel ends it."""
     ctx = mp.get_context("spawn")
     here, there = ctx.Pipe()
-    agent = ctx.Process(target=_agent_with_a_busy_child, args=(there,))
+    agent = ctx.Process(target=_agent_with_a_busy_child, args=(there, device))
     agent.start()
     child_pid = None
     try:

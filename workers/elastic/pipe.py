@@ -28,13 +28,14 @@ def die_with_parent(agent_pid: int) -> None:
     A spawned training process is the agent's child: the kernel kills it when the agent dies
     (``PR_SET_PDEATHSIG``). One forked from the zygote is the fork server's child, and the fork server outlives
     the agent while any process it forked lives (each holds the fork server's keep-alive pipe): such a process
-    watches the agent itself, on a thread that waits on the agent's pidfd and exits the process when it ends."""
-    if sys.platform.startswith("linux"):
+    watches the agent itself, on a thread that waits on the agent's pidfd and exits the process when it ends
+    (and is not tied to the fork server's life, which is not the agent's)."""
+    if os.getppid() != agent_pid:
+        threading.Thread(target=_exit_when_gone, args=(agent_pid,), name="meridian-agent-watch", daemon=True).start()
+    elif sys.platform.startswith("linux"):
         import ctypes
 
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    if os.getppid() != agent_pid:
-        threading.Thread(target=_exit_when_gone, args=(agent_pid,), name="meridian-agent-watch", daemon=True).start()
     if not _alive(agent_pid):  # the agent died before we looked
         os._exit(1)
 
