@@ -22,6 +22,9 @@ data, seed, steps) runs three ways, and one row reports them side by side:
   (divided by H for DiLoCo);
 - ``overlap_saving`` (hierarchical): what overlapping the sync with backward saves, measured:
   ``1 − step_ms_lab / step_ms_lab_no_overlap``, the same job run again on the lab with overlap off;
+- ``ranks_cpu_ms_per_step_lab``, ``ranks_cpu_ms_per_step_one_dc``: the CPU time all ranks used per timed step
+  (each process's, every thread included), summed: on a machine with fewer cores than ranks a step cannot take
+  less than that ÷ the cores;
 - ``delay_line_cpu_ms_per_step``, ``delay_line_cpu_share``: the CPU time the lab's delay line (a Python process
   that forwards every inter-DC packet) used during the lab job (``/proc``; start-up included, divided by all the
   job's steps), and that as a share of all this machine's cores over a lab step (``step_ms_lab``). On a small
@@ -212,6 +215,11 @@ def summarise(ranks: list[dict], timed_window: tuple[int, int], use_mean: bool) 
     out = {"step_ms": 1000 * stat(timed), "sync_wait_ms": 1000 * stat(r0["sync_wait_s"][first:last]),
            "steps_timed": len(timed), "timed_steps": [first + 1, last],
            "reported": statistics.mean(r0["inter_dc_bytes"][first:last])}  # fmt: skip
+    # every rank's CPU time over the same steps (its threads included), summed: what the job asked of the cores
+    # (from the end of step ``first``, or of the first step when nothing is left out: a process's CPU time at its
+    # first step's start is not read)
+    since = max(first, 1)
+    out["ranks_cpu_ms"] = 1000 * sum(r["cpu_s"][last - 1] - r["cpu_s"][since - 1] for r in ranks) / (last - since)
     counted = [r["counters"] for r in ranks if r["counters"]]
     if counted:
         out["kernel"] = sum(c[str(last)] - c[str(first)] for c in counted) / (last - first)
@@ -282,6 +290,8 @@ def run(args: argparse.Namespace) -> dict:
                     "har_min_bytes": round(har_min),
                     "step_stat": "mean" if s == "diloco" else "median", "steps_timed": lab_r["steps_timed"],
                     "timed_steps": lab_r["timed_steps"],
+                    "ranks_cpu_ms_per_step_lab": round(lab_r["ranks_cpu_ms"], 1),
+                    "ranks_cpu_ms_per_step_one_dc": round(one_dc[s]["ranks_cpu_ms"], 1),
                     "delay_line_cpu_ms_per_step": round(lab_r["delay_line_cpu_ms"], 1),
                     "delay_line_cpu_share": round(lab_r["delay_line_cpu_ms"] / (lab_r["step_ms"] * (os.cpu_count() or 1)), 4),
                 })  # fmt: skip
@@ -315,12 +325,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def render(result: dict) -> str:
     head = (f"{result['model']}, {result['workers']} workers in {result['datacenters']} DCs, "
             f"{result['steps']} steps ({result['warmup']} warm-up), load {' '.join(result['loadavg'])}")  # fmt: skip
-    cols = f"{'link':<12}{'strategy':<22}{'lab ms':>9}{'emul ms':>9}{'1-DC ms':>9}{'eff':>7}{'kernel B':>13}{'reported B':>13}{'HAR min B':>12}{'line CPU ms':>12}"
+    cols = f"{'link':<12}{'strategy':<22}{'lab ms':>9}{'emul ms':>9}{'1-DC ms':>9}{'eff':>7}{'kernel B':>13}{'reported B':>13}{'HAR min B':>12}{'ranks CPU ms':>13}{'line CPU ms':>12}"
     rows = [head, cols]
     for r in result["rows"]:
         link = f"{r['rtt_ms']:g}/{r['gbps']:g}"
         rows.append(f"{link:<12}{r['strategy']:<22}{r['step_ms_lab']:>9.1f}{r['step_ms_emulated']:>9.1f}"
                     f"{r['step_ms_one_dc']:>9.1f}{r['scaling_efficiency']:>7.3f}{r['inter_dc_bytes_kernel']:>13,}"
                     f"{r['inter_dc_bytes_reported']:>13,}{r['har_min_bytes']:>12,}"
-                    f"{r['delay_line_cpu_ms_per_step']:>12.1f}")  # fmt: skip
+                    f"{r['ranks_cpu_ms_per_step_lab']:>13.1f}{r['delay_line_cpu_ms_per_step']:>12.1f}")  # fmt: skip
     return "\n".join(rows)

@@ -47,6 +47,9 @@ class LabSink:
     """This rank's heartbeat after each of its steps: ``step_s``, ``sync_wait_s`` and the ``time`` it ended."""
     counters: dict[int, int] = field(default_factory=dict)
     """Step (1-based, steps done) → the link device's ``tx_bytes`` right after this rank finished it."""
+    cpu_s: list[float] = field(default_factory=list)
+    """This process's CPU time (all its threads: the loop, the sync's communication thread, gloo's) when each
+    of its steps ended."""
 
     def step(self, record: StepRecord) -> None:
         self.records.append(record)
@@ -55,6 +58,7 @@ class LabSink:
         if beat.get("phase") != "done":
             return
         self.beats.append(beat)
+        self.cpu_s.append(time.process_time())
         step = int(beat["step"])
         if self.link_device is not None and (self.count_at is None or step in self.count_at):
             self.counters[step] = tx_bytes(self.link_device)
@@ -74,6 +78,7 @@ def run_rank(rank: int, world: int, cfg: TrainConfig, link_device: str | None = 
         "loop_wall_s": beats[-1]["time"] - beats[0]["time"] + beats[0]["step_s"] if beats else 0.0,
         "step_s": [b["step_s"] for b in beats],
         "sync_wait_s": [b["sync_wait_s"] for b in beats],
+        "cpu_s": sink.cpu_s,
         # what rank 0 reports for the job (empty on the other ranks)
         "val_loss": next((r.val_loss for r in reversed(recs) if r.val_loss is not None), None),
         "inter_dc_bytes": [r.inter_dc_bytes for r in recs],

@@ -22,7 +22,8 @@ pytestmark = [
 
 KEYS = {"rtt_ms", "gbps", "strategy", "step_ms_lab", "step_ms_emulated", "step_ms_one_dc", "scaling_efficiency",
         "inter_dc_bytes_kernel", "inter_dc_bytes_reported", "har_min_bytes", "emulated_vs_lab",
-        "delay_line_cpu_ms_per_step", "delay_line_cpu_share"}  # fmt: skip
+        "delay_line_cpu_ms_per_step", "delay_line_cpu_share", "ranks_cpu_ms_per_step_lab",
+        "ranks_cpu_ms_per_step_one_dc"}  # fmt: skip
 
 
 def test_bench_lab_rows_and_bytes_against_the_kernel() -> None:
@@ -38,6 +39,10 @@ def test_bench_lab_rows_and_bytes_against_the_kernel() -> None:
         assert row["step_ms_lab"] > 0 and row["step_ms_emulated"] > 0 and row["step_ms_one_dc"] > 0
         # Every inter-DC byte crossed the delay line: it used CPU for them, and less than all of the machine's.
         assert row["delay_line_cpu_ms_per_step"] > 0 and 0 < row["delay_line_cpu_share"] < 1, row
+        # The ranks computed for every step: CPU time, and no more than all cores for the whole step allow.
+        for where in ("lab", "one_dc"):
+            cores_ms = row[f"step_ms_{where}"] * os.cpu_count()
+            assert 0 < row[f"ranks_cpu_ms_per_step_{where}"] < 1.5 * cores_ms, row
         # What the engines reported is what left the datacenters' link devices (TCP/IP headers, ACKs, gloo's
         # control messages and the loop's small loss all-reduce are the kernel's extra: ~0.1 MB a step, 11% of
         # the `nano` model's 1.1 MB but 1-4% of `tiny`'s 7 MB, hence `tiny` here).
