@@ -7,10 +7,10 @@ is most of a scale-up's time.
 
 On CPU, standbys are forked from a *zygote*: a fork server (:func:`standby_context`) that imported the training
 stack once, when the agent's first standby started. Every later standby (the one started beside each training
-process, so that a restart is a pipe message) is then a fork of it: measured here, ready in 44–59 ms for
-0.02 CPU-seconds, where a spawned one took 4.3 s and 3.2 CPU-seconds of imports (4–6 with the prewarm). Those
-seconds ran beside training at the start of every job and after every re-formation, on every worker: on two
-cores shared by four workers the first ~20 steps of a job ran 2–3× slower. On a GPU standbys are still
+process, so that a restart is a pipe message) is then a fork of it: measured here, 1.05–1.20 CPU-seconds with
+its prewarm, where a spawned one took 5.2 (4–6 on other runs). Those seconds ran beside training at the start of
+every job and after every re-formation, on every worker: on two cores shared by four workers the first ~20
+steps of a job ran 2–3× slower. On a GPU standbys are still
 spawned: a fork server that ever touched CUDA would hand its children a CUDA they cannot use, and that is not
 checked on a GPU yet.
 """
