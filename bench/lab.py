@@ -24,7 +24,7 @@ data, seed, steps) runs three ways, and one row reports them side by side:
   ``1 − step_ms_lab / step_ms_lab_no_overlap``, the same job run again on the lab with overlap off;
 - ``ranks_cpu_ms_per_step_lab``, ``ranks_cpu_ms_per_step_one_dc``: the CPU time all ranks used per timed step
   (each process's, every thread included), summed: on a machine with fewer cores than ranks a step cannot take
-  less than that ÷ the cores;
+  less than that ÷ the cores; ``ranks_system_cpu_ms_per_step_*``: of it, the time in the kernel;
 - ``delay_line_cpu_ms_per_step``, ``delay_line_cpu_share``: the CPU time the lab's delay line (a Python process
   that forwards every inter-DC packet) used during the lab job (``/proc``; start-up included, divided by all the
   job's steps), and that as a share of all this machine's cores over a lab step (``step_ms_lab``). On a small
@@ -219,7 +219,8 @@ def summarise(ranks: list[dict], timed_window: tuple[int, int], use_mean: bool) 
     # (from the end of step ``first``, or of the first step when nothing is left out: a process's CPU time at its
     # first step's start is not read)
     since = max(first, 1)
-    out["ranks_cpu_ms"] = 1000 * sum(r["cpu_s"][last - 1] - r["cpu_s"][since - 1] for r in ranks) / (last - since)
+    for key, series in (("ranks_cpu_ms", "cpu_s"), ("ranks_system_cpu_ms", "system_cpu_s")):
+        out[key] = 1000 * sum(r[series][last - 1] - r[series][since - 1] for r in ranks) / (last - since)
     counted = [r["counters"] for r in ranks if r["counters"]]
     if counted:
         out["kernel"] = sum(c[str(last)] - c[str(first)] for c in counted) / (last - first)
@@ -292,6 +293,9 @@ def run(args: argparse.Namespace) -> dict:
                     "timed_steps": lab_r["timed_steps"],
                     "ranks_cpu_ms_per_step_lab": round(lab_r["ranks_cpu_ms"], 1),
                     "ranks_cpu_ms_per_step_one_dc": round(one_dc[s]["ranks_cpu_ms"], 1),
+                    # of which in the kernel (system time: the sockets, the lab's devices)
+                    "ranks_system_cpu_ms_per_step_lab": round(lab_r["ranks_system_cpu_ms"], 1),
+                    "ranks_system_cpu_ms_per_step_one_dc": round(one_dc[s]["ranks_system_cpu_ms"], 1),
                     "delay_line_cpu_ms_per_step": round(lab_r["delay_line_cpu_ms"], 1),
                     "delay_line_cpu_share": round(lab_r["delay_line_cpu_ms"] / (lab_r["step_ms"] * (os.cpu_count() or 1)), 4),
                 })  # fmt: skip

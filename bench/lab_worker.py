@@ -50,6 +50,8 @@ class LabSink:
     cpu_s: list[float] = field(default_factory=list)
     """This process's CPU time (all its threads: the loop, the sync's communication thread, gloo's) when each
     of its steps ended."""
+    system_cpu_s: list[float] = field(default_factory=list)
+    """Of it, the time spent in the kernel (system calls: the sockets' sends and receives, copies)."""
 
     def step(self, record: StepRecord) -> None:
         self.records.append(record)
@@ -58,7 +60,9 @@ class LabSink:
         if beat.get("phase") != "done":
             return
         self.beats.append(beat)
-        self.cpu_s.append(time.process_time())
+        t = os.times()
+        self.cpu_s.append(t.user + t.system)
+        self.system_cpu_s.append(t.system)
         step = int(beat["step"])
         if self.link_device is not None and (self.count_at is None or step in self.count_at):
             self.counters[step] = tx_bytes(self.link_device)
@@ -79,6 +83,7 @@ def run_rank(rank: int, world: int, cfg: TrainConfig, link_device: str | None = 
         "step_s": [b["step_s"] for b in beats],
         "sync_wait_s": [b["sync_wait_s"] for b in beats],
         "cpu_s": sink.cpu_s,
+        "system_cpu_s": sink.system_cpu_s,
         # what rank 0 reports for the job (empty on the other ranks)
         "val_loss": next((r.val_loss for r in reversed(recs) if r.val_loss is not None), None),
         "inter_dc_bytes": [r.inter_dc_bytes for r in recs],

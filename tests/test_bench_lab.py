@@ -43,6 +43,7 @@ def test_bench_lab_rows_and_bytes_against_the_kernel() -> None:
         for where in ("lab", "one_dc"):
             cores_ms = row[f"step_ms_{where}"] * os.cpu_count()
             assert 0 < row[f"ranks_cpu_ms_per_step_{where}"] < 1.5 * cores_ms, row
+            assert 0 < row[f"ranks_system_cpu_ms_per_step_{where}"] < row[f"ranks_cpu_ms_per_step_{where}"], row
         # What the engines reported is what left the datacenters' link devices (TCP/IP headers, ACKs, gloo's
         # control messages and the loop's small loss all-reduce are the kernel's extra: ~0.1 MB a step, 11% of
         # the `nano` model's 1.1 MB but 1-4% of `tiny`'s 7 MB, hence `tiny` here).
