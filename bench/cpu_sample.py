@@ -26,8 +26,20 @@ def snapshot() -> dict[int, tuple[float, str, int]]:
             continue  # ended meanwhile
         name = raw[raw.index("(") + 1:raw.rindex(")")]
         fields = raw[raw.rindex(")") + 2:].split()
-        out[pid] = ((int(fields[11]) + int(fields[12])) / _TICK, name, int(fields[1]))
+        out[pid] = (_cpu_s(fields), name, int(fields[1]))
     return out
+
+
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) ``pid`` has used so far, as the kernel counts them."""
+    with open(f"/proc/{pid}/stat") as f:
+        raw = f.read()
+    return _cpu_s(raw[raw.rindex(")") + 2:].split())
+
+
+def _cpu_s(fields: list[str]) -> float:
+    """utime + stime of ``/proc/PID/stat``'s fields after the name (the file's fields 14 and 15)."""
+    return (int(fields[11]) + int(fields[12])) / _TICK
 
 
 def _descendants(root: int, parents: dict[int, int]) -> set[int]:

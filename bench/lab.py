@@ -54,6 +54,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import meridian
+from meridian.bench.cpu_sample import process_cpu_s
 from meridian.bench.lab_worker import run_rank
 from meridian.bench.sync import add_job_shape_arguments, count_params
 from meridian.service.cluster.lab import lab as lab_mod
@@ -178,12 +179,6 @@ def run_in_lab(state: lab_mod.LabState, cfg: TrainConfig, placement: list[str], 
     return [json.loads(p.read_text()) for p in outputs]
 
 
-def delay_line_cpu_s(state: lab_mod.LabState) -> float:
-    """CPU seconds (user + system) the lab's delay line has used so far, as the kernel counts them."""
-    fields = Path(f"/proc/{state.delay_line_pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime (fields 14 and 15)
-
-
 def _emulated(rank: int, world: int, cfg: TrainConfig) -> dict:
     return run_rank(rank, world, cfg)
 
@@ -255,10 +250,10 @@ def run(args: argparse.Namespace) -> dict:
                 try:
                     for s in strategies:
                         mean = s == "diloco"
-                        cpu_before = delay_line_cpu_s(state)
+                        cpu_before = process_cpu_s(state.delay_line_pid)
                         lab_runs[s] = summarise(run_in_lab(state, job(args, s, tuple(multi), None), multi, workdir,
                                                            args.timeout_s, window(args, s)), window(args, s), mean)  # fmt: skip
-                        lab_runs[s]["delay_line_cpu_ms"] = 1000 * (delay_line_cpu_s(state) - cpu_before) / args.steps
+                        lab_runs[s]["delay_line_cpu_ms"] = 1000 * (process_cpu_s(state.delay_line_pid) - cpu_before) / args.steps
                         if s == "hierarchical" and args.overlap_saving:  # the same job with overlap off
                             off = "hierarchical-no-overlap"
                             lab_runs[off] = summarise(run_in_lab(state, job(args, off, tuple(multi), None), multi,

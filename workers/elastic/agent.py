@@ -1,17 +1,17 @@
 """The worker agent: training runs in a child process that can die cleanly when its epoch breaks.
 
-Why a child: gloo cannot abort a collective in flight. When a peer dies, a rank whose other operations
-are still pending (its communication thread, an async all-gather) keeps its sockets open however its
-process groups are destroyed (measured: a blocked peer waited until the process exited), so ranks that
-wait on *it* hang until the collective timeout. ``ProcessGroupGloo.abort()`` (torch 2.13) does not change
-that (measured: 4 ranks in an all-reduce, one exits; its two neighbours failed at 0.32 s and aborted their
-group at once, and the third rank stayed blocked until they exited, 1.37 s, as without the abort). A process exit closes every socket at once, so a failure
-propagates through the whole job in well under a second. The agent — the Ray Train worker itself, which
-Ray Train must not lose — stays; it hands training to a *standby* child that it started earlier, which has
-already paid for the interpreter and the torch import (~2 s idle, far more on a loaded machine), and starts
-the next standby while the new child trains (on CPU a fork of a zygote that imported everything once:
-:func:`~meridian.workers.elastic.standby.standby_context`). A restart is therefore a pipe message, not a process
-start.
+Why a child: gloo cannot abort a collective in flight. When a peer dies, a rank whose other operations are
+still pending (its communication thread, an async all-gather) keeps its sockets open however its process
+groups are destroyed (measured: a blocked peer waited until the process exited), so ranks that wait on *it*
+hang until the collective timeout. ``ProcessGroupGloo.abort()`` (torch 2.13) does not change that (measured: 4
+ranks in an all-reduce, one exits; its two neighbours failed at 0.32 s and aborted their group at once, and
+the third rank stayed blocked until they exited, 1.37 s, as without the abort). A process exit closes every
+socket at once, so a failure propagates through the whole job in well under a second. The agent — the Ray
+Train worker itself, which Ray Train must not lose — stays; it hands training to a *standby* child that it
+started earlier, which has already paid for the interpreter and the torch import (~2 s idle, far more on a
+loaded machine), and starts the next standby while the new child trains (on CPU a fork of a zygote that
+imported everything once: :func:`~meridian.workers.elastic.standby.standby_context`). A restart is therefore a
+pipe message, not a process start.
 
 What survives the child: the in-memory snapshots, written after each step to a tmpfs folder (``/dev/shm``,
 RAM) that the next child reads, and the epoch number it last belonged to. The child reaches the

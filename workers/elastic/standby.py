@@ -10,9 +10,8 @@ stack once, when the agent's first standby started. Every later standby (the one
 process, so that a restart is a pipe message) is then a fork of it: measured here, 1.05–1.20 CPU-seconds with
 its prewarm, where a spawned one took 5.2 (4–6 on other runs). Those seconds ran beside training at the start of
 every job and after every re-formation, on every worker: on two cores shared by four workers the first ~20
-steps of a job ran 2–3× slower. On a GPU standbys are still
-spawned: a fork server that ever touched CUDA would hand its children a CUDA they cannot use, and that is not
-checked on a GPU yet.
+steps of a job ran 2–3× slower. On a GPU standbys are still spawned: a fork server that ever touched CUDA
+would hand its children a CUDA they cannot use, and that is not checked on a GPU yet.
 """
 
 from __future__ import annotations
