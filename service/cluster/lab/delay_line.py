@@ -6,6 +6,13 @@ one-way delay and writes it to the TUN of the datacenter that owns its destinati
 constant, so packets leave in the order they came (one FIFO for all directions). The rate is not set here:
 the kernel's ``tbf`` on each TUN limits what a datacenter sends, and a full queue drops, as a router does.
 
+The TUNs take segmentation offload (``IFF_VNET_HDR`` + ``TUNSETOFFLOAD``), as a real NIC does: TCP hands the
+line segments of up to 64 KiB, each carried whole and handed to the receiving stack as one, so the line's
+per-packet work (a Python loop and two system calls each) is done several times less often. The line runs on
+the same cores as the ranks, and a real WAN costs them no CPU: what it spends is the lab's distortion. The rate
+and the delay do not change; the kernel's byte counters count a large segment's headers once instead of once
+per wire-sized packet (40 bytes in 9,000 less each).
+
 Run by :mod:`meridian.service.cluster.lab.lab` as ``python -m meridian.service.cluster.lab.delay_line``;
 it must never touch a namespace or device the lab did not create.
 """
@@ -27,6 +34,13 @@ from collections import deque
 TUNSETIFF = 0x400454CA
 IFF_TUN = 0x0001
 IFF_NO_PI = 0x1000
+IFF_VNET_HDR = 0x4000
+TUNSETOFFLOAD = 0x400454D0
+TUN_F_CSUM, TUN_F_TSO4, TUN_F_TSO6 = 0x01, 0x02, 0x04
+VNET_HDR_BYTES = 10
+"""``struct virtio_net_hdr`` before every packet read or written with ``IFF_VNET_HDR``: the segmentation and
+checksum state the line passes on untouched."""
+READ_BYTES = 2**16 + VNET_HDR_BYTES
 CLONE_NEWNET = 0x40000000
 MAX_QUEUED_BYTES = 256 * 2**20
 """At 1 Gbit/s and 100 ms one way, 12.5 MB are in flight; beyond this much the line drops, as a router's
@@ -41,15 +55,19 @@ def _setns(path: str) -> None:
             raise OSError(err, f"setns({path}): {os.strerror(err)}")
 
 
-def open_tun(netns: str, device: str) -> int:
+def open_tun(netns: str, device: str, offload: bool = True) -> int:
     """Attach to the persistent TUN ``device`` inside namespace ``netns``; the fd keeps working after this
-    process returns to its own namespace."""
+    process returns to its own namespace. With ``offload`` the device takes checksum and TCP segmentation
+    offload, and every packet comes and goes with a ``virtio_net_hdr`` in front."""
     own = f"/proc/{os.getpid()}/ns/net"
     home = os.open(own, os.O_RDONLY)
     try:
         _setns(f"/run/netns/{netns}")
         fd = os.open("/dev/net/tun", os.O_RDWR | os.O_NONBLOCK)
-        fcntl.ioctl(fd, TUNSETIFF, struct.pack("16sH22x", device.encode(), IFF_TUN | IFF_NO_PI))
+        flags = IFF_TUN | IFF_NO_PI | (IFF_VNET_HDR if offload else 0)
+        fcntl.ioctl(fd, TUNSETIFF, struct.pack("16sH22x", device.encode(), flags))
+        # the device keeps the offloads an earlier line set: without the header it must not be handed segments
+        fcntl.ioctl(fd, TUNSETOFFLOAD, TUN_F_CSUM | TUN_F_TSO4 | TUN_F_TSO6 if offload else 0)
     finally:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.setns(home, CLONE_NEWNET)
@@ -57,16 +75,19 @@ def open_tun(netns: str, device: str) -> int:
     return fd
 
 
-def destination_index(packet: bytes) -> int | None:
-    """The datacenter index of an IPv4 packet's destination 198.18.(i+1).x, else ``None``."""
-    if len(packet) < 20 or packet[0] >> 4 != 4 or packet[16] != 198 or packet[17] != 18 or packet[18] == 0:
+def destination_index(packet: bytes, at: int = 0) -> int | None:
+    """The datacenter index of the destination 198.18.(i+1).x of the IPv4 packet starting at byte ``at``, else
+    ``None``."""
+    if (len(packet) < at + 20 or packet[at] >> 4 != 4 or packet[at + 16] != 198 or packet[at + 17] != 18
+            or packet[at + 18] == 0):
         return None
-    return packet[18] - 1
+    return packet[at + 18] - 1
 
 
-def run(tuns: list[tuple[str, str]], one_way_s: float, stop: list[bool]) -> dict[str, int]:
+def run(tuns: list[tuple[str, str]], one_way_s: float, stop: list[bool], offload: bool = True) -> dict[str, int]:
     """Forward packets between the TUNs (index ``i`` = datacenter ``i``) until ``stop[0]``."""
-    fds = [open_tun(ns, dev) for ns, dev in tuns]
+    fds = [open_tun(ns, dev, offload) for ns, dev in tuns]
+    at = VNET_HDR_BYTES if offload else 0
     index_of = {fd: i for i, fd in enumerate(fds)}
     queue: deque[tuple[float, int, bytes]] = deque()
     queued = forwarded = dropped = 0
@@ -81,10 +102,10 @@ def run(tuns: list[tuple[str, str]], one_way_s: float, stop: list[bool]) -> dict
         for fd in readable:
             for _ in range(256):  # drain what arrived, but let due packets out in between
                 try:
-                    packet = os.read(fd, 65535)
+                    packet = os.read(fd, READ_BYTES)
                 except BlockingIOError:
                     break
-                dst = destination_index(packet)
+                dst = destination_index(packet, at)
                 if dst is None or dst >= len(fds) or dst == index_of[fd] or queued > MAX_QUEUED_BYTES:
                     dropped += 1
                     continue
@@ -110,6 +131,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tuns", required=True, help='JSON list of [netns, device], in datacenter order')
     p.add_argument("--one-way-ms", type=float, required=True)
+    p.add_argument("--no-offload", action="store_true", help="wire-sized packets, each through the line")
     args = p.parse_args()
     stop = [False]
 
@@ -118,7 +140,7 @@ def main() -> None:
 
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
-    counts = run([tuple(t) for t in json.loads(args.tuns)], args.one_way_ms / 1000, stop)
+    counts = run([tuple(t) for t in json.loads(args.tuns)], args.one_way_ms / 1000, stop, not args.no_offload)
     print(json.dumps(counts), flush=True)
 
 
