@@ -90,3 +90,28 @@ def test_a_standby_that_could_not_start_says_so_when_told_to_go():
     with pytest.raises(OSError, match="did not start"):
         standby.go("anything")
     standby.discard()  # nothing to stop: returns
+
+
+JOINER_START = """
+import sys
+import ray
+from meridian.service.runner.actor import _ReplacementWorker  # what a replacement actor's process unpickles
+from meridian.workers import entry
+from meridian.workers.elastic.agent import Agent
+from meridian.workers.distributed.devices import backend_for
+
+ray.get_gpu_ids = lambda: {gpus}
+device = entry._device(replacement=True)
+print(device, backend_for(device), "torch" in sys.modules, "ray.train" in sys.modules)
+"""
+
+
+@pytest.mark.parametrize("gpus, device, backend", [([], "cpu", "gloo"), ([3], "cuda:0", "cpu:gloo,cuda:nccl")])
+def test_a_joining_worker_picks_its_device_and_agent_without_importing_torch(gpus, device, backend):
+    """A replacement's own process stays torch-free up to its agent: its training process (the zygote) imports
+    torch beside it, and on a node shared with training a second import was most of a joiner's start."""
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-c", JOINER_START.format(gpus=gpus)], capture_output=True, text=True,
+                         timeout=120, check=True)  # fmt: skip
+    assert out.stdout.split() == [device, backend, "False", "False"], out.stdout + out.stderr

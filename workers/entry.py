@@ -22,8 +22,6 @@ from meridian.workers.contracts.config import TrainConfig
 from meridian.workers.elastic.standby import start_standby
 
 if TYPE_CHECKING:
-    import torch
-
     from meridian.workers.contracts.records import StepRecord
 
 DATACENTER_LABEL = "datacenter"
@@ -45,27 +43,17 @@ class RunnerSink:
         self.runner.push_heartbeat.remote(beat)
 
 
-def _device() -> torch.device:
-    import torch
+def _device(replacement: bool) -> str:
+    """This worker's device: Ray Train's choice in a Train worker; in a replacement (an actor of its own) the GPU
+    Ray assigned it, index 0 of the ``CUDA_VISIBLE_DEVICES`` Ray sets, or the CPU when it has none, like its
+    standby. A replacement imports neither torch nor ``ray.train.torch`` for this: on a node it shares with
+    training, those imports (~3 and ~6 CPU-seconds) were most of its start (``bench recovery``'s
+    ``after_back_s.worker_started``); its training process imports torch anyway, beside it."""
+    if replacement:
+        return "cuda:0" if ray.get_gpu_ids() else "cpu"
+    from ray.train.torch import get_device  # a Train worker: Ray Train has imported it already
 
-    try:
-        from ray.train.torch import get_device
-
-        return get_device()
-    except Exception:  # noqa: BLE001 - outside a Train worker (a replacement): the GPU Ray assigned, if any
-        if not torch.cuda.is_available():
-            return torch.device("cpu")
-        ids = ray.get_gpu_ids()  # Ray sets CUDA_VISIBLE_DEVICES to them: this worker's GPU is index 0
-        return torch.device("cuda", 0 if ids else _local_rank())
-
-
-def _local_rank() -> int:
-    try:
-        from ray.train import get_context
-
-        return int(get_context().get_local_rank())
-    except Exception:  # noqa: BLE001 - not in a Train worker
-        return 0
+    return str(get_device())
 
 
 def _rendezvous_call(runner: Any) -> Any:
@@ -75,23 +63,24 @@ def _rendezvous_call(runner: Any) -> Any:
     return call
 
 
-def ray_train_entry(loop_config: dict[str, Any]) -> None:
-    """``train_loop_per_worker`` of the job's TorchTrainer (also the body of a replacement worker)."""
+def ray_train_entry(loop_config: dict[str, Any], *, replacement: bool = False) -> None:
+    """``train_loop_per_worker`` of the job's TorchTrainer; with ``replacement``, the body of a worker the runner
+    started outside Ray Train's group."""
     cfg = loop_config["config"]
     if not isinstance(cfg, TrainConfig):
         raise TypeError(f"train_loop_config['config'] must be a TrainConfig (pickled as is), got {type(cfg).__name__}")
     rt = ray.get_runtime_context()
-    # The first training process starts before this one imports torch: its imports (seconds; most of a joining
-    # worker's start-up) run beside ours instead of after them. This module is torch-free to import for that.
+    # The first training process starts at once: its imports (seconds; most of a joining worker's start-up) run
+    # beside this process's own, which stay torch-free (this module, the agent, the device and backend choice).
     standby = start_standby(rt.get_actor_id() or str(os.getpid()), "cuda" if ray.get_gpu_ids() else "cpu")
     try:
-        _run(loop_config, cfg, rt, standby)
+        _run(loop_config, cfg, rt, standby, replacement)
     except BaseException:
         standby.discard()
         raise
 
 
-def _run(loop_config: dict[str, Any], cfg: TrainConfig, rt: Any, standby: Any) -> None:
+def _run(loop_config: dict[str, Any], cfg: TrainConfig, rt: Any, standby: Any, replacement: bool) -> None:
     from meridian.workers.distributed.devices import backend_for
     from meridian.workers.elastic.agent import Agent
 
@@ -103,15 +92,15 @@ def _run(loop_config: dict[str, Any], cfg: TrainConfig, rt: Any, standby: Any) -
                    "start every worker node with `ray start --labels datacenter=<name>`")
         ray.get(runner.fail.remote(message), timeout=CALL_TIMEOUT_S)
         raise RuntimeError(message)
-    device = _device()
+    device = _device(replacement)
     worker_id = rt.get_actor_id() or f"{node_id[:12]}-{os.getpid()}"
     runner.push_event.remote("worker_started", f"a worker started in {dc} on node {node_id[:12]}", {
         "worker_id": worker_id, "node_id": node_id, "datacenter": dc, "hostname": socket.gethostname(),
-        "pid": os.getpid(), "ray_worker_id": rt.get_worker_id(), "device": str(device), "time": time.time(),
+        "pid": os.getpid(), "ray_worker_id": rt.get_worker_id(), "device": device, "time": time.time(),
     })
     agent = Agent(
         cfg, _rendezvous_call(runner), worker_id=worker_id, datacenter=dc, node_id=node_id,
-        address=ray.util.get_node_ip_address(), backend=backend_for(device), device=str(device),
+        address=ray.util.get_node_ip_address(), backend=backend_for(device), device=device,
         sink=RunnerSink(runner), on_event=lambda kind, message, data: runner.push_event.remote(kind, message, data),
         standby=standby,
     )  # fmt: skip

@@ -425,7 +425,7 @@ class _ReplacementWorker:
     def run(self, loop_config: dict[str, Any]) -> None:
         from meridian.workers.entry import ray_train_entry
 
-        ray_train_entry(loop_config)
+        ray_train_entry(loop_config, replacement=True)
 
 
 def _start_replacement(name: str, train_config: TrainConfig, dc: str, plan: Plan) -> tuple[str, Any]:

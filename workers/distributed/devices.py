@@ -14,16 +14,19 @@ A CUDA rank also binds its device before the group exists (:func:`bind_device`) 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 PER_DEVICE_BACKEND = "cpu:gloo,cuda:nccl"
 
 
 def backend_for(device: torch.device | str) -> str:
-    """``cpu:gloo,cuda:nccl`` for a rank on a GPU, ``gloo`` for a CPU rank."""
-    return PER_DEVICE_BACKEND if torch.device(device).type == "cuda" else "gloo"
+    """``cpu:gloo,cuda:nccl`` for a rank on a GPU, ``gloo`` for a CPU rank. Torch-free: a joining worker's agent
+    asks before (and without) importing torch."""
+    kind = device.type if not isinstance(device, str) else device.split(":", 1)[0]
+    return PER_DEVICE_BACKEND if kind == "cuda" else "gloo"
 
 
 def bind_device(device: torch.device | str, local_rank: int | None = None) -> torch.device:
@@ -31,6 +34,8 @@ def bind_device(device: torch.device | str, local_rank: int | None = None) -> to
 
     ``local_rank`` names the GPU when ``device`` has no index (``cuda``): Ray Train's local rank, or the
     rendezvous' rank on its node."""
+    import torch
+
     device = torch.device(device)
     if device.type != "cuda":
         return device
@@ -42,6 +47,8 @@ def bind_device(device: torch.device | str, local_rank: int | None = None) -> to
 
 def init_kwargs(device: torch.device | str) -> dict[str, Any]:
     """The device-dependent arguments of ``init_process_group``: backend and, on CUDA, ``device_id``."""
+    import torch
+
     device = torch.device(device)
     kwargs: dict[str, Any] = {"backend": backend_for(device)}
     if device.type == "cuda":

@@ -29,17 +29,17 @@ import os
 import shutil
 import threading
 from collections.abc import Callable
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from meridian.workers.contracts.config import TrainConfig
 from meridian.workers.elastic.liveness import LivenessListener
 from meridian.workers.elastic.pipe import recv, send
 from meridian.workers.elastic.protocol import KEEP_SNAPSHOTS, LEAVING, RESTART_EXIT_CODE
 from meridian.workers.elastic.standby import Standby, standby_context
-from meridian.workers.loop.records import TrainResult
 from meridian.workers.state.snapshot_paths import snapshot_dir
+
+if TYPE_CHECKING:  # torch-free to import: a joining worker's agent need not wait for torch (its zygote imports it)
+    from meridian.workers.loop.records import TrainResult
 
 Call = Callable[..., Any]
 
@@ -70,7 +70,8 @@ class Agent:
             "probe_port": 0, "peak": None,
         }  # fmt: skip
         self.device = device
-        self.threads = threads or torch.get_num_threads()
+        self.threads = threads
+        """The training process's torch threads; ``None`` leaves torch's default, which reads the same environment."""
         self.max_restarts = max_restarts
         self.store_dir = snapshot_dir(cfg.job_id, worker_id)
         self.restarts = 0

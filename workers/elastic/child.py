@@ -62,11 +62,13 @@ class PipeSink:
         self.client.tell("beat", beat)
 
 
-def child_main(conn: Any, cfg: TrainConfig, ids: dict[str, Any], store_dir: str, device: str, threads: int) -> None:
+def child_main(conn: Any, cfg: TrainConfig, ids: dict[str, Any], store_dir: str, device: str,
+               threads: int | None) -> None:
     from meridian.workers.elastic.rendezvous import Rendezvous
     from meridian.workers.elastic.trainer import ElasticTrainer
 
-    torch.set_num_threads(threads)
+    if threads:
+        torch.set_num_threads(threads)
     client = PipeClient(conn)
     rdzv = Rendezvous(
         client.call, worker_id=ids["worker_id"], datacenter=ids["datacenter"], node_id=ids["node_id"],
