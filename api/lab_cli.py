@@ -63,7 +63,8 @@ def cmd_lab_probe(args: argparse.Namespace) -> int:
 
     r = lab.probe(args.name, bulk_mb=args.bulk_mb)
     lines = [f"{x['src']} → {x['dst']}: RTT {x['rtt_ms']:.2f} ms (min {x['rtt_min_ms']:.2f}), "
-             f"{x['gbps']:.3f} Gbit/s over {x['bulk_bytes'] / 2**20:.0f} MiB, link counted {x['link_tx_bytes']:,} B"
+             f"{x['gbps']:.3f} Gbit/s over {x['bulk_bytes'] / 2**20:.0f} MiB, link counted {x['link_tx_bytes']:,} B "
+             f"in {x['link_tx_packets']:,} packets"
              for x in r["links"]]  # fmt: skip
     return _emit(args, r, "\n".join(lines) or "one datacenter: no inter-DC link to probe")
 

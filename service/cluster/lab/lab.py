@@ -322,7 +322,7 @@ def down(name: str = "lab") -> dict[str, Any]:
 
 def probe(name: str = "lab", *, bulk_mb: float = 64, pings: int = 20, timeout_s: float = 60) -> dict[str, Any]:
     """RTT and bulk TCP throughput from the first node of the first datacenter to the first node of each
-    other datacenter, with the bytes the kernel counted on the sender's link device."""
+    other datacenter, with the bytes and packets the kernel counted on the sender's link device."""
     _require_root()
     state = load_state(name)
     lay = state.layout
@@ -344,7 +344,8 @@ def probe(name: str = "lab", *, bulk_mb: float = 64, pings: int = 20, timeout_s:
             if out.returncode != 0:
                 raise LabError(f"the probe from {src.name} to {dst.name} failed: {out.stderr.strip()[-500:]}")
             row = json.loads(out.stdout)
-            row.update(src=src.name, dst=dst.name, link_tx_bytes=after["tx_bytes"] - before["tx_bytes"])
+            row.update(src=src.name, dst=dst.name, link_tx_bytes=after["tx_bytes"] - before["tx_bytes"],
+                       link_tx_packets=after["tx_packets"] - before["tx_packets"])
             rows.append(row)
         finally:
             with contextlib.suppress(subprocess.TimeoutExpired):
