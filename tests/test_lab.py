@@ -34,7 +34,21 @@ def _lab(*args: str, timeout: float = 240) -> dict:
 
 
 @pytest.fixture(scope="module")
-def lab():
+def home_with_a_ray_token(tmp_path_factory):
+    """A home where a plain local ``ray.init()`` once ran: it left ``~/.ray/auth_token``, and Ray's ``ray start
+    --head`` then turns token authentication on by itself while ``ray start --address`` does not (the lab's nodes
+    were refused until the lab chose one mode for all its processes)."""
+    home = tmp_path_factory.mktemp("home")
+    (home / ".ray").mkdir()
+    (home / ".ray" / "auth_token").write_text("0" * 64)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HOME", str(home))
+        mp.delenv("RAY_AUTH_MODE", raising=False)
+        yield home
+
+
+@pytest.fixture(scope="module")
+def lab(home_with_a_ray_token):
     up = subprocess.run([*CLI, "up", "--name", NAME, "--json", "--datacenters", "dc-a:1,dc-b:1", "--rtt-ms",
                          str(RTT_MS), "--gbps", "1"], capture_output=True, text=True, timeout=300)  # fmt: skip
     try:

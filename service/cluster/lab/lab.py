@@ -99,12 +99,20 @@ def _require_root() -> None:
         raise LabError("the lab creates network namespaces and devices: run it as root (or with CAP_NET_ADMIN)")
 
 
+AUTH_MODE = "RAY_AUTH_MODE"
+
+
 def _ray_bin() -> str:
     return str(Path(sys.executable).with_name("ray"))
 
 
 def _ray_env(**extra: str) -> dict[str, str]:
-    return {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", **extra}
+    """The environment of every Ray process the lab starts. One authentication mode for all of them: Ray 2.5x's
+    ``ray start --head`` turns token authentication on by itself when ``~/.ray/auth_token`` exists (any plain
+    local ``ray.init()`` writes one), while ``ray start --address`` and a driver given an address do not, so the
+    lab's nodes were refused ("InvalidAuthToken"). The user's ``RAY_AUTH_MODE`` when set (``token``: every node
+    and driver reads the same token file), else ``disabled``: a lab on one machine, its head on a test address."""
+    return {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", AUTH_MODE: os.environ.get(AUTH_MODE, "disabled"), **extra}
 
 
 def node_ports(index_in_dc: int) -> list[str]:
