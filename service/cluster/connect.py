@@ -94,8 +94,22 @@ def connect(address: str | None) -> None:
     try:
         ray.init(address=address or os.environ.get("RAY_ADDRESS") or "auto", namespace=NAMESPACE,
                  logging_level=logging.WARNING, log_to_driver=False)
-    except ConnectionError as e:
+    except (ConnectionError, ray.exceptions.AuthenticationError) as e:
+        where = address or os.environ.get("RAY_ADDRESS") or "auto"
         raise ConnectionError(
-            f"cannot reach a Ray cluster at {address or os.environ.get('RAY_ADDRESS') or 'auto'}: {e}. Start one "
-            "with `ray start --head --labels datacenter=dc-a`, pass --address, or use --local-datacenters"
+            f"cannot reach a Ray cluster at {where}: {e}. Start one with `ray start --head --labels "
+            f"datacenter=dc-a`, pass --address, or use --local-datacenters{_token_hint()}"
         ) from None
+
+
+def _token_hint() -> str:
+    """Why a running cluster may refuse this process: Ray's ``ray start --head`` turns token authentication on by
+    itself where ``~/.ray/auth_token`` exists, and a process given an address does not follow (Ray then reports
+    only a failed connection, after 20 s). Said when a token is at hand and token mode is off here."""
+    if os.environ.get("RAY_AUTH_MODE", "").lower() == "token":
+        return ""
+    token_file = os.environ.get("RAY_AUTH_TOKEN_PATH") or os.path.expanduser("~/.ray/auth_token")
+    if not (os.environ.get("RAY_AUTH_TOKEN") or os.path.exists(token_file)):
+        return ""
+    return (f". If the cluster is up, it may use token authentication (`ray start --head` turns it on by itself "
+            f"where {token_file} exists): start meridian with RAY_AUTH_MODE=token")
