@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -16,6 +15,7 @@ import pytest
 from ray._private.services import get_node_ip_address
 
 from meridian.service.cluster.lab.lab import _descendants, _kill, lab_processes
+from meridian.workers.distributed.ports import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -32,12 +32,6 @@ else:
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def token_cluster(tmp_path):
     """A ``ray start --head`` in a home holding a token, so Ray turns token authentication on by itself."""
@@ -45,7 +39,7 @@ def token_cluster(tmp_path):
     (home / ".ray").mkdir(parents=True)
     (home / ".ray" / "auth_token").write_text("1" * 64)
     temp_dir = tempfile.mkdtemp(prefix="mrd-auth-")  # short: Ray's socket paths under it must fit 107 bytes
-    port = _free_port()
+    port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_MODE"} | {
         "HOME": str(home), "RAY_USAGE_STATS_ENABLED": "0"}  # fmt: skip
     ray_bin = str(Path(sys.executable).with_name("ray"))

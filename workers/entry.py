@@ -51,7 +51,8 @@ def _device(replacement: bool) -> str:
     ``after_back_s.worker_started``); its training process imports torch anyway, beside it."""
     if replacement:
         return "cuda:0" if ray.get_gpu_ids() else "cpu"
-    from ray.train.torch import get_device  # a Train worker: Ray Train's own choice (its GPU index), as before
+    # a Train worker: Ray Train's own choice (its GPU index), as before
+    from ray.train.torch import get_device
 
     return str(get_device())
 

@@ -67,7 +67,7 @@ def open_tun(netns: str, device: str, offload: bool = True) -> int:
         flags = IFF_TUN | IFF_NO_PI | (IFF_VNET_HDR if offload else 0)
         fcntl.ioctl(fd, TUNSETIFF, struct.pack("16sH22x", device.encode(), flags))
         # the device keeps the offloads an earlier line set: without the header it must not be handed segments
-        fcntl.ioctl(fd, TUNSETOFFLOAD, TUN_F_CSUM | TUN_F_TSO4 | TUN_F_TSO6 if offload else 0)
+        fcntl.ioctl(fd, TUNSETOFFLOAD, (TUN_F_CSUM | TUN_F_TSO4 | TUN_F_TSO6) if offload else 0)
     finally:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.setns(home, CLONE_NEWNET)

@@ -31,6 +31,8 @@ NODE_PORT_BASE = 21000
 """Nodes of one datacenter share a namespace, so each gets its own block of ports from here."""
 PORTS_PER_NODE = 10
 NODES_TIMEOUT_S = 180.0
+AUTH_MODE = "RAY_AUTH_MODE"
+"""Ray's switch for token authentication: one value for every Ray process the lab starts (:func:`_ray_env`)."""
 
 
 class LabError(RuntimeError):
@@ -97,9 +99,6 @@ def _save(state: LabState) -> None:
 def _require_root() -> None:
     if os.geteuid() != 0:
         raise LabError("the lab creates network namespaces and devices: run it as root (or with CAP_NET_ADMIN)")
-
-
-AUTH_MODE = "RAY_AUTH_MODE"
 
 
 def _ray_bin() -> str:
