@@ -12,11 +12,12 @@ from __future__ import annotations
 import glob
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 import uuid
 from pathlib import Path
+
+from meridian.workers.distributed.ports import free_port
 
 START_TIMEOUT_S = 60
 
@@ -55,12 +56,6 @@ def unavailable() -> str | None:
     return None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class PostgresServer:
     """``with PostgresServer() as pg: pg.new_database()`` gives a SQLAlchemy URL of a fresh, empty database."""
 
@@ -68,7 +63,7 @@ class PostgresServer:
         self.root = Path(tempfile.mkdtemp(prefix="meridian-pg-"))
         self.data = self.root / "data"
         self.socket_dir = self.root / "socket"
-        self.port = _free_port()  # names the socket file (.s.PGSQL.<port>); no TCP listener is opened
+        self.port = free_port()  # names the socket file (.s.PGSQL.<port>); no TCP listener is opened
         self.bin = _bin_dir()
         self.user = "postgres" if os.geteuid() == 0 else os.environ.get("USER", "postgres")
 

@@ -7,7 +7,6 @@ import glob
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,13 +16,9 @@ import pytest
 from fakes import spec
 from ray_env import local_cluster
 
+from meridian.workers.distributed.ports import free_port
+
 pytestmark = pytest.mark.slow
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ServiceProcess:

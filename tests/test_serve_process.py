@@ -11,7 +11,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,13 +20,9 @@ import httpx
 import pytest
 from fakes import spec
 
+from meridian.workers.distributed.ports import free_port
+
 pytestmark = pytest.mark.slow
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _children(pid: int) -> set[int]:
@@ -52,7 +47,7 @@ def _children(pid: int) -> set[int]:
 def serving(tmp_path: Path, *extra: str, datacenters: str = "dc-a:1,dc-b:1"):
     """``meridian serve --local-datacenters …`` as a process; yields (process, base URL, the /v1/cluster
     answer) once both datacenters show, and kills what it started whatever the test did."""
-    port = _free_port()
+    port = free_port()
     log = open(tmp_path / "serve.log", "w")  # noqa: SIM115
     proc = subprocess.Popen(
         [sys.executable, "-m", "meridian.api.cli", "serve", "--local-datacenters", datacenters,
