@@ -177,8 +177,10 @@ class ShardedAdamW:
 
     # -- the step ------------------------------------------------------------------------------------------
 
-    def step(self, lr: float) -> torch.Tensor:
-        """Clip and update this rank's shard; returns the global gradient norm (before clipping)."""
+    def step(self, lr: float, *, write_params: bool = True) -> torch.Tensor:
+        """Clip and update this rank's shard; returns the global gradient norm (before clipping). Without
+        ``write_params`` the fp32 masters are not copied into the parameters: :meth:`lookahead`, which writes
+        every element of the shard, comes next."""
         self.wait_params()  # the previous all-gather still writes into the shard we are about to update
         for b, g32 in self.grad32.items():
             lo, hi = self.bounds[b]
@@ -192,7 +194,7 @@ class ShardedAdamW:
         if self.optimizer is not None:  # 2) AdamW on the shard
             set_lr(self.optimizer, lr)
             self.optimizer.step()
-        for b, master in self.master.items():
+        for b, master in self.master.items() if write_params else ():
             lo, hi = self.bounds[b]
             self.buffer.buckets[b].data[lo:hi].copy_(master)
         self.steps += 1

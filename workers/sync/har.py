@@ -57,10 +57,16 @@ def chunk_views(view: torch.Tensor, chunk_bytes: float | None) -> list[torch.Ten
     return list(view.split(step))
 
 
-def reduce_scatter_in_dc(buf: torch.Tensor, groups: DCGroups) -> torch.Tensor:
-    """Step 1: leave the DC-sum of this rank's shard in its place in ``buf``; return that shard view."""
-    shard = shard_view(buf, groups)
-    if groups.dc_size > 1:
+def reduce_scatter_in_dc(buf: torch.Tensor, groups: DCGroups, *, into: torch.Tensor | None = None) -> torch.Tensor:
+    """Step 1: leave the DC-sum of this rank's shard in its place in ``buf`` (or, with ``into``, a buffer of
+    the same layout, ``buf`` left as it was); return that shard view."""
+    shard = shard_view(buf if into is None else into, groups)
+    if groups.dc_size == 1:
+        if into is not None:
+            shard.copy_(buf)  # the whole buffer is this rank's shard
+    elif into is not None:  # a separate output: the collective writes it directly
+        dist.reduce_scatter_single(shard, buf, op=dist.ReduceOp.SUM, group=groups.intra_dc)
+    else:
         out = torch.empty_like(shard)  # the output may not alias the input
         dist.reduce_scatter_single(out, buf, op=dist.ReduceOp.SUM, group=groups.intra_dc)
         shard.copy_(out)

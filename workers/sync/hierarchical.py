@@ -18,11 +18,12 @@ Per step, on every rank (``last`` = the last micro-batch; earlier ones only accu
 With ``delay_one_step`` the sync runs one step behind (an exact sync whose result is applied a step late)::
 
     backward(loss, last_micro_batch=last)
-        last, on CPU: each bucket, once complete, is copied into a spare set and its steps 1-2 started there
+        last, on CPU: each bucket, once complete, is reduce-scattered (step 1) into a spare set, step 2 started there
     step(lr) at step t
-        (on CUDA, or without overlap: copy every bucket into the spare set and start steps 1-2 now)
+        (without overlap: the same now; on CUDA: copy every bucket into the spare set and start steps 1-2 there)
         wait for step t-1's sync (started a whole step ago, so normally done), 3) all-gather (replicated)
-        copy its result into the buckets; clip + AdamW as above, on step t-1's averaged gradients
+        copy its result into the buckets (sharded: this rank's shard only); clip + AdamW as above, on step t-1's
+        averaged gradients
 
 The link has the whole next step (forward, backward) to finish, instead of what is left of backward. Two spare
 sets alternate, so step t's sync never writes where step t-1's result is read. Step 0 applies nothing; a
@@ -66,7 +67,12 @@ from meridian.workers.optim.sharded_adamw import ShardedAdamW
 from meridian.workers.state.replica_state import LocalShard, replicated_shard
 from meridian.workers.sync.engine import GradientSync, StepStats, broadcast_parameters
 from meridian.workers.sync.grad_buffer import Bucket, GradBuffer
-from meridian.workers.sync.har import all_gather_in_dc, reduce_scatter_in_dc, start_all_reduce_across_dcs
+from meridian.workers.sync.har import (
+    all_gather_in_dc,
+    reduce_scatter_in_dc,
+    shard_view,
+    start_all_reduce_across_dcs,
+)
 from meridian.workers.sync.inter_dc import InterDCComm
 from meridian.workers.sync.overlap import BucketPipeline, InFlight, finish_all
 from meridian.workers.wan.emulator import WanEmulator
@@ -138,16 +144,26 @@ class HierarchicalSync(GradientSync):
         return self.sharded is None or self.sharded.steps >= self.exact_first
 
     def _start_bucket(self, bucket: Bucket) -> InFlight:
-        if self.late:  # one step late: sync a copy, the next backward accumulates into the bucket meanwhile
+        if self.late:  # one step late: sync in a spare set, the next backward accumulates into the bucket meanwhile
             spare = self._spares[0][bucket.index]
+            if self.pipeline.streams is None:
+                # On CPU step 1 runs here, to its end: it reads the bucket and writes its shard straight into the
+                # spare set, which is all steps 2-3 touch. (On CUDA the copy is queued on the communication stream
+                # as before.)
+                return self._start_sync(bucket.grad, bucket.index, into=spare, keep_local=self.lookahead)
             spare.copy_(bucket.grad)
             return self._start_sync(spare, bucket.index, keep_local=self.lookahead)
         return self._start_sync(bucket.grad, bucket.index)
 
-    def _start_sync(self, g: torch.Tensor, index: int, *, keep_local: bool = False) -> InFlight:
+    def _start_sync(
+        self, g: torch.Tensor, index: int, *, into: torch.Tensor | None = None, keep_local: bool = False
+    ) -> InFlight:
+        """HAR steps 1-2 of bucket ``index``'s gradients ``g`` (in ``into`` when given, ``g`` left as it was),
+        started; step 3 (replicated optimizer) runs when it is finished."""
         t0 = time.perf_counter()
-        shard = reduce_scatter_in_dc(g, self.groups)  # 1) reduce-scatter inside the DC
+        shard = reduce_scatter_in_dc(g, self.groups, into=into)  # 1) reduce-scatter inside the DC
         self._intra_dc_s += time.perf_counter() - t0
+        g = g if into is None else into
         if keep_local:  # step 2 sums in place: keep this DC's own sum for the look-ahead
             if len(self._local) <= index:
                 self._local.append(shard.clone())
@@ -202,7 +218,7 @@ class HierarchicalSync(GradientSync):
                 self.sharded.gather_params(async_op=self.overlap)
                 waited = self.sharded.take_wait_s()
         elif self.sharded is not None:
-            norm = self.sharded.step(commit_lr).detach()
+            norm = self.sharded.step(commit_lr, write_params=not (self.lookahead and late)).detach()
             if snapshot_as is not None:  # before the all-gather: this rank's shard is already final
                 shard = self.sharded.local_shard(snapshot_as)
             if self.lookahead and late:
@@ -240,9 +256,17 @@ class HierarchicalSync(GradientSync):
         t0 = time.perf_counter()
         comm_s = finish_all(previous)
         exposed_s = time.perf_counter() - t0
-        for bucket, synced in zip(self.buffer.buckets, previous_set, strict=True):
-            bucket.grad.copy_(synced)
+        self._take_synced(previous_set)
         return comm_s, exposed_s, True
+
+    def _take_synced(self, synced_set: list[torch.Tensor]) -> None:
+        """Put a spare set's synced gradients in the buckets: the sharded optimizer reads only this rank's
+        shard of them (the rest of a spare set is never synced), the replicated one every element."""
+        for bucket, synced in zip(self.buffer.buckets, synced_set, strict=True):
+            if self.sharded is not None:
+                shard_view(bucket.grad, self.groups).copy_(shard_view(synced, self.groups))
+            else:
+                bucket.grad.copy_(synced)
 
     def _drop_in_flight(self) -> None:
         """Delayed: finish the sync still in flight and forget it (a snapshot does not carry it)."""
@@ -269,8 +293,7 @@ class HierarchicalSync(GradientSync):
         assert self.sharded is not None
         finish_all(self._in_flight)
         self._in_flight = []
-        for bucket, synced in zip(self.buffer.buckets, self._spares[1], strict=True):
-            bucket.grad.copy_(synced)
+        self._take_synced(self._spares[1])
         self.sharded.step(self._in_flight_lr)
         self.sharded.gather_params(async_op=False)
         self.sharded.take_wait_s()
