@@ -248,7 +248,12 @@ class HierarchicalSync(GradientSync):
         """Delayed: start this step's sync on a spare set, then put the previous step's synced gradients in
         the buckets. Returns (comm_s, exposed_s) of the previous sync, and whether there was one."""
         previous_set = self._spares[1]
-        started = self.pipeline.take_started()  # each bucket copied to self._spares[0] and started there
+        started = self.pipeline.take_started()  # each bucket's step 1 into self._spares[0], step 2 started there
+        streams = self.pipeline.streams
+        if streams is not None:
+            # CUDA: those copies were queued on the communication stream; the training stream writes the buckets
+            # next (the previous step's synced gradients, then zeros), so it waits for them to have been read.
+            streams.training.wait_stream(streams.stream)
         previous, self._in_flight = self._in_flight, started
         self._spares.reverse()  # next step writes where this step reads, once read
         if not previous:
