@@ -26,6 +26,7 @@ from meridian.service.runner.coordinator import Coordinator
 from meridian.workers.contracts.config import OptimConfig, SyncConfig, TrainConfig
 from meridian.workers.contracts.model_config import model_preset
 from meridian.workers.distributed.multiproc import run_processes
+from meridian.workers.distributed.zygote import zygote_context
 from meridian.workers.elastic.agent import Agent
 from meridian.workers.loop.train import ListSink, train
 from meridian.workers.state.snapshot_paths import remove_snapshot_dirs, snapshot_dir
@@ -121,7 +122,7 @@ class ElasticRun:
         self.manager = CoordinatorManager(address=("127.0.0.1", 0), authkey=AUTHKEY)
         self.manager.start()
         self.coordinator = self.manager.coordinator(planned, taken_store_epoch)
-        self.ctx = mp.get_context("spawn")
+        self.ctx = zygote_context()  # a worker process starts as a fork of one that imported torch once
         self.results = self.ctx.Queue()
         self.procs: dict[int, mp.Process] = {}
         self.job_ids: set[str] = set()

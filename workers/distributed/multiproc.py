@@ -4,11 +4,15 @@ Used by the math tests and the sync benchmarks: real multi-process collectives o
 Each process gets ``(rank, world_size, *args)``; the return values come back in rank order. A rank that
 raises, dies or outlives ``timeout_s`` fails the whole run with a message that names it, and every other
 process is killed: a test never hangs on a peer stuck in a collective.
+
+The ranks are forked from this process's zygote (:mod:`meridian.workers.distributed.zygote`: a fork server that
+imported torch and the training stack once, started by the first run), not spawned: a spawned rank spends
+seconds of CPU importing torch before it does anything, and the math tests start hundreds of ranks on two cores.
+A rank takes this process's environment and working directory as they are at the call, as a spawned one would.
 """
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import pickle
 import queue
@@ -18,13 +22,21 @@ from collections.abc import Callable
 from typing import Any
 
 from meridian.workers.distributed.ports import free_port
+from meridian.workers.distributed.zygote import zygote_context
 
 
 class RankFailed(RuntimeError):
     """A rank raised, died or timed out."""
 
 
-def _entry(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: tuple, results: Any) -> None:
+def _entry(
+    fn: Callable[..., Any], rank: int, world_size: int, port: int, args: tuple, results: Any,
+    env: dict[str, str], cwd: str,
+) -> None:
+    # The zygote's environment is that of the process when it started; this run's is the caller's now.
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
     import torch
     import torch.distributed as dist
 
@@ -51,10 +63,14 @@ def run_processes(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s
 
     ``fn`` and ``args`` must be picklable (a module-level function). Raises :class:`RankFailed`.
     """
-    ctx = mp.get_context("spawn")
+    ctx = zygote_context()
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, args, results), daemon=True) for r in range(world_size)]
+    env, cwd = dict(os.environ), os.getcwd()
+    procs = [
+        ctx.Process(target=_entry, args=(fn, r, world_size, port, args, results, env, cwd), daemon=True)
+        for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     out: dict[int, Any] = {}

@@ -5,13 +5,13 @@ standby before it imports torch itself: the child's imports (torch and the train
 run while the worker's own do, instead of after them. That is most of a joining worker's start-up, so it
 is most of a scale-up's time.
 
-On CPU, standbys are forked from a *zygote*: a fork server (:func:`standby_context`) that imported the training
-stack once, when the agent's first standby started. Every later standby (the one started beside each training
-process, so that a restart is a pipe message) is then a fork of it: measured here, 1.05–1.20 CPU-seconds with
-its prewarm, where a spawned one took 5.2 (4–6 on other runs). Those seconds ran beside training at the start of
-every job and after every re-formation, on every worker: on two cores shared by four workers the first ~20
-steps of a job ran 2–3× slower. On a GPU standbys are still spawned: a fork server that ever touched CUDA
-would hand its children a CUDA they cannot use, and that is not checked on a GPU yet.
+On CPU, standbys are forked from a *zygote* (:mod:`meridian.workers.distributed.zygote`): a fork server that
+imported the training stack once, when the agent's first standby started. Every later standby (the one started
+beside each training process, so that a restart is a pipe message) is then a fork of it: measured here,
+1.05–1.20 CPU-seconds with its prewarm, where a spawned one took 5.2 (4–6 on other runs). Those seconds ran
+beside training at the start of every job and after every re-formation, on every worker: on two cores shared by
+four workers the first ~20 steps of a job ran 2–3× slower. On a GPU standbys are still spawned: a fork server
+that ever touched CUDA would hand its children a CUDA they cannot use, and that is not checked on a GPU yet.
 """
 
 from __future__ import annotations
@@ -21,16 +21,8 @@ import os
 import threading
 from typing import Any
 
+from meridian.workers.distributed.zygote import zygote_context
 from meridian.workers.elastic.pipe import die_with_parent, recv, send
-
-ZYGOTE_IMPORTS = (
-    "meridian.workers.elastic.rendezvous", "meridian.workers.elastic.trainer", "meridian.workers.elastic.child",
-)  # fmt: skip
-"""What the zygote imports before its first fork: the training stack, what a spawned standby imports before it
-waits. Imports only: a process that ran torch's thread pools must not fork. Not what torch imports lazily on a
-first optimizer step (:func:`prewarm_torch`: each standby does that beside its wait, ~0.7 CPU-seconds): in the
-zygote it would delay every worker's first training process, and so a scale-up's join (measured: 3.6–4.5 s from
-a returning worker's start to its join, against 2.0 s without the zygote)."""
 
 
 def standby_context(device: str = "cpu") -> Any:
@@ -39,9 +31,7 @@ def standby_context(device: str = "cpu") -> Any:
 
     if device.startswith("cuda"):
         return mp.get_context("spawn")
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(list(ZYGOTE_IMPORTS))
-    return ctx
+    return zygote_context()
 
 
 def _standby_main(conn: Any, agent_pid: int) -> None:

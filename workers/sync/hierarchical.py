@@ -163,7 +163,7 @@ class HierarchicalSync(GradientSync):
         t0 = time.perf_counter()
         shard = reduce_scatter_in_dc(g, self.groups, into=into)  # 1) reduce-scatter inside the DC
         self._intra_dc_s += time.perf_counter() - t0
-        g = g if into is None else into
+        synced = g if into is None else into  # the buffer whose shard holds the DC's sum from here on
         if keep_local:  # step 2 sums in place: keep this DC's own sum for the look-ahead
             if len(self._local) <= index:
                 self._local.append(shard.clone())
@@ -171,12 +171,12 @@ class HierarchicalSync(GradientSync):
                 self._local[index].copy_(shard)
         # 2) all-reduce the shard across DCs: chunked, every chunk in flight, through InterDCComm
         handles = start_all_reduce_across_dcs(
-            g, self.groups, self.comm, chunk_bytes=self.chunk_bytes, bucket=index
+            synced, self.groups, self.comm, chunk_bytes=self.chunk_bytes, bucket=index
         )
         if self.sharded is not None:  # 3) is the all-gather of updated parameters, after AdamW
             return InFlight(list(handles))
         return InFlight(
-            list(handles), then=lambda: all_gather_in_dc(g, self.groups)
+            list(handles), then=lambda: all_gather_in_dc(synced, self.groups)
         )  # 3) all-gather in the DC
 
     def backward(self, loss: torch.Tensor, *, last_micro_batch: bool) -> None:
