@@ -1,0 +1,39 @@
+"""``run_processes``: ranks forked from the zygote, with the caller's environment and directory at the call, and
+a failing rank named."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from meridian.workers.distributed.multiproc import RankFailed, run_processes
+
+
+def _where(rank, world):
+    import torch.distributed as dist
+
+    return {"rank": dist.get_rank(), "world": dist.get_world_size(), "env": os.environ.get("MERIDIAN_TEST_MARK"),
+            "cwd": os.getcwd(), "parent": os.getppid()}  # fmt: skip
+
+
+def _fail_on_rank_1(rank, world):
+    if rank == 1:
+        raise ValueError("rank 1 was told to fail")
+    return rank
+
+
+def test_ranks_see_the_callers_environment_and_directory_at_the_call(monkeypatch, tmp_path):
+    first = run_processes(_where, 2)  # the zygote starts here, with the environment as it is now
+    assert [r["rank"] for r in first] == [0, 1] and all(r["world"] == 2 for r in first)
+    assert all(r["parent"] != os.getpid() for r in first)  # forked by the zygote, not by this process
+    monkeypatch.setenv("MERIDIAN_TEST_MARK", "set-after-the-zygote-started")
+    monkeypatch.chdir(tmp_path)
+    later = run_processes(_where, 2)
+    assert [r["env"] for r in later] == ["set-after-the-zygote-started"] * 2
+    assert [r["cwd"] for r in later] == [str(tmp_path)] * 2
+
+
+def test_a_rank_that_raises_is_named_with_its_traceback():
+    with pytest.raises(RankFailed, match=r"rank 1 failed:(.|\n)*rank 1 was told to fail"):
+        run_processes(_fail_on_rank_1, 2, timeout_s=60)
