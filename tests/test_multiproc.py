@@ -1,5 +1,5 @@
-"""``run_processes``: ranks forked from the zygote, with the caller's environment and directory at the call, and
-a failing rank named."""
+"""``run_processes``: ranks forked from the zygote, with the caller's environment, directory and output at the
+call, and a failing rank named."""
 
 from __future__ import annotations
 
@@ -17,6 +17,11 @@ def _where(rank, world):
             "cwd": os.getcwd(), "parent": os.getppid()}  # fmt: skip
 
 
+def _say_on_both_streams(rank, world):
+    os.write(1, f"rank {rank} on stdout\n".encode())
+    os.write(2, f"rank {rank} on stderr\n".encode())
+
+
 def _fail_on_rank_1(rank, world):
     if rank == 1:
         raise ValueError("rank 1 was told to fail")
@@ -32,6 +37,15 @@ def test_ranks_see_the_callers_environment_and_directory_at_the_call(monkeypatch
     later = run_processes(_where, 2)
     assert [r["env"] for r in later] == ["set-after-the-zygote-started"] * 2
     assert [r["cwd"] for r in later] == [str(tmp_path)] * 2
+
+
+def test_ranks_write_where_the_caller_writes_now(capfd):
+    with capfd.disabled():  # the zygote may start here, on the terminal's descriptors
+        run_processes(_where, 2)
+    run_processes(_say_on_both_streams, 2)
+    out, err = capfd.readouterr()
+    assert "rank 0 on stdout" in out and "rank 1 on stdout" in out, out
+    assert "rank 0 on stderr" in err and "rank 1 on stderr" in err, err
 
 
 def test_a_rank_that_raises_is_named_with_its_traceback():
