@@ -1,7 +1,7 @@
 """This process's *zygote*: one fork server that imported torch and the training stack once. Every CPU process this
 process starts to train or to run collectives (an agent's standby training process, a rank of
-:func:`~meridian.workers.distributed.multiproc.run_processes`) is a fork of it, so it starts in milliseconds
-instead of spending seconds of CPU on imports beside the processes already training.
+:func:`~meridian.workers.distributed.multiproc.run_processes`) is a fork of it, so it does not spend seconds of
+CPU on those imports again, beside the processes already training.
 
 ``multiprocessing`` keeps one fork server per process, and it preloads the modules named before it first starts;
 a list named later is silently ignored. So every caller takes the fork server from here, with the one list.
