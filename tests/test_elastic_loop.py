@@ -26,7 +26,7 @@ from meridian.service.runner.coordinator import Coordinator
 from meridian.workers.contracts.config import OptimConfig, SyncConfig, TrainConfig
 from meridian.workers.contracts.model_config import model_preset
 from meridian.workers.distributed.multiproc import run_processes
-from meridian.workers.distributed.zygote import zygote_context
+from meridian.workers.distributed.zygote import zygote_context, zygote_process
 from meridian.workers.elastic.agent import Agent
 from meridian.workers.loop.train import ListSink, train
 from meridian.workers.state.snapshot_paths import remove_snapshot_dirs, snapshot_dir
@@ -122,13 +122,13 @@ class ElasticRun:
         self.manager = CoordinatorManager(address=("127.0.0.1", 0), authkey=AUTHKEY)
         self.manager.start()
         self.coordinator = self.manager.coordinator(planned, taken_store_epoch)
-        self.ctx = zygote_context()  # a worker process starts as a fork of one that imported torch once
+        self.ctx = zygote_context()  # the workers are forks of the zygote (zygote_process in start)
         self.results = self.ctx.Queue()
         self.procs: dict[int, mp.Process] = {}
         self.job_ids: set[str] = set()
 
     def start(self, i: int, dc: str, cfg: TrainConfig) -> None:
-        p = self.ctx.Process(target=_elastic_worker, args=(i, dc, self.manager.address, cfg, self.results))
+        p = zygote_process(_elastic_worker, (i, dc, self.manager.address, cfg, self.results), daemon=False)
         p.start()
         self.procs[i] = p
         self.job_ids.add(cfg.job_id)

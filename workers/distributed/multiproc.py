@@ -8,8 +8,8 @@ process is killed: a test never hangs on a peer stuck in a collective.
 The ranks are forked from this process's zygote (:mod:`meridian.workers.distributed.zygote`: a fork server that
 imported torch and the training stack once, started by the first run), not spawned: a spawned rank spends
 seconds of CPU importing torch before it does anything, and the math tests start hundreds of ranks on two cores.
-A rank takes this process's environment, working directory, stdout and stderr as they are at the call, as a
-spawned one would (so a rank's crash report lands in the test that ran it).
+A rank takes this process's environment, working directory, stdout and stderr as they are at the call
+(:func:`~meridian.workers.distributed.zygote.zygote_process`), as a spawned one would.
 """
 
 from __future__ import annotations
@@ -20,55 +20,17 @@ import queue
 import time
 import traceback
 from collections.abc import Callable
-from multiprocessing import reduction
 from typing import Any
 
 from meridian.workers.distributed.ports import free_port
-from meridian.workers.distributed.zygote import zygote_context
+from meridian.workers.distributed.zygote import zygote_context, zygote_process
 
 
 class RankFailed(RuntimeError):
     """A rank raised, died or timed out."""
 
 
-class _CallersFd:
-    """File descriptor ``fd`` of the calling process, handed to the rank as it starts: ``Process.start()`` sends a
-    copy to the fork server with the process's own descriptors, and in the rank this unpickles as that copy's
-    number."""
-
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
-
-    @classmethod
-    def of(cls, fd: int) -> _CallersFd | None:
-        """``fd`` if this process has it open (a daemon may have closed its output), else ``None``."""
-        try:
-            os.fstat(fd)
-        except OSError:
-            return None
-        return cls(fd)
-
-    def __reduce__(self) -> tuple[Any, tuple[Any]]:
-        return _CallersFd._in_rank, (reduction.DupFd(self.fd),)  # pickled by Process.start(): queued to send
-
-    @staticmethod
-    def _in_rank(dup: Any) -> int:
-        return dup.detach()
-
-
-def _entry(
-    fn: Callable[..., Any], rank: int, world_size: int, port: int, args: tuple, results: Any,
-    env: dict[str, str], cwd: str, stdout: int | None, stderr: int | None,
-) -> None:
-    # The zygote's environment, directory and output are those of the process when it started; this run's are
-    # the caller's now.
-    os.environ.clear()
-    os.environ.update(env)
-    os.chdir(cwd)
-    for fd, target in ((stdout, 1), (stderr, 2)):
-        if fd is not None:
-            os.dup2(fd, target)
-            os.close(fd)
+def _entry(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: tuple, results: Any) -> None:
     import torch
     import torch.distributed as dist
 
@@ -98,11 +60,7 @@ def run_processes(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s
     ctx = zygote_context()
     results = ctx.Queue()
     port = free_port()
-    here = (dict(os.environ), os.getcwd(), _CallersFd.of(1), _CallersFd.of(2))
-    procs = [
-        ctx.Process(target=_entry, args=(fn, r, world_size, port, args, results, *here), daemon=True)
-        for r in range(world_size)
-    ]
+    procs = [zygote_process(_entry, (fn, r, world_size, port, args, results)) for r in range(world_size)]
     for p in procs:
         p.start()
     out: dict[int, Any] = {}

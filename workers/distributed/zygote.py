@@ -10,6 +10,9 @@ a list named later is silently ignored. So every caller takes the fork server fr
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
+from collections.abc import Callable
+from multiprocessing import reduction
 from typing import Any
 
 ZYGOTE_IMPORTS = (
@@ -29,3 +32,48 @@ def zygote_context() -> Any:
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(list(ZYGOTE_IMPORTS))
     return ctx
+
+
+def zygote_process(target: Callable[..., Any], args: tuple, *, daemon: bool = True) -> Any:
+    """A (not yet started) fork of the zygote that runs ``target(*args)`` with this process's environment,
+    working directory, stdout and stderr as they are now, as a spawned process would: the zygote's are those of
+    the moment it started (whichever caller that was), so a crash report would otherwise land elsewhere."""
+    caller = (dict(os.environ), os.getcwd(), _CallersFd.of(1), _CallersFd.of(2))
+    return zygote_context().Process(target=_as_caller, args=(caller, target, args), daemon=daemon)
+
+
+def _as_caller(caller: tuple, target: Callable[..., Any], args: tuple) -> Any:
+    env, cwd, stdout, stderr = caller
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    for fd, into in ((stdout, 1), (stderr, 2)):
+        if fd is not None:
+            os.dup2(fd, into)
+            os.close(fd)
+    return target(*args)
+
+
+class _CallersFd:
+    """File descriptor ``fd`` of the calling process, handed to the fork as it starts: ``Process.start()`` sends a
+    copy to the fork server with the process's own descriptors, and in the fork this unpickles as that copy's
+    number."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    @classmethod
+    def of(cls, fd: int) -> _CallersFd | None:
+        """``fd`` if this process has it open (a daemon may have closed its output), else ``None``."""
+        try:
+            os.fstat(fd)
+        except OSError:
+            return None
+        return cls(fd)
+
+    def __reduce__(self) -> tuple[Any, tuple[Any]]:
+        return _CallersFd._in_fork, (reduction.DupFd(self.fd),)  # pickled by Process.start(): queued to send
+
+    @staticmethod
+    def _in_fork(dup: Any) -> int:
+        return dup.detach()
