@@ -160,6 +160,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
             client = Client(url)
             say(f"Cluster up in {time.monotonic() - t0:.0f} s. Ray dashboard: http://127.0.0.1:8265  API: {url}/docs")
             say(render.cluster_view(client.cluster()))
+            if service.local_cluster is not None and service.local_cluster.gpu_note:
+                say(f"Note: {service.local_cluster.gpu_note}")
             job = client.submit(spec)
             say(f"\nSubmitted {args.spec} as job {job['id']} over POST {url}/v1/jobs\n{job['plan']['explanation']}")
             t1 = time.monotonic()

@@ -189,3 +189,14 @@ def test_the_cpu_path_has_no_streams_and_no_prefetch():
         device = torch.device("cpu")
 
     assert BatchPrefetch.for_replica(None, None, _Replica()) is None
+
+
+def test_the_embedded_cluster_hands_each_node_its_own_gpus_or_none():
+    from meridian.service.cluster.connect import gpu_shares
+
+    assert gpu_shares(["0"], 1) == [["0"]]  # `meridian demo --datacenters dc-a:1` on a one-GPU workstation
+    assert gpu_shares(["0"], 4) == [[], [], [], []]  # four ranks cannot share one GPU under NCCL: CPU workers
+    assert gpu_shares(["0", "1", "2", "3", "4"], 2) == [["0", "1"], ["2", "3"]]  # equal slices, the rest unused
+    assert gpu_shares(["3", "5"], 2) == [["3"], ["5"]]  # CUDA_VISIBLE_DEVICES' ids, as given
+    assert gpu_shares([], 3) == [[], [], []]
+

@@ -4,6 +4,13 @@ The embedded cluster (``--local-datacenters dc-a:2,dc-b:2``) runs one Ray node p
 this host, each labelled ``datacenter=<name>``, plus a head node with no worker capacity. Meridian starts
 it with fast failure detection (a dead node is noticed in ~3 s instead of ~17 s) and stops only what it
 started — never ``ray stop``, which would kill every Ray process on the host.
+
+GPUs: every Ray node on one host would detect *all* the host's GPUs, so four simulated nodes on a one-GPU
+workstation would each offer "1 GPU" and the planner would put four NCCL ranks on one device (NCCL refuses
+that). The embedded cluster hands the host's GPUs out instead (:func:`gpu_shares`): each node gets its own
+slice, named to its raylet in ``CUDA_VISIBLE_DEVICES`` (Ray maps a worker's GPU slot through it), or, when
+there are fewer GPUs than nodes, no node gets one and the workers run on CPU (:attr:`LocalCluster.gpu_note`
+says so).
 """
 
 from __future__ import annotations
@@ -50,6 +57,22 @@ def parse_datacenters(text: str) -> dict[str, int]:
     return out
 
 
+def host_gpu_ids() -> list[str]:
+    """The GPUs this process may use, as Ray itself detects them: ``CUDA_VISIBLE_DEVICES`` when set, else every
+    device NVML counts."""
+    from ray._private.accelerators.nvidia_gpu import NvidiaGPUAcceleratorManager as Nvidia
+
+    visible = Nvidia.get_current_process_visible_accelerator_ids()
+    return list(visible) if visible is not None else [str(i) for i in range(Nvidia.get_current_node_num_accelerators())]
+
+
+def gpu_shares(gpu_ids: list[str], nodes: int) -> list[list[str]]:
+    """Each of ``nodes`` simulated nodes' own GPUs: an equal slice each (the remainder unused), or none for every
+    node when there are fewer GPUs than nodes (one GPU cannot host two NCCL ranks)."""
+    share = len(gpu_ids) // nodes if nodes else 0
+    return [gpu_ids[k * share:(k + 1) * share] for k in range(nodes)]
+
+
 @dataclass
 class LocalCluster:
     """A multi-node Ray cluster on this host; nodes are labelled with their simulated datacenter."""
@@ -60,20 +83,32 @@ class LocalCluster:
 
     def __post_init__(self) -> None:
         self._cluster = None
+        self.gpu_note = ""
+        """Why the nodes got no GPU although the host has some (empty otherwise)."""
 
     def start(self) -> str:
         from ray.cluster_utils import Cluster
 
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+        host_gpus = host_gpu_ids()
+        shares = iter(gpu_shares(host_gpus, sum(self.datacenters.values())))
+        if host_gpus and len(host_gpus) < sum(self.datacenters.values()):
+            self.gpu_note = (f"this host has {len(host_gpus)} GPU(s) for {sum(self.datacenters.values())} simulated nodes "
+                             "and one GPU cannot host two ranks: the workers run on CPU (give as many nodes as GPUs, "
+                             "e.g. --datacenters dc-a:1, to train on the GPU)")
+            log.warning("embedded cluster: %s", self.gpu_note)
         self._cluster = Cluster(
             initialize_head=True,
             head_node_args={
-                "num_cpus": 0, "include_dashboard": self.dashboard, "_system_config": FAST_FAILURE_DETECTION,
+                "num_cpus": 0, "num_gpus": 0, "include_dashboard": self.dashboard,
+                "_system_config": FAST_FAILURE_DETECTION,
             },
         )
         for dc, count in self.datacenters.items():
             for _ in range(count):
-                self._cluster.add_node(num_cpus=self.cpus_per_node, labels={"datacenter": dc})
+                gpus = next(shares)
+                self._cluster.add_node(num_cpus=self.cpus_per_node, num_gpus=len(gpus), labels={"datacenter": dc},
+                                       **({"env_vars": {"CUDA_VISIBLE_DEVICES": ",".join(gpus)}} if gpus else {}))
         self._cluster.wait_for_nodes()
         return self._cluster.address
 

@@ -25,7 +25,12 @@ class DevicePeak:
         return asdict(self)
 
 
-def measure_peak_flops(device: torch.device, *, n: int = 256, bursts: int = 8, burst_s: float = 0.04) -> DevicePeak:
+PEAK_MATMUL_N = {"cuda": 8192, "cpu": 256}
+"""Side of the square matmuls that measure a device's peak: 256 is as fast as a CPU gets; a GPU needs products
+big enough to fill every multiprocessor (at 256 an H100 reaches a few per cent of its rate)."""
+
+
+def measure_peak_flops(device: torch.device, *, n: int | None = None, bursts: int = 8, burst_s: float = 0.04) -> DevicePeak:
     """The best rate of square matmuls, in the dtype training would use on this device, over short bursts.
 
     Vendors publish GPU peaks but no table of them is kept here (it would go stale and invent numbers for
@@ -33,6 +38,7 @@ def measure_peak_flops(device: torch.device, *, n: int = 256, bursts: int = 8, b
     ceiling of what the training kernels could reach on this device, threads as configured. The best
     burst, not the mean, because other processes sharing the cores only ever make a burst slower.
     """
+    n = n or PEAK_MATMUL_N.get(device.type, PEAK_MATMUL_N["cpu"])
     dtype = torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
