@@ -277,6 +277,10 @@ class SyncSpec(Strict):
 class CheckpointSpec(Strict):
     interval_steps: int = config_field(TrainConfig, "checkpoint_every", description="0: no periodic checkpoints")
     keep_final: bool = config_field(JobRequest, "keep_final")
+    snapshot_every: bounded(TrainConfig, "snapshot_every") | Literal["auto"] = Field(  # type: ignore[valid-type]
+        AUTO, description="Steps between the elastic ranks' in-memory state snapshots: a failure trains up to k - 1 "
+        "steps again. 'auto': every step while a snapshot costs the loop under 5% of its time (or under 10 ms), "
+        "else widened as measured (a GPU's multi-GB shard), each widening announced as a job event.")
 
 
 class JobSpec(Strict):
@@ -313,6 +317,7 @@ class JobSpec(Strict):
             links=tuple(link.to_request() for link in self.topology.links), sync=self.sync.to_config(),
             wan=None if self.wan is None else self.wan.to_config(),
             checkpoint_every=self.checkpoint.interval_steps, keep_final=self.checkpoint.keep_final,
+            snapshot_every=_or_auto(self.checkpoint.snapshot_every),
             priority=self.priority, owner=owner,
             validation=None if self.validation is None else self.validation.to_config(),
         )

@@ -183,6 +183,10 @@ class JobRequest:
     ``None`` (the default) lets the planner size the gradient buckets (the plan's ``bucket_mb``)."""
     wan: WanConfig | None = like(TrainConfig, "wan")
     checkpoint_every: int = like(TrainConfig, "checkpoint_every")
+    snapshot_every: int | None = None
+    """Steps between the elastic ranks' state snapshots (a failure trains up to k - 1 steps again); ``None``
+    ("auto", the default): every step while that is cheap, widened as measured where it is not (a GPU's
+    multi-GB shard; ``TrainConfig.snapshot_adaptive``)."""
     validation: ValidationConfig | None = like(TrainConfig, "validation")
     keep_final: bool = True
     """Write the final step's weights to the job's storage (``checkpoints/<job id>/`` in the service's data

@@ -118,3 +118,39 @@ def test_short_steps_share_one_sum_per_min_window_on_every_rank():
     assert 8 <= sizes[-1] <= 25  # ceil(50 ms / the step as measured: the sleep plus the loop's own time)
     for res in results:
         assert [row[:4] for row in res["seen"]] == _expected(world, range(steps))
+
+
+def _snapshotting(rank: int, world: int, steps: int, step_s: float, write_s: float, adaptive: bool) -> dict:
+    """A loop whose snapshots keep a background writer busy for ``write_s`` (a GPU's copies and file write);
+    rank 1's writer is twice as slow. Returns the steps this rank snapshotted and the cadence after each."""
+    windows = ReportWindows(torch.device("cpu"), world, adaptive_snapshots=adaptive)
+    snapped, cadence = [], []
+    for step in range(steps):
+        time.sleep(step_s)
+        out = StepOutput(loss=torch.zeros(()), stats=StepStats(grad_norm=0.0, inter_dc_bytes=0, sync_wait_s=0.0),
+                         step_s=step_s, data_s=0.0, inter_dc_bytes=0)  # fmt: skip
+        snap = (step + 1) % windows.snapshot_every == 0
+        snapped += [step] if snap else []
+        cost = (0.0, write_s * (1 + rank)) if snap else None
+        windows.add(step, out, torch.zeros(()), leave=False, snapshot=None if cost is None else (cost, 0.0))
+        cadence.append(windows.snapshot_every)
+    windows.flush()
+    return {"snapped": snapped, "cadence": cadence}
+
+
+def test_every_rank_widens_its_snapshot_cadence_at_the_same_step_from_the_ranks_mean_cost():
+    world, steps, step_s, write_s = 2, 60, 0.01, 0.04  # writes of 40 and 80 ms against 10 ms steps
+    results = run_processes(_snapshotting, world, steps, step_s, write_s, True, timeout_s=120)
+    assert results[0] == results[1]  # same steps snapshotted, same cadence after every step
+    final = results[0]["cadence"][-1]
+    # the mean write (60 ms) over a step of ~10 ms (sleep plus the loop's own time), with the writer's margin
+    assert 5 <= final <= 8
+    assert results[0]["cadence"][0] == 1 and sorted(results[0]["cadence"]) == results[0]["cadence"]  # only widens
+    widened_at = results[0]["cadence"].index(final)
+    later = [s for s in results[0]["snapped"] if s > widened_at]
+    assert later and all((s + 1) % final == 0 for s in later)  # from then on, every final-th step only
+
+
+def test_a_fixed_snapshot_cadence_never_widens():
+    results = run_processes(_snapshotting, 2, 30, 0.01, 0.04, False, timeout_s=120)
+    assert all(r["snapped"] == list(range(30)) and set(r["cadence"]) == {1} for r in results)

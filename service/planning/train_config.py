@@ -22,6 +22,7 @@ def build_train_config(job_id: str, request: JobRequest, plan: Plan, checkpoint_
                      local_lookahead=request.sync.local_lookahead or plan.local_lookahead), wan=request.wan,
         steps=request.steps, global_batch=request.global_batch, micro_batch=request.micro_batch,
         seed=request.seed, precision=request.precision, checkpoint_every=request.checkpoint_every,
+        snapshot_every=request.snapshot_every or 1, snapshot_adaptive=request.snapshot_every is None,
         checkpoint_dir=checkpoint_dir, datacenters=plan.rank_datacenters,
         parallel=ParallelConfig(tp=plan.tp, pp=plan.pp, schedule=PipelineSchedule(plan.schedule)),
         validation=request.validation,

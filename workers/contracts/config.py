@@ -410,6 +410,11 @@ class TrainConfig:
     leaves for a newcomer). The recovery promise: after a failure the job resumes from the last step every
     survivor snapshotted, so with k > 1 up to k - 1 steps are trained again (each shard copy costs ~3/N of the
     model's bytes; k = 1 loses no step)."""
+    snapshot_adaptive: bool = False
+    """Widen ``snapshot_every`` as measured: to the fewest steps that keep what snapshots cost the loop under 5%
+    of its time and let each one's background write finish before the next (a GPU's multi-GB shard); a
+    snapshot that costs the loop under 10 ms is taken every ``snapshot_every`` steps as given. Every rank
+    widens at the same step (:class:`~meridian.workers.loop.report.ReportWindows`); a job says when."""
     datacenters: tuple[str, ...] = ()
     """Datacenter of each world rank, in rank order (the plan's placement)."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)

@@ -222,6 +222,7 @@ class ElasticState:
         self.cfg, self.a, self.watch, self.formed_at = trainer.cfg, a, watch, formed_at
         self.snapshots, self.checkpoints, self.on_event = trainer.snapshots, trainer.checkpoints, trainer.on_event
         self.device = trainer.loop.device
+        self._loop_s: list[float] = []
         self.checkpoints.new_epoch()
         self._last: tuple[LocalShard, Any] | None = None
         """The last shard kept and its CUDA event: a checkpoint of that step writes it, copying nothing."""
@@ -243,9 +244,26 @@ class ElasticState:
 
     def keep(self, shard: LocalShard) -> None:
         # On a GPU the shard's copies are still in flight: written once they land, off the training thread.
+        began = time.perf_counter()
         ready = self._copies_done()
         self._last = (shard, ready)
         self.snapshots.append(shard, ready)
+        # What the snapshot itself held the loop up for (a CPU's write; not the wait for the last write, which
+        # only says the snapshots come too often)
+        self._loop_s = [*self._loop_s[-2:], time.perf_counter() - began - self.snapshots.waited_s]
+
+    def snapshot_cost(self) -> tuple[float, float]:
+        """(seconds a snapshot holds the loop up, seconds its background write takes): the least of the last
+        three of each, so one slow write on a busy host does not widen the cadence for good."""
+        return min(self._loop_s, default=0.0), min(self.snapshots.write_s, default=0.0)
+
+    def snapshots_widened(self, every: int, loop_s: float, background_s: float, step_s: float) -> None:
+        if self.a.rank == 0:
+            self.on_event("snapshot_cadence", f"state snapshots every {every} steps from now: one holds the loop up "
+                          f"{1000 * loop_s:.1f} ms and its write takes {1000 * background_s:.0f} ms, against "
+                          f"{1000 * step_s:.1f} ms steps (a failure trains up to {every - 1} steps again)",
+                          {"snapshot_every": every, "loop_s": round(loop_s, 4), "write_s": round(background_s, 4),
+                           "step_s": round(step_s, 4)})  # fmt: skip
 
     def _copies_done(self) -> Any:
         if self.device.type != "cuda":

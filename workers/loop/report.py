@@ -26,13 +26,16 @@ import torch
 import torch.distributed as dist
 
 from meridian.workers.loop.step import StepOutput
+from meridian.workers.state.snapshots import snapshot_interval
 from meridian.workers.sync.engine import StepStats
 
 __all__ = ["ReportWindows", "StepReport"]
 
-_CALIBRATION = 3
+_CALIBRATION = 6
 """Per window, after its steps' losses and bytes and the leave flag: this rank's wait for the window before,
-that window's latency from issue to read, and this window's busy seconds (its steps' time, less waits)."""
+that window's latency from issue to read, this window's busy seconds (its steps' time, less waits), and of its
+state snapshots: what one holds the loop up, what its background write takes, and the window's seconds spent
+taking them (:meth:`ReportWindows.add`)."""
 
 
 @dataclass
@@ -58,6 +61,8 @@ class _Window:
     contribs: list[torch.Tensor] = field(default_factory=list)
     flag: float = 0.0
     busy_s: float = 0.0
+    snapshot_cost: tuple[float, float] = (0.0, 0.0)
+    snapshot_s: float = 0.0
 
 
 @dataclass
@@ -94,7 +99,8 @@ class ReportWindows:
     calls): :meth:`add` after each step, :meth:`flush` before leaving the epoch or after its last step."""
 
     def __init__(self, device: torch.device, world_size: int, *, max_window_s: float = 2.0,
-                 min_window_s: float = 0.05, grow_above: float = 0.05, first_window: int = 1) -> None:  # fmt: skip
+                 min_window_s: float = 0.05, grow_above: float = 0.05, first_window: int = 1,
+                 snapshot_every: int = 1, adaptive_snapshots: bool = False) -> None:  # fmt: skip
         self.device = device
         self.world_size = world_size
         self.max_window_s = max_window_s
@@ -108,18 +114,30 @@ class ReportWindows:
         """Steps per window, the same on every rank."""
         self.leave = False
         """Some rank asked to leave: every rank reads the same sum, so all see it after the same step."""
+        self.snapshot_every = snapshot_every
+        """Steps between state snapshots, the same on every rank: with ``adaptive_snapshots`` it widens (never
+        narrows) at a window's read to what :func:`snapshot_interval` asks of the ranks' mean snapshot costs."""
+        self.adaptive_snapshots = adaptive_snapshots
+        self.snapshots_widened: tuple[int, float, float, float] | None = None
+        """Set when the last read widened the cadence: (every, loop_s, background_s, step_s); the loop clears it."""
         self._open = _Window()
         self._in_flight: _InFlight | None = None
         self._last_wait_s = 0.0
         self._last_latency_s = 0.0
         self._mark = time.perf_counter()
 
-    def add(self, step: int, out: StepOutput, contrib: torch.Tensor, *, leave: bool) -> list[StepReport]:
+    def add(self, step: int, out: StepOutput, contrib: torch.Tensor, *, leave: bool,
+            snapshot: tuple[tuple[float, float], float] | None = None) -> list[StepReport]:  # fmt: skip
         """A finished step: ``contrib`` is this rank's share of its loss (0-d, on the device) and ``leave``
-        whether this rank asks to leave. Returns the steps whose sums were read now, in order."""
+        whether this rank asks to leave; ``snapshot``, when the step took one: this rank's snapshot cost
+        (seconds it holds the loop up, seconds its background write takes) and the seconds this step spent
+        taking it. Returns the steps whose sums were read now, in order."""
         now = time.perf_counter()
         w = self._open
         w.busy_s += now - self._mark
+        if snapshot is not None:
+            w.snapshot_cost = snapshot[0]
+            w.snapshot_s += snapshot[1]
         w.rows.append(StepReport(step=step, out=out, done_at=time.time()))
         w.contribs.append(contrib.detach().float().reshape(1))
         w.flag = max(w.flag, 1.0 if leave else 0.0)
@@ -154,7 +172,7 @@ class ReportWindows:
     def _issue(self, w: _Window) -> _InFlight:
         n, dev = len(w.rows), self.device
         host = [float(r.out.inter_dc_bytes) for r in w.rows]
-        host += [w.flag, self._last_wait_s, self._last_latency_s, w.busy_s]
+        host += [w.flag, self._last_wait_s, self._last_latency_s, w.busy_s, *w.snapshot_cost, w.snapshot_s]
         # On this rank's device (NCCL on a GPU): no host sync here, the sum is read a window later.
         totals = torch.cat([torch.cat(w.contribs).to(dev), torch.tensor(host).to(dev, non_blocking=True)])
         work = dist.all_reduce(totals, async_op=True)
@@ -187,8 +205,15 @@ class ReportWindows:
             norm = t[2 * n + 1 + _CALIBRATION + i] if f.ready is not None else float(row.out.stats.grad_norm)
             row.stats = replace(row.out.stats, grad_norm=norm)
         self.leave = self.leave or t[2 * n] > 0
-        wait_s, latency_s, busy_s = (x / self.world_size for x in t[2 * n + 1: 2 * n + 1 + _CALIBRATION])
+        wait_s, latency_s, busy_s, loop_s, background_s, snapshot_s = (
+            x / self.world_size for x in t[2 * n + 1: 2 * n + 1 + _CALIBRATION])
         self._widen(wait_s, latency_s, busy_s / n)
+        if self.adaptive_snapshots and (loop_s or background_s):
+            step_s = max(0.0, busy_s - snapshot_s) / n
+            every = snapshot_interval(loop_s, background_s, step_s)
+            if every > self.snapshot_every:
+                self.snapshot_every = every
+                self.snapshots_widened = (every, loop_s, background_s, step_s)
         return f.rows
 
     def _widen(self, wait_s: float, latency_s: float, step_s: float) -> None:

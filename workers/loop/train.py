@@ -58,6 +58,14 @@ class EpochState(Protocol):
         """Whether this rank asks every rank to leave the epoch at the next step boundary."""
         ...
 
+    def snapshot_cost(self) -> tuple[float, float]:
+        """(seconds a snapshot holds the loop up, seconds its background write takes), as measured so far."""
+        ...
+
+    def snapshots_widened(self, every: int, loop_s: float, background_s: float, step_s: float) -> None:
+        """Every rank now snapshots every ``every`` steps, for the costs and step time given (the means of the ranks)."""
+        ...
+
     def step_done(self, replica: Replica, steps_done: int) -> None:
         """After each step, on every rank (a durable checkpoint when one is due)."""
         ...
@@ -98,6 +106,9 @@ class TrainingLoop:
         """Measured by an earlier training process of this worker, if any: a re-formed epoch's first step
         does not wait for rank 0 to measure it again."""
         self.on_peak = on_peak
+        self.snapshot_every = cfg.snapshot_every
+        """Steps between state snapshots: ``cfg.snapshot_every``, widened as measured (``cfg.snapshot_adaptive``);
+        a later epoch of this process starts where the last one got to."""
 
     def run_epoch(self, membership: Membership, state: EpochState | None = None) -> EpochOutcome:
         """Train ``membership``'s epoch on this rank; every rank of the epoch's default group must call it."""
@@ -139,7 +150,8 @@ class TrainingLoop:
         peak = self._device_peak(m.rank)
         first_loss = final_loss = math.nan
         timed_tokens, timed_s, inter_dc_total, steps_here = 0, 0.0, 0, 0
-        reports = ReportWindows(replica.device, m.world_size)
+        reports = ReportWindows(replica.device, m.world_size, snapshot_every=self.snapshot_every,
+                                adaptive_snapshots=cfg.snapshot_adaptive and state is not None)
         prefetch = BatchPrefetch.for_replica(data, cfg, replica)  # CUDA: pinned, one step ahead; CPU: None
 
         def publish(rows: list[StepReport]) -> None:
@@ -158,15 +170,23 @@ class TrainingLoop:
         step = start
         while step < cfg.steps:
             started = time.perf_counter()
-            # Every ``snapshot_every`` steps (the recovery promise: up to k - 1 steps trained again).
-            snap = state is not None and (step + 1) % cfg.snapshot_every == 0
+            # Every k steps (the recovery promise: up to k - 1 steps trained again); every rank has the same k.
+            snap = state is not None and (step + 1) % reports.snapshot_every == 0
             out = timed_step(replica, data, cfg, step, rank_step, snapshot=snap, prefetch=prefetch)
+            snapshot = None
             if snap:
                 assert state is not None and out.stats.shard is not None
+                began = time.perf_counter()
                 state.keep(out.stats.shard)
+                snapshot = (state.snapshot_cost(), time.perf_counter() - began)
             dev = replica.device
             contrib = out.loss if replica.reports_loss else torch.zeros((), device=dev)
-            publish(reports.add(step, out, contrib, leave=state is not None and state.leave_requested()))
+            publish(reports.add(step, out, contrib, leave=state is not None and state.leave_requested(),
+                                snapshot=snapshot))
+            if reports.snapshots_widened is not None:
+                assert state is not None
+                state.snapshots_widened(*reports.snapshots_widened)
+                reports.snapshots_widened, self.snapshot_every = None, reports.snapshot_every
             if steps_here > 0:  # the epoch's first step pays for warm-up: not timed
                 timed_tokens += cfg.tokens_per_step
                 # On CUDA the step only queues kernels; the loop is paced where a window's sum is read, so the

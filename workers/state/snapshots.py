@@ -12,14 +12,37 @@ write stays synchronous.
 
 from __future__ import annotations
 
+import math
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from meridian.workers.state.replica_state import LocalShard
+
+SNAPSHOT_MAX_SHARE = 0.05
+"""An adaptive cadence keeps what snapshots cost the training loop under this share of its step time."""
+SNAPSHOT_FREE_S = 0.01
+"""A snapshot that holds the loop up for less than this is taken every step regardless (a small model's)."""
+WRITER_MARGIN = 1.25
+"""The steps between two snapshots outlast the background write of one by this factor, so the next snapshot
+never waits for the last one's write."""
+
+
+def snapshot_interval(loop_s: float, background_s: float, step_s: float) -> int:
+    """The fewest steps between snapshots such that a snapshot, which holds the training loop up for ``loop_s``
+    (a synchronous write, or waiting for the last write) and keeps a writer busy for ``background_s`` (a GPU's
+    copies and file write, off the loop), costs the loop at most ``SNAPSHOT_MAX_SHARE`` of the steps' time and
+    the writer is done before the next one. ``step_s``: a step's time without snapshots."""
+    if step_s <= 0:
+        return 1
+    k = math.ceil(WRITER_MARGIN * background_s / step_s) if background_s > 0 else 1
+    if loop_s > SNAPSHOT_FREE_S:
+        k = max(k, math.ceil(loop_s / (SNAPSHOT_MAX_SHARE * step_s)))
+    return max(1, k)
 
 
 class SnapshotStore:
@@ -30,6 +53,10 @@ class SnapshotStore:
         self.directory = Path(directory) if directory else None
         self._memory: list[LocalShard] = []
         self._writer: threading.Thread | None = None
+        self.write_s: list[float] = []
+        """Each background write's seconds, from :meth:`append` to the shard kept (newest last, a few)."""
+        self.waited_s = 0.0
+        """How long the last :meth:`append` waited for the write before it."""
         if self.directory is not None:
             self.directory.mkdir(parents=True, exist_ok=True)
 
@@ -40,17 +67,20 @@ class SnapshotStore:
     def append(self, shard: LocalShard, ready: Any = None) -> None:
         """Keep ``shard``; ``ready``: a CUDA event after which its (pinned, non-blocking) copies are complete,
         to write it on a writer thread instead of now."""
+        began = time.perf_counter()
         self.wait()
+        self.waited_s = time.perf_counter() - began
         if ready is not None:
-            self._writer = threading.Thread(target=self._append_when_ready, args=(shard, ready),
+            self._writer = threading.Thread(target=self._append_when_ready, args=(shard, ready, time.perf_counter()),
                                             name="meridian-snapshot", daemon=True)  # fmt: skip
             self._writer.start()
             return
         self._append(shard)
 
-    def _append_when_ready(self, shard: LocalShard, ready: Any) -> None:
+    def _append_when_ready(self, shard: LocalShard, ready: Any, since: float) -> None:
         ready.synchronize()
         self._append(shard)
+        self.write_s = [*self.write_s[-2:], time.perf_counter() - since]
 
     def wait(self) -> None:
         """Until the shard being written (if any) is kept."""
