@@ -27,6 +27,7 @@ BENCHMARKS: dict[str, str] = {
     "checkpoint": "meridian.bench.checkpoint",
     "lab": "meridian.bench.lab",
     "pgspin": "meridian.bench.pgspin",
+    "gpu": "meridian.bench.gpu",
 }
 
 
