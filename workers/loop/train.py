@@ -106,9 +106,6 @@ class TrainingLoop:
         """Measured by an earlier training process of this worker, if any: a re-formed epoch's first step
         does not wait for rank 0 to measure it again."""
         self.on_peak = on_peak
-        self.snapshot_every = cfg.snapshot_every
-        """Steps between state snapshots: ``cfg.snapshot_every``, widened as measured (``cfg.snapshot_adaptive``);
-        a later epoch of this process starts where the last one got to."""
 
     def run_epoch(self, membership: Membership, state: EpochState | None = None) -> EpochOutcome:
         """Train ``membership``'s epoch on this rank; every rank of the epoch's default group must call it."""
@@ -150,7 +147,9 @@ class TrainingLoop:
         peak = self._device_peak(m.rank)
         first_loss = final_loss = math.nan
         timed_tokens, timed_s, inter_dc_total, steps_here = 0, 0.0, 0, 0
-        reports = ReportWindows(replica.device, m.world_size, snapshot_every=self.snapshot_every,
+        # Every epoch starts from the job's cadence, on every rank alike (a newcomer knows no other), and widens it
+        # as measured (cfg.snapshot_adaptive)
+        reports = ReportWindows(replica.device, m.world_size, snapshot_every=cfg.snapshot_every,
                                 adaptive_snapshots=cfg.snapshot_adaptive and state is not None)
         prefetch = BatchPrefetch.for_replica(data, cfg, replica)  # CUDA: pinned, one step ahead; CPU: None
 
@@ -186,7 +185,7 @@ class TrainingLoop:
             if reports.snapshots_widened is not None:
                 assert state is not None
                 state.snapshots_widened(*reports.snapshots_widened)
-                reports.snapshots_widened, self.snapshot_every = None, reports.snapshot_every
+                reports.snapshots_widened = None
             if steps_here > 0:  # the epoch's first step pays for warm-up: not timed
                 timed_tokens += cfg.tokens_per_step
                 # On CUDA the step only queues kernels; the loop is paced where a window's sum is read, so the
