@@ -53,3 +53,44 @@ def test_the_next_process_starts_while_the_failed_one_still_exits(device, handed
     still_exiting = agent.run()
     assert still_exiting is handed_over_early
     assert agent.restarts == 1 and started[0].exitcode == RESTART_EXIT_CODE  # reaped either way
+
+
+def _fails_with(conn, text: str) -> None:
+    send(conn, ("error", text))
+    os._exit(1)
+
+
+NESTED = """Traceback (most recent call last):
+  File "/x/child.py", line 87, in main
+    result = trainer.run()
+  File "/x/shards.py", line 12, in read
+    raise OSError(28, "No space left on device")
+OSError: [Errno 28] No space left on device
+"""
+
+
+def test_a_training_failure_names_the_exception_first_and_the_job_says_it(tmp_path):
+    from meridian.service.runner.actor import _describe_failure
+    from meridian.workers.elastic.agent import raised
+
+    ctx = mp.get_context("fork")
+    cfg = TrainConfig(job_id="error-test", model=model_preset("nano"), steps=2, global_batch=2, micro_batch=1,
+                      datacenters=("a",))  # fmt: skip
+    agent = Agent(cfg, lambda *a: None, worker_id="w0", datacenter="a", node_id="n0", address="127.0.0.1", threads=1)
+
+    def take_standby():
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=_fails_with, args=(child, NESTED))
+        proc.start()
+        child.close()
+        return SimpleNamespace(conn=parent, proc=proc)
+
+    agent._take_standby = take_standby
+    with pytest.raises(RuntimeError) as failure:
+        agent.run()
+    first = str(failure.value).splitlines()[0]
+    assert first == "training failed: OSError: [Errno 28] No space left on device"
+    # what the job's message says (the runner's one paragraph): the cause, not "training failed:" alone
+    assert "No space left on device" in _describe_failure(f"RuntimeError: {failure.value}")
+    assert raised("Traceback (most recent call last):\n  File 'x'\nValueError: bad\n  more of it\n") == "ValueError: bad"
+    assert raised("KeyboardInterrupt") == "KeyboardInterrupt" and raised("") == "(no message)"

@@ -26,6 +26,7 @@ proof, when this process is gone, that it need not wait for it.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import threading
 from collections.abc import Callable
@@ -51,6 +52,15 @@ def _reap(proc: Any) -> None:
         proc.kill()
         proc.join(5)
 
+
+
+def raised(traceback_text: str) -> str:
+    """The exception a formatted traceback ends with (``"OSError: [Errno 28] No space left on device"``): its last
+    line at column 0, the one a person needs first; the frames above it are indented."""
+    lines = [line for line in traceback_text.strip().splitlines() if line and not line[0].isspace()]
+    exception = re.compile(r"[A-Za-z_][\w.]*(: |$)")  # "Name: message" or a bare "Name"
+    return next((line for line in reversed(lines) if exception.match(line) and not line.startswith("Traceback (")),
+                lines[-1] if lines else "(no message)")
 
 class Agent:
     """Runs the job's training in child processes until it finishes; restarts a child whose epoch broke."""
@@ -198,4 +208,4 @@ class Agent:
             elif kind == "done":
                 return ("done", msg[1])
             elif kind == "error":
-                raise RuntimeError(f"training failed:\n{msg[1]}")
+                raise RuntimeError(f"training failed: {raised(msg[1])}\n{msg[1]}")
