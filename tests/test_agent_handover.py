@@ -94,3 +94,27 @@ def test_a_training_failure_names_the_exception_first_and_the_job_says_it(tmp_pa
     assert "No space left on device" in _describe_failure(f"RuntimeError: {failure.value}")
     assert raised("Traceback (most recent call last):\n  File 'x'\nValueError: bad\n  more of it\n") == "ValueError: bad"
     assert raised("KeyboardInterrupt") == "KeyboardInterrupt" and raised("") == "(no message)"
+
+
+def _widens_then_finishes(conn, every: int) -> None:
+    send(conn, ("cadence", every))
+    send(conn, ("done", None))
+
+
+def test_the_agent_keeps_the_snapshot_cadence_for_the_next_training_process():
+    ctx = mp.get_context("fork")
+    cfg = TrainConfig(job_id="cadence-test", model=model_preset("nano"), steps=2, global_batch=2, micro_batch=1,
+                      datacenters=("a",))  # fmt: skip
+    agent = Agent(cfg, lambda *a: None, worker_id="w0", datacenter="a", node_id="n0", address="127.0.0.1", threads=1)
+    assert agent.ids["snapshot_every"] == 1  # what its first training process joins with
+
+    def take_standby():
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=_widens_then_finishes, args=(child, 17))
+        proc.start()
+        child.close()
+        return SimpleNamespace(conn=parent, proc=proc)
+
+    agent._take_standby = take_standby
+    agent.run()
+    assert agent.ids["snapshot_every"] == 17  # a restarted process would join with it

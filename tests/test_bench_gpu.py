@@ -36,3 +36,9 @@ def test_the_plain_loop_trains_the_same_model_and_times_the_steps_after_the_firs
 def test_without_a_gpu_it_says_so_instead_of_measuring_a_cpu():
     with pytest.raises(RuntimeError, match="needs a CUDA device"):
         gpu.run(_args())
+
+
+def test_the_steady_state_is_the_second_half_of_the_jobs_steps():
+    step_s = {1: 2.0, 2: 1.5, 3: 0.2, 4: 0.1, 5: 0.1, 6: 0.1}  # a slow start, then 0.1 s steps
+    assert gpu.second_half_tokens_per_s(step_s, 1000) == pytest.approx(10_000)
+    assert gpu.second_half_tokens_per_s({}, 1000) is None

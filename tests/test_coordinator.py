@@ -9,9 +9,9 @@ from meridian.service.runner.coordinator import Coordinator
 from meridian.workers.contracts.rendezvous import Assignment, Finished, JoinRequest, Waiting
 
 
-def member(i, dc, step=0):
+def member(i, dc, step=0, snapshot_every=1):
     return JoinRequest(worker_id=f"w{i}", datacenter=dc, node_id=f"n{i}", address="127.0.0.1", port=29500 + i,
-                       last_step=step)
+                       last_step=step, snapshot_every=snapshot_every)
 
 
 def test_workers_get_ranks_grouped_by_datacenter_and_rank0_hosts_the_store():
@@ -63,6 +63,22 @@ def test_newcomer_is_signalled_to_members_and_joins_at_the_next_boundary():
     assert newcomer["w5"].newcomer_ranks == (2,) and newcomer["w5"].world_size == 3
     assert newcomer["w5"].is_newcomer and not out["w0"].is_newcomer
     assert out["w0"].resume_step == 4
+
+
+def test_a_re_formed_epoch_starts_every_rank_at_the_widest_snapshot_cadence_agreed_so_far():
+    events = []
+    c = Coordinator(planned_workers=2, min_workers=1, dc_order=("dc-a",), on_event=lambda *e: events.append(e))
+    threads, first = join_concurrently(c, [member(0, "dc-a"), member(1, "dc-a")])
+    for t in threads:
+        t.join(10)
+    assert {a.snapshot_every for a in first.values()} == {1}
+    newcomer_threads, newcomer = join_concurrently(c, [member(5, "dc-a")])  # a new worker knows none
+    threads, out = join_concurrently(c, [member(0, "dc-a", step=17, snapshot_every=17),
+                                         member(1, "dc-a", step=17, snapshot_every=17)], known_epoch=1)
+    for t in threads + newcomer_threads:
+        t.join(10)
+    assert {a.snapshot_every for a in [*out.values(), *newcomer.values()]} == {17}  # the same on every rank
+    assert events[-1][0] == "epoch_formed" and events[-1][2]["snapshot_every"] == 17
 
 
 def test_every_poll_of_one_join_offers_the_same_store_port():

@@ -119,7 +119,7 @@ class _FormedRendezvous:
                             master_port=0, resume_step=resume_step, from_checkpoint=False,
                             newcomer_ranks=tuple(range(world)))  # fmt: skip
 
-    def join(self, *, last_step, timeout_s):
+    def join(self, *, last_step, timeout_s, snapshot_every=1):
         return self.a
 
     def form(self, a):

@@ -82,13 +82,15 @@ class _SlowSnapshots:
         pass
 
 
-def _loop_rank(rank, world, cfg, hold_s):
+def _loop_rank(rank, world, cfg, hold_s, first_every=1):
+    from dataclasses import replace
+
     from meridian.workers.loop.replica import Membership
     from meridian.workers.loop.train import ListSink, TrainingLoop
 
     state = _SlowSnapshots(hold_s)
     loop = TrainingLoop(cfg, sink=ListSink(), keep_params=True)
-    outcome = loop.run_epoch(Membership.of_default_group(cfg), state)
+    outcome = loop.run_epoch(replace(Membership.of_default_group(cfg), snapshot_every=first_every), state)
     return {"kept": state.kept, "widened": state.widened, "params": outcome.result.final_params}
 
 
@@ -114,3 +116,18 @@ def test_slow_snapshots_are_spaced_out_alike_on_every_rank_and_change_nothing_of
     assert fixed[0]["kept"] == list(range(1, 41))  # a fixed cadence of 1: after every step
     for name, p in fixed[0]["params"].items():  # snapshots are copies: the training is the same
         assert torch.equal(a["params"][name], p), name
+
+
+def test_an_epoch_starts_at_the_cadence_the_rendezvous_hands_it_and_a_fixed_one_ignores_it():
+    from dataclasses import replace
+
+    from meridian.workers.contracts.config import OptimConfig, TrainConfig
+    from meridian.workers.contracts.model_config import model_preset
+    from meridian.workers.distributed.multiproc import run_processes
+
+    cfg = TrainConfig(job_id="cadence", model=model_preset("nano"), steps=12, global_batch=8, micro_batch=2,
+                      datacenters=("dc-a", "dc-b"), optim=OptimConfig(warmup_steps=1), snapshot_adaptive=True)
+    started_wide = run_processes(_loop_rank, 2, cfg, 0.0, 5, timeout_s=240)
+    assert all(r["kept"] == [5, 10] for r in started_wide)  # (cheap snapshots: it never narrows)
+    fixed = run_processes(_loop_rank, 2, replace(cfg, snapshot_adaptive=False), 0.0, 5, timeout_s=240)
+    assert all(r["kept"] == list(range(1, 13)) for r in fixed)

@@ -168,6 +168,7 @@ class Coordinator:
             epoch=e.number, rank=rank, world_size=len(e.members), datacenters=e.datacenters,
             master_addr=master.address, master_port=self._ports[master.worker_id], resume_step=e.resume_step,
             from_checkpoint=e.from_checkpoint, newcomer_ranks=tuple(e.rank_of(w) for w in e.newcomers),
+            snapshot_every=max(m.snapshot_every for m in e.members),
         )
 
     def _decide_locked(self) -> None:
@@ -202,6 +203,7 @@ class Coordinator:
                 {"epoch": e.number, "datacenters": list(e.datacenters), "resume_step": e.resume_step,
                  "lost": [m.worker_id for m in decision.lost], "newcomers": list(e.newcomers),
                  "from_checkpoint": e.from_checkpoint, "time": time.time(),
+                 "snapshot_every": max(m.snapshot_every for m in e.members),
                  "placement": [{"rank": r, "worker_id": m.worker_id, "node_id": m.node_id, "datacenter": m.datacenter}
                                for r, m in enumerate(e.members)]},
             )

@@ -37,13 +37,15 @@ class Member:
     """Optimizer steps this worker has completed (its newest in-memory snapshot)."""
     probe_port: int = 0
     """Its agent's liveness port (:mod:`meridian.service.runner.liveness`); 0: it has none."""
+    snapshot_every: int = 1
+    """The widest snapshot cadence its epochs agreed so far."""
 
     @classmethod
     def from_request(cls, request: JoinRequest, *, joined_at: float) -> Member:
         """The member a worker's join makes; ``joined_at``: when the coordinator first saw that worker."""
         return cls(worker_id=request.worker_id, datacenter=request.datacenter, node_id=request.node_id,
                    address=request.address, joined_at=joined_at, last_step=request.last_step,
-                   probe_port=request.probe_port)
+                   probe_port=request.probe_port, snapshot_every=request.snapshot_every)
 
 
 @dataclass(frozen=True)

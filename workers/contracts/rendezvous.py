@@ -26,6 +26,8 @@ class JoinRequest:
     """Where this worker hosts the store if it becomes rank 0: the same for every poll of one join."""
     last_step: int = 0
     """Optimizer steps this worker has completed (its newest in-memory snapshot)."""
+    snapshot_every: int = 1
+    """The widest state-snapshot cadence this worker's epochs agreed so far (``TrainConfig.snapshot_adaptive``)."""
     probe_port: int = 0
     """Where this worker's agent listens for as long as its process lives (0: nowhere); the coordinator
     connects there to learn, without waiting for Ray, that a silent member is gone."""
@@ -48,6 +50,9 @@ class Assignment:
     """No member holds the state in memory: everyone loads the latest durable checkpoint."""
     newcomer_ranks: tuple[int, ...]
     """Ranks without state: they receive it from the others."""
+    snapshot_every: int = 1
+    """The snapshot cadence every rank starts this epoch with: the widest any member had agreed (a re-formed
+    epoch's snapshots cost about what the last one's did; an adaptive job widens it further as measured)."""
 
     @property
     def is_newcomer(self) -> bool:

@@ -77,7 +77,7 @@ class Agent:
             "worker_id": worker_id, "datacenter": datacenter, "node_id": node_id, "address": address,
             "backend": backend, "collective_timeout_s": collective_timeout_s, "join_timeout_s": join_timeout_s,
             "keep": KEEP_SNAPSHOTS, "epoch": 0, "keep_params": keep_params, "parent_pid": os.getpid(),
-            "probe_port": 0, "peak": None,
+            "probe_port": 0, "peak": None, "snapshot_every": 1,
         }  # fmt: skip
         self.device = device
         self.threads = threads
@@ -202,6 +202,8 @@ class Agent:
                     self.ids["epoch"], self._joining = msg[1], False
             elif kind == "peak":
                 self.ids["peak"] = msg[1]  # the next training process reuses rank 0's device peak
+            elif kind == "cadence":
+                self.ids["snapshot_every"] = msg[1]  # and joins the next epoch with the cadence agreed so far
             elif kind == LEAVING and not self.device.startswith("cuda"):
                 # (On a GPU the next process waits for the exit: the old one's device memory is freed by it.)
                 return LEAVING

@@ -82,6 +82,7 @@ def child_main(conn: Any, cfg: TrainConfig, ids: dict[str, Any], store_dir: str,
         snapshots=SnapshotStore(ids["keep"], store_dir), exit_on_failure=True,
         on_epoch=lambda n: client.tell("epoch", n), keep_params=ids["keep_params"],
         peak=ids["peak"], on_peak=lambda p: client.tell("peak", p), before_exit=client.leaving,
+        snapshot_every=ids["snapshot_every"], on_snapshot_cadence=lambda k: client.tell("cadence", k),
     )  # fmt: skip
     try:
         result = trainer.run()

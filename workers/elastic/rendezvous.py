@@ -72,7 +72,8 @@ class Rendezvous:
         self._store: dist.TCPStore | None = None
         """The store server this worker hosts from its join until its epoch forms (see the module's note)."""
 
-    def join(self, *, last_step: int, timeout_s: float, on_wait: Callable[[str], None] | None = None) -> Assignment:
+    def join(self, *, last_step: int, timeout_s: float, on_wait: Callable[[str], None] | None = None,
+             snapshot_every: int = 1) -> Assignment:
         """Block until the coordinator puts this worker in an epoch newer than the one it knows."""
         deadline = time.monotonic() + timeout_s
         reason = ""
@@ -81,7 +82,7 @@ class Rendezvous:
         self._store = host_store(self.address, self._timeout)
         request = JoinRequest(worker_id=self.worker_id, datacenter=self.datacenter, node_id=self.node_id,
                               address=self.address, port=self._store.port, last_step=last_step,
-                              probe_port=self.probe_port)  # fmt: skip
+                              snapshot_every=snapshot_every, probe_port=self.probe_port)  # fmt: skip
         while True:
             reply = self.call("join", request, self.epoch)
             if isinstance(reply, Finished):

@@ -117,6 +117,7 @@ class ElasticTrainer:
         device: torch.device | None = None, join_timeout_s: float = 600.0, snapshots: SnapshotStore | None = None,
         exit_on_failure: bool = False, on_epoch: Callable[[int], None] | None = None, keep_params: bool = False,
         peak: Any = None, on_peak: Callable[[Any], None] | None = None, before_exit: Callable[[], None] | None = None,
+        snapshot_every: int = 1, on_snapshot_cadence: Callable[[int], None] | None = None,
     ) -> None:  # fmt: skip
         self.cfg = cfg
         self.rdzv = rendezvous
@@ -129,6 +130,10 @@ class ElasticTrainer:
         self.before_exit = before_exit or (lambda: None)
         """Called right before that exit: the agent hands over to the next process without waiting for it."""
         self.on_epoch = on_epoch or (lambda n: None)
+        self.snapshot_every = snapshot_every
+        """The widest snapshot cadence this worker's epochs agreed (an earlier training process's included, from
+        its agent): sent with every join, so the next epoch starts there."""
+        self.on_snapshot_cadence = on_snapshot_cadence or (lambda every: None)
         self.loop = TrainingLoop(cfg, sink=sink, device=device, keep_params=keep_params, on_failure=self._on_failure,
                                  peak=peak, on_peak=on_peak)
         self.checkpoints = Checkpointer(cfg.checkpoint_dir, fingerprint(cfg))
@@ -137,7 +142,8 @@ class ElasticTrainer:
         """Train to the last step; ``None`` when the job finished without this worker (it joined too late)."""
         while True:
             try:
-                a = self.rdzv.join(last_step=self.snapshots.last_step, timeout_s=self.join_timeout_s)
+                a = self.rdzv.join(last_step=self.snapshots.last_step, timeout_s=self.join_timeout_s,
+                                   snapshot_every=self.snapshot_every)
             except JobFinished:
                 return None
             self.on_epoch(a.epoch)
@@ -167,7 +173,8 @@ class ElasticTrainer:
         try:
             self._formed_at = time.monotonic()
             self.rdzv.form(a)
-            m = Membership(epoch=a.epoch, rank=a.rank, world_size=a.world_size, datacenters=a.datacenters)
+            m = Membership(epoch=a.epoch, rank=a.rank, world_size=a.world_size, datacenters=a.datacenters,
+                           snapshot_every=a.snapshot_every)
             if self.cfg.parallel.model_parallel > 1:
                 # Tensor/pipeline-parallel jobs train in one epoch: their in-memory state is not pooled across a
                 # re-formation yet, so after a loss they stop with a reason instead of resuming wrongly. They
@@ -219,7 +226,7 @@ class ElasticState:
 
     def __init__(self, trainer: ElasticTrainer, a: Assignment, watch: PendingChangeWatch | None,
                  formed_at: float = 0.0) -> None:
-        self.cfg, self.a, self.watch, self.formed_at = trainer.cfg, a, watch, formed_at
+        self.cfg, self.a, self.watch, self.formed_at, self.trainer = trainer.cfg, a, watch, formed_at, trainer
         self.snapshots, self.checkpoints, self.on_event = trainer.snapshots, trainer.checkpoints, trainer.on_event
         self.device = trainer.loop.device
         self._loop_s: list[float] = []
@@ -258,6 +265,9 @@ class ElasticState:
         return min(self._loop_s, default=0.0), min(self.snapshots.write_s, default=0.0)
 
     def snapshots_widened(self, every: int, loop_s: float, background_s: float, step_s: float) -> None:
+        if every > self.trainer.snapshot_every:
+            self.trainer.snapshot_every = every
+            self.trainer.on_snapshot_cadence(every)
         if self.a.rank == 0:
             self.on_event("snapshot_cadence", f"state snapshots every {every} steps from now: one holds the loop up "
                           f"{1000 * loop_s:.1f} ms and its write takes {1000 * background_s:.0f} ms, against "

@@ -55,6 +55,9 @@ class Membership:
     world_size: int
     datacenters: tuple[str, ...]
     """Each rank's datacenter, in rank order."""
+    snapshot_every: int = 1
+    """The snapshot cadence the epoch starts with, the same on every rank (an adaptive job's, from the
+    rendezvous: the widest a member had agreed)."""
 
     @classmethod
     def of_default_group(cls, cfg: TrainConfig) -> Membership:

@@ -147,9 +147,10 @@ class TrainingLoop:
         peak = self._device_peak(m.rank)
         first_loss = final_loss = math.nan
         timed_tokens, timed_s, inter_dc_total, steps_here = 0, 0.0, 0, 0
-        # Every epoch starts from the job's cadence, on every rank alike (a newcomer knows no other), and widens it
-        # as measured (cfg.snapshot_adaptive)
-        reports = ReportWindows(replica.device, m.world_size, snapshot_every=cfg.snapshot_every,
+        # Every rank starts the epoch at the same cadence: the job's, or an adaptive job's widest so far (the
+        # rendezvous hands it to survivors and newcomers alike), then widens it as measured
+        first = max(cfg.snapshot_every, m.snapshot_every) if cfg.snapshot_adaptive else cfg.snapshot_every
+        reports = ReportWindows(replica.device, m.world_size, snapshot_every=first,
                                 adaptive_snapshots=cfg.snapshot_adaptive and state is not None)
         prefetch = BatchPrefetch.for_replica(data, cfg, replica)  # CUDA: pinned, one step ahead; CPU: None
 
