@@ -1,6 +1,7 @@
 """The newest few shards of this rank's training state, kept where the next training process finds them.
 
-A rank appends its shard after every step; after a failure the survivors pool the shards of the step they all
+A rank appends its shard every k steps (``TrainConfig.snapshot_every``, widened as measured with
+``snapshot_adaptive``: :func:`snapshot_interval`); after a failure the survivors pool the shards of the step they all
 completed (:func:`meridian.workers.state.replica_state.assemble`). In a RAM-backed folder (``/dev/shm``) the
 shards outlive the training process, which the agent restarts after every peer failure.
 
@@ -34,9 +35,10 @@ never waits for the last one's write."""
 
 def snapshot_interval(loop_s: float, background_s: float, step_s: float) -> int:
     """The fewest steps between snapshots such that a snapshot, which holds the training loop up for ``loop_s``
-    (a synchronous write, or waiting for the last write) and keeps a writer busy for ``background_s`` (a GPU's
-    copies and file write, off the loop), costs the loop at most ``SNAPSHOT_MAX_SHARE`` of the steps' time and
-    the writer is done before the next one. ``step_s``: a step's time without snapshots."""
+    (a CPU's synchronous write; not a wait for the last write, which only says snapshots come too often) and
+    keeps a writer busy for ``background_s`` (a GPU's copies and file write, off the loop), costs the loop at most
+    ``SNAPSHOT_MAX_SHARE`` of the steps' time and the writer is done before the next one. ``step_s``: a step's
+    time without snapshots."""
     if step_s <= 0:
         return 1
     k = math.ceil(WRITER_MARGIN * background_s / step_s) if background_s > 0 else 1
