@@ -15,6 +15,7 @@ import torch
 from meridian.workers.distributed.multiproc import run_processes
 from meridian.workers.loop.report import ReportWindows
 from meridian.workers.loop.step import StepOutput
+from meridian.workers.state.snapshots import snapshot_interval
 from meridian.workers.sync.engine import StepStats
 
 
@@ -124,7 +125,7 @@ def _snapshotting(rank: int, world: int, steps: int, step_s: float, write_s: flo
     """A loop whose snapshots keep a background writer busy for ``write_s`` (a GPU's copies and file write);
     rank 1's writer is twice as slow. Returns the steps this rank snapshotted and the cadence after each."""
     windows = ReportWindows(torch.device("cpu"), world, adaptive_snapshots=adaptive)
-    snapped, cadence = [], []
+    snapped, cadence, widened = [], [], []
     for step in range(steps):
         time.sleep(step_s)
         out = StepOutput(loss=torch.zeros(()), stats=StepStats(grad_norm=0.0, inter_dc_bytes=0, sync_wait_s=0.0),
@@ -134,17 +135,22 @@ def _snapshotting(rank: int, world: int, steps: int, step_s: float, write_s: flo
         cost = (0.0, write_s * (1 + rank)) if snap else None
         windows.add(step, out, torch.zeros(()), leave=False, snapshot=None if cost is None else (cost, 0.0))
         cadence.append(windows.snapshot_every)
+        if windows.snapshots_widened is not None:
+            widened.append(windows.snapshots_widened)
+            windows.snapshots_widened = None
     windows.flush()
-    return {"snapped": snapped, "cadence": cadence}
+    return {"snapped": snapped, "cadence": cadence, "widened": widened}
 
 
 def test_every_rank_widens_its_snapshot_cadence_at_the_same_step_from_the_ranks_mean_cost():
     world, steps, step_s, write_s = 2, 60, 0.01, 0.04  # writes of 40 and 80 ms against 10 ms steps
     results = run_processes(_snapshotting, world, steps, step_s, write_s, True, timeout_s=120)
-    assert results[0] == results[1]  # same steps snapshotted, same cadence after every step
+    assert results[0] == results[1]  # same steps snapshotted, same cadence after every step, same figures
     final = results[0]["cadence"][-1]
-    # the mean write (60 ms) over a step of ~10 ms (sleep plus the loop's own time), with the writer's margin
-    assert 5 <= final <= 8
+    every, loop_s, background_s, measured_step_s = results[0]["widened"][-1]
+    # the ranks' mean write (40 and 80 ms) over the step they measured (a sleep of 10 ms plus the loop's own time)
+    assert background_s == pytest.approx(0.06) and loop_s == 0.0 and measured_step_s >= step_s
+    assert final == every == snapshot_interval(loop_s, background_s, measured_step_s) > 1
     assert results[0]["cadence"][0] == 1 and sorted(results[0]["cadence"]) == results[0]["cadence"]  # only widens
     widened_at = results[0]["cadence"].index(final)
     later = [s for s in results[0]["snapped"] if s > widened_at]
