@@ -90,10 +90,10 @@ class LocalCluster:
         from ray.cluster_utils import Cluster
 
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-        host_gpus = host_gpu_ids()
-        shares = iter(gpu_shares(host_gpus, sum(self.datacenters.values())))
-        if host_gpus and len(host_gpus) < sum(self.datacenters.values()):
-            self.gpu_note = (f"this host has {len(host_gpus)} GPU(s) for {sum(self.datacenters.values())} simulated nodes "
+        host_gpus, nodes = host_gpu_ids(), sum(self.datacenters.values())
+        shares = iter(gpu_shares(host_gpus, nodes))
+        if host_gpus and len(host_gpus) < nodes:
+            self.gpu_note = (f"this host has {len(host_gpus)} GPU(s) for {nodes} simulated nodes "
                              "and one GPU cannot host two ranks: the workers run on CPU (give as many nodes as GPUs, "
                              "e.g. --datacenters dc-a:1, to train on the GPU)")
             log.warning("embedded cluster: %s", self.gpu_note)

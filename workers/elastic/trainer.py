@@ -254,10 +254,10 @@ class ElasticState:
         began = time.perf_counter()
         ready = self._copies_done()
         self._last = (shard, ready)
-        self.snapshots.append(shard, ready)
+        waited_s = self.snapshots.append(shard, ready)
         # What the snapshot itself held the loop up for (a CPU's write; not the wait for the last write, which
         # only says the snapshots come too often)
-        self._loop_s = [*self._loop_s[-2:], time.perf_counter() - began - self.snapshots.waited_s]
+        self._loop_s = [*self._loop_s[-2:], time.perf_counter() - began - waited_s]
 
     def snapshot_cost(self) -> tuple[float, float]:
         """(seconds a snapshot holds the loop up, seconds its background write takes): the least of the last

@@ -57,8 +57,6 @@ class SnapshotStore:
         self._writer: threading.Thread | None = None
         self.write_s: list[float] = []
         """Each background write's seconds, from :meth:`append` to the shard kept (newest last, a few)."""
-        self.waited_s = 0.0
-        """How long the last :meth:`append` waited for the write before it."""
         if self.directory is not None:
             self.directory.mkdir(parents=True, exist_ok=True)
 
@@ -66,18 +64,19 @@ class SnapshotStore:
         assert self.directory is not None
         return sorted(self.directory.glob("shard-*.pt"))
 
-    def append(self, shard: LocalShard, ready: Any = None) -> None:
+    def append(self, shard: LocalShard, ready: Any = None) -> float:
         """Keep ``shard``; ``ready``: a CUDA event after which its (pinned, non-blocking) copies are complete,
-        to write it on a writer thread instead of now."""
+        to write it on a writer thread instead of now. Returns the seconds it waited for the write before it."""
         began = time.perf_counter()
         self.wait()
-        self.waited_s = time.perf_counter() - began
+        waited_s = time.perf_counter() - began
         if ready is not None:
             self._writer = threading.Thread(target=self._append_when_ready, args=(shard, ready, time.perf_counter()),
                                             name="meridian-snapshot", daemon=True)  # fmt: skip
             self._writer.start()
-            return
+            return waited_s
         self._append(shard)
+        return waited_s
 
     def _append_when_ready(self, shard: LocalShard, ready: Any, since: float) -> None:
         ready.synchronize()
