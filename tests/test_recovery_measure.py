@@ -69,3 +69,27 @@ def test_phases_kill_then_bring_back_then_stop():
     assert p.next_action(records + [{"step": 40, "time": 45.0, "workers": 4}]) == "done"
     now[0] = 31.0  # gave up waiting for the returning worker
     assert p.next_action(records) == "done"
+
+
+def _recovery_args(*argv: str):
+    import argparse
+
+    from meridian.bench import recovery
+
+    p = argparse.ArgumentParser()
+    recovery.add_arguments(p)
+    return p.parse_args(list(argv))
+
+
+def test_the_meridian_side_keeps_every_steps_state_unless_told_auto():
+    from meridian.api.schemas import JobSpec
+    from meridian.bench import recovery
+
+    # The "≤ 1 step lost" is a promise of every-step snapshots: the default asks for them exactly, since a
+    # job's own default ("auto") may widen the cadence on this machine and train up to k - 1 steps again.
+    assert JobSpec.model_validate(recovery.job_spec(_recovery_args())).to_request().snapshot_every == 1
+    auto = recovery.job_spec(_recovery_args("--snapshot-every", "auto"))
+    assert JobSpec.model_validate(auto).to_request().snapshot_every is None  # the service's adaptive cadence
+    assert JobSpec.model_validate(recovery.job_spec(_recovery_args("--snapshot-every", "4"))).to_request().snapshot_every == 4
+    with pytest.raises(SystemExit):
+        _recovery_args("--snapshot-every", "0")
