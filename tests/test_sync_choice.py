@@ -273,3 +273,12 @@ def test_planner_sends_per_step_sync_in_bf16_on_a_measured_link_where_fp32_would
     # with the planner's buckets (four of 1 MiB) backward hides all but the last one's sync: exact fp32 again
     sized = plan_job(replace(demo, sync=replace(demo.sync, bucket_mb=None)), topo, link)
     assert sized.bucket_mb == 1.0 and sized.compression is None and "limit 5%" in sized.explanation
+
+
+def test_the_planners_int4_bytes_are_what_the_codec_puts_on_the_wire():
+    import torch
+
+    from meridian.workers.sync.compression import Int4Codec
+
+    n = 128 * 1000  # whole blocks: only the 4-byte element count is left out of the per-parameter figure
+    assert Int4Codec().encode(torch.randn(n)).numel() == OUTER_BYTES_PER_PARAM * n + 4

@@ -25,14 +25,16 @@ from typing import Protocol
 import torch
 
 from meridian.workers.contracts.config import Compression
+from meridian.workers.contracts.wire_format import (
+    INT4_BLOCK,
+    INT4_HEADER_BYTES,
+    SCALE_BYTES,
+    int4_payload_bytes,
+    int8_payload_bytes,
+)
 
 INT8_LEVELS = 127
 INT4_LEVELS = 7
-INT4_BLOCK = 128
-"""Elements per int4 scale: a smaller block follows the delta's local magnitude better, at 4 / BLOCK bytes
-per element more on the wire."""
-_SCALE_BYTES = 4  # one fp32 scale rides at the end of every int8 payload
-_HEADER_BYTES = 4  # int4: the element count (int32) leads the payload, so a payload decodes on its own
 
 
 class Codec(Protocol):
@@ -57,7 +59,7 @@ class Int8Codec:
     """``[q_0 … q_{n-1} | scale]`` as n + 4 bytes (uint8 on the wire: every backend carries bytes)."""
 
     def payload_bytes(self, n: int) -> int:
-        return n + _SCALE_BYTES
+        return int8_payload_bytes(n)
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         x = x.float()
@@ -67,8 +69,8 @@ class Int8Codec:
         return torch.cat([q.view(torch.uint8), scale.view(torch.uint8)])
 
     def decode(self, payload: torch.Tensor) -> torch.Tensor:
-        q = payload[:-_SCALE_BYTES].view(torch.int8)
-        scale = payload[-_SCALE_BYTES:].clone().view(torch.float32)
+        q = payload[:-SCALE_BYTES].view(torch.int8)
+        scale = payload[-SCALE_BYTES:].clone().view(torch.float32)
         return q.float() * scale
 
     def decode_sum(self, gathered: torch.Tensor) -> torch.Tensor:
@@ -87,8 +89,7 @@ class Int4Codec:
         self.block = block
 
     def payload_bytes(self, n: int) -> int:
-        blocks = -(-n // self.block)
-        return _HEADER_BYTES + blocks * self.block // 2 + blocks * _SCALE_BYTES
+        return int4_payload_bytes(n, self.block)
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         x = x.float().reshape(-1)
@@ -105,10 +106,10 @@ class Int4Codec:
         return torch.cat([header, packed, scale.reshape(-1).view(torch.uint8)])
 
     def decode(self, payload: torch.Tensor) -> torch.Tensor:
-        n = int(payload[:_HEADER_BYTES].clone().view(torch.int32))
+        n = int(payload[:INT4_HEADER_BYTES].clone().view(torch.int32))
         blocks = -(-n // self.block)
-        body = payload[_HEADER_BYTES : _HEADER_BYTES + blocks * self.block // 2]
-        scales = payload[_HEADER_BYTES + body.numel() :].clone().view(torch.float32).view(blocks, 1)
+        body = payload[INT4_HEADER_BYTES : INT4_HEADER_BYTES + blocks * self.block // 2]
+        scales = payload[INT4_HEADER_BYTES + body.numel() :].clone().view(torch.float32).view(blocks, 1)
         q = torch.stack([body & 0x0F, body >> 4], dim=1).view(blocks, self.block).float() - 8
         return (q * scales).reshape(-1)[:n]
 
