@@ -5,13 +5,13 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from meridian.service.cluster.lab.lab import process_exited
+
 
 def is_gone(pid: int) -> bool:
-    """The process has exited: no longer listed, or a zombie its parent has not reaped yet."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except OSError:
-        return True
+    """The process has exited: no longer listed, or a zombie its parent has not reaped yet (the lab's own test
+    of a killed node's processes)."""
+    return process_exited(pid)
 
 
 def process_line(pid: int) -> str:

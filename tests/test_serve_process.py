@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 from fakes import spec
+from processes import is_gone
 
 from meridian.workers.distributed.ports import free_port
 
@@ -98,8 +99,7 @@ def test_serve_with_local_datacenters_answers_and_stops_cleanly(tmp_path):
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=90) == 0
         time.sleep(2)
-        left = {p for p in ray_processes if Path(f"/proc/{p}").exists()
-                and "Z" not in (Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[:1])}  # fmt: skip
+        left = {p for p in ray_processes if not is_gone(p)}
         assert not left, f"embedded Ray processes left running: {sorted(left)}"
 
 

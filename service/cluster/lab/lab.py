@@ -206,14 +206,14 @@ def kill_ray_node(node_id: str, timeout_s: float = 5.0) -> int:
     # SIGKILL only marks a process; it dies when the kernel next runs it, which on a busy machine can be
     # milliseconds later. Return once every one has exited, so that "killed" means dead to the caller.
     deadline = time.monotonic() + timeout_s
-    while (alive := [p for p in family if not _exited(p)]) and time.monotonic() < deadline:
+    while (alive := [p for p in family if not process_exited(p)]) and time.monotonic() < deadline:
         time.sleep(0.005)
     if alive:
         raise LabError(f"processes {alive} of node {node_id} still run {timeout_s:.0f} s after SIGKILL")
     return raylet[0]
 
 
-def _exited(pid: int) -> bool:
+def process_exited(pid: int) -> bool:
     """No longer listed, or a zombie its parent has not reaped yet."""
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
