@@ -28,6 +28,7 @@ BENCHMARKS: dict[str, str] = {
     "lab": "meridian.bench.lab",
     "pgspin": "meridian.bench.pgspin",
     "gpu": "meridian.bench.gpu",
+    "gloo-release": "meridian.bench.gloo_release",
 }
 
 

@@ -6,7 +6,11 @@ groups are destroyed (measured: a blocked peer waited until the process exited),
 hang until the collective timeout. ``ProcessGroupGloo.abort()`` (torch 2.13) does not change that (measured: 4
 ranks in an all-reduce, one exits; its two neighbours failed at 0.32 s and aborted their group at once, and
 the third rank stayed blocked until they exited, 1.37 s, as without the abort). A process exit closes every
-socket at once, so a failure propagates through the whole job in well under a second. The agent — the Ray
+socket at once, so a failure propagates through the whole job in well under a second. (What would let a rank
+stay: ``abort()`` *and* dropping every reference to the group and its works, without ``gc.collect()``, closed the
+sockets in 20-50 ms and released the blocked rank, even with an all-gather still in flight on a second group:
+``meridian bench gloo-release``, torch 2.13. The engine, its communication thread and the sharded optimizer hold
+such references today, so re-forming in process is not built.) The agent — the Ray
 Train worker itself, which Ray Train must not lose — stays; it hands training to a *standby* child that it
 started earlier, which has already paid for the interpreter and the torch import (~2 s idle, far more on a
 loaded machine), and starts the next standby while the new child trains (on CPU a fork of a zygote that
