@@ -260,15 +260,18 @@ def test_snapshots_every_two_steps_resume_from_the_last_snapshot_and_train_the_r
     run.kill_after_step(1, cfg, 4)  # shards exist for steps 2, 4, 6…; the survivors stop at step 4 or 5
     out = run.collect({0, 2, 3})
     formed = [e[2] for e in run.events() if e[0] == "epoch_formed"]
+    # The epoch that formed without the killed worker (on a loaded machine the first epoch's group can fail to
+    # connect and form again before any step, so it is not always the second).
+    after = next((f for f in formed if "w1" in f["lost"]), None)
     # 4, or 2 if a survivor failed in step 4's last gather: never 3 or 5, no shard of an odd step exists. (On a
     # loaded machine a slow survivor can miss the re-formation and join the epoch after as a newcomer.)
-    assert len(formed) >= 2 and formed[1]["resume_step"] in (2, 4), formed
+    assert after is not None and after["resume_step"] in (2, 4), formed
     # The steps trained again change nothing; from step 2 on, 3 ranks sum in another order than 4 (measured
     # 1.1e-4 relative after 6 steps), while a lost or doubled step would be off by far more.
     finished = [o["result"] for o in out.values() if o["result"] is not None]  # a late joiner may return None
     assert finished and all(_max_rel(r.final_params, reference) < 5e-4 for r in finished)
     steps = {r.step for o in out.values() for r in o["records"] if r.epoch >= 2}
-    assert steps >= set(range(formed[1]["resume_step"] + 1, STEPS + 1))
+    assert steps >= set(range(after["resume_step"] + 1, STEPS + 1))
 
 
 @pytest.fixture(scope="module")
