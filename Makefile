@@ -35,10 +35,8 @@ $(POSTGRES):
 		apt-get update -q && apt-get install -y -q postgresql; \
 	else echo "postgresql missing and not root: the PostgreSQL store tests will be skipped"; fi
 
-# Two test processes (pytest-xdist): the `slow` tests (Ray clusters, the lab, long training) run one at a time in
-# one of them, while the other takes the quick ones (tests/conftest.py, CLUSTER_GROUP).
 test: $(STAMP) $(CHROMIUM) $(POSTGRES)
-	$(BIN)/python -m pytest -q -n 2 --dist loadgroup
+	$(BIN)/python -m pytest -q
 
 lint: $(STAMP)
 	$(BIN)/ruff check api service workers bench tests

@@ -63,20 +63,6 @@ def supervisor(store, cluster_view, tmp_path):
     return Supervisor(store, FakeLauncher(), cluster_view, checkpoint_root=str(tmp_path / "ckpt"))
 
 
-# -- two test processes ------------------------------------------------------------------------------------------
-CLUSTER_GROUP = "cluster"
-"""``make test`` runs the suite in two processes (pytest-xdist, ``--dist loadgroup``). Every ``slow`` test — the ones
-that start Ray clusters, the network lab or a service process, or train for many steps — runs in this one group,
-so one at a time, in one of them: two Ray clusters or two labs on one host would fight over ports, names and the
-two cores. The other process takes the quick tests meanwhile, most of which wait on nothing."""
-
-
-def pytest_collection_modifyitems(config, items):
-    for item in items:
-        if item.get_closest_marker("slow") is not None:
-            item.add_marker(pytest.mark.xdist_group(CLUSTER_GROUP))
-
-
 # -- the end of the run ------------------------------------------------------------------------------------------
 _EXIT_STATUS: list[int] = []
 
