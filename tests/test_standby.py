@@ -93,6 +93,7 @@ def test_a_standby_that_could_not_start_says_so_when_told_to_go():
 
 
 JOINER_START = """
+import os
 import sys
 import ray
 from meridian.service.runner.actor import _ReplacementWorker  # what a replacement actor's process unpickles
@@ -101,17 +102,64 @@ from meridian.workers.elastic.agent import Agent
 from meridian.workers.distributed.devices import backend_for
 
 ray.get_gpu_ids = lambda: {gpus}
-device = entry._device(replacement=True)
+if {visible!r} is None:
+    os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+else:
+    os.environ["CUDA_VISIBLE_DEVICES"] = {visible!r}
+device = entry._device()
 print(device, backend_for(device), "torch" in sys.modules, "ray.train" in sys.modules)
 """
 
 
-@pytest.mark.parametrize("gpus, device, backend", [([], "cpu", "gloo"), ([3], "cuda:0", "cpu:gloo,cuda:nccl")])
-def test_a_joining_worker_picks_its_device_and_agent_without_importing_torch(gpus, device, backend):
-    """A replacement's own process stays torch-free up to its agent: its training process (the zygote) imports
-    torch beside it, and on a node shared with training a second import was most of a joiner's start."""
+@pytest.mark.parametrize("gpus, visible, device, backend", [
+    ([], None, "cpu", "gloo"),
+    ([3], "3", "cuda:0", "cpu:gloo,cuda:nccl"),  # a replacement: Ray shows it its own GPU
+    ([3], "1,3", "cuda:1", "cpu:gloo,cuda:nccl"),  # a Train worker: Ray Train shows it every GPU of its node
+    ([2], None, "cuda:2", "cpu:gloo,cuda:nccl"),  # RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES: all are seen
+])  # fmt: skip
+def test_a_worker_picks_its_device_and_agent_without_importing_torch(gpus, visible, device, backend):
+    """A worker's own process (a Train worker or a replacement) stays torch-free up to its agent: its training
+    process (the zygote) imports torch beside it, and on a node shared with training a second import was most of
+    a joiner's start. The device is the index Ray Train's ``get_device`` gives, without ``ray.train.torch``."""
     import subprocess
 
-    out = subprocess.run([sys.executable, "-c", JOINER_START.format(gpus=gpus)], capture_output=True, text=True,
-                         timeout=120, check=True)  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", JOINER_START.format(gpus=gpus, visible=visible)], capture_output=True,
+                         text=True, timeout=120, check=True)  # fmt: skip
     assert out.stdout.split() == [device, backend, "False", "False"], out.stdout + out.stderr
+
+
+AGENT_RECEIVES = """
+import sys
+from ray import cloudpickle
+from meridian.workers.elastic.agent import Agent
+
+for blob in {blobs!r}:
+    got = cloudpickle.loads(blob)
+config = cloudpickle.loads({config!r})
+with config.train_func_context():
+    pass
+print(config.backend, config.framework, config.backend_cls.has_replica_groups, "torch" in sys.modules,
+      "ray.train.torch" in sys.modules)
+"""
+
+
+@pytest.mark.parametrize("use_gpu, backend", [(False, "gloo"), (True, "nccl")])
+def test_an_agent_unpickles_what_it_is_sent_without_importing_torch(use_gpu, backend):
+    """What a Train worker's process unpickles — the job's backend config from Ray Train, then its training process's
+    messages (the device peak, step records, the result) — imports no torch: each import cost every worker seconds
+    of CPU at the job's start, and every agent again at its end, beside the training."""
+    import subprocess
+
+    from fakes import step_record
+    from ray import cloudpickle
+
+    from meridian.service.runner.actor import _meridian_torch_config
+    from meridian.workers.contracts.records import DevicePeak, TrainResult
+
+    messages = [("peak", DevicePeak(flops=1e12, source="measured")), ("progress", step_record(3, 4, 2.5)),
+                ("done", TrainResult(first_loss=5.0, final_loss=2.0, eval_loss=2.1, steps=4, tokens_per_s=1e3,
+                                     inter_dc_bytes_per_step=1e6))]  # fmt: skip
+    script = AGENT_RECEIVES.format(blobs=[cloudpickle.dumps(m) for m in messages],
+                                   config=cloudpickle.dumps(_meridian_torch_config(use_gpu)))
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.split() == [backend, "None", "True", "False", "False"], out.stdout + out.stderr

@@ -43,18 +43,23 @@ class RunnerSink:
         self.runner.push_heartbeat.remote(beat)
 
 
-def _device(replacement: bool) -> str:
-    """This worker's device: Ray Train's choice in a Train worker; in a replacement (an actor of its own) the GPU
-    Ray assigned it, index 0 of the ``CUDA_VISIBLE_DEVICES`` Ray sets, or the CPU when it has none, like its
-    standby. A replacement imports neither torch nor ``ray.train.torch`` for this: on a node it shares with
-    training, those imports (~3 and ~6 CPU-seconds) were most of its start (``bench recovery``'s
-    ``after_back_s.worker_started``); its training process imports torch anyway, beside it."""
-    if replacement:
-        return "cuda:0" if ray.get_gpu_ids() else "cpu"
-    # a Train worker: Ray Train's own choice (its GPU index), as before
-    from ray.train.torch import get_device
-
-    return str(get_device())
+def _device() -> str:
+    """This worker's device, torch-free: the first GPU Ray assigned it, as its index in ``CUDA_VISIBLE_DEVICES``
+    (which lists every GPU of the node for Ray Train's workers, and only its own for a replacement), or the CPU
+    when it has none, like its standby. Ray Train's ``get_device`` gives the same index, but it lives in
+    ``ray.train.torch``: importing it (torch with it, ~3 and ~6 CPU-seconds) was most of a worker's start-up on a
+    node it shares with training (``bench recovery``'s ``after_back_s.worker_started``), and the agent never
+    uses torch; its training process imports torch anyway, beside it."""
+    gpus = [str(g) for g in ray.get_gpu_ids()]
+    if not gpus:
+        return "cpu"
+    visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d and d != "NoDevFiles"]
+    if not visible:  # Ray left CUDA_VISIBLE_DEVICES alone (RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES): all are seen
+        return f"cuda:{gpus[0]}"
+    if gpus[0] not in visible:
+        raise RuntimeError(f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '')!r} does not list the "
+                           f"GPU Ray assigned this worker ({gpus[0]}); leave CUDA_VISIBLE_DEVICES to Ray")
+    return f"cuda:{visible.index(gpus[0])}"
 
 
 def _rendezvous_call(runner: Any) -> Any:
@@ -93,7 +98,7 @@ def _run(loop_config: dict[str, Any], cfg: TrainConfig, rt: Any, standby: Any, r
                    "start every worker node with `ray start --labels datacenter=<name>`")
         ray.get(runner.fail.remote(message), timeout=CALL_TIMEOUT_S)
         raise RuntimeError(message)
-    device = _device(replacement)
+    device = _device()
     worker_id = rt.get_actor_id() or f"{node_id[:12]}-{os.getpid()}"
     runner.push_event.remote("worker_started", f"a worker started in {dc} on node {node_id[:12]}", {
         "worker_id": worker_id, "node_id": node_id, "datacenter": dc, "hostname": socket.gethostname(),

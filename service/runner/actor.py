@@ -76,11 +76,20 @@ def _controller_hook(name: str, namespace: str) -> Any:
     return _TellRunner()
 
 
-def _meridian_torch_config() -> Any:
-    """A TorchConfig whose backend leaves process groups to Meridian and declares one-worker replica groups,
-    so Ray Train replaces a dead worker alone instead of restarting every worker of the job."""
-    from ray.train.backend import Backend
-    from ray.train.torch import TorchConfig
+def _meridian_torch_config(use_gpu: bool) -> Any:
+    """The ``torch_config`` of the job's ``TorchTrainer``: a backend that leaves process groups to Meridian and
+    declares one-worker replica groups, so Ray Train replaces a dead worker alone instead of restarting every
+    worker of the job.
+
+    It is a plain ``BackendConfig``, not a ``TorchConfig`` subclass, so a Train worker never imports torch: each
+    worker unpickles this config, and a ``TorchConfig`` brought in ``ray.train.torch`` (torch with it), its
+    ``train_func_context`` would set a CUDA device in the worker, and its ``framework`` makes Ray Train import
+    torch in every worker to record its version. The Train worker is Meridian's agent, which trains in a child
+    process that imports torch itself (:mod:`meridian.workers.elastic.agent`); torch in the agent cost every
+    worker an import at every job start (measured in the README's "How a job runs"). ``backend`` is what
+    ``TorchTrainer`` reads; the training processes pick their own from their device.
+    """
+    from ray.train.backend import Backend, BackendConfig
 
     class _MeridianBackend(Backend):
         has_replica_groups = True  # Ray Train 2.60: replace failing replica groups, keep the others running
@@ -91,12 +100,15 @@ def _meridian_torch_config() -> Any:
         def on_shutdown(self, worker_group: Any, backend_config: Any) -> None:
             pass
 
-    class MeridianTorchConfig(TorchConfig):
+    class MeridianBackendConfig(BackendConfig):
+        def __init__(self, backend: str) -> None:
+            self.backend = backend
+
         @property
         def backend_cls(self) -> type:
             return _MeridianBackend
 
-    return MeridianTorchConfig()
+    return MeridianBackendConfig("nccl" if use_gpu else "gloo")
 
 
 def _describe_failure(error: BaseException | str) -> str:
@@ -344,7 +356,7 @@ class JobRunner:
             trainer = TorchTrainer(
                 ray_train_entry,
                 train_loop_config=_train_loop_config(self.name, self.train_config),
-                torch_config=_meridian_torch_config(),
+                torch_config=_meridian_torch_config(self.plan.use_gpu),
                 scaling_config=ScalingConfig(
                     num_workers=len(labels), use_gpu=self.plan.use_gpu, label_selector=labels,
                     resources_per_worker=resources,

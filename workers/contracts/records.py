@@ -1,4 +1,5 @@
-"""What rank 0 reports after every optimizer step, as one typed record; torch-free.
+"""What the training processes hand out, torch-free: the record rank 0 reports after every optimizer step, the
+device peak rank 0 measured, and every rank's result at the end.
 
 Produced by the training loop (:mod:`meridian.workers.loop`), carried to the job's runner actor as itself
 (pipe and Ray pickle a dataclass), folded into metrics there and polled by the supervisor, which stores
@@ -8,7 +9,10 @@ Produced by the training loop (:mod:`meridian.workers.loop`), carried to the job
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,3 +56,34 @@ class StepRecord:
         """A stored record (keys it does not know, from an older or newer version, are ignored)."""
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in known})
+
+
+@dataclass(frozen=True)
+class DevicePeak:
+    flops: float
+    """Dense matmul FLOP/s this device reached (the denominator of MFU)."""
+    source: str
+    """How it was obtained, so a reader of the MFU knows what it is relative to."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """What every rank's training ends with. Torch-free to unpickle (but for ``final_params``), as the peak above
+    is: a worker's agent receives both from its training process over a pipe, and importing torch for them cost
+    every agent seconds of CPU at the end of every job (rank 0's also at its start), beside the training."""
+
+    first_loss: float
+    final_loss: float
+    eval_loss: float
+    steps: int
+    tokens_per_s: float
+    """Mean training throughput over the steps after the first (which includes warm-up costs)."""
+    inter_dc_bytes_per_step: float
+    """Mean tensor bytes per step put into collectives crossing a DC boundary, summed over ranks."""
+    optimizer_state_bytes: int = 0
+    """Optimizer state held on this rank after the last step (1/N of replicated AdamW when sharded)."""
+    final_params: dict[str, torch.Tensor] | None = None
+    """This rank's model (or stage) parameters after the last step (CPU copies), with ``keep_params``."""

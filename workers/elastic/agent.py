@@ -44,7 +44,7 @@ from meridian.workers.elastic.standby import Standby, standby_context
 from meridian.workers.state.snapshot_paths import snapshot_dir
 
 if TYPE_CHECKING:  # torch-free to import: a joining worker's agent need not wait for torch (its zygote imports it)
-    from meridian.workers.loop.records import TrainResult
+    from meridian.workers.contracts.records import TrainResult
 
 Call = Callable[..., Any]
 

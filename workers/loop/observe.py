@@ -8,22 +8,12 @@ method; sinks without one (tests' :class:`~meridian.workers.loop.records.ListSin
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-
-@dataclass(frozen=True)
-class DevicePeak:
-    flops: float
-    """Dense matmul FLOP/s this device reached (the denominator of MFU)."""
-    source: str
-    """How it was obtained, so a reader of the MFU knows what it is relative to."""
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
+from meridian.workers.contracts.records import DevicePeak
 
 PEAK_MATMUL_N = {"cuda": 8192, "cpu": 256}
 """Side of the square matmuls that measure a device's peak: 256 is as fast as a CPU gets; a GPU needs products

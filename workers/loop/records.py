@@ -1,16 +1,15 @@
 """What the training loop hands out: a :class:`~meridian.workers.contracts.records.StepRecord` per step (rank 0,
-through a :class:`ProgressSink`) and a :class:`TrainResult` at the end (every rank)."""
+through a :class:`ProgressSink`) and a :class:`~meridian.workers.contracts.records.TrainResult` at the end (every
+rank); both are defined in the torch-free contracts."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Protocol
 
-import torch
-
 from meridian.workers.contracts.config import TrainConfig
-from meridian.workers.contracts.records import StepRecord
-from meridian.workers.loop.observe import DevicePeak, StepTimes, mfu
+from meridian.workers.contracts.records import DevicePeak, StepRecord
+from meridian.workers.loop.observe import StepTimes, mfu
 from meridian.workers.loop.schedule import lr_at
 from meridian.workers.sync.engine import StepStats
 
@@ -30,22 +29,6 @@ class ListSink:
 
     def step(self, record: StepRecord) -> None:
         self.records.append(record)
-
-
-@dataclass(frozen=True)
-class TrainResult:
-    first_loss: float
-    final_loss: float
-    eval_loss: float
-    steps: int
-    tokens_per_s: float
-    """Mean training throughput over the steps after the first (which includes warm-up costs)."""
-    inter_dc_bytes_per_step: float
-    """Mean tensor bytes per step put into collectives crossing a DC boundary, summed over ranks."""
-    optimizer_state_bytes: int = 0
-    """Optimizer state held on this rank after the last step (1/N of replicated AdamW when sharded)."""
-    final_params: dict[str, torch.Tensor] | None = None
-    """This rank's model (or stage) parameters after the last step (CPU copies), with ``keep_params``."""
 
 
 def step_record(

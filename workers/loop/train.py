@@ -30,10 +30,11 @@ import torch
 import torch.distributed as dist
 
 from meridian.workers.contracts.config import TrainConfig
+from meridian.workers.contracts.records import TrainResult
 from meridian.workers.data.shards import make_dataset
 from meridian.workers.loop.observe import DevicePeak, measure_peak_flops
 from meridian.workers.loop.parallel import ModelParallelReplica
-from meridian.workers.loop.records import ListSink, ProgressSink, TrainResult, step_record
+from meridian.workers.loop.records import ListSink, ProgressSink, step_record
 from meridian.workers.loop.replica import DataParallelReplica, Membership, Replica
 from meridian.workers.loop.report import ReportWindows, StepReport
 from meridian.workers.loop.step import BatchPrefetch, timed_step
