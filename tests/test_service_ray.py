@@ -92,3 +92,23 @@ def test_a_job_cancelled_while_placing_ends_cancelled_with_no_worker_left_30_s_l
              if a["ActorClassName"].endswith("RayTrainWorker") and a["State"] != "DEAD"]
     assert alive == [], alive
     assert ray.available_resources().get("CPU", 0) == 4
+
+
+@pytest.mark.parametrize("runner_host", ["this host", "another host"])
+def test_the_end_of_a_run_sweeps_snapshot_folders_from_here_and_on_other_hosts_by_task(api, monkeypatch, runner_host):
+    """A killed worker's snapshot folder outlives it in RAM: the runner removes its own host's at the end of a run,
+    and starts a task on every other address. (Every node of this cluster is on this host; "another host" makes
+    the runner believe it is elsewhere, so the tasks do the work.)"""
+    import os
+    import uuid
+
+    from meridian.service.runner import actor
+    from meridian.workers.state.snapshot_paths import snapshot_dir, snapshot_dirs
+
+    job_id = f"sweep-{uuid.uuid4().hex[:8]}"
+    for worker in ("w1", "w2"):
+        os.makedirs(snapshot_dir(job_id, worker))
+    if runner_host == "another host":
+        monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "203.0.113.1")  # TEST-NET-3: no node's
+    removed = actor._sweep_snapshots(job_id)
+    assert sorted(removed) == sorted(snapshot_dir(job_id, w) for w in ("w1", "w2")) and not snapshot_dirs(job_id)
