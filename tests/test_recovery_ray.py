@@ -4,7 +4,9 @@ Two datacenters of two one-CPU nodes each. One job (min_workers=3) loses a node 
 then the rest of dc-a with rank 0 (drained gracefully), which leaves it below min_workers, then gets a dc-a
 node back. It must keep training through all of it — re-forming over the survivors, a datacenter dropping
 out, waiting with a reason, scaling back up — and end where a job with no failure ends: same data order,
-same final and held-out loss within fp32 round-off.
+same final and held-out loss within fp32 round-off. The job with no failure is the same spec trained in one
+process (every engine trains like one process: ``test_sync_engine``, ``test_train_loop``), which costs a tenth of
+a second job on the cluster.
 """
 
 from __future__ import annotations
@@ -15,6 +17,10 @@ import pytest
 from fakes import spec
 from ray_env import local_cluster, service_client
 
+from meridian.api.schemas import JobSpec
+from meridian.workers.contracts.config import TrainConfig
+from meridian.workers.distributed.multiproc import run_processes
+from meridian.workers.loop.train import ListSink, train
 from meridian.workers.state.snapshot_paths import snapshot_dirs
 
 pytestmark = pytest.mark.slow
@@ -28,6 +34,19 @@ def env(tmp_path_factory):
     with local_cluster(("dc-a", "dc-a", "dc-b", "dc-b")) as cluster, \
             service_client(cluster.address, str(tmp_path_factory.mktemp("meridian"))) as client:  # fmt: skip
         yield cluster, cluster.nodes_by_dc, client
+
+
+def _one_process(rank, world, cfg):
+    return train(cfg, sink=ListSink())
+
+
+def trained_in_one_process(job_spec: dict):
+    """The job's request (model, data, optimizer, batch, seed: what decides its maths) trained by one process."""
+    r = JobSpec.model_validate(job_spec).to_request()
+    cfg = TrainConfig(job_id="reference", model=r.model, data=r.data, optim=r.optim, steps=r.steps,
+                      global_batch=r.global_batch, micro_batch=r.micro_batch, seed=r.seed, precision=r.precision,
+                      datacenters=("dc-a",))  # fmt: skip
+    return run_processes(_one_process, 1, cfg, timeout_s=600)[0]
 
 
 def until(client, job_id, what, timeout_s, describe):
@@ -54,12 +73,10 @@ def node_of(cluster_nodes, node_id):
     return next(n for ns in cluster_nodes.values() for n in ns if n.node_id == node_id)
 
 
-@pytest.mark.timeout(1500)  # two jobs and three re-formations: ~6 min on an idle 2-core machine
+@pytest.mark.timeout(1500)  # a job and three re-formations: ~2 min on an idle 2-core machine
 def test_job_survives_node_losses_waits_below_min_workers_and_scales_back_up(env):
     cluster, nodes, api = env
-    # The reference: the same job with no failure.
-    ref_id = api.post("/v1/jobs", json=spec(name="reference", training=TRAINING)).json()["id"]
-    ref = until(api, ref_id, lambda j, _: j if j["state"] == "succeeded" else None, 300, "reference success")
+    ref = trained_in_one_process(spec(name="reference", training=TRAINING))  # the same job with no failure
 
     # Snapshots after every step, whatever they cost on a loaded machine ('auto' may space them out): the
     # survivors resume from the step they reached, not from an earlier snapshot.
@@ -109,8 +126,10 @@ def test_job_survives_node_losses_waits_below_min_workers_and_scales_back_up(env
     missing = set(range(1, STEPS + 1)) - {p["step"] for p in points}
     assert len(missing) <= 2 * 2 and STEPS not in missing, sorted(missing)
     # Same samples in the same order as the reference: the same model at the end, up to fp32 sum order.
-    assert abs(job["result"]["final_loss"] - ref["result"]["final_loss"]) < 2e-2
-    assert abs(job["result"]["eval_loss"] - ref["result"]["eval_loss"]) < 2e-2
+    # (Measured: 2.778015375 in one process; 2.778015614 in an earlier run of this test with its re-formations.)
+    print("FINAL", job["result"]["final_loss"], ref.final_loss, job["result"]["eval_loss"], ref.eval_loss)
+    assert abs(job["result"]["final_loss"] - ref.final_loss) < 1e-3, (job["result"], ref)
+    assert abs(job["result"]["eval_loss"] - ref.eval_loss) < 1e-3, (job["result"], ref)
     # The killed worker's in-memory snapshots (its node shares this host's RAM) are swept when the run ends.
     deadline = time.monotonic() + 60
     while snapshot_dirs(job_id) and time.monotonic() < deadline:
