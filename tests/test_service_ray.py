@@ -110,5 +110,10 @@ def test_the_end_of_a_run_sweeps_snapshot_folders_from_here_and_on_other_hosts_b
         os.makedirs(snapshot_dir(job_id, worker))
     if runner_host == "another host":
         monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "203.0.113.1")  # TEST-NET-3: no node's
+    tasks_to = []
+    pin = actor.NodeAffinitySchedulingStrategy
+    monkeypatch.setattr(actor, "NodeAffinitySchedulingStrategy", lambda node, soft: tasks_to.append(node) or pin(node, soft))
     removed = actor._sweep_snapshots(job_id)
     assert sorted(removed) == sorted(snapshot_dir(job_id, w) for w in ("w1", "w2")) and not snapshot_dirs(job_id)
+    # One address here (every node of this cluster runs on this host): a task to it only from "elsewhere".
+    assert len(tasks_to) == (1 if runner_host == "another host" else 0), tasks_to
