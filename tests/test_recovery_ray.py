@@ -119,12 +119,14 @@ def test_job_survives_node_losses_waits_below_min_workers_and_scales_back_up(env
     assert kinds.count("node_lost") == 2 and kinds.count("worker_lost") == 2 and "node_joined" in kinds
     assert "restarted" not in kinds and "state_incomplete" not in kinds
     assert [p["datacenter"] for p in job["placement"]] == ["dc-a", "dc-b", "dc-b"]  # the last membership
-    # Every step was trained once more at most; rank 0 reports a step's loss one step late (an async
-    # all-reduce), so the records of the last steps before a break can be missing — at most two per break
-    # (measured: 3 missing over 2 breaks) — though their state was kept and training resumed after them.
+    # Rank 0 reads a step's loss a window of steps late, so the records of the last steps before a break can be
+    # missing, though their state was kept and training resumed after them: each such step is named by a
+    # steps_unrecorded event, and the last step always has its record.
     points = api.get(f"/v1/jobs/{job_id}/metrics").json()["points"]
     missing = set(range(1, STEPS + 1)) - {p["step"] for p in points}
-    assert len(missing) <= 2 * 2 and STEPS not in missing, sorted(missing)
+    named = {s for e in events if e["kind"] == "steps_unrecorded"
+             for s in range(e["data"]["from_step"], e["data"]["to_step"] + 1)}  # fmt: skip
+    assert missing == named and STEPS not in missing, (sorted(missing), sorted(named))
     # Same samples in the same order as the reference: the same model at the end, up to fp32 sum order.
     # (Measured: 2.778015375 in one process; 2.778015614 in an earlier run of this test with its re-formations.)
     print("FINAL", job["result"]["final_loss"], ref.final_loss, job["result"]["eval_loss"], ref.eval_loss)

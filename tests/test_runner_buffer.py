@@ -57,3 +57,24 @@ def test_a_loss_beyond_the_unacknowledged_limit_is_a_gap_event_stored_with_the_j
     store.record_poll(job.id, records=[x.to_dict() for x in d.records], events=list(d.events), **d.fields)
     assert "gap" in [e.kind for e in store.list_events(job.id)]
     assert not [e for e in r.poll(poll.cursor).events if e["kind"] == "gap"]  # said once the service stored it
+
+
+def test_steps_trained_but_never_recorded_before_a_break_are_named_by_the_next_epochs_first_record():
+    """Rank 0 reads a step's loss a window of steps late: at a break the steps in flight were trained and kept
+    but never get a record. The first record of the next epoch shows where training resumed."""
+    r = runner()
+    r.push_progress([step_record(s, 40, 1.0, epoch=1) for s in range(1, 11)])
+    r.push_progress([step_record(s, 40, 1.0, epoch=2) for s in range(13, 16)])  # resumed after step 12
+    r.push_progress([step_record(s, 40, 1.0, epoch=3) for s in range(15, 18)])  # after 14: 15 trained again
+    r.push_progress([step_record(s, 40, 1.0, epoch=4) for s in range(19, 20)])  # after 18: one step unrecorded
+    unrecorded = [e for e in r.poll(0).events if e["kind"] == "steps_unrecorded"]
+    assert [e["data"] for e in unrecorded] == [{"from_step": 11, "to_step": 12, "epoch": 2},
+                                               {"from_step": 18, "to_step": 18, "epoch": 4}]  # fmt: skip
+    assert unrecorded[0]["message"].startswith("steps 11–12 trained and kept before epoch 2 formed have no record")
+    assert unrecorded[1]["message"].startswith("step 18 trained and kept before epoch 4 formed has no record")
+
+
+def test_a_first_epoch_that_starts_from_a_checkpoint_names_no_steps():
+    r = runner()
+    r.push_progress([step_record(s, 900, 1.0, epoch=1) for s in range(501, 504)])  # resumed a checkpoint of step 500
+    assert not [e for e in r.poll(0).events if e["kind"] == "steps_unrecorded"]

@@ -145,6 +145,9 @@ class JobRunner:
         self._done = threading.Event()
         self._thread: threading.Thread | None = None
         self._metrics = JobMetricsState(job_id)
+        self._records_epoch = 0
+        """The epoch of the newest step record (0: none yet)."""
+        self._last_recorded_step = 0
         self._exporter: RayJobMetrics | None = None
         self._ticker: threading.Thread | None = None
         rank_dcs = list(plan.rank_datacenters)
@@ -198,14 +201,35 @@ class JobRunner:
             if self._state is RunnerState.STARTING:
                 self._state = RunnerState.RUNNING
             for r in records:
+                self._name_unrecorded_steps(r)
                 self._outbox.add_record(r)
                 self._metrics.on_record(r)
             self._export()
 
     def push_event(self, kind: str, message: str, data: dict[str, Any] | None = None) -> None:
         with self._lock:
-            self._outbox.add_event({"kind": kind, "message": message, "data": data or {}, "time": time.time()})
-            self._metrics.on_event(kind, data or {})
+            self._add_event(kind, message, data or {})
+
+    def _add_event(self, kind: str, message: str, data: dict[str, Any]) -> None:
+        self._outbox.add_event({"kind": kind, "message": message, "data": data, "time": time.time()})
+        self._metrics.on_event(kind, data)
+
+    def _name_unrecorded_steps(self, r: StepRecord) -> None:
+        """Rank 0 learns each step's loss a window of steps after the step (its sum over the ranks is read late:
+        :mod:`meridian.workers.loop.report`). When an epoch breaks, the steps whose sums were still in flight were
+        trained and their state kept, but no record of them will ever come. The new epoch's first record shows
+        where it resumed: the steps between the last record and it are named in a ``steps_unrecorded`` event.
+        (Read at that first record, not when the epoch forms: by then the old rank 0's last records, sent
+        before it rejoined, have all arrived.)"""
+        if self._records_epoch and r.epoch > self._records_epoch and r.step - 1 > self._last_recorded_step:
+            first, last = self._last_recorded_step + 1, r.step - 1
+            steps = f"step {first}" if first == last else f"steps {first}–{last}"
+            self._add_event("steps_unrecorded", f"{steps} trained and kept before epoch {r.epoch} formed "
+                            f"{'has' if first == last else 'have'} no record: the loss was still being summed over "
+                            "the ranks when the epoch broke",
+                            {"from_step": first, "to_step": last, "epoch": r.epoch})  # fmt: skip
+        self._records_epoch = max(self._records_epoch, r.epoch)
+        self._last_recorded_step = max(self._last_recorded_step, r.step)
 
     def push_heartbeat(self, beat: dict[str, Any]) -> None:
         """A rank finished a step. Stamped with this actor's clock, the one stall detection compares with."""
