@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from meridian.workers.contracts.config import Compression, OptimConfig, SyncConfig, TrainConfig
 from meridian.workers.contracts.model_config import model_preset
+from meridian.workers.distributed.flat_collectives import all_gather_single
 from meridian.workers.distributed.layout import DCGroups, DCLayout
 from meridian.workers.distributed.multiproc import run_processes
 from meridian.workers.loop.train import ListSink, train
@@ -117,7 +118,7 @@ def _compressed_sums(rank, world, compression):
             h.wait()
         everyone = [torch.empty(3 * c.numel()) for c in chunks]
         for e, c in zip(everyone, chunks, strict=True):
-            dist.all_gather_single(e, c, group=group)
+            all_gather_single(e, c, group=group)
         out.append(
             {
                 "err": max(

@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from meridian.workers.distributed.flat_collectives import all_gather_single
 from meridian.workers.distributed.layout import DCGroups, DCLayout
 from meridian.workers.distributed.multiproc import run_processes
 from meridian.workers.sync.grad_buffer import GradBuffer
@@ -49,7 +50,7 @@ def _har_vs_flat(rank: int, world: int, dcs: tuple[str, ...]) -> list[dict]:
                     comm = InterDCComm()
                     sent = hierarchical_all_reduce(buf, groups, comm, chunk_bytes=chunk)
                     everyone = torch.empty(world * padded, dtype=torch.float32)
-                    dist.all_gather_single(everyone, buf.float())
+                    all_gather_single(everyone, buf.float())
                     segs = [segment_view(buf, groups, s) for s in groups.inter_dc]
                     rows.append(
                         {

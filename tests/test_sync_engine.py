@@ -179,14 +179,15 @@ def test_lookahead_needs_the_delayed_sharded_engine():
 
 # -- accumulation communicates once per step ---------------------------------------------------------------
 
-COLLECTIVES = (
-    "all_reduce", "reduce_scatter_single", "all_gather_single", "broadcast", "batch_isend_irecv", "isend", "irecv"
+COLLECTIVES = (  # both names of the flat collectives: a torch before 2.13 has only the second of each
+    "all_reduce", "reduce_scatter_single", "reduce_scatter_tensor", "all_gather_single", "all_gather_into_tensor",
+    "broadcast", "batch_isend_irecv", "isend", "irecv",
 )
 
 
 def _count_collectives(rank, world, micro):
     counts = {"now": 0}
-    for name in COLLECTIVES:
+    for name in (n for n in COLLECTIVES if hasattr(dist, n)):
         real = getattr(dist, name)
 
         def counted(*args, _real=real, **kwargs):

@@ -48,6 +48,7 @@ import torch.distributed as dist
 from torch import nn
 
 from meridian.workers.contracts.config import OptimConfig
+from meridian.workers.distributed.flat_collectives import all_gather_single
 from meridian.workers.distributed.layout import DCGroups, DCLayout
 from meridian.workers.optim.adamw import (
     FULL_STATE_FORMAT,
@@ -372,7 +373,7 @@ class ShardedAdamW:
             n = self.groups.dc_size
             gathered = torch.empty(n * local.numel(), dtype=torch.float32, device=local.device)
             if n > 1:
-                dist.all_gather_single(gathered, local.reshape(-1), group=self.groups.intra_dc)
+                all_gather_single(gathered, local.reshape(-1), group=self.groups.intra_dc)
             else:
                 gathered.copy_(local.reshape(-1))
             # (n, fields, shard) → (fields, padded): the shards lie along the bucket in DC-rank order

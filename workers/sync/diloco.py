@@ -48,6 +48,7 @@ import torch.distributed as dist
 from torch import nn
 
 from meridian.workers.contracts.config import Compression, OptimConfig, OuterMerge, SyncConfig, SyncStrategy
+from meridian.workers.distributed.flat_collectives import all_gather_single
 from meridian.workers.distributed.layout import DCGroups
 from meridian.workers.state.replica_state import (
     DILOCO_STATE_FORMAT,
@@ -269,7 +270,7 @@ class DiLoCoSync(GradientSync):
             local = torch.stack([self.anchor[b], self.momentum[b]])  # (2, shard)
             gathered = torch.empty(n * local.numel(), dtype=torch.float32, device=local.device)
             if n > 1:
-                dist.all_gather_single(gathered, local.reshape(-1), group=self.groups.intra_dc)
+                all_gather_single(gathered, local.reshape(-1), group=self.groups.intra_dc)
             else:
                 gathered.copy_(local.reshape(-1))
             # (n, 2, shard) → (2, padded): the shards lie along the bucket in DC-rank order

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from meridian.workers.distributed.flat_collectives import all_gather_single, reduce_scatter_single
 from meridian.workers.distributed.layout import DCGroups, Segment
 from meridian.workers.sync.inter_dc import CommHandle, InterDCComm
 
@@ -65,10 +66,10 @@ def reduce_scatter_in_dc(buf: torch.Tensor, groups: DCGroups, *, into: torch.Ten
         if into is not None:
             shard.copy_(buf)  # the whole buffer is this rank's shard
     elif into is not None:  # a separate output: the collective writes it directly
-        dist.reduce_scatter_single(shard, buf, op=dist.ReduceOp.SUM, group=groups.intra_dc)
+        reduce_scatter_single(shard, buf, op=dist.ReduceOp.SUM, group=groups.intra_dc)
     else:
         out = torch.empty_like(shard)  # the output may not alias the input
-        dist.reduce_scatter_single(out, buf, op=dist.ReduceOp.SUM, group=groups.intra_dc)
+        reduce_scatter_single(out, buf, op=dist.ReduceOp.SUM, group=groups.intra_dc)
         shard.copy_(out)
     return shard
 
@@ -118,7 +119,7 @@ def all_gather_in_dc(buf: torch.Tensor, groups: DCGroups, *, async_op: bool = Fa
     if groups.dc_size == 1:
         return None
     shard = shard_view(buf, groups).clone()  # the input may not alias the output
-    return dist.all_gather_single(buf, shard, group=groups.intra_dc, async_op=async_op)
+    return all_gather_single(buf, shard, group=groups.intra_dc, async_op=async_op)
 
 
 def hierarchical_all_reduce(

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from meridian.workers.contracts.config import Compression
+from meridian.workers.distributed.flat_collectives import all_gather_single
 from meridian.workers.distributed.layout import Segment
 from meridian.workers.sync.compression import Bf16Codec, ErrorFeedback, Int4Codec, Int8Codec
 from meridian.workers.wan import collectives as wan
@@ -183,7 +184,7 @@ class InterDCComm:
     def _all_gather(
         self, out: torch.Tensor, t: torch.Tensor, group: dist.ProcessGroup, segment: Segment
     ) -> Waitable:
-        work = dist.all_gather_single(out, t, group=group, async_op=True)
+        work = all_gather_single(out, t, group=group, async_op=True)
         emu = self.emulator
         plan = emu.plan(group, segment.owners) if emu is not None and emu.enabled else None
         if emu is None or plan is None or not plan.crosses:
