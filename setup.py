@@ -11,10 +11,19 @@ FOLDERS = {
     "meridian.workers": "workers",
     "meridian.bench": "bench",
 }
+# Data-only folders that ship beside the code: `meridian demo` runs examples/demo.json by default, from
+# site-packages/meridian/examples in an installed wheel (an editable install reads the repository's).
+DATA_FOLDERS = {"meridian.examples": ("examples", ["*.json", "*.yaml"])}
 
 packages, package_dir = [], {}
 for name, folder in FOLDERS.items():
     package_dir[name] = folder
     packages += [name] + [f"{name}.{sub}" for sub in find_packages(folder)]
 
-setup(packages=packages, package_dir=package_dir, package_data={"meridian.api": ["static/*"]})
+package_data = {"meridian.api": ["static/*"]}
+for name, (folder, patterns) in DATA_FOLDERS.items():
+    packages.append(name)
+    package_dir[name] = folder
+    package_data[name] = patterns
+
+setup(packages=packages, package_dir=package_dir, package_data=package_data)

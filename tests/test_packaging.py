@@ -1,5 +1,6 @@
-"""The wheel ships every module of the source tree: ``pip install .`` is how every node installs Meridian,
-and an editable install hides a package the wheel forgot (it once lacked ``meridian.api.routes``)."""
+"""The wheel ships every module of the source tree and the example specs: ``pip install .`` is how every node
+installs Meridian, and an editable install hides a package the wheel forgot (it once lacked
+``meridian.api.routes``, and ``meridian demo`` from a wheel once found no ``examples/demo.json``)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 FOLDERS = {"meridian": "meridian", "api": "meridian/api", "service": "meridian/service",
-           "workers": "meridian/workers", "bench": "meridian/bench"}  # fmt: skip
+           "workers": "meridian/workers", "bench": "meridian/bench", "examples": "meridian/examples"}  # fmt: skip
+SPEC_SUFFIXES = (".json", ".yaml")
 
 
 def _source_files() -> set[str]:
@@ -20,7 +22,9 @@ def _source_files() -> set[str]:
     shipped = set()
     for path in tracked:
         folder, _, rest = path.partition("/")
-        if folder in FOLDERS and (path.endswith(".py") or rest.startswith("static/")) and (ROOT / path).exists():
+        if folder not in FOLDERS or not (ROOT / path).exists():
+            continue
+        if folder == "examples" and path.endswith(SPEC_SUFFIXES) or path.endswith(".py") or rest.startswith("static/"):
             shipped.add(f"{FOLDERS[folder]}/{rest}")
     return shipped
 
@@ -38,5 +42,6 @@ def test_wheel_ships_every_module_of_the_source_tree(tmp_path):
     in_wheel = {n for n in zipfile.ZipFile(wheel).namelist() if not n.startswith("meridian-")}
     expected = _source_files()
     assert "meridian/api/routes/jobs.py" in expected and "meridian/api/static/index.html" in expected
+    assert "meridian/examples/demo.json" in expected
     assert expected - in_wheel == set(), "modules the wheel forgot"
     assert in_wheel - expected == set(), "files in the wheel that are not in the source tree"
