@@ -29,6 +29,7 @@ BENCHMARKS: dict[str, str] = {
     "pgspin": "meridian.bench.pgspin",
     "gpu": "meridian.bench.gpu",
     "gloo-release": "meridian.bench.gloo_release",
+    "memory": "meridian.bench.memory",
 }
 
 

@@ -306,11 +306,11 @@ def test_the_planner_uses_the_family_s_formulas_and_limits():
 
     gpt, llama = model_preset("tiny"), model_preset("llama-tiny")
     # Per layer, split by TP: attention 8·sbh, plus GELU's two 4d-wide tensors (16·sbh) or SwiGLU's four tensors
-    # of its width (llama-tiny: 4 × 2 bytes × 3d = 24·sbh).
+    # of its width (llama-tiny: 4 × 2 bytes × 3d = 24·sbh); no s × s scores (SDPA); fp32 logits and gradient.
     s, b, d = 128, 2, 128
-    logits = 4 * b * s * 256
-    assert activation_bytes(gpt, b, 1, 1) - logits == 2 * s * b * d * (10 + 8 + 16 + 5 * 4 * s / d)
-    assert activation_bytes(llama, b, 1, 1) - logits == 2 * s * b * d * (10 + 8 + 24 + 5 * 4 * s / d)
+    logits = 2 * 4 * b * s * 256
+    assert activation_bytes(gpt, b, 1, 1) - logits == 2 * s * b * d * (10 + 8 + 16)
+    assert activation_bytes(llama, b, 1, 1) - logits == 2 * s * b * d * (10 + 8 + 24)
     topo = ClusterTopology((node("n-a", "dc-a", cpus=4), node("n-b", "dc-b", cpus=4)))
     tied = replace(llama, tie_embeddings=True, n_kv_heads=1)
     request = JobRequest(name="p", model=tied, steps=2, global_batch=8, micro_batch=1)

@@ -1,0 +1,102 @@
+"""``meridian bench memory``: one training step's peak device memory against the planner's estimate.
+
+    meridian bench memory --json [--models gpt2-124m,llama-160m] [--micro-batches 4,16] [--precisions bf16,fp32]
+
+For each model × precision × micro-batch on this host's GPU: build the model, run a warm-up step (forward,
+backward, fused AdamW, so the optimizer state exists), set the gradients to None, then measure one more step's
+peak (``torch.cuda.max_memory_allocated``). Beside it, the planner's figure for the same layout
+(:func:`meridian.service.planning.cost_model.memory_per_device`: weights, gradients, AdamW state and the
+activations of one micro-batch) and the ratio estimate ÷ measured. A ratio under 1 means the planner would
+place a layout that does not fit. ``tests/data/h100_step_memory.json`` holds an H100's rows, which the tests
+hold the estimate to.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+NAME = "memory"
+HELP = "one training step's peak GPU memory per model, precision and micro-batch vs the planner's estimate"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--models", default="gpt2-124m,llama-160m", help="comma-separated presets")
+    p.add_argument("--micro-batches", default="2,8", help="comma-separated micro-batch sizes (default 2,8)")
+    p.add_argument("--precisions", default="bf16,fp32", help="comma-separated: bf16 (autocast) and/or fp32")
+
+
+def measure_step(model_name: str, precision: str, micro_batch: int, device) -> dict[str, Any]:
+    """Bytes before (weights + AdamW state) and at the peak of one training step, after a warm-up step."""
+    import torch
+
+    from meridian.workers.contracts.config import OptimConfig
+    from meridian.workers.contracts.model_config import model_preset
+    from meridian.workers.model.build import build_model
+    from meridian.workers.model.gpt import per_sample_loss
+    from meridian.workers.optim.adamw import build_adamw
+
+    cfg = model_preset(model_name)
+    torch.manual_seed(0)
+    model = build_model(cfg).to(device)
+    opt = build_adamw(model, OptimConfig())
+    x = torch.randint(0, cfg.vocab_size, (micro_batch, cfg.seq_len + 1), device=device)
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
+            loss = per_sample_loss(model(x[:, :-1]), x[:, 1:]).mean()
+        loss.backward()
+        opt.step()
+
+    step()
+    opt.zero_grad(set_to_none=True)
+    torch.cuda.synchronize(device)
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    step()
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    params = sum(p.numel() for p in model.parameters())
+    return {"model": model_name, "precision": precision, "micro_batch": micro_batch, "params": params,
+            "base_bytes": base, "peak_bytes": peak}
+
+
+def planner_estimate(model_name: str, micro_batch: int) -> float:
+    """The planner's bytes per device for one unsharded replica on one device, ``micro_batch`` at a time."""
+    from meridian.service.planning.cost_model import Layout, memory_per_device
+    from meridian.workers.contracts.model_config import model_preset
+
+    lay = Layout(tp=1, pp=1, dp=1, num_dcs=1, dp_per_dc=1, pp_spans_dcs=False, micro_batch=micro_batch,
+                 micro_batches=1, hierarchical=False, shard_optimizer=False, overlap=False)
+    return memory_per_device(model_preset(model_name), lay, 1)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("bench memory measures a GPU's allocator; this host has no CUDA device")
+    device = torch.device("cuda", 0)
+    rows = []
+    for model_name in args.models.split(","):
+        for precision in args.precisions.split(","):
+            if precision not in ("bf16", "fp32"):
+                raise ValueError(f"precision {precision!r}: use bf16 or fp32")
+            for b in (int(v) for v in args.micro_batches.split(",")):
+                row = measure_step(model_name, precision, b, device)
+                torch.cuda.empty_cache()  # the step's model and optimizer are gone: start the next from nothing
+                row["estimate_bytes"] = planner_estimate(model_name, b)
+                row["estimate_over_measured"] = row["estimate_bytes"] / row["peak_bytes"]
+                rows.append(row)
+    return {"gpu": torch.cuda.get_device_name(device), "torch": torch.__version__, "rows": rows}
+
+
+def render(r: dict[str, Any]) -> str:
+    lines = [f"{r['gpu']} · torch {r['torch']}", f"{'model':12s} {'prec':5s} {'b':>3s} {'measured GB':>12s} "
+                                                 f"{'estimate GB':>12s} {'ratio':>6s}"]
+    for row in r["rows"]:
+        lines.append(f"{row['model']:12s} {row['precision']:5s} {row['micro_batch']:>3d} "
+                     f"{row['peak_bytes'] / 1e9:>12.2f} {row['estimate_bytes'] / 1e9:>12.2f} "
+                     f"{row['estimate_over_measured']:>6.3f}")
+    return "\n".join(lines)
