@@ -221,15 +221,18 @@ def test_losing_a_rank_mid_run_reforms_on_the_survivors_and_matches_an_uninterru
 ):
     out, events = _lose_w1_after_step_3(elastic_run(4))
     formed = [e[2] for e in events if e[0] == "epoch_formed"]
-    assert len(formed) == 2 and "worker_lost" in [e[0] for e in events], events
-    assert formed[1]["datacenters"] == ["dc-a", "dc-b", "dc-b"]
-    assert formed[1]["resume_step"] >= 3  # nothing lost: the survivors held the latest step in memory
+    # One re-formation for the loss, the last epoch. (On a loaded machine a first group that failed to connect
+    # forms once more before any step: seen with 12 test processes on 16 cores.)
+    after = next((f for f in formed if "w1" in f["lost"]), None)
+    assert after is formed[-1] and "worker_lost" in [e[0] for e in events], events
+    assert after["datacenters"] == ["dc-a", "dc-b", "dc-b"]
+    assert after["resume_step"] >= 3  # nothing lost: the survivors held the latest step in memory
     finished = [o for o in out.values() if o["result"] is not None]
-    assert len(finished) == 3 and all(o["restarts"] == 1 for o in finished)
+    assert len(finished) == 3 and all(o["restarts"] == len(formed) - 1 for o in finished)
     assert _max_rel(out[0]["result"].final_params, reference) < 1e-4
     # Rank 0 of the new epoch reported every step after the resume point (the victim's reports died with it).
-    steps = {r.step for o in out.values() for r in o["records"] if r.epoch == 2}
-    assert steps == set(range(formed[1]["resume_step"] + 1, STEPS + 1))
+    steps = {r.step for o in out.values() for r in o["records"] if r.epoch == after["epoch"]}
+    assert steps == set(range(after["resume_step"] + 1, STEPS + 1))
 
 
 def test_members_stuck_on_a_store_that_never_came_up_are_stopped_and_everyone_re_forms(elastic_run, reference):
