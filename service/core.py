@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from meridian.service.cluster.connect import LocalCluster, connect
+from meridian.service.cluster.gpu_memory import NodeGpuMemory
 from meridian.service.cluster.link_probe import ProbeCache, run_compute_probe, run_probe
 from meridian.service.cluster.logs import LogEntry, WorkerLogs
 from meridian.service.cluster.topology import ClusterTopology, read_topology
@@ -142,6 +143,7 @@ class MeridianService:
             self.store, launcher, read_topology,
             checkpoint_root=cfg.checkpoint_root, poll_interval_s=cfg.poll_interval_s,
             probe_report=self.probe_cache.latest, data_access=cfg.data_access(), lease=self.lease,
+            gpu_memory=NodeGpuMemory(),
         )
         self.worker_logs = WorkerLogs()
         self.supervisor.start()

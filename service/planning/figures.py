@@ -24,12 +24,16 @@ def _link(summary: dict[str, float]) -> Link:
     return Link(latency_s=summary["latency_us"] / 1e6, bytes_per_s=summary["bandwidth_gbps"] * 1e9 / 8)
 
 
-def figures_for(request: JobRequest, topo: ClusterTopology, probe: dict[str, Any] | None) -> tuple[Figures, list[str]]:
-    """Figures for planning ``request``, and where each came from (for the plan's explanation)."""
+def figures_for(request: JobRequest, topo: ClusterTopology, probe: dict[str, Any] | None,
+                gpu_memory: dict[str, int] | None = None) -> tuple[Figures, list[str]]:
+    """Figures for planning ``request``, and where each came from (for the plan's explanation).
+    ``gpu_memory``: node id → its GPUs' memory as read on the node (:mod:`meridian.service.cluster.gpu_memory`),
+    used where no compute probe reported the devices' memory."""
     dcs = request.topology.datacenters or topo.datacenters
     use_gpu = topo.has_gpus(tuple(dcs))
     fig = default_figures(topo, tuple(dcs), use_gpu)
     sources = ["defaults"]
+    memory_measured = False
     if probe:
         tiers: dict[str, Link] = {}
         for t in probe.get("tiers", []):
@@ -50,7 +54,17 @@ def figures_for(request: JobRequest, topo: ClusterTopology, probe: dict[str, Any
         if use_gpu and memories:
             fig = replace(fig, device_memory_bytes=float(min(memories)))
             sources.append("device memory reported by the devices")
+            memory_measured = True
         sources = sources or ["defaults"]
+    if use_gpu and not memory_measured:
+        nodes = [n.node_id for dc in dcs for n in topo.nodes_in(dc)]
+        read = [gpu_memory[n] for n in nodes if gpu_memory and n in gpu_memory]
+        if nodes and len(read) == len(nodes):
+            fig = replace(fig, device_memory_bytes=float(min(read)))
+            sources.append("GPU memory read on the nodes")
+        else:
+            sources.append(f"GPU memory guessed at {fig.device_memory_bytes / 2**30:.0f} GiB (not read on "
+                           f"{len(nodes) - len(read)} of {len(nodes)} nodes; `meridian probe --compute` measures it)")
     relevant = [lk for lk in request.links if lk.a in dcs and lk.b in dcs] if request.topology.datacenters else list(request.links)
     if relevant:
         slowest = min(relevant, key=lambda lk: lk.gbps)

@@ -54,9 +54,12 @@ class Supervisor:
         checkpoint_root: str, poll_interval_s: float = 0.5,
         probe_report: Callable[[], dict[str, Any] | None] = lambda: None, deadlines: Deadlines = DEFAULT_DEADLINES,
         data_access: DataAccess = BUILTIN_DATA_ONLY, lease: Lease | None = None,
+        gpu_memory: Callable[[ClusterTopology], dict[str, int]] = lambda topo: {},
     ) -> None:
         self.store = store
         self.probe_report = probe_report
+        self.gpu_memory = gpu_memory
+        """node id → its GPUs' memory read on the node (:class:`~meridian.service.cluster.gpu_memory.NodeGpuMemory`)."""
         self.launcher = launcher
         self.read_topology = read_topology
         self.checkpoint_root = checkpoint_root
@@ -79,7 +82,7 @@ class Supervisor:
     def plan(self, request: JobRequest, topo: ClusterTopology | None = None) -> Plan:
         """The plan this request gets on the cluster now (raises if the cluster can never hold it)."""
         topo = topo or self.read_topology()
-        figures, sources = figures_for(request, topo, self.probe_report())
+        figures, sources = figures_for(request, topo, self.probe_report(), self.gpu_memory(topo))
         plan = plan_job(request, topo, figures)
         return replace(plan, explanation=f"{plan.explanation} Figures from: {', '.join(sources)}.")
 
