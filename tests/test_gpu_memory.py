@@ -44,19 +44,24 @@ def test_a_node_reads_its_smallest_gpu_and_nothing_without_nvidia_smi(tmp_path, 
     assert read_here() is None
 
 
-def test_each_live_gpu_node_is_read_once():
+def test_each_live_gpu_node_is_read_once_and_one_without_a_reading_again_later():
     asked: list[list[str]] = []
 
     def read(ids):
         asked.append(sorted(ids))
         return {i: (None if i == "amd" else H100 * MIB) for i in ids}
 
-    cache = NodeGpuMemory(read)
+    now = [0.0]
+    cache = NodeGpuMemory(read, clock=lambda: now[0])
     topo = ClusterTopology((node("g1", "dc-a", gpus=1), node("g2", "dc-a", gpus=8), node("cpu", "dc-a"),
                             node("amd", "dc-b", gpus=1), node("dead", "dc-b", gpus=1, alive=False)))
     assert cache(topo) == {"g1": H100 * MIB, "g2": H100 * MIB}
+    now[0] = gpu_memory.RETRY_S - 1
     assert cache(topo) == {"g1": H100 * MIB, "g2": H100 * MIB}
     assert asked == [["amd", "g1", "g2"]]  # not the CPU node, not the dead one, and each only once
+    now[0] = gpu_memory.RETRY_S
+    cache(topo)
+    assert asked == [["amd", "g1", "g2"], ["amd"]]  # the one without a reading, asked again
 
 
 def _llama(micro_batch: int, dcs=("dc-a",)) -> JobRequest:

@@ -14,11 +14,14 @@ import contextlib
 import shutil
 import subprocess
 import threading
+import time
 
 from meridian.service.cluster.topology import ClusterTopology
 
 QUERY = ("--query-gpu=memory.total", "--format=csv,noheader,nounits")
 READ_TIMEOUT_S = 15.0
+RETRY_S = 300.0
+"""A node that gave no reading (no ``nvidia-smi``, or too busy to answer in time) is asked again after this long."""
 MIB = 2**20
 
 
@@ -67,17 +70,25 @@ def read_on_nodes(node_ids: list[str], timeout_s: float = READ_TIMEOUT_S) -> dic
 
 
 class NodeGpuMemory:
-    """node id → its smallest GPU's memory in bytes, for every live GPU node of a topology; each node is read
-    once (also when it gave no reading: planning does not wait on it again)."""
+    """node id → its smallest GPU's memory in bytes, for every live GPU node of a topology. A reading is kept for
+    the node's life (a restarted node has a new id); a node that gave none is asked again after ``RETRY_S``, so
+    planning does not wait on it every time."""
 
-    def __init__(self, read=read_on_nodes) -> None:
-        self._read = read
-        self._known: dict[str, int | None] = {}
+    def __init__(self, read=read_on_nodes, clock=time.monotonic) -> None:
+        self._read, self._clock = read, clock
+        self._known: dict[str, int] = {}
+        self._unread_at: dict[str, float] = {}  # node id → when it last gave no reading
         self._lock = threading.Lock()
 
     def __call__(self, topo: ClusterTopology) -> dict[str, int]:
         with self._lock:
-            todo = [n.node_id for n in topo.alive_nodes if n.gpus > 0 and n.node_id not in self._known]
-            if todo:
-                self._known.update(self._read(todo))
-            return {nid: b for nid, b in self._known.items() if b is not None}
+            now = self._clock()
+            todo = [n.node_id for n in topo.alive_nodes if n.gpus > 0 and n.node_id not in self._known
+                    and now - self._unread_at.get(n.node_id, -RETRY_S) >= RETRY_S]  # fmt: skip
+            for nid, value in (self._read(todo) if todo else {}).items():
+                if value is None:
+                    self._unread_at[nid] = now
+                else:
+                    self._known[nid] = value
+                    self._unread_at.pop(nid, None)
+            return dict(self._known)
