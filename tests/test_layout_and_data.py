@@ -64,8 +64,11 @@ def test_batches_are_next_token_pairs_of_real_text():
     data = TextDataset(DataConfig(), seq_len=16, seed=0)
     x, y = data.batch(0, 3)
     assert x.shape == y.shape == (3, 16) and (x[:, 1:] == y[:, :-1]).all()
-    text = bytes(x[0].tolist()).decode("utf-8", errors="replace")
-    assert sum(c.isalpha() or c.isspace() for c in text) > 8  # English prose, not noise
+    sample, _ = data.batch(0, 8)
+    text = bytes(sample.flatten().tolist()).decode("utf-8", errors="replace")
+    # English prose, not noise: letters and spaces are most of 128 bytes (~22% of random bytes). One 16-byte
+    # sample alone can be mostly code or punctuation: under Python 3.12's bundled text the first held 8 of 16.
+    assert sum(c.isalpha() or c.isspace() for c in text) > 0.6 * len(text)
 
 
 def test_unreadable_source_is_a_clear_error(tmp_path):
