@@ -85,13 +85,13 @@ def test_figures_take_the_memory_read_on_every_node_else_say_it_is_guessed():
 def test_the_supervisor_plans_with_the_memory_it_read(supervisor, cluster_view):
     cluster_view.topo = ClusterTopology((node("head", None, cpus=0), node("g", "dc-a", cpus=8, gpus=1)))
     big = _llama(24)  # ~60 GB a step on one GPU: over the 40 GiB guess, under an H100's 80 GB
-    with pytest.raises(MeridianError, match="no layout fits in device memory"):
+    with pytest.raises(MeridianError, match=r"no layout fits in device memory \(40\.0 GB, a guess: no GPU node"):
         supervisor.plan(big)
     supervisor.gpu_memory = lambda topo: {"g": H100 * MIB}
     assert "GPU memory read on the nodes" in supervisor.plan(big).explanation
     supervisor.gpu_memory = lambda topo: {"g": RTX_4090 * MIB}
     supervisor.plan(_llama(8))  # ~22 GB: fits a 24 GB card
-    with pytest.raises(MeridianError, match=r"no layout fits in device memory \(24\.0 GB\)"):
+    with pytest.raises(MeridianError, match=r"no layout fits in device memory \(24\.0 GB\):"):
         supervisor.plan(_llama(12))  # ~32 GB: under the guess, over the card
 
 

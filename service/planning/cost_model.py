@@ -53,6 +53,9 @@ class Figures:
     inter_dc_known: bool = False
     """``inter_dc`` was measured, declared or emulated (not a default): only then may the planner trade
     per-step sync for DiLoCo (:mod:`meridian.service.planning.sync_choice`)."""
+    device_memory_known: bool = True
+    """``device_memory_bytes`` came from the devices (a probe, or the GPU nodes' own reading); ``False`` for the
+    GPU default, which a refusal then names as a guess."""
 
 
 @dataclass(frozen=True)

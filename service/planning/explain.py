@@ -65,8 +65,10 @@ def no_layout_reason(request: JobRequest, devices: dict[str, list[int]], unit: s
 def no_fit_in_memory_reason(cands: list[Candidate], figures: Figures) -> str:
     """Why no candidate layout fits in device memory, with the smallest footprint and what to change."""
     smallest = min(cands, key=lambda c: c.estimate.memory_bytes)
+    guessed = "" if figures.device_memory_known else (
+        ", a guess: no GPU node's memory could be read; `meridian probe --compute` measures it")
     return (
-        f"no layout fits in device memory ({figures.device_memory_bytes / 2**30:.1f} GB): "
+        f"no layout fits in device memory ({figures.device_memory_bytes / 2**30:.1f} GB{guessed}): "
         + "; ".join(f"{c.name} {c.rejected.split(',')[0]}" for c in sorted(cands, key=lambda c: c.layout.tp)[:4])
         + f". The smallest footprint is {smallest.name} at {smallest.estimate.memory_bytes / 2**30:.1f} GB; "
         "use a smaller model, a smaller micro_batch, or devices with more memory"

@@ -52,7 +52,7 @@ def figures_for(request: JobRequest, topo: ClusterTopology, probe: dict[str, Any
         # A device's memory does not depend on the model shape probed: any GPU compute probe tells it.
         memories = [c["device_memory_bytes"] for c in measured.values() if c.get("device_memory_bytes")]
         if use_gpu and memories:
-            fig = replace(fig, device_memory_bytes=float(min(memories)))
+            fig = replace(fig, device_memory_bytes=float(min(memories)), device_memory_known=True)
             sources.append("device memory reported by the devices")
             memory_measured = True
         sources = sources or ["defaults"]
@@ -60,7 +60,7 @@ def figures_for(request: JobRequest, topo: ClusterTopology, probe: dict[str, Any
         nodes = [n.node_id for dc in dcs for n in topo.nodes_in(dc)]
         read = [gpu_memory[n] for n in nodes if gpu_memory and n in gpu_memory]
         if nodes and len(read) == len(nodes):
-            fig = replace(fig, device_memory_bytes=float(min(read)))
+            fig = replace(fig, device_memory_bytes=float(min(read)), device_memory_known=True)
             sources.append("GPU memory read on the nodes")
         else:
             sources.append(f"GPU memory guessed at {fig.device_memory_bytes / 2**30:.0f} GiB (not read on "
