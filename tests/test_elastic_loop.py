@@ -301,3 +301,29 @@ def test_a_newcomer_joins_at_a_step_boundary_and_gets_the_state(elastic_run, lon
     # 200 steps of fp32 sums in another order (3 then 4 ranks) drift apart slowly: measured 1.5e-3
     # relative; a newcomer that started from its own initial weights would be off by O(1).
     assert _max_rel(params[0], long_reference) < 1e-2
+
+
+def test_new_workers_resume_from_the_snapshots_of_a_whole_run_that_ended(elastic_run, reference):
+    # Every worker ends at once while the host lives (Ray Train's controller failed and shut its workers down);
+    # the runner starts new ones (a new Train run: new worker ids) and tells the coordinator to probe the old
+    # members. Each new agent takes over a dead one's RAM folder, so the job resumes from those shards instead
+    # of from step 0, and ends where an uninterrupted run does.
+    run = elastic_run(4)
+    cfg = job(job_id=_unique_job_id())
+    for i, dc in enumerate(DCS):
+        run.start(i, dc, cfg)
+    _wait_for_step(cfg, "w0", 3)
+    for i in range(4):
+        os.kill(run.procs[i].pid, signal.SIGKILL)
+    for i in range(4):
+        run.procs[i].join(10)
+    assert run.coordinator.probe_members() == {"w0", "w1", "w2", "w3"}
+    for i, dc in enumerate(DCS, start=4):
+        run.start(i, dc, cfg)
+    out = run.collect({4, 5, 6, 7})
+    formed = [e[2] for e in run.events() if e[0] == "epoch_formed"]
+    resumed = next(f for f in formed if f["lost"])
+    assert sorted(resumed["lost"]) == ["w0", "w1", "w2", "w3"] and sorted(resumed["newcomers"]) == ["w4", "w5", "w6", "w7"]
+    assert resumed["resume_step"] >= 3 and not resumed["from_checkpoint"]
+    assert all(o["result"] is not None for o in out.values())
+    assert _max_rel(out[4]["result"].final_params, reference) < 1e-4

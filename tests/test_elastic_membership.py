@@ -99,6 +99,8 @@ def test_every_member_lost_restarts_newcomers_from_the_durable_checkpoint():
     s.epoch = Epoch(3, (m("w0", "dc-a"), m("w1", "dc-a")), resume_step=10)
     s.waiting["w5"] = m("w5", "dc-a")
     d = decide(s, 1.0, alive_nodes=set(), grace_s=5, start_timeout_s=60)
+    assert isinstance(d, Wait) and "1 of 2 new workers have started" in d.reason  # the others are starting
+    d = decide(s, 61.0, alive_nodes=set(), grace_s=5, start_timeout_s=60)
     assert isinstance(d, Form) and d.epoch.from_checkpoint and d.epoch.newcomers == ("w5",)
 
 
@@ -111,3 +113,15 @@ def test_ranks_of_one_node_are_consecutive_inside_their_datacenter():
         s.waiting[wid] = m(wid, dc, node=node, t=t)
     d = decide(s, 10.0, alive_nodes={"x", "y", "z"}, grace_s=5, start_timeout_s=60)
     assert [x.worker_id for x in d.epoch.members] == ["w0", "w4", "w1", "w3", "w2"]
+
+
+def test_every_member_gone_with_new_workers_holding_their_snapshots_resumes_from_those():
+    # A Train run ended with its workers while their nodes lived: the new run's workers took over the ended ones'
+    # snapshot folders (workers/state/snapshot_paths.adopt_orphan) and join with their last steps.
+    s = MembershipState(planned_workers=3, min_workers=1, dc_order=("dc-a", "dc-b"), first_join_at=0.0)
+    s.epoch = Epoch(3, (m("w0", "dc-a"), m("w1", "dc-b"), m("w2", "dc-b")), resume_step=10)
+    s.waiting.update({"n0": m("n0", "dc-a", step=24), "n1": m("n1", "dc-b", step=25), "n2": m("n2", "dc-b")})
+    d = decide(s, 1.0, alive_nodes=ALL, grace_s=5, start_timeout_s=60, gone={"w0", "w1", "w2"})
+    assert isinstance(d, Form) and not d.epoch.from_checkpoint
+    assert d.epoch.resume_step == 24  # the newest step every worker holding shards has
+    assert set(d.epoch.newcomers) == {"n0", "n1", "n2"} and len(d.lost) == 3

@@ -58,6 +58,11 @@ FIT_GRACE_S = 10.0
 """After the last step, how long fit() may take to return by itself before the runner ends it."""
 START_TIMEOUT_S = 300.0
 """The first epoch waits this long for every planned worker before starting with those present."""
+MAX_TRAIN_RUNS = 3
+"""Ray Train runs one job may go through: a run whose controller failed (not the training) is followed by a
+new one, whose workers take over the snapshots the ended ones left on their nodes."""
+PLACEABLE_WAIT_S = 30.0
+"""How long a new Train run waits for free capacity to place at least one worker before asking for all."""
 
 
 def runner_name(job_id: str) -> str:
@@ -370,33 +375,23 @@ class JobRunner:
 
     def _run(self) -> None:
         try:
-            from ray.train import FailureConfig, RunConfig, ScalingConfig
-            from ray.train.torch import TorchTrainer
-
-            from meridian.workers.entry import ray_train_entry
-
-            labels = worker_label_selectors(self.plan, read_topology())
-            resources = dict(self.plan.resources_per_worker)
-            trainer = TorchTrainer(
-                ray_train_entry,
-                train_loop_config=_train_loop_config(self.name, self.train_config),
-                torch_config=_meridian_torch_config(self.plan.use_gpu),
-                scaling_config=ScalingConfig(
-                    num_workers=len(labels), use_gpu=self.plan.use_gpu, label_selector=labels,
-                    resources_per_worker=resources,
-                ),
-                run_config=RunConfig(
-                    name=f"meridian-{self.job_id}", storage_path=self.storage_path,
-                    # Never give up on a lost worker: the survivors carry on and the runner decides the outcome.
-                    failure_config=FailureConfig(max_failures=-1),
-                    callbacks=[_controller_hook(self.name, NAMESPACE)],
-                ),
-            )
-            result = trainer.fit()
+            for attempt in range(1, MAX_TRAIN_RUNS + 1):
+                error = self._fit(attempt)
+                if (error is None or self._cancel.is_set() or self._done.is_set() or self.coordinator.job_finished
+                        or not _train_controller_failed(error) or attempt == MAX_TRAIN_RUNS):
+                    break
+                # Ray Train's controller failed (a Ray Train 2.60 bug: a second worker dying while it replaces a
+                # first ends its control loop with an error it does not retry) and shut its workers down; their
+                # nodes live, and so do the snapshots in their RAM folders. A new run's workers take those over.
+                gone = self.coordinator.probe_members()
+                self.push_event("train_run_restarted", f"Ray Train's controller failed ({_describe_failure(error)}) "
+                                f"and ended its workers ({len(gone)} found gone); starting Train run {attempt + 1} of "
+                                f"at most {MAX_TRAIN_RUNS}: its workers resume from the snapshots the ended ones left "
+                                "on their nodes", {"attempt": attempt + 1, "gone": sorted(gone)})  # fmt: skip
             if self._cancel.is_set():
                 self._finish(RunnerState.CANCELLED)
-            elif result.error is not None:
-                self._finish(RunnerState.FAILED, _describe_failure(result.error))
+            elif error is not None:
+                self._finish(RunnerState.FAILED, _describe_failure(error))
             elif self.coordinator.job_finished:
                 self._finish(RunnerState.SUCCEEDED)
             else:
@@ -406,6 +401,58 @@ class JobRunner:
                 self._finish(RunnerState.CANCELLED)
             else:
                 self._finish(RunnerState.FAILED, _describe_failure(e) or traceback.format_exc(limit=3))
+
+    def _fit(self, attempt: int) -> BaseException | None:
+        """One Ray Train run of the job's workers; the error it ended with (``None``: it ended cleanly). A new run
+        after the first asks only for the workers the cluster can place now (the runner replaces the rest when
+        their datacenters have room, as after any loss)."""
+        from ray.train import FailureConfig, RunConfig, ScalingConfig
+        from ray.train.torch import TorchTrainer
+
+        from meridian.workers.entry import ray_train_entry
+
+        labels = worker_label_selectors(self.plan, read_topology())
+        deadline = time.monotonic() + PLACEABLE_WAIT_S
+        while attempt > 1 and time.monotonic() < deadline and not self._cancel.is_set():
+            placeable = [sel for sel in labels if NODE_ID_LABEL in sel]  # pinned: a node has a free slot for it
+            if placeable:
+                labels = placeable
+                break
+            time.sleep(1.0)  # the ended run's workers are still releasing their slots
+            labels = worker_label_selectors(self.plan, read_topology())
+        if attempt > 1:
+            self.coordinator.expect_run(len(labels))
+        trainer = TorchTrainer(
+            ray_train_entry,
+            train_loop_config=_train_loop_config(self.name, self.train_config),
+            torch_config=_meridian_torch_config(self.plan.use_gpu),
+            scaling_config=ScalingConfig(
+                num_workers=len(labels), use_gpu=self.plan.use_gpu, label_selector=labels,
+                resources_per_worker=dict(self.plan.resources_per_worker),
+            ),
+            run_config=RunConfig(
+                name=f"meridian-{self.job_id}" if attempt == 1 else f"meridian-{self.job_id}-run{attempt}",
+                storage_path=self.storage_path,
+                # Never give up on a lost worker: the survivors carry on and the runner decides the outcome.
+                failure_config=FailureConfig(max_failures=-1),
+                callbacks=[_controller_hook(self.name, NAMESPACE)],
+            ),
+        )
+        from ray.train.v2.api.exceptions import TrainingFailedError
+
+        try:
+            return trainer.fit().error
+        except TrainingFailedError as e:  # Ray Train 2.60's fit() raises the error that ended the run
+            return e
+
+
+def _train_controller_failed(error: BaseException) -> bool:
+    """The Train run ended because Ray Train's control loop raised an error it does not retry, and it shut its
+    workers down: not the training, whose own failures end the job through :meth:`JobRunner.fail`. (A controller
+    whose process died is not this: its workers may still train, and a second run would compete with them.)"""
+    from ray.train.v2.api.exceptions import ControllerError
+
+    return isinstance(error, ControllerError)
 
 
 # -- in-memory snapshots left behind -----------------------------------------------------------------------

@@ -124,6 +124,23 @@ class Coordinator:
         return self.state.epoch
 
     # -- internals --------------------------------------------------------------------------------------
+    def expect_run(self, workers: int) -> None:
+        """A new Train run starts ``workers`` workers (its predecessor ended with all of its own)."""
+        with self._cond:
+            self.state.run_workers = workers
+
+    def probe_members(self) -> set[str]:
+        """Probe every member of the current epoch now (a Train run ended and took its workers with it); those
+        found gone are not waited for. The worker ids found gone."""
+        with self._cond:
+            e = self.state.epoch
+            suspects = [(m.worker_id, m.address, m.probe_port) for m in e.members] if e is not None else []
+        found = self.liveness.check(suspects)
+        if found:
+            with self._cond:
+                self._decide_locked()
+        return found
+
     def _probe_silent(self, also: str = "") -> None:
         """While a re-formation is pending (a member rejoined: ``also`` is one doing so now), probe the
         members that have not rejoined; those found gone are not waited for."""

@@ -94,6 +94,9 @@ class MembershipState:
     """When the first worker of the first epoch joined."""
     first_rejoin_at: float | None = None
     """When the first member of the current epoch asked to re-form it."""
+    run_workers: int = 0
+    """Workers the current Train run started with, when a run replaced one that ended with all its workers (0:
+    the plan's): a job that lost every member waits for that many before it re-forms."""
 
     def newcomers_waiting(self) -> bool:
         """A worker waits to join: members should re-form at their next step boundary."""
@@ -138,12 +141,21 @@ def decide(state: MembershipState, now: float, *, alive_nodes: set[str], grace_s
         if reachable:
             # Members are training: they re-form at their next step boundary (newcomers_waiting()).
             return Wait(f"{len(new)} new worker(s) wait for the next step boundary")
-        # Every member's node is gone: nobody holds the state in memory any more.
+        # Every member is gone. The state survives only where new workers took over dead members' snapshot folders
+        # on their hosts (a Train run restarted on live nodes): resume from the newest step they all hold; the
+        # training processes pool those shards and fall back to the durable checkpoint if they do not cover it.
         if len(new) < state.min_workers:
             return Wait(f"every worker of the job was lost; waiting for {state.min_workers} worker(s) to restart it")
+        # As for a first epoch, wait for the workers that are starting (up to start_timeout_s): the first to
+        # arrive would otherwise restart alone and hold a part of the shards, too few to rebuild the state.
+        expected = state.run_workers or state.planned_workers
+        if len(new) < expected and now - min(m.joined_at for m in new) < start_timeout_s:
+            return Wait(f"every worker of the job was lost; {len(new)} of {expected} new workers have started")
         members = _ordered(new, state.dc_order)
-        return Form(Epoch(current.number + 1, members, resume_step=0, newcomers=tuple(m.worker_id for m in members),
-                          from_checkpoint=True), lost=current.members)
+        adopted = [m.last_step for m in new if m.last_step > 0]
+        return Form(Epoch(current.number + 1, members, resume_step=min(adopted, default=0),
+                          newcomers=tuple(m.worker_id for m in members), from_checkpoint=not adopted),
+                    lost=current.members)
     expected = {m.worker_id for m in reachable} | {m.worker_id for m in back}
     everyone_back = {m.worker_id for m in back} >= expected
     grace_over = now - (state.first_rejoin_at or now) >= grace_s

@@ -41,7 +41,7 @@ from meridian.workers.elastic.liveness import LivenessListener
 from meridian.workers.elastic.pipe import recv, send
 from meridian.workers.elastic.protocol import KEEP_SNAPSHOTS, LEAVING, RESTART_EXIT_CODE
 from meridian.workers.elastic.standby import Standby, standby_context
-from meridian.workers.state.snapshot_paths import snapshot_dir
+from meridian.workers.state.snapshot_paths import adopt_orphan, snapshot_dir
 
 if TYPE_CHECKING:  # torch-free to import: a joining worker's agent need not wait for torch (its zygote imports it)
     from meridian.workers.contracts.records import TrainResult
@@ -102,9 +102,14 @@ class Agent:
         self.aborts = 0
 
     def run(self) -> TrainResult | None:
-        # A new agent holds no state: whatever lies in its folder was left by a killed worker of an earlier
-        # run with the same job and worker id, and must not pass for this run's snapshots.
-        shutil.rmtree(self.store_dir, ignore_errors=True)
+        # A new agent's own folder is new (a leftover of the same worker id is removed); it takes over the folder
+        # of a worker of this job whose agent died on this host, if there is one. Its shards count only where the
+        # rendezvous says so: when no member of the job is left (membership.decide), else they are old.
+        adopted = adopt_orphan(self.cfg.job_id, self.ids["worker_id"])
+        if adopted is not None:
+            self.on_event("snapshots_adopted", f"worker {self.ids['worker_id']} took over the snapshots of a worker "
+                          f"of this job whose process is gone ({os.path.basename(adopted)}); the job resumes from them "
+                          "only if no member of it is left", {"folder": adopted})
         # Lives as long as this process: the coordinator's proof that this worker is gone is a refused connect.
         liveness = LivenessListener(on_abort=self.abort)
         self.ids["probe_port"] = liveness.port

@@ -5,10 +5,16 @@ Kept free of torch so the job runner can sweep a node with a task that starts in
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import glob
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
+
+OWNER_FILE = "owner"
+"""In a snapshot folder: the pid and start time of the agent that keeps it (a worker's long-lived process)."""
 
 
 def _snapshot_root() -> str:
@@ -35,3 +41,74 @@ def remove_snapshot_dirs(job_id: str) -> list[str]:
     for folder in removed:
         shutil.rmtree(folder, ignore_errors=True)
     return removed
+
+
+# -- a folder whose worker died, taken over by a new worker of the job on the same host ---------------------------
+def _process_start(pid: int) -> str | None:
+    """``pid``'s start time (clock ticks since boot, /proc/<pid>/stat field 22), or ``None`` if no such process:
+    a pid and its start time name one process, a reused pid does not."""
+    try:
+        stat = open(f"/proc/{pid}/stat").read()  # noqa: SIM115 - read at once
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[19]
+
+
+def _owner_alive(folder: str) -> bool | None:
+    """Whether the agent that wrote ``folder``'s owner file lives; ``None`` when the folder names no owner."""
+    try:
+        pid, start = open(os.path.join(folder, OWNER_FILE)).read().split()  # noqa: SIM115 - read at once
+    except (OSError, ValueError):
+        return None
+    return _process_start(int(pid)) == start
+
+
+def mark_owner(folder: str) -> None:
+    """Make ``folder`` (created if missing) this process's: written by the agent that keeps it."""
+    os.makedirs(folder, exist_ok=True)
+    tmp = os.path.join(folder, f".{OWNER_FILE}.tmp")
+    with open(tmp, "w") as f:
+        f.write(f"{os.getpid()} {_process_start(os.getpid())}")
+    os.replace(tmp, os.path.join(folder, OWNER_FILE))
+
+
+@contextlib.contextmanager
+def _adoption_lock() -> Iterator[None]:
+    """One adopter at a time on this host (a job's agents share its RAM folder): a lock on that folder itself, so
+    no lock file is left behind."""
+    fd = os.open(_snapshot_root(), os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def adopt_orphan(job_id: str, worker_id: str) -> str | None:
+    """Take over a snapshot folder of ``job_id`` on this host whose agent is dead, as ``worker_id``'s (renamed to
+    :func:`snapshot_dir`, owned by this process); the folder taken, or ``None`` (then this worker's folder is new
+    and empty). The newest one is taken: its shards are the ones most likely to reach the step a re-formed job
+    resumes at. A folder that names no owner is never taken.
+
+    What it is for: when every worker of a job ended at once while their nodes stayed up (Ray Train's controller
+    failed and shut its workers down, and the runner started a new Train run), the new workers carry the dead
+    ones' shards into the rendezvous instead of the job restarting from its last durable checkpoint or step 0.
+    """
+    mine = snapshot_dir(job_id, worker_id)
+    with _adoption_lock():
+        shutil.rmtree(mine, ignore_errors=True)
+        orphans = [d for d in snapshot_dirs(job_id) if d != mine and os.path.isdir(d) and _owner_alive(d) is False]
+        taken = None
+        for folder in sorted(orphans, key=_newest_shard, reverse=True):
+            try:
+                os.rename(folder, mine)
+            except OSError:
+                continue
+            taken = folder
+            break
+        mark_owner(mine)
+    return taken
+
+
+def _newest_shard(folder: str) -> str:
+    return max((n for n in os.listdir(folder) if n.startswith("shard-")), default="")
