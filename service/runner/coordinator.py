@@ -28,6 +28,12 @@ from meridian.service.runner.liveness import LivenessTracker
 from meridian.service.runner.membership import Epoch, Form, Member, MembershipState, Wait, decide
 from meridian.workers.contracts.rendezvous import Assignment, Finished, JoinReply, JoinRequest, Waiting
 
+NEWCOMERS_PROBE_AFTER_S = 5.0
+"""Newcomers that have waited this long for the members' next step boundary make every tick probe the members."""
+NEWCOMERS_ABORT_AFTER_S = 60.0
+"""Newcomers that have waited this long while the members answer: the members are stuck (no step boundary for a
+minute) and are told to stop; their next processes rejoin from the snapshots, with the newcomers."""
+
 EventSink = Callable[[str, str, dict[str, Any]], None]
 
 
@@ -146,7 +152,13 @@ class Coordinator:
         members that have not rejoined; those found gone are not waited for."""
         with self._cond:
             e = self.state.epoch
-            if e is None or (self.state.first_rejoin_at is None and not also):
+            ids = {m.worker_id for m in e.members} if e is not None else set()
+            new_since = min((m.joined_at for w, m in self.state.waiting.items() if w not in ids), default=None)
+            # Newcomers wait for the members' next step boundary; when none has come for a while, the members may
+            # all be gone (a Train run ended with its workers), which only a probe tells.
+            waited = self.clock() - new_since if new_since is not None else 0.0
+            stalled = waited >= NEWCOMERS_PROBE_AFTER_S
+            if e is None or (self.state.first_rejoin_at is None and not also and not stalled):
                 return
             suspects = [(m.worker_id, m.address, m.probe_port) for m in e.members
                         if m.worker_id not in self.state.waiting and m.worker_id != also]  # fmt: skip
@@ -159,7 +171,10 @@ class Coordinator:
                         self.on_event("worker_gone", f"the worker in {m.datacenter} on node {m.node_id[:12]} is gone "
                                       "(its process no longer answers): re-forming without it", {"worker_id": m.worker_id})
                 self._decide_locked()
-        if since >= self.abort_after_s:
+        if since >= self.abort_after_s or waited >= NEWCOMERS_ABORT_AFTER_S:
+            why = (f"had not rejoined {since:.0f} s after its peers (stuck in a collective with a peer that left)"
+                   if since >= self.abort_after_s else
+                   f"had reached no step boundary while new workers waited {waited:.0f} s (stuck)")
             stopped = self.liveness.abort(suspects, e.number)
             with self._cond:
                 if stopped and self.state.epoch is e:
@@ -168,8 +183,7 @@ class Coordinator:
                     if m.worker_id in stopped:
                         self.on_event(
                             "worker_stuck",
-                            f"the worker in {m.datacenter} on node {m.node_id[:12]} answers but had not rejoined "
-                            f"{since:.0f} s after its peers (stuck in a collective with a peer that left): its training "
+                            f"the worker in {m.datacenter} on node {m.node_id[:12]} answers but {why}: its training "
                             "process was stopped, and the next one rejoins from its snapshots",
                             {"worker_id": m.worker_id, "epoch": e.number})  # fmt: skip
 
