@@ -71,19 +71,21 @@ def test_a_reused_pid_does_not_pass_for_the_dead_owner():
     assert adopt_orphan("job", "new") == folder
 
 
-def _adopt(job, worker, root, out):
+def _adopt(job, worker, root, out, release):
     snapshot_paths._snapshot_root = lambda: root
     out.put((worker, adopt_orphan(job, worker)))
+    release.wait(30)  # an agent lives while it uses its folder: once it exits, the folder is an orphan again
 
 
 def test_workers_starting_at_once_never_take_the_same_folder(ram_folder):
     orphans = {_dead_folder("job", f"old-{i}", shards=(i + 1,)) for i in range(3)}
     ctx = mp.get_context("fork")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_adopt, args=("job", f"new-{i}", str(ram_folder), out)) for i in range(5)]
+    out, release = ctx.Queue(), ctx.Event()
+    procs = [ctx.Process(target=_adopt, args=("job", f"new-{i}", str(ram_folder), out, release)) for i in range(5)]
     for p in procs:
         p.start()
     taken = [out.get(timeout=30)[1] for _ in procs]
+    release.set()
     for p in procs:
         p.join()
     assert sorted(t for t in taken if t) == sorted(orphans) and taken.count(None) == 2
