@@ -181,6 +181,18 @@ def test_a_worker_joining_after_the_last_step_is_told_the_job_finished():
         rdzv.join(last_step=0, timeout_s=5)
 
 
+def _two_members_formed(now, liveness, on_event):
+    """A coordinator on the clock ``now[0]`` whose first epoch holds w0 and w1 (liveness ports 39500, 39501)."""
+    c = Coordinator(planned_workers=2, min_workers=1, dc_order=("dc-a",), on_event=on_event, clock=lambda: now[0],
+                    liveness=liveness)
+    old = [JoinRequest(worker_id=f"w{i}", datacenter="dc-a", node_id=f"n{i}", address="127.0.0.1", port=29500 + i,
+                       probe_port=39500 + i) for i in range(2)]  # fmt: skip
+    threads, _ = join_concurrently(c, old)
+    for t in threads:
+        t.join(10)
+    return c
+
+
 def test_newcomers_waiting_for_members_that_are_all_gone_probe_them_and_re_form_alone():
     # A Train run ended with all its workers while their nodes lived: no member will rejoin or reach a step
     # boundary, so after NEWCOMERS_PROBE_AFTER_S of waiting the ticks probe the members and find them gone.
@@ -189,13 +201,7 @@ def test_newcomers_waiting_for_members_that_are_all_gone_probe_them_and_re_form_
 
     now, dead = [0.0], set()
     liveness = LivenessTracker(probe_fn=lambda address, port: Probe.GONE if port in dead else Probe.ALIVE)
-    c = Coordinator(planned_workers=2, min_workers=1, dc_order=("dc-a",), on_event=lambda *e: None,
-                    clock=lambda: now[0], liveness=liveness)
-    old = [JoinRequest(worker_id=f"w{i}", datacenter="dc-a", node_id=f"n{i}", address="127.0.0.1", port=29500 + i,
-                       probe_port=39500 + i) for i in range(2)]  # fmt: skip
-    threads, _ = join_concurrently(c, old)
-    for t in threads:
-        t.join(10)
+    c = _two_members_formed(now, liveness, on_event=lambda *e: None)
     dead.update({39500, 39501})  # both members' agents died with their run
     new = [JoinRequest(worker_id=f"w{i}", datacenter="dc-a", node_id=f"n{i - 3}", address="127.0.0.1",
                        port=29500 + i, probe_port=39500 + i, last_step=7) for i in (3, 4)]  # fmt: skip
@@ -219,13 +225,7 @@ def test_newcomers_waiting_a_minute_on_members_that_answer_stop_them():
     liveness = LivenessTracker(probe_fn=lambda address, port: Probe.ALIVE,
                                abort_fn=lambda address, port, epoch: told.append((port, epoch)) or True)
     events = []
-    c = Coordinator(planned_workers=2, min_workers=1, dc_order=("dc-a",), on_event=lambda *e: events.append(e),
-                    clock=lambda: now[0], liveness=liveness)
-    old = [JoinRequest(worker_id=f"w{i}", datacenter="dc-a", node_id=f"n{i}", address="127.0.0.1", port=29500 + i,
-                       probe_port=39500 + i) for i in range(2)]  # fmt: skip
-    threads, _ = join_concurrently(c, old)
-    for t in threads:
-        t.join(10)
+    c = _two_members_formed(now, liveness, on_event=lambda *e: events.append(e))
     assert isinstance(c.join(JoinRequest(worker_id="w5", datacenter="dc-a", node_id="n5", address="127.0.0.1",
                                          port=29505, probe_port=39505), poll_s=0.0), Waiting)  # fmt: skip
     now[0] = NEWCOMERS_ABORT_AFTER_S - 1
