@@ -28,7 +28,7 @@ KEYS = {"rtt_ms", "gbps", "strategy", "step_ms_lab", "step_ms_emulated", "step_m
 
 def test_bench_lab_rows_and_bytes_against_the_kernel() -> None:
     cmd = [sys.executable, "-m", "meridian.api.cli", "bench", "lab", "--json", "--links", "21:1", "--strategies",
-           "hierarchical,flat", "--model", "tiny", "--steps", "5", "--warmup", "2", "--no-overlap-saving"]  # fmt: skip
+           "hierarchical,flat", "--model", "tiny", "--steps", "8", "--warmup", "2", "--no-overlap-saving"]  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=1200,
                          env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
@@ -46,7 +46,9 @@ def test_bench_lab_rows_and_bytes_against_the_kernel() -> None:
             assert 0 < row[f"ranks_system_cpu_ms_per_step_{where}"] < row[f"ranks_cpu_ms_per_step_{where}"], row
         # What the engines reported is what left the datacenters' link devices (TCP/IP headers, ACKs, gloo's
         # control messages and the loop's small loss all-reduce are the kernel's extra: ~0.1 MB a step, 11% of
-        # the `nano` model's 1.1 MB but 1-4% of `tiny`'s 7 MB, hence `tiny` here).
+        # the `nano` model's 1.1 MB but 1-4% of `tiny`'s 7 MB, hence `tiny` here). A datacenter's first rank reads
+        # its link's counter when it ends a step, while its peer may still be sending that step's bytes: each end
+        # of the window can cut a part of a step, hence 6 timed steps (with 3, once 7.7% short on 2026-11-27).
         assert row["inter_dc_bytes_reported"] == pytest.approx(row["inter_dc_bytes_kernel"], rel=0.05), row
     har, flat = result["rows"]
     assert har["inter_dc_bytes_reported"] == pytest.approx(har["har_min_bytes"], rel=0.01)
