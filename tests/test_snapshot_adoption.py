@@ -19,39 +19,39 @@ def ram_folder(tmp_path, monkeypatch):
     return tmp_path
 
 
-def _folder(job, worker, *, owner_pid: int | None, shards=()):
+def _folder(job, worker, *, owner: str | None, shards=()):
+    """A snapshot folder holding ``shards``, whose owner file (if any) reads ``owner`` ("pid start")."""
     folder = snapshot_dir(job, worker)
     os.makedirs(folder)
-    if owner_pid is not None:  # as that process would have written it
-        start = snapshot_paths._process_start(owner_pid)
+    if owner is not None:
         with open(os.path.join(folder, OWNER_FILE), "w") as f:
-            f.write(f"{owner_pid} {start}")
+            f.write(owner)
     for step in shards:
         open(os.path.join(folder, f"shard-{step:010d}.pt"), "w").close()
     return folder
 
 
-def _a_dead_process_pid_and_start() -> tuple[int, str]:
+def _this_process() -> str:
+    return f"{os.getpid()} {snapshot_paths._process_start(os.getpid())}"
+
+
+def _a_dead_process() -> str:
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     start = snapshot_paths._process_start(proc.pid)
     proc.kill()
     proc.wait()
-    return proc.pid, start
+    return f"{proc.pid} {start}"
 
 
 def _dead_folder(job, worker, shards):
-    folder = _folder(job, worker, owner_pid=None, shards=shards)
-    pid, start = _a_dead_process_pid_and_start()
-    with open(os.path.join(folder, OWNER_FILE), "w") as f:
-        f.write(f"{pid} {start}")
-    return folder
+    return _folder(job, worker, owner=_a_dead_process(), shards=shards)
 
 
 def test_the_newest_orphan_of_the_job_is_taken_and_owned_by_the_new_worker():
     older = _dead_folder("job", "old-a", shards=(21, 22))
     newer = _dead_folder("job", "old-b", shards=(22, 23))
-    live = _folder("job", "alive", owner_pid=os.getpid(), shards=(30,))
-    unowned = _folder("job", "unowned", owner_pid=None, shards=(40,))
+    live = _folder("job", "alive", owner=_this_process(), shards=(30,))
+    unowned = _folder("job", "unowned", owner=None, shards=(40,))
     other_job = _dead_folder("other", "old-c", shards=(50,))
 
     assert adopt_orphan("job", "new-1") == newer
@@ -65,9 +65,8 @@ def test_the_newest_orphan_of_the_job_is_taken_and_owned_by_the_new_worker():
 
 
 def test_a_reused_pid_does_not_pass_for_the_dead_owner():
-    folder = _folder("job", "old", owner_pid=None, shards=(5,))
-    with open(os.path.join(folder, OWNER_FILE), "w") as f:
-        f.write(f"{os.getpid()} 1")  # this pid, but another start time: the process that wrote it is gone
+    # this pid, but another start time: the process that wrote it is gone
+    folder = _folder("job", "old", owner=f"{os.getpid()} 1", shards=(5,))
     assert adopt_orphan("job", "new") == folder
 
 

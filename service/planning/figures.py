@@ -33,7 +33,6 @@ def figures_for(request: JobRequest, topo: ClusterTopology, probe: dict[str, Any
     use_gpu = topo.has_gpus(tuple(dcs))
     fig = default_figures(topo, tuple(dcs), use_gpu)
     sources = ["defaults"]
-    memory_measured = False
     if probe:
         tiers: dict[str, Link] = {}
         for t in probe.get("tiers", []):
@@ -54,9 +53,8 @@ def figures_for(request: JobRequest, topo: ClusterTopology, probe: dict[str, Any
         if use_gpu and memories:
             fig = replace(fig, device_memory_bytes=float(min(memories)), device_memory_known=True)
             sources.append("device memory reported by the devices")
-            memory_measured = True
         sources = sources or ["defaults"]
-    if use_gpu and not memory_measured:
+    if not fig.device_memory_known:  # a GPU job whose devices' memory no probe reported
         nodes = [n.node_id for dc in dcs for n in topo.nodes_in(dc)]
         read = [gpu_memory[n] for n in nodes if gpu_memory and n in gpu_memory]
         if nodes and len(read) == len(nodes):

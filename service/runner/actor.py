@@ -408,6 +408,7 @@ class JobRunner:
         their datacenters have room, as after any loss)."""
         from ray.train import FailureConfig, RunConfig, ScalingConfig
         from ray.train.torch import TorchTrainer
+        from ray.train.v2.api.exceptions import TrainingFailedError
 
         from meridian.workers.entry import ray_train_entry
 
@@ -438,8 +439,6 @@ class JobRunner:
                 callbacks=[_controller_hook(self.name, NAMESPACE)],
             ),
         )
-        from ray.train.v2.api.exceptions import TrainingFailedError
-
         try:
             return trainer.fit().error
         except TrainingFailedError as e:  # Ray Train 2.60's fit() raises the error that ended the run

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 REDUCE_SCATTER_NAMES = ("reduce_scatter_single", "reduce_scatter_tensor")
@@ -23,13 +24,7 @@ def _collective(names: tuple[str, ...]):
         fn = getattr(dist, name, None)
         if fn is not None:
             return fn
-    raise RuntimeError(f"torch {_torch_version()} has none of torch.distributed.{', '.join(names)}")
-
-
-def _torch_version() -> str:
-    import torch
-
-    return torch.__version__
+    raise RuntimeError(f"torch {torch.__version__} has none of torch.distributed.{', '.join(names)}")
 
 
 def reduce_scatter_single(output, input, **kwargs: Any):

@@ -12,6 +12,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 
 OWNER_FILE = "owner"
 """In a snapshot folder: the pid and start time of the agent that keeps it (a worker's long-lived process)."""
@@ -48,7 +49,7 @@ def _process_start(pid: int) -> str | None:
     """``pid``'s start time (clock ticks since boot, /proc/<pid>/stat field 22), or ``None`` if no such process:
     a pid and its start time name one process, a reused pid does not."""
     try:
-        stat = open(f"/proc/{pid}/stat").read()  # noqa: SIM115 - read at once
+        stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
     return stat.rsplit(")", 1)[1].split()[19]
@@ -57,7 +58,7 @@ def _process_start(pid: int) -> str | None:
 def _owner_alive(folder: str) -> bool | None:
     """Whether the agent that wrote ``folder``'s owner file lives; ``None`` when the folder names no owner."""
     try:
-        pid, start = open(os.path.join(folder, OWNER_FILE)).read().split()  # noqa: SIM115 - read at once
+        pid, start = Path(folder, OWNER_FILE).read_text().split()
     except (OSError, ValueError):
         return None
     return _process_start(int(pid)) == start
