@@ -38,9 +38,9 @@ class RunnerSink:
     def step(self, record: StepRecord) -> None:
         self.runner.push_progress.remote([record])  # as itself: Ray pickles the dataclass
 
-    def rank_step(self, beat: dict[str, Any]) -> None:
-        """Every rank's per-step heartbeat (stall detection, per-datacenter step times)."""
-        self.runner.push_heartbeat.remote(beat)
+    def rank_steps(self, beats: list[dict[str, Any]]) -> None:
+        """A batch of one rank's per-step heartbeats (stall detection, per-datacenter step times), one call."""
+        self.runner.push_heartbeats.remote(beats)
 
 
 def _device() -> str:

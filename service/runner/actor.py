@@ -50,6 +50,9 @@ if TYPE_CHECKING:
 NAMESPACE = "meridian"
 NODE_ID_LABEL = "ray.io/node-id"
 TICK_S = 0.5
+EXPORT_EVERY_S = 0.5
+"""Step records push the job's Ray metrics at most this often (a job of 50 ms steps sent 20 exports a second;
+Prometheus scrapes every few seconds)."""
 GRACE_S = 30.0
 """How long re-forming waits for a member whose node is alive but which has not rejoined. Survivors restart
 their training process to rejoin (2 s on an idle machine, over 10 s on a loaded one); a member that is
@@ -154,6 +157,7 @@ class JobRunner:
         """The epoch of the newest step record (0: none yet)."""
         self._last_recorded_step = 0
         self._exporter: RayJobMetrics | None = None
+        self._exported_at = 0.0
         self._ticker: threading.Thread | None = None
         rank_dcs = list(plan.rank_datacenters)
         self.planned_per_dc = {dc: rank_dcs.count(dc) for dc in dict.fromkeys(rank_dcs)}
@@ -209,7 +213,8 @@ class JobRunner:
                 self._name_unrecorded_steps(r)
                 self._outbox.add_record(r)
                 self._metrics.on_record(r)
-            self._export()
+            if time.monotonic() - self._exported_at >= EXPORT_EVERY_S:  # the service's polls export too
+                self._export()
 
     def push_event(self, kind: str, message: str, data: dict[str, Any] | None = None) -> None:
         with self._lock:
@@ -236,10 +241,13 @@ class JobRunner:
         self._records_epoch = max(self._records_epoch, r.epoch)
         self._last_recorded_step = max(self._last_recorded_step, r.step)
 
-    def push_heartbeat(self, beat: dict[str, Any]) -> None:
-        """A rank finished a step. Stamped with this actor's clock, the one stall detection compares with."""
+    def push_heartbeats(self, beats: list[dict[str, Any]]) -> None:
+        """One rank's heartbeats since its last batch (each: a step computed or finished). Stamped with this
+        actor's clock on arrival, the one stall detection compares with."""
         with self._lock:
-            self._metrics.on_heartbeat({**beat, "finished_at": beat.get("time"), "time": time.time()})
+            now = time.time()
+            for beat in beats:
+                self._metrics.on_heartbeat({**beat, "finished_at": beat.get("time"), "time": now})
 
     # -- metrics ------------------------------------------------------------------------------------------
     def _observe(self) -> tuple[dict[int, dict[str, Any]], list[float], float]:
@@ -251,6 +259,7 @@ class JobRunner:
         return self._metrics.stall_view(), self._metrics.recent_step_s(), now
 
     def _export(self) -> None:
+        self._exported_at = time.monotonic()
         try:
             if self._exporter is None:
                 self._exporter = RayJobMetrics()

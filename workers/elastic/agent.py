@@ -172,6 +172,14 @@ class Agent:
         standby.go(*args)
         return standby
 
+    def _relay_beats(self, beats: list[dict[str, Any]]) -> None:
+        """A batch of the child's heartbeats, to the sink in one call when it takes batches."""
+        if (rank_steps := getattr(self.sink, "rank_steps", None)) is not None:
+            rank_steps(beats)
+        elif (rank_step := getattr(self.sink, "rank_step", None)) is not None:
+            for beat in beats:
+                rank_step(beat)
+
     def _serve(self, conn: Any, proc: Any) -> tuple[str, TrainResult | None] | str | None:
         """Relay the child's messages until it ends; ``("done", result)`` when training finished,
         :data:`LEAVING` when it said it exits for a restart, ``None`` when it exited."""
@@ -197,13 +205,11 @@ class Agent:
             elif kind == "progress":
                 if self.sink is not None:
                     self.sink.step(msg[1])
-            elif kind == "beat":
+            elif kind == "beats":
                 if self._standby is None:
                     # The child trains: start the next one now, so its import never competes with a re-formation.
                     self._standby = Standby(self._ctx, self.ids["worker_id"])
-                rank_step = getattr(self.sink, "rank_step", None)
-                if rank_step is not None:
-                    rank_step(msg[1])
+                self._relay_beats(msg[1])
             elif kind == "event":
                 self.on_event(*msg[1:])
             elif kind == "epoch":
