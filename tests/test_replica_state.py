@@ -130,3 +130,46 @@ def test_durable_checkpoint_of_2_plus_2_reshards_onto_other_dc_sizes(sharded, tm
     ref = reference_params(2 * STEPS, OPTIM)
     for out in resumed:
         assert max_rel_diff(out, ref) < FP32_TOL
+
+
+def _same_shard(a, b) -> bool:
+    def same(p, q):
+        return ((p.name, p.start, p.stop, tuple(p.moments)) == (q.name, q.start, q.stop, tuple(q.moments))
+                and torch.equal(p.value, q.value) and all(torch.equal(p.moments[m], q.moments[m]) for m in p.moments))
+
+    if (a.step, a.adam_step, len(a.pieces)) != (b.step, b.adam_step, len(b.pieces)):
+        return False
+    if (a.outer is None) != (b.outer is None):
+        return False
+    outer = a.outer is None or ((a.outer.dc, a.outer.inner_steps_done, len(a.outer.pieces)) ==
+                                (b.outer.dc, b.outer.inner_steps_done, len(b.outer.pieces))
+                                and all(same(p, q) for p, q in zip(a.outer.pieces, b.outer.pieces, strict=True)))  # fmt: skip
+    return outer and all(same(p, q) for p, q in zip(a.pieces, b.pieces, strict=True))
+
+
+def test_a_packed_shard_unpacks_to_the_same_pieces(sharded):
+    from meridian.workers.state.replica_state import LocalShard, OuterShard, StatePiece, pack, unpack
+
+    for r in sharded:
+        desc, flat = pack(r["shard"])
+        assert flat.dtype == torch.float32 and flat.numel() == r["shard"].nbytes // 4
+        padded = torch.cat([flat, torch.full((5,), float("nan"))])  # what a gather of longer shards hands back
+        assert _same_shard(unpack(desc, padded), r["shard"])
+    fresh = LocalShard(0, 0, (StatePiece("w", 0, 3, torch.arange(3.0)),))  # before the first step: no moments
+    outer = OuterShard("dc-b", 7, (StatePiece("w", 0, 3, torch.ones(3), {"momentum": torch.full((3,), 2.0)}),))
+    for shard in (fresh, LocalShard(4, 4, fresh.pieces, outer)):
+        assert _same_shard(unpack(*pack(shard)), shard)
+
+
+def _gather_run(rank, world, shards):
+    from meridian.workers.elastic.trainer import gather_shards
+
+    return gather_shards(shards[rank])
+
+
+def test_every_rank_gathers_every_rank_s_shard_or_none(sharded):
+    shards = [sharded[0]["shard"], None, sharded[2]["shard"]]  # rank 1 holds no snapshot of the step
+    for gathered in run_processes(_gather_run, 3, shards):
+        assert gathered[1] is None
+        assert _same_shard(gathered[0], shards[0]) and _same_shard(gathered[2], shards[2])
+    assert run_processes(_gather_run, 2, [None, None]) == [[None, None], [None, None]]

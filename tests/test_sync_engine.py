@@ -467,3 +467,36 @@ def test_train_under_an_emulated_wan(single_process):
         assert all(r.step_s >= wan.one_way_s for r in records), name  # a round trip is at least one way
     assert all(r.comm_s >= wan.one_way_s for r in out["har sharded overlap"][1])
     assert not [f for f in os.listdir(shm_dir()) if f.startswith(f"{FILE_PREFIX}job-{job}")]
+
+
+def _broadcast_run(rank, world, chunk_bytes):
+    from meridian.workers.sync.engine import broadcast_parameters
+
+    torch.manual_seed(100 + rank)  # every rank starts different
+    model = torch.nn.Module()
+    model.a = torch.nn.Parameter(torch.randn(5, 3))
+    model.b = torch.nn.Parameter(torch.randn(7).to(torch.bfloat16))  # another dtype: its own chunk
+    model.c = torch.nn.Parameter(torch.randn(3, 4).t())  # not contiguous
+    model.d = torch.nn.Parameter(torch.randn(40))  # larger than the chunk: alone
+    model.e = torch.nn.Parameter(torch.randn(2))
+    calls = []
+    real = dist.broadcast
+    dist.broadcast = lambda t, *a, **k: (calls.append(t.numel()), real(t, *a, **k))[1]
+    try:
+        broadcast_parameters(model, src=0, chunk_bytes=chunk_bytes)
+    finally:
+        dist.broadcast = real
+    return {n: p.detach().float().clone() for n, p in model.named_parameters()}, calls
+
+
+def test_parameters_are_broadcast_from_rank_0_in_a_few_flat_chunks():
+    out = run_processes(_broadcast_run, 3, 100)
+    torch.manual_seed(100)  # rank 0's own values
+    want = {"a": torch.randn(5, 3), "b": torch.randn(7).to(torch.bfloat16).float(), "c": torch.randn(3, 4).t(),
+            "d": torch.randn(40), "e": torch.randn(2)}  # fmt: skip
+    for params, calls in out:
+        for n, t in want.items():
+            assert torch.equal(params[n], t), n
+        # a (15 fp32) | b (7 bf16) | c + nothing else fits with d (12 + 40 > 25 elements) | d alone | e
+        assert calls == [15, 7, 12, 40, 2], calls
+    assert run_processes(_broadcast_run, 2, 1 << 20)[1][1] == [15, 7, 54]  # chunks as large as dtypes allow

@@ -43,7 +43,7 @@ from meridian.workers.loop.replica import Membership, Replica
 from meridian.workers.loop.train import EpochOutcome, ProgressSink, TrainingLoop, TrainResult
 from meridian.workers.parallel.dims import ParallelDims
 from meridian.workers.state.model_parallel_weights import save_model_parallel_weights
-from meridian.workers.state.replica_state import IncompleteState, LocalShard, assemble
+from meridian.workers.state.replica_state import IncompleteState, LocalShard, assemble, pack, unpack
 from meridian.workers.state.snapshots import SnapshotStore
 from meridian.workers.sync.build import GradientSync
 
@@ -312,9 +312,7 @@ class ElasticState:
         a = self.a
         shapes = {n: p.shape for n, p in model.named_parameters()}
         if a.epoch > 1 and not a.from_checkpoint:
-            mine = self.snapshots.get(a.resume_step)
-            offers: list[LocalShard | None] = [None] * dist.get_world_size()
-            dist.all_gather_object(offers, mine)  # every rank pools the same shards → same decision
+            offers = gather_shards(self.snapshots.get(a.resume_step))  # every rank pools the same shards → same decision
             try:
                 params, optimizer = assemble([o for o in offers if o is not None], shapes)
             except IncompleteState as e:
@@ -334,6 +332,22 @@ class ElasticState:
             self.on_event("checkpoint_loaded", f"resumed from the durable checkpoint of step {done.step}",
                           {"step": done.step, "bytes_read": done.bytes_read, "bytes_stored": done.bytes_stored})
         return done.step
+
+
+def gather_shards(mine: LocalShard | None) -> list[LocalShard | None]:
+    """Every rank's shard (``None`` where a rank holds none), on every rank of the default group: the
+    descriptions as objects, the numbers in one fp32 all-gather (:func:`~meridian.workers.state.replica_state.pack`)."""
+    desc, flat = pack(mine) if mine is not None else (None, torch.zeros(0))
+    descs: list[dict[str, Any] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(descs, desc)
+    longest = max((d["numel"] for d in descs if d is not None), default=0)
+    if longest == 0:
+        return [None if d is None else unpack(d, flat) for d in descs]
+    padded = torch.zeros(longest)
+    padded[: flat.numel()] = flat
+    everyone = [torch.empty(longest) for _ in descs]
+    dist.all_gather(everyone, padded)
+    return [None if d is None else unpack(d, t) for d, t in zip(descs, everyone, strict=True)]
 
 
 def _load(model: torch.nn.Module, engine: GradientSync, params: dict[str, torch.Tensor], optimizer: dict) -> None:

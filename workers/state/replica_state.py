@@ -78,6 +78,51 @@ class LocalShard:
         return _pieces_nbytes(self.pieces) + (_pieces_nbytes(self.outer.pieces) if self.outer else 0)
 
 
+def pack(shard: LocalShard) -> tuple[dict[str, Any], torch.Tensor]:
+    """``shard`` as a small description and one flat fp32 tensor holding every value and moment in it, in
+    order: the form in which the survivors of a failure exchange their shards (one tensor collective; pickled
+    piece by piece with ``all_gather_object``, 3 ranks' nano shards took 35-60 ms to exchange cold on two cores,
+    packed 22-30). :func:`unpack` inverts it."""
+    tensors: list[torch.Tensor] = []
+
+    def describe(pieces: tuple[StatePiece, ...]) -> list[tuple[str, int, int, tuple[str, ...]]]:
+        for p in pieces:
+            tensors.append(p.value.reshape(-1))
+            tensors.extend(p.moments[m].reshape(-1) for m in p.moments)
+        return [(p.name, p.start, p.stop, tuple(p.moments)) for p in pieces]
+
+    desc: dict[str, Any] = {"step": shard.step, "adam_step": shard.adam_step, "pieces": describe(shard.pieces),
+                            "outer": None}  # fmt: skip
+    if shard.outer is not None:
+        desc["outer"] = {"dc": shard.outer.dc, "inner_steps_done": shard.outer.inner_steps_done,
+                         "pieces": describe(shard.outer.pieces)}  # fmt: skip
+    flat = torch.cat([t.float() for t in tensors]) if tensors else torch.zeros(0)
+    desc["numel"] = flat.numel()
+    return desc, flat
+
+
+def unpack(desc: dict[str, Any], flat: torch.Tensor) -> LocalShard:
+    """The shard :func:`pack` described, its tensors views of ``flat`` (which may be longer: padding)."""
+    at = 0
+
+    def take(n: int) -> torch.Tensor:
+        nonlocal at
+        at += n
+        return flat[at - n : at]
+
+    def pieces(described: list[tuple[str, int, int, tuple[str, ...]]]) -> tuple[StatePiece, ...]:
+        out = []
+        for name, start, stop, moments in described:
+            value = take(stop - start)
+            out.append(StatePiece(name, start, stop, value, {m: take(stop - start) for m in moments}))
+        return tuple(out)
+
+    own = pieces(desc["pieces"])
+    outer = desc["outer"]
+    return LocalShard(desc["step"], desc["adam_step"], own, None if outer is None else
+                      OuterShard(outer["dc"], outer["inner_steps_done"], pieces(outer["pieces"])))  # fmt: skip
+
+
 def host_copy(t: torch.Tensor) -> torch.Tensor:
     """A flat fp32 CPU copy of ``t``. From a GPU it lands in pinned memory without blocking the host: the
     copy is queued on the current stream, so whoever reads it must wait for that stream first (the snapshot
