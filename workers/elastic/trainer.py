@@ -39,6 +39,7 @@ from meridian.workers.contracts.rendezvous import Assignment
 from meridian.workers.elastic.durable import Checkpointer, load_weights, restore_latest
 from meridian.workers.elastic.protocol import KEEP_SNAPSHOTS, RESTART_EXIT_CODE
 from meridian.workers.elastic.rendezvous import JobFinished, Rendezvous, StoreNotHosted
+from meridian.workers.elastic.sockets import shut_down_tcp_sockets
 from meridian.workers.loop.replica import Membership, Replica
 from meridian.workers.loop.train import EpochOutcome, ProgressSink, TrainingLoop, TrainResult
 from meridian.workers.parallel.dims import ParallelDims
@@ -164,8 +165,9 @@ class ElasticTrainer:
 
     def _on_failure(self, error: Exception) -> None:
         if self.exit_on_failure and is_peer_failure(error):
-            self.before_exit()
-            os._exit(RESTART_EXIT_CODE)  # closes every socket now; the agent starts a fresh process
+            self.before_exit()  # the agent starts the next process now
+            shut_down_tcp_sockets()  # peers blocked on this rank fail now, not once the exit has freed its memory
+            os._exit(RESTART_EXIT_CODE)  # closes every socket
 
     # -- one epoch ----------------------------------------------------------------------------------------
     def _run_epoch(self, a: Assignment) -> EpochOutcome:
