@@ -55,6 +55,40 @@ def test_the_next_process_starts_while_the_failed_one_still_exits(device, handed
     assert agent.restarts == 1 and started[0].exitcode == RESTART_EXIT_CODE  # reaped either way
 
 
+def _joins_and_times_the_reply(conn, first_pid: int) -> None:
+    from meridian.workers.elastic.pipe import recv
+
+    began = time.monotonic()
+    send(conn, ("call", "join", ()))
+    recv(conn)
+    send(conn, ("done", {"reply_s": time.monotonic() - began, "first_still_exiting": not is_gone(first_pid)}))
+
+
+def test_the_next_process_is_served_while_the_failed_one_still_exits():
+    ctx = mp.get_context("fork")
+    cfg = TrainConfig(job_id="serve-test", model=model_preset("nano"), steps=2, global_batch=2, micro_batch=1,
+                      datacenters=("a",))  # fmt: skip
+    agent = Agent(cfg, lambda *a: "assigned", worker_id="w0", datacenter="a", node_id="n0", address="127.0.0.1",
+                  threads=1)  # fmt: skip
+    started: list = []
+
+    def take_standby():
+        parent, child = ctx.Pipe()
+        target, args = (_fails_and_exits_slowly, (child,)) if not started else (_joins_and_times_the_reply,
+                                                                                (child, started[0].pid))  # fmt: skip
+        proc = ctx.Process(target=target, args=args)
+        proc.start()
+        child.close()
+        started.append(proc)
+        return SimpleNamespace(conn=parent, proc=proc)
+
+    agent._take_standby = take_standby
+    out = agent.run()
+    # its join was relayed at once (the failed process takes 3 s to exit), not after the agent had reaped it
+    assert out["first_still_exiting"] and out["reply_s"] < 1.5, out
+    assert started[0].exitcode == RESTART_EXIT_CODE  # and it was reaped all the same
+
+
 def _fails_with(conn, text: str) -> None:
     send(conn, ("error", text))
     os._exit(1)

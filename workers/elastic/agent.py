@@ -114,13 +114,17 @@ class Agent:
         liveness = LivenessListener(on_abort=self.abort)
         self.ids["probe_port"] = liveness.port
         leaving: Any = None  # a process that said it exits for a restart: the next starts before that exit is done
+        reapers: list[threading.Thread] = []
         try:
             while True:
                 current = self._take_standby()
                 with self._lock:
                     self._child, self._joining = current.proc, True
                 if leaving is not None:
-                    _reap(leaving)
+                    # Reaped beside the new process, not before serving it: an exit frees the process's memory
+                    # before its files (tens of ms for torch), and the new process's join waited on this loop.
+                    reapers.append(threading.Thread(target=_reap, args=(leaving,), name="meridian-reap", daemon=True))
+                    reapers[-1].start()
                     leaving = None
                 outcome = self._serve(current.conn, current.proc)
                 if outcome == LEAVING:
@@ -140,6 +144,8 @@ class Agent:
         finally:
             if leaving is not None:
                 _reap(leaving)
+            for reaper in reapers:
+                reaper.join()
             liveness.close()
             if self._standby is not None:
                 self._standby.discard()
