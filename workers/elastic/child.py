@@ -98,7 +98,8 @@ class PipeSink:
 
 
 def child_main(conn: Any, cfg: TrainConfig, ids: dict[str, Any], store_dir: str, device: str,
-               threads: int | None) -> None:
+               threads: int | None, store: Any = None) -> None:
+    """Train until the job is done; ``store``: the store server the standby hosted for the first join."""
     from meridian.workers.elastic.rendezvous import Rendezvous
     from meridian.workers.elastic.trainer import ElasticTrainer
 
@@ -108,7 +109,7 @@ def child_main(conn: Any, cfg: TrainConfig, ids: dict[str, Any], store_dir: str,
     rdzv = Rendezvous(
         client.call, worker_id=ids["worker_id"], datacenter=ids["datacenter"], node_id=ids["node_id"],
         address=ids["address"], backend=ids["backend"], collective_timeout_s=ids["collective_timeout_s"],
-        device=device, probe_port=ids["probe_port"],
+        device=device, probe_port=ids["probe_port"], store=store,
     )  # fmt: skip
     rdzv.epoch = ids["epoch"]
     sink = PipeSink(client)

@@ -39,13 +39,14 @@ def _standby_main(conn: Any, agent_pid: int) -> None:
     die_with_parent(agent_pid)
     # The heavy imports (torch, the training stack), paid for before they are needed (a fork of the zygote
     # has them already).
-    import meridian.workers.elastic.rendezvous  # noqa: F401
     import meridian.workers.elastic.trainer  # noqa: F401
     from meridian.workers.elastic.child import child_main
+    from meridian.workers.elastic.rendezvous import prehost_store
 
     # Beside the wait, not before it: a ``go`` that comes while this still runs (a failure soon after the
     # previous process started, on a loaded machine) starts training at once, the import finishing meanwhile.
     threading.Thread(target=prewarm_torch, name="meridian-prewarm", daemon=True).start()
+    store = prehost_store()  # its first join's store, ready before the go
 
     try:
         msg = recv(conn)
@@ -54,7 +55,7 @@ def _standby_main(conn: Any, agent_pid: int) -> None:
     if msg[0] != "go":
         os._exit(0)
     _, cfg, ids, store_dir, device, threads = msg
-    child_main(conn, cfg, ids, store_dir, device, threads)
+    child_main(conn, cfg, ids, store_dir, device, threads, store)
 
 
 def prewarm_torch() -> None:
