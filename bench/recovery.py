@@ -59,6 +59,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "head and nodes as a user runs them (the network lab's, Ray's default health checks; root)")
     p.add_argument("--lab-rtt-ms", type=float, default=1.0, help="ray-start: the delay line's RTT between DCs")
     p.add_argument("--lab-gbps", type=float, default=1.0, help="ray-start: the link's rate between DCs")
+    p.add_argument("--torchft-heartbeat-timeout-ms", type=int, default=None,
+                   help="the torchft lighthouse's heartbeat timeout (default: torchft's own, 5,000 ms). A group whose "
+                        "quorum request arrived before it died is waited for this long; its managers heartbeat every "
+                        "100 ms, so a user chasing fast failover may set it far lower")
     p.add_argument("--snapshot-every", type=_cadence, default=1,
                    help="Meridian's checkpoint.snapshot_every: 1 (default) keeps every step's state in memory, as "
                         "torchft does, so a failure loses at most the step in flight; 'auto' is a job's default, "
@@ -330,6 +334,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                   "global_batch": args.global_batch, "kill_at_step": args.kill_at_step, "kill_after_s": args.kill_after_s,
                   "node_back_after_first_reformed_step_s": args.back_after_s,
                   "baseline_checkpoint_every": args.checkpoint_every, "meridian_snapshot_every": args.snapshot_every,
+                  "torchft_heartbeat_timeout_ms": args.torchft_heartbeat_timeout_ms or "torchft's default (5000)",
                   "loadavg_at_start": load_at_start,
                   **({"lab": {"rtt_ms": args.lab_rtt_ms, "gbps": args.lab_gbps}} if args.cluster == "ray-start" else {})},
         "measures": {

@@ -70,9 +70,10 @@ def run_torchft(args: argparse.Namespace) -> dict[str, Any]:
     from torchft._torchft import LighthouseServer
 
     folder = Path(tempfile.mkdtemp(prefix="meridian-bench-torchft-"))
-    # torchft's defaults for the quorum (join timeout, heartbeat timeout, tick); min_replicas=1 lets the
-    # quorum shrink to any number of survivors, as Meridian's min_workers=1 does.
-    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1)
+    # torchft's defaults for the quorum (join timeout, tick) and, unless asked otherwise, the heartbeat timeout;
+    # min_replicas=1 lets the quorum shrink to any number of survivors, as Meridian's min_workers=1 does.
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1,
+                                  heartbeat_timeout_ms=args.torchft_heartbeat_timeout_ms)
     n = args.dcs * args.nodes_per_dc
     workers = _Workers(args, lighthouse.address(), folder)
     watched = folder / "replica-0.jsonl"  # a group that is never killed: the job's step log
