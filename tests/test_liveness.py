@@ -105,6 +105,28 @@ def test_survivors_re_form_at_once_when_the_silent_member_is_gone_though_ray_say
     assert "worker_gone" in kinds and kinds.index("worker_gone") < len(kinds) - 1 - kinds[::-1].index("epoch_formed")
 
 
+def test_a_silent_member_whose_port_closes_after_the_first_rejoin_is_found_gone_without_waiting_for_a_tick():
+    # A killed process's port refuses only once its memory is freed: the first rejoin's probe found it answering,
+    # and until the runner's next tick (0.5 s) nobody looked again.
+    closes_at = [float("inf")]
+    c, events, probed = _formed_coordinator(
+        lambda address: Probe.GONE if address == "10.0.0.3" and time.monotonic() >= closes_at[0] else Probe.ALIVE)
+    requests = [_request(0, "dc-a", 7), _request(1, "dc-a", 7), _request(2, "dc-b", 7)]
+    threads, result = join_concurrently(c, requests, 1, poll_s=2.0)
+    for _ in range(200):  # the three survivors wait in the rendezvous; w3 answered their probes
+        if len(c.status()["waiting"]) == 3:
+            break
+        time.sleep(0.01)
+    assert probed.count("10.0.0.3") >= 1 and c.epoch.number == 1
+    closes_at[0] = time.monotonic()  # its process is gone now; no tick comes
+    for t in threads:
+        t.join(5)
+    formed_after = time.monotonic() - closes_at[0]
+    assert {a.world_size for a in result.values()} == {3} and len(result) == 3
+    assert formed_after < 1.0, formed_after  # each waiting call looked again within 20 ms; the poll was 2 s
+    assert [e[0] for e in events].count("worker_gone") == 1
+
+
 def test_a_silent_member_that_still_answers_is_waited_for():
     c, events, _ = _formed_coordinator(lambda address: Probe.ALIVE)
     result: dict[str, Assignment] = {}
