@@ -166,7 +166,11 @@ class ElasticTrainer:
     def _on_failure(self, error: Exception) -> None:
         if self.exit_on_failure and is_peer_failure(error):
             self.before_exit()  # the agent starts the next process now
-            shut_down_tcp_sockets()  # peers blocked on this rank fail now, not once the exit has freed its memory
+            if self.loop.device.type == "cpu":
+                # Peers blocked on this rank fail now, not once the exit has freed its memory. Not with NCCL: its
+                # threads may abort the process on a shut socket, and on a GPU the agent waits for the exit (and
+                # its code) anyway, which frees the device memory the next process needs.
+                shut_down_tcp_sockets()
             os._exit(RESTART_EXIT_CODE)  # closes every socket
 
     # -- one epoch ----------------------------------------------------------------------------------------
