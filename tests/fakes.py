@@ -177,3 +177,13 @@ def join_concurrently(coord, requests, known_epoch=0, *, poll_s=0.2, polls=100):
     for t in threads:
         t.start()
     return threads, out
+
+
+def job_runner(exporter: Any) -> Any:
+    """A JobRunner of a two-datacenter plan, outside Ray, exporting its metrics to ``exporter``."""
+    from meridian.service.runner.actor import JobRunner
+
+    plan = type("P", (), {"rank_datacenters": ("dc-a", "dc-b")})()
+    r = JobRunner("j1", {}, plan, "/tmp/unused")
+    r._exporter = exporter
+    return r

@@ -29,6 +29,24 @@ def _finishes(conn, first_pid: int) -> None:
     send(conn, ("done", not is_gone(first_pid)))  # was the failed process still exiting?
 
 
+def _fails_slowly_then(ctx, then):
+    """A ``_take_standby`` for the agent whose first process fails and exits slowly and whose next ones run
+    ``then(conn, first_pid)``; each "standby" starts when the agent takes it, the moment of the handover. Also
+    returns the list of the processes started."""
+    started: list = []
+
+    def take_standby():
+        parent, child = ctx.Pipe()
+        target, args = (_fails_and_exits_slowly, (child,)) if not started else (then, (child, started[0].pid))
+        proc = ctx.Process(target=target, args=args)
+        proc.start()
+        child.close()
+        started.append(proc)
+        return SimpleNamespace(conn=parent, proc=proc)
+
+    return take_standby, started
+
+
 @pytest.mark.parametrize("device, handed_over_early", [("cpu", True), ("cuda:0", False)])
 def test_the_next_process_starts_while_the_failed_one_still_exits(device, handed_over_early):
     ctx = mp.get_context("fork")
@@ -36,20 +54,7 @@ def test_the_next_process_starts_while_the_failed_one_still_exits(device, handed
                       datacenters=("a",))  # fmt: skip
     agent = Agent(cfg, lambda *a: None, worker_id="w0", datacenter="a",
                   node_id="n0", address="127.0.0.1", device=device, threads=1)  # fmt: skip
-    started: list = []
-
-    def take_standby():  # each "standby" starts when the agent takes it: the moment of the handover
-        parent, child = ctx.Pipe()
-        if not started:
-            proc = ctx.Process(target=_fails_and_exits_slowly, args=(child,))
-        else:
-            proc = ctx.Process(target=_finishes, args=(child, started[0].pid))
-        proc.start()
-        child.close()
-        started.append(proc)
-        return SimpleNamespace(conn=parent, proc=proc)
-
-    agent._take_standby = take_standby
+    agent._take_standby, started = _fails_slowly_then(ctx, _finishes)
     still_exiting = agent.run()
     assert still_exiting is handed_over_early
     assert agent.restarts == 1 and started[0].exitcode == RESTART_EXIT_CODE  # reaped either way
@@ -70,19 +75,7 @@ def test_the_next_process_is_served_while_the_failed_one_still_exits():
                       datacenters=("a",))  # fmt: skip
     agent = Agent(cfg, lambda *a: "assigned", worker_id="w0", datacenter="a", node_id="n0", address="127.0.0.1",
                   threads=1)  # fmt: skip
-    started: list = []
-
-    def take_standby():
-        parent, child = ctx.Pipe()
-        target, args = (_fails_and_exits_slowly, (child,)) if not started else (_joins_and_times_the_reply,
-                                                                                (child, started[0].pid))  # fmt: skip
-        proc = ctx.Process(target=target, args=args)
-        proc.start()
-        child.close()
-        started.append(proc)
-        return SimpleNamespace(conn=parent, proc=proc)
-
-    agent._take_standby = take_standby
+    agent._take_standby, started = _fails_slowly_then(ctx, _joins_and_times_the_reply)
     out = agent.run()
     # its join was relayed at once (the failed process takes 3 s to exit), not after the agent had reaped it
     assert out["first_still_exiting"] and out["reply_s"] < 1.5, out

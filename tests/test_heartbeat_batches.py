@@ -138,12 +138,9 @@ class CountingExport:
 
 
 def _runner():
-    from meridian.service.runner.actor import JobRunner
+    from fakes import job_runner
 
-    plan = type("P", (), {"rank_datacenters": ("dc-a", "dc-b")})()
-    r = JobRunner("j1", {}, plan, "/tmp/unused")
-    r._exporter = CountingExport()
-    return r
+    return job_runner(CountingExport())
 
 
 def test_the_runner_takes_a_rank_s_batch_and_stamps_it_with_its_own_clock():

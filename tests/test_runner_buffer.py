@@ -3,7 +3,7 @@ never silent: a ``gap`` event names it (issue 19)."""
 
 from __future__ import annotations
 
-from fakes import step_record
+from fakes import job_runner, step_record
 
 from meridian.service.jobs import JobRequest, JobState, JobStatus
 from meridian.service.runner.actor import JobRunner
@@ -17,10 +17,7 @@ class NoExport:
 
 
 def runner() -> JobRunner:
-    plan = type("P", (), {"rank_datacenters": ("dc-a", "dc-b")})()
-    r = JobRunner("j1", {}, plan, "/tmp/unused")
-    r._exporter = NoExport()
-    return r
+    return job_runner(NoExport())
 
 
 def test_records_a_slow_service_has_not_acknowledged_are_kept_beyond_twenty_thousand():
