@@ -13,7 +13,7 @@ from fakes import join_concurrently
 from meridian.service.runner.coordinator import Coordinator
 from meridian.service.runner.liveness import LivenessTracker, Probe, probe, send_abort
 from meridian.service.runner.membership import Epoch, Member, MembershipState, decide
-from meridian.workers.contracts.rendezvous import Assignment, JoinRequest
+from meridian.workers.contracts.rendezvous import Assignment, JoinRequest, Waiting
 from meridian.workers.elastic.agent import Agent
 from meridian.workers.elastic.liveness import LivenessListener, parse_abort
 
@@ -220,3 +220,36 @@ class _FakeChild:
 
     def kill(self) -> None:
         self.killed = True
+
+
+def test_waiting_workers_whose_processes_are_gone_are_not_formed_with(monkeypatch):
+    # Seen after Ray Train's controller failed: the ended run's workers had joined while the job waited below
+    # min_workers, their processes were shut down with the run, and an epoch formed with them and a new worker.
+    import meridian.service.runner.coordinator as coordinator
+
+    monkeypatch.setattr(coordinator, "STALE_POLL_S", 0.3)
+    dead = {"10.0.0.0", "10.0.0.1"}
+    events: list[tuple] = []
+    c = Coordinator(planned_workers=3, min_workers=3, dc_order=("dc-a", "dc-b"), on_event=lambda *e: events.append(e),
+                    liveness=LivenessTracker(probe_fn=lambda address, port: Probe.GONE if address in dead else Probe.ALIVE))
+    for i, dc in ((0, "dc-b"), (1, "dc-b")):  # they join, wait, then their processes die: no more calls
+        assert isinstance(c.join(_request(i, dc), poll_s=0.05), Waiting)
+    time.sleep(0.4)
+    assert isinstance(c.join(_request(2, "dc-a"), poll_s=0.05), Waiting)  # not an epoch with the two dead
+    assert c.epoch is None and sorted(c.status()["waiting"]) == ["w2"]
+    assert sorted(e[2]["worker_id"] for e in events if e[0] == "worker_gone") == ["w0", "w1"]
+    out = _join(c, [_request(2, "dc-a"), _request(3, "dc-b"), _request(4, "dc-b")], 0)  # the new run's workers
+    assert sorted(out) == ["w2", "w3", "w4"] and {a.world_size for a in out.values()} == {3}
+
+
+def test_a_waiting_worker_that_stopped_calling_but_answers_is_kept(monkeypatch):
+    import meridian.service.runner.coordinator as coordinator
+
+    monkeypatch.setattr(coordinator, "STALE_POLL_S", 0.3)
+    c = Coordinator(planned_workers=3, min_workers=3, dc_order=("dc-a", "dc-b"), on_event=lambda *e: None,
+                    liveness=LivenessTracker(probe_fn=lambda address, port: Probe.ALIVE))
+    for i, dc in ((0, "dc-b"), (1, "dc-b")):
+        c.join(_request(i, dc), poll_s=0.05)
+    time.sleep(0.4)  # slow, not gone: its agent answers
+    out = _join(c, [_request(2, "dc-a")], 0)
+    assert out["w2"].world_size == 3

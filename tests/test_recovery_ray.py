@@ -92,6 +92,10 @@ def test_job_survives_node_losses_waits_below_min_workers_and_scales_back_up(env
     # 2) A second loss takes the rest of dc-a, rank 0 (host of the epoch's store) included, drained gracefully.
     #    Two workers are left, below the job's min_workers=3: it waits for capacity and says why.
     until(api, job_id, lambda j, _: (j["progress"]["step"] or 0) >= second["resume_step"] + 5, 120, "training in epoch 2")
+    # Ray Train replaces the killed worker once Ray has declared its node dead. A drain before that (the job now
+    # re-forms in ~0.3 s) met Ray Train 2.60's controller failure twice in a row (README, "When a node dies":
+    # a worker dying during another's replacement), which is not what this test is about.
+    until(api, job_id, lambda j, ev: any(e["kind"] == "node_lost" for e in ev), 120, "the killed node declared dead")
     rank0 = next(p for p in api.get(f"/v1/jobs/{job_id}").json()["placement"] if p["rank"] == 0)
     cluster.remove_node(node_of(nodes, rank0["node_id"]), allow_graceful=True)
     # (First it waits up to 30 s for rank 0 to rejoin, then below min_workers: wait for the latter.)

@@ -36,6 +36,12 @@ a first rejoin that came sooner found it answering, and the next look was the ru
 (``bench recovery``: the dead member known gone at 0.49 s instead of ~0.1)."""
 REPROBE_FOR_S = 3.0
 """After this long since the first rejoin the runner's ticks probe, as before (a slow member, or a stuck one)."""
+STALE_POLL_S = 3.0
+"""A waiting worker calls again as soon as its poll (``poll_s``, 2 s) returns; one that has not called for this
+long is probed before an epoch may form with it, and dropped if its process is gone. Seen in a fresh clone's
+``test_recovery_ray``: after Ray Train's controller failed, the ended run's two workers, which had joined while the
+job waited below ``min_workers``, were still listed as waiting when a new worker joined; the epoch formed with
+them and the new worker sat in forming its group with the dead until the newcomers' 60 s limit stopped it."""
 NEWCOMERS_PROBE_AFTER_S = 5.0
 """Newcomers that have waited this long for the members' next step boundary make every tick probe the members."""
 NEWCOMERS_ABORT_AFTER_S = 60.0
@@ -57,6 +63,7 @@ class Coordinator:
         self._cond = threading.Condition()
         self._ports: dict[str, int] = {}
         self._first_seen: dict[str, float] = {}  # rank order inside a DC follows first arrival, stably
+        self._last_call: dict[str, float] = {}
         self._alive_nodes: set[str] | None = None
         self.wait_reason = ""
         self.finished: set[str] = set()
@@ -73,11 +80,13 @@ class Coordinator:
             rejoining = self.state.epoch is not None and any(m.worker_id == wid for m in self.state.epoch.members)
         if rejoining:
             self._probe_silent(also=wid)  # outside the lock: a probe of an unreachable host takes its timeout
+        self._probe_stale_waiting(besides=wid)
         with self._cond:
             if self.job_finished:
                 return Finished()  # a late worker (a replacement, one left out) has nothing to do
             now = self.clock()
             self._ports[wid] = request.port
+            self._last_call[wid] = now
             self.state.waiting[wid] = Member.from_request(request, joined_at=self._first_seen.setdefault(wid, now))
             if self.state.epoch is None and self.state.first_join_at is None:
                 self.state.first_join_at = now
@@ -87,6 +96,7 @@ class Coordinator:
             self._decide_locked()
             deadline = now + poll_s
             while True:
+                self._last_call[wid] = self.clock()  # waiting in a call counts as calling
                 a = self._assignment_locked(wid, known_epoch)
                 if a is not None:
                     return a
@@ -125,6 +135,7 @@ class Coordinator:
     # -- called by the runner ---------------------------------------------------------------------------
     def tick(self, alive_nodes: set[str]) -> None:
         self._probe_silent()
+        self._probe_stale_waiting()
         with self._cond:
             self._alive_nodes = alive_nodes
             self._decide_locked()
@@ -162,6 +173,27 @@ class Coordinator:
             with self._cond:
                 self._decide_locked()
         return found
+
+    def _probe_stale_waiting(self, besides: str = "") -> None:
+        """Probe the waiting workers that have not called for :data:`STALE_POLL_S`; drop those whose process is
+        gone, so no epoch forms with them."""
+        with self._cond:
+            now = self.clock()
+            stale = [(w, m.address, m.probe_port) for w, m in self.state.waiting.items()
+                     if w != besides and now - self._last_call.get(w, now) >= STALE_POLL_S]  # fmt: skip
+        if not stale:
+            return
+        found = self.liveness.check(stale)
+        if not found:
+            return
+        with self._cond:
+            for w in found:
+                m = self.state.waiting.pop(w, None)
+                if m is not None:
+                    self.on_event("worker_gone", f"the waiting worker in {m.datacenter} on node {m.node_id[:12]} is gone "
+                                  "(it stopped calling and its process no longer answers): not waited for",
+                                  {"worker_id": w})  # fmt: skip
+            self._decide_locked()
 
     def _reprobe_due_locked(self) -> bool:
         """A re-formation is pending (for under :data:`REPROBE_FOR_S`) and a member that has not rejoined is not
