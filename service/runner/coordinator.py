@@ -86,7 +86,6 @@ class Coordinator:
                 return Finished()  # a late worker (a replacement, one left out) has nothing to do
             now = self.clock()
             self._ports[wid] = request.port
-            self._last_call[wid] = now
             self.state.waiting[wid] = Member.from_request(request, joined_at=self._first_seen.setdefault(wid, now))
             if self.state.epoch is None and self.state.first_join_at is None:
                 self.state.first_join_at = now
