@@ -56,6 +56,14 @@ def build_adamw(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
     return make_adamw(param_groups(named, model, cfg), cfg)
 
 
+def step_counter(optimizer: torch.optim.Optimizer, steps: int, param: torch.Tensor) -> torch.Tensor:
+    """AdamW's step count for ``param``'s state, kept where torch keeps it: on the parameter's device for the
+    fused and capturable kernels, which read it there (a CPU counter fails the fused CUDA step: "state_steps is
+    on cpu, different from other tensors on cuda:0", seen restoring a snapshot on an H200), else on the CPU."""
+    on_device = optimizer.defaults.get("fused") or optimizer.defaults.get("capturable")
+    return torch.tensor(float(steps), dtype=torch.float32, device=param.device if on_device else "cpu")
+
+
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     for group in optimizer.param_groups:
         group["lr"] = lr
@@ -108,6 +116,6 @@ def load_full_state(
     for name, p in named:
         saved = state["params"][name]
         optimizer.state[p] = {
-            "step": torch.tensor(float(state["step"]), dtype=torch.float32),
+            "step": step_counter(optimizer, state["step"], p),
             **{m: saved[m].to(device=p.device, dtype=p.dtype).reshape(p.shape).clone() for m in MOMENTS},
         }

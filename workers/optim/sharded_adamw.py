@@ -58,6 +58,7 @@ from meridian.workers.optim.adamw import (
     param_groups,
     set_lr,
     state_nbytes,
+    step_counter,
 )
 from meridian.workers.state.replica_state import LocalShard, cut, piece_of
 from meridian.workers.sync.grad_buffer import Bucket, GradBuffer, ParamSlot
@@ -415,7 +416,7 @@ class ShardedAdamW:
         for piece, t in zip(self.pieces, self.tensors, strict=True):
             saved = state["params"][piece.slot.name]
             self.optimizer.state[t] = {
-                "step": torch.tensor(float(self.steps), dtype=torch.float32),
+                "step": step_counter(self.optimizer, self.steps, t),
                 **{
                     m: saved[m].reshape(-1)[piece.in_param].to(device=t.device, dtype=t.dtype).clone()
                     for m in MOMENTS
@@ -444,7 +445,7 @@ class ShardedAdamW:
                 if not saved.moments:
                     raise ValueError(f"the state of step {shard.step} has no AdamW moments for {piece.slot.name!r}")
                 self.optimizer.state[t] = {
-                    "step": torch.tensor(float(self.steps), dtype=torch.float32),
+                    "step": step_counter(self.optimizer, self.steps, t),
                     **{m: saved.moments[m].to(device=t.device, dtype=t.dtype).clone() for m in MOMENTS},
                 }
 
