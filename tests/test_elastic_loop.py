@@ -14,6 +14,7 @@ import pickle
 import queue
 import signal
 import socket
+import threading
 import time
 import uuid
 from dataclasses import replace
@@ -97,7 +98,9 @@ class CoordinatorManager(BaseManager):
 CoordinatorManager.register("coordinator", _coordinator)
 
 
-def _elastic_worker(i, dc, address, cfg, results):
+def _elastic_worker(i, dc, address, cfg, results, kill_children=()):
+    """One worker's agent. ``kill_children``: SIGKILL its training processes (not the agent), the n-th one it
+    starts once that one has trained step ``kill_children[n]`` (``0``: at once, before it trains)."""
     manager = CoordinatorManager(address=address, authkey=AUTHKEY)
     manager.connect()
     coordinator = manager.coordinator()
@@ -105,11 +108,29 @@ def _elastic_worker(i, dc, address, cfg, results):
     def call(method, *args):
         return getattr(coordinator, method)(*args)
 
-    sink = ListSink()
+    sink, events = ListSink(), []
     agent = Agent(cfg, call, worker_id=f"w{i}", datacenter=dc, node_id=f"node-{i}", address="127.0.0.1",
-                  sink=sink, join_timeout_s=120, collective_timeout_s=60, threads=1, keep_params=True)  # fmt: skip
-    result = agent.run()
-    results.put((i, pickle.dumps({"result": result, "records": sink.records, "restarts": agent.restarts})))
+                  sink=sink, join_timeout_s=120, collective_timeout_s=60, threads=1, keep_params=True,
+                  on_event=lambda *e: events.append(e))  # fmt: skip
+    if kill_children:
+        threading.Thread(target=_kill_children, args=(agent, cfg, f"w{i}", kill_children), daemon=True).start()
+    try:
+        result, error = agent.run(), None
+    except RuntimeError as e:
+        result, error = None, str(e)
+    results.put((i, pickle.dumps({"result": result, "records": sink.records, "restarts": agent.restarts,
+                                  "events": events, "error": error})))  # fmt: skip
+
+
+def _kill_children(agent: Agent, cfg: TrainConfig, worker_id: str, after_steps: tuple[int, ...]) -> None:
+    seen = set()
+    for step in after_steps:
+        while (child := agent._child) is None or child.pid in seen:
+            time.sleep(0.001)
+        seen.add(child.pid)
+        if step:
+            _wait_for_step(cfg, worker_id, step)
+        os.kill(child.pid, signal.SIGKILL)
 
 
 AUTHKEY = b"meridian-test"
@@ -127,8 +148,9 @@ class ElasticRun:
         self.procs: dict[int, mp.Process] = {}
         self.job_ids: set[str] = set()
 
-    def start(self, i: int, dc: str, cfg: TrainConfig) -> None:
-        p = zygote_process(_elastic_worker, (i, dc, self.manager.address, cfg, self.results), daemon=False)
+    def start(self, i: int, dc: str, cfg: TrainConfig, kill_children: tuple[int, ...] = ()) -> None:
+        p = zygote_process(_elastic_worker, (i, dc, self.manager.address, cfg, self.results, kill_children),
+                           daemon=False)
         p.start()
         self.procs[i] = p
         self.job_ids.add(cfg.job_id)
@@ -327,3 +349,27 @@ def test_new_workers_resume_from_the_snapshots_of_a_whole_run_that_ended(elastic
     assert resumed["resume_step"] >= 3 and not resumed["from_checkpoint"]
     assert all(o["result"] is not None for o in out.values())
     assert _max_rel(out[4]["result"].final_params, reference) < 1e-4
+
+
+def test_a_training_process_killed_on_a_live_node_is_restarted_and_the_job_goes_on(elastic_run, reference):
+    # The kernel's OOM killer, NCCL's watchdog aborting a rank whose peer died, someone's kill: the agent and
+    # its node live on. The agent restarts the process, which rejoins; the job resumes from the snapshots.
+    run = elastic_run(4)
+    cfg = job(job_id=_unique_job_id())
+    for i, dc in enumerate(DCS):
+        run.start(i, dc, cfg, kill_children=(3,) if i == 1 else ())
+    out = run.collect({0, 1, 2, 3})
+    killed = [e for e in out[1]["events"] if e[0] == "training_process_killed"]
+    assert len(killed) == 1 and killed[0][2]["signal"] == "SIGKILL", out[1]["events"]
+    formed = [e[2] for e in run.events() if e[0] == "epoch_formed"]
+    assert formed[-1]["datacenters"] == ["dc-a", "dc-a", "dc-b", "dc-b"] and formed[-1]["resume_step"] >= 3, formed
+    assert all(o["result"] is not None for o in out.values()), [o["error"] for o in out.values()]
+    assert _max_rel(out[1]["result"].final_params, reference) < 1e-4
+
+
+def test_a_worker_whose_training_processes_die_before_training_gives_up_saying_why(elastic_run):
+    run = elastic_run(1)
+    run.start(0, "dc-a", job(datacenters=("dc-a",), job_id=_unique_job_id()), kill_children=(0, 0, 0))
+    out = run.collect({0})[0]
+    assert out["result"] is None and "killed by SIGKILL: 3 in a row died before training a step" in out["error"]
+    assert [e[2]["killed_before_training"] for e in out["events"] if e[0] == "training_process_killed"] == [1, 2]

@@ -32,6 +32,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -47,6 +48,23 @@ if TYPE_CHECKING:  # torch-free to import: a joining worker's agent need not wai
     from meridian.workers.contracts.records import TrainResult
 
 Call = Callable[..., Any]
+
+CRASHES_IN_A_ROW = 3
+"""Training processes of a worker that may be killed by a signal one after another, none of them having trained a
+step, before the worker gives up. A process killed by a signal (the kernel's out-of-memory killer, NCCL's watchdog
+aborting a rank whose peer died, a segfault in a kernel, someone's ``kill``) is restarted and rejoins from the
+snapshots; one that keeps dying before it trains is a fault a restart does not cure."""
+
+
+def killed_by(exitcode: int | None) -> str | None:
+    """The name of the signal that ended a process (``SIGKILL``) from its ``multiprocessing`` exit code, or
+    ``None`` if it exited by itself."""
+    if exitcode is None or exitcode >= 0:
+        return None
+    try:
+        return signal.Signals(-exitcode).name
+    except ValueError:
+        return f"signal {-exitcode}"
 
 
 def _reap(proc: Any) -> None:
@@ -89,6 +107,10 @@ class Agent:
         self.max_restarts = max_restarts
         self.store_dir = snapshot_dir(cfg.job_id, worker_id)
         self.restarts = 0
+        self.crashes = 0
+        """Training processes killed by a signal one after another before training a step (:data:`CRASHES_IN_A_ROW`)."""
+        self._trained = False
+        """The current training process has trained (sent a heartbeat of a step)."""
         self._ctx = standby_context(device)
         self._standby: Standby | None = standby
         """The next training process, started and waiting; the caller may hand over one it started early."""
@@ -119,7 +141,7 @@ class Agent:
             while True:
                 current = self._take_standby()
                 with self._lock:
-                    self._child, self._joining = current.proc, True
+                    self._child, self._joining, self._trained = current.proc, True, False
                 if leaving is not None:
                     # Reaped beside the new process, not before serving it: an exit frees the process's memory
                     # before its files (tens of ms for torch), and the new process's join waited on this loop.
@@ -137,7 +159,7 @@ class Agent:
                     if outcome is not None:
                         return outcome[1]
                     if current.proc.exitcode != RESTART_EXIT_CODE and not aborted:
-                        raise RuntimeError(f"the training process exited with code {current.proc.exitcode}")
+                        self._crashed(current.proc)
                 self.restarts += 1
                 if self.restarts > self.max_restarts:
                     raise RuntimeError(f"gave up after {self.max_restarts} restarts of the training process")
@@ -151,6 +173,26 @@ class Agent:
                 self._standby.discard()
                 self._standby = None
             shutil.rmtree(self.store_dir, ignore_errors=True)
+
+    def _crashed(self, proc: Any) -> None:
+        """A training process ended without saying why. Killed by a signal: restart it (it rejoins, its peers
+        re-form with it, every rank resumes from its snapshots), unless :data:`CRASHES_IN_A_ROW` processes in a row
+        died before training a step. Any other exit (a code of its own, not a restart's): give up."""
+        signal_name = killed_by(proc.exitcode)
+        if signal_name is None:
+            raise RuntimeError(f"the training process exited with code {proc.exitcode}")
+        self.crashes = 0 if self._trained else self.crashes + 1
+        worker = self.ids["worker_id"]
+        if self.crashes >= CRASHES_IN_A_ROW:
+            raise RuntimeError(
+                f"the training process of worker {worker} was killed by {signal_name}: {self.crashes} in a row died "
+                "before training a step, so it is not restarted again (the worker's log and the kernel's, `dmesg`, "
+                "say what killed it; running out of memory is the usual cause)")
+        self.on_event("training_process_killed",
+                      f"the training process of worker {worker} was killed by {signal_name} (pid {proc.pid}); "
+                      "restarting it: it rejoins and the job resumes from its snapshots",
+                      {"worker_id": worker, "signal": signal_name, "pid": proc.pid,
+                       "killed_before_training": self.crashes})
 
     def abort(self, epoch: int) -> None:
         """The coordinator's order (over the liveness port): this worker's peers re-form without it, while it
@@ -212,6 +254,7 @@ class Agent:
                 if self.sink is not None:
                     self.sink.step(msg[1])
             elif kind == "beats":
+                self._trained = True
                 if self._standby is None:
                     # The child trains: start the next one now, so its import never competes with a re-formation.
                     self._standby = Standby(self._ctx, self.ids["worker_id"])
