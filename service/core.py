@@ -17,13 +17,14 @@ from meridian.service.cluster.logs import LogEntry, WorkerLogs
 from meridian.service.cluster.topology import ClusterTopology, read_topology
 from meridian.service.data_access import DEFAULT_MAX_BYTES, DataAccess
 from meridian.service.errors import MeridianError
-from meridian.service.jobs import JobRequest
+from meridian.service.jobs import JobRequest, JobState
 from meridian.service.launcher import Launcher
 from meridian.service.lease import DatabaseOwned, Lease
 from meridian.service.store import JobStore
 from meridian.service.supervision.supervisor import Supervisor
 from meridian.workers.contracts.fields import to_plain
 from meridian.workers.state import storage
+from meridian.workers.state.snapshot_paths import remove_snapshot_dirs
 
 log = logging.getLogger(__name__)
 
@@ -178,6 +179,7 @@ class MeridianService:
 
         if self.supervisor is not None:
             self.supervisor.stop()
+        unfinished = self._unfinished_jobs() if self.local_cluster is not None else []
         if self.lease is not None and self.store is not None:
             with contextlib.suppress(Exception):
                 self.lease.release()
@@ -187,3 +189,16 @@ class MeridianService:
             ray.shutdown()
         if self.local_cluster is not None:
             self.local_cluster.shutdown()
+            # Their workers were this cluster's processes, killed with it: their snapshots in RAM (a shard per
+            # worker, weights and AdamW state) would stay until the host reboots. Nothing can resume from them:
+            # a job whose cluster went is failed ("RunnerLost") when the service starts again.
+            for job_id in unfinished:
+                remove_snapshot_dirs(job_id)
+
+    def _unfinished_jobs(self) -> list[str]:
+        if self.store is None:
+            return []
+        states = {s for s in JobState if not s.is_terminal}
+        with contextlib.suppress(Exception):  # a store that fails now must not stop the cluster's shutdown
+            return [job.id for job in self.store.list_jobs(states=states, limit=1_000_000)]
+        return []

@@ -22,6 +22,7 @@ from fakes import spec
 from processes import is_gone
 
 from meridian.workers.distributed.ports import free_port
+from meridian.workers.state.snapshot_paths import snapshot_dirs
 
 pytestmark = pytest.mark.slow
 
@@ -94,13 +95,20 @@ def test_serve_with_local_datacenters_answers_and_stops_cleanly(tmp_path):
         after = httpx.post(f"{base}/v1/plans", json=job, timeout=30).json()
         assert "compute probe of this model shape" in after["explanation"]
         assert after["estimate"]["compute_s"] != before["estimate"]["compute_s"]
-        ray_processes = proc.ray_processes
+        # Stopped while a job trains: its workers' snapshots in RAM go with the cluster that ran them.
+        running = httpx.post(f"{base}/v1/jobs", json=spec(training={"steps": 100_000}), timeout=30).json()
+        deadline = time.monotonic() + 120
+        while len(snapshot_dirs(running["id"])) < 2:
+            assert time.monotonic() < deadline, "the job's workers kept no snapshots within 120 s"
+            time.sleep(0.5)
+        ray_processes = _children(proc.pid)
         assert ray_processes, "the embedded cluster's processes should be the service's children"
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=90) == 0
         time.sleep(2)
         left = {p for p in ray_processes if not is_gone(p)}
         assert not left, f"embedded Ray processes left running: {sorted(left)}"
+        assert snapshot_dirs(running["id"]) == [], "the stopped job's snapshots were left in RAM"
 
 
 def test_serve_on_postgresql_runs_a_job_to_the_end(tmp_path, postgres_server):
