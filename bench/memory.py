@@ -62,13 +62,14 @@ def measure_step(model_name: str, precision: str, micro_batch: int, device) -> d
             "base_bytes": base, "peak_bytes": peak}
 
 
-def planner_estimate(model_name: str, micro_batch: int) -> float:
-    """The planner's bytes per device for one unsharded replica on one device, ``micro_batch`` at a time."""
+def planner_estimate(model_name: str, micro_batch: int, precision: str = "bf16") -> float:
+    """The planner's bytes per device for one unsharded replica on one device, ``micro_batch`` at a time, in
+    ``precision`` (``bf16`` autocast or ``fp32``)."""
     from meridian.service.planning.cost_model import Layout, memory_per_device
     from meridian.workers.contracts.model_config import model_preset
 
     lay = Layout(tp=1, pp=1, dp=1, num_dcs=1, dp_per_dc=1, pp_spans_dcs=False, micro_batch=micro_batch,
-                 micro_batches=1, hierarchical=False, shard_optimizer=False, overlap=False)
+                 micro_batches=1, hierarchical=False, shard_optimizer=False, overlap=False, fp32=precision == "fp32")
     return memory_per_device(model_preset(model_name), lay, 1)
 
 
@@ -86,7 +87,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for b in (int(v) for v in args.micro_batches.split(",")):
                 row = measure_step(model_name, precision, b, device)
                 torch.cuda.empty_cache()  # the step's model and optimizer are gone: start the next from nothing
-                row["estimate_bytes"] = planner_estimate(model_name, b)
+                row["estimate_bytes"] = planner_estimate(model_name, b, precision)
                 row["estimate_over_measured"] = row["estimate_bytes"] / row["peak_bytes"]
                 rows.append(row)
     return {"gpu": torch.cuda.get_device_name(device), "torch": torch.__version__, "rows": rows}

@@ -14,7 +14,7 @@ from typing import Any
 from meridian.service.jobs import JobRequest
 from meridian.service.planning.buckets import bucket_mb_for
 from meridian.service.planning.cost_model import Estimate, Figures, Layout, estimate, grad_bytes_per_device
-from meridian.workers.contracts.config import SyncStrategy
+from meridian.workers.contracts.config import Precision, SyncStrategy
 
 TP_SIZES = (1, 2, 4, 8)
 MAX_PP = 8
@@ -123,6 +123,7 @@ def _candidate(request: JobRequest, figures: Figures, *, tp: int, pp: int, dp: i
         micro_batch=request.micro_batch, micro_batches=micro_batches, hierarchical=hierarchical,
         shard_optimizer=request.sync.shard_optimizer, overlap=request.sync.overlap,
         schedule=request.parallelism.schedule, bucket_bytes=bucket_mb(request, tp=tp, pp=pp) * 2**20,
+        fp32=request.precision is Precision.FP32 or (request.precision is Precision.AUTO and not figures.bf16_autocast),
     )
     est = estimate(request.model, lay, figures, request.global_batch)
     rejected = ""

@@ -56,6 +56,8 @@ class Figures:
     device_memory_known: bool = True
     """``device_memory_bytes`` came from the devices (a probe, or the GPU nodes' own reading); ``False`` for the
     GPU default, which a refusal then names as a guess."""
+    bf16_autocast: bool = False
+    """A job with ``precision: auto`` trains in bf16 autocast on these devices (GPUs), else in fp32 (CPUs)."""
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,8 @@ class Layout:
     """Pipeline schedule, ``1f1b`` or ``gpipe`` (when ``pp`` > 1)."""
     bucket_bytes: float = 4 * 2**20
     """Gradient bucket size (``sync.bucket_mb``): a model smaller than one bucket syncs only after backward."""
+    fp32: bool = False
+    """The job trains in fp32, not in bf16 autocast: its logits are one more fp32 tensor (:func:`activation_bytes`)."""
 
     @property
     def devices(self) -> int:
@@ -113,26 +117,29 @@ def grad_bytes_per_device(model: ModelConfig, tp: int, pp: int) -> float:
     return BYTES_FP32 * model.num_params / (tp * pp)
 
 
-def activation_bytes(model: ModelConfig, micro_batch: int, layers: int, tp: int) -> float:
+def activation_bytes(model: ModelConfig, micro_batch: int, layers: int, tp: int, *, fp32: bool = False) -> float:
     """Activations kept for backward, per micro-batch: Korthikanti et al. 2022, eq. 2 without its attention-score
     term (fp32 doubles their 16-bit figure), with TP dividing the attention/MLP part. Of their 24·sbh split by TP,
     8 are attention and 16 the GELU MLP's two 4h-wide tensors (4 bytes·sb per unit of width); a SwiGLU MLP keeps
     four tensors of its width (gate, up, their activation and product: 8 bytes·sb per unit). The score term
     (5·as²b) is left out because both families attend with ``scaled_dot_product_attention``, whose fused kernels
-    keep no s × s matrix for backward. The logits cost two fp32 copies (the loss's fp32 logits and their
-    gradient). Measured on an H100 (``tests/data/h100_step_memory.json``), this is 1–20% above a step's peak in
-    bf16 autocast and within 2% of it in fp32; with the score term it was 2.4–4.3× the peak."""
+    keep no s × s matrix for backward. The logits cost two fp32 copies in bf16 autocast (the loss's fp32 logits
+    and their gradient) and three in fp32, where the model's own logits are fp32 too. Measured on an H100 and an
+    H200 (``tests/data/h100_step_memory.json``, ``h200_step_memory.json``): 1.10–1.17× a step's peak in bf16
+    autocast, 1.04–1.14× in fp32 (with two copies in fp32: 0.90× at micro-batch 8, where a layout the planner
+    passed could run out of memory); with the score term it was 2.4–4.3× the peak."""
     s, b, d = model.seq_len, micro_batch, model.d_model
     mlp = (8 if model.family is ModelFamily.LLAMA else 4) * model.mlp_width / d
     per_layer_16bit = s * b * d * (10 + (8 + mlp) / tp)
-    return 2 * per_layer_16bit * layers + 2 * BYTES_FP32 * b * s * model.vocab_size  # + logits and their gradient
+    logits_copies = 3 if fp32 else 2
+    return 2 * per_layer_16bit * layers + logits_copies * BYTES_FP32 * b * s * model.vocab_size
 
 
 def memory_per_device(model: ModelConfig, lay: Layout, dc_shards: int) -> float:
     params = model.num_params / (lay.tp * lay.pp)
     optimizer = ADAMW_STATE_BYTES * params / (dc_shards if lay.shard_optimizer else 1)
     in_flight = lay.pp if lay.pp > 1 else 1  # 1F1B keeps at most pp micro-batches' activations
-    acts = activation_bytes(model, lay.micro_batch, model.n_layers // lay.pp, lay.tp) * in_flight
+    acts = activation_bytes(model, lay.micro_batch, model.n_layers // lay.pp, lay.tp, fp32=lay.fp32) * in_flight
     return 2 * BYTES_FP32 * params + optimizer + acts  # params + grads + optimizer + activations
 
 
