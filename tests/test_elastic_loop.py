@@ -8,6 +8,7 @@ hold in memory. The final parameters must match an uninterrupted run with the sa
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import pickle
@@ -98,9 +99,11 @@ class CoordinatorManager(BaseManager):
 CoordinatorManager.register("coordinator", _coordinator)
 
 
-def _elastic_worker(i, dc, address, cfg, results, kill_children=()):
+def _elastic_worker(i, dc, address, cfg, results, kill_children=(), freeze_after=0, frozen_pids=None):
     """One worker's agent. ``kill_children``: SIGKILL its training processes (not the agent), the n-th one it
-    starts once that one has trained step ``kill_children[n]`` (``0``: at once, before it trains)."""
+    starts once that one has trained step ``kill_children[n]`` (``0``: at once, before it trains).
+    ``freeze_after``: once it has trained that step, SIGSTOP its training process and then itself, as a host that
+    lost its power stops (sockets open, nothing answers); their pids go to ``frozen_pids``."""
     manager = CoordinatorManager(address=address, authkey=AUTHKEY)
     manager.connect()
     coordinator = manager.coordinator()
@@ -114,12 +117,23 @@ def _elastic_worker(i, dc, address, cfg, results, kill_children=()):
                   on_event=lambda *e: events.append(e))  # fmt: skip
     if kill_children:
         threading.Thread(target=_kill_children, args=(agent, cfg, f"w{i}", kill_children), daemon=True).start()
+    if freeze_after:
+        threading.Thread(target=_freeze, args=(agent, cfg, f"w{i}", freeze_after, frozen_pids), daemon=True).start()
     try:
         result, error = agent.run(), None
     except RuntimeError as e:
         result, error = None, str(e)
     results.put((i, pickle.dumps({"result": result, "records": sink.records, "restarts": agent.restarts,
                                   "events": events, "error": error})))  # fmt: skip
+
+
+def _freeze(agent: Agent, cfg: TrainConfig, worker_id: str, step: int, frozen_pids) -> None:
+    _wait_for_step(cfg, worker_id, step)
+    child = agent._child
+    frozen_pids.put(child.pid)
+    frozen_pids.put(os.getpid())
+    os.kill(child.pid, signal.SIGSTOP)
+    os.kill(os.getpid(), signal.SIGSTOP)
 
 
 def _kill_children(agent: Agent, cfg: TrainConfig, worker_id: str, after_steps: tuple[int, ...]) -> None:
@@ -145,12 +159,14 @@ class ElasticRun:
         self.coordinator = self.manager.coordinator(planned, taken_store_epoch)
         self.ctx = zygote_context()  # the workers are forks of the zygote (zygote_process in start)
         self.results = self.ctx.Queue()
+        self.frozen = self.ctx.Queue()
+        """Pids of processes a test stopped (SIGSTOP): killed by :meth:`close`."""
         self.procs: dict[int, mp.Process] = {}
         self.job_ids: set[str] = set()
 
-    def start(self, i: int, dc: str, cfg: TrainConfig, kill_children: tuple[int, ...] = ()) -> None:
-        p = zygote_process(_elastic_worker, (i, dc, self.manager.address, cfg, self.results, kill_children),
-                           daemon=False)
+    def start(self, i: int, dc: str, cfg: TrainConfig, kill_children: tuple[int, ...] = (), freeze_after: int = 0) -> None:
+        p = zygote_process(_elastic_worker, (i, dc, self.manager.address, cfg, self.results, kill_children,
+                                             freeze_after, self.frozen), daemon=False)
         p.start()
         self.procs[i] = p
         self.job_ids.add(cfg.job_id)
@@ -177,6 +193,9 @@ class ElasticRun:
         return self.coordinator.events()
 
     def close(self) -> None:
+        while not self.frozen.empty():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.frozen.get(), signal.SIGKILL)
         for p in self.procs.values():
             if p.is_alive():
                 p.kill()
@@ -373,3 +392,39 @@ def test_a_worker_whose_training_processes_die_before_training_gives_up_saying_w
     out = run.collect({0})[0]
     assert out["result"] is None and "killed by SIGKILL: 3 in a row died before training a step" in out["error"]
     assert [e[2]["killed_before_training"] for e in out["events"] if e[0] == "training_process_killed"] == [1, 2]
+
+
+def test_a_host_that_stops_answering_is_left_behind_once_ray_reports_its_node_dead(elastic_run, reference):
+    # Power or network lost: w1's processes stop with their sockets open, so its peers' collectives fail only at
+    # the collective timeout (60 s here, 300 s by default). Once Ray reports its node dead (the runner's ticks do
+    # that; here the test ticks), the others are told to stop and re-form without it.
+    run = elastic_run(4)
+    cfg = job(job_id=_unique_job_id())
+    for i, dc in enumerate(DCS):
+        run.start(i, dc, cfg, freeze_after=3 if i == 1 else 0)
+    deadline = time.monotonic() + TIMEOUT_S
+    while run.frozen.qsize() < 2:  # w1's training process and agent
+        assert time.monotonic() < deadline, "w1 never reached step 3"
+        time.sleep(0.01)
+    frozen_at = time.time()
+    stop = threading.Event()
+
+    def ray_ticks():  # Ray has declared node-1 dead
+        while not stop.wait(0.5):
+            run.coordinator.tick({"node-0", "node-2", "node-3"})
+
+    ticker = threading.Thread(target=ray_ticks, daemon=True)
+    ticker.start()
+    try:
+        out = run.collect({0, 2, 3})
+    finally:
+        stop.set()
+        ticker.join(5)
+    events = run.events()
+    stranded = sorted(e[2]["worker_id"] for e in events if e[0] == "worker_stranded")
+    after = next(e[2] for e in events if e[0] == "epoch_formed" and "w1" in e[2]["lost"])
+    assert stranded == ["w0", "w2", "w3"], events
+    assert after["datacenters"] == ["dc-a", "dc-b", "dc-b"] and after["resume_step"] >= 3
+    assert after["time"] - frozen_at < 20  # not after the 60 s collective timeout
+    assert all(o["result"] is not None for o in out.values())
+    assert _max_rel(out[0]["result"].final_params, reference) < 1e-4

@@ -10,7 +10,7 @@ import time
 
 from fakes import join_concurrently
 
-from meridian.service.runner.coordinator import Coordinator
+from meridian.service.runner.coordinator import STRANDED_AFTER_S, Coordinator
 from meridian.service.runner.liveness import LivenessTracker, Probe, probe, send_abort
 from meridian.service.runner.membership import Epoch, Member, MembershipState, decide
 from meridian.workers.contracts.rendezvous import Assignment, JoinRequest, Waiting
@@ -253,3 +253,44 @@ def test_a_waiting_worker_that_stopped_calling_but_answers_is_kept(monkeypatch):
     time.sleep(0.4)  # slow, not gone: its agent answers
     out = _join(c, [_request(2, "dc-a")], 0)
     assert out["w2"].world_size == 3
+
+
+def test_members_stranded_with_a_member_whose_node_died_silently_are_told_to_stop():
+    # A host that loses its power or its network closes no socket: its peers' collectives wait on it for the
+    # whole collective timeout, so none of them rejoins. Ray's view of the node is the evidence then.
+    told: list[tuple[str, int, int]] = []
+    events: list[tuple] = []
+    clock = _Clock()
+    tracker = LivenessTracker(probe_fn=lambda address, port: Probe.ALIVE,
+                              abort_fn=lambda address, port, epoch: told.append((address, port, epoch)) or True)
+    c = Coordinator(planned_workers=4, min_workers=1, dc_order=("dc-a", "dc-b"), on_event=lambda *e: events.append(e),
+                    grace_s=30, liveness=tracker, clock=clock)
+    for i, dc in enumerate(["dc-a", "dc-a", "dc-b", "dc-b"]):
+        c.join(_request(i, dc), known_epoch=0, poll_s=0)
+    c.tick({"n0", "n1", "n2", "n3"})
+    c.tick({"n0", "n1", "n2"})  # Ray: n3 is dead; its peers may still be failing on their own
+    assert told == []
+    clock.t += STRANDED_AFTER_S
+    c.tick({"n0", "n1", "n2"})
+    c.tick({"n0", "n1", "n2"})
+    assert sorted(told) == [("10.0.0.0", 40000, 1), ("10.0.0.1", 40001, 1), ("10.0.0.2", 40002, 1)]  # once each
+    assert sorted(e[2]["worker_id"] for e in events if e[0] == "worker_stranded") == ["w0", "w1", "w2"]
+    for i, dc in enumerate(["dc-a", "dc-a", "dc-b"]):  # their next processes rejoin: re-formed without w3
+        c.join(_request(i, dc, 7), known_epoch=1, poll_s=0)
+    assert c.epoch.number == 2 and [m.worker_id for m in c.epoch.members] == ["w0", "w1", "w2"]
+
+
+def test_members_that_rejoined_on_their_own_are_not_told_to_stop_when_ray_reports_the_node_dead():
+    told: list[tuple[str, int, int]] = []
+    clock = _Clock()
+    tracker = LivenessTracker(probe_fn=lambda address, port: Probe.ALIVE,
+                              abort_fn=lambda address, port, epoch: told.append((address, port, epoch)) or True)
+    c = Coordinator(planned_workers=4, min_workers=1, dc_order=("dc-a", "dc-b"), on_event=lambda *e: None,
+                    grace_s=30, liveness=tracker, clock=clock)
+    for i, dc in enumerate(["dc-a", "dc-a", "dc-b", "dc-b"]):
+        c.join(_request(i, dc), known_epoch=0, poll_s=0)
+    c.join(_request(0, "dc-a", 7), known_epoch=1, poll_s=0)  # a collective failed: w0 rejoins at once
+    for _ in range(3):
+        c.tick({"n0", "n1", "n2"})
+        clock.t += STRANDED_AFTER_S
+    assert told == []  # the re-formation is under way; the usual rules (probe, grace, abort_after_s) apply

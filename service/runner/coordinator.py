@@ -42,6 +42,11 @@ long is probed before an epoch may form with it, and dropped if its process is g
 ``test_recovery_ray``: after Ray Train's controller failed, the ended run's two workers, which had joined while the
 job waited below ``min_workers``, were still listed as waiting when a new worker joined; the epoch formed with
 them and the new worker sat in forming its group with the dead until the newcomers' 60 s limit stopped it."""
+STRANDED_AFTER_S = 1.0
+"""Ray reports a member's node dead and no member has rejoined for this long: the others are stranded in a
+collective with it. A killed process's sockets close and its peers' collectives fail within milliseconds, long
+before Ray's health check (3 s at the fastest); a host that lost its power or its network closes nothing, and its
+peers would wait out the collective timeout (gloo), or NCCL's. So they are told to stop (:meth:`Coordinator.tick`)."""
 NEWCOMERS_PROBE_AFTER_S = 5.0
 """Newcomers that have waited this long for the members' next step boundary make every tick probe the members."""
 NEWCOMERS_ABORT_AFTER_S = 60.0
@@ -65,6 +70,8 @@ class Coordinator:
         self._first_seen: dict[str, float] = {}  # rank order inside a DC follows first arrival, stably
         self._last_call: dict[str, float] = {}
         self._alive_nodes: set[str] | None = None
+        self._node_dead_at: dict[int, float] = {}
+        """Epoch number → when the runner first reported one of its members' node dead (:data:`STRANDED_AFTER_S`)."""
         self.wait_reason = ""
         self.finished: set[str] = set()
         self.liveness = liveness or LivenessTracker()
@@ -138,6 +145,7 @@ class Coordinator:
         with self._cond:
             self._alive_nodes = alive_nodes
             self._decide_locked()
+        self._stop_stranded()
 
     def status(self) -> dict[str, Any]:
         with self._cond:
@@ -242,6 +250,35 @@ class Coordinator:
                             f"the worker in {m.datacenter} on node {m.node_id[:12]} answers but {why}: its training "
                             "process was stopped, and the next one rejoins from its snapshots",
                             {"worker_id": m.worker_id, "epoch": e.number})  # fmt: skip
+
+    def _stop_stranded(self) -> None:
+        """A member's node is dead (Ray says so) and no member has rejoined: tell the others to stop their training
+        processes (:data:`STRANDED_AFTER_S`). Their next ones rejoin from their snapshots, and the epoch re-forms
+        without the member on the dead node, which is not waited for."""
+        with self._cond:
+            e, alive = self.state.epoch, self._alive_nodes
+            if e is None or alive is None or self.state.first_rejoin_at is not None or self.job_finished:
+                return
+            dead = [m for m in e.members if m.node_id not in alive]
+            if not dead:
+                return
+            now = self.clock()
+            if now - self._node_dead_at.setdefault(e.number, now) < STRANDED_AFTER_S:
+                return
+            stranded = [(m.worker_id, m.address, m.probe_port) for m in e.members if m.node_id in alive]
+        stopped = self.liveness.abort(stranded, e.number)
+        with self._cond:
+            if stopped and self.state.epoch is e and self.state.first_rejoin_at is None:
+                self.state.first_rejoin_at = self.clock()  # a re-formation is pending: the grace period runs
+            where = ", ".join(sorted({f"node {m.node_id[:12]} in {m.datacenter}" for m in dead}))
+            for m in e.members:
+                if m.worker_id in stopped:
+                    self.on_event(
+                        "worker_stranded",
+                        f"the worker in {m.datacenter} on node {m.node_id[:12]} had not left epoch {e.number} "
+                        f"{STRANDED_AFTER_S:.0f} s after Ray reported {where} dead (its collectives wait on a host "
+                        "that closes nothing: power or network lost): its training process was stopped, and the "
+                        "next one rejoins from its snapshots", {"worker_id": m.worker_id, "epoch": e.number})
 
     def _assignment_locked(self, wid: str, known_epoch: int) -> Assignment | None:
         e = self.state.epoch
