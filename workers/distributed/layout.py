@@ -21,6 +21,7 @@ from functools import cached_property
 
 import torch.distributed as dist
 
+from meridian.workers.distributed.groups import new_group
 from meridian.workers.distributed.mp_norm import ModelParallelNorm
 
 
@@ -154,12 +155,12 @@ def make_groups(
     """(all ranks, per-DC, per-segment) groups of ``layout``. Every rank of the default group must call this
     for every layout, in the same order, even for layouts it is not in (torch.distributed's rule)."""
     whole = world_ranks == tuple(range(dist.get_world_size()))
-    world = dist.group.WORLD if whole else dist.new_group(list(world_ranks), backend=backend)
+    world = dist.group.WORLD if whole else new_group(world_ranks, backend=backend)
     intra = {
-        dc: dist.new_group([world_ranks[r] for r in layout.ranks_in(dc)], backend=backend) for dc in layout.dcs
+        dc: new_group([world_ranks[r] for r in layout.ranks_in(dc)], backend=backend) for dc in layout.dcs
     }
     inter: dict[Segment, dist.ProcessGroup] = {}
     if layout.num_dcs > 1:
         for seg in layout.segments:
-            inter[seg] = dist.new_group([world_ranks[r] for r in seg.owners], backend=backend)
+            inter[seg] = new_group([world_ranks[r] for r in seg.owners], backend=backend)
     return world, intra, inter

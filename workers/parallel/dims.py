@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from meridian.workers.distributed.groups import new_group
 from meridian.workers.distributed.layout import DCGroups, DCLayout, make_groups
 from meridian.workers.distributed.mp_norm import ModelParallelNorm
 from meridian.workers.parallel.tensor_parallel import tp_split
@@ -111,12 +112,12 @@ class ParallelGroups:
         self.tp_group: dist.ProcessGroup | None = None
         for stage in range(dims.pp):
             for replica in range(dims.dp):
-                g = dist.new_group(list(dims.tp_ranks(stage, replica)), backend=backend) if dims.tp_enabled else None
+                g = new_group(dims.tp_ranks(stage, replica), backend=backend) if dims.tp_enabled else None
                 if (stage, replica) == (c.stage, c.replica):
                     self.tp_group = g
         mp_group = None
         for replica in range(dims.dp):
-            g = dist.new_group(list(dims.replica_ranks(replica)), backend=backend)
+            g = new_group(dims.replica_ranks(replica), backend=backend)
             if replica == c.replica:
                 mp_group = g
         self._extra = [g for g in (self.tp_group, mp_group) if g is not None]
