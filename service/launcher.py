@@ -8,13 +8,14 @@ and never decides: what a poll means is :mod:`meridian.service.supervision.recon
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Any
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from meridian.service.planning.plan import Plan
-from meridian.service.runner.actor import NAMESPACE, JobRunner, runner_name
+from meridian.service.runner.actor import NAMESPACE, JobRunner, runner_name, sweep_snapshots
 from meridian.service.runner.poll import RunnerLost, RunnerPoll
 from meridian.workers.contracts.config import TrainConfig
 
@@ -87,6 +88,13 @@ class Launcher:
         """Kill the runner (and with it anything it still owns) once its job is over."""
         with contextlib.suppress(RunnerLost):
             ray.kill(self._actor(job_id), no_restart=True)
+
+    def sweep_snapshots(self, job_id: str) -> threading.Thread:
+        """Remove the job's in-memory snapshot folders on every live node, on a thread of its own (a task per
+        host, up to 30 s): what the job's runner does at the end of a job, for one whose runner is gone."""
+        sweep = threading.Thread(target=sweep_snapshots, args=(job_id,), name=f"meridian-sweep-{job_id}", daemon=True)
+        sweep.start()
+        return sweep
 
     def exists(self, job_id: str) -> bool:
         try:

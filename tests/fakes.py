@@ -53,6 +53,7 @@ class FakeLauncher:
         self.released: list[str] = []
         self.resumed: list[str] = []
         self.cancels: list[str] = []  # every cancel asked for, delivered or not
+        self.swept: list[str] = []  # jobs whose snapshot folders were to be removed on every node
         self.on_launch: Any = None  # called with the job id before the runner exists (to step a race)
         self.launch_error: Exception | None = None  # raised after the runner was created (a start timeout)
 
@@ -64,6 +65,9 @@ class FakeLauncher:
         if self.launch_error is not None:
             raise self.launch_error
         return f"meridian-job-{job_id}"
+
+    def sweep_snapshots(self, job_id: str) -> None:
+        self.swept.append(job_id)
 
     def poll(self, job_id: str, after: int) -> RunnerPoll:
         r = self.runners.get(job_id)

@@ -8,6 +8,7 @@ only on the labelled nodes; failure detection is fast so a killed node is notice
 from __future__ import annotations
 
 import contextlib
+import shutil
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -16,6 +17,7 @@ import httpx
 from meridian.api.server import serve_in_thread
 from meridian.service.cluster.connect import FAST_FAILURE_DETECTION
 from meridian.service.core import MeridianService, ServiceConfig
+from meridian.workers.state.snapshot_paths import orphaned_snapshot_dirs
 
 
 @contextlib.contextmanager
@@ -24,6 +26,7 @@ def local_cluster(node_datacenters: Sequence[str], system_config: dict[str, Any]
     ``cluster.nodes_by_dc`` maps each datacenter to its nodes, in the order given."""
     from ray.cluster_utils import Cluster
 
+    before = set(orphaned_snapshot_dirs())
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 0, "include_dashboard": False,
         "_system_config": {**FAST_FAILURE_DETECTION, **(system_config or {})}})  # fmt: skip
@@ -35,6 +38,10 @@ def local_cluster(node_datacenters: Sequence[str], system_config: dict[str, Any]
         yield cluster
     finally:
         cluster.shutdown()
+        # A job still running when a test ends dies with the cluster, and so does the runner that would have
+        # removed its workers' snapshots from RAM: remove the folders this cluster's agents left.
+        for folder in set(orphaned_snapshot_dirs()) - before:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 @contextlib.contextmanager

@@ -75,13 +75,14 @@ def test_cancel_requested_and_runner_lost_is_the_cancel_done():
     assert d.outcome == JobStatus(JobState.CANCELLED, "Cancelled",
                                   "cancelled by request; workers stopped and placement freed")
     assert not d.store and d.forget and not d.release
+    assert d.sweep_snapshots  # the runner that would have removed its workers' RAM snapshots is gone
 
 
 def test_runner_lost_without_a_cancel_fails_the_job_with_what_ray_said():
     d = reconcile(job(), RunnerLost("The actor died because its node died"))
     assert d.outcome is not None and (d.outcome.state, d.outcome.reason) == (JobState.FAILED, "RunnerLost")
     assert "resubmit" in d.outcome.message and "its node died" in d.outcome.message
-    assert not d.store and d.forget
+    assert not d.store and d.forget and d.sweep_snapshots
 
 
 def test_records_fold_into_progress_with_a_progress_event_only_when_due():

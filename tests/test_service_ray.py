@@ -113,7 +113,7 @@ def test_the_end_of_a_run_sweeps_snapshot_folders_from_here_and_on_other_hosts_b
     tasks_to = []
     pin = actor.NodeAffinitySchedulingStrategy
     monkeypatch.setattr(actor, "NodeAffinitySchedulingStrategy", lambda node, soft: tasks_to.append(node) or pin(node, soft))
-    removed = actor._sweep_snapshots(job_id)
+    removed = actor.sweep_snapshots(job_id)
     assert sorted(removed) == sorted(snapshot_dir(job_id, w) for w in ("w1", "w2")) and not snapshot_dirs(job_id)
     # One address here (every node of this cluster runs on this host): a task to it only from "elsewhere".
     assert len(tasks_to) == (1 if runner_host == "another host" else 0), tasks_to

@@ -94,3 +94,11 @@ def test_the_owner_mark_names_this_process():
     folder = snapshot_dir("job", "w")
     mark_owner(folder)
     assert snapshot_paths._owner_alive(folder) is True
+
+
+def test_the_orphans_of_every_job_are_the_folders_whose_agent_is_dead():
+    dead = _folder("job-a", "w0", owner=_a_dead_process(), shards=(3,))
+    _folder("job-a", "w1", owner=_this_process(), shards=(3,))
+    _folder("job-b", "w0", owner=None, shards=(3,))  # names no owner: never judged
+    other_job = _folder("job-b", "w1", owner=_a_dead_process())
+    assert sorted(snapshot_paths.orphaned_snapshot_dirs()) == sorted([dead, other_job])

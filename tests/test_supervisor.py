@@ -111,6 +111,8 @@ def test_runner_lost_fails_the_job_with_an_actionable_message(supervisor, store)
     supervisor.tick()
     job = store.get_job(job.id)
     assert job.status.state is JobState.FAILED and "resubmit" in job.status.message
+    # Its workers went with the runner, which would have removed their snapshots in RAM at the job's end.
+    assert supervisor.launcher.swept == [job.id]
 
 
 def test_training_error_reaches_the_job(supervisor, store):

@@ -23,7 +23,7 @@ from meridian.workers.contracts.rendezvous import JoinRequest
 
 @pytest.fixture
 def runner(monkeypatch):
-    monkeypatch.setattr(actor, "_sweep_snapshots", lambda job_id: [])  # no cluster here
+    monkeypatch.setattr(actor, "sweep_snapshots", lambda job_id: [])  # no cluster here
     plan = type("P", (), {"rank_datacenters": ("dc-a", "dc-b")})()
     r = JobRunner("j1", {}, plan, "/tmp/unused")
     r.probed = 0

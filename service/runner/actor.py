@@ -367,7 +367,7 @@ class JobRunner:
                 return  # the first outcome wins (training finished, then the aborted controller returns)
             self._finishing = True
         # Before the outcome is visible: once it is, the service releases (kills) this actor.
-        _sweep_snapshots(self.job_id)
+        sweep_snapshots(self.job_id)
         with self._lock:
             self._state, self._error = state, error
         self._done.set()
@@ -464,7 +464,7 @@ def _train_controller_failed(error: BaseException) -> bool:
 
 
 # -- in-memory snapshots left behind -----------------------------------------------------------------------
-def _sweep_snapshots(job_id: str, timeout_s: float = 30.0) -> list[str]:
+def sweep_snapshots(job_id: str, timeout_s: float = 30.0) -> list[str]:
     """Remove the job's snapshot folders on every live host: a worker killed without its node (a crashed
     process, a simulated node on one host) leaves its folder in RAM behind. This process sweeps its own host; a
     task sweeps each other address (nodes on one host share its RAM folder). A task needs a worker process,

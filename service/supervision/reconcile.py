@@ -72,6 +72,9 @@ class Decision:
     """Kill the runner: its job is over."""
     forget: bool = False
     """Drop what the supervisor remembers about the job (it is no longer followed)."""
+    sweep_snapshots: bool = False
+    """Remove the job's in-memory snapshot folders on every node: its runner, which does that at the job's end, is
+    gone, and the workers it owned went with it (their folders, weights and AdamW state in RAM, stay otherwise)."""
 
     @property
     def emits_progress(self) -> bool:
@@ -156,8 +159,8 @@ def fold_progress(previous: Mapping[str, Any] | None, records: Sequence[StepReco
 
 def _lost(job: JobRecord, lost: RunnerLost) -> Decision:
     if job.cancel_requested:  # the runner went away while stopping: that is the cancel done
-        return Decision(store=False, outcome=RUNNER_OUTCOME[RunnerState.CANCELLED], forget=True)
-    return Decision(store=False, forget=True, outcome=JobStatus(
+        return Decision(store=False, outcome=RUNNER_OUTCOME[RunnerState.CANCELLED], forget=True, sweep_snapshots=True)
+    return Decision(store=False, forget=True, sweep_snapshots=True, outcome=JobStatus(
         JobState.FAILED, "RunnerLost", "the job's runner actor is gone (its node died or the Ray cluster "
         f"restarted); resubmit the job. Ray said: {str(lost)[:300]}"))
 

@@ -264,6 +264,8 @@ class Supervisor:
             self.launcher.release(job_id)
         if d.forget:
             self._forget(job_id)
+        if d.sweep_snapshots:
+            self.launcher.sweep_snapshots(job_id)
 
     def _forget(self, job_id: str) -> None:
         self._followed.discard(job_id)

@@ -36,6 +36,13 @@ def snapshot_dirs(job_id: str) -> list[str]:
     return glob.glob(os.path.join(_snapshot_root(), f"meridian-snapshots.{glob.escape(_safe(job_id))}.*"))
 
 
+def orphaned_snapshot_dirs() -> list[str]:
+    """This host's snapshot folders, of any job, whose agent is dead (it marked its folder, and that process is
+    gone): kept for a new worker of the same job to take over, and garbage once the job has ended."""
+    folders = glob.glob(os.path.join(_snapshot_root(), "meridian-snapshots.*.*"))
+    return [folder for folder in folders if _owner_alive(folder) is False]
+
+
 def remove_snapshot_dirs(job_id: str) -> list[str]:
     """Remove this host's snapshot folders of ``job_id`` (a killed worker's folder outlives it); the removed."""
     removed = snapshot_dirs(job_id)
