@@ -129,7 +129,7 @@ def _meridian(args: argparse.Namespace) -> dict[str, Any]:
                     phases.came_back()
                     cluster.add(victim_dc)
                 time.sleep(0.5)
-            api.delete(f"/v1/jobs/{job_id}")
+            _cancel(api, job_id)
             formed = [e for e in log.epochs if e["epoch"] == 2]
             if phases.kill_time is None or not formed:
                 raise RuntimeError("the Meridian job never re-formed after the kill")
@@ -144,6 +144,17 @@ def _meridian(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         service.stop()
         cluster.shutdown()
+
+
+def _cancel(api: Any, job_id: str, timeout_s: float = 60.0) -> None:
+    """Cancel the job and wait until it has ended: its runner then removes its workers' snapshots from RAM. (Stopped
+    at once, the cluster's shutdown killed runner and workers first, and every round left its folders behind.)"""
+    api.delete(f"/v1/jobs/{job_id}")
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if api.get(f"/v1/jobs/{job_id}").json()["state"] in ("failed", "cancelled", "succeeded"):
+            return
+        time.sleep(0.5)
 
 
 class _MeridianLog:
