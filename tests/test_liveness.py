@@ -169,16 +169,24 @@ class _Clock:
         return self.t
 
 
+def _coordinator(clock, told: list, events: list | None = None) -> Coordinator:
+    """Four members over two datacenters, formed; probes find every agent alive and aborts are recorded in
+    ``told``; abort_after_s is grace_s / 3 (10 s)."""
+    tracker = LivenessTracker(probe_fn=lambda address, port: Probe.ALIVE,
+                              abort_fn=lambda address, port, epoch: told.append((address, port, epoch)) or True)
+    c = Coordinator(planned_workers=4, min_workers=1, dc_order=("dc-a", "dc-b"),
+                    on_event=lambda *e: events.append(e) if events is not None else None,
+                    grace_s=30, liveness=tracker, clock=clock)
+    for i, dc in enumerate(["dc-a", "dc-a", "dc-b", "dc-b"]):
+        c.join(_request(i, dc), known_epoch=0, poll_s=0)
+    return c
+
+
 def test_a_member_that_answers_but_stays_silent_is_told_to_stop_once_after_abort_after_s():
     told: list[tuple[str, int, int]] = []
     events: list[tuple] = []
     clock = _Clock()
-    tracker = LivenessTracker(probe_fn=lambda address, port: Probe.ALIVE,
-                              abort_fn=lambda address, port, epoch: told.append((address, port, epoch)) or True)
-    c = Coordinator(planned_workers=4, min_workers=1, dc_order=("dc-a", "dc-b"), on_event=lambda *e: events.append(e),
-                    grace_s=30, liveness=tracker, clock=clock)  # abort_after_s defaults to grace_s / 3
-    for i, dc in enumerate(["dc-a", "dc-a", "dc-b", "dc-b"]):
-        c.join(_request(i, dc), known_epoch=0, poll_s=0)
+    c = _coordinator(clock, told, events)
     assert c.epoch.number == 1
     for i, dc in enumerate(["dc-a", "dc-a", "dc-b"]):  # three members rejoin: their epoch broke
         c.join(_request(i, dc, 7), known_epoch=1, poll_s=0)
@@ -261,12 +269,7 @@ def test_members_stranded_with_a_member_whose_node_died_silently_are_told_to_sto
     told: list[tuple[str, int, int]] = []
     events: list[tuple] = []
     clock = _Clock()
-    tracker = LivenessTracker(probe_fn=lambda address, port: Probe.ALIVE,
-                              abort_fn=lambda address, port, epoch: told.append((address, port, epoch)) or True)
-    c = Coordinator(planned_workers=4, min_workers=1, dc_order=("dc-a", "dc-b"), on_event=lambda *e: events.append(e),
-                    grace_s=30, liveness=tracker, clock=clock)
-    for i, dc in enumerate(["dc-a", "dc-a", "dc-b", "dc-b"]):
-        c.join(_request(i, dc), known_epoch=0, poll_s=0)
+    c = _coordinator(clock, told, events)
     c.tick({"n0", "n1", "n2", "n3"})
     c.tick({"n0", "n1", "n2"})  # Ray: n3 is dead; its peers may still be failing on their own
     assert told == []
@@ -283,12 +286,7 @@ def test_members_stranded_with_a_member_whose_node_died_silently_are_told_to_sto
 def test_members_that_rejoined_on_their_own_are_not_told_to_stop_when_ray_reports_the_node_dead():
     told: list[tuple[str, int, int]] = []
     clock = _Clock()
-    tracker = LivenessTracker(probe_fn=lambda address, port: Probe.ALIVE,
-                              abort_fn=lambda address, port, epoch: told.append((address, port, epoch)) or True)
-    c = Coordinator(planned_workers=4, min_workers=1, dc_order=("dc-a", "dc-b"), on_event=lambda *e: None,
-                    grace_s=30, liveness=tracker, clock=clock)
-    for i, dc in enumerate(["dc-a", "dc-a", "dc-b", "dc-b"]):
-        c.join(_request(i, dc), known_epoch=0, poll_s=0)
+    c = _coordinator(clock, told)
     c.join(_request(0, "dc-a", 7), known_epoch=1, poll_s=0)  # a collective failed: w0 rejoins at once
     for _ in range(3):
         c.tick({"n0", "n1", "n2"})
