@@ -22,6 +22,25 @@ def process_line(pid: int) -> str:
         return f"{pid}: not listed"
 
 
+def descendants(pid: int) -> set[int]:
+    """Every process below ``pid`` in the process tree (children, theirs, ...), from /proc."""
+    kids: dict[int, list[int]] = {}
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            kids.setdefault(ppid, []).append(int(proc.name))
+    found, todo = set(), [pid]
+    while todo:
+        for kid in kids.get(todo.pop(), []):
+            if kid not in found:
+                found.add(kid)
+                todo.append(kid)
+    return found
+
+
 def sleep_tied_to_agent(agent_pid: int, conn) -> None:
     """A stand-in for a training process busy in a step (not reading its pipe): tied to its agent's life as
     a real one is, then asleep."""

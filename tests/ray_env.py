@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import shutil
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -17,7 +18,7 @@ import httpx
 from meridian.api.server import serve_in_thread
 from meridian.service.cluster.connect import FAST_FAILURE_DETECTION
 from meridian.service.core import MeridianService, ServiceConfig
-from meridian.workers.state.snapshot_paths import orphaned_snapshot_dirs
+from meridian.workers.state.snapshot_paths import every_snapshot_dir, orphaned_snapshot_dirs, owner_alive
 
 
 @contextlib.contextmanager
@@ -26,7 +27,7 @@ def local_cluster(node_datacenters: Sequence[str], system_config: dict[str, Any]
     ``cluster.nodes_by_dc`` maps each datacenter to its nodes, in the order given."""
     from ray.cluster_utils import Cluster
 
-    before = set(orphaned_snapshot_dirs())
+    before = set(every_snapshot_dir())
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 0, "include_dashboard": False,
         "_system_config": {**FAST_FAILURE_DETECTION, **(system_config or {})}})  # fmt: skip
@@ -39,9 +40,16 @@ def local_cluster(node_datacenters: Sequence[str], system_config: dict[str, Any]
     finally:
         cluster.shutdown()
         # A job still running when a test ends dies with the cluster, and so does the runner that would have
-        # removed its workers' snapshots from RAM: remove the folders this cluster's agents left.
-        for folder in set(orphaned_snapshot_dirs()) - before:
-            shutil.rmtree(folder, ignore_errors=True)
+        # removed its workers' snapshots from RAM: remove the folders this cluster's agents left, once those have
+        # exited (a killed agent's exit can take a moment after the shutdown returns).
+        deadline = time.monotonic() + 10
+        while True:
+            new = set(every_snapshot_dir()) - before
+            for folder in set(orphaned_snapshot_dirs()) & new:
+                shutil.rmtree(folder, ignore_errors=True)
+            if not any(owner_alive(folder) for folder in new) or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
 
 
 @contextlib.contextmanager

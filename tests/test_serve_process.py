@@ -19,30 +19,12 @@ from pathlib import Path
 import httpx
 import pytest
 from fakes import spec
-from processes import is_gone
+from processes import descendants, is_gone
 
 from meridian.workers.distributed.ports import free_port
 from meridian.workers.state.snapshot_paths import snapshot_dirs
 
 pytestmark = pytest.mark.slow
-
-
-def _children(pid: int) -> set[int]:
-    kids: dict[int, list[int]] = {}
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit():
-            try:
-                ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            kids.setdefault(ppid, []).append(int(proc.name))
-    found, todo = set(), [pid]
-    while todo:
-        for kid in kids.get(todo.pop(), []):
-            if kid not in found:
-                found.add(kid)
-                todo.append(kid)
-    return found
 
 
 @contextlib.contextmanager
@@ -71,7 +53,7 @@ def serving(tmp_path: Path, *extra: str, datacenters: str = "dc-a:1,dc-b:1"):
             time.sleep(1)
         assert proc.poll() is None, "serve exited at start-up:\n" + (tmp_path / "serve.log").read_text()[-3000:]
         assert cluster is not None, "no /v1/cluster answer within 180 s"
-        proc.ray_processes = _children(proc.pid)
+        proc.ray_processes = descendants(proc.pid)
         yield proc, base, cluster
     finally:
         if proc.poll() is None:
@@ -101,7 +83,7 @@ def test_serve_with_local_datacenters_answers_and_stops_cleanly(tmp_path):
         while len(snapshot_dirs(running["id"])) < 2:
             assert time.monotonic() < deadline, "the job's workers kept no snapshots within 120 s"
             time.sleep(0.5)
-        ray_processes = _children(proc.pid)
+        ray_processes = descendants(proc.pid)
         assert ray_processes, "the embedded cluster's processes should be the service's children"
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=90) == 0

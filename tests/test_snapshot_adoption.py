@@ -57,7 +57,7 @@ def test_the_newest_orphan_of_the_job_is_taken_and_owned_by_the_new_worker():
     assert adopt_orphan("job", "new-1") == newer
     mine = snapshot_dir("job", "new-1")
     assert sorted(os.listdir(mine)) == [OWNER_FILE, "shard-0000000022.pt", "shard-0000000023.pt"]
-    assert snapshot_paths._owner_alive(mine) is True  # this process owns it now: nobody else takes it
+    assert snapshot_paths.owner_alive(mine) is True  # this process owns it now: nobody else takes it
     assert adopt_orphan("job", "new-2") == older  # the next new worker takes the other one
     assert adopt_orphan("job", "new-3") is None  # a live owner's, an unowned and another job's are left alone
     assert os.path.isdir(live) and os.path.isdir(unowned) and os.path.isdir(other_job)
@@ -93,7 +93,7 @@ def test_workers_starting_at_once_never_take_the_same_folder(ram_folder):
 def test_the_owner_mark_names_this_process():
     folder = snapshot_dir("job", "w")
     mark_owner(folder)
-    assert snapshot_paths._owner_alive(folder) is True
+    assert snapshot_paths.owner_alive(folder) is True
 
 
 def test_the_orphans_of_every_job_are_the_folders_whose_agent_is_dead():

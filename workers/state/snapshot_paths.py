@@ -36,11 +36,15 @@ def snapshot_dirs(job_id: str) -> list[str]:
     return glob.glob(os.path.join(_snapshot_root(), f"meridian-snapshots.{glob.escape(_safe(job_id))}.*"))
 
 
+def every_snapshot_dir() -> list[str]:
+    """This host's snapshot folders, of every job."""
+    return glob.glob(os.path.join(_snapshot_root(), "meridian-snapshots.*.*"))
+
+
 def orphaned_snapshot_dirs() -> list[str]:
     """This host's snapshot folders, of any job, whose agent is dead (it marked its folder, and that process is
     gone): kept for a new worker of the same job to take over, and garbage once the job has ended."""
-    folders = glob.glob(os.path.join(_snapshot_root(), "meridian-snapshots.*.*"))
-    return [folder for folder in folders if _owner_alive(folder) is False]
+    return [folder for folder in every_snapshot_dir() if owner_alive(folder) is False]
 
 
 def remove_snapshot_dirs(job_id: str) -> list[str]:
@@ -62,7 +66,7 @@ def _process_start(pid: int) -> str | None:
     return stat.rsplit(")", 1)[1].split()[19]
 
 
-def _owner_alive(folder: str) -> bool | None:
+def owner_alive(folder: str) -> bool | None:
     """Whether the agent that wrote ``folder``'s owner file lives; ``None`` when the folder names no owner."""
     try:
         pid, start = Path(folder, OWNER_FILE).read_text().split()
@@ -105,7 +109,7 @@ def adopt_orphan(job_id: str, worker_id: str) -> str | None:
     mine = snapshot_dir(job_id, worker_id)
     with _adoption_lock():
         shutil.rmtree(mine, ignore_errors=True)
-        orphans = [d for d in snapshot_dirs(job_id) if d != mine and os.path.isdir(d) and _owner_alive(d) is False]
+        orphans = [d for d in snapshot_dirs(job_id) if d != mine and os.path.isdir(d) and owner_alive(d) is False]
         taken = None
         for folder in sorted(orphans, key=_newest_shard, reverse=True):
             try:
