@@ -200,5 +200,6 @@ def default_figures(topo: ClusterTopology, dcs: tuple[str, ...], use_gpu: bool) 
         per_slot = [n.memory_bytes / max(1, worker_slots(n, use_gpu=False)) for n in nodes]
         memory, flops = (min(per_slot) if per_slot else 2**30), 5e9
     return Figures(device_flops=flops, device_memory_bytes=memory, device_memory_known=not use_gpu,
-                   bf16_autocast=use_gpu, intra_node=Link(20e-6, 100e9 / 8), intra_dc=Link(50e-6, 25e9 / 8), inter_dc=Link(10e-3, 10e9 / 8))
+                   bf16_autocast=use_gpu,
+                   intra_node=Link(20e-6, 100e9 / 8), intra_dc=Link(50e-6, 25e9 / 8), inter_dc=Link(10e-3, 10e9 / 8))
 
