@@ -99,11 +99,13 @@ def _meridian(args: argparse.Namespace) -> dict[str, Any]:
 
     from meridian.api.server import serve_in_thread
     from meridian.service.core import MeridianService, ServiceConfig
+    from meridian.workers.state.snapshot_paths import remove_snapshot_dirs
 
     cluster = make_cluster(args)
     full = args.dcs * args.nodes_per_dc
     service = MeridianService(ServiceConfig(data_dir=tempfile.mkdtemp(prefix="meridian-bench-"),
                                             ray_address=cluster.address, poll_interval_s=0.2)).start()
+    job_id = ""
     try:
         with serve_in_thread(service) as url, httpx.Client(base_url=url, timeout=30) as api:
             r = api.post("/v1/jobs", json=job_spec(args))
@@ -144,6 +146,8 @@ def _meridian(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         service.stop()
         cluster.shutdown()
+        if job_id:  # every node is on this host: what a cancel that outran its wait left behind in RAM
+            remove_snapshot_dirs(job_id)
 
 
 def _cancel(api: Any, job_id: str, timeout_s: float = 60.0) -> None:

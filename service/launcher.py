@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from typing import Any
 
 import ray
@@ -89,12 +90,18 @@ class Launcher:
         with contextlib.suppress(RunnerLost):
             ray.kill(self._actor(job_id), no_restart=True)
 
-    def sweep_snapshots(self, job_id: str) -> threading.Thread:
-        """Remove the job's in-memory snapshot folders on every live node, on a thread of its own (a task per
-        host, up to 30 s): what the job's runner does at the end of a job, for one whose runner is gone."""
-        sweep = threading.Thread(target=sweep_snapshots, args=(job_id,), name=f"meridian-sweep-{job_id}", daemon=True)
-        sweep.start()
-        return sweep
+    def sweep_snapshots(self, job_id: str, after_s: float = 0.0) -> threading.Thread:
+        """Remove the job's in-memory snapshot folders on every live node, ``after_s`` from now, on a thread of its
+        own (a task per host, up to 30 s): what the job's runner does at the end of a job, for one whose runner
+        is gone or was killed."""
+
+        def sweep() -> None:
+            time.sleep(after_s)
+            sweep_snapshots(job_id)
+
+        thread = threading.Thread(target=sweep, name=f"meridian-sweep-{job_id}", daemon=True)
+        thread.start()
+        return thread
 
     def exists(self, job_id: str) -> bool:
         try:

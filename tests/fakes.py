@@ -66,7 +66,7 @@ class FakeLauncher:
             raise self.launch_error
         return f"meridian-job-{job_id}"
 
-    def sweep_snapshots(self, job_id: str) -> None:
+    def sweep_snapshots(self, job_id: str, after_s: float = 0.0) -> None:
         self.swept.append(job_id)
 
     def poll(self, job_id: str, after: int) -> RunnerPoll:

@@ -143,6 +143,7 @@ def test_a_cancel_the_runner_never_answers_ends_at_its_deadline_with_the_runner_
     job = store.get_job(job.id)
     assert (job.status.state, job.status.reason) == (JobState.CANCELLED, "CancelTimedOut")
     assert supervisor.launcher.released == [job.id]
+    assert supervisor.launcher.swept == [job.id]  # the killed runner cannot remove its workers' RAM snapshots
 
 
 def test_an_unschedulable_head_of_queue_does_not_block_jobs_that_fit(supervisor, store, cluster_view):

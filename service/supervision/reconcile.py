@@ -74,7 +74,8 @@ class Decision:
     """Drop what the supervisor remembers about the job (it is no longer followed)."""
     sweep_snapshots: bool = False
     """Remove the job's in-memory snapshot folders on every node: its runner, which does that at the job's end, is
-    gone, and the workers it owned went with it (their folders, weights and AdamW state in RAM, stay otherwise)."""
+    gone or is being killed (a missed deadline), and the workers it owned go with it (their folders, weights and
+    AdamW state in RAM, stay otherwise)."""
 
     @property
     def emits_progress(self) -> bool:
@@ -100,7 +101,7 @@ def reconcile(
         return _lost(job, poll)
     overdue = _overdue(job, poll, now, deadlines)
     if overdue is not None:
-        return Decision(store=False, outcome=overdue, release=True, forget=True)
+        return Decision(store=False, outcome=overdue, release=True, forget=True, sweep_snapshots=True)
     events: list[Mapping[str, Any]] = list(poll.events)
     cursor = int((job.progress or {}).get("cursor", 0))
     resume = False

@@ -46,6 +46,9 @@ log = logging.getLogger(__name__)
 ACTIVE = {JobState.PLACING, JobState.RUNNING}
 BUILTIN_DATA_ONLY = DataAccess()
 PROGRESS_EVENT_EVERY_S = 1.0
+RELEASED_WORKERS_GONE_S = 10.0
+"""A killed runner's workers die with it, but not at once (Ray ends the actors it owned): the sweep of their
+snapshot folders waits this long, so that no worker still writing leaves a folder behind."""
 
 
 class Supervisor:
@@ -265,7 +268,8 @@ class Supervisor:
         if d.forget:
             self._forget(job_id)
         if d.sweep_snapshots:
-            self.launcher.sweep_snapshots(job_id)
+            # After a kill, once the workers it owned have gone too: a worker still writing would leave a folder.
+            self.launcher.sweep_snapshots(job_id, after_s=RELEASED_WORKERS_GONE_S if d.release else 0.0)
 
     def _forget(self, job_id: str) -> None:
         self._followed.discard(job_id)
