@@ -239,17 +239,21 @@ class Coordinator:
             why = (f"had not rejoined {since:.0f} s after its peers (stuck in a collective with a peer that left)"
                    if since >= self.abort_after_s else
                    f"had reached no step boundary while new workers waited {waited:.0f} s (stuck)")
-            stopped = self.liveness.abort(suspects, e.number)
-            with self._cond:
-                if stopped and self.state.epoch is e:
-                    self.state.first_rejoin_at = self.clock()  # a fresh grace period: they are on their way back
-                for m in e.members:
-                    if m.worker_id in stopped:
-                        self.on_event(
-                            "worker_stuck",
-                            f"the worker in {m.datacenter} on node {m.node_id[:12]} answers but {why}: its training "
-                            "process was stopped, and the next one rejoins from its snapshots",
-                            {"worker_id": m.worker_id, "epoch": e.number})  # fmt: skip
+            self._stop(e, suspects, "worker_stuck", f"answers but {why}")
+
+    def _stop(self, e: Epoch, members: list[tuple[str, str, int]], kind: str, why: str) -> None:
+        """Tell ``members`` (worker id, address, probe port) to stop their training process of epoch ``e`` (each
+        once); each one whose agent did gets a ``kind`` event saying ``why``, and the grace period starts afresh:
+        their next processes are on their way back, rejoining from their snapshots."""
+        stopped = self.liveness.abort(members, e.number)
+        with self._cond:
+            if stopped and self.state.epoch is e:
+                self.state.first_rejoin_at = self.clock()
+            for m in e.members:
+                if m.worker_id in stopped:
+                    self.on_event(kind, f"the worker in {m.datacenter} on node {m.node_id[:12]} {why}: its training "
+                                  "process was stopped, and the next one rejoins from its snapshots",
+                                  {"worker_id": m.worker_id, "epoch": e.number})  # fmt: skip
 
     def _stop_stranded(self) -> None:
         """A member's node is dead (Ray says so) and no member has rejoined: tell the others to stop their training
@@ -266,19 +270,10 @@ class Coordinator:
             if now - self._node_dead_at.setdefault(e.number, now) < STRANDED_AFTER_S:
                 return
             stranded = [(m.worker_id, m.address, m.probe_port) for m in e.members if m.node_id in alive]
-        stopped = self.liveness.abort(stranded, e.number)
-        with self._cond:
-            if stopped and self.state.epoch is e and self.state.first_rejoin_at is None:
-                self.state.first_rejoin_at = self.clock()  # a re-formation is pending: the grace period runs
             where = ", ".join(sorted({f"node {m.node_id[:12]} in {m.datacenter}" for m in dead}))
-            for m in e.members:
-                if m.worker_id in stopped:
-                    self.on_event(
-                        "worker_stranded",
-                        f"the worker in {m.datacenter} on node {m.node_id[:12]} had not left epoch {e.number} "
-                        f"{STRANDED_AFTER_S:.0f} s after Ray reported {where} dead (its collectives wait on a host "
-                        "that closes nothing: power or network lost): its training process was stopped, and the "
-                        "next one rejoins from its snapshots", {"worker_id": m.worker_id, "epoch": e.number})
+        self._stop(e, stranded, "worker_stranded",
+                   f"had not left epoch {e.number} {STRANDED_AFTER_S:.0f} s after Ray reported {where} dead (its "
+                   "collectives wait on a host that closes nothing: power or network lost)")
 
     def _assignment_locked(self, wid: str, known_epoch: int) -> Assignment | None:
         e = self.state.epoch
