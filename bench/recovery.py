@@ -125,8 +125,7 @@ def _meridian(args: argparse.Namespace) -> dict[str, Any]:
                     break
                 if action == "kill":
                     victim = next(p for p in job["placement"] if p["rank"] != 0 and p["datacenter"] == victim_dc)
-                    phases.killed()
-                    cluster.kill(victim["node_id"])
+                    cluster.kill(victim["node_id"], at_kill=phases.killed)
                 elif action == "back":
                     phases.came_back()
                     cluster.add(victim_dc)
@@ -303,8 +302,7 @@ def _ray_train_elastic(args: argparse.Namespace) -> dict[str, Any]:
                 last_dc = dc_name(args.dcs - 1)
                 everyone = [i for d in range(args.dcs) for i in cluster.node_ids(dc_name(d))]
                 victim = _node_of_a_worker(everyone, cluster.node_ids(last_dc))
-                phases.killed()
-                cluster.kill(victim)
+                cluster.kill(victim, at_kill=phases.killed)
             elif action == "back":
                 phases.came_back()
                 cluster.add(dc_name(args.dcs - 1))

@@ -95,7 +95,7 @@ class Phases:
         """Per-process CPU snapshots the driver takes at the kill and when the node returns."""
 
     def killed(self) -> None:
-        """Call right before the kill."""
+        """Call right before the kill's first signal."""
         from meridian.bench.cpu_sample import snapshot
 
         self.cpu_samples.append(snapshot())

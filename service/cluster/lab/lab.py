@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -190,16 +191,20 @@ def start_node(state: LabState, dc: LabDatacenter, node: LabNode) -> None:
     _run_ray(cmd, _ray_env(GLOO_SOCKET_IFNAME=dc.dc_veth))
 
 
-def kill_ray_node(node_id: str, timeout_s: float = 5.0) -> int:
+def kill_ray_node(node_id: str, timeout_s: float = 5.0, at_kill: Callable[[], None] | None = None) -> int:
     """A Ray node of this machine dies as a machine dies: SIGKILL its raylet (found by ``--node_id=`` on its
     command line), then every process it started (agents, workers, their training processes), all within
     milliseconds, so none trains on after the "death" and its ports are free for a node that comes back.
-    Works for any node on this machine (the lab's, or one that ``ray.cluster_utils`` started). Returns, once
-    all of them have exited, the raylet's pid."""
+    Works for any node on this machine (the lab's, or one that ``ray.cluster_utils`` started). ``at_kill`` is
+    called right before the first signal, once the processes are found (15-20 ms of reading ``/proc`` on a busy
+    machine, which is not the node's death: a benchmark starts its clock there). Returns, once all of them have
+    exited, the raylet's pid."""
     raylet = [p for p in lab_processes(f"--node_id={node_id}") if _comm(p) == "raylet"]
     if not raylet:
         raise LabError(f"no raylet of node {node_id} runs on this machine")
     family = _descendants(raylet)
+    if at_kill is not None:
+        at_kill()
     for pid in family:  # the raylet first: the failure the cluster sees is the raylet's
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
