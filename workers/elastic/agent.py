@@ -216,7 +216,7 @@ class Agent:
                 return standby
             except OSError:  # it died while waiting (killed, out of memory): start one now
                 standby.discard()
-        standby = Standby(self._ctx, self.ids["worker_id"])
+        standby = Standby(self._ctx, self.ids["worker_id"])  # told to go at once: nothing to prepare ahead
         standby.go(*args)
         return standby
 
@@ -257,7 +257,7 @@ class Agent:
                 self._trained = True
                 if self._standby is None:
                     # The child trains: start the next one now, so its import never competes with a re-formation.
-                    self._standby = Standby(self._ctx, self.ids["worker_id"])
+                    self._standby = Standby(self._ctx, self.ids["worker_id"], self.cfg)
                 self._relay_beats(msg[1])
             elif kind == "event":
                 self.on_event(*msg[1:])

@@ -50,12 +50,24 @@ def _standby_main(conn: Any, agent_pid: int) -> None:
 
     try:
         msg = recv(conn)
+        if msg[0] == "prepare":  # the job's datasets and initial model, built while this waits
+            _prepare(msg[1])
+            msg = recv(conn)
     except (EOFError, ConnectionResetError):
         os._exit(0)  # the agent is done with us
     if msg[0] != "go":
         os._exit(0)
     _, cfg, ids, store_dir, device, threads = msg
     child_main(conn, cfg, ids, store_dir, device, threads, store)
+
+
+def _prepare(cfg: Any) -> None:
+    """:func:`meridian.workers.loop.prepared.prepare`, as a head start only: what fails here (a missing data file)
+    fails again after the ``go``, where it is reported."""
+    from meridian.workers.loop.prepared import prepare
+
+    with contextlib.suppress(Exception):
+        prepare(cfg)
 
 
 def prewarm_torch() -> None:
@@ -84,24 +96,30 @@ class Standby:
 
     The process starts on a thread of its own: a fork server's first fork waits until the zygote has imported
     everything (seconds), and neither the worker's own imports nor the agent's relay of its training process's
-    messages should wait for that. :meth:`go` and :meth:`discard` wait for the start."""
+    messages should wait for that. :meth:`go` and :meth:`discard` wait for the start. Given the job's ``cfg``, the
+    process builds its datasets and initial model once started (:mod:`meridian.workers.loop.prepared`), before
+    the ``go`` that a re-formation waits for."""
 
-    def __init__(self, ctx: Any, worker_id: str) -> None:
+    def __init__(self, ctx: Any, worker_id: str, cfg: Any = None) -> None:
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_standby_main, args=(child, os.getpid()), name=f"meridian-trainer-{worker_id}",
                                 daemon=True)  # fmt: skip
         self._start_error: BaseException | None = None
-        self._starting = threading.Thread(target=self._start, args=(child,), name="meridian-standby-start",
+        self._starting = threading.Thread(target=self._start, args=(child, cfg), name="meridian-standby-start",
                                           daemon=True)  # fmt: skip
         self._starting.start()
 
-    def _start(self, child: Any) -> None:
+    def _start(self, child: Any, cfg: Any) -> None:
         try:
             self.proc.start()
         except BaseException as e:  # noqa: BLE001 - go() raises it
             self._start_error = e
+            return
         finally:
             child.close()
+        if cfg is not None:
+            with contextlib.suppress(OSError):  # it died already: the go says so
+                send(self.conn, ("prepare", cfg))  # before any go (go() waits for this thread)
 
     def started(self) -> None:
         """Wait for the process to have started; raise ``OSError`` if it could not."""

@@ -31,7 +31,7 @@ from meridian.workers.contracts.config import TrainConfig
 from meridian.workers.data.shards import Dataset
 from meridian.workers.distributed.layout import DCGroups, DCLayout
 from meridian.workers.loop.precision import autocast_context
-from meridian.workers.model.build import build_model
+from meridian.workers.loop.prepared import initial_model
 from meridian.workers.model.gpt import per_sample_loss
 from meridian.workers.sync.build import GradientSync, build_sync
 from meridian.workers.wan.collectives import WanEmulator, agree_key, cleanup
@@ -142,8 +142,7 @@ class DataParallelReplica(Replica):
         cfg, m = self.cfg, self.m
         layout = DCLayout(m.datacenters)
         self.groups = groups = DCGroups(layout, m.rank)
-        torch.manual_seed(cfg.seed)
-        self.model = build_model(cfg.model).to(self.device)
+        self.model = initial_model(cfg.model, cfg.seed).to(self.device)  # built ahead by a standby, or now
         emulator = None
         if cfg.wan is not None and layout.num_dcs > 1:  # every inter-DC collective waits for the emulated link
             self.key = agree_key(self.key_prefix)

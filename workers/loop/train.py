@@ -31,7 +31,8 @@ import torch.distributed as dist
 
 from meridian.workers.contracts.config import TrainConfig
 from meridian.workers.contracts.records import TrainResult
-from meridian.workers.data.shards import make_dataset
+from meridian.workers.data.shards import Dataset
+from meridian.workers.loop import prepared
 from meridian.workers.loop.observe import DevicePeak, measure_peak_flops
 from meridian.workers.loop.parallel import ModelParallelReplica
 from meridian.workers.loop.records import ListSink, ProgressSink, step_record
@@ -107,6 +108,14 @@ class TrainingLoop:
         """Measured by an earlier training process of this worker, if any: a re-formed epoch's first step
         does not wait for rank 0 to measure it again."""
         self.on_peak = on_peak
+        self._data: dict[str, Dataset] = {}
+        """The job's datasets by split, made once for every epoch of this process (read-only)."""
+
+    def data(self, split: str = "train") -> Dataset:
+        if split not in self._data:
+            cfg = self.cfg
+            self._data[split] = prepared.dataset(cfg.data, cfg.model.seq_len, cfg.seed, split)
+        return self._data[split]
 
     def run_epoch(self, membership: Membership, state: EpochState | None = None) -> EpochOutcome:
         """Train ``membership``'s epoch on this rank; every rank of the epoch's default group must call it."""
@@ -140,8 +149,8 @@ class TrainingLoop:
     def _train(self, replica: Replica, start: int, state: EpochState | None) -> EpochOutcome:
         cfg, m, sink = self.cfg, replica.m, self.sink
         assert replica.engine is not None
-        data = make_dataset(cfg.data, cfg.model.seq_len, cfg.seed)
-        val_data = make_dataset(cfg.data, cfg.model.seq_len, cfg.seed, split="eval") if cfg.validation else None
+        data = self.data()
+        val_data = self.data("eval") if cfg.validation else None
         # Per-rank heartbeats go out of band (not through a collective), so the service can name a rank that
         # stopped finishing steps even while every other rank sits blocked in the collective waiting for it.
         rank_step = getattr(sink, "rank_step", None)
@@ -211,7 +220,7 @@ class TrainingLoop:
 
         publish(reports.flush())
         replica.engine.synchronize()
-        eval_loss = replica.evaluate(val_data or make_dataset(cfg.data, cfg.model.seq_len, cfg.seed, split="eval"))
+        eval_loss = replica.evaluate(val_data or self.data("eval"))
         final_params = replica.parameters() if self.keep_params else None
         if state is not None:
             state.finish(replica)
