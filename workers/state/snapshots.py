@@ -9,6 +9,11 @@ On a GPU the shard's tensors are pinned host buffers still being filled by non-b
 passes an event recorded after them (``ready``), and the file is written on a writer thread once the event
 has completed, off the training thread's critical path. Every read waits for that write first. On CPU the
 write stays synchronous.
+
+A file holds the shard packed (:func:`~meridian.workers.state.replica_state.pack`: a small description and one
+flat tensor), not the shard object with its tensor per piece and moment. Measured on a 50-piece shard of
+nano's size (two idle cores): written in 0.5 ms instead of 2.5, read in 0.3 ms instead of 4.8. Every CPU step
+paid the write, and a re-formed epoch's restore the read (4-9 ms on a busy machine).
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from typing import Any
 
 import torch
 
-from meridian.workers.state.replica_state import LocalShard
+from meridian.workers.state.replica_state import LocalShard, pack, unpack
 
 SNAPSHOT_MAX_SHARE = 0.05
 """An adaptive cadence keeps what snapshots cost the training loop under this share of its step time."""
@@ -94,7 +99,7 @@ class SnapshotStore:
             self._memory = [s for s in self._memory if s.step != shard.step][-(self.keep - 1) :] + [shard]
             return
         tmp = self.directory / f"partial-{shard.step:010d}.tmp"
-        torch.save(shard, tmp)
+        torch.save(pack(shard), tmp)
         os.replace(tmp, self.directory / f"shard-{shard.step:010d}.pt")
         for old in self._files()[: -self.keep]:
             old.unlink(missing_ok=True)
@@ -104,7 +109,10 @@ class SnapshotStore:
         if self.directory is None:
             return next((s for s in self._memory if s.step == step), None)
         path = self.directory / f"shard-{step:010d}.pt"
-        return torch.load(path, weights_only=False) if path.exists() else None
+        if not path.exists():
+            return None
+        kept = torch.load(path, weights_only=False)
+        return kept if isinstance(kept, LocalShard) else unpack(*kept)  # (a shard object: an older Meridian's file)
 
     @property
     def last_step(self) -> int:

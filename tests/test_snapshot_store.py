@@ -1,0 +1,41 @@
+"""Snapshot files hold a shard packed (a description and one flat tensor), and give back the shard that was kept."""
+
+from __future__ import annotations
+
+import torch
+
+from meridian.workers.state.replica_state import LocalShard, OuterShard, StatePiece
+from meridian.workers.state.snapshots import SnapshotStore
+
+
+def shard(step: int) -> LocalShard:
+    moments = {"exp_avg": torch.full((3,), 0.5 * step), "exp_avg_sq": torch.full((3,), 0.25 * step)}
+    pieces = (StatePiece("w", 2, 5, torch.arange(3.0) + step, moments), StatePiece("b", 0, 1, torch.ones(1)))
+    return LocalShard(step, step + 1, pieces, OuterShard("dc-b", 4, (StatePiece("w", 2, 5, torch.zeros(3)),)))
+
+
+def same(a: LocalShard, b: LocalShard) -> bool:
+    def pieces(x):
+        return [(p.name, p.start, p.stop, p.value.tolist(), {k: v.tolist() for k, v in p.moments.items()})
+                for p in x]  # fmt: skip
+
+    return ((a.step, a.adam_step, pieces(a.pieces)) == (b.step, b.adam_step, pieces(b.pieces))
+            and (a.outer is None) == (b.outer is None)
+            and (a.outer is None or (a.outer.dc, a.outer.inner_steps_done, pieces(a.outer.pieces))
+                 == (b.outer.dc, b.outer.inner_steps_done, pieces(b.outer.pieces))))  # fmt: skip
+
+
+def test_the_next_process_reads_back_the_shards_kept(tmp_path):
+    store = SnapshotStore(2, str(tmp_path))
+    for step in (1, 2, 3):
+        store.append(shard(step))
+    after = SnapshotStore(2, str(tmp_path))  # the next training process's store of the same folder
+    assert after.last_step == 3 and after.get(1) is None  # the newest two are kept
+    assert same(after.get(3), shard(3)) and same(after.get(2), shard(2))
+    desc, flat = torch.load(tmp_path / "shard-0000000003.pt", weights_only=True)  # plain data: one tensor
+    assert desc["step"] == 3 and flat.numel() == 3 * 3 + 1 + 3
+
+
+def test_a_file_an_older_version_wrote_still_reads(tmp_path):
+    torch.save(shard(7), tmp_path / "shard-0000000007.pt")  # the shard object itself
+    assert same(SnapshotStore(2, str(tmp_path)).get(7), shard(7))
