@@ -24,6 +24,7 @@ step boundary — is this module's :class:`ElasticState`, which the loop calls a
 from __future__ import annotations
 
 import os
+import pickle
 import threading
 import time
 from collections.abc import Callable
@@ -341,19 +342,25 @@ class ElasticState:
 
 
 def gather_shards(mine: LocalShard | None) -> list[LocalShard | None]:
-    """Every rank's shard (``None`` where a rank holds none), on every rank of the default group: the
-    descriptions as objects, the numbers in one fp32 all-gather (:func:`~meridian.workers.state.replica_state.pack`)."""
+    """Every rank's shard (``None`` where a rank holds none), on every rank of the default group, in two
+    all-gathers: each rank's sizes, then one byte buffer per rank holding its pickled description and its numbers
+    (:func:`~meridian.workers.state.replica_state.pack`). (``all_gather_object`` of the descriptions and then the
+    numbers took three, one more latency round on every re-formation's critical path.)"""
     desc, flat = pack(mine) if mine is not None else (None, torch.zeros(0))
-    descs: list[dict[str, Any] | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(descs, desc)
-    longest = max((d["numel"] for d in descs if d is not None), default=0)
-    if longest == 0:
-        return [None if d is None else unpack(d, flat) for d in descs]
-    padded = torch.zeros(longest)
-    padded[: flat.numel()] = flat
-    everyone = [torch.empty(longest) for _ in descs]
-    dist.all_gather(everyone, padded)
-    return [None if d is None else unpack(d, t) for d, t in zip(descs, everyone, strict=True)]
+    head = torch.frombuffer(bytearray(pickle.dumps(desc)), dtype=torch.uint8)
+    sizes = [torch.zeros(2, dtype=torch.int64) for _ in range(dist.get_world_size())]
+    dist.all_gather(sizes, torch.tensor([head.numel(), flat.numel()]))
+    head_room = -(-max(int(s[0]) for s in sizes) // 4) * 4  # the numbers start 4-byte aligned
+    buffer = torch.zeros(head_room + 4 * max(int(s[1]) for s in sizes), dtype=torch.uint8)
+    buffer[: head.numel()] = head
+    buffer[head_room : head_room + 4 * flat.numel()] = flat.float().view(torch.uint8)
+    everyone = [torch.empty_like(buffer) for _ in sizes]
+    dist.all_gather(everyone, buffer)
+    shards: list[LocalShard | None] = []
+    for (head_len, _), got in zip(sizes, everyone, strict=True):
+        d = pickle.loads(got[: int(head_len)].numpy().tobytes())
+        shards.append(None if d is None else unpack(d, got[head_room:].view(torch.float32)))
+    return shards
 
 
 def _load(model: torch.nn.Module, engine: GradientSync, params: dict[str, torch.Tensor], optimizer: dict) -> None:
