@@ -46,3 +46,31 @@ def test_loss_goes_down_and_cross_dc_bytes_are_counted():
     params = model_preset("nano").num_params
     # HAR with one rank per DC: each rank sends its whole (padded) buffer across, 2 ranks.
     assert result.inter_dc_bytes_per_step == pytest.approx(2 * params * 4, rel=0.01)
+
+
+def _broadcasts_while_building(rank, world, cfg, epoch):
+    """Build a replica of ``epoch`` on every rank; the broadcasts its build sent."""
+    import torch
+    import torch.distributed as dist
+
+    from meridian.workers.loop.replica import DataParallelReplica, Membership
+
+    calls = []
+    real = dist.broadcast
+    dist.broadcast = lambda *a, **kw: (calls.append(1), real(*a, **kw))[1]
+    try:
+        replica = DataParallelReplica(cfg, Membership(epoch=epoch, rank=rank, world_size=world,
+                                                      datacenters=cfg.datacenters), torch.device("cpu"))
+        replica.build()
+    finally:
+        dist.broadcast = real
+    replica.close(ok=True)
+    return len(calls)
+
+
+def test_only_a_first_epoch_broadcasts_rank_0s_weights():
+    """A re-formed epoch's restore sets every rank's weights, so its engine does not send rank 0's through the
+    whole job (across the inter-DC link too); a first epoch's engine still does."""
+    cfg = config(("a", "b"))
+    assert min(run_processes(_broadcasts_while_building, 2, cfg, 1)) >= 1
+    assert run_processes(_broadcasts_while_building, 2, cfg, 2) == [0, 0]

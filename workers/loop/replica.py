@@ -148,7 +148,11 @@ class DataParallelReplica(Replica):
             self.key = agree_key(self.key_prefix)
             emulator = WanEmulator(cfg.wan, layout, m.rank, key=self.key)
             self.emulators.append(emulator)
-        self.engine = build_sync(self.model, groups, cfg.sync, cfg.optim, emulator=emulator)
+        # A re-formed epoch's restore sets every rank's weights (the survivors' shards or the checkpoint; failing
+        # both, every rank restarts from the same seeded build): rank 0's broadcast would only cost a round of the
+        # whole job, across the inter-DC link too (a 1B model: 4 GB through it).
+        self.engine = build_sync(self.model, groups, cfg.sync, cfg.optim, emulator=emulator,
+                                 broadcast_params=m.epoch <= 1)
 
     def forward_backward(self, batches: Batches) -> torch.Tensor:
         cfg, device, engine = self.cfg, self.device, self.engine

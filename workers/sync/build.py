@@ -31,15 +31,18 @@ def build_sync(
     optim: OptimConfig,
     *,
     emulator: WanEmulator | None = None,
+    broadcast_params: bool = True,
 ) -> GradientSync:
     """The engine ``sync`` asks for. Build it after the model is on its device: it takes the device from there.
 
-    ``emulator`` (:mod:`meridian.workers.wan.collectives`) delays every inter-DC collective to the emulated link's pace."""
+    ``emulator`` (:mod:`meridian.workers.wan.collectives`) delays every inter-DC collective to the emulated link's pace.
+    ``broadcast_params=False``: the caller sets every rank's weights itself (a re-formed epoch's restore), so the
+    hierarchical engine skips its broadcast of rank 0's (the other engines rely on the seeded build alone)."""
     if sync.strategy is SyncStrategy.FLAT:
         return FlatSync(model, groups, sync, optim, emulator=emulator)
     if sync.strategy.is_diloco:
         return DiLoCoSync(model, groups, sync, optim, emulator=emulator)
-    return HierarchicalSync(model, groups, sync, optim, emulator=emulator)
+    return HierarchicalSync(model, groups, sync, optim, emulator=emulator, broadcast_params=broadcast_params)
 
 
 __all__ = [

@@ -89,6 +89,7 @@ class HierarchicalSync(GradientSync):
         optim: OptimConfig,
         *,
         emulator: WanEmulator | None = None,
+        broadcast_params: bool = True,
     ) -> None:
         self.model = model
         self.groups = groups
@@ -98,7 +99,8 @@ class HierarchicalSync(GradientSync):
         self.alone = groups.dc_size == 1 and not groups.inter_dc
         self.overlap = sync.overlap and not self.alone
         # Inside one data-parallel group only: with tensor/pipeline parallelism other ranks hold other parts.
-        broadcast_parameters(model, src=groups.world_ranks[0], group=groups.world)
+        if broadcast_params:
+            broadcast_parameters(model, src=groups.world_ranks[0], group=groups.world)
         self.buffer = GradBuffer(model, bucket_mb=sync.bucket_mb, pad_to=groups.layout.units)
         self.comm = InterDCComm(sync.compression, emulator=emulator)  # the only inter-DC traffic
         self.chunk_bytes = sync.inter_dc_chunk_mb * 2**20
