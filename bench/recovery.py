@@ -130,7 +130,7 @@ def _meridian(args: argparse.Namespace) -> dict[str, Any]:
                     phases.came_back()
                     cluster.add(victim_dc)
                 time.sleep(0.5)
-            _cancel(api, job_id)
+            cancel_s = _cancel(api, job_id)
             formed = [e for e in log.epochs if e["epoch"] == 2]
             if phases.kill_time is None or not formed:
                 raise RuntimeError("the Meridian job never re-formed after the kill")
@@ -139,6 +139,7 @@ def _meridian(args: argparse.Namespace) -> dict[str, Any]:
                                    resume_step=formed[0]["resume_step"], back_time=phases.back_time)  # fmt: skip
             out["after_kill_s"] = log.timeline(phases.kill_time, phases.back_time)
             out["cpu_from_kill_to_return"] = phases.cpu_report()
+            out["cancel_to_ended_s"] = cancel_s
             if phases.back_time is not None:
                 out["after_back_s"] = log.timeline(phases.back_time, None)
             return out
@@ -149,15 +150,18 @@ def _meridian(args: argparse.Namespace) -> dict[str, Any]:
             remove_snapshot_dirs(job_id)
 
 
-def _cancel(api: Any, job_id: str, timeout_s: float = 60.0) -> None:
+def _cancel(api: Any, job_id: str, timeout_s: float = 60.0) -> float | None:
     """Cancel the job and wait until it has ended: its runner then removes its workers' snapshots from RAM. (Stopped
-    at once, the cluster's shutdown killed runner and workers first, and every round left its folders behind.)"""
+    at once, the cluster's shutdown killed runner and workers first, and every round left its folders behind.)
+    Returns the seconds from the cancel to the job's end (what a user's ``DELETE`` waits for), ``None`` if it had
+    not ended within ``timeout_s``."""
+    began = time.monotonic()
     api.delete(f"/v1/jobs/{job_id}")
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    while time.monotonic() < began + timeout_s:
         if api.get(f"/v1/jobs/{job_id}").json()["state"] in ("failed", "cancelled", "succeeded"):
-            return
-        time.sleep(0.5)
+            return round(time.monotonic() - began, 2)
+        time.sleep(0.2)
+    return None
 
 
 class _MeridianLog:
