@@ -66,6 +66,15 @@ MAX_TRAIN_RUNS = 3
 new one, whose workers take over the snapshots the ended ones left on their nodes."""
 PLACEABLE_WAIT_S = 30.0
 """How long a new Train run waits for free capacity to place at least one worker before asking for all."""
+ABORT_WAIT_S = 10.0
+"""How long stopping a run waits for Ray Train's controller to abort before killing it. Its ``abort`` runs on the
+controller's event loop, which a blocking wait of its own can hold: seen in ``bench recovery``, the cancel of a job
+whose node had died and come back waited behind Ray Train's replacement of the dead worker (a ``ray.get`` in
+``WorkerGroup._create_workers``, for a worker the returned node had no room for), and the job had not ended 60 s
+after the cancel. Killing the controller ends its workers with it (they are its actors)."""
+WORKERS_GONE_WAIT_S = 10.0
+"""After killing the controller, how long to wait for the members' processes to be gone, so the snapshot sweep
+that ends the run comes after their last write."""
 
 
 def runner_name(job_id: str) -> str:
@@ -149,6 +158,8 @@ class JobRunner:
         self._error = ""
         self._result: dict[str, Any] | None = None
         self._controller: Any = None
+        self._stopped_controller: Any = None
+        """The controller :meth:`_stop_training` has stopped (the service repeats a cancel until the job ends)."""
         self._cancel = threading.Event()
         self._done = threading.Event()
         self._thread: threading.Thread | None = None
@@ -373,14 +384,39 @@ class JobRunner:
         self._done.set()
 
     def _stop_training(self) -> None:
-        controller = self._controller
-        if controller is not None:
-            # abort() ends the controller process, so the call itself always "fails": that is success.
-            with contextlib.suppress(Exception):
-                ray.get(controller.abort.remote(), timeout=30)
-        for _, actor in self._replacements.values():
+        """End Ray Train's run (each controller once) and the replacement workers."""
+        with self._lock:
+            controller = self._controller
+            first = controller is not None and controller is not self._stopped_controller
+            if first:
+                self._stopped_controller = controller
+        if first:
+            self._abort(controller)
+        for _, actor in list(self._replacements.values()):
             with contextlib.suppress(Exception):
                 ray.kill(actor, no_restart=True)
+
+    def _abort(self, controller: Any) -> None:
+        """Ray Train's abort, or, if the controller does not get to it within :data:`ABORT_WAIT_S`, its end."""
+        try:
+            ray.get(controller.abort.remote(), timeout=ABORT_WAIT_S)
+        except ray.exceptions.GetTimeoutError:
+            self.push_event("train_controller_killed",
+                            f"Ray Train's controller did not abort within {ABORT_WAIT_S:.0f} s (its event loop is held, "
+                            "e.g. by its replacement of a worker on a dead node): killed it, and its workers with it",
+                            {"waited_s": ABORT_WAIT_S})  # fmt: skip
+            with contextlib.suppress(Exception):
+                ray.kill(controller, no_restart=True)
+            deadline = time.monotonic() + WORKERS_GONE_WAIT_S
+            while time.monotonic() < deadline and not self._members_gone():
+                time.sleep(0.2)
+        except Exception:  # noqa: BLE001, S110 - abort() ends the controller's process, so the call "fails": success
+            pass
+
+    def _members_gone(self) -> bool:
+        """Whether every member of the current epoch is found gone (its liveness port refuses)."""
+        members = {m.worker_id for m in self.coordinator.members()}
+        return members <= self.coordinator.probe_members()
 
     def _run(self) -> None:
         try:

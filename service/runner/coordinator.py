@@ -169,6 +169,11 @@ class Coordinator:
         with self._cond:
             self.state.run_workers = workers
 
+    def members(self) -> tuple[Member, ...]:
+        """The current epoch's members (none before the first epoch forms)."""
+        with self._cond:
+            return tuple(self.state.epoch.members) if self.state.epoch is not None else ()
+
     def probe_members(self) -> set[str]:
         """Probe every member of the current epoch now (a Train run ended and took its workers with it); those
         found gone are not waited for. The worker ids found gone."""
