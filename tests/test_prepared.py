@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-from multiprocessing.connection import Connection
 from dataclasses import replace
+from multiprocessing.connection import Connection
 
 import pytest
 import torch
