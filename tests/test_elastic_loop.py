@@ -132,6 +132,10 @@ def _freeze(agent: Agent, cfg: TrainConfig, worker_id: str, step: int, frozen_pi
     child = agent._child
     frozen_pids.put(child.pid)
     frozen_pids.put(os.getpid())
+    # Flushed before stopping: a queue's feeder thread stops with its process, and a pid it had not sent yet left
+    # the stopped training process (and its zygote) alive after the test; every run of this test leaked ~0.6 GB.
+    frozen_pids.close()
+    frozen_pids.join_thread()
     os.kill(child.pid, signal.SIGSTOP)
     os.kill(os.getpid(), signal.SIGSTOP)
 
