@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from meridian.service.cluster.lab import lab
 from meridian.service.cluster.lab.lab import process_exited
 
 
@@ -24,21 +25,7 @@ def process_line(pid: int) -> str:
 
 def descendants(pid: int) -> set[int]:
     """Every process below ``pid`` in the process tree (children, theirs, ...), from /proc."""
-    kids: dict[int, list[int]] = {}
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit():
-            try:
-                ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            kids.setdefault(ppid, []).append(int(proc.name))
-    found, todo = set(), [pid]
-    while todo:
-        for kid in kids.get(todo.pop(), []):
-            if kid not in found:
-                found.add(kid)
-                todo.append(kid)
-    return found
+    return set(lab.descendants([pid])) - {pid}
 
 
 def sleep_tied_to_agent(agent_pid: int, conn) -> None:

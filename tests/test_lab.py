@@ -116,7 +116,7 @@ def test_a_killed_node_dies_whole_and_comes_back_with_the_same_ray_start(lab):
         return [n for n in lab_mod.alive_nodes(state) if n["labels"].get("datacenter") == "dc-b"]
 
     (node,) = dc_b()
-    family = lab_mod._descendants(lab_mod.lab_processes(f"--node_id={node['node_id']}"))
+    family = lab_mod.descendants(lab_mod.lab_processes(f"--node_id={node['node_id']}"))
     raylet = lab_mod.kill_ray_node(node["node_id"])
     assert raylet in family and len(family) > 1  # the raylet and what it started (agents, workers)
     _wait_for("every process of the killed node gone", lambda: all(is_gone(p) for p in family), 10)

@@ -202,7 +202,7 @@ def kill_ray_node(node_id: str, timeout_s: float = 5.0, at_kill: Callable[[], No
     raylet = [p for p in lab_processes(f"--node_id={node_id}") if _comm(p) == "raylet"]
     if not raylet:
         raise LabError(f"no raylet of node {node_id} runs on this machine")
-    family = _descendants(raylet)
+    family = descendants(raylet)
     if at_kill is not None:
         at_kill()
     for pid in family:  # the raylet first: the failure the cluster sees is the raylet's
@@ -289,7 +289,7 @@ def _ray_processes(state: LabState) -> list[int]:
     roots = lab_processes(state.ray_temp_dir) if state.ray_temp_dir else []
     # The head's Ray client server names neither the temp dir nor a parent of ours, only the head's address.
     roots += [p for p in lab_processes(f"--address={state.ray_address}") if p not in roots]
-    return _descendants(roots)
+    return descendants(roots)
 
 
 def _comm(pid: int) -> str:
@@ -299,7 +299,7 @@ def _comm(pid: int) -> str:
         return ""
 
 
-def _descendants(roots: list[int]) -> list[int]:
+def descendants(roots: list[int]) -> list[int]:
     """``roots`` (in their order) and every process below them."""
     children: dict[int, list[int]] = {}
     for proc in Path("/proc").iterdir():
