@@ -163,8 +163,9 @@ def test_a_packed_shard_unpacks_to_the_same_pieces(sharded):
 
 def _gather_run(rank, world, shards):
     from meridian.workers.elastic.trainer import gather_shards
+    from meridian.workers.state.replica_state import pack
 
-    return gather_shards(shards[rank])
+    return gather_shards(None if shards[rank] is None else pack(shards[rank]))
 
 
 def test_every_rank_gathers_every_rank_s_shard_or_none(sharded):

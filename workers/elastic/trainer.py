@@ -45,7 +45,7 @@ from meridian.workers.loop.replica import Membership, Replica
 from meridian.workers.loop.train import EpochOutcome, ProgressSink, TrainingLoop, TrainResult
 from meridian.workers.parallel.dims import ParallelDims
 from meridian.workers.state.model_parallel_weights import save_model_parallel_weights
-from meridian.workers.state.replica_state import IncompleteState, LocalShard, assemble, pack, unpack
+from meridian.workers.state.replica_state import IncompleteState, LocalShard, assemble, unpack
 from meridian.workers.state.snapshots import SnapshotStore
 from meridian.workers.sync.build import GradientSync
 
@@ -319,7 +319,7 @@ class ElasticState:
         a = self.a
         shapes = {n: p.shape for n, p in model.named_parameters()}
         if a.epoch > 1 and not a.from_checkpoint:
-            offers = gather_shards(self.snapshots.get(a.resume_step))  # every rank pools the same shards → same decision
+            offers = gather_shards(self.snapshots.get_packed(a.resume_step))  # every rank pools the same shards → same decision
             try:
                 params, optimizer = assemble([o for o in offers if o is not None], shapes)
             except IncompleteState as e:
@@ -341,12 +341,13 @@ class ElasticState:
         return done.step
 
 
-def gather_shards(mine: LocalShard | None) -> list[LocalShard | None]:
+def gather_shards(mine: tuple[dict[str, Any], torch.Tensor] | None) -> list[LocalShard | None]:
     """Every rank's shard (``None`` where a rank holds none), on every rank of the default group, in two
-    all-gathers: each rank's sizes, then one byte buffer per rank holding its pickled description and its numbers
-    (:func:`~meridian.workers.state.replica_state.pack`). (``all_gather_object`` of the descriptions and then the
-    numbers took three, one more latency round on every re-formation's critical path.)"""
-    desc, flat = pack(mine) if mine is not None else (None, torch.zeros(0))
+    all-gathers: each rank's sizes, then one byte buffer per rank holding its pickled description and its numbers.
+    ``mine``: this rank's shard packed (:func:`~meridian.workers.state.replica_state.pack`, as its snapshot file
+    holds it). (``all_gather_object`` of the descriptions and then the numbers took three, one more latency round
+    on every re-formation's critical path.)"""
+    desc, flat = mine if mine is not None else (None, torch.zeros(0))
     head = torch.frombuffer(bytearray(pickle.dumps(desc)), dtype=torch.uint8)
     sizes = [torch.zeros(2, dtype=torch.int64) for _ in range(dist.get_world_size())]
     dist.all_gather(sizes, torch.tensor([head.numel(), flat.numel()]))

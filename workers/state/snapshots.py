@@ -105,14 +105,21 @@ class SnapshotStore:
             old.unlink(missing_ok=True)
 
     def get(self, step: int) -> LocalShard | None:
+        packed = self.get_packed(step)
+        return None if packed is None else unpack(*packed)
+
+    def get_packed(self, step: int) -> tuple[dict[str, Any], torch.Tensor] | None:
+        """The shard of ``step`` as :func:`~meridian.workers.state.replica_state.pack` gives it (what a file holds:
+        the survivors exchange it so, with no unpacking and packing again), or ``None``."""
         self.wait()
         if self.directory is None:
-            return next((s for s in self._memory if s.step == step), None)
+            shard = next((s for s in self._memory if s.step == step), None)
+            return None if shard is None else pack(shard)
         path = self.directory / f"shard-{step:010d}.pt"
         if not path.exists():
             return None
         kept = torch.load(path, weights_only=False)
-        return kept if isinstance(kept, LocalShard) else unpack(*kept)  # (a shard object: an older Meridian's file)
+        return pack(kept) if isinstance(kept, LocalShard) else kept  # (a shard object: an older Meridian's file)
 
     @property
     def last_step(self) -> int:
