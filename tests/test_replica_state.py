@@ -162,10 +162,11 @@ def test_a_packed_shard_unpacks_to_the_same_pieces(sharded):
 
 
 def _gather_run(rank, world, shards):
-    from meridian.workers.elastic.trainer import gather_shards
+    from meridian.workers.elastic.state_exchange import gather_shards
     from meridian.workers.state.replica_state import pack
 
-    return gather_shards(None if shards[rank] is None else pack(shards[rank]))
+    mine = None if shards[rank] is None else pack(shards[rank])
+    return gather_shards(mine, [None if s is None else pack(s)[0] for s in shards])
 
 
 def test_every_rank_gathers_every_rank_s_shard_or_none(sharded):
@@ -174,3 +175,75 @@ def test_every_rank_gathers_every_rank_s_shard_or_none(sharded):
         assert gathered[1] is None
         assert _same_shard(gathered[0], shards[0]) and _same_shard(gathered[2], shards[2])
     assert run_processes(_gather_run, 2, [None, None]) == [[None, None], [None, None]]
+
+
+def _offers_run(rank, world, sizes, inline):
+    from meridian.workers.elastic.state_exchange import share_offers
+    from meridian.workers.state.exchange_plan import Offer
+
+    return share_offers(Offer(f"dc-{rank}", {"blob": "x" * sizes[rank]}, None), inline_bytes=inline)
+
+
+@pytest.mark.parametrize("sizes", [(10, 20, 30), (10, 5000, 30), (3000, 5000, 4000)], ids=["fit", "one-big", "all-big"])
+def test_every_rank_gets_every_offer_whether_or_not_it_fits_the_first_round(sizes):
+    for offers in run_processes(_offers_run, 3, sizes, 1024):
+        assert [o.dc for o in offers] == ["dc-0", "dc-1", "dc-2"]
+        assert [len(o.held["blob"]) for o in offers] == list(sizes)
+
+
+def _rebuild_run(rank, world, dcs, shards, strategy):
+    from meridian.workers.elastic.state_exchange import rebuild_state
+    from meridian.workers.state.replica_state import pack
+
+    engine = _engine(rank, dcs, strategy)
+    model = engine.model.module if hasattr(engine.model, "module") else engine.model
+    state = rebuild_state(None if shards[rank] is None else pack(shards[rank]), dc=dcs[rank],
+                          needs=engine.owned_ranges(), shapes={n: p.shape for n, p in model.named_parameters()})
+    state.load(model, engine)
+    engine.synchronize()
+    loaded = params_of(model)
+    train_steps(engine, rank, world, STEPS, MICRO, first_step=STEPS)
+    engine.synchronize()
+    out = {"loaded": loaded, "trained": params_of(model), "sent": state.sent_bytes, "cross": state.cross_dc_bytes}
+    engine.close()
+    engine.groups.destroy()
+    return out
+
+
+@pytest.mark.parametrize("survivors,dcs", [((0, 2, 3), ("a", "b", "b")), ((0, 1, 3), ("a", "a", "b")),
+                                           ((1, 2), ("a", "b")), ((0, 3, None), ("a", "b", "b"))],
+                         ids=["2+1-lost-a", "2+1-lost-b", "1+1", "newcomer"])  # fmt: skip
+def test_survivors_exchange_only_what_the_new_layout_needs_and_resume_exactly(sharded, survivors, dcs):
+    shards = [None if r is None else sharded[r]["shard"] for r in survivors]
+    outs = run_processes(_rebuild_run, len(dcs), dcs, shards, SyncStrategy.HIERARCHICAL)
+    ref = reference_params(2 * STEPS, OPTIM)
+    whole = 4 * sum(p.numel() for p in toy_model(0).parameters())  # one replica's fp32 values
+    for out in outs:
+        for name, p in sharded[0]["params"].items():
+            assert torch.equal(out["loaded"][name], p), name
+        assert max_rel_diff(out["trained"], ref) < FP32_TOL
+    # Every rank needs the whole values and (of the moments) its new share, and has its own shard already: the
+    # exchange sends no rank more than it lacks, and the 3-rank epochs less than gathering every shard on
+    # every rank (the whole state, once per datacenter, to each rank).
+    sent = outs[0]["sent"]
+    assert all(o["sent"] == sent for o in outs)
+    held = [0 if r is None else sharded[r]["shard"].nbytes for r in survivors]
+    assert sent <= sum(3 * whole - h for h in held)
+    gather_all = sum(held) * (len(dcs) - 1)
+    assert sent <= gather_all and (len(dcs) < 3 or sent < gather_all), (sent, gather_all)
+    if dcs == ("a", "b", "b") and None not in survivors:
+        # dc-a's lone rank has half a replica; only the other half (values and moments) crosses to it, and dc-b's
+        # ranks take what they lack from each other
+        assert outs[0]["cross"] == 3 * whole - held[0]
+
+
+def test_a_replicated_optimizer_loads_its_own_snapshot_and_sends_only_to_a_newcomer():
+    outs = run_processes(_snapshot_run, 2, ("a", "b"), SyncStrategy.FLAT)
+    shards = [outs[0]["shard"], None]
+    rebuilt = run_processes(_rebuild_run, 2, ("a", "b"), shards, SyncStrategy.FLAT)
+    for out in rebuilt:
+        for name, p in outs[0]["params"].items():
+            assert torch.equal(out["loaded"][name], p), name
+    assert rebuilt[0]["sent"] == outs[0]["shard"].nbytes == rebuilt[0]["cross"]  # all of it, once, to the newcomer
+    same = run_processes(_rebuild_run, 2, ("a", "b"), [outs[0]["shard"], outs[1]["shard"]], SyncStrategy.FLAT)
+    assert same[0]["sent"] == 0 and torch.equal(same[1]["loaded"]["l1.weight"], outs[1]["params"]["l1.weight"])

@@ -24,7 +24,6 @@ step boundary — is this module's :class:`ElasticState`, which the loop calls a
 from __future__ import annotations
 
 import os
-import pickle
 import threading
 import time
 from collections.abc import Callable
@@ -37,15 +36,16 @@ import torch.distributed as dist
 from meridian.workers.contracts.config import TrainConfig
 from meridian.workers.contracts.model_config import ModelFamily
 from meridian.workers.contracts.rendezvous import Assignment
-from meridian.workers.elastic.durable import Checkpointer, load_weights, restore_latest
+from meridian.workers.elastic.durable import Checkpointer, restore_latest
 from meridian.workers.elastic.protocol import KEEP_SNAPSHOTS, RESTART_EXIT_CODE
 from meridian.workers.elastic.rendezvous import JobFinished, Rendezvous, StoreNotHosted
 from meridian.workers.elastic.sockets import shut_down_tcp_sockets
+from meridian.workers.elastic.state_exchange import rebuild_state
 from meridian.workers.loop.replica import Membership, Replica
 from meridian.workers.loop.train import EpochOutcome, ProgressSink, TrainingLoop, TrainResult
 from meridian.workers.parallel.dims import ParallelDims
 from meridian.workers.state.model_parallel_weights import save_model_parallel_weights
-from meridian.workers.state.replica_state import IncompleteState, LocalShard, assemble, unpack
+from meridian.workers.state.replica_state import IncompleteState, LocalShard
 from meridian.workers.state.snapshots import SnapshotStore
 from meridian.workers.sync.build import GradientSync
 
@@ -240,6 +240,8 @@ class ElasticState:
         self.checkpoints.new_epoch()
         self._last: tuple[LocalShard, Any] | None = None
         """The last shard kept and its CUDA event: a checkpoint of that step writes it, copying nothing."""
+        self._exchanged: dict[str, int] = {}
+        """What the survivors' state exchange sent, when this epoch restored from it."""
 
     def restore(self, replica: Replica) -> int:
         """Load the state this epoch starts from; returns the step to train next. Afterwards this rank holds
@@ -253,7 +255,7 @@ class ElasticState:
             self.on_event("epoch_restored", f"epoch {self.a.epoch}: process group and model ready in "
                           f"{began - self.formed_at:.1f} s, state restored in {time.monotonic() - began:.1f} s",
                           {"epoch": self.a.epoch, "setup_s": round(began - self.formed_at, 2),
-                           "restore_s": round(time.monotonic() - began, 2)})  # fmt: skip
+                           "restore_s": round(time.monotonic() - began, 2), **self._exchanged})  # fmt: skip
         return start
 
     def keep(self, shard: LocalShard) -> None:
@@ -319,14 +321,15 @@ class ElasticState:
         a = self.a
         shapes = {n: p.shape for n, p in model.named_parameters()}
         if a.epoch > 1 and not a.from_checkpoint:
-            offers = gather_shards(self.snapshots.get_packed(a.resume_step))  # every rank pools the same shards → same decision
-            try:
-                params, optimizer = assemble([o for o in offers if o is not None], shapes)
+            try:  # every rank pools the same offers → the same decision
+                state = rebuild_state(self.snapshots.get_packed(a.resume_step), dc=a.datacenters[a.rank],
+                                      needs=engine.owned_ranges(), shapes=shapes)
             except IncompleteState as e:
                 if a.rank == 0:
                     self.on_event("state_incomplete", f"{e}; resuming from the durable checkpoint", {})
             else:
-                _load(model, engine, params, optimizer)
+                state.load(model, engine)
+                self._exchanged = {"state_bytes_sent": state.sent_bytes, "state_bytes_cross_dc": state.cross_dc_bytes}
                 return a.resume_step
         done = (restore_latest(self.cfg.checkpoint_dir, fingerprint(self.cfg), model, engine)
                 if self.cfg.checkpoint_dir else None)  # fmt: skip
@@ -341,29 +344,3 @@ class ElasticState:
         return done.step
 
 
-def gather_shards(mine: tuple[dict[str, Any], torch.Tensor] | None) -> list[LocalShard | None]:
-    """Every rank's shard (``None`` where a rank holds none), on every rank of the default group, in two
-    all-gathers: each rank's sizes, then one byte buffer per rank holding its pickled description and its numbers.
-    ``mine``: this rank's shard packed (:func:`~meridian.workers.state.replica_state.pack`, as its snapshot file
-    holds it). (``all_gather_object`` of the descriptions and then the numbers took three, one more latency round
-    on every re-formation's critical path.)"""
-    desc, flat = mine if mine is not None else (None, torch.zeros(0))
-    head = torch.frombuffer(bytearray(pickle.dumps(desc)), dtype=torch.uint8)
-    sizes = [torch.zeros(2, dtype=torch.int64) for _ in range(dist.get_world_size())]
-    dist.all_gather(sizes, torch.tensor([head.numel(), flat.numel()]))
-    head_room = -(-max(int(s[0]) for s in sizes) // 4) * 4  # the numbers start 4-byte aligned
-    buffer = torch.zeros(head_room + 4 * max(int(s[1]) for s in sizes), dtype=torch.uint8)
-    buffer[: head.numel()] = head
-    buffer[head_room : head_room + 4 * flat.numel()] = flat.float().view(torch.uint8)
-    everyone = [torch.empty_like(buffer) for _ in sizes]
-    dist.all_gather(everyone, buffer)
-    shards: list[LocalShard | None] = []
-    for (head_len, _), got in zip(sizes, everyone, strict=True):
-        d = pickle.loads(got[: int(head_len)].numpy().tobytes())
-        shards.append(None if d is None else unpack(d, got[head_room:].view(torch.float32)))
-    return shards
-
-
-def _load(model: torch.nn.Module, engine: GradientSync, params: dict[str, torch.Tensor], optimizer: dict) -> None:
-    load_weights(model, engine, params)
-    engine.load_optimizer_state(optimizer)
