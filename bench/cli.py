@@ -30,6 +30,7 @@ BENCHMARKS: dict[str, str] = {
     "gpu": "meridian.bench.gpu",
     "gloo-release": "meridian.bench.gloo_release",
     "memory": "meridian.bench.memory",
+    "state-exchange": "meridian.bench.state_exchange",
 }
 
 
