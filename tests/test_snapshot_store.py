@@ -39,3 +39,30 @@ def test_the_next_process_reads_back_the_shards_kept(tmp_path):
 def test_a_file_an_older_version_wrote_still_reads(tmp_path):
     torch.save(shard(7), tmp_path / "shard-0000000007.pt")  # the shard object itself
     assert same(SnapshotStore(2, str(tmp_path)).get(7), shard(7))
+
+
+def test_a_read_ahead_is_taken_by_the_read_of_its_step_and_only_by_it(tmp_path):
+    store = SnapshotStore(2, str(tmp_path))
+    for step in (2, 3):
+        store.append(shard(step))
+    after = SnapshotStore(2, str(tmp_path))
+    after.read_ahead(3)
+    after._ahead[1].join()  # read: the file may go now
+    (tmp_path / "shard-0000000003.pt").rename(tmp_path / "moved.pt")
+    assert same(after.get(3), shard(3))  # from the read ahead, not the file
+    assert after.get(3) is None  # taken once: a second read goes to the folder
+    after.read_ahead(2)
+    assert same(after.get(2), shard(2))
+    after.read_ahead(2)  # another step's read ignores it and reads its own file
+    (tmp_path / "moved.pt").rename(tmp_path / "shard-0000000003.pt")
+    assert same(after.get(3), shard(3)) and after._ahead is None
+    after.read_ahead(9)  # no such file: the read finds none, as a plain read would
+    assert after.get(9) is None
+
+
+def test_a_read_ahead_not_taken_is_dropped_once_training_goes_on(tmp_path):
+    store = SnapshotStore(2, str(tmp_path))
+    store.append(shard(3))
+    store.read_ahead(3)
+    store.append(shard(4))
+    assert store._ahead is None

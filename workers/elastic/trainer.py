@@ -143,9 +143,10 @@ class ElasticTrainer:
     def run(self) -> TrainResult | None:
         """Train to the last step; ``None`` when the job finished without this worker (it joined too late)."""
         while True:
+            last = self.snapshots.last_step
+            self.snapshots.read_ahead(last)  # while the join waits for the others: the step it most likely resumes
             try:
-                a = self.rdzv.join(last_step=self.snapshots.last_step, timeout_s=self.join_timeout_s,
-                                   snapshot_every=self.snapshot_every)
+                a = self.rdzv.join(last_step=last, timeout_s=self.join_timeout_s, snapshot_every=self.snapshot_every)
             except JobFinished:
                 return None
             self.on_epoch(a.epoch)
