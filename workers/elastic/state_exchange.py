@@ -116,9 +116,7 @@ def gather_shards(mine: Packed | None, held: list[dict[str, Any] | None]) -> lis
 
 def _transfer(plan: ExchangePlan, rank: int, mine: Packed | None, shapes: dict[str, torch.Size]) -> RebuiltState:
     """Send and receive this rank's planned moves, round by round, each round's all at once."""
-    weights = {n: torch.empty(s.numel()) for n, s in shapes.items()}
-    needs = plan.needs[rank]
-    moments: list[dict[str, torch.Tensor]] = [{} for _ in needs]
+    got = _Landing(shapes, plan.needs[rank])
     held = _Pieces.of_snapshot(mine)
     received: dict[int, int] = {}
     for round_, moves in enumerate(plan.rounds):
@@ -126,27 +124,53 @@ def _transfer(plan: ExchangePlan, rank: int, mine: Packed | None, shapes: dict[s
                    if src != rank and plan.numel(src, rank, round_)}  # fmt: skip
         works = [dist.irecv(buf, src) for src, buf in inbound.items()]
         works += [dist.isend(held.message(m), dst) for (src, dst), m in moves.items() if src == rank != dst]
-        if (rank, rank) in moves:
-            _place(held.message(moves[(rank, rank)]), moves[(rank, rank)], weights, needs, moments)
+        for m in moves.get((rank, rank), ()):  # its own pieces: copied straight from the snapshot
+            for part in (None, *m.moments):
+                for start, view in held.parts(m, part):
+                    got.range_of(m, part)[start - m.start : start - m.start + view.numel()] = view
         for w in works:
             w.wait()
         for src, buf in inbound.items():
-            _place(buf, moves[(src, rank)], weights, needs, moments)
+            got.unpack(buf, moves[(src, rank)])
             received[src] = received.get(src, 0) + buf.numel() * buf.element_size()
-            held.add_arrived(moves[(src, rank)], weights, needs, moments)  # what it relays in the next round
-    pieces = tuple(StatePiece(n, a, b, weights[n][a:b], moments[i]) for i, (n, a, b) in enumerate(needs))
-    return RebuiltState({n: w.view(shapes[n]) for n, w in weights.items()},
+            held.add(got, moves[(src, rank)])  # what it relays in the next round
+    pieces = tuple(StatePiece(n, a, b, got.weights[n][a:b], got.moments[i]) for i, (n, a, b) in enumerate(got.needs))
+    return RebuiltState({n: w.view(shapes[n]) for n, w in got.weights.items()},
                         owned=LocalShard(plan.step, plan.adam_step, pieces),
                         sent_bytes=plan.sent_bytes(), cross_dc_bytes=plan.sent_bytes(cross_dc_only=True),
                         received=received)  # fmt: skip
 
 
+class _Landing:
+    """Where this rank's state lands: every parameter's values, and the moments of each of its need ranges."""
+
+    def __init__(self, shapes: dict[str, torch.Size], needs: tuple[Range, ...]) -> None:
+        self.weights = {n: torch.empty(s.numel()) for n, s in shapes.items()}
+        self.needs = needs
+        self.moments: list[dict[str, torch.Tensor]] = [{} for _ in needs]
+
+    def range_of(self, m: Move, part: str | None) -> torch.Tensor:
+        """The elements ``m`` names: of the values (``part`` None) or of moment ``part``."""
+        if part is None:
+            return self.weights[m.name][m.start : m.stop]
+        _, lo, hi = self.needs[m.need]
+        into = self.moments[m.need].setdefault(part, torch.empty(hi - lo))
+        return into[m.start - lo : m.stop - lo]
+
+    def unpack(self, buf: torch.Tensor, moves: tuple[Move, ...]) -> None:
+        at = 0
+        for m in moves:
+            for part in (None, *m.moments):
+                self.range_of(m, part).copy_(buf[at : at + m.stop - m.start])
+                at += m.stop - m.start
+
+
 class _Pieces:
-    """What this rank can send: views of its packed snapshot, then of what arrived for it in round one."""
+    """What this rank can send: views of its packed snapshot, then of what landed for it in round one."""
 
     def __init__(self) -> None:
         self.by_name: dict[str, list[tuple[int, int, dict[str | None, torch.Tensor]]]] = {}
-        """parameter → ``(start, stop, {None: values, moment: moment})``."""
+        """parameter → ``(start, stop, {None: values, moment: moment})``, by ``start``."""
 
     @classmethod
     def of_snapshot(cls, mine: Packed | None) -> _Pieces:
@@ -160,45 +184,30 @@ class _Pieces:
             fields = {f: flat[at + i * n : at + (i + 1) * n] for i, f in enumerate((None, *names))}
             pieces.by_name.setdefault(name, []).append((start, stop, fields))
             at += n * (1 + len(names))
+        for held in pieces.by_name.values():
+            held.sort(key=lambda p: p[0])
         return pieces
 
-    def add_arrived(self, moves: tuple[Move, ...], weights: dict[str, torch.Tensor], needs: tuple[Range, ...],
-                    moments: list[dict[str, torch.Tensor]]) -> None:  # fmt: skip
+    def add(self, got: _Landing, moves: tuple[Move, ...]) -> None:
         for m in moves:
-            fields: dict[str | None, torch.Tensor] = {None: weights[m.name][m.start : m.stop]}
-            if m.need >= 0:
-                lo = needs[m.need][1]
-                fields.update({f: moments[m.need][f][m.start - lo : m.stop - lo] for f in m.moments})
+            fields = {part: got.range_of(m, part) for part in (None, *m.moments)}
             self.by_name.setdefault(m.name, []).append((m.start, m.stop, fields))
+            self.by_name[m.name].sort(key=lambda p: p[0])
+
+    def parts(self, m: Move, part: str | None) -> list[tuple[int, torch.Tensor]]:
+        """``(first element, view)`` of each held stretch that together make up ``m``'s range of ``part``."""
+        out, at = [], m.start
+        for start, stop, fields in self.by_name.get(m.name, ()):
+            if start <= at < stop and part in fields:
+                upto = min(stop, m.stop)
+                out.append((at, fields[part][at - start : upto - start]))
+                at = upto
+        if at != m.stop:
+            raise RuntimeError(f"the plan sends {m.name}[{m.start}:{m.stop}] ({part or 'values'}) from a rank that "
+                               f"holds it only up to {at}")
+        return out
 
     def message(self, moves: tuple[Move, ...]) -> torch.Tensor:
         """The ranges ``moves`` name, in one flat tensor: each move's values, then its moments."""
-        out = []
-        for m in moves:
-            for part in (None, *m.moments):
-                at = m.start
-                for start, stop, fields in sorted(self.by_name.get(m.name, ()), key=lambda p: p[0]):
-                    if start <= at < stop and part in fields:
-                        upto = min(stop, m.stop)
-                        out.append(fields[part][at - start : upto - start])
-                        at = upto
-                if at != m.stop:
-                    raise RuntimeError(f"the plan sends {m.name}[{m.start}:{m.stop}] ({part or 'values'}) from a "
-                                       f"rank that holds it only up to {at}")
+        out = [view for m in moves for part in (None, *m.moments) for _, view in self.parts(m, part)]
         return torch.cat(out) if out else torch.zeros(0)
-
-
-def _place(buf: torch.Tensor, moves: tuple[Move, ...], weights: dict[str, torch.Tensor], needs: tuple[Range, ...],
-           moments: list[dict[str, torch.Tensor]]) -> None:  # fmt: skip
-    at = 0
-    for m in moves:
-        n = m.stop - m.start
-        weights[m.name][m.start : m.stop] = buf[at : at + n]
-        at += n
-        if m.need < 0:
-            continue
-        _, lo, hi = needs[m.need]
-        for part in m.moments:
-            into = moments[m.need].setdefault(part, torch.empty(hi - lo))
-            into[m.start - lo : m.stop - lo] = buf[at : at + n]
-            at += n

@@ -113,8 +113,8 @@ def plan_exchange(offers: list[Offer], numels: dict[str, int]) -> ExchangePlan:
         cuts = {0, numel}
         for h in holders[name]:
             cuts.update((h.start, h.stop))
-        for rank_needs in needs:
-            cuts.update(x for n, a, b in rank_needs if n == name for x in (a, b))
+        for by_name in plan._needs_of:
+            cuts.update(x for _, a, b in by_name.get(name, ()) for x in (a, b))
         bounds = sorted(c for c in cuts if 0 <= c <= numel)
         segments = list(zip(bounds, bounds[1:], strict=False))
         fetched = [plan.fetch(name, a, b, holders[name], dc) for dc in dict.fromkeys(dcs) for a, b in segments]
@@ -131,13 +131,20 @@ class _Planner:
         self.load = [0] * len(dcs)
         """Elements each rank sends, so far: a range goes to the least-loaded holder."""
         self.moves: list[dict[tuple[int, int], list[Move]]] = [defaultdict(list), defaultdict(list)]
+        self._needs_of: list[dict[str, list[tuple[int, int, int]]]] = []
+        """Per rank, parameter → ``(index, start, stop)`` of its need ranges."""
+        for rank_needs in needs:
+            by_name: dict[str, list[tuple[int, int, int]]] = defaultdict(list)
+            for i, (n, lo, hi) in enumerate(rank_needs):
+                by_name[n].append((i, lo, hi))
+            self._needs_of.append(by_name)
 
     def need(self, rank: int, name: str, a: int, b: int) -> int:
         """Index of ``rank``'s need range holding ``[a, b)``; -1 when it needs only the values (or there are no
         moments yet: before the first optimizer step)."""
         if not self.adam_step:
             return -1
-        return next((i for i, (n, lo, hi) in enumerate(self.needs[rank]) if n == name and lo <= a and b <= hi), -1)
+        return next((i for i, lo, hi in self._needs_of[rank].get(name, ()) if lo <= a and b <= hi), -1)
 
     def fetch(self, name: str, a: int, b: int, holders: list[_Held], dc: str) -> _Held | None:
         """Round one: ``[a, b)`` into ``dc`` when none of its ranks holds it: to the rank that owns its optimizer
