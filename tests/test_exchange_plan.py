@@ -146,3 +146,13 @@ def test_snapshots_of_different_steps_or_unknown_parameters_are_errors():
         plan_exchange([a, other], NUMELS)
     with pytest.raises(ValueError, match="does not have"):
         plan_exchange([a, b], {k: v for k, v in NUMELS.items() if k != "embed"})
+
+
+def test_before_any_moments_exist_what_a_datacenter_lacks_is_fetched_by_its_ranks_in_turn():
+    offers = [offer("a", (0, 2), (0, 2), adam_step=0), offer("a", (1, 2), (1, 2), adam_step=0),
+              offer("b", None, (0, 2)), offer("b", None, (1, 2))]  # fmt: skip
+    plan = plan_exchange(offers, NUMELS)
+    replay(plan, offers)
+    whole = sum(NUMELS.values())
+    fetched = {d: sum(m.numel for (s, d2), ms in plan.rounds[0].items() if d2 == d and s < 2 for m in ms) for d in (2, 3)}
+    assert sum(fetched.values()) == whole and min(fetched.values()) > 0.3 * whole, fetched

@@ -113,7 +113,7 @@ def plan_exchange(offers: list[Offer], numels: dict[str, int]) -> ExchangePlan:
         cuts = {0, numel}
         for h in holders[name]:
             cuts.update((h.start, h.stop))
-        for by_name in plan._needs_of:
+        for by_name in plan.needs_of:
             cuts.update(x for _, a, b in by_name.get(name, ()) for x in (a, b))
         bounds = sorted(c for c in cuts if 0 <= c <= numel)
         segments = list(zip(bounds, bounds[1:], strict=False))
@@ -130,32 +130,36 @@ class _Planner:
         self.dcs, self.needs, self.adam_step = dcs, needs, adam_step
         self.load = [0] * len(dcs)
         """Elements each rank sends, so far: a range goes to the least-loaded holder."""
+        self.landed = [0] * len(dcs)
+        """Elements fetched into each rank, so far: what nobody owns yet goes to the least-landed member."""
         self.moves: list[dict[tuple[int, int], list[Move]]] = [defaultdict(list), defaultdict(list)]
-        self._needs_of: list[dict[str, list[tuple[int, int, int]]]] = []
+        self.needs_of: list[dict[str, list[tuple[int, int, int]]]] = []
         """Per rank, parameter → ``(index, start, stop)`` of its need ranges."""
         for rank_needs in needs:
             by_name: dict[str, list[tuple[int, int, int]]] = defaultdict(list)
             for i, (n, lo, hi) in enumerate(rank_needs):
                 by_name[n].append((i, lo, hi))
-            self._needs_of.append(by_name)
+            self.needs_of.append(by_name)
 
     def need(self, rank: int, name: str, a: int, b: int) -> int:
         """Index of ``rank``'s need range holding ``[a, b)``; -1 when it needs only the values (or there are no
         moments yet: before the first optimizer step)."""
         if not self.adam_step:
             return -1
-        return next((i for i, lo, hi in self._needs_of[rank].get(name, ()) if lo <= a and b <= hi), -1)
+        return next((i for i, lo, hi in self.needs_of[rank].get(name, ()) if lo <= a and b <= hi), -1)
 
     def fetch(self, name: str, a: int, b: int, holders: list[_Held], dc: str) -> _Held | None:
         """Round one: ``[a, b)`` into ``dc`` when none of its ranks holds it: to the rank that owns its optimizer
-        state there (else the least loaded), from a holder elsewhere. ``None``: the datacenter holds it."""
+        state there (else the one that got least so far), from a holder elsewhere. ``None``: the datacenter holds it."""
         if any(self.dcs[h.rank] == dc and h.start <= a and b <= h.stop for h in holders):
             return None
         members = [r for r, d in enumerate(self.dcs) if d == dc]
         owner = next((r for r in members if self.need(r, name, a, b) >= 0), None)
-        dst = owner if owner is not None else min(members, key=lambda r: (self.load[r], r))
+        dst = owner if owner is not None else min(members, key=lambda r: (self.landed[r], r))
         src, moments = self._source(name, a, b, holders, dst, self.need(dst, name, a, b))
-        self._add(0, src, dst, Move(name, a, b, moments, self.need(dst, name, a, b)))
+        move = Move(name, a, b, moments, self.need(dst, name, a, b))
+        self.landed[dst] += move.numel
+        self._add(0, src, dst, move)
         return _Held(dst, a, b, moments, fetched=True)
 
     def take(self, name: str, a: int, b: int, holders: list[_Held], dst: int) -> None:
