@@ -140,6 +140,8 @@ def _meridian(args: argparse.Namespace) -> dict[str, Any]:
             out["after_kill_s"] = log.timeline(phases.kill_time, phases.back_time)
             out["cpu_from_kill_to_return"] = phases.cpu_report()
             out["cancel_to_ended_s"] = cancel_s
+            out["state_exchanged"] = [  # the bytes each re-formation's exchange sent, measured by its plan's buffers
+                {k: r[k] for k in ("epoch", "state_bytes_sent", "state_bytes_cross_dc") if k in r} for r in log.restored]
             if phases.back_time is not None:
                 out["after_back_s"] = log.timeline(phases.back_time, None)
             return out
@@ -173,6 +175,8 @@ class _MeridianLog:
         self._event_cursor = 0
         self.epochs: list[dict[str, Any]] = []
         self.events: list[tuple[str, float]] = []
+        self.restored: list[dict[str, Any]] = []
+        """Rank 0's ``epoch_restored`` data of each re-formed epoch: its times, the state exchange's bytes."""
 
     def records(self) -> list[dict[str, Any]]:
         after = max((s for _, s in self._points), default=0)
@@ -183,6 +187,8 @@ class _MeridianLog:
             self.events.append((e["kind"], e["time"]))
             if e["kind"] == "epoch_formed":
                 self.epochs.append(e["data"])
+            if e["kind"] == "epoch_restored":
+                self.restored.append(e["data"])
         size = {e["epoch"]: len(e["datacenters"]) for e in self.epochs}
         # (a record's time is the wall clock of the rank that reported it; so is the kill's: one host)
         return [{"step": s, "time": p["time"], "workers": size.get(ep, self.full)} for (ep, s), p in self._points.items()]

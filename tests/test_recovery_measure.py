@@ -93,3 +93,22 @@ def test_the_meridian_side_keeps_every_steps_state_unless_told_auto():
     assert JobSpec.model_validate(recovery.job_spec(_recovery_args("--snapshot-every", "4"))).to_request().snapshot_every == 4
     with pytest.raises(SystemExit):
         _recovery_args("--snapshot-every", "0")
+
+
+def test_the_meridian_log_keeps_each_re_formation_s_restore_data_and_times():
+    from meridian.bench.recovery import _MeridianLog
+
+    events = [{"id": 1, "kind": "epoch_formed", "time": 10.0, "data": {"epoch": 2, "datacenters": ["a", "b", "b"]}},
+              {"id": 2, "kind": "epoch_restored", "time": 10.1,
+               "data": {"epoch": 2, "setup_s": 0.0, "restore_s": 0.0, "state_bytes_sent": 120, "state_bytes_cross_dc": 40}}]  # fmt: skip
+
+    class Api:
+        def get(self, path, params=None):
+            body = {"points": []} if path.endswith("/metrics") else {"events": [e for e in events if e["id"] > params["after"]]}
+            return SimpleNamespace(json=lambda: body)
+
+    log = _MeridianLog(Api(), "job", 4)
+    log.records()
+    log.records()  # the cursor moved on: nothing twice
+    assert log.restored == [events[1]["data"]] and log.epochs == [events[0]["data"]]
+    assert log.timeline(9.9, None) == {"epoch_formed": 0.1, "epoch_restored": 0.2}
