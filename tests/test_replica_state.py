@@ -247,3 +247,33 @@ def test_a_replicated_optimizer_loads_its_own_snapshot_and_sends_only_to_a_newco
     assert rebuilt[0]["sent"] == outs[0]["shard"].nbytes == rebuilt[0]["cross"]  # all of it, once, to the newcomer
     same = run_processes(_rebuild_run, 2, ("a", "b"), [outs[0]["shard"], outs[1]["shard"]], SyncStrategy.FLAT)
     assert same[0]["sent"] == 0 and torch.equal(same[1]["loaded"]["l1.weight"], outs[1]["params"]["l1.weight"])
+
+
+def _diloco_shard(dc: str, scale: float):
+    from meridian.workers.state.replica_state import LocalShard, OuterShard, StatePiece
+
+    def pieces(moment):
+        return (StatePiece("w", 0, 5, torch.arange(5.0) * scale, {moment: torch.ones(5) * scale}),
+                StatePiece("b", 0, 1, torch.ones(1) * scale, {moment: torch.ones(1)}))  # fmt: skip
+
+    inner = tuple(StatePiece(p.name, p.start, p.stop, p.value, {"exp_avg": m, "exp_avg_sq": m})
+                  for p in pieces("x") for m in [p.moments["x"]])  # fmt: skip
+    return LocalShard(4, 4, inner, OuterShard(dc, 4, pieces("momentum")))
+
+
+def _diloco_rebuild_run(rank, world, dcs, scales):
+    from meridian.workers.elastic.state_exchange import rebuild_state
+    from meridian.workers.state.replica_state import pack
+
+    state = rebuild_state(pack(_diloco_shard(dcs[rank], scales[rank])), dc=dcs[rank], needs=None,
+                          shapes={"w": torch.Size([5]), "b": torch.Size([1])})
+    return state.weights, state.optimizer["diloco"]["inner_steps_done"], state.sent_bytes, state.cross_dc_bytes
+
+
+def test_diloco_snapshots_are_pooled_whole_and_their_bytes_counted_as_sent():
+    outs = run_processes(_diloco_rebuild_run, 3, ("a", "b", "b"), (1.0, 2.0, 2.0))
+    padded = 4 * (3 * 6 + 2 * 6)  # a packed shard: 6 values and 2 moments each, inner and outer (momentum only)
+    for weights, done, sent, cross in outs:
+        assert torch.equal(weights["w"], torch.arange(5.0))  # the first whole datacenter's inner state: dc a's
+        assert done == 4
+        assert sent == 6 * padded and cross == 4 * padded  # 3 ranks, 6 ordered pairs, 4 of them across

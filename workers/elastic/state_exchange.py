@@ -72,9 +72,12 @@ def rebuild_state(mine: Packed | None, *, dc: str, needs: list[Range] | None,
     if any(o.held is not None and o.held.get("outer") is not None for o in offers):
         shards = gather_shards(mine, [o.held for o in offers])
         params, optimizer = assemble([s for s in shards if s is not None], shapes)
-        every = sum(4 * o.held["numel"] for o in offers if o.held is not None)
-        received = {r: 4 * o.held["numel"] for r, o in enumerate(offers) if o.held is not None and r != dist.get_rank()}
-        return RebuiltState(params, optimizer=optimizer, sent_bytes=every * (len(offers) - 1), received=received)
+        # every rank's buffer, padded to the longest shard, reaches every other rank
+        each = 4 * max(o.held["numel"] for o in offers if o.held is not None)
+        pairs = [(a.dc, b.dc) for i, a in enumerate(offers) for j, b in enumerate(offers) if i != j]
+        received = {r: each for r in range(len(offers)) if r != dist.get_rank()}
+        return RebuiltState(params, optimizer=optimizer, sent_bytes=each * len(pairs),
+                            cross_dc_bytes=each * sum(a != b for a, b in pairs), received=received)  # fmt: skip
     plan = plan_exchange(offers, {n: s.numel() for n, s in shapes.items()})
     return _transfer(plan, dist.get_rank(), mine, shapes)
 
