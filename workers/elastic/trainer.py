@@ -5,9 +5,9 @@ One *epoch* is one membership: its ranks, its process groups, its sync engine. E
 
     join → form the process group → the training loop's epoch (:mod:`meridian.workers.loop.train`): build
            model, engine, WAN emulator for this epoch's layout
-         → restore: pool the survivors' in-memory shards of the step they all completed
-                    (:mod:`meridian.workers.state.replica_state`), or the durable checkpoint if they cannot cover
-                    the whole state, or nothing on a first start
+         → restore: rebuild the state from the survivors' in-memory shards of the step they all completed,
+                    each rank receiving only what it lacks (:mod:`meridian.workers.elastic.state_exchange`), or
+                    the durable checkpoint if they cannot cover the whole state, or nothing on a first start
          → train, snapshotting this rank's shard every ``snapshot_every`` steps (before the parameter
            all-gather; with k > 1 a failure resumes from the last snapshot and trains up to k - 1 steps again)
     a collective fails  → tear down every group (so blocked peers fail fast too) → join again

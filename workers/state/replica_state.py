@@ -5,8 +5,9 @@ With the partial distributed optimizer each rank owns 1/N of its DC's parameters
 every DC owns all of them: a whole replica of the state lives in every datacenter. After a step each rank
 copies what it owns (parameter values — the fp32 master where there is one — and the moments) into a
 :class:`LocalShard`; that is a memcpy of ~(1 + 2)/N of the model, taken *before* the parameter all-gather
-so it never waits for communication. When a node dies, the survivors of the next epoch pool their shards
-of the step they all completed (:func:`assemble`); if one DC is still whole, or the losses in different DCs
+so it never waits for communication. When a node dies, the survivors of the next epoch rebuild the state
+from their shards of the step they all completed (each rank only what it lacks:
+:mod:`meridian.workers.state.exchange_plan`; DiLoCo's pooled whole by :func:`assemble`); if one DC is still whole, or the losses in different DCs
 own different elements, every element is covered and no step is lost. If not, the caller falls back to the
 durable checkpoint.
 
