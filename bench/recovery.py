@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import tempfile
 import threading
@@ -103,8 +104,8 @@ def _meridian(args: argparse.Namespace) -> dict[str, Any]:
 
     cluster = make_cluster(args)
     full = args.dcs * args.nodes_per_dc
-    service = MeridianService(ServiceConfig(data_dir=tempfile.mkdtemp(prefix="meridian-bench-"),
-                                            ray_address=cluster.address, poll_interval_s=0.2)).start()
+    data_dir = tempfile.mkdtemp(prefix="meridian-bench-")
+    service = MeridianService(ServiceConfig(data_dir=data_dir, ray_address=cluster.address, poll_interval_s=0.2)).start()
     job_id = ""
     try:
         with serve_in_thread(service) as url, httpx.Client(base_url=url, timeout=30) as api:
@@ -150,6 +151,7 @@ def _meridian(args: argparse.Namespace) -> dict[str, Any]:
         cluster.shutdown()
         if job_id:  # every node is on this host: what a cancel that outran its wait left behind in RAM
             remove_snapshot_dirs(job_id)
+        shutil.rmtree(data_dir, ignore_errors=True)  # the service's store and the Train runs' files
 
 
 def _cancel(api: Any, job_id: str, timeout_s: float = 60.0) -> float | None:
@@ -278,6 +280,7 @@ def _ray_train_elastic(args: argparse.Namespace) -> dict[str, Any]:
     from meridian.workers.contracts.model_config import model_preset
 
     cluster = make_cluster(args)
+    storage = tempfile.mkdtemp(prefix="meridian-bench-ray-")  # the baseline's disk checkpoints
     try:
         ray.init(address=cluster.address, namespace="meridian-bench")
         # On the head node, which the bench never kills: unpinned, the log once landed on the victim node and
@@ -292,7 +295,7 @@ def _ray_train_elastic(args: argparse.Namespace) -> dict[str, Any]:
         trainer = TorchTrainer(
             _baseline_loop, train_loop_config={"train": cfg, "log": "steplog", "every": args.checkpoint_every},
             scaling_config=ScalingConfig(num_workers=(1, workers), resources_per_worker={"CPU": 1}),
-            run_config=RunConfig(storage_path=tempfile.mkdtemp(prefix="meridian-bench-ray-"),
+            run_config=RunConfig(storage_path=storage,
                                  failure_config=FailureConfig(max_failures=3),
                                  checkpoint_config=CheckpointConfig(num_to_keep=2)),
         )
@@ -328,6 +331,7 @@ def _ray_train_elastic(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         ray.shutdown()
         cluster.shutdown()
+        shutil.rmtree(storage, ignore_errors=True)
 
 
 def _node_of_a_worker(nodes: list[str], preferred: list[str]) -> str:

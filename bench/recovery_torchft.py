@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -113,3 +114,4 @@ def run_torchft(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         workers.stop()
         lighthouse.shutdown()
+        shutil.rmtree(folder, ignore_errors=True)  # the replicas' step logs and checkpoints (~20 MB a run)
