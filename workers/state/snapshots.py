@@ -104,7 +104,7 @@ class SnapshotStore:
             return
         tmp = self.directory / f"partial-{shard.step:010d}.tmp"
         torch.save(pack(shard), tmp)
-        os.replace(tmp, self.directory / f"shard-{shard.step:010d}.pt")
+        os.replace(tmp, self._path(shard.step))
         for old in self._files()[: -self.keep]:
             old.unlink(missing_ok=True)
 
@@ -118,7 +118,7 @@ class SnapshotStore:
             return
         self.wait()
         out: list[Any] = []
-        path = self.directory / f"shard-{step:010d}.pt"
+        path = self._path(step)
 
         def read() -> None:
             with contextlib.suppress(Exception):  # gone or half there: get_packed reads it (or not) itself
@@ -144,10 +144,14 @@ class SnapshotStore:
             ahead[1].join()
             if ahead[2]:
                 return ahead[2][0]
-        path = self.directory / f"shard-{step:010d}.pt"
+        path = self._path(step)
         if not path.exists():
             return None
         return self._read(path)
+
+    def _path(self, step: int) -> Path:
+        assert self.directory is not None
+        return self.directory / f"shard-{step:010d}.pt"
 
     @staticmethod
     def _read(path: Path) -> tuple[dict[str, Any], torch.Tensor]:
