@@ -178,15 +178,8 @@ class _Pieces:
     @classmethod
     def of_snapshot(cls, mine: Packed | None) -> _Pieces:
         pieces = cls()
-        if mine is None:
-            return pieces
-        desc, flat = mine
-        at = 0
-        for name, start, stop, names in desc["pieces"]:
-            n = stop - start
-            fields = {f: flat[at + i * n : at + (i + 1) * n] for i, f in enumerate((None, *names))}
-            pieces.by_name.setdefault(name, []).append((start, stop, fields))
-            at += n * (1 + len(names))
+        for p in unpack(*mine).pieces if mine is not None else ():  # views of the packed numbers: no copy
+            pieces.by_name.setdefault(p.name, []).append((p.start, p.stop, {None: p.value, **p.moments}))
         for held in pieces.by_name.values():
             held.sort(key=lambda p: p[0])
         return pieces
