@@ -84,6 +84,9 @@ class _Held:
     fetched: bool = False
     """Arrives in round one (what its datacenter lacked): relayed from it in round two."""
 
+    def covers(self, a: int, b: int) -> bool:
+        return self.start <= a and b <= self.stop
+
 
 def plan_exchange(offers: list[Offer], numels: dict[str, int]) -> ExchangePlan:
     """The moves that give every rank the values of every parameter in ``numels`` and the moments of its need
@@ -127,7 +130,7 @@ def plan_exchange(offers: list[Offer], numels: dict[str, int]) -> ExchangePlan:
 
 class _Planner:
     def __init__(self, dcs: tuple[str, ...], needs: tuple[tuple[Range, ...], ...], adam_step: int) -> None:
-        self.dcs, self.needs, self.adam_step = dcs, needs, adam_step
+        self.dcs, self.adam_step = dcs, adam_step
         self.load = [0] * len(dcs)
         """Elements each rank sends, so far: a range goes to the least-loaded holder."""
         self.landed = [0] * len(dcs)
@@ -151,13 +154,14 @@ class _Planner:
     def fetch(self, name: str, a: int, b: int, holders: list[_Held], dc: str) -> _Held | None:
         """Round one: ``[a, b)`` into ``dc`` when none of its ranks holds it: to the rank that owns its optimizer
         state there (else the one that got least so far), from a holder elsewhere. ``None``: the datacenter holds it."""
-        if any(self.dcs[h.rank] == dc and h.start <= a and b <= h.stop for h in holders):
+        if any(self.dcs[h.rank] == dc and h.covers(a, b) for h in holders):
             return None
         members = [r for r, d in enumerate(self.dcs) if d == dc]
         owner = next((r for r in members if self.need(r, name, a, b) >= 0), None)
         dst = owner if owner is not None else min(members, key=lambda r: (self.landed[r], r))
-        src, moments = self._source(name, a, b, holders, dst, self.need(dst, name, a, b))
-        move = Move(name, a, b, moments, self.need(dst, name, a, b))
+        need = self.need(dst, name, a, b)
+        src, moments = self._source(name, a, b, holders, dst, need)
+        move = Move(name, a, b, moments, need)
         self.landed[dst] += move.numel
         self._add(0, src, dst, move)
         return _Held(dst, a, b, moments, fetched=True)
@@ -166,7 +170,7 @@ class _Planner:
         """``[a, b)`` for ``dst``: from its own snapshot, else from a holder in its datacenter (round two when
         that holder fetched it in round one), else from anywhere."""
         need = self.need(dst, name, a, b)
-        covering = [h for h in holders if h.start <= a and b <= h.stop and (need < 0 or h.moments)]
+        covering = [h for h in holders if h.covers(a, b) and (need < 0 or h.moments)]
         if any(h.rank == dst and h.fetched for h in covering):
             return  # it arrives in round one
         src, moments = self._source(name, a, b, holders, dst, need)
@@ -175,9 +179,9 @@ class _Planner:
         self._add(1 if fetched else 0, src, dst, Move(name, a, b, moments, need))
 
     def _source(self, name: str, a: int, b: int, holders: list[_Held], dst: int, need: int) -> tuple[int, tuple[str, ...]]:
-        can = [h for h in holders if h.start <= a and b <= h.stop and (need < 0 or h.moments)]
+        can = [h for h in holders if h.covers(a, b) and (need < 0 or h.moments)]
         if not can:
-            what = "element" if need < 0 or not any(h.start <= a and b <= h.stop for h in holders) else \
+            what = "element" if need < 0 or not any(h.covers(a, b) for h in holders) else \
                 "optimizer state of element"
             raise IncompleteState(f"no surviving rank holds {what} {a} of parameter {name!r}")
         ranks = sorted({h.rank for h in can})

@@ -7,9 +7,9 @@ copies what it owns (parameter values — the fp32 master where there is one —
 :class:`LocalShard`; that is a memcpy of ~(1 + 2)/N of the model, taken *before* the parameter all-gather
 so it never waits for communication. When a node dies, the survivors of the next epoch rebuild the state
 from their shards of the step they all completed (each rank only what it lacks:
-:mod:`meridian.workers.state.exchange_plan`; DiLoCo's pooled whole by :func:`assemble`); if one DC is still whole, or the losses in different DCs
-own different elements, every element is covered and no step is lost. If not, the caller falls back to the
-durable checkpoint.
+:mod:`meridian.workers.state.exchange_plan`; DiLoCo's pooled whole by :func:`assemble`); if one DC is still
+whole, or the losses in different DCs own different elements, every element is covered and no step is lost. If
+not, the caller falls back to the durable checkpoint.
 
 The pooled state is in the same layout-free form as checkpoints (:mod:`meridian.workers.optim.adamw`), so the
 new epoch may have any world size and any DC sizes.
