@@ -24,8 +24,9 @@ from meridian.workers.state.replica_state import LocalShard, StatePiece, assembl
 from meridian.workers.sync.engine import GradientSync
 
 INLINE_OFFER_BYTES = 16 * 1024
-"""Room for one rank's pickled offer in the first all-gather (a nano shard's is ~3 KB; a model of a few hundred
-parameters tens of KB). Offers that do not fit go in a second all-gather sized to the largest."""
+"""Room for one rank's pickled offer in the first all-gather (measured: 1.9 KB for nano's 29 parameters, 3.5 KB
+for tiny's 53; it grows with the parameters a rank holds pieces of). Offers that do not fit go in a second
+all-gather sized to the largest."""
 
 Packed = tuple[dict[str, Any], torch.Tensor]
 
