@@ -125,3 +125,18 @@ def test_every_member_gone_with_new_workers_holding_their_snapshots_resumes_from
     assert isinstance(d, Form) and not d.epoch.from_checkpoint
     assert d.epoch.resume_step == 24  # the newest step every worker holding shards has
     assert set(d.epoch.newcomers) == {"n0", "n1", "n2"} and len(d.lost) == 3
+
+
+def test_every_member_gone_below_min_workers_waits_and_says_min_workers():
+    # The same restart, but only two of the ended run's workers could be placed again (their datacenter's other
+    # nodes are gone) and the job needs three: it waits, naming the setting that holds it, the way a re-formation
+    # below min_workers does (a user reads one reason, whichever path the loss took).
+    s = MembershipState(planned_workers=4, min_workers=3, dc_order=("dc-a", "dc-b"), first_join_at=0.0)
+    s.epoch = Epoch(3, (m("w0", "dc-a"), m("w1", "dc-b"), m("w2", "dc-b")), resume_step=10)
+    s.waiting.update({"n1": m("n1", "dc-b", step=25), "n2": m("n2", "dc-b", step=25)})
+    w = decide(s, 1.0, alive_nodes=ALL, grace_s=5, start_timeout_s=60, gone={"w0", "w1", "w2"})
+    assert isinstance(w, Wait)
+    assert "2 new worker(s) started" in w.reason and "at least 3 (topology.min_workers)" in w.reason
+    s.waiting["n3"] = m("n3", "dc-a", t=2.0)  # capacity returned in dc-a: a third worker joins
+    d = decide(s, 2.0, alive_nodes=ALL, grace_s=5, start_timeout_s=60, gone={"w0", "w1", "w2"})
+    assert isinstance(d, Wait) and "3 of 4 new workers have started" in d.reason  # the run's own may be starting

@@ -110,7 +110,16 @@ def test_job_survives_node_losses_waits_below_min_workers_and_scales_back_up(env
     # member stopped for being stuck, which costs no worker.)
     grown = until(api, job_id, lambda j, ev: next((e for e in epochs(ev) if e["epoch"] > 2 and e["newcomers"]), None),
                   240, "a worker joining in dc-a")
-    assert grown["datacenters"] == ["dc-a", "dc-b", "dc-b"] and len(grown["newcomers"]) == 1
+    # Ray Train 2.60's controller can fail under the drain (it asks the survivors to clear their result queues
+    # while replacing the killed worker, and one of them is the drained one: a ControllerError it does not retry).
+    # Seen in 3 fresh clones' runs of this test in stops 38-42. The job lives through it (README, "When Ray
+    # Train's own run fails under the job"): a new Train run's workers take over the ended ones' snapshots, so
+    # every member of the grown epoch is new and the three of epoch 2 are lost with it. Either way the state
+    # comes from memory and the job ends where the uninterrupted one does (asserted below).
+    kinds = [e["kind"] for e in api.get(f"/v1/jobs/{job_id}/events").json()["events"]]
+    train_run_restarted = "train_run_restarted" in kinds
+    assert grown["datacenters"] == ["dc-a", "dc-b", "dc-b"]
+    assert len(grown["newcomers"]) == (3 if train_run_restarted else 1), (grown, kinds)
     assert not grown["from_checkpoint"] and grown["resume_step"] >= second["resume_step"] + 5
 
     job = until(api, job_id, lambda j, _: j if j["state"] in ("succeeded", "failed") else None, 300, "the end")
@@ -119,7 +128,8 @@ def test_job_survives_node_losses_waits_below_min_workers_and_scales_back_up(env
     kinds = [e["kind"] for e in events]
     t0 = events[0]["time"]
     print("\nTIMELINE", *(f"{e['time'] - t0:7.1f} {e['kind']}: {e['message'][:90]}" for e in events), sep="\n")
-    assert kinds.count("node_lost") == 2 and kinds.count("worker_lost") == 2 and "node_joined" in kinds
+    assert kinds.count("node_lost") == 2 and "node_joined" in kinds
+    assert kinds.count("worker_lost") == (1 + len(second["datacenters"]) if train_run_restarted else 2), kinds
     assert "restarted" not in kinds and "state_incomplete" not in kinds
     assert [p["datacenter"] for p in job["placement"]] == ["dc-a", "dc-b", "dc-b"]  # the last membership
     # Rank 0 reads a step's loss a window of steps late, so the records of the last steps before a break can be

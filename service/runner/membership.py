@@ -145,7 +145,10 @@ def decide(state: MembershipState, now: float, *, alive_nodes: set[str], grace_s
         # on their hosts (a Train run restarted on live nodes): resume from the newest step they all hold; the
         # training processes pool those shards and fall back to the durable checkpoint if they do not cover it.
         if len(new) < state.min_workers:
-            return Wait(f"every worker of the job was lost; waiting for {state.min_workers} worker(s) to restart it")
+            return Wait(
+                f"every worker of the job was lost and {len(new)} new worker(s) started; the job needs at least "
+                f"{state.min_workers} (topology.min_workers) and waits for capacity to return"
+            )
         # As for a first epoch, wait for the workers that are starting (up to start_timeout_s): the first to
         # arrive would otherwise restart alone and hold a part of the shards, too few to rebuild the state.
         expected = state.run_workers or state.planned_workers
