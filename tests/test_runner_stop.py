@@ -1,4 +1,5 @@
-"""Stopping a run: Ray Train's controller is asked to abort once, and killed if its event loop never gets to it.
+"""Stopping a run: Ray Train's controller is asked to abort once, and killed if its event loop never gets to it (at
+once when it does not even answer a call for its state, once the run's workers have started).
 
 Why: in ``bench recovery`` the cancel of a job whose node had died and come back waited behind Ray Train's own
 replacement of the dead worker (a blocking ``ray.get`` on the controller's event loop), and the job had not ended
@@ -13,17 +14,24 @@ from ray.exceptions import GetTimeoutError, RayActorError
 
 from meridian.service.runner import actor
 from meridian.service.runner.actor import JobRunner
+from meridian.workers.contracts.rendezvous import JoinRequest
 
 
 class Controller:
-    """A controller handle: ``abort.remote()`` returns a reference this test's ``ray.get`` resolves."""
+    """A controller handle: ``abort.remote()`` and ``get_state.remote()`` return references this test's ``ray.get``
+    resolves. ``held``: its event loop answers no call; ``abort_hangs``: it answers, but never gets to its abort."""
 
-    def __init__(self, stuck: bool) -> None:
-        self.stuck, self.aborts = stuck, 0
-        self.abort = self
+    def __init__(self, held: bool = False, abort_hangs: bool = False) -> None:
+        self.held, self.abort_hangs, self.calls = held, abort_hangs, []
+        self.abort, self.get_state = Method(self, "abort"), Method(self, "get_state")
+
+
+class Method:
+    def __init__(self, controller: Controller, name: str) -> None:
+        self.controller, self.name = controller, name
 
     def remote(self):
-        self.aborts += 1
+        self.controller.calls.append(self.name)
         return self
 
 
@@ -34,40 +42,84 @@ def runner(monkeypatch):
     r.killed, r.waits = [], []
 
     def get(ref, timeout=None):
-        r.waits.append(timeout)
-        if ref.stuck:
+        r.waits.append((ref.name, timeout))
+        c = ref.controller
+        if c.held or (ref.name == "abort" and c.abort_hangs):
             raise GetTimeoutError("the controller's loop is busy")
-        raise RayActorError()  # abort() ends the controller's process: the call "fails"
+        if ref.name == "abort":
+            raise RayActorError()  # abort() ends the controller's process: the call "fails"
+        return "RunningState"
 
     monkeypatch.setattr(ray, "get", get)
     monkeypatch.setattr(ray, "kill", lambda handle, no_restart=True: r.killed.append(handle))
     monkeypatch.setattr(r, "_members_gone", lambda: True)
+    monkeypatch.setattr(r.coordinator, "join", lambda request, known_epoch: None)
     return r
 
 
-def test_a_controller_that_aborts_is_not_killed(runner):
-    c = Controller(stuck=False)
-    runner.set_controller(c)
-    runner.cancel()
-    assert c.aborts == 1 and runner.killed == []
-    assert not [e for e in runner.poll(0).events if e["kind"] == "train_controller_killed"]
+def started(runner, controller, worker_id="train-worker-1"):
+    """``controller``'s run, whose workers have started their train function: one of them joins."""
+    runner.set_controller(controller)
+    runner.rdzv_join(JoinRequest(worker_id=worker_id, datacenter="dc-a", node_id="n1", address="127.0.0.1",
+                                 port=29500), 0)
 
 
-def test_a_controller_that_never_gets_to_its_abort_is_killed_after_the_wait(runner):
-    c = Controller(stuck=True)
-    runner.set_controller(c)
+def killed_events(runner):
+    return [e for e in runner.poll(0).events if e["kind"] == "train_controller_killed"]
+
+
+def test_a_controller_that_answers_is_asked_to_abort_and_not_killed(runner):
+    c = Controller()
+    started(runner, c)
     runner.cancel()
-    assert runner.waits == [actor.ABORT_WAIT_S] and runner.killed == [c]
-    (event,) = [e for e in runner.poll(0).events if e["kind"] == "train_controller_killed"]
+    assert c.calls == ["get_state", "abort"] and runner.killed == []
+    assert runner.waits == [("get_state", actor.ANSWER_WAIT_S), ("abort", actor.ABORT_WAIT_S)]
+    assert not killed_events(runner)
+
+
+def test_a_held_controller_is_killed_after_the_short_wait_without_an_abort(runner):
+    # Its event loop is held (Ray Train's replacement of a worker the cluster has no room for): asking it to abort
+    # would wait ABORT_WAIT_S for nothing. Seen in bench recovery: every cancel after a scale-up took 10.2-10.5 s.
+    c = Controller(held=True)
+    started(runner, c)
+    runner.cancel()
+    assert c.calls == ["get_state"] and runner.killed == [c]
+    assert runner.waits == [("get_state", actor.ANSWER_WAIT_S)]
+    (event,) = killed_events(runner)
+    assert "did not answer within" in event["message"] and event["data"]["waited_s"] == actor.ANSWER_WAIT_S
+
+
+def test_a_controller_that_answers_but_never_gets_to_its_abort_is_killed_after_the_wait(runner):
+    c = Controller(abort_hangs=True)
+    started(runner, c)
+    runner.cancel()
+    assert runner.waits[-1] == ("abort", actor.ABORT_WAIT_S) and runner.killed == [c]
+    (event,) = killed_events(runner)
     assert "did not abort within" in event["message"]
 
 
 def test_a_repeated_cancel_does_not_wait_again(runner):
-    c = Controller(stuck=True)
-    runner.set_controller(c)
+    c = Controller(held=True)
+    started(runner, c)
     for _ in range(4):  # the service repeats its cancel until the job ends
         runner.cancel()
-    assert c.aborts == 1 and runner.killed == [c]
-    second = Controller(stuck=False)  # a new Train run's controller is stopped too
+    assert c.calls == ["get_state"] and runner.killed == [c]
+    second = Controller()  # a new Train run's controller is stopped too (its workers have not started: no ping)
     runner.set_controller(second)
-    assert second.aborts == 1
+    assert second.calls == ["abort"]
+
+
+def test_a_controller_placing_its_workers_is_asked_to_abort_however_busy(runner):
+    # Placing the run's workers holds the controller's loop for seconds, and a controller killed before its workers
+    # started leaves its placement group (Ray Train registers it with its cleaner only once they have): seen in
+    # test_service_ray's cancel while placing, 0 of 4 CPUs free 30 s later. So no fast kill before a worker joined;
+    # nor does a worker the runner started itself (a replacement) count as the run's.
+    c = Controller(held=True)
+    runner.set_controller(c)
+    runner._replacements["replacement-1"] = ("dc-a", object())
+    runner.rdzv_join(JoinRequest(worker_id="replacement-1", datacenter="dc-a", node_id="n2", address="127.0.0.1",
+                                 port=29501), 0)
+    runner.cancel()
+    assert c.calls == ["abort"] and runner.waits == [("abort", actor.ABORT_WAIT_S)] and runner.killed[0] is c
+    (event,) = killed_events(runner)
+    assert "did not abort within" in event["message"]
