@@ -24,6 +24,7 @@ class Controller:
     def __init__(self, held: bool = False, abort_hangs: bool = False) -> None:
         self.held, self.abort_hangs, self.calls = held, abort_hangs, []
         self.abort, self.get_state = Method(self, "abort"), Method(self, "get_state")
+        self._actor_id = bytes.fromhex("c0ffee")  # a handle's id (ray.actor.ActorHandle._actor_id)
 
 
 class Method:
@@ -54,6 +55,8 @@ def runner(monkeypatch):
     monkeypatch.setattr(ray, "kill", lambda handle, no_restart=True: r.killed.append(handle))
     monkeypatch.setattr(r, "_members_gone", lambda: True)
     monkeypatch.setattr(r.coordinator, "join", lambda request, known_epoch: None)
+    r.pg_cleanups = []
+    monkeypatch.setattr(actor, "remove_placement_groups_of", lambda actor_id: r.pg_cleanups.append(actor_id) or ["pg1"])
     return r
 
 
@@ -87,6 +90,8 @@ def test_a_held_controller_is_killed_after_the_short_wait_without_an_abort(runne
     assert runner.waits == [("get_state", actor.ANSWER_WAIT_S)]
     (event,) = killed_events(runner)
     assert "did not answer within" in event["message"] and event["data"]["waited_s"] == actor.ANSWER_WAIT_S
+    # the placement groups it made are removed (those its workers run in, if Ray Train's cleaner has not yet)
+    assert runner.pg_cleanups == ["c0ffee"] and event["data"]["placement_groups_removed"] == ["pg1"]
 
 
 def test_a_controller_that_answers_but_never_gets_to_its_abort_is_killed_after_the_wait(runner):
@@ -95,7 +100,7 @@ def test_a_controller_that_answers_but_never_gets_to_its_abort_is_killed_after_t
     runner.cancel()
     assert runner.waits[-1] == ("abort", actor.ABORT_WAIT_S) and runner.killed == [c]
     (event,) = killed_events(runner)
-    assert "did not abort within" in event["message"]
+    assert "did not abort within" in event["message"] and runner.pg_cleanups == ["c0ffee"]
 
 
 def test_a_repeated_cancel_does_not_wait_again(runner):
@@ -110,10 +115,10 @@ def test_a_repeated_cancel_does_not_wait_again(runner):
 
 
 def test_a_controller_placing_its_workers_is_asked_to_abort_however_busy(runner):
-    # Placing the run's workers holds the controller's loop for seconds, and a controller killed before its workers
-    # started leaves its placement group (Ray Train registers it with its cleaner only once they have): seen in
-    # test_service_ray's cancel while placing, 0 of 4 CPUs free 30 s later. So no fast kill before a worker joined;
-    # nor does a worker the runner started itself (a replacement) count as the run's.
+    # Placing the run's workers keeps the controller's loop busy for seconds without holding it, and its abort is
+    # Ray Train's clean end (a fast kill there failed test_service_ray's cancel while placing: 0 of 4 CPUs free 30 s
+    # later, the placement group left behind). So no fast kill before a worker of the run joined; a worker the
+    # runner started itself (a replacement) does not count as the run's.
     c = Controller(held=True)
     runner.set_controller(c)
     runner._replacements["replacement-1"] = ("dc-a", object())
@@ -122,4 +127,4 @@ def test_a_controller_placing_its_workers_is_asked_to_abort_however_busy(runner)
     runner.cancel()
     assert c.calls == ["abort"] and runner.waits == [("abort", actor.ABORT_WAIT_S)] and runner.killed[0] is c
     (event,) = killed_events(runner)
-    assert "did not abort within" in event["message"]
+    assert "did not abort within" in event["message"] and runner.pg_cleanups == ["c0ffee"]

@@ -41,6 +41,7 @@ from meridian.service.runner.coordinator import Coordinator
 from meridian.service.runner.metrics import JobMetricsState, RayJobMetrics
 from meridian.service.runner.poll import RunnerPoll, RunnerState
 from meridian.service.runner.replacement import replacement_datacenter
+from meridian.service.runner.train_controller import ANSWER_WAIT_S, loop_held, remove_placement_groups_of
 from meridian.workers.contracts.records import StepRecord
 from meridian.workers.contracts.rendezvous import JoinReply, JoinRequest
 
@@ -72,13 +73,6 @@ controller's event loop, which a blocking wait of its own can hold: seen in ``be
 whose node had died and come back waited behind Ray Train's replacement of the dead worker (a ``ray.get`` in
 ``WorkerGroup._create_workers``, for a worker the returned node had no room for), and the job had not ended 60 s
 after the cancel. Killing the controller ends its workers with it (they are its actors)."""
-ANSWER_WAIT_S = 1.0
-"""How long ending a run first waits for Ray Train's controller to answer a cheap call (its state). Every call
-waits for the controller's event loop, so one that does not answer in this time has its loop held (above): it is
-killed at once instead of being asked to abort and waited for ``ABORT_WAIT_S``, and a job that trained its last
-step does not wait ``FIT_GRACE_S`` for a ``fit()`` that cannot return. (It answered in 3.1 and 6.5 ms at a job's
-end and at a cancel of a training job on this 2-core machine.) Only once the run's workers have started: while
-the controller places them its loop is busy for seconds, and killing it then would leave its placement group."""
 WORKERS_GONE_WAIT_S = 10.0
 """After killing the controller, how long to wait for the members' processes to be gone, so the snapshot sweep
 that ends the run comes after their last write."""
@@ -188,10 +182,10 @@ class JobRunner:
         self._finished_at = 0.0
         self._fit_cannot_end = False
         self._run_workers_started = False
-        """A worker of the current Train run has joined: Ray Train starts the train function only after its worker
-        group started and registered its placement group with its cleaner, which removes the group if the
-        controller is killed. Killed before (placing), the controller leaves its placement group holding the
-        workers' CPUs (seen: 0 of 4 free 30 s after such a cancel), so a controller is never killed fast then."""
+        """A worker of the current Train run has joined: Ray Train starts the train function only once its worker
+        group has started. Until then the controller places the workers, which keeps its loop busy for seconds
+        without holding it, and its abort is the clean end: it is not killed fast then (a kill after ABORT_WAIT_S
+        also removes the placement group it leaves)."""
         self._replacements: dict[str, Any] = {}  # actor id → handle of a worker started after a loss
         # How often a replacement still starting is looked up, and how often a failing cluster read is retried.
         self._asking = Backoff(initial_s=1.0, max_s=10.0)
@@ -352,7 +346,7 @@ class JobRunner:
                 self._finished_at = time.monotonic()
                 controller = self._controller
                 # A controller whose loop is held cannot end fit(): waiting FIT_GRACE_S for it would only delay the end.
-                self._fit_cannot_end = controller is not None and _loop_held(controller)
+                self._fit_cannot_end = controller is not None and loop_held(controller)
             if self._fit_cannot_end or time.monotonic() - self._finished_at > FIT_GRACE_S:
                 self._finish(RunnerState.SUCCEEDED)
                 self._stop_training()
@@ -420,7 +414,7 @@ class JobRunner:
         """Ray Train's abort; the controller's end instead if its event loop is held (it does not answer within
         :data:`ANSWER_WAIT_S`, once the run's workers have started) or it does not get to the abort within
         :data:`ABORT_WAIT_S`."""
-        if self._run_workers_started and _loop_held(controller):
+        if self._run_workers_started and loop_held(controller):
             self._kill_controller(controller, f"did not answer within {ANSWER_WAIT_S:.0f} s", ANSWER_WAIT_S)
             return
         try:
@@ -431,11 +425,16 @@ class JobRunner:
             pass
 
     def _kill_controller(self, controller: Any, why: str, waited_s: float) -> None:
-        self.push_event("train_controller_killed",
-                        f"Ray Train's controller {why} (its event loop is held, e.g. by its replacement of a worker "
-                        "on a dead node): killed it, and its workers with it", {"waited_s": waited_s})  # fmt: skip
         with contextlib.suppress(Exception):
             ray.kill(controller, no_restart=True)
+        removed: list[str] = []
+        with contextlib.suppress(Exception):  # best effort: the GCS may be busy; Ray Train's cleaner may do it
+            removed = remove_placement_groups_of(controller._actor_id.hex())
+        self.push_event("train_controller_killed",
+                        f"Ray Train's controller {why} (its event loop is held, e.g. by its replacement of a worker "
+                        "on a dead node): killed it, and its workers with it"
+                        + (f"; removed the placement group it left ({len(removed)})" if removed else ""),
+                        {"waited_s": waited_s, "placement_groups_removed": removed})  # fmt: skip
         deadline = time.monotonic() + WORKERS_GONE_WAIT_S
         while time.monotonic() < deadline and not self._members_gone():
             time.sleep(0.2)
@@ -515,18 +514,6 @@ class JobRunner:
             return trainer.fit().error
         except TrainingFailedError as e:  # Ray Train 2.60's fit() raises the error that ended the run
             return e
-
-
-def _loop_held(controller: Any) -> bool:
-    """Ray Train's controller does not answer a call for its state within :data:`ANSWER_WAIT_S`: its event loop is
-    held. A controller that has ended (the call fails) is not held: there is nothing to wait for."""
-    try:
-        ray.get(controller.get_state.remote(), timeout=ANSWER_WAIT_S)
-    except ray.exceptions.GetTimeoutError:
-        return True
-    except Exception:  # noqa: BLE001 - the controller's process has ended
-        return False
-    return False
 
 
 def _train_controller_failed(error: BaseException) -> bool:
