@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 from fakes import join_concurrently
 
@@ -268,3 +271,24 @@ def test_newcomers_waiting_a_minute_on_members_that_answer_stop_them():
     assert sorted(told) == [(39500, 1), (39501, 1)]  # each member once
     stuck = [e for e in events if e[0] == "worker_stuck"]
     assert len(stuck) == 2 and "no step boundary while new workers waited 60 s" in stuck[0][1]
+
+
+def test_a_closed_coordinator_forms_no_epoch_and_tells_joins_to_end():
+    # A cancelled job: its members die with Ray Train's controller, and a worker that outlives them (the runner's
+    # replacement) must not form an epoch alone and restart the job from its checkpoint.
+    events = []
+    c = Coordinator(planned_workers=2, min_workers=1, dc_order=("dc-a",), on_event=lambda *e: events.append(e))
+    threads, _ = join_concurrently(c, [member(0, "dc-a"), member(1, "dc-a")])
+    for t in threads:
+        t.join(10)
+    replies = []
+    newcomer = threading.Thread(target=lambda: replies.append(c.join(member(5, "dc-a"), poll_s=30)))
+    newcomer.start()  # waits for the members' next step boundary
+    time.sleep(0.3)
+    began = time.monotonic()
+    c.close()
+    newcomer.join(10)
+    assert isinstance(replies[0], Finished) and time.monotonic() - began < 5  # woken by the close, not its poll
+    assert isinstance(c.join(member(1, "dc-a", step=7), known_epoch=1, poll_s=0.1), Finished)
+    c.tick({"n1"})  # its peers' nodes are gone: an open coordinator would re-form now
+    assert [e[0] for e in events].count("epoch_formed") == 1

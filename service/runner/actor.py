@@ -398,7 +398,8 @@ class JobRunner:
         self._done.set()
 
     def _stop_training(self) -> None:
-        """End Ray Train's run (each controller once) and the replacement workers."""
+        """End Ray Train's run (each controller once) and the replacement workers; no epoch forms after."""
+        self.coordinator.close()
         with self._lock:
             controller = self._controller
             first = controller is not None and controller is not self._stopped_controller

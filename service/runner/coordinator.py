@@ -77,6 +77,8 @@ class Coordinator:
         self.liveness = liveness or LivenessTracker()
         self.abort_after_s = grace_s / 3 if abort_after_s is None else abort_after_s
         """How long after the first rejoin a member that answers but has not rejoined is told to stop."""
+        self.closed = False
+        """The job is ending (cancelled, failed, or its run stopped): no epoch forms, and joins are told to end."""
 
     # -- called by workers ------------------------------------------------------------------------------
     def join(self, request: JoinRequest, known_epoch: int = 0, poll_s: float = 2.0) -> JoinReply:
@@ -89,7 +91,7 @@ class Coordinator:
             self._probe_silent(also=wid)  # outside the lock: a probe of an unreachable host takes its timeout
         self._probe_stale_waiting(besides=wid)
         with self._cond:
-            if self.job_finished:
+            if self.job_finished or self.closed:
                 return Finished()  # a late worker (a replacement, one left out) has nothing to do
             now = self.clock()
             self._ports[wid] = request.port
@@ -106,7 +108,7 @@ class Coordinator:
                 a = self._assignment_locked(wid, known_epoch)
                 if a is not None:
                     return a
-                if self.job_finished:
+                if self.job_finished or self.closed:
                     return Finished()
                 left = deadline - self.clock()
                 if left <= 0:
@@ -139,6 +141,16 @@ class Coordinator:
         return e is not None and all(m.worker_id in self.finished for m in e.members)
 
     # -- called by the runner ---------------------------------------------------------------------------
+    def close(self) -> None:
+        """The job is ending: form no epoch from here on; a worker that joins, or waits in a join, is told there
+        is nothing left to do. (Seen before it on the ``ray start`` path: the cancel of a job that had lost and
+        regained a node killed Ray Train's controller and its workers with it, and the one worker it did not own,
+        the runner's replacement, formed an epoch alone 1.1 s after the kill and restarted from the durable
+        checkpoint 1.3 s later.)"""
+        with self._cond:
+            self.closed = True
+            self._cond.notify_all()
+
     def tick(self, alive_nodes: set[str]) -> None:
         self._probe_silent()
         self._probe_stale_waiting()
@@ -296,6 +308,8 @@ class Coordinator:
         )
 
     def _decide_locked(self) -> None:
+        if self.closed:
+            return
         alive = self._alive_nodes if self._alive_nodes is not None else {m.node_id for m in self.state.waiting.values()} | (
             {m.node_id for m in self.state.epoch.members} if self.state.epoch else set())
         decision = decide(self.state, self.clock(), alive_nodes=alive, grace_s=self.grace_s,
