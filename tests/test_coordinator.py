@@ -68,12 +68,18 @@ def test_newcomer_is_signalled_to_members_and_joins_at_the_next_boundary():
     assert out["w0"].resume_step == 4
 
 
-def test_a_re_formed_epoch_starts_every_rank_at_the_widest_snapshot_cadence_agreed_so_far():
+def two_in_dc_a():
+    """A coordinator whose first epoch formed with w0 and w1 in dc-a; its events; their assignments."""
     events = []
     c = Coordinator(planned_workers=2, min_workers=1, dc_order=("dc-a",), on_event=lambda *e: events.append(e))
     threads, first = join_concurrently(c, [member(0, "dc-a"), member(1, "dc-a")])
     for t in threads:
         t.join(10)
+    return c, events, first
+
+
+def test_a_re_formed_epoch_starts_every_rank_at_the_widest_snapshot_cadence_agreed_so_far():
+    c, events, first = two_in_dc_a()
     assert {a.snapshot_every for a in first.values()} == {1}
     newcomer_threads, newcomer = join_concurrently(c, [member(5, "dc-a")])  # a new worker knows none
     threads, out = join_concurrently(c, [member(0, "dc-a", step=17, snapshot_every=17),
@@ -276,11 +282,7 @@ def test_newcomers_waiting_a_minute_on_members_that_answer_stop_them():
 def test_a_closed_coordinator_forms_no_epoch_and_tells_joins_to_end():
     # A cancelled job: its members die with Ray Train's controller, and a worker that outlives them (the runner's
     # replacement) must not form an epoch alone and restart the job from its checkpoint.
-    events = []
-    c = Coordinator(planned_workers=2, min_workers=1, dc_order=("dc-a",), on_event=lambda *e: events.append(e))
-    threads, _ = join_concurrently(c, [member(0, "dc-a"), member(1, "dc-a")])
-    for t in threads:
-        t.join(10)
+    c, events, _ = two_in_dc_a()
     replies = []
     newcomer = threading.Thread(target=lambda: replies.append(c.join(member(5, "dc-a"), poll_s=30)))
     newcomer.start()  # waits for the members' next step boundary
