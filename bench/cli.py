@@ -26,6 +26,7 @@ BENCHMARKS: dict[str, str] = {
     "data": "meridian.bench.data",
     "checkpoint": "meridian.bench.checkpoint",
     "lab": "meridian.bench.lab",
+    "lab-demo": "meridian.bench.lab_demo",
     "pgspin": "meridian.bench.pgspin",
     "gpu": "meridian.bench.gpu",
     "gloo-release": "meridian.bench.gloo_release",

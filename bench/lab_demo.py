@@ -1,0 +1,199 @@
+"""``meridian bench lab-demo``: a job through the REST API on the network lab, two datacenters against one.
+
+    sudo meridian bench lab-demo --json [--rounds 2] [--rtt-ms 21] [--gbps 1] [--probe] [--spec examples/demo.json]
+
+Each run brings up the lab with Ray (:mod:`meridian.service.cluster.lab`): ``two`` puts the workers in two
+datacenters, half each, joined over real TCP through the delay line at ``--rtt-ms`` and ``--gbps``; ``one`` puts
+them all in the first datacenter, where no link exists. The service runs in this process on the lab's Ray
+address, as ``meridian serve --address`` does; with ``--probe`` it first measures the cluster's links and the
+spec's compute (``POST /v1/diagnostics/collectives`` and ``/compute``), so that ``sync: auto`` plans from measured
+figures, not defaults. Then the spec (by default ``examples/demo.json``, ``sync: auto``) is submitted and followed
+to its end, and the lab is brought down. Rounds alternate the order (two, one; one, two; ...), so a drift of this
+shared machine's speed falls on both sides.
+
+What each run reports comes from the job's own step records (``GET /v1/jobs/{id}/metrics``) and result:
+
+- ``steady_tokens_per_s``: tokens of the steps after ``--steady-from`` ÷ the time between their records, the
+  figure the scaling efficiency is taken from (the job's first steps pay for process and group start-up);
+- ``job_tokens_per_s``: the job's own whole-run figure (its result);
+- ``final_loss``, ``eval_loss``; the plan's sync choice (``sync_strategy``, ``local_lookahead``, ``compression``);
+- ``median_exposed_ms``: the median step's sync left exposed, as the job reported it;
+- ``delay_line_cpu_s``: CPU seconds the lab's delay line used over the job (``/proc``): a real link costs the ranks'
+  cores nothing, so on a small machine this is the lab's own distortion.
+
+Each pair of runs gives ``scaling_efficiency`` (two ÷ one, steady tokens/s) and ``final_loss_rel_diff`` (two
+against one: the sync two datacenters use may differ from exact sync). Needs root, like the lab.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+NAME = "lab-demo"
+HELP = "a job through the REST API on the network lab: two datacenters against one (scaling efficiency, loss)"
+LAB_NAME = "bench-demo"
+DEFAULT_SPEC = Path(__file__).resolve().parents[1] / "examples" / "demo.json"  # beside the package, or in it
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--spec", default=None, help="job spec to submit (default: the demo, examples/demo.json)")
+    p.add_argument("--rounds", type=int, default=2, help="pairs of runs, in alternating order (default 2)")
+    p.add_argument("--rtt-ms", type=float, default=21.0, help="the link's round trip between the datacenters")
+    p.add_argument("--gbps", type=float, default=1.0, help="the link's rate between the datacenters")
+    p.add_argument("--workers", type=int, default=4, help="one-CPU nodes in all, halved between two datacenters")
+    p.add_argument("--probe", action="store_true",
+                   help="measure links and compute through the API before submitting, so `auto` plans from them")
+    p.add_argument("--steady-from", type=int, default=21, help="steps from this one on give steady_tokens_per_s")
+    p.add_argument("--lock", default="/tmp/meridian-lab.lock", help="the machine's lab lock file")
+    p.add_argument("--lock-timeout-s", type=float, default=900.0, help="wait this long for the lab lock")
+    p.add_argument("--timeout-s", type=float, default=600.0, help="give up on one job after this long")
+
+
+def run_order(rounds: int) -> list[str]:
+    """``two, one, one, two, two, one, ...``: each pair in the other order than the pair before."""
+    return [side for r in range(rounds) for side in (("two", "one") if r % 2 == 0 else ("one", "two"))]
+
+
+def layout(side: str, workers: int) -> dict[str, int]:
+    if side == "one":
+        return {"dc-a": workers}
+    return {"dc-a": workers - workers // 2, "dc-b": workers // 2}
+
+
+def steady_tokens_per_s(points: list[dict[str, Any]], steady_from: int) -> float | None:
+    """Tokens of the steps after the first one at or past ``steady_from``, over the time between the records of
+    that step and the last (each record is stamped when its step ends). ``None`` with fewer than two such steps."""
+    steady = sorted((p for p in points if p["step"] >= steady_from), key=lambda p: p["step"])
+    if len(steady) < 2:
+        return None
+    first, last = steady[0], steady[-1]
+    per_step = statistics.median(p["tokens_per_s"] * p["step_s"] for p in steady)  # every step has as many
+    elapsed = last["time"] - first["time"]
+    return per_step * (last["step"] - first["step"]) / elapsed if elapsed > 0 else None
+
+
+def pairs(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each round's two runs side by side: ``scaling_efficiency`` (two ÷ one, steady tokens/s), the same of the
+    whole jobs, and the final loss of two against one."""
+    out = []
+    for r in range(len(runs) // 2):
+        by_side = {run["side"]: run for run in runs[2 * r:2 * r + 2]}
+        two, one = by_side["two"], by_side["one"]
+        ratio = (two["steady_tokens_per_s"] / one["steady_tokens_per_s"]
+                 if two["steady_tokens_per_s"] and one["steady_tokens_per_s"] else None)  # fmt: skip
+        out.append({
+            "round": r + 1,
+            "scaling_efficiency": round(ratio, 3) if ratio is not None else None,
+            "job_tokens_per_s_ratio": round(two["job_tokens_per_s"] / one["job_tokens_per_s"], 3),
+            "final_loss_rel_diff": round(two["final_loss"] / one["final_loss"] - 1, 5),
+        })
+    return out
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    import os
+
+    from meridian.bench.lab import lab_lock
+
+    if os.geteuid() != 0:
+        raise RuntimeError("the lab creates network namespaces: run `meridian bench lab-demo` as root")
+    if args.rounds < 1 or args.workers < 2:
+        raise ValueError(f"--rounds must be >= 1 and --workers >= 2, got {args.rounds} and {args.workers}")
+    spec = json.loads(Path(args.spec or DEFAULT_SPEC).read_text())
+    runs = []
+    started = time.monotonic()
+    with lab_lock(args.lock, args.lock_timeout_s):
+        for side in run_order(args.rounds):
+            runs.append(_one_run(args, side, spec))
+    rounds = pairs(runs)
+    efficiencies = [r["scaling_efficiency"] for r in rounds if r["scaling_efficiency"] is not None]
+    return {
+        "setup": {"spec": spec, "rtt_ms": args.rtt_ms, "gbps": args.gbps, "workers": args.workers,
+                  "probe": args.probe, "steady_from": args.steady_from, "wall_s": round(time.monotonic() - started, 1)},
+        "runs": runs,
+        "rounds": rounds,
+        "median_scaling_efficiency": round(statistics.median(efficiencies), 3) if efficiencies else None,
+    }
+
+
+def _one_run(args: argparse.Namespace, side: str, spec: dict[str, Any]) -> dict[str, Any]:
+    import httpx
+
+    from meridian.api.server import serve_in_thread
+    from meridian.bench.cpu_sample import process_cpu_s
+    from meridian.service.cluster.lab import lab
+    from meridian.service.core import MeridianService, ServiceConfig
+
+    if lab.state_path(LAB_NAME).exists():
+        lab.down(LAB_NAME)  # what an interrupted earlier run left
+    state = lab.up(layout(side, args.workers), rtt_ms=args.rtt_ms, gbps=args.gbps, name=LAB_NAME)
+    data_dir = tempfile.mkdtemp(prefix="meridian-bench-lab-demo-")
+    service = None
+    try:
+        service = MeridianService(ServiceConfig(data_dir=data_dir, ray_address=state.ray_address,
+                                                poll_interval_s=0.3)).start()  # fmt: skip
+        with serve_in_thread(service) as url, httpx.Client(base_url=url, timeout=120) as api:
+            if args.probe:
+                tiers = ["intra_dc", "inter_dc"] if side == "two" else ["intra_dc"]
+                _ok(api.post("/v1/diagnostics/collectives", json={"tiers": tiers, "max_bytes": 16 * 2**20}), "probe")
+                _ok(api.post("/v1/diagnostics/compute", json=spec), "compute probe")
+            cpu_before = process_cpu_s(state.delay_line_pid)
+            job_id = _ok(api.post("/v1/jobs", json=spec), "submit")["id"]
+            job = _until_ended(api, job_id, args.timeout_s)
+            line_cpu_s = process_cpu_s(state.delay_line_pid) - cpu_before
+            if job["state"] != "succeeded":
+                raise RuntimeError(f"the {side}-datacenter job ended {job['state']}: {job['message']}")
+            points = _ok(api.get(f"/v1/jobs/{job_id}/metrics"), "metrics")["points"]
+        plan, result = job["plan"], job["result"]
+        steady = steady_tokens_per_s(points, args.steady_from)
+        return {
+            "side": side, "datacenters": plan["datacenters"], "sync_strategy": plan["sync_strategy"],
+            "local_lookahead": plan["local_lookahead"], "compression": plan["compression"],
+            "steady_tokens_per_s": round(steady, 1) if steady is not None else None,
+            "job_tokens_per_s": round(result["tokens_per_s"], 1),
+            "final_loss": result["final_loss"], "eval_loss": result.get("eval_loss"),
+            "median_exposed_ms": round(1000 * statistics.median(p["exposed_s"] for p in points), 1) if points else None,
+            "delay_line_cpu_s": round(line_cpu_s, 2),
+        }
+    finally:
+        if service is not None:
+            service.stop()
+        lab.down(LAB_NAME)
+        shutil.rmtree(data_dir, ignore_errors=True)
+
+
+def _ok(response: Any, what: str) -> Any:
+    if response.status_code >= 300:
+        raise RuntimeError(f"{what} failed ({response.status_code}): {response.text[:500]}")
+    return response.json()
+
+
+def _until_ended(api: Any, job_id: str, timeout_s: float) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        job = _ok(api.get(f"/v1/jobs/{job_id}"), "job")
+        if job["state"] in ("succeeded", "failed", "cancelled"):
+            return job
+        time.sleep(0.5)
+    api.delete(f"/v1/jobs/{job_id}")
+    raise RuntimeError(f"job {job_id} had not ended after {timeout_s:.0f} s (cancelled)")
+
+
+def render(result: dict[str, Any]) -> str:
+    lines = [f"{'side':<5} {'sync':<14} {'steady tok/s':>12} {'job tok/s':>10} {'final loss':>10} {'line CPU s':>10}"]
+    for r in result["runs"]:
+        sync = r["sync_strategy"] + ("+lookahead" if r["local_lookahead"] else "")
+        lines.append(f"{r['side']:<5} {sync:<14} {r['steady_tokens_per_s'] or float('nan'):>12.0f} "
+                     f"{r['job_tokens_per_s']:>10.0f} {r['final_loss']:>10.4f} {r['delay_line_cpu_s']:>10.2f}")
+    for p in result["rounds"]:
+        lines.append(f"round {p['round']}: scaling efficiency {p['scaling_efficiency']}, whole jobs "
+                     f"{p['job_tokens_per_s_ratio']}, final loss {100 * p['final_loss_rel_diff']:+.2f}%")
+    lines.append(f"median scaling efficiency: {result['median_scaling_efficiency']}")
+    return "\n".join(lines)

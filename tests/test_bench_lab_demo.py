@@ -1,0 +1,55 @@
+"""``meridian bench lab-demo``'s own arithmetic and order, without a lab (its runs need root and minutes)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from meridian.bench import cli, lab_demo
+
+
+def point(step, t, step_s=0.2, tokens_per_step=2048):
+    return {"step": step, "time": t, "step_s": step_s, "tokens_per_s": tokens_per_step / step_s, "exposed_s": 0.01}
+
+
+def test_rounds_alternate_which_side_runs_first():
+    assert lab_demo.run_order(1) == ["two", "one"]
+    assert lab_demo.run_order(3) == ["two", "one", "one", "two", "two", "one"]
+
+
+def test_two_datacenters_split_the_workers_and_one_holds_them_all():
+    assert lab_demo.layout("two", 4) == {"dc-a": 2, "dc-b": 2}
+    assert lab_demo.layout("two", 5) == {"dc-a": 3, "dc-b": 2}
+    assert lab_demo.layout("one", 4) == {"dc-a": 4}
+
+
+def test_steady_tokens_per_s_counts_the_steps_after_the_first_steady_record_over_their_time():
+    # Steps 1-20 are slow start-up; from step 21 one step every 0.25 s whatever each record's own step_s says.
+    points = [point(s, 0.5 * s) for s in range(1, 21)] + [point(s, 10.0 + 0.25 * (s - 20)) for s in range(21, 61)]
+    assert lab_demo.steady_tokens_per_s(points, 21) == pytest.approx(2048 / 0.25)
+    # Records can arrive out of order (and some be missing): the steps between the first and the last count.
+    shuffled = list(reversed(points))[::2] + [points[20]]
+    assert lab_demo.steady_tokens_per_s(shuffled, 21) == pytest.approx(2048 / 0.25)
+    assert lab_demo.steady_tokens_per_s(points[:21], 21) is None  # one steady record: no interval
+
+
+def test_pairs_divide_two_by_one_in_each_round_whatever_order_they_ran():
+    def run(side, steady, job, loss):
+        return {"side": side, "steady_tokens_per_s": steady, "job_tokens_per_s": job, "final_loss": loss}
+
+    runs = [run("two", 9000.0, 8000.0, 2.7), run("one", 10000.0, 9000.0, 2.6961),
+            run("one", 12000.0, 10000.0, 2.6961), run("two", 11400.0, 9500.0, 2.6961)]
+    first, second = lab_demo.pairs(runs)
+    assert first["scaling_efficiency"] == 0.9 and first["job_tokens_per_s_ratio"] == pytest.approx(0.889, abs=1e-3)
+    assert first["final_loss_rel_diff"] == pytest.approx(2.7 / 2.6961 - 1, abs=1e-5)
+    assert second["scaling_efficiency"] == 0.95 and second["final_loss_rel_diff"] == 0
+    assert math.isclose(second["job_tokens_per_s_ratio"], 0.95)
+    runs[0]["steady_tokens_per_s"] = None  # too few steady steps to say
+    assert lab_demo.pairs(runs)[0]["scaling_efficiency"] is None
+
+
+def test_the_bench_is_listed_and_its_default_spec_is_the_demo():
+    args = cli.build_parser().parse_args(["lab-demo", "--json", "--rounds", "1", "--probe"])
+    assert args.rounds == 1 and args.probe and args.spec is None
+    assert lab_demo.DEFAULT_SPEC.name == "demo.json" and lab_demo.DEFAULT_SPEC.exists()
