@@ -54,7 +54,8 @@ def job_spec(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_job(url: str, spec: dict[str, Any], timeout_s: float) -> dict[str, Any]:
-    """Submit ``spec`` to the service at ``url`` and wait for it to end; the job as the API returns it."""
+    """Submit ``spec`` to the service at ``url`` and wait for it to end; the job as the API returns it, with its
+    step records (``points``) and each step's time (``step_s``)."""
     from meridian.api.cli import watch
     from meridian.api.client import ApiError, Client
 
@@ -69,7 +70,8 @@ def run_job(url: str, spec: dict[str, Any], timeout_s: float) -> dict[str, Any]:
     if job["state"] != "succeeded":
         raise RuntimeError(f"job {job['id']} {job['state']}: {job['message']}")
     job["events"] = [e["message"] for e in client.events(job["id"])["events"] if e["kind"] == "snapshot_cadence"]
-    job["step_s"] = {p["step"]: p["step_s"] for p in client.metrics(job["id"])["points"] if p.get("step_s")}
+    job["points"] = client.metrics(job["id"])["points"]
+    job["step_s"] = {p["step"]: p["step_s"] for p in job["points"] if p.get("step_s")}
     return job
 
 

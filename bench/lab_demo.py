@@ -124,10 +124,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _one_run(args: argparse.Namespace, side: str, spec: dict[str, Any]) -> dict[str, Any]:
-    import httpx
-
+    from meridian.api.client import Client
     from meridian.api.server import serve_in_thread
     from meridian.bench.cpu_sample import process_cpu_s
+    from meridian.bench.gpu import run_job
     from meridian.service.cluster.lab import lab
     from meridian.service.core import MeridianService, ServiceConfig
 
@@ -139,19 +139,18 @@ def _one_run(args: argparse.Namespace, side: str, spec: dict[str, Any]) -> dict[
     try:
         service = MeridianService(ServiceConfig(data_dir=data_dir, ray_address=state.ray_address,
                                                 poll_interval_s=0.3)).start()  # fmt: skip
-        with serve_in_thread(service) as url, httpx.Client(base_url=url, timeout=120) as api:
+        with serve_in_thread(service) as url:
             if args.probe:
-                tiers = ["intra_dc", "inter_dc"] if side == "two" else ["intra_dc"]
-                _ok(api.post("/v1/diagnostics/collectives", json={"tiers": tiers, "max_bytes": 16 * 2**20}), "probe")
-                _ok(api.post("/v1/diagnostics/compute", json=spec), "compute probe")
+                client = Client(url)
+                try:
+                    client.probe_links(["intra_dc", "inter_dc"] if side == "two" else ["intra_dc"], 16 * 2**20)
+                    client.probe_compute(spec)
+                finally:
+                    client.close()
             cpu_before = process_cpu_s(state.delay_line_pid)
-            job_id = _ok(api.post("/v1/jobs", json=spec), "submit")["id"]
-            job = _until_ended(api, job_id, args.timeout_s)
+            job = run_job(url, spec, args.timeout_s)  # raises unless it succeeded
             line_cpu_s = process_cpu_s(state.delay_line_pid) - cpu_before
-            if job["state"] != "succeeded":
-                raise RuntimeError(f"the {side}-datacenter job ended {job['state']}: {job['message']}")
-            points = _ok(api.get(f"/v1/jobs/{job_id}/metrics"), "metrics")["points"]
-        plan, result = job["plan"], job["result"]
+        plan, result, points = job["plan"], job["result"], job["points"]
         steady = steady_tokens_per_s(points, args.steady_from)
         return {
             "side": side, "datacenters": plan["datacenters"], "sync_strategy": plan["sync_strategy"],
@@ -167,23 +166,6 @@ def _one_run(args: argparse.Namespace, side: str, spec: dict[str, Any]) -> dict[
             service.stop()
         lab.down(LAB_NAME)
         shutil.rmtree(data_dir, ignore_errors=True)
-
-
-def _ok(response: Any, what: str) -> Any:
-    if response.status_code >= 300:
-        raise RuntimeError(f"{what} failed ({response.status_code}): {response.text[:500]}")
-    return response.json()
-
-
-def _until_ended(api: Any, job_id: str, timeout_s: float) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        job = _ok(api.get(f"/v1/jobs/{job_id}"), "job")
-        if job["state"] in ("succeeded", "failed", "cancelled"):
-            return job
-        time.sleep(0.5)
-    api.delete(f"/v1/jobs/{job_id}")
-    raise RuntimeError(f"job {job_id} had not ended after {timeout_s:.0f} s (cancelled)")
 
 
 def render(result: dict[str, Any]) -> str:
