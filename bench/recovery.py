@@ -126,7 +126,7 @@ def _meridian(args: argparse.Namespace) -> dict[str, Any]:
                     break
                 if action == "kill":
                     victim = next(p for p in job["placement"] if p["rank"] != 0 and p["datacenter"] == victim_dc)
-                    cluster.kill(victim["node_id"], at_kill=phases.killed)
+                    cluster.kill(victim["node_id"], at_kill=phases.killed, at_dead=phases.dead)
                 elif action == "back":
                     phases.came_back()
                     cluster.add(victim_dc)
@@ -138,11 +138,14 @@ def _meridian(args: argparse.Namespace) -> dict[str, Any]:
             out = recovery_metrics(log.records(), kill_time=phases.kill_time, full_workers=full,
                                    survivors=full - 1, tokens_per_step=_tokens_per_step(args),
                                    resume_step=formed[0]["resume_step"], back_time=phases.back_time)  # fmt: skip
+            out["victim_exited_s"] = phases.victim_exited_s()
             out["after_kill_s"] = log.timeline(phases.kill_time, phases.back_time)
             out["cpu_from_kill_to_return"] = phases.cpu_report()
             out["cancel_to_ended_s"] = cancel_s
-            out["state_exchanged"] = [  # the bytes each re-formation's exchange sent, measured by its plan's buffers
-                {k: r[k] for k in ("epoch", "state_bytes_sent", "state_bytes_cross_dc") if k in r} for r in log.restored]
+            # Each re-formation's rank 0: group and model set up (s), state restored (s), and the bytes its
+            # exchange sent, measured by its plan's buffers
+            out["state_exchanged"] = [{k: r[k] for k in ("epoch", "setup_s", "restore_s", "state_bytes_sent",
+                                                         "state_bytes_cross_dc") if k in r} for r in log.restored]
             if phases.back_time is not None:
                 out["after_back_s"] = log.timeline(phases.back_time, None)
             return out
@@ -315,7 +318,7 @@ def _ray_train_elastic(args: argparse.Namespace) -> dict[str, Any]:
                 last_dc = dc_name(args.dcs - 1)
                 everyone = [i for d in range(args.dcs) for i in cluster.node_ids(dc_name(d))]
                 victim = _node_of_a_worker(everyone, cluster.node_ids(last_dc))
-                cluster.kill(victim, at_kill=phases.killed)
+                cluster.kill(victim, at_kill=phases.killed, at_dead=phases.dead)
             elif action == "back":
                 phases.came_back()
                 cluster.add(dc_name(args.dcs - 1))
@@ -326,6 +329,7 @@ def _ray_train_elastic(args: argparse.Namespace) -> dict[str, Any]:
         out = recovery_metrics(records, kill_time=phases.kill_time, full_workers=workers, survivors=workers - 1,
                                tokens_per_step=_tokens_per_step(args), resume_step=starts[1],
                                back_time=phases.back_time)  # fmt: skip
+        out["victim_exited_s"] = phases.victim_exited_s()
         out["cpu_from_kill_to_return"] = phases.cpu_report()
         return out
     finally:
@@ -371,6 +375,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                               "step (or until the node returned: post_recovery_window_s) ÷ (steps/s "
                                               "before the kill × surviving fraction); same tokens per step everywhere",
             "scale_up_s": "node back → end of the first step trained by every worker again",
+            "victim_exited_s": "kill → the last killed process seen exited (its sockets closed): the kernel's part, "
+                               "before any survivor can see the victim gone (a node's ~10 processes for Meridian and "
+                               "Ray Train, one process for torchft)",
         },
     }
     for side, all_runs in sides.items():

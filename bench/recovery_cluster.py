@@ -9,9 +9,10 @@
   A node's death is a SIGKILL of its raylet, then of everything it started, as when a machine dies; it comes
   back with the same ``ray start`` command. Needs root, like the lab.
 
-Both offer the same four operations to the sides: ``address``, ``node_ids(dc)``, ``kill(node_id, at_kill)``,
-``add(dc)``, and ``shutdown()``. ``at_kill`` runs right before the first SIGKILL, after the node's processes are
-found: the torchft side's clock starts right before its SIGKILL too.
+Both offer the same four operations to the sides: ``address``, ``node_ids(dc)``, ``kill(node_id, at_kill,
+at_dead)``, ``add(dc)``, and ``shutdown()``. ``at_kill`` runs right before the first SIGKILL, after the node's
+processes are found: the torchft side's clock starts right before its SIGKILL too. ``at_dead`` runs once every
+process of the node has exited.
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ class EmbeddedCluster:
     def node_ids(self, dc: str) -> list[str]:
         return [n.node_id for n in self._nodes.get(dc, [])]
 
-    def kill(self, node_id: str, at_kill: Callable[[], None] | None = None) -> None:
+    def kill(self, node_id: str, at_kill: Callable[[], None] | None = None,
+             at_dead: Callable[[], None] | None = None) -> None:
         for nodes in self._nodes.values():
             for n in nodes:
                 if n.node_id == node_id:
@@ -58,7 +60,7 @@ class EmbeddedCluster:
                     # Every process of the node at once, as on the ray-start path and as a machine dies:
                     # Ray's remove_node kills only the node's Ray processes, and its workers (with their
                     # training processes) lived on for ~0.7 s, training steps "after the kill".
-                    kill_ray_node(node_id, at_kill=at_kill)
+                    kill_ray_node(node_id, at_kill=at_kill, at_dead=at_dead)
                     self._cluster.remove_node(n, allow_graceful=False)  # Ray's bookkeeping of the node
                     return
         raise ValueError(f"node {node_id} is not one of this cluster's")
@@ -88,12 +90,13 @@ class RayStartCluster:
     def node_ids(self, dc: str) -> list[str]:
         return [n["node_id"] for n in self._alive() if n["labels"]["datacenter"] == dc]
 
-    def kill(self, node_id: str, at_kill: Callable[[], None] | None = None) -> None:
+    def kill(self, node_id: str, at_kill: Callable[[], None] | None = None,
+             at_dead: Callable[[], None] | None = None) -> None:
         node = next((n for n in self._alive() if n["node_id"] == node_id), None)
         if node is None:
             raise ValueError(f"node {node_id} is not an alive node of the lab")
         dc = next(d for d in self.state.layout.datacenters if d.name == node["labels"]["datacenter"])
-        self._lab.kill_ray_node(node_id, at_kill=at_kill)
+        self._lab.kill_ray_node(node_id, at_kill=at_kill, at_dead=at_dead)
         self._dead.setdefault(dc.name, []).append(next(n for n in dc.nodes if n.ip == node["ip"]))
 
     def add(self, dc: str) -> None:

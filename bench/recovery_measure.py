@@ -89,6 +89,8 @@ class Phases:
         ``scale_up_timeout_s``); ``full``: the workers of the unbroken job."""
         self.args, self.full, self.clock = args, full, clock
         self.kill_time: float | None = None
+        self.dead_time: float | None = None
+        """When every killed process had exited (its sockets closed), as the driver saw it."""
         self.back_time: float | None = None
         self._give_up = 0.0
         self.cpu_samples: list[Any] = []
@@ -100,6 +102,17 @@ class Phases:
 
         self.cpu_samples.append(snapshot())
         self.kill_time = time.time()
+
+    def dead(self) -> None:
+        """Call once every killed process has exited: the victim's side of the kill is over from here."""
+        self.dead_time = time.time()
+
+    def victim_exited_s(self) -> float | None:
+        """Seconds from the kill's first signal to the last killed process's exit: what the kernel took to tear
+        the victim down, before any peer can see it gone."""
+        if self.kill_time is None or self.dead_time is None:
+            return None
+        return round(self.dead_time - self.kill_time, 3)
 
     def came_back(self) -> None:
         """Call right before the node (process) is started again."""

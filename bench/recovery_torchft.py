@@ -97,7 +97,8 @@ def run_torchft(args: argparse.Namespace) -> dict[str, Any]:
                 raise RuntimeError(f"the torchft side did not finish within {args.timeout_s:.0f} s")
             if action == "kill":
                 phases.killed()
-                workers.kill(victim)
+                workers.kill(victim)  # returns once the process has exited
+                phases.dead()
             elif action == "back":
                 phases.came_back()
                 workers.start(victim)
@@ -106,6 +107,7 @@ def run_torchft(args: argparse.Namespace) -> dict[str, Any]:
             raise RuntimeError("the torchft side finished before the kill")
         out = recovery_metrics(_records(watched), kill_time=phases.kill_time, full_workers=n, survivors=n - 1,
                                tokens_per_step=args.tokens_per_step, back_time=phases.back_time)  # fmt: skip
+        out["victim_exited_s"] = phases.victim_exited_s()
         out["cpu_from_kill_to_return"] = phases.cpu_report()
         out["runs_on"] = "plain processes, no Ray: a torchft lighthouse and one replica group per worker"
         out["replica_groups"] = n

@@ -59,7 +59,9 @@ def test_phases_kill_then_bring_back_then_stop():
     assert p.next_action(_steps(1, 8, 0.0, 1.0, 4)) is None  # step 8 but only 7 s in
     records = _steps(1, 12, 0.0, 1.0, 4)
     assert p.next_action(records) == "kill"
-    p.kill_time = 11.5
+    assert p.victim_exited_s() is None
+    p.kill_time, p.dead_time = 11.5, 11.625
+    assert p.victim_exited_s() == 0.125
     records += _steps(12, 10, 15.0, 1.0, 3)
     assert p.next_action(records) is None  # 9 s of the re-formed group's window
     records += _steps(22, 15, 25.0, 1.0, 3)

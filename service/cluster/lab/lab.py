@@ -191,14 +191,15 @@ def start_node(state: LabState, dc: LabDatacenter, node: LabNode) -> None:
     _run_ray(cmd, _ray_env(GLOO_SOCKET_IFNAME=dc.dc_veth))
 
 
-def kill_ray_node(node_id: str, timeout_s: float = 5.0, at_kill: Callable[[], None] | None = None) -> int:
+def kill_ray_node(node_id: str, timeout_s: float = 5.0, at_kill: Callable[[], None] | None = None,
+                  at_dead: Callable[[], None] | None = None) -> int:
     """A Ray node of this machine dies as a machine dies: SIGKILL its raylet (found by ``--node_id=`` on its
     command line), then every process it started (agents, workers, their training processes), all within
     milliseconds, so none trains on after the "death" and its ports are free for a node that comes back.
     Works for any node on this machine (the lab's, or one that ``ray.cluster_utils`` started). ``at_kill`` is
     called right before the first signal, once the processes are found (15-20 ms of reading ``/proc`` on a busy
-    machine, which is not the node's death: a benchmark starts its clock there). Returns, once all of them have
-    exited, the raylet's pid."""
+    machine, which is not the node's death: a benchmark starts its clock there), and ``at_dead`` as soon as the
+    last of them is seen exited (polled every 5 ms). Returns, once all of them have exited, the raylet's pid."""
     raylet = [p for p in lab_processes(f"--node_id={node_id}") if _comm(p) == "raylet"]
     if not raylet:
         raise LabError(f"no raylet of node {node_id} runs on this machine")
@@ -215,6 +216,8 @@ def kill_ray_node(node_id: str, timeout_s: float = 5.0, at_kill: Callable[[], No
         time.sleep(0.005)
     if alive:
         raise LabError(f"processes {alive} of node {node_id} still run {timeout_s:.0f} s after SIGKILL")
+    if at_dead is not None:
+        at_dead()
     return raylet[0]
 
 
