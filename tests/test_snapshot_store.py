@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from meridian.workers.state.replica_state import LocalShard, OuterShard, StatePiece
-from meridian.workers.state.snapshots import SnapshotStore
+from meridian.workers.state.replica_state import LocalShard, OuterShard, StatePiece, pack
+from meridian.workers.state.snapshots import SnapshotStore, read_packed
 
 
 def shard(step: int) -> LocalShard:
@@ -32,13 +33,28 @@ def test_the_next_process_reads_back_the_shards_kept(tmp_path):
     after = SnapshotStore(2, str(tmp_path))  # the next training process's store of the same folder
     assert after.last_step == 3 and after.get(1) is None  # the newest two are kept
     assert same(after.get(3), shard(3)) and same(after.get(2), shard(2))
-    desc, flat = torch.load(tmp_path / "shard-0000000003.pt", weights_only=True)  # plain data: one tensor
+    path = tmp_path / "shard-0000000003.pt"
+    desc, flat = read_packed(path)  # a description and one flat tensor
     assert desc["step"] == 3 and flat.numel() == 3 * 3 + 1 + 3
+    # the numbers raw after the magic, the description's length and the description: 4 bytes each, no more
+    head = int.from_bytes(path.read_bytes()[4:12], "little")
+    assert path.read_bytes()[:4] == b"MRDS" and path.stat().st_size == 12 + head + 4 * flat.numel()
+    assert flat[-3:].tolist() == [0.0, 0.0, 0.0] and flat[:3].tolist() == [3.0, 4.0, 5.0]
 
 
-def test_a_file_an_older_version_wrote_still_reads(tmp_path):
+def test_files_older_versions_wrote_still_read(tmp_path):
     torch.save(shard(7), tmp_path / "shard-0000000007.pt")  # the shard object itself
-    assert same(SnapshotStore(2, str(tmp_path)).get(7), shard(7))
+    torch.save(pack(shard(8)), tmp_path / "shard-0000000008.pt")  # packed, in torch.save's format
+    store = SnapshotStore(2, str(tmp_path))
+    assert same(store.get(7), shard(7)) and same(store.get(8), shard(8))
+
+
+def test_a_file_cut_short_is_an_error_not_a_shard_of_zeros(tmp_path):
+    SnapshotStore(2, str(tmp_path)).append(shard(3))
+    path = tmp_path / "shard-0000000003.pt"
+    path.write_bytes(path.read_bytes()[:-4])
+    with pytest.raises(EOFError, match="fewer numbers"):
+        SnapshotStore(2, str(tmp_path)).get(3)
 
 
 def test_a_read_ahead_is_taken_by_the_read_of_its_step_and_only_by_it(tmp_path):

@@ -84,6 +84,13 @@ def pack(shard: LocalShard) -> tuple[dict[str, Any], torch.Tensor]:
     order: the form in which the survivors of a failure exchange their shards (one tensor collective; pickled
     piece by piece with ``all_gather_object``, 3 ranks' nano shards took 35-60 ms to exchange cold on two cores,
     packed 22-30). :func:`unpack` inverts it."""
+    desc, tensors = pack_parts(shard)
+    return desc, torch.cat(tensors) if tensors else torch.zeros(0)
+
+
+def pack_parts(shard: LocalShard) -> tuple[dict[str, Any], list[torch.Tensor]]:
+    """:func:`pack`'s description and the flat fp32 tensors whose concatenation is its flat tensor, in order
+    (what a snapshot file writes one after another, with no concatenated copy)."""
     tensors: list[torch.Tensor] = []
 
     def describe(pieces: tuple[StatePiece, ...]) -> list[tuple[str, int, int, tuple[str, ...]]]:
@@ -97,9 +104,9 @@ def pack(shard: LocalShard) -> tuple[dict[str, Any], torch.Tensor]:
     if shard.outer is not None:
         desc["outer"] = {"dc": shard.outer.dc, "inner_steps_done": shard.outer.inner_steps_done,
                          "pieces": describe(shard.outer.pieces)}  # fmt: skip
-    flat = torch.cat([t.float() for t in tensors]) if tensors else torch.zeros(0)
-    desc["numel"] = flat.numel()
-    return desc, flat
+    tensors = [t.float() for t in tensors]
+    desc["numel"] = sum(t.numel() for t in tensors)
+    return desc, tensors
 
 
 def unpack(desc: dict[str, Any], flat: torch.Tensor) -> LocalShard:

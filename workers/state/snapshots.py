@@ -14,6 +14,14 @@ A file holds the shard packed (:func:`~meridian.workers.state.replica_state.pack
 flat tensor), not the shard object with its tensor per piece and moment. Measured on a 50-piece shard of
 nano's size (two idle cores): written in 0.5 ms instead of 2.5, read in 0.3 ms instead of 4.8. Every CPU step
 paid the write, and a re-formed epoch's restore the read (4-9 ms on a busy machine).
+
+The file is not ``torch.save``'s zip: ``MRDS``, the description's length (8 bytes, little-endian), the pickled
+description, then the fp32 numbers raw, each piece's tensors written one after another from where they are
+(no concatenated copy, no CRC over the numbers) and read back straight into one flat tensor. A profile of a
+training process of ``bench recovery``'s job (nano, 2 + 2 workers, a snapshot every step, two busy cores) had
+14% of its training thread's samples in the snapshot, most of them in ``torch.save``; on a quiet machine, for a
+nano-sized shard of 29 parameters, the write took 0.64 ms instead of 1.29 (median of 200) and the read 0.23 ms
+instead of 0.48. A file ``torch.save`` wrote (an older Meridian's) still reads.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import pickle
 import threading
 import time
 from pathlib import Path
@@ -28,7 +37,10 @@ from typing import Any
 
 import torch
 
-from meridian.workers.state.replica_state import LocalShard, pack, unpack
+from meridian.workers.state.replica_state import LocalShard, pack, pack_parts, unpack
+
+MAGIC = b"MRDS"
+"""The first bytes of a snapshot file in the raw format (see the module's note)."""
 
 SNAPSHOT_MAX_SHARE = 0.05
 """An adaptive cadence keeps what snapshots cost the training loop under this share of its step time."""
@@ -103,7 +115,7 @@ class SnapshotStore:
             self._memory = [s for s in self._memory if s.step != shard.step][-(self.keep - 1) :] + [shard]
             return
         tmp = self.directory / f"partial-{shard.step:010d}.tmp"
-        torch.save(pack(shard), tmp)
+        write_packed(tmp, *pack_parts(shard))
         os.replace(tmp, self._path(shard.step))
         for old in self._files()[: -self.keep]:
             old.unlink(missing_ok=True)
@@ -155,8 +167,11 @@ class SnapshotStore:
 
     @staticmethod
     def _read(path: Path) -> tuple[dict[str, Any], torch.Tensor]:
-        kept = torch.load(path, weights_only=False)
-        return pack(kept) if isinstance(kept, LocalShard) else kept  # (a shard object: an older Meridian's file)
+        packed = read_packed(path)
+        if packed is not None:
+            return packed
+        kept = torch.load(path, weights_only=False)  # an older Meridian's file: torch.save's
+        return pack(kept) if isinstance(kept, LocalShard) else kept  # (a shard object: older still)
 
     @property
     def last_step(self) -> int:
@@ -184,3 +199,30 @@ class SnapshotStore:
         for f in self._files():
             f.unlink(missing_ok=True)
 
+
+
+def write_packed(path: Path, desc: dict[str, Any], tensors: list[torch.Tensor]) -> None:
+    """Write a packed shard (its description and flat fp32 tensors, :func:`pack_parts`) to ``path`` in the raw
+    format of the module's note."""
+    head = pickle.dumps(desc)
+    with open(path, "wb") as f:
+        f.write(MAGIC + len(head).to_bytes(8, "little"))
+        f.write(head)
+        for t in tensors:
+            f.write(memoryview(t.detach().contiguous().numpy()).cast("B"))
+
+
+def read_packed(path: Path) -> tuple[dict[str, Any], torch.Tensor] | None:
+    """The packed shard :func:`write_packed` wrote, its numbers in one flat tensor; ``None`` for a file in another
+    format. A file cut short raises ``EOFError``."""
+    with open(path, "rb") as f:
+        start = f.read(len(MAGIC) + 8)
+        if len(start) < len(MAGIC) + 8 or start[: len(MAGIC)] != MAGIC:
+            return None
+        head = f.read(int.from_bytes(start[len(MAGIC) :], "little"))
+        desc = pickle.loads(head)
+        flat = torch.empty(desc["numel"], dtype=torch.float32)
+        want = flat.numel() * flat.element_size()
+        if want and f.readinto(memoryview(flat.numpy()).cast("B")) != want:
+            raise EOFError(f"{path} holds fewer numbers than its description says ({desc['numel']})")
+    return desc, flat
