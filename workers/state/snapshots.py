@@ -19,9 +19,10 @@ The file is not ``torch.save``'s zip: ``MRDS``, the description's length (8 byte
 description, then the fp32 numbers raw, each piece's tensors written one after another from where they are
 (no concatenated copy, no CRC over the numbers) and read back straight into one flat tensor. A profile of a
 training process of ``bench recovery``'s job (nano, 2 + 2 workers, a snapshot every step, two busy cores) had
-14% of its training thread's samples in the snapshot, most of them in ``torch.save``; on a quiet machine, for a
-nano-sized shard of 29 parameters, the write took 0.64 ms instead of 1.29 (median of 200) and the read 0.23 ms
-instead of 0.48. A file ``torch.save`` wrote (an older Meridian's) still reads.
+14% of its training thread's samples in the snapshot, most of them in ``torch.save``. On a quiet machine, for a
+nano-sized shard of 29 parameters with both moments, this store and the ``torch.save`` one alternating in one
+process (600 writes and 300 reads each, medians): a write took 0.77 ms instead of 1.30, a read 0.17 ms instead
+of 0.46. A file ``torch.save`` wrote (an older Meridian's) still reads.
 """
 
 from __future__ import annotations
