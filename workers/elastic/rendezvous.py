@@ -28,6 +28,7 @@ import torch.distributed as dist
 from meridian.workers.contracts.rendezvous import Assignment, Finished, JoinRequest, Waiting
 from meridian.workers.distributed.devices import bind_device, init_kwargs
 from meridian.workers.distributed.ports import on_low_port
+from meridian.workers.distributed.prefetch_store import PrefetchingStore
 
 Call = Callable[..., Any]
 
@@ -64,6 +65,9 @@ def prehost_store() -> dist.TCPStore | None:
 
 
 class Rendezvous:
+    _group_store: dist.Store | None = None
+    """The store this process's groups were made over, while they live (see :meth:`form`)."""
+
     def __init__(self, call: Call, *, worker_id: str, datacenter: str, node_id: str, address: str | None = None,
                  backend: str | None = None, collective_timeout_s: float = 300.0, device: str = "cpu",
                  probe_port: int = 0, store: dist.TCPStore | None = None) -> None:
@@ -132,6 +136,11 @@ class Rendezvous:
         else:
             del hosted  # a peer's store serves this epoch: this one closes
             store = dist.TCPStore(a.master_addr, a.master_port, is_master=False, timeout=self._timeout)
+        if not self.device.startswith("cuda"):  # gloo's address exchange, a round trip less per peer and group
+            store = PrefetchingStore(store)
+            # A store written in Python must outlive every group made over it: torch keeps only its C++ half, and
+            # the next group's first call found no Python method behind it ("Not implemented").
+            Rendezvous._group_store = store
         dist.init_process_group(store=store, rank=a.rank, world_size=a.world_size, timeout=self._timeout, **kwargs)
 
     def finish(self) -> None:
@@ -145,3 +154,4 @@ class Rendezvous:
         """Destroy every process group of this rank (closing its sockets, which fails its peers fast)."""
         if dist.is_initialized():
             dist.destroy_process_group()
+        Rendezvous._group_store = None
