@@ -201,7 +201,6 @@ class SnapshotStore:
             f.unlink(missing_ok=True)
 
 
-
 def write_packed(path: Path, desc: dict[str, Any], tensors: list[torch.Tensor]) -> None:
     """Write a packed shard (its description and flat fp32 tensors, :func:`pack_parts`) to ``path`` in the raw
     format of the module's note."""
