@@ -62,3 +62,19 @@ def test_token_bucket_burst_is_two_ms_of_traffic_but_never_below_a_tso_segment()
     assert tbf_args(1.0)[:4] == ["tbf", "rate", "1000000000bit", "burst"]
     assert int(tbf_args(1.0)[4]) == 250_000
     assert int(tbf_args(0.01)[4]) == 64 * 1024
+
+
+def test_lab_nodes_offer_no_gpus_so_a_gpu_host_is_not_counted_once_per_node(monkeypatch):
+    """Every lab node shares the host's GPUs; Ray would detect them on each node, and a job planned for GPUs
+    would put several NCCL ranks on one device. The lab rehearses the network: its head and nodes are CPU-only."""
+    from meridian.service.cluster.lab import lab as lab_mod
+
+    started: list[list[str]] = []
+    monkeypatch.setattr(lab_mod, "_run_ray", lambda cmd, env: started.append(cmd))
+    monkeypatch.setattr(lab_mod, "_wait_for_nodes", lambda state, n, timeout_s: None)
+    state = lab_mod.LabState(name="t", datacenters={"dc-a": 1, "dc-b": 1}, rtt_ms=21, gbps=1, mtu=9000,
+                             cpus_per_node=1)  # fmt: skip
+    lab_mod._start_ray(state, state.layout, timeout_s=1)
+    assert len(started) == 3  # the head and one node per datacenter
+    for cmd in started:
+        assert cmd[cmd.index("--num-gpus") + 1] == "0", cmd

@@ -171,7 +171,7 @@ def _start_delay_line(state: LabState, layout: LabLayout) -> None:
 
 def _start_ray(state: LabState, layout: LabLayout, timeout_s: float) -> None:
     head = [_ray_bin(), "start", "--head", "--node-ip-address", HEAD_IP, "--port", str(state.ray_port),
-            "--num-cpus", "0", "--dashboard-host", "127.0.0.1", "--dashboard-port", str(state.dashboard_port),
+            "--num-cpus", "0", "--num-gpus", "0", "--dashboard-host", "127.0.0.1", "--dashboard-port", str(state.dashboard_port),
             "--ray-client-server-port", str(state.ray_port + 1), "--temp-dir", state.ray_temp_dir,
             "--disable-usage-stats", *node_ports(PORTS_PER_NODE)]  # fmt: skip
     _run_ray(head, _ray_env())
@@ -185,7 +185,7 @@ def start_node(state: LabState, dc: LabDatacenter, node: LabNode) -> None:
     """``ray start`` one lab node in its datacenter's namespace (at ``up``, or again after it was killed)."""
     cmd = network.in_ns(dc.netns, [
         _ray_bin(), "start", "--address", state.ray_address, "--node-ip-address", node.ip,
-        "--num-cpus", str(state.cpus_per_node), "--labels", f"datacenter={dc.name}",
+        "--num-cpus", str(state.cpus_per_node), "--num-gpus", "0", "--labels", f"datacenter={dc.name}",
         "--temp-dir", state.ray_temp_dir, "--disable-usage-stats", *node_ports(node.index),
     ])  # fmt: skip
     _run_ray(cmd, _ray_env(GLOO_SOCKET_IFNAME=dc.dc_veth))
