@@ -31,6 +31,7 @@ import argparse
 import json
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -54,6 +55,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lock", default="/tmp/meridian-lab.lock", help="the machine's lab lock file")
     p.add_argument("--lock-timeout-s", type=float, default=900.0, help="wait this long for the lab lock")
     p.add_argument("--timeout-s", type=float, default=600.0, help="give up on one job after this long")
+    p.add_argument("--max-wall-s", type=float, default=None,
+                   help="start no round that the last one's duration says would end after this many seconds "
+                        "(a machine lent for minutes still gets its complete rounds printed)")
 
 
 def run_order(rounds: int) -> list[str]:
@@ -77,6 +81,23 @@ def steady_tokens_per_s(points: list[dict[str, Any]], steady_from: int) -> float
     per_step = statistics.median(p["tokens_per_s"] * p["step_s"] for p in steady)  # every step has as many
     elapsed = last["time"] - first["time"]
     return per_step * (last["step"] - first["step"]) / elapsed if elapsed > 0 else None
+
+
+def sync_sentence(explanation: str) -> str | None:
+    """The plan's reason for its sync (``Sync '…' (chosen: …).``), out of its whole explanation."""
+    start = explanation.find("Sync '")
+    if start < 0:
+        return None
+    end = explanation.find(").", start)
+    return explanation[start:end + 2 if end >= 0 else None]
+
+
+def round_would_overrun(elapsed_s: float, last_round_s: float, max_wall_s: float | None) -> str | None:
+    """Why another round should not start (it would end past ``max_wall_s``, if it lasts as long as the last
+    one), or ``None``."""
+    if max_wall_s is None or elapsed_s + last_round_s <= max_wall_s:
+        return None
+    return f"another would end near {elapsed_s + last_round_s:.0f} s, past --max-wall-s {max_wall_s:g}"
 
 
 def pairs(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -107,16 +128,30 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.rounds < 1 or args.workers < 2:
         raise ValueError(f"--rounds must be >= 1 and --workers >= 2, got {args.rounds} and {args.workers}")
     spec = json.loads(Path(args.spec or DEFAULT_SPEC).read_text())
-    runs = []
+    runs: list[dict[str, Any]] = []
     started = time.monotonic()
+    stopped_early = None
     with lab_lock(args.lock, args.lock_timeout_s):
-        for side in run_order(args.rounds):
+        order = run_order(args.rounds)
+        round_started = started
+        for i, side in enumerate(order):
+            if i % 2 == 0 and i:
+                now = time.monotonic()
+                stopped_early = round_would_overrun(now - started, now - round_started, args.max_wall_s)
+                if stopped_early:
+                    stopped_early = f"stopped after {i // 2} of {args.rounds} rounds: {stopped_early}"
+                    print(stopped_early, file=sys.stderr, flush=True)
+                    break
+                round_started = now
             runs.append(_one_run(args, side, spec))
+            # each run as it ends, so a bench cut short (a lease, a timeout) still leaves what it measured
+            print("lab-demo run: " + json.dumps(runs[-1]), file=sys.stderr, flush=True)
     rounds = pairs(runs)
     efficiencies = [r["scaling_efficiency"] for r in rounds if r["scaling_efficiency"] is not None]
     return {
         "setup": {"spec": spec, "rtt_ms": args.rtt_ms, "gbps": args.gbps, "workers": args.workers,
-                  "probe": args.probe, "steady_from": args.steady_from, "wall_s": round(time.monotonic() - started, 1)},
+                  "probe": args.probe, "steady_from": args.steady_from, "wall_s": round(time.monotonic() - started, 1),
+                  "stopped_early": stopped_early},
         "runs": runs,
         "rounds": rounds,
         "median_scaling_efficiency": round(statistics.median(efficiencies), 3) if efficiencies else None,
@@ -133,13 +168,24 @@ def _one_run(args: argparse.Namespace, side: str, spec: dict[str, Any]) -> dict[
 
     if lab.state_path(LAB_NAME).exists():
         lab.down(LAB_NAME)  # what an interrupted earlier run left
+    phases: dict[str, float] = {}  # where a run's wall time goes (a lease of minutes must fit whole rounds)
+    mark = time.monotonic()
+
+    def phase(name: str) -> None:
+        nonlocal mark
+        now = time.monotonic()
+        phases[name] = round(now - mark, 2)
+        mark = now
+
     state = lab.up(layout(side, args.workers), rtt_ms=args.rtt_ms, gbps=args.gbps, name=LAB_NAME)
+    phase("lab_up_s")
     data_dir = tempfile.mkdtemp(prefix="meridian-bench-lab-demo-")
     service = None
     try:
         service = MeridianService(ServiceConfig(data_dir=data_dir, ray_address=state.ray_address,
                                                 poll_interval_s=0.3)).start()  # fmt: skip
         with serve_in_thread(service) as url:
+            phase("service_up_s")
             if args.probe:
                 client = Client(url)
                 try:
@@ -147,25 +193,32 @@ def _one_run(args: argparse.Namespace, side: str, spec: dict[str, Any]) -> dict[
                     client.probe_compute(spec)
                 finally:
                     client.close()
+                phase("probe_s")
             cpu_before = process_cpu_s(state.delay_line_pid)
             job = run_job(url, spec, args.timeout_s)  # raises unless it succeeded
             line_cpu_s = process_cpu_s(state.delay_line_pid) - cpu_before
+            phase("job_s")
         plan, result, points = job["plan"], job["result"], job["points"]
+        if job.get("started_at") and job.get("created_at"):
+            phases["job_queued_s"] = round(job["started_at"] - job["created_at"], 2)  # submit → workers placed
         steady = steady_tokens_per_s(points, args.steady_from)
         return {
             "side": side, "datacenters": plan["datacenters"], "sync_strategy": plan["sync_strategy"],
             "local_lookahead": plan["local_lookahead"], "compression": plan["compression"],
+            "sync_explanation": sync_sentence(plan["explanation"]),
             "steady_tokens_per_s": round(steady, 1) if steady is not None else None,
             "job_tokens_per_s": round(result["tokens_per_s"], 1),
             "final_loss": result["final_loss"], "eval_loss": result.get("eval_loss"),
             "median_exposed_ms": round(1000 * statistics.median(p["exposed_s"] for p in points), 1) if points else None,
             "delay_line_cpu_s": round(line_cpu_s, 2),
+            "phases": phases,
         }
     finally:
         if service is not None:
             service.stop()
         lab.down(LAB_NAME)
         shutil.rmtree(data_dir, ignore_errors=True)
+        phase("down_s")  # the returned run holds this same dict, so its line includes the lab's teardown
 
 
 def render(result: dict[str, Any]) -> str:

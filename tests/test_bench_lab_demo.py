@@ -53,3 +53,16 @@ def test_the_bench_is_listed_and_its_default_spec_is_the_demo():
     args = cli.build_parser().parse_args(["lab-demo", "--json", "--rounds", "1", "--probe"])
     assert args.rounds == 1 and args.probe and args.spec is None
     assert lab_demo.DEFAULT_SPEC.name == "demo.json" and lab_demo.DEFAULT_SPEC.exists()
+
+
+def test_a_round_that_would_end_past_the_wall_budget_is_not_started():
+    assert lab_demo.round_would_overrun(elapsed_s=150, last_round_s=140, max_wall_s=None) is None
+    assert lab_demo.round_would_overrun(elapsed_s=150, last_round_s=140, max_wall_s=300) is None
+    why = lab_demo.round_would_overrun(elapsed_s=150, last_round_s=160, max_wall_s=300)
+    assert "310 s" in why and "--max-wall-s 300" in why
+
+
+def test_the_run_keeps_the_plan_s_reason_for_its_sync():
+    plan = "4 workers in 2 datacenters. Sync 'hierarchical' one step late (chosen: a (b) c). Buckets: 4 of 1 MiB."
+    assert lab_demo.sync_sentence(plan) == "Sync 'hierarchical' one step late (chosen: a (b) c)."
+    assert lab_demo.sync_sentence("no sync here") is None
