@@ -12,6 +12,7 @@ from meridian.service.planning.cost_model import Link
 from meridian.service.planning.figures import figures_for
 from meridian.service.planning.planner import default_figures, plan_job
 from meridian.service.planning.sync_choice import (
+    DILOCO_MIN_STEPS,
     FRAGMENTS,
     MAX_H,
     MAX_OVERLAP_FRACTION,
@@ -102,9 +103,9 @@ def test_very_slow_link_picks_streaming_diloco_whose_overlap_covers_each_fragmen
     assert "evidence floor" in c.explanation and "x fewer inter-DC bytes" in c.explanation
     DiLoCoConfig(**{f: getattr(cfg, f) for f in ("inner_steps", "fragments", "overlap_steps")})  # valid
     assert cfg.warmup_steps == 0  # the job's length unknown: no warm-up
-    warm = choose_sync(rtt_ms=100, gbps=0.1, num_params=TINY, compute_s=0.05, bucket_mb=0.5, steps=1000).diloco
+    warm = choose_sync(rtt_ms=100, gbps=0.1, num_params=TINY, compute_s=0.05, bucket_mb=0.5, steps=1200).diloco
     cycle = max(cfg.fragments * (cfg.overlap_steps + 1), cfg.inner_steps // 4)
-    assert warm.warmup_steps % cycle == 0 and 0.4 * 1000 - cycle < warm.warmup_steps <= 0.4 * 1000
+    assert warm.warmup_steps % cycle == 0 and 0.4 * 1200 - cycle < warm.warmup_steps <= 0.4 * 1200
 
 
 def test_the_explanation_counts_the_warm_up_in_the_job_s_bytes():
@@ -153,13 +154,32 @@ def test_a_huge_model_on_a_slow_link_raises_h_until_the_link_keeps_up_then_caps_
     DiLoCoConfig(**{f: getattr(cfg, f) for f in ("inner_steps", "fragments", "overlap_steps")})  # valid
 
 
+def test_a_job_shorter_than_diloco_s_evidence_keeps_the_cheapest_per_step_sync():
+    # the demo (tiny, 60 steps) on the lab's 21 ms link, as this machine probed it: ~120 ms steps, 0.5 Gbit/s
+    link = dict(rtt_ms=21, gbps=0.5, num_params=TINY, compute_s=0.12, bucket_mb=1)
+    assert choose_sync(**link, steps=DILOCO_MIN_STEPS, optimizer_step_s=0.008).strategy is SyncStrategy.STREAMING_DILOCO
+    short = choose_sync(**link, steps=60, optimizer_step_s=0.008)
+    assert short.strategy is SyncStrategy.HIERARCHICAL and short.diloco is None and short.local_lookahead
+    assert short.har_exposed_s == pytest.approx(0.008)  # the look-ahead's extra AdamW pass, over the 5% limit
+    assert "60-step job is shorter than the 1024 steps" in short.explanation and "over the limit" in short.explanation
+    # a costlier look-ahead pass: bf16's exposed ~17 ms is cheaper; exact fp32 would expose ~25 ms
+    bf16 = choose_sync(**link, steps=60, optimizer_step_s=0.03)
+    assert not bf16.local_lookahead and bf16.compression is Compression.BF16
+    total = cross_dc_time(4 * TINY, rtt_ms=21, gbps=0.5, num_dcs=2)
+    exact_s = max(total - 0.12 * 2 / 3, 0.0105 + (total - 0.0105) / 4)  # 4 buckets of 1 MB: the last one's share
+    assert bf16.har_exposed_s < exact_s < 0.03
+    # a job that cannot look ahead, on a link where bf16 saves under 1% of a step: exact fp32
+    assert choose_sync(rtt_ms=300, gbps=100, num_params=TINY, compute_s=0.12, steps=60,
+                       lookahead=False).compression is Compression.NONE  # fmt: skip
+
+
 def test_choice_rejects_impossible_inputs():
     with pytest.raises(ValueError, match="compute_s must be > 0"):
         choose_sync(rtt_ms=1, gbps=1, num_params=TINY, compute_s=0)
 
 
-def _req(**kw) -> JobRequest:
-    return JobRequest(name="p", model=model_preset("nano"), steps=2, global_batch=8, micro_batch=1,
+def _req(steps: int = DILOCO_MIN_STEPS, **kw) -> JobRequest:
+    return JobRequest(name="p", model=model_preset("nano"), steps=steps, global_batch=8, micro_batch=1,
                       topology=TopologyRequest(), **kw)
 
 

@@ -27,6 +27,9 @@ the same link arithmetic as :mod:`meridian.service.planning.cost_model`:
   compressed model per H steps keeps the link at most half busy).
 - Plain ``diloco`` (Douillard et al. 2023, arXiv:2311.08105) when the model is one bucket (nothing to
   stream): its blocking outer sync is amortised over H steps to under half of ``per_step_limit``.
+- Neither DiLoCo for a job shorter than :data:`DILOCO_MIN_STEPS`, where no measurement says its loss stays
+  near per-step sync's: such a job gets the per-step sync (exact, the look-ahead, or bf16) that costs its step
+  least, over the limit, and the explanation says by how much.
 
 Never the one-step-late variant without the look-ahead (``sync.delay_one_step`` alone): it hides the whole
 sync behind the next step, but ``meridian bench lowcomm`` measured its loss at equal tokens 42-44% above
@@ -73,6 +76,14 @@ MAX_OVERLAP_FRACTION = 1 / 3
 lowcomm`` (nano, 4,096 steps of 16 samples, H 32, 4 fragments, the keep-progress merge, int8 and int4, seeds 0
 and 1): overlap 7 and 10 stayed within 1.3% of per-step sync's held-out loss, 13 reached +2.9% (with the default
 mix merge: 7 gave +1.9-3.3%, longer overlaps not measured)."""
+DILOCO_MIN_STEPS = 1024
+"""The shortest job ``auto`` may hand to (streaming) DiLoCo. ``meridian bench lowcomm`` measured its loss near
+per-step sync's on jobs of 1,024 to 4,096 steps (H 32, a warm-up of 40% of the steps); on the 60-step demo job
+over the lab's 21 ms link (``meridian bench lab-demo --probe``, 2026-11-28) ``auto`` picked streaming DiLoCo with
+int4 deltas, and its final loss was 3.2% above exact sync's: with H = 32, a 60-step job syncs its outer model
+about twice."""
+EXACT_PREFERRED_WITHIN = 0.01
+"""A job too short for DiLoCo keeps exact fp32 sync unless another per-step sync saves this share of a step."""
 WARMUP_FRACTION = 0.4
 """Share of the job's steps synced on the short warm-up cycle (``bench lowcomm``: of 0, 100, 200 and 400 warm-up
 steps in 1,024, 400 came closest to per-step sync's loss, for +25% bytes; over 2,048 steps of 64 samples, 400
@@ -194,6 +205,10 @@ def choose_sync(
         return SyncChoice(SyncStrategy.HIERARCHICAL, None, f"Sync 'hierarchical' (chosen: {why}).", exposed_bf16,
                           sync_bf16_s, Compression.BF16)
     head += f", {exposed_bf16 * 1e3:.0f} ms even in bf16"
+    if steps is not None and steps < DILOCO_MIN_STEPS:
+        return _cheapest_per_step(head, steps, compute_s, lookahead_after, (exposed, sync_s),
+                                  (behind_a_step, sync_s) if lookahead and long_enough else None,
+                                  (exposed_bf16, sync_bf16_s))  # fmt: skip
     wire = OUTER_BYTES_PER_PARAM * num_params
     outer_s = cross_dc_time(wire, rtt_ms=rtt_ms, gbps=gbps, num_dcs=num_dcs)
     fragments = min(FRAGMENTS, buckets)
@@ -237,3 +252,28 @@ def choose_sync(
            f"per-step sync{warm}{capped}")
     return SyncChoice(SyncStrategy.STREAMING_DILOCO, cfg, f"Sync 'streaming-diloco' (chosen: {why}).", exposed,
                       outer_s, OUTER_COMPRESSION)
+
+
+def _cheapest_per_step(head: str, steps: int, compute_s: float, lookahead_after: int,
+                       exact: tuple[float, float], lookahead: tuple[float, float] | None,
+                       bf16: tuple[float, float]) -> SyncChoice:  # fmt: skip
+    """A job too short for DiLoCo's evidence: the per-step sync whose cost per step (exposed, or spent on the
+    look-ahead's extra AdamW pass) is least, exact fp32 unless another saves at least
+    :data:`EXACT_PREFERRED_WITHIN` of a step. Each pair: (seconds a step, the sync's whole duration)."""
+    options = [("exact fp32", exact, Compression.NONE, False)]
+    if lookahead is not None:
+        options.append((f"one step late at a local look-ahead after the first {lookahead_after} steps", lookahead,
+                        Compression.NONE, True))  # fmt: skip
+    options.append(("with the inter-DC exchange in bf16 (error feedback)", bf16, Compression.BF16, False))
+    cheapest = min(options, key=lambda o: o[1][0])
+    if exact[0] - cheapest[1][0] < EXACT_PREFERRED_WITHIN * compute_s:
+        cheapest = options[0]  # saving under 1% of a step is not worth changing the numbers
+    name, (cost_s, sync_s), compression, local_lookahead = cheapest
+    why = (f"{head}; a {steps}-step job is shorter than the {DILOCO_MIN_STEPS} steps DiLoCo's loss was measured "
+           f"on, so training stays per-step: {name}, the cheapest of them here at about {cost_s * 1e3:.0f} ms a "
+           f"step ({cost_s / compute_s:.0%} of a step, over the limit)")
+    if local_lookahead:
+        why += f" ({LOOKAHEAD_EVIDENCE})"
+    label = "hierarchical' one step late" if local_lookahead else "hierarchical'"
+    return SyncChoice(SyncStrategy.HIERARCHICAL, None, f"Sync '{label} (chosen: {why}).", cost_s, sync_s,
+                      compression, local_lookahead=local_lookahead)
