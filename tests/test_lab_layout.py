@@ -78,3 +78,26 @@ def test_lab_nodes_offer_no_gpus_so_a_gpu_host_is_not_counted_once_per_node(monk
     assert len(started) == 3  # the head and one node per datacenter
     for cmd in started:
         assert cmd[cmd.index("--num-gpus") + 1] == "0", cmd
+
+
+def test_kill_stops_what_ignores_sigterm_after_the_grace_and_reaps_its_own_children():
+    """`lab down` waited 10 s for a delay line that had exited (a zombie of the bench that started it) and 10 s for
+    Ray's gcs_server, which ignores SIGTERM; now a zombie counts as gone, and the grace is the caller's."""
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from meridian.service.cluster.lab import lab as lab_mod
+
+    stubborn = subprocess.Popen([sys.executable, "-c", "import signal, sys, time; "
+                                 "signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); time.sleep(60)"],
+                                stdout=subprocess.PIPE)  # fmt: skip
+    polite = subprocess.Popen(["sleep", "60"])
+    assert stubborn.stdout.readline().strip() == b"ready"  # its SIGTERM handler is set
+    started = time.monotonic()
+    needed_sigkill = lab_mod._kill([stubborn.pid, polite.pid], grace_s=0.5)
+    assert time.monotonic() - started < 3.0
+    assert needed_sigkill == [stubborn.pid]
+    assert not Path(f"/proc/{polite.pid}").exists()  # reaped, not left a zombie
+    stubborn.wait(timeout=5)
