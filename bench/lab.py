@@ -22,7 +22,7 @@ data, seed, steps) runs three ways, and one row reports them side by side:
   (divided by H for DiLoCo);
 - ``overlap_saving`` (hierarchical): what overlapping the sync with backward saves, measured:
   ``1 − step_ms_lab / step_ms_lab_no_overlap``, the same job run again on the lab with overlap off;
-- ``ranks_cpu_ms_per_step_lab``, ``ranks_cpu_ms_per_step_one_dc``: the CPU time all ranks used per timed step
+- ``ranks_cpu_ms_per_step_lab``, ``_one_dc``, ``_emulated``: the CPU time all ranks used per timed step
   (each process's, every thread included), summed: on a machine with fewer cores than ranks a step cannot take
   less than that ÷ the cores; ``ranks_system_cpu_ms_per_step_*``: of it, the time in the kernel;
 - ``delay_line_cpu_ms_per_step``, ``delay_line_cpu_share``: the CPU time the lab's delay line (a Python process
@@ -288,6 +288,7 @@ def run(args: argparse.Namespace) -> dict:
                     "timed_steps": lab_r["timed_steps"],
                     "ranks_cpu_ms_per_step_lab": round(lab_r["ranks_cpu_ms"], 1),
                     "ranks_cpu_ms_per_step_one_dc": round(one_dc[s]["ranks_cpu_ms"], 1),
+                    "ranks_cpu_ms_per_step_emulated": round(emu["ranks_cpu_ms"], 1),
                     # of which in the kernel (system time: the sockets, the lab's devices)
                     "ranks_system_cpu_ms_per_step_lab": round(lab_r["ranks_system_cpu_ms"], 1),
                     "ranks_system_cpu_ms_per_step_one_dc": round(one_dc[s]["ranks_system_cpu_ms"], 1),
