@@ -74,6 +74,10 @@ class InFlight:
         return intervals
 
 
+def _in_flight(started: list[InFlight]) -> bool:
+    return any(f.completed_at is None for f in started)
+
+
 class BucketPipeline:
     """Starts ``start_bucket(bucket)`` on every bucket once per step, overlapped with backward or not."""
 
@@ -153,8 +157,9 @@ class BucketPipeline:
         started: list[InFlight] = []
         for bucket in self.buffer.buckets:
             if wait_ready:
-                # Waiting for backward: note when the buckets in flight complete, for comm_s.
-                while not self._ready[bucket.index].wait(POLL_S if started else None):
+                # Waiting for backward: note when the buckets in flight complete, for comm_s. Once every one has,
+                # sleep until the next bucket is ready: each poll wakes this thread and asks for the GIL.
+                while not self._ready[bucket.index].wait(POLL_S if _in_flight(started) else None):
                     for flight in started:
                         flight.poll()
             t0 = time.perf_counter()
