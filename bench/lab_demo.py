@@ -1,6 +1,7 @@
 """``meridian bench lab-demo``: a job through the REST API on the network lab, two datacenters against one.
 
     sudo meridian bench lab-demo --json [--rounds 2] [--rtt-ms 21] [--gbps 1] [--probe] [--spec examples/demo.json]
+                                 [--max-wall-s S]
 
 Each run brings up the lab with Ray (:mod:`meridian.service.cluster.lab`): ``two`` puts the workers in two
 datacenters, half each, joined over real TCP through the delay line at ``--rtt-ms`` and ``--gbps``; ``one`` puts
@@ -20,6 +21,10 @@ What each run reports comes from the job's own step records (``GET /v1/jobs/{id}
 - ``median_exposed_ms``: the median step's sync left exposed, as the job reported it;
 - ``delay_line_cpu_s``: CPU seconds the lab's delay line used over the job (``/proc``): a real link costs the ranks'
   cores nothing, so on a small machine this is the lab's own distortion.
+
+Each run is also printed to stderr as it ends (``lab-demo run: {...}``, with ``phases``: where its wall time went),
+so a bench cut short by a lease or a timeout still leaves what it measured; ``--max-wall-s`` starts no round that
+the last one says would end past it.
 
 Each pair of runs gives ``scaling_efficiency`` (two ÷ one, steady tokens/s) and ``final_loss_rel_diff`` (two
 against one: the sync two datacenters use may differ from exact sync). Needs root, like the lab.
