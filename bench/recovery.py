@@ -10,6 +10,7 @@ Three sides, one after the other in the same invocation, the same model, data or
   is killed with no grace; the survivors re-form and resume from the state they hold in memory.
 - ``torchft``: torchft 0.2's ``Manager`` with one replica group per worker and its lighthouse, as plain
   processes (no Ray); the same kill is a SIGKILL of that worker's process (:mod:`meridian.bench.recovery_torchft`).
+  With ``--cluster ray-start`` its groups run in the lab's namespaces, across the same link as Meridian's side.
 - ``ray_train_elastic``: plain DDP under Ray Train's built-in elastic path (``num_workers=(min, max)``,
   ``FailureConfig``), checkpointing to disk every ``--checkpoint-every`` steps; the same node kill.
 

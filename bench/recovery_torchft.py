@@ -9,6 +9,11 @@ datacenter's group from the quorum until every one of its ranks is back. At ``--
 worker of the last datacenter gets SIGKILL (its "node" dies with no grace); once the shrunk quorum has
 trained ``--back-after-s``, the worker is started again (the node is back) and heals from a peer; the
 side stops once that group trains again (or after ``--scale-up-timeout-s``).
+
+With ``--cluster ray-start`` Meridian's side crosses the lab's link at ``--lab-rtt-ms``; so does this one: the
+lab comes up without Ray, each replica group runs in its datacenter's namespace on a lab node's address (its
+store, its manager and its checkpoint server advertise that address, ``GLOO_SOCKET_IFNAME`` its device), and the
+lighthouse listens at the head's address.
 """
 
 from __future__ import annotations
@@ -35,8 +40,8 @@ def _records(path: Path) -> list[dict[str, Any]]:
 
 
 class _Workers:
-    def __init__(self, args: argparse.Namespace, lighthouse: str, folder: Path) -> None:
-        self.args, self.lighthouse, self.folder = args, lighthouse, folder
+    def __init__(self, args: argparse.Namespace, lighthouse: str, folder: Path, lab_state: Any = None) -> None:
+        self.args, self.lighthouse, self.folder, self.lab_state = args, lighthouse, folder, lab_state
         self.procs: dict[int, subprocess.Popen] = {}
         self.dcs = [f"dc-{chr(ord('a') + d)}" for d in range(args.dcs) for _ in range(args.nodes_per_dc)]
 
@@ -46,8 +51,15 @@ class _Workers:
                "--datacenter", self.dcs[replica], "--lighthouse", self.lighthouse,
                "--out", str(self.folder / f"replica-{replica}.jsonl"), "--model", a.model, "--steps", str(a.steps),
                "--global-batch", str(a.global_batch), "--micro-batch", str(a.micro_batch)]  # fmt: skip
+        env = {**os.environ}
+        if self.lab_state is not None:  # on the lab node of the same slot, in its datacenter's namespace
+            from meridian.service.cluster.lab import network
+
+            dc = self.lab_state.layout.datacenters[replica // a.nodes_per_dc]
+            cmd = network.in_ns(dc.netns, [*cmd, "--host", dc.nodes[replica % a.nodes_per_dc].ip])
+            env["GLOO_SOCKET_IFNAME"] = dc.dc_veth
         log = open(self.folder / f"replica-{replica}.log", "a")  # noqa: SIM115 - the child owns it
-        self.procs[replica] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ})
+        self.procs[replica] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
 
     def kill(self, replica: int) -> None:
         self.procs[replica].send_signal(signal.SIGKILL)
@@ -75,8 +87,18 @@ def run_torchft(args: argparse.Namespace) -> dict[str, Any]:
     # min_replicas=1 lets the quorum shrink to any number of survivors, as Meridian's min_workers=1 does.
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1,
                                   heartbeat_timeout_ms=args.torchft_heartbeat_timeout_ms)
+    try:
+        lab_state = _lab_up(args) if getattr(args, "cluster", "embedded") == "ray-start" else None
+    except BaseException:
+        lighthouse.shutdown()
+        raise
+    address = lighthouse.address()
+    if lab_state is not None:  # the lab's datacenters reach this namespace at the head's address
+        from meridian.service.cluster.lab.layout import HEAD_IP
+
+        address = f"http://{HEAD_IP}:{address.rsplit(':', 1)[1]}"
     n = args.dcs * args.nodes_per_dc
-    workers = _Workers(args, lighthouse.address(), folder)
+    workers = _Workers(args, address, folder, lab_state)
     watched = folder / "replica-0.jsonl"  # a group that is never killed: the job's step log
     victim = n - 1  # a worker of the last datacenter
     deadline = time.monotonic() + args.timeout_s
@@ -109,11 +131,32 @@ def run_torchft(args: argparse.Namespace) -> dict[str, Any]:
                                tokens_per_step=args.tokens_per_step, back_time=phases.back_time)  # fmt: skip
         out["victim_exited_s"] = phases.victim_exited_s()
         out["cpu_from_kill_to_return"] = phases.cpu_report()
-        out["runs_on"] = "plain processes, no Ray: a torchft lighthouse and one replica group per worker"
+        out["runs_on"] = "plain processes, no Ray: a torchft lighthouse and one replica group per worker" + (
+            f", each in its datacenter's lab namespace across the same {args.lab_rtt_ms:g} ms / {args.lab_gbps:g} "
+            "Gbit/s link as Meridian's side" if lab_state is not None else "")
         out["replica_groups"] = n
         out["killed"] = f"SIGKILL of replica group {victim}'s process (in {workers.dcs[victim]})"
         return out
     finally:
         workers.stop()
         lighthouse.shutdown()
-        shutil.rmtree(folder, ignore_errors=True)  # the replicas' step logs and checkpoints (~20 MB a run)
+        if lab_state is not None:
+            from meridian.service.cluster.lab import lab
+
+            lab.down(LAB_NAME)
+        if not os.environ.get("MERIDIAN_BENCH_KEEP"):
+            shutil.rmtree(folder, ignore_errors=True)  # the replicas' step logs and checkpoints (~20 MB a run)
+
+
+LAB_NAME = "bench-recovery-torchft"
+
+
+def _lab_up(args: argparse.Namespace) -> Any:
+    """With ``--cluster ray-start`` Meridian's side crosses the lab's link; so does this side: the lab's
+    namespaces and link (no Ray), one replica group on each node's address."""
+    from meridian.service.cluster.lab import lab
+
+    if lab.state_path(LAB_NAME).exists():
+        lab.down(LAB_NAME)  # what an interrupted earlier run left
+    datacenters = {f"dc-{chr(ord('a') + d)}": args.nodes_per_dc for d in range(args.dcs)}
+    return lab.up(datacenters, rtt_ms=args.lab_rtt_ms, gbps=args.lab_gbps, name=LAB_NAME, ray=False)

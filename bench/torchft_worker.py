@@ -35,6 +35,9 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout-s", type=float, default=30.0, help="torchft's timeout for collectives and RPCs")
+    p.add_argument("--host", default=None,
+                   help="the address this group's store and manager listen on and advertise (a lab node's, inside "
+                        "its datacenter's namespace); default: the store on 127.0.0.1, the manager on the hostname")
     args = p.parse_args()
 
     import torch
@@ -54,14 +57,24 @@ def main() -> None:
     raw = build_model(cfg)
     inner = torch.optim.AdamW(raw.parameters(), lr=args.lr)
     # One replica group of one process: it hosts its own store (torchft's per-group rendezvous).
-    store = dist.TCPStore(host_name="127.0.0.1", port=0, is_master=True, wait_for_workers=False)
+    host = args.host or "127.0.0.1"
+    transport = {}
+    if args.host:  # torchft's checkpoint server names itself by the hostname, which other namespaces cannot reach
+        from torchft.checkpointing.http_transport import HTTPTransport
+
+        class _AtHost(HTTPTransport):
+            def address(self) -> str:
+                return f"http://{args.host}:{self._server.socket.getsockname()[1]}/checkpoint/"
+
+        transport = {"checkpoint_transport": _AtHost(timeout=timedelta(seconds=args.timeout_s), num_chunks=0)}
+    store = dist.TCPStore(host_name=host, port=0, is_master=True, wait_for_workers=False)
     manager = Manager(
         pg=ProcessGroupGloo(timeout=timedelta(seconds=args.timeout_s)), min_replica_size=1,
         load_state_dict=lambda s: (raw.load_state_dict(s["model"]), inner.load_state_dict(s["optim"])),
         state_dict=lambda: {"model": raw.state_dict(), "optim": inner.state_dict()},
         use_async_quorum=False, timeout=timedelta(seconds=args.timeout_s),
-        replica_id=f"{args.datacenter}-{args.replica}", store_addr="127.0.0.1", store_port=store.port,
-        rank=0, world_size=1, lighthouse_addr=args.lighthouse,
+        replica_id=f"{args.datacenter}-{args.replica}", store_addr=host, store_port=store.port,
+        rank=0, world_size=1, lighthouse_addr=args.lighthouse, **({"hostname": args.host} if args.host else {}), **transport,
     )  # fmt: skip
     model = raw
     _start_together(Path(args.out).parent, args.replica, args.timeout_s * 10)
