@@ -14,6 +14,10 @@ With ``--cluster ray-start`` Meridian's side crosses the lab's link at ``--lab-r
 lab comes up without Ray, each replica group runs in its datacenter's namespace on a lab node's address (its
 store, its manager and its checkpoint server advertise that address, ``GLOO_SOCKET_IFNAME`` its device), and the
 lighthouse listens at the head's address.
+
+The replicas' logs and step records live in a temporary folder that the side deletes when it ends; with
+``MERIDIAN_BENCH_KEEP=1`` in the environment it is kept (``/tmp/meridian-bench-torchft-*``), to read why a run
+went wrong.
 """
 
 from __future__ import annotations
