@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from meridian.bench.recovery_cluster import dc_name
 from meridian.bench.recovery_measure import Phases, recovery_metrics
 
 
@@ -47,7 +48,7 @@ class _Workers:
     def __init__(self, args: argparse.Namespace, lighthouse: str, folder: Path, lab_state: Any = None) -> None:
         self.args, self.lighthouse, self.folder, self.lab_state = args, lighthouse, folder, lab_state
         self.procs: dict[int, subprocess.Popen] = {}
-        self.dcs = [f"dc-{chr(ord('a') + d)}" for d in range(args.dcs) for _ in range(args.nodes_per_dc)]
+        self.dcs = [dc_name(d) for d in range(args.dcs) for _ in range(args.nodes_per_dc)]
 
     def start(self, replica: int) -> None:
         a = self.args
@@ -162,5 +163,5 @@ def _lab_up(args: argparse.Namespace) -> Any:
 
     if lab.state_path(LAB_NAME).exists():
         lab.down(LAB_NAME)  # what an interrupted earlier run left
-    datacenters = {f"dc-{chr(ord('a') + d)}": args.nodes_per_dc for d in range(args.dcs)}
-    return lab.up(datacenters, rtt_ms=args.lab_rtt_ms, gbps=args.lab_gbps, name=LAB_NAME, ray=False)
+    return lab.up({dc_name(d): args.nodes_per_dc for d in range(args.dcs)}, rtt_ms=args.lab_rtt_ms,
+                  gbps=args.lab_gbps, name=LAB_NAME, ray=False)

@@ -58,15 +58,16 @@ def main() -> None:
     inner = torch.optim.AdamW(raw.parameters(), lr=args.lr)
     # One replica group of one process: it hosts its own store (torchft's per-group rendezvous).
     host = args.host or "127.0.0.1"
-    transport = {}
-    if args.host:  # torchft's checkpoint server names itself by the hostname, which other namespaces cannot reach
+    advertised: dict[str, Any] = {}  # torchft's defaults name this process by the hostname
+    if args.host:  # which another namespace cannot reach: the manager and the checkpoint server say the address
         from torchft.checkpointing.http_transport import HTTPTransport
 
         class _AtHost(HTTPTransport):
             def address(self) -> str:
                 return f"http://{args.host}:{self._server.socket.getsockname()[1]}/checkpoint/"
 
-        transport = {"checkpoint_transport": _AtHost(timeout=timedelta(seconds=args.timeout_s), num_chunks=0)}
+        advertised = {"hostname": args.host,
+                      "checkpoint_transport": _AtHost(timeout=timedelta(seconds=args.timeout_s), num_chunks=0)}
     store = dist.TCPStore(host_name=host, port=0, is_master=True, wait_for_workers=False)
     manager = Manager(
         pg=ProcessGroupGloo(timeout=timedelta(seconds=args.timeout_s)), min_replica_size=1,
@@ -74,7 +75,7 @@ def main() -> None:
         state_dict=lambda: {"model": raw.state_dict(), "optim": inner.state_dict()},
         use_async_quorum=False, timeout=timedelta(seconds=args.timeout_s),
         replica_id=f"{args.datacenter}-{args.replica}", store_addr=host, store_port=store.port,
-        rank=0, world_size=1, lighthouse_addr=args.lighthouse, **({"hostname": args.host} if args.host else {}), **transport,
+        rank=0, world_size=1, lighthouse_addr=args.lighthouse, **advertised,
     )  # fmt: skip
     model = raw
     _start_together(Path(args.out).parent, args.replica, args.timeout_s * 10)

@@ -12,9 +12,10 @@ overlaps backward's compute.
 
 Timing: ``comm_s`` is the wall time during which at least one bucket's collectives were running (the union
 of [issued, completed] intervals; completion is polled every ``POLL_S`` while the thread waits for the
-next bucket and a started one is still in flight), ``exposed_s`` the part ``finish()`` blocked. Buckets whose parameters got no gradient are
-released when backward returns, so an unused parameter costs overlap, never a deadlock. Without overlap
-the same code runs inline in ``finish()``. This module never decides what a bucket's sync is.
+next bucket and a started one is still in flight), ``exposed_s`` the part ``finish()`` blocked. Buckets whose
+parameters got no gradient are released when backward returns, so an unused parameter costs overlap, never a
+deadlock. Without overlap the same code runs inline in ``finish()``. This module never decides what a bucket's
+sync is.
 
 On CUDA (:class:`CommStream`) a bucket's collectives are issued on a dedicated communication stream that
 waits only for that bucket's gradients (an event recorded by the hook that completes the bucket), so

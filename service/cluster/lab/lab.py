@@ -171,7 +171,8 @@ def _start_delay_line(state: LabState, layout: LabLayout) -> None:
 
 def _start_ray(state: LabState, layout: LabLayout, timeout_s: float) -> None:
     head = [_ray_bin(), "start", "--head", "--node-ip-address", HEAD_IP, "--port", str(state.ray_port),
-            "--num-cpus", "0", "--num-gpus", "0", "--dashboard-host", "127.0.0.1", "--dashboard-port", str(state.dashboard_port),
+            "--num-cpus", "0", "--num-gpus", "0",
+            "--dashboard-host", "127.0.0.1", "--dashboard-port", str(state.dashboard_port),
             "--ray-client-server-port", str(state.ray_port + 1), "--temp-dir", state.ray_temp_dir,
             "--disable-usage-stats", *node_ports(PORTS_PER_NODE)]  # fmt: skip
     _run_ray(head, _ray_env())
