@@ -20,7 +20,8 @@ for name, folder in FOLDERS.items():
     package_dir[name] = folder
     packages += [name] + [f"{name}.{sub}" for sub in find_packages(folder)]
 
-package_data = {"meridian.api": ["static/*"]}
+# The lab's C delay line is compiled on the machine that runs the lab (meridian lab up), so its source ships.
+package_data = {"meridian.api": ["static/*"], "meridian.service.cluster.lab": ["*.c"]}
 for name, (folder, patterns) in DATA_FOLDERS.items():
     packages.append(name)
     package_dir[name] = folder

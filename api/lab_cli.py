@@ -28,8 +28,10 @@ def add_lab_parser(sub: Any) -> None:
     up.add_argument("--rtt-ms", type=float, default=21.0, help="round-trip time between datacenters (default 21)")
     up.add_argument("--gbps", type=float, default=1.0, help="inter-DC rate in Gbit/s per direction (default 1)")
     up.add_argument("--cpus-per-node", type=int, default=1)
-    up.add_argument("--mtu", type=int, default=9000, help="MTU of the inter-DC link (default 9000: the delay line "
-                    "is a Python process, and jumbo frames let it carry ~1 Gbit/s)")
+    up.add_argument("--mtu", type=int, default=9000, help="MTU of the inter-DC link (default 9000)")
+    up.add_argument("--delay-line", choices=["auto", "native", "python"], default="auto",
+                    help="what carries the inter-DC link: native (a C program built with the machine's compiler: "
+                         "the least of the ranks' CPU), python, or auto (native where a C compiler is found)")
     up.set_defaults(run=cmd_lab_up)
     pr = action("probe", "measure each inter-DC link with real TCP: RTT and bulk throughput")
     pr.add_argument("--bulk-mb", type=float, default=64)
@@ -49,9 +51,12 @@ def cmd_lab_up(args: argparse.Namespace) -> int:
     from meridian.service.cluster.lab import lab
 
     state = lab.up(parse_datacenters(args.datacenters), rtt_ms=args.rtt_ms, gbps=args.gbps, name=args.name,
-                   cpus_per_node=args.cpus_per_node, mtu=args.mtu)  # fmt: skip
+                   cpus_per_node=args.cpus_per_node, mtu=args.mtu, line=args.delay_line)  # fmt: skip
     s = state.summary()
-    lines = [f"lab {s['name']!r} is up: {args.rtt_ms:g} ms RTT, {args.gbps:g} Gbit/s between datacenters"]
+    lines = [f"lab {s['name']!r} is up: {args.rtt_ms:g} ms RTT, {args.gbps:g} Gbit/s between datacenters "
+             f"({s['delay_line']} delay line)"]
+    if s.get("delay_line_note"):
+        lines.append(f"  the Python delay line carries the link: {s['delay_line_note']}")
     lines += [f"  {dc['name']}: namespace {dc['netns']}, nodes {', '.join(dc['nodes'])}, link device {dc['link_device']}"
               for dc in s["datacenters"]]  # fmt: skip
     lines += [f"Ray address: {s['ray_address']}   dashboard: {s['dashboard']}", f"next: {s['serve']}"]

@@ -246,7 +246,7 @@ def run(args: argparse.Namespace) -> dict:
             lab_runs: dict[str, dict] = {}
             with lab_lock(args.lock, args.lock_timeout_s):
                 state = lab_mod.up({dc: args.workers_per_dc for dc in names}, rtt_ms=rtt_ms, gbps=gbps,
-                                   name=LAB_NAME, ray=False)  # fmt: skip
+                                   name=LAB_NAME, ray=False, line=args.delay_line)  # fmt: skip
                 try:
                     for s in strategies:
                         mean = s == "diloco"
@@ -254,6 +254,7 @@ def run(args: argparse.Namespace) -> dict:
                         lab_runs[s] = summarise(run_in_lab(state, job(args, s, tuple(multi), None), multi, workdir,
                                                            args.timeout_s, window(args, s)), window(args, s), mean)  # fmt: skip
                         lab_runs[s]["delay_line_cpu_ms"] = 1000 * (process_cpu_s(state.delay_line_pid) - cpu_before) / args.steps
+                        lab_runs[s]["delay_line"] = state.delay_line
                         if s == "hierarchical" and args.overlap_saving:  # the same job with overlap off
                             off = "hierarchical-no-overlap"
                             lab_runs[off] = summarise(run_in_lab(state, job(args, off, tuple(multi), None), multi,
@@ -272,7 +273,7 @@ def run(args: argparse.Namespace) -> dict:
                 lab_r = lab_runs[s]
                 har_min = args.dcs * params * 4 / (args.diloco_h if s == "diloco" else 1)
                 rows.append({
-                    "rtt_ms": rtt_ms, "gbps": gbps, "strategy": s,
+                    "rtt_ms": rtt_ms, "gbps": gbps, "strategy": s, "delay_line": lab_r["delay_line"],
                     "step_ms_lab": round(lab_r["step_ms"], 1), "step_ms_emulated": round(emu["step_ms"], 1),
                     "step_ms_one_dc": round(one_dc[s]["step_ms"], 1),
                     "emulated_vs_lab": round(emu["step_ms"] / lab_r["step_ms"], 3),
@@ -317,6 +318,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--diloco-h", type=int, default=4, help="DiLoCo inner steps between syncs (default 4)")
     p.add_argument("--no-overlap-saving", dest="overlap_saving", action="store_false",
                    help="skip the hierarchical job with overlap off (its step time gives overlap_saving)")
+    p.add_argument("--delay-line", choices=["auto", "native", "python"], default="auto",
+                   help="what carries the lab's link (meridian lab up --delay-line; default auto: native where a C "
+                        "compiler is found)")
     p.add_argument("--lock", default="/tmp/meridian-lab.lock", help="the machine's lab lock file")
     p.add_argument("--lock-timeout-s", type=float, default=900.0, help="wait this long for the lab lock")
     p.add_argument("--timeout-s", type=float, default=300.0, help="give up on one job after this long")

@@ -57,6 +57,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--probe", action="store_true",
                    help="measure links and compute through the API before submitting, so `auto` plans from them")
     p.add_argument("--steady-from", type=int, default=21, help="steps from this one on give steady_tokens_per_s")
+    p.add_argument("--delay-line", choices=["auto", "native", "python"], default="auto",
+                   help="what carries the lab's link (meridian lab up --delay-line; default auto: native where a C "
+                        "compiler is found)")
     p.add_argument("--lock", default="/tmp/meridian-lab.lock", help="the machine's lab lock file")
     p.add_argument("--lock-timeout-s", type=float, default=900.0, help="wait this long for the lab lock")
     p.add_argument("--timeout-s", type=float, default=600.0, help="give up on one job after this long")
@@ -182,7 +185,8 @@ def _one_run(args: argparse.Namespace, side: str, spec: dict[str, Any]) -> dict[
         phases[name] = round(now - mark, 2)
         mark = now
 
-    state = lab.up(layout(side, args.workers), rtt_ms=args.rtt_ms, gbps=args.gbps, name=LAB_NAME)
+    state = lab.up(layout(side, args.workers), rtt_ms=args.rtt_ms, gbps=args.gbps, name=LAB_NAME,
+                   line=args.delay_line)
     phase("lab_up_s")
     data_dir = tempfile.mkdtemp(prefix="meridian-bench-lab-demo-")
     service = None
@@ -215,7 +219,7 @@ def _one_run(args: argparse.Namespace, side: str, spec: dict[str, Any]) -> dict[
             "job_tokens_per_s": round(result["tokens_per_s"], 1),
             "final_loss": result["final_loss"], "eval_loss": result.get("eval_loss"),
             "median_exposed_ms": round(1000 * statistics.median(p["exposed_s"] for p in points), 1) if points else None,
-            "delay_line_cpu_s": round(line_cpu_s, 2),
+            "delay_line": state.delay_line, "delay_line_cpu_s": round(line_cpu_s, 2),
             "phases": phases,
         }
     finally:

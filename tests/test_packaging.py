@@ -1,6 +1,7 @@
 """The wheel ships every module of the source tree and the example specs: ``pip install .`` is how every node
 installs Meridian, and an editable install hides a package the wheel forgot (it once lacked
-``meridian.api.routes``, and ``meridian demo`` from a wheel once found no ``examples/demo.json``)."""
+``meridian.api.routes``, and ``meridian demo`` from a wheel once found no ``examples/demo.json``), and the C
+source ``meridian lab`` builds its delay line from."""
 
 from __future__ import annotations
 
@@ -24,7 +25,9 @@ def _source_files() -> set[str]:
         folder, _, rest = path.partition("/")
         if folder not in FOLDERS or not (ROOT / path).exists():
             continue
-        if folder == "examples" and path.endswith(SPEC_SUFFIXES) or path.endswith(".py") or rest.startswith("static/"):
+        # .c: the lab's delay line, compiled where the lab runs
+        if (folder == "examples" and path.endswith(SPEC_SUFFIXES) or path.endswith((".py", ".c"))
+                or rest.startswith("static/")):
             shipped.add(f"{FOLDERS[folder]}/{rest}")
     return shipped
 
@@ -43,5 +46,6 @@ def test_wheel_ships_every_module_of_the_source_tree(tmp_path):
     expected = _source_files()
     assert "meridian/api/routes/jobs.py" in expected and "meridian/api/static/index.html" in expected
     assert "meridian/examples/demo.json" in expected
+    assert "meridian/service/cluster/lab/delay_line.c" in expected
     assert expected - in_wheel == set(), "modules the wheel forgot"
     assert in_wheel - expected == set(), "files in the wheel that are not in the source tree"

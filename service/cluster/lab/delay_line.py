@@ -13,8 +13,9 @@ the same cores as the ranks, and a real WAN costs them no CPU: what it spends is
 and the delay do not change; the kernel's byte counters count a large segment's headers once instead of once
 per wire-sized packet (40 bytes in 9,000 less each).
 
-Run by :mod:`meridian.service.cluster.lab.lab` as ``python -m meridian.service.cluster.lab.delay_line``;
-it must never touch a namespace or device the lab did not create.
+``delay_line.c`` is the same line in C, for a small part of the CPU: ``meridian lab`` builds it with the
+machine's C compiler (:func:`build_native`) and runs it when it can, and this module when it cannot (no compiler)
+or is told to (``--delay-line python``). Either must never touch a namespace or device the lab did not create.
 """
 
 from __future__ import annotations
@@ -23,13 +24,18 @@ import argparse
 import ctypes
 import errno
 import fcntl
+import hashlib
 import json
 import os
 import select
+import shutil
 import signal
 import struct
+import subprocess
+import sys
 import time
 from collections import deque
+from pathlib import Path
 
 TUNSETIFF = 0x400454CA
 IFF_TUN = 0x0001
@@ -125,6 +131,63 @@ def run(tuns: list[tuple[str, str]], one_way_s: float, stop: list[bool], offload
     for fd in fds:
         os.close(fd)
     return {"forwarded": forwarded, "dropped": dropped}
+
+
+NATIVE_SOURCE = Path(__file__).with_name("delay_line.c")
+KINDS = ("auto", "native", "python")
+"""``native``: the C line, or an error saying why it cannot be built; ``python``: this module; ``auto``: the C
+line where the machine has a C compiler, else this module."""
+
+
+class NativeLineUnavailable(RuntimeError):
+    """The C line cannot be built here, in words a person can act on."""
+
+
+def build_native(cache_dir: Path) -> Path:
+    """The C line compiled for this machine, built once per source text into ``cache_dir``."""
+    source = NATIVE_SOURCE.read_bytes()
+    binary = cache_dir / f"delay-line-{hashlib.sha256(source).hexdigest()[:16]}"
+    if binary.exists():
+        return binary
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not compiler:
+        raise NativeLineUnavailable("no C compiler (cc or gcc) on PATH to build the lab's delay line; install one, "
+                                    "or run `meridian lab up --delay-line python` (more of the ranks' CPU)")  # fmt: skip
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    partial = binary.with_name(f"{binary.name}.{os.getpid()}.partial")
+    try:
+        out = subprocess.run([compiler, "-O2", "-Wall", "-Werror", "-o", str(partial), str(NATIVE_SOURCE)],
+                             capture_output=True, text=True, timeout=120)  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise NativeLineUnavailable(f"the C compiler {compiler!r} could not run ({e}) to build the lab's delay "
+                                    "line; set CC to one that does, or use --delay-line python") from None  # fmt: skip
+    if out.returncode != 0:
+        partial.unlink(missing_ok=True)
+        raise NativeLineUnavailable(f"{compiler} could not build {NATIVE_SOURCE.name}: "
+                                    + " | ".join(out.stderr.strip().splitlines()[-5:]))  # fmt: skip
+    partial.replace(binary)  # whole or not at all, for two labs building at once
+    return binary
+
+
+def command(tuns: list[tuple[str, str]], one_way_ms: float, kind: str, cache_dir: Path,
+            offload: bool = True) -> tuple[list[str], str, str]:
+    """The command that runs the line, the kind it is (``native`` or ``python``) and, when ``auto`` fell back to
+    Python, why."""
+    if kind not in KINDS:
+        raise ValueError(f"delay line {kind!r}: choose one of {', '.join(KINDS)}")
+    why = ""
+    if kind != "python":
+        try:
+            binary = build_native(cache_dir)
+            pairs = [part for ns, dev in tuns for part in (ns, dev)]
+            return [str(binary), f"{one_way_ms * 1000:.3f}", str(int(offload)), *pairs], "native", ""
+        except NativeLineUnavailable as e:
+            if kind == "native":
+                raise
+            why = str(e)
+    cmd = [sys.executable, "-m", "meridian.service.cluster.lab.delay_line", "--tuns", json.dumps(tuns),
+           "--one-way-ms", str(one_way_ms)] + ([] if offload else ["--no-offload"])  # fmt: skip
+    return cmd, "python", why
 
 
 def main() -> None:

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from meridian.service.cluster.lab import network
+from meridian.service.cluster.lab import delay_line, network
 from meridian.service.cluster.lab.layout import HEAD_IP, LabDatacenter, LabLayout, LabNode, LinkSpec
 
 STATE_DIR = Path("/run/meridian-lab")
@@ -53,6 +53,10 @@ class LabState:
     netns: list[str] = field(default_factory=list)
     links: list[str] = field(default_factory=list)
     delay_line_pid: int = 0
+    delay_line: str = ""
+    """Which line carries the link: ``native`` (``delay_line.c``) or ``python``."""
+    delay_line_note: str = ""
+    """Why ``auto`` fell back to the Python line, if it did."""
     ray_temp_dir: str = ""
     started: bool = False
 
@@ -72,7 +76,8 @@ class LabState:
         lay = self.layout
         return {
             "name": self.name, "ray_address": self.ray_address, "dashboard": self.dashboard_url,
-            "rtt_ms": self.rtt_ms, "gbps": self.gbps, "mtu": self.mtu,
+            "rtt_ms": self.rtt_ms, "gbps": self.gbps, "mtu": self.mtu, "delay_line": self.delay_line,
+            **({"delay_line_note": self.delay_line_note} if self.delay_line_note else {}),
             "datacenters": [{"name": dc.name, "netns": dc.netns, "link_device": dc.tun, "gloo_ifname": dc.dc_veth,
                              "nodes": [n.ip for n in dc.nodes]} for dc in lay.datacenters],
             "serve": f"meridian serve --address {self.ray_address}",
@@ -123,10 +128,13 @@ def node_ports(index_in_dc: int) -> list[str]:
 
 
 def up(datacenters: dict[str, int], *, rtt_ms: float, gbps: float, name: str = "lab", cpus_per_node: int = 1,
-       mtu: int = 9000, timeout_s: float = NODES_TIMEOUT_S, ray: bool = True) -> LabState:  # fmt: skip
+       mtu: int = 9000, timeout_s: float = NODES_TIMEOUT_S, ray: bool = True,
+       line: str = "auto") -> LabState:  # fmt: skip
     """Build the lab; ``ray=False`` builds only the network and the delay line (``meridian bench lab`` starts
-    its own processes in the namespaces)."""
+    its own processes in the namespaces). ``line`` chooses the delay line (:data:`delay_line.KINDS`)."""
     _require_root()
+    if line not in delay_line.KINDS:
+        raise LabError(f"delay line {line!r}: choose one of {', '.join(delay_line.KINDS)}")
     if state_path(name).exists():
         raise LabError(f"a lab named {name!r} is already up ({state_path(name)}); `meridian lab down` removes it")
     layout = LabLayout.build(datacenters, LinkSpec(rtt_ms, gbps))  # checks the spec before anything is made
@@ -143,7 +151,7 @@ def up(datacenters: dict[str, int], *, rtt_ms: float, gbps: float, name: str = "
             _save(state)
 
         network.create(layout, made, mtu=mtu)
-        _start_delay_line(state, layout)
+        _start_delay_line(state, layout, line)
         if ray:
             _start_ray(state, layout, timeout_s)
     except BaseException:
@@ -154,14 +162,15 @@ def up(datacenters: dict[str, int], *, rtt_ms: float, gbps: float, name: str = "
     return state
 
 
-def _start_delay_line(state: LabState, layout: LabLayout) -> None:
-    tuns = json.dumps([[dc.netns, dc.tun] for dc in layout.datacenters])
+def _start_delay_line(state: LabState, layout: LabLayout, line: str) -> None:
+    tuns = [(dc.netns, dc.tun) for dc in layout.datacenters]
+    try:
+        cmd, state.delay_line, state.delay_line_note = delay_line.command(tuns, layout.link.rtt_ms / 2, line,
+                                                                          STATE_DIR)  # fmt: skip
+    except delay_line.NativeLineUnavailable as e:
+        raise LabError(str(e)) from None
     log = open(Path(state.ray_temp_dir).parent / f"meridian-lab-{state.name}-delay-line.log", "ab")  # noqa: SIM115
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "meridian.service.cluster.lab.delay_line", "--tuns", tuns,
-         "--one-way-ms", str(layout.link.rtt_ms / 2)],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-    )  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     state.delay_line_pid = proc.pid
     _save(state)
     time.sleep(0.3)

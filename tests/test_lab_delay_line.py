@@ -1,0 +1,81 @@
+"""The lab's two delay lines (``delay_line.c``, built on the machine, and ``delay_line.py``): each carries the
+link with the configured delay under the kernel's rate limit, and ``auto`` says why when it cannot build the C
+one. The link tests build only the network and the line (no Ray), so they take seconds; they need root."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from meridian.service.cluster.lab import delay_line
+
+RTT_MS = 21.0
+needs_root = pytest.mark.skipif(os.geteuid() != 0 or not Path("/dev/net/tun").exists(),
+                                reason="the lab creates network namespaces and TUN devices: run the tests as root")  # fmt: skip
+needs_cc = pytest.mark.skipif(not (shutil.which("cc") or shutil.which("gcc")), reason="no C compiler on PATH")
+
+
+@needs_root
+@pytest.mark.parametrize("line", ["native", "python"])
+def test_each_line_carries_the_link_with_its_delay_and_counts_what_it_forwarded(line):
+    if line == "native" and not (shutil.which("cc") or shutil.which("gcc")):
+        pytest.skip("no C compiler on PATH")
+    from meridian.service.cluster.lab import lab
+
+    name = f"line{os.getpid()}{line[0]}"
+    state = lab.up({"dc-a": 1, "dc-b": 1}, rtt_ms=RTT_MS, gbps=1.0, name=name, ray=False, line=line)
+    log = Path(state.ray_temp_dir).parent / f"meridian-lab-{name}-delay-line.log"
+    try:
+        assert state.delay_line == line and state.summary()["delay_line"] == line
+        (link,) = lab.probe(name, bulk_mb=16, pings=10)["links"]
+    finally:
+        lab.down(name)
+    assert link["rtt_min_ms"] >= RTT_MS  # no packet beats the line
+    assert link["rtt_ms"] < RTT_MS + 30
+    assert 0 < link["gbps"] <= 1.05  # the kernel's tbf holds the rate, whichever line carries it
+    assert link["link_tx_bytes"] >= link["bulk_bytes"]
+    counts = json.loads(log.read_text().strip().splitlines()[-1])  # printed on SIGTERM from `down`
+    log.unlink()
+    # each bulk segment (up to 64 KiB with offload) went through the line, and the pings and ACKs besides
+    assert counts["forwarded"] >= link["bulk_bytes"] / 2**16
+
+
+@needs_cc
+def test_the_native_line_is_built_once_per_source_text(tmp_path, monkeypatch):
+    first = delay_line.build_native(tmp_path)
+    built_at = first.stat().st_mtime_ns
+    assert delay_line.build_native(tmp_path) == first and first.stat().st_mtime_ns == built_at
+    changed = tmp_path / "src" / "delay_line.c"
+    changed.parent.mkdir()
+    changed.write_text(delay_line.NATIVE_SOURCE.read_text() + "/* changed */\n")
+    monkeypatch.setattr(delay_line, "NATIVE_SOURCE", changed)
+    assert delay_line.build_native(tmp_path) != first  # an upgraded line is rebuilt, never the stale binary run
+    assert not list(tmp_path.glob("*.partial"))
+
+
+@pytest.mark.parametrize("compiler", [None, "/nonexistent/cc"])
+def test_auto_falls_back_to_python_saying_why_and_native_refuses(tmp_path, monkeypatch, compiler):
+    monkeypatch.setattr(delay_line.shutil, "which", lambda _: None)
+    if compiler:
+        monkeypatch.setenv("CC", compiler)
+    else:
+        monkeypatch.delenv("CC", raising=False)
+    tuns = [("mrd-dc-a", "mrd-tun-a"), ("mrd-dc-b", "mrd-tun-b")]
+    cmd, kind, why = delay_line.command(tuns, 10.5, "auto", tmp_path)
+    assert kind == "python" and cmd[1:3] == ["-m", "meridian.service.cluster.lab.delay_line"]
+    assert "--delay-line python" in why and ("no C compiler" in why if compiler is None else compiler in why)
+    with pytest.raises(delay_line.NativeLineUnavailable):
+        delay_line.command(tuns, 10.5, "native", tmp_path)
+    with pytest.raises(ValueError, match="choose one of"):
+        delay_line.command(tuns, 10.5, "fast", tmp_path)
+
+
+@needs_cc
+def test_the_native_command_passes_the_one_way_delay_in_microseconds_and_each_datacenter_in_order(tmp_path):
+    cmd, kind, why = delay_line.command([("ns-a", "tun-a"), ("ns-b", "tun-b")], 10.5, "auto", tmp_path)
+    assert (kind, why) == ("native", "")
+    assert cmd[1:] == ["10500.000", "1", "ns-a", "tun-a", "ns-b", "tun-b"]
