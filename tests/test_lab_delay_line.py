@@ -1,12 +1,14 @@
 """The lab's two delay lines (``delay_line.c``, built on the machine, and ``delay_line.py``): each carries the
 link with the configured delay under the kernel's rate limit, and ``auto`` says why when it cannot build the C
-one. The link tests build only the network and the line (no Ray), so they take seconds; they need root."""
+one; a network that cannot be built ends ``lab up`` with an error that says which command failed, and leaves
+nothing. The link tests build only the network and the line (no Ray), so they take seconds; they need root."""
 
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -79,3 +81,33 @@ def test_the_native_command_passes_the_one_way_delay_in_microseconds_and_each_da
     cmd, kind, why = delay_line.command([("ns-a", "tun-a"), ("ns-b", "tun-b")], 10.5, "auto", tmp_path)
     assert (kind, why) == ("native", "")
     assert cmd[1:] == ["10500.000", "1", "ns-a", "tun-a", "ns-b", "tun-b"]
+
+
+def test_a_network_command_that_is_missing_or_fails_says_which():
+    from meridian.service.cluster.lab import network
+
+    with pytest.raises(network.NetworkError, match="iproute2"):
+        network.sh(["/nonexistent/ip", "link"])
+    with pytest.raises(network.NetworkError, match="`false` failed"):
+        network.sh(["false"])
+
+
+@needs_root
+def test_up_whose_network_fails_half_way_removes_what_it_made_and_says_why(monkeypatch):
+    """Seen with a PATH without /usr/sbin: `ip netns exec … sysctl` failed after the first namespace existed, and
+    `lab up` ended in a traceback instead of an error a person can act on."""
+    from meridian.service.cluster.lab import lab, network
+
+    real_create = network.create
+
+    def create_without_sysctl(layout, made, *, mtu):
+        def run(cmd):  # the sysctl as a machine without it runs it
+            network.sh([*cmd[:4], "/nonexistent/sysctl", *cmd[5:]] if "sysctl" in cmd else cmd)
+        real_create(layout, made, mtu=mtu, run=run)
+
+    monkeypatch.setattr(network, "create", create_without_sysctl)
+    name = f"half{os.getpid()}"
+    with pytest.raises(lab.LabError, match="what it had made is removed: `ip netns exec mrd-dc-a /nonexistent/sysctl"):
+        lab.up({"dc-a": 1, "dc-b": 1}, rtt_ms=RTT_MS, gbps=1.0, name=name, ray=False)
+    namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert "mrd-dc-a" not in namespaces and not lab.state_path(name).exists()

@@ -154,6 +154,9 @@ def up(datacenters: dict[str, int], *, rtt_ms: float, gbps: float, name: str = "
         _start_delay_line(state, layout, line)
         if ray:
             _start_ray(state, layout, timeout_s)
+    except network.NetworkError as e:
+        down(name)
+        raise LabError(f"building the lab's network failed, and what it had made is removed: {e}") from None
     except BaseException:
         down(name)
         raise

@@ -15,10 +15,20 @@ from meridian.service.cluster.lab.layout import HEAD_IP, LabDatacenter, LabLayou
 Run = Callable[[list[str]], None]
 
 
-def sh(cmd: list[str]) -> None:
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+class NetworkError(RuntimeError):
+    """A command that builds or removes the lab's network failed; the message names it and what it said."""
+
+
+def sh(cmd: list[str], timeout_s: float = 30.0) -> None:
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    except OSError as e:
+        raise NetworkError(f"`{cmd[0]}` could not run ({e.strerror or e}): the lab needs iproute2's `ip` and `tc` "
+                           "on PATH") from None  # fmt: skip
+    except subprocess.TimeoutExpired:
+        raise NetworkError(f"`{' '.join(cmd)}` did not finish within {timeout_s:.0f} s") from None
     if out.returncode != 0:
-        raise RuntimeError(f"`{' '.join(cmd)}` failed: {out.stderr.strip() or out.stdout.strip()}")
+        raise NetworkError(f"`{' '.join(cmd)}` failed: {out.stderr.strip() or out.stdout.strip()}")
 
 
 def in_ns(netns: str, cmd: list[str]) -> list[str]:
