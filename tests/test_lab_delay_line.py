@@ -111,3 +111,23 @@ def test_up_whose_network_fails_half_way_removes_what_it_made_and_says_why(monke
         lab.up({"dc-a": 1, "dc-b": 1}, rtt_ms=RTT_MS, gbps=1.0, name=name, ray=False)
     namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert "mrd-dc-a" not in namespaces and not lab.state_path(name).exists()
+
+
+@pytest.mark.parametrize("name", ["../etc/x", "a b", "", "-x", "x" * 33])
+def test_a_lab_name_that_is_not_a_plain_word_is_refused_before_anything_is_read_or_written(name):
+    from meridian.service.cluster.lab import lab
+
+    with pytest.raises(lab.LabError, match="letters, digits"):
+        lab.state_path(name)
+
+
+@needs_root
+@pytest.mark.parametrize(("kwargs", "says"), [({"cpus_per_node": 0}, "at least 1"), ({"mtu": 100}, "mtu must be"),
+                                              ({"line": "fast"}, "choose one of")])  # fmt: skip
+def test_up_refuses_figures_that_cannot_make_a_lab_before_making_anything(kwargs, says):
+    from meridian.service.cluster.lab import lab
+
+    name = f"bad{os.getpid()}"
+    with pytest.raises(lab.LabError, match=says):
+        lab.up({"dc-a": 1, "dc-b": 1}, rtt_ms=RTT_MS, gbps=1.0, name=name, ray=False, **kwargs)
+    assert not lab.state_path(name).exists()

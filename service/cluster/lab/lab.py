@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -84,7 +85,16 @@ class LabState:
         }  # fmt: skip
 
 
+LAB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,31}")
+MTU_RANGE = (1280, 65535)
+"""IPv6's minimum (Ray and gloo may use it) to the largest a TUN device takes."""
+
+
 def state_path(name: str) -> Path:
+    """Where the lab ``name`` records what it made; the name becomes a file name and part of Ray's temp dir, so
+    it is letters, digits, ``-`` and ``_`` only (a ``../`` in it would have written outside the state dir)."""
+    if not LAB_NAME.fullmatch(name):
+        raise LabError(f"lab name {name!r}: use 1-32 letters, digits, '-' or '_', starting with a letter or digit")
     return STATE_DIR / f"{name}.json"
 
 
@@ -135,6 +145,10 @@ def up(datacenters: dict[str, int], *, rtt_ms: float, gbps: float, name: str = "
     _require_root()
     if line not in delay_line.KINDS:
         raise LabError(f"delay line {line!r}: choose one of {', '.join(delay_line.KINDS)}")
+    if cpus_per_node < 1:
+        raise LabError(f"cpus_per_node must be at least 1, got {cpus_per_node}: a node without CPUs runs no worker")
+    if not MTU_RANGE[0] <= mtu <= MTU_RANGE[1]:
+        raise LabError(f"mtu must be between {MTU_RANGE[0]} and {MTU_RANGE[1]}, got {mtu}")
     if state_path(name).exists():
         raise LabError(f"a lab named {name!r} is already up ({state_path(name)}); `meridian lab down` removes it")
     layout = LabLayout.build(datacenters, LinkSpec(rtt_ms, gbps))  # checks the spec before anything is made
