@@ -11,6 +11,8 @@ import json
 import sys
 from typing import Any
 
+from meridian.service.cluster.lab import delay_line
+
 
 def add_lab_parser(sub: Any) -> None:
     lab = sub.add_parser("lab", help="a multi-datacenter Ray cluster on this machine over a real delayed link "
@@ -29,9 +31,7 @@ def add_lab_parser(sub: Any) -> None:
     up.add_argument("--gbps", type=float, default=1.0, help="inter-DC rate in Gbit/s per direction (default 1)")
     up.add_argument("--cpus-per-node", type=int, default=1)
     up.add_argument("--mtu", type=int, default=9000, help="MTU of the inter-DC link (default 9000)")
-    up.add_argument("--delay-line", choices=["auto", "native", "python"], default="auto",
-                    help="what carries the inter-DC link: native (a C program built with the machine's compiler: "
-                         "the least of the ranks' CPU), python, or auto (native where a C compiler is found)")
+    up.add_argument("--delay-line", choices=delay_line.KINDS, default="auto", help=delay_line.KINDS_HELP)
     up.set_defaults(run=cmd_lab_up)
     pr = action("probe", "measure each inter-DC link with real TCP: RTT and bulk throughput")
     pr.add_argument("--bulk-mb", type=float, default=64)

@@ -57,6 +57,7 @@ import meridian
 from meridian.bench.cpu_sample import process_cpu_s
 from meridian.bench.lab_worker import run_rank
 from meridian.bench.sync import add_job_shape_arguments, count_params
+from meridian.service.cluster.lab import delay_line
 from meridian.service.cluster.lab import lab as lab_mod
 from meridian.workers.contracts.config import (
     DiLoCoConfig,
@@ -318,9 +319,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--diloco-h", type=int, default=4, help="DiLoCo inner steps between syncs (default 4)")
     p.add_argument("--no-overlap-saving", dest="overlap_saving", action="store_false",
                    help="skip the hierarchical job with overlap off (its step time gives overlap_saving)")
-    p.add_argument("--delay-line", choices=["auto", "native", "python"], default="auto",
-                   help="what carries the lab's link (meridian lab up --delay-line; default auto: native where a C "
-                        "compiler is found)")
+    p.add_argument("--delay-line", choices=delay_line.KINDS, default="auto", help=delay_line.KINDS_HELP)
     p.add_argument("--lock", default="/tmp/meridian-lab.lock", help="the machine's lab lock file")
     p.add_argument("--lock-timeout-s", type=float, default=900.0, help="wait this long for the lab lock")
     p.add_argument("--timeout-s", type=float, default=300.0, help="give up on one job after this long")

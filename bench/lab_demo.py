@@ -42,6 +42,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from meridian.service.cluster.lab import delay_line
+
 NAME = "lab-demo"
 HELP = "a job through the REST API on the network lab: two datacenters against one (scaling efficiency, loss)"
 LAB_NAME = "bench-demo"
@@ -57,9 +59,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--probe", action="store_true",
                    help="measure links and compute through the API before submitting, so `auto` plans from them")
     p.add_argument("--steady-from", type=int, default=21, help="steps from this one on give steady_tokens_per_s")
-    p.add_argument("--delay-line", choices=["auto", "native", "python"], default="auto",
-                   help="what carries the lab's link (meridian lab up --delay-line; default auto: native where a C "
-                        "compiler is found)")
+    p.add_argument("--delay-line", choices=delay_line.KINDS, default="auto", help=delay_line.KINDS_HELP)
     p.add_argument("--lock", default="/tmp/meridian-lab.lock", help="the machine's lab lock file")
     p.add_argument("--lock-timeout-s", type=float, default=900.0, help="wait this long for the lab lock")
     p.add_argument("--timeout-s", type=float, default=600.0, help="give up on one job after this long")

@@ -137,6 +137,8 @@ NATIVE_SOURCE = Path(__file__).with_name("delay_line.c")
 KINDS = ("auto", "native", "python")
 """``native``: the C line, or an error saying why it cannot be built; ``python``: this module; ``auto``: the C
 line where the machine has a C compiler, else this module."""
+KINDS_HELP = ("what carries the inter-DC link: native (a C program built with the machine's compiler: the least "
+              "of the ranks' CPU), python, or auto (native where a C compiler is found; the default)")
 
 
 class NativeLineUnavailable(RuntimeError):
