@@ -78,9 +78,11 @@ def cmd_lab_status(args: argparse.Namespace) -> int:
     from meridian.service.cluster.lab import lab
 
     state = lab.load_state(args.name)
-    s = state.summary() | {"alive_nodes": lab.alive_nodes(state)}
+    s = state.summary() | {"delay_line_running": lab.delay_line_running(state), "alive_nodes": lab.alive_nodes(state)}
     nodes = ", ".join(f"{n['ip']} ({n['labels'].get('datacenter', 'head')})" for n in s["alive_nodes"])
-    return _emit(args, s, f"lab {args.name!r} at {s['ray_address']}: {len(s['alive_nodes'])} live nodes: {nodes}")
+    line = "" if s["delay_line_running"] else (f"; its delay line is NOT running (see {state.delay_line_log}): "
+                                                "nothing crosses between datacenters")  # fmt: skip
+    return _emit(args, s, f"lab {args.name!r} at {s['ray_address']}: {len(s['alive_nodes'])} live nodes: {nodes}{line}")
 
 
 def cmd_lab_down(args: argparse.Namespace) -> int:

@@ -30,7 +30,7 @@ def test_each_line_carries_the_link_with_its_delay_and_counts_what_it_forwarded(
 
     name = f"line{os.getpid()}{line[0]}"
     state = lab.up({"dc-a": 1, "dc-b": 1}, rtt_ms=RTT_MS, gbps=1.0, name=name, ray=False, line=line)
-    log = Path(state.ray_temp_dir).parent / f"meridian-lab-{name}-delay-line.log"
+    log = state.delay_line_log
     try:
         assert state.delay_line == line and state.summary()["delay_line"] == line
         (link,) = lab.probe(name, bulk_mb=16, pings=10)["links"]
@@ -131,3 +131,23 @@ def test_up_refuses_figures_that_cannot_make_a_lab_before_making_anything(kwargs
     with pytest.raises(lab.LabError, match=says):
         lab.up({"dc-a": 1, "dc-b": 1}, rtt_ms=RTT_MS, gbps=1.0, name=name, ray=False, **kwargs)
     assert not lab.state_path(name).exists()
+
+
+@needs_root
+def test_a_lab_whose_delay_line_died_says_so_instead_of_probing_into_silence():
+    """Without the line every inter-DC packet is lost: a probe would wait out its timeout and a job's collectives
+    theirs. `lab probe` refuses at once, naming the line's log, and `lab status` says the line is not running."""
+    from meridian.service.cluster.lab import lab
+
+    name = f"dead{os.getpid()}"
+    state = lab.up({"dc-a": 1, "dc-b": 1}, rtt_ms=RTT_MS, gbps=1.0, name=name, ray=False)
+    try:
+        assert lab.delay_line_running(state)
+        os.kill(state.delay_line_pid, 9)
+        os.waitpid(state.delay_line_pid, 0)  # this process started it: reap it, as the bench would not
+        assert not lab.delay_line_running(state)
+        with pytest.raises(lab.LabError, match=f"delay line \\(pid {state.delay_line_pid}\\) is not running"):
+            lab.probe(name, bulk_mb=1, pings=2, timeout_s=5)
+    finally:
+        lab.down(name)
+        state.delay_line_log.unlink(missing_ok=True)

@@ -66,6 +66,11 @@ class LabState:
         return LabLayout.build(self.datacenters, LinkSpec(self.rtt_ms, self.gbps))
 
     @property
+    def delay_line_log(self) -> Path:
+        """What the delay line printed (its counts when stopped, or why it failed)."""
+        return Path(self.ray_temp_dir).parent / f"meridian-lab-{self.name}-delay-line.log"
+
+    @property
     def ray_address(self) -> str:
         return f"{HEAD_IP}:{self.ray_port}"
 
@@ -186,7 +191,7 @@ def _start_delay_line(state: LabState, layout: LabLayout, line: str) -> None:
                                                                           STATE_DIR)  # fmt: skip
     except delay_line.NativeLineUnavailable as e:
         raise LabError(str(e)) from None
-    log = open(Path(state.ray_temp_dir).parent / f"meridian-lab-{state.name}-delay-line.log", "ab")  # noqa: SIM115
+    log = open(state.delay_line_log, "ab")  # noqa: SIM115
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     state.delay_line_pid = proc.pid
     _save(state)
@@ -246,6 +251,31 @@ def kill_ray_node(node_id: str, timeout_s: float = 5.0, at_kill: Callable[[], No
     if at_dead is not None:
         at_dead()
     return raylet[0]
+
+
+def delay_line_running(state: LabState) -> bool:
+    """The lab's delay line still runs (its pid, not a process that reused it): without it every inter-DC packet
+    is lost and a job's collectives wait out their timeout."""
+    pid = state.delay_line_pid
+    if not pid or process_exited(pid):
+        return False
+    try:
+        return b"delay" in Path(f"/proc/{pid}/cmdline").read_bytes()  # delay-line-<hash>, or …lab.delay_line
+    except OSError:
+        return False
+
+
+def check_delay_line(state: LabState) -> None:
+    """Raise, with the line's last words, unless the lab's delay line runs."""
+    if delay_line_running(state):
+        return
+    try:
+        said = " | ".join(state.delay_line_log.read_text(errors="replace").strip().splitlines()[-3:])
+    except OSError:
+        said = ""
+    raise LabError(f"the lab's delay line (pid {state.delay_line_pid}) is not running, so nothing crosses between "
+                   f"datacenters{f' (it said: {said})' if said else ''}; see {state.delay_line_log}, then "
+                   f"`meridian lab down --name {state.name}` and `up` again")  # fmt: skip
 
 
 def process_exited(pid: int) -> bool:
@@ -376,6 +406,7 @@ def probe(name: str = "lab", *, bulk_mb: float = 64, pings: int = 20, timeout_s:
     other datacenter, with the bytes and packets the kernel counted on the sender's link device."""
     _require_root()
     state = load_state(name)
+    check_delay_line(state)  # else every probe waits out its timeout
     lay = state.layout
     src = lay.datacenters[0]
     rows = []
