@@ -151,3 +151,23 @@ def test_a_lab_whose_delay_line_died_says_so_instead_of_probing_into_silence():
     finally:
         lab.down(name)
         state.delay_line_log.unlink(missing_ok=True)
+
+
+@needs_root
+def test_down_leaves_alone_a_process_that_took_a_dead_lines_pid():
+    from meridian.service.cluster.lab import lab
+
+    name = f"reuse{os.getpid()}"
+    state = lab.up({"dc-a": 1, "dc-b": 1}, rtt_ms=RTT_MS, gbps=1.0, name=name, ray=False)
+    bystander = subprocess.Popen(["sleep", "30"])
+    try:
+        os.kill(state.delay_line_pid, 9)
+        os.waitpid(state.delay_line_pid, 0)
+        state.delay_line_pid = bystander.pid  # as if the kernel had handed the dead line's pid to another process
+        lab._save(state)
+        lab.down(name)
+        assert bystander.poll() is None, "down killed a process that was not its delay line"
+    finally:
+        bystander.kill()
+        bystander.wait()
+        state.delay_line_log.unlink(missing_ok=True)

@@ -392,8 +392,10 @@ def down(name: str = "lab") -> dict[str, Any]:
     state = load_state(name)
     killed = _ray_processes(state)
     _kill(killed, RAY_GRACE_S)
-    if state.delay_line_pid and Path(f"/proc/{state.delay_line_pid}").exists():
-        _kill([state.delay_line_pid])
+    pid = state.delay_line_pid
+    # a zombie still goes to _kill, which reaps it; a live process that reused a dead line's pid is left alone
+    if pid and Path(f"/proc/{pid}").exists() and (process_exited(pid) or delay_line_running(state)):
+        _kill([pid])
     problems = network.remove(state.netns, state.links)
     if not problems:
         state_path(name).unlink(missing_ok=True)
