@@ -299,15 +299,17 @@ def test_overlap_fraction_under_the_wan_emulator():
         # before was combined. Backward
         # computes 100 ms more after each of the first three buckets is ready, so ~3/4 of the link time hides.
         # Without overlap all four start in step() and are in flight together (exchanges do not queue on the
-        # group's threads): one step, all of it exposed.
+        # group's threads), all of it exposed.
         # Step 0 is left out: one rank reaches backward later (first-call costs), and a collective's time
         # includes waiting for the slowest peer, so comm_s and exposed_s grow by that skew.
         for name in ("hidden", "hidden int8"):
             for s in out[name][0][1:]:
                 assert s.comm_s >= 4 * WAN.one_way_s and s.overlap_fraction > 0.5, (name, s)
                 assert s.exposed_s < 2 * WAN.one_way_s, (name, s)
+        # Exposed: the four in flight together took 51-59 ms a step here (2026-11-28; the bound was once 50 ms, and a
+        # full suite's run failed it by 6 ms); one after another they would take at least four one-way delays.
         for s in out["exposed"][0][1:]:
-            assert WAN.one_way_s <= s.comm_s < LINK_DELAY_S and s.overlap_fraction == 0.0, s
+            assert WAN.one_way_s <= s.comm_s < 3 * WAN.one_way_s and s.overlap_fraction == 0.0, s
         # Delayed: the previous step's four buckets had a whole backward (400 ms) to cross; nothing waits.
         for s in out["delayed"][0][1:]:
             assert s.comm_s >= WAN.one_way_s and s.exposed_s < WAN.one_way_s / 2, s
