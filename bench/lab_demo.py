@@ -174,8 +174,7 @@ def _one_run(args: argparse.Namespace, side: str, spec: dict[str, Any]) -> dict[
     from meridian.service.cluster.lab import lab
     from meridian.service.core import MeridianService, ServiceConfig
 
-    if lab.state_path(LAB_NAME).exists():
-        lab.down(LAB_NAME)  # what an interrupted earlier run left
+    lab.down_if_up(LAB_NAME)
     phases: dict[str, float] = {}  # where a run's wall time goes (a lease of minutes must fit whole rounds)
     mark = time.monotonic()
 

@@ -77,8 +77,7 @@ class RayStartCluster:
         from meridian.service.cluster.lab import lab
 
         self._lab = lab
-        if lab.state_path(LAB_NAME).exists():
-            lab.down(LAB_NAME)  # what an interrupted earlier run left
+        lab.down_if_up(LAB_NAME)
         self.state = lab.up({dc_name(d): args.nodes_per_dc for d in range(args.dcs)}, rtt_ms=args.lab_rtt_ms,
                             gbps=args.lab_gbps, name=LAB_NAME)
         self.address = self.state.ray_address

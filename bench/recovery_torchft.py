@@ -161,7 +161,6 @@ def _lab_up(args: argparse.Namespace) -> Any:
     namespaces and link (no Ray), one replica group on each node's address."""
     from meridian.service.cluster.lab import lab
 
-    if lab.state_path(LAB_NAME).exists():
-        lab.down(LAB_NAME)  # what an interrupted earlier run left
+    lab.down_if_up(LAB_NAME)
     return lab.up({dc_name(d): args.nodes_per_dc for d in range(args.dcs)}, rtt_ms=args.lab_rtt_ms,
                   gbps=args.lab_gbps, name=LAB_NAME, ray=False)

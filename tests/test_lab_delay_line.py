@@ -171,3 +171,16 @@ def test_down_leaves_alone_a_process_that_took_a_dead_lines_pid():
         bystander.kill()
         bystander.wait()
         state.delay_line_log.unlink(missing_ok=True)
+
+
+@needs_root
+def test_down_if_up_removes_a_left_lab_and_is_quiet_when_there_is_none():
+    from meridian.service.cluster.lab import lab
+
+    name = f"left{os.getpid()}"
+    lab.down_if_up(name)  # nothing there: nothing to do, no error
+    state = lab.up({"dc-a": 1, "dc-b": 1}, rtt_ms=RTT_MS, gbps=1.0, name=name, ray=False)
+    lab.down_if_up(name)  # what an interrupted run would have left
+    assert not lab.state_path(name).exists() and not lab.delay_line_running(state)
+    assert "mrd-dc-a" not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    state.delay_line_log.unlink(missing_ok=True)

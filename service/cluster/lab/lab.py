@@ -386,6 +386,13 @@ def descendants(roots: list[int]) -> list[int]:
     return found
 
 
+def down_if_up(name: str) -> None:
+    """Remove what an interrupted earlier run left of the lab ``name``, if it left anything (a benchmark's own lab
+    before it brings that lab up)."""
+    if state_path(name).exists():
+        down(name)
+
+
 def down(name: str = "lab") -> dict[str, Any]:
     """Remove everything the lab made: its Ray processes, the delay line, namespaces and devices."""
     _require_root()
