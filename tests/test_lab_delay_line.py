@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -18,14 +17,12 @@ from meridian.service.cluster.lab import delay_line
 RTT_MS = 21.0
 needs_root = pytest.mark.skipif(os.geteuid() != 0 or not Path("/dev/net/tun").exists(),
                                 reason="the lab creates network namespaces and TUN devices: run the tests as root")  # fmt: skip
-needs_cc = pytest.mark.skipif(not (shutil.which("cc") or shutil.which("gcc")), reason="no C compiler on PATH")
+needs_cc = pytest.mark.skipif(delay_line.c_compiler() is None, reason="no C compiler ($CC, cc or gcc)")
 
 
 @needs_root
-@pytest.mark.parametrize("line", ["native", "python"])
+@pytest.mark.parametrize("line", [pytest.param("native", marks=needs_cc), "python"])
 def test_each_line_carries_the_link_with_its_delay_and_counts_what_it_forwarded(line):
-    if line == "native" and not (shutil.which("cc") or shutil.which("gcc")):
-        pytest.skip("no C compiler on PATH")
     from meridian.service.cluster.lab import lab
 
     name = f"line{os.getpid()}{line[0]}"

@@ -145,13 +145,18 @@ class NativeLineUnavailable(RuntimeError):
     """The C line cannot be built here, in words a person can act on."""
 
 
+def c_compiler() -> str | None:
+    """The compiler that builds the C line: ``$CC``, else ``cc`` or ``gcc`` on PATH; ``None`` without one."""
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
 def build_native(cache_dir: Path) -> Path:
     """The C line compiled for this machine, built once per source text into ``cache_dir``."""
     source = NATIVE_SOURCE.read_bytes()
     binary = cache_dir / f"delay-line-{hashlib.sha256(source).hexdigest()[:16]}"
     if binary.exists():
         return binary
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    compiler = c_compiler()
     if not compiler:
         raise NativeLineUnavailable("no C compiler (cc or gcc) on PATH to build the lab's delay line; install one, "
                                     "or run `meridian lab up --delay-line python` (more of the ranks' CPU)")  # fmt: skip
