@@ -248,6 +248,7 @@ def run(args: argparse.Namespace) -> dict:
             with lab_lock(args.lock, args.lock_timeout_s):
                 state = lab_mod.up({dc: args.workers_per_dc for dc in names}, rtt_ms=rtt_ms, gbps=gbps,
                                    name=LAB_NAME, ray=False, line=args.delay_line)  # fmt: skip
+                line_kind = state.delay_line  # native or python: one line per link, for every row of it
                 try:
                     for s in strategies:
                         mean = s == "diloco"
@@ -255,7 +256,6 @@ def run(args: argparse.Namespace) -> dict:
                         lab_runs[s] = summarise(run_in_lab(state, job(args, s, tuple(multi), None), multi, workdir,
                                                            args.timeout_s, window(args, s)), window(args, s), mean)  # fmt: skip
                         lab_runs[s]["delay_line_cpu_ms"] = 1000 * (process_cpu_s(state.delay_line_pid) - cpu_before) / args.steps
-                        lab_runs[s]["delay_line"] = state.delay_line
                         if s == "hierarchical" and args.overlap_saving:  # the same job with overlap off
                             off = "hierarchical-no-overlap"
                             lab_runs[off] = summarise(run_in_lab(state, job(args, off, tuple(multi), None), multi,
@@ -274,7 +274,7 @@ def run(args: argparse.Namespace) -> dict:
                 lab_r = lab_runs[s]
                 har_min = args.dcs * params * 4 / (args.diloco_h if s == "diloco" else 1)
                 rows.append({
-                    "rtt_ms": rtt_ms, "gbps": gbps, "strategy": s, "delay_line": lab_r["delay_line"],
+                    "rtt_ms": rtt_ms, "gbps": gbps, "strategy": s, "delay_line": line_kind,
                     "step_ms_lab": round(lab_r["step_ms"], 1), "step_ms_emulated": round(emu["step_ms"], 1),
                     "step_ms_one_dc": round(one_dc[s]["step_ms"], 1),
                     "emulated_vs_lab": round(emu["step_ms"] / lab_r["step_ms"], 3),

@@ -39,6 +39,7 @@ def test_bench_lab_rows_and_bytes_against_the_kernel() -> None:
         assert row["step_ms_lab"] > 0 and row["step_ms_emulated"] > 0 and row["step_ms_one_dc"] > 0
         # Every inter-DC byte crossed the delay line: it used CPU for them, and less than all of the machine's.
         assert row["delay_line_cpu_ms_per_step"] > 0 and 0 < row["delay_line_cpu_share"] < 1, row
+        assert row["delay_line"] in ("native", "python"), row  # which line carried the link
         # The ranks computed for every step: CPU time, and no more than all cores for the whole step allow.
         for where in ("lab", "one_dc", "emulated"):
             cores_ms = row[f"step_ms_{where}"] * os.cpu_count()
