@@ -23,7 +23,9 @@ pytestmark = [
 
 def test_torchft_groups_train_heal_and_recover_across_the_lab_link():
     cmd = [sys.executable, "-m", "meridian.api.cli", "bench", "recovery", "--json", "--sides", "torchft",
-           "--rounds", "1", "--cluster", "ray-start", "--lab-rtt-ms", "5"]  # fmt: skip
+           "--rounds", "1", "--cluster", "ray-start", "--lab-rtt-ms", "5",
+           # short windows: this test checks the path (heal, kill, go on, take back), not the throughput
+           "--kill-after-s", "5", "--back-after-s", "10"]  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
                          env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
