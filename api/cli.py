@@ -1,7 +1,8 @@
 """``meridian``: run the control plane, run the demo, and talk to the REST API.
 
-Every verb that prints takes ``--json`` for scripts. Errors print the service's ``detail`` and exit 1
-(2 for bad command-line usage), never a traceback.
+Every verb that prints takes ``--json`` for scripts. Errors print the service's ``detail`` on stderr and exit 1
+(2 for bad input or command-line usage), never a traceback; with ``--json`` they also print ``{"error": PROBLEM}``
+on stdout, the service's RFC 9457 problem or one of its shape (:mod:`meridian.api.cli_errors`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from meridian.api import render
+from meridian.api.cli_errors import CliError, local_problem, report
 from meridian.api.client import ApiError, Client
 from meridian.api.data_cli import add_data_parser
 from meridian.api.data_cli import run as run_data
@@ -29,29 +31,33 @@ def default_token_file() -> str:
     return os.environ.get("MERIDIAN_TOKEN_FILE") or os.path.expanduser("~/.meridian/tokens.json")
 
 
+def _spec_error(detail: str) -> CliError:
+    return CliError("invalid-spec-file", "Invalid job spec file", detail, exit_code=2)
+
+
 def load_spec(path: str) -> dict[str, Any]:
     """A job spec from a JSON or YAML file."""
     try:
         text = Path(path).read_text(encoding="utf-8")
     except OSError as e:
-        raise SystemExit(f"cannot read job spec {path!r}: {e.strerror}") from None
+        raise _spec_error(f"cannot read job spec {path!r}: {e.strerror}") from None
     if path.endswith((".yaml", ".yml")):
         try:
             import yaml
         except ImportError:
-            raise SystemExit(f"{path}: reading YAML needs PyYAML (`pip install pyyaml`); or give the spec as JSON") from None
+            raise _spec_error(f"{path}: reading YAML needs PyYAML (`pip install pyyaml`); or give the spec as JSON") from None
 
         try:
             data = yaml.safe_load(text)
         except yaml.YAMLError as e:
-            raise SystemExit(f"{path} is not valid YAML: {e}") from None
+            raise _spec_error(f"{path} is not valid YAML: {e}") from None
     else:
         try:
             data = json.loads(text)
         except json.JSONDecodeError as e:
-            raise SystemExit(f"{path} is not valid JSON: {e}") from None
+            raise _spec_error(f"{path} is not valid JSON: {e}") from None
     if not isinstance(data, dict):
-        raise SystemExit(f"{path} must hold one job spec object")
+        raise _spec_error(f"{path} must hold one job spec object")
     return data
 
 
@@ -84,7 +90,8 @@ def watch(client: Client, job_id: str, *, as_json: bool, timeout_s: float, inter
             if tty:
                 print()
             raise ApiError(0, f"job {job_id} still {job['state']} after {timeout_s:.0f} s "
-                              f"({job['message']}); it keeps running — follow it with `meridian watch {job_id}`")
+                              f"({job['message']}); it keeps running — follow it with `meridian watch {job_id}`",
+                           kind="watch-timeout")
         time.sleep(interval_s)
 
 
@@ -278,17 +285,19 @@ def _check_readable_here(info: dict) -> None:
     latest = info["latest"]
     if not storage.is_url(latest):
         if not info["readable_here"]:
-            raise SystemExit(f"{latest} is not readable from this machine: run `meridian export` where the "
-                             "service's storage is mounted")
+            raise CliError("checkpoint-unreadable", "Checkpoint unreadable here",
+                           f"{latest} is not readable from this machine: run `meridian export` where the "
+                           "service's storage is mounted")
         return
     try:
         storage.check_url(latest)
         if not any(storage.exists(storage.join(latest, marker)) for marker in storage.MARKERS):
             raise FileNotFoundError(f"{latest} holds no complete checkpoint")
     except Exception as e:  # the filesystem library's own errors (credentials, endpoint) too
-        raise SystemExit(f"cannot read {latest} from here ({type(e).__name__}: {e}); set the credentials and "
-                         "endpoint in this shell's environment (for S3: AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, "
-                         "AWS_ENDPOINT_URL)") from e
+        raise CliError("checkpoint-unreadable", "Checkpoint unreadable here",
+                       f"cannot read {latest} from here ({type(e).__name__}: {e}); set the credentials and endpoint "
+                       "in this shell's environment (for S3: AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, "
+                       "AWS_ENDPOINT_URL)") from e
 
 
 def cmd_export(args: argparse.Namespace, client: Client) -> int:
@@ -298,7 +307,7 @@ def cmd_export(args: argparse.Namespace, client: Client) -> int:
     info = client.artifacts(args.id)
     if info["latest"] is None:
         why = "it opted out (checkpoint.keep_final: false)" if not info["keep_final"] else "it has not finished yet"
-        raise SystemExit(f"job {args.id} has no checkpoint in {info['storage']}: {why}")
+        raise CliError("no-checkpoint", "No checkpoint", f"job {args.id} has no checkpoint in {info['storage']}: {why}")
     _check_readable_here(info)
     from meridian.workers.model.export import export_job  # torch: only this verb needs it
 
@@ -438,6 +447,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return bench_main(argv[1:])
     args = build_parser().parse_args(argv)
+    as_json = bool(getattr(args, "json", False))
     try:
         if args.verb == "lab":
             return run_lab(args)
@@ -451,14 +461,14 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             client.close()
     except ApiError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+        return report(as_json, e.problem, 1)
+    except CliError as e:
+        return report(as_json, e.problem, e.exit_code)
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return report(as_json, local_problem("invalid-input", "Invalid input", str(e)), 2)
     except OSError as e:  # e.g. a token file in a folder we cannot write
-        print(f"error: {e.filename or ''}: {e.strerror or e}", file=sys.stderr)
-        return 1
+        detail = f"{e.filename or ''}: {e.strerror or e}"
+        return report(as_json, local_problem("local-file-error", "Local file error", detail, file=e.filename or ""), 1)
     except KeyboardInterrupt:
         return 130
 

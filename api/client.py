@@ -11,15 +11,24 @@ from typing import Any
 
 import httpx
 
+from meridian.api.cli_errors import PROBLEM_TYPE, local_problem
+
 DEFAULT_URL = "http://127.0.0.1:8080"
 
 
 class ApiError(RuntimeError):
-    """The service answered with an error; ``str()`` is its ``detail``."""
+    """The service answered with an error (``status``: its HTTP status), or it could not be asked (``status`` 0);
+    ``str()`` is the ``detail``, ``problem`` the whole RFC 9457 problem: the service's body as it sent it, or one
+    of the same shape naming ``kind`` (a slug) for an error on this side."""
 
-    def __init__(self, status: int, detail: str) -> None:
+    def __init__(self, status: int, detail: str, *, kind: str = "", problem: dict[str, Any] | None = None) -> None:
         super().__init__(detail)
         self.status = status
+        if problem is None:
+            problem = (local_problem(kind or "client-error", kind.replace("-", " ").capitalize() or "Client error", detail)
+                       if status == 0 else {"type": PROBLEM_TYPE + "http-error", "title": f"HTTP {status}",
+                                            "status": status, "detail": detail})
+        self.problem = problem
 
 
 class Client:
@@ -35,20 +44,23 @@ class Client:
             yield
         except httpx.ConnectError:
             raise ApiError(0, f"cannot reach the Meridian service at {self.url}: is `meridian serve` running? "
-                              "(set --url or MERIDIAN_URL)") from None
+                              "(set --url or MERIDIAN_URL)", kind="service-unreachable") from None
         except httpx.TimeoutException:
-            raise ApiError(0, f"the Meridian service at {self.url} did not answer in time") from None
+            raise ApiError(0, f"the Meridian service at {self.url} did not answer in time",
+                           kind="service-timeout") from None
         except httpx.RemoteProtocolError as e:
-            raise ApiError(0, f"the connection to {self.url} broke: {e}") from None
+            raise ApiError(0, f"the connection to {self.url} broke: {e}", kind="connection-broken") from None
 
     @staticmethod
     def _raise_for(r: httpx.Response) -> None:
         if r.status_code >= 400:
             try:
-                detail = r.json().get("detail", r.text)
+                body = r.json()
             except ValueError:
-                detail = r.text
-            raise ApiError(r.status_code, str(detail))
+                body = None
+            if isinstance(body, dict) and "detail" in body:  # the service's problem (or a proxy's JSON error)
+                raise ApiError(r.status_code, str(body["detail"]), problem={"status": r.status_code, **body})
+            raise ApiError(r.status_code, r.text or f"HTTP {r.status_code} with an empty body")
 
     def request(self, method: str, path: str, **kwargs: Any) -> Any:
         with self._errors():
@@ -81,7 +93,8 @@ class Client:
             # The stream ended without its `end` event: the connection dropped; resume after `last`.
             failures += 1
             if failures > reconnects:
-                raise ApiError(0, f"the event stream of job {job_id} dropped {failures} times in a row; giving up")
+                raise ApiError(0, f"the event stream of job {job_id} dropped {failures} times in a row; giving up",
+                               kind="event-stream-dropped")
             time.sleep(min(0.5 * 2**failures, 8.0))
 
     def follow_logs(self, job_id: str, **params: Any) -> Iterator[dict[str, Any]]:

@@ -1,8 +1,8 @@
 """``meridian data``: turn text and JSON-lines files into a prepared token dataset a job can name.
 
 ``prepare`` tokenises on this machine (:mod:`meridian.workers.data.prepare`) and prints the manifest's
-figures; ``--json`` prints one JSON object, or ``{"error": ..., "file": ...}`` on bad input. Bad input
-exits 2 with the message (naming the file) on stderr.
+figures; ``--json`` prints one JSON object, or ``{"error": PROBLEM}`` on bad input (its ``file`` names the
+file). Bad input exits 2 with the message (naming the file) on stderr.
 """
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ import argparse
 import json
 import sys
 from typing import Any
+
+from meridian.api.cli_errors import local_problem, report
 
 
 def add_data_parser(sub: Any) -> None:
@@ -65,7 +67,5 @@ def run(args: argparse.Namespace) -> int:
     try:
         return args.run(args)
     except (PrepareError, ValueError) as e:
-        if getattr(args, "json", False):
-            print(json.dumps({"error": str(e), "file": getattr(e, "path", "")}))
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        problem = local_problem("invalid-data", "Invalid data", str(e), file=getattr(e, "path", ""))
+        return report(bool(getattr(args, "json", False)), problem, 2)

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from typing import Any
 
+from meridian.api.cli_errors import local_problem, report
 from meridian.service.cluster.lab import delay_line
 
 
@@ -103,5 +103,4 @@ def run(args: argparse.Namespace) -> int:
     try:
         return args.run(args)
     except LabError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+        return report(bool(getattr(args, "json", False)), local_problem("lab-error", "Lab error", str(e)), 1)

@@ -95,6 +95,30 @@ def test_friendly_errors(served, capsys, monkeypatch):
     assert code == 1 and "cannot reach" in err
 
 
+def test_with_json_an_error_is_the_problem_on_stdout_and_the_line_on_stderr(served, capsys, tmp_path):
+    # The service's problem as it sent it: what a script needs to act (type, status, request id, field errors).
+    code, out, err = run(capsys, "get", "nope", "--json")
+    problem = json.loads(out)["error"]
+    assert code == 1 and err.startswith("error: no job with id 'nope'")
+    assert problem["type"] == "urn:meridian:problem:job-not-found" and problem["status"] == 404
+    assert problem["detail"] in err and problem["request_id"] and problem["instance"] == "/v1/jobs/nope"
+    job_file = tmp_path / "job.json"
+    job_file.write_text(json.dumps(spec(training={"micro_batch": 0})))
+    code, out, _ = run(capsys, "submit", str(job_file), "--json")
+    problem = json.loads(out)["error"]
+    assert code == 1 and problem["status"] == 422 and "micro_batch" in {e["field"].split(".")[-1] for e in problem["errors"]}
+    assert json.loads(run(capsys, "ls", "--json")[1])["count"] == 0  # nothing was queued
+    # Errors on this side have the same shape, without a status.
+    code, out, err = run(capsys, "ls", "--json", "--url", "http://127.0.0.1:9")
+    assert code == 1 and json.loads(out) == {"error": {
+        "type": "urn:meridian:problem:service-unreachable", "title": "Service unreachable", "detail": err[7:].strip()}}
+    code, out, err = run(capsys, "submit", str(tmp_path / "missing.json"), "--json")
+    assert code == 2 and json.loads(out)["error"]["type"] == "urn:meridian:problem:invalid-spec-file"
+    assert "missing.json" in json.loads(out)["error"]["detail"] and "missing.json" in err
+    # Without --json, stdout stays empty.
+    assert run(capsys, "get", "nope")[1] == ""
+
+
 def test_every_example_job_file_is_a_valid_spec():
     from pathlib import Path
 

@@ -132,8 +132,9 @@ def test_cli_exit_codes_and_json_errors(corpus, tmp_path, capsys):
     assert cli_main(["data", "prepare", str(bad), "--out", str(tmp_path / "o"), "--train-tokenizer",
                      "--vocab-size", "300", "--json"]) == 2
     out, err = capsys.readouterr()
-    assert json.loads(out) == {"error": f"{bad}: binary file (NUL bytes); give UTF-8 text or JSON lines",
-                               "file": str(bad)}
+    assert json.loads(out) == {"error": {"type": "urn:meridian:problem:invalid-data", "title": "Invalid data",
+                                         "detail": f"{bad}: binary file (NUL bytes); give UTF-8 text or JSON lines",
+                                         "file": str(bad)}}
     assert "bad.bin" in err
     assert cli_main(["data", "prepare", corpus, "--out", str(tmp_path / "o"), "--train-tokenizer",
                      "--vocab-size", "300", "--json", "--quiet"]) == 0
