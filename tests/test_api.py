@@ -110,6 +110,15 @@ def test_idempotency_key_returns_the_same_job(client):
     assert (a.status_code, b.status_code) == (201, 200) and a.json()["id"] == b.json()["id"]
 
 
+@pytest.mark.parametrize("key", ["", "   "])
+def test_a_blank_idempotency_key_is_refused_not_shared(client, key):
+    # Stored as given, "" was one key for every keyless-by-mistake request of an owner: the second got the first's job.
+    for name in ("first", "second"):
+        r = client.post("/v1/jobs", json=spec(name=name), headers={"Idempotency-Key": key})
+        assert r.status_code == 422 and r.json()["errors"][0]["field"] == "header.idempotency-key", r.json()
+    assert client.get("/v1/jobs").json()["count"] == 0
+
+
 def test_cluster_lists_nodes_by_datacenter(client):
     data = client.get("/v1/cluster").json()
     assert [dc["name"] for dc in data["datacenters"]] == ["dc-a", "dc-b"]

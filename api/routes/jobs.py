@@ -58,7 +58,7 @@ ERRORS: dict[int | str, dict[str, Any]] = {
 @router.post("", status_code=status.HTTP_201_CREATED, response_model=JobPublic, responses=ERRORS)
 def submit_job(
     spec: JobSpec, supervisor: SupervisorDep, caller: CallerDep,
-    idempotency_key: Annotated[str | None, Header(max_length=200)] = None,
+    idempotency_key: Annotated[str | None, Header(min_length=1, max_length=200, pattern=r"\S")] = None,
 ) -> Response:
     """Validate, plan against the live cluster (rejecting what can never fit), store and queue a job.
     Repeating a request with the same ``Idempotency-Key`` returns the first job (200) instead of a copy."""
