@@ -13,7 +13,7 @@ from starlette.concurrency import run_in_threadpool
 
 import meridian
 from meridian.api.auth import AuthSettings, LoopbackHostOnly, get_caller
-from meridian.api.errors import install_error_handlers
+from meridian.api.errors import UnexpectedErrors, install_error_handlers
 from meridian.api.limits import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
 from meridian.api.prometheus import install_metrics
 from meridian.api.request_id import RequestId
@@ -57,7 +57,9 @@ def create_app(
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
     if not app.state.auth.enabled:
         app.add_middleware(LoopbackHostOnly)
-    app.add_middleware(RequestId)  # outermost: every answer, a refusal or a 413 too, carries the id
+    install_metrics(app, lambda: service.store.count_by_state() if service.store is not None else None)
+    app.add_middleware(UnexpectedErrors)  # an unhandled exception: a 500 with the id, counted by the metrics
+    app.add_middleware(RequestId)  # outermost: every answer, a refusal, a 413 or a 500 too, carries the id
     for router in (jobs.router, cluster.router, diagnostics.router):
         app.include_router(router, dependencies=[Depends(get_caller)])
 
@@ -70,7 +72,6 @@ def create_app(
         return JSONResponse({**health, "version": meridian.__version__},
                             status_code=503 if health["status"] == "failing" else 200)
 
-    install_metrics(app, lambda: service.store.count_by_state() if service.store is not None else None)
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
 
     @app.get("/", include_in_schema=False)

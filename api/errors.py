@@ -109,9 +109,41 @@ def install_error_handlers(app: FastAPI) -> None:
         detail = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
         return problem(request, exc.status_code, detail, headers=getattr(exc, "headers", None))
 
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error on %s %s (request %s)", request.method, request.url.path,
-                      current_request_id())
-        return problem(request, 500, f"internal error ({type(exc).__name__}); the service log has the details "
-                                     f"under request id {current_request_id()}")
+
+
+class UnexpectedErrors:
+    """Pure ASGI middleware, just inside :class:`~meridian.api.request_id.RequestId`: an exception no handler
+    took becomes a 500 problem naming the request id, logged with the traceback under that id.
+
+    Not an ``exception_handler(Exception)``: Starlette runs that in its outermost middleware, outside every
+    middleware of the app, where the request id was never set (the body said "under request id " with none, the
+    response had no ``X-Request-ID``) and where the request metrics never saw the 500."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def send_tracked(message: dict) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_tracked)
+        except Exception as exc:
+            rid = current_request_id()
+            log.exception("unhandled error on %s %s", scope.get("method", ""), scope.get("path", ""))
+            if started:  # a streamed body broke half-way: nothing more can be said on this response
+                raise
+            body = json.dumps(problem_body(500, f"internal error ({type(exc).__name__}); the service log has the "
+                                                f"details under request id {rid}",
+                                           instance=scope.get("path", ""))).encode()
+            await send({"type": "http.response.start", "status": 500,
+                        "headers": [(b"content-type", PROBLEM_JSON.encode()),
+                                    (b"content-length", str(len(body)).encode())]})
+            await send({"type": "http.response.body", "body": body})

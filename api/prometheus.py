@@ -63,10 +63,14 @@ def install_metrics(app: FastAPI, counts: Callable[[], dict[JobState, int] | Non
     @app.middleware("http")
     async def count_requests(request: Request, call_next: Callable[[Request], Any]) -> Response:
         t0 = time.perf_counter()
-        response = await call_next(request)
-        route = getattr(request.scope.get("route"), "path", None) or "unmatched"
-        requests.labels(request.method, route, str(response.status_code)).inc()
-        latency.labels(request.method, route).observe(time.perf_counter() - t0)
+        status = "500"  # an exception no handler took: answered as a 500 outside this middleware
+        try:
+            response = await call_next(request)
+            status = str(response.status_code)
+        finally:
+            route = getattr(request.scope.get("route"), "path", None) or "unmatched"
+            requests.labels(request.method, route, status).inc()
+            latency.labels(request.method, route).observe(time.perf_counter() - t0)
         return response
 
     @app.get("/metrics", tags=["health"], include_in_schema=True)

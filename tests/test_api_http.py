@@ -70,6 +70,28 @@ def test_log_lines_written_while_serving_a_request_end_with_its_id(fake, caplog)
     assert lines == ["probe line [request trace-77]"]
 
 
+def test_an_unexpected_error_is_a_500_problem_with_the_request_id_logged_and_counted(fake, caplog):
+    app = create_app(fake.config, service=fake)
+
+    @app.get("/v1/broken")
+    def broken() -> dict:
+        raise ZeroDivisionError("a bug")
+
+    caplog.set_level(logging.INFO)
+    with TestClient(app, base_url="http://127.0.0.1", raise_server_exceptions=False) as c:
+        r = c.get("/v1/broken", headers={"X-Request-ID": "trace-500"})
+        metrics = c.get("/metrics").text
+    # Before: the 500 was made outside every middleware, so its body said "under request id " with no id and the
+    # response had no X-Request-ID: nothing a user could quote.
+    assert r.status_code == 500 and r.headers["content-type"] == PROBLEM and r.headers["x-request-id"] == "trace-500"
+    body = r.json()
+    assert body["request_id"] == "trace-500" and body["detail"].endswith("under request id trace-500")
+    assert "ZeroDivisionError" in body["detail"] and "a bug" not in body["detail"]  # no error text to a client
+    logged = [rec for rec in caplog.records if rec.getMessage().startswith("unhandled error on GET /v1/broken")]
+    assert logged and logged[0].getMessage().endswith("[request trace-500]") and logged[0].exc_info
+    assert 'meridian_service_http_requests_total{method="GET",route="/v1/broken",status="500"} 1.0' in metrics
+
+
 def test_a_5mb_body_over_a_real_socket_gets_a_readable_413_problem(fake):
     with serve_in_thread(fake) as url:
         r = httpx.post(f"{url}/v1/jobs", content=b"x" * 5_000_000, headers={"content-type": "application/json"})
