@@ -230,17 +230,19 @@ class JobStore:
 
     def create_job(
         self, request: JobRequest, spec: dict[str, Any], *, status: JobStatus, idempotency_key: str | None = None,
-        request_hash: str | None = None,
+        request_hash: str | None = None, plan: dict[str, Any] | None = None,
     ) -> tuple[JobRecord, bool]:
         """Insert a job; returns (record, created). With an idempotency key already used by this owner,
         returns the existing job and ``created=False`` instead of a duplicate, or raises
-        :class:`IdempotencyConflict` when the stored job was submitted with another body (``request_hash``)."""
+        :class:`IdempotencyConflict` when the stored job was submitted with another body (``request_hash``).
+        ``plan``: the submit-time plan, in the same insert (written after it, it could replace the plan the
+        scheduler admitted the job with in between)."""
         if idempotency_key:
             existing = self.find_by_idempotency_key(request.owner, idempotency_key, request_hash)
             if existing is not None:
                 return existing, False
         try:
-            return self._insert_job(request, spec, status, idempotency_key, request_hash), True
+            return self._insert_job(request, spec, status, idempotency_key, request_hash, plan), True
         except sa.exc.IntegrityError:
             # A concurrent request with the same key won the race: answer with its job.
             existing = self.find_by_idempotency_key(request.owner, idempotency_key or "", request_hash)
@@ -267,7 +269,7 @@ class JobStore:
 
     def _insert_job(
         self, request: JobRequest, spec: dict[str, Any], status: JobStatus, idempotency_key: str | None,
-        request_hash: str | None,
+        request_hash: str | None, plan: dict[str, Any] | None,
     ) -> JobRecord:
         now = time.time()
         job_id = uuid.uuid4().hex[:12]
@@ -277,6 +279,7 @@ class JobStore:
                 state=status.state.value, reason=status.reason, message=status.message,
                 request=json.dumps(request.to_dict()), spec=json.dumps(spec), idempotency_key=idempotency_key,
                 request_hash=request_hash, created_at=now, updated_at=now, state_since=now,
+                plan=json.dumps(plan) if plan is not None else None,
             ))
             self._insert_events(conn, [dict(
                 job_id=job_id, time=now, kind="state", message=f"job submitted: {status.state.value}",

@@ -46,6 +46,24 @@ def test_a_cancel_while_the_supervisor_admits_the_job_wins_and_nothing_is_launch
     assert supervisor.launcher.launched == []
 
 
+def test_the_plan_stored_is_the_plan_the_job_was_launched_with_when_the_scheduler_admits_it_mid_submit(
+        supervisor, store, cluster_view):
+    create = store.create_job
+
+    def create_then_admit(*args, **kwargs):  # the loop's tick runs between the insert and the rest of submit
+        record = create(*args, **kwargs)
+        cluster_view.topo = topology(dc_a=2, dc_b=1)  # a node left: the scheduler plans 3 workers, not 4
+        supervisor.tick()
+        return record
+
+    store.create_job = create_then_admit
+    job, created = supervisor.submit(req(), {})
+    launched = supervisor.launcher.launched[0][2]
+    # The submit-time plan (4 workers) was written in a second transaction, over the one the runner was given.
+    assert created and launched.num_workers == 3
+    assert store.get_job(job.id).plan == launched.to_dict() and job.plan == launched.to_dict()
+
+
 def test_a_cancel_while_placing_before_the_runner_exists_reaches_the_runner_and_ends_cancelled(supervisor, store):
     job, _ = supervisor.submit(req(), {})
     launcher = supervisor.launcher

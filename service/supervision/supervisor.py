@@ -101,9 +101,8 @@ class Supervisor:
         plan = self.plan(request)  # reject what can never fit before anything is stored
         status = JobStatus(JobState.QUEUED, "Admitting", "waiting for the scheduler")
         record, created = self.store.create_job(request, spec, status=status, idempotency_key=idempotency_key,
-                                                request_hash=body_hash)
+                                                request_hash=body_hash, plan=plan.to_dict())
         if created:
-            self.store.update_fields(record.id, plan=plan.to_dict())
             self._wake.set()
         return self.store.get_job(record.id), created
 
