@@ -43,6 +43,13 @@ def test_unknown_datacenter_is_unschedulable_and_names_the_alternatives():
         plan_job(req(["dc-a", "dc-z"]), topology(dc_a=1, dc_b=1))
 
 
+def test_auto_datacenters_with_counts_for_an_unknown_datacenter_is_unschedulable_not_ignored():
+    # The counts of 'dc-zz' were dropped and the job ran on 3 workers (dc-a 1, dc-b 2) instead of the 4 asked for.
+    with pytest.raises(Unschedulable, match=r"workers_per_datacenter names 'dc-zz'.*has 'dc-a', 'dc-b'"):
+        plan_job(req(workers=(("dc-a", 1), ("dc-zz", 3))), topology(dc_a=2, dc_b=2))
+    assert plan_job(req(workers=(("dc-a", 1),)), topology(dc_a=2, dc_b=2)).num_workers == 3  # named ones are fine
+
+
 def test_too_many_workers_for_a_datacenter_is_unschedulable():
     with pytest.raises(Unschedulable, match="dc-b can hold at most 2 worker"):
         plan_job(req(workers=3), topology(dc_a=4, dc_b=2))

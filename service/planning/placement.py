@@ -37,6 +37,15 @@ def choose_datacenters(request: JobRequest, topo: ClusterTopology) -> tuple[str,
         )
     wanted = request.topology.datacenters
     if wanted is None:
+        # With 'auto', counts for a datacenter the cluster does not have would be dropped without a word, and
+        # the job would run on another layout than the one asked for (a misspelt name, a datacenter that is down).
+        w = request.topology.workers_per_datacenter
+        unknown = sorted({dc for dc, _ in w} - set(known)) if isinstance(w, tuple) else []
+        if unknown:
+            raise Unschedulable(
+                f"topology.workers_per_datacenter names {', '.join(map(repr, unknown))}, which has no live node in "
+                f"this cluster; it has {', '.join(map(repr, known))}. Use one of those"
+            )
         return known
     if not wanted:
         raise InvalidJob("topology.datacenters must name at least one datacenter, or be 'auto'")
