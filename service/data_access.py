@@ -6,7 +6,9 @@ it may name: the built-in corpus, or a regular file under one of :attr:`DataAcce
 ``realpath``, and at most :attr:`DataAccess.max_bytes` of it. A refused path gets the same answer whether or
 not it exists outside the roots, so the check reveals nothing about other files. The job keeps the resolved
 path, and the workers open it refusing anything but a regular file
-(:func:`meridian.workers.data.text.load_text`).
+(:func:`meridian.workers.data.text.load_text`). A prepared dataset is admitted by its directory, and every file
+its manifest names must be a plain name of a regular file inside it (no ``..``, no absolute name, no symlink),
+which the workers check again as they open them (:func:`meridian.workers.data.manifest.open_dataset_file`).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from meridian.service.errors import InvalidJob
 from meridian.service.jobs import JobRequest
 from meridian.workers.contracts.config import DataConfig
 from meridian.workers.contracts.model_config import ModelConfig
-from meridian.workers.data.manifest import read_manifest
+from meridian.workers.data.manifest import check_dataset_files, read_manifest
 
 BUILTIN_SOURCES = ("builtin:python-reference",)
 DEFAULT_MAX_BYTES = 128 * 2**20
@@ -96,7 +98,9 @@ class DataAccess:
                     f"({', '.join(self.roots) or 'none configured'}); write it there with `meridian data prepare "
                     "... --out DIR`, or start the service with `meridian serve --data-root PATH`")
             try:
-                read_manifest(path)
+                # The roots hold the directory; the files its manifest names must stay in it (plain names,
+                # regular files, no symlinks), or a manifest could point the workers anywhere.
+                check_dataset_files(path, read_manifest(path))
             except ValueError as e:
                 raise InvalidJob(f"data: {e}") from None
             return path

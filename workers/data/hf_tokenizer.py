@@ -17,7 +17,7 @@ import shutil
 from typing import Any
 
 from meridian.workers.contracts.config import DataConfig
-from meridian.workers.data.manifest import read_manifest
+from meridian.workers.data.manifest import open_dataset_file, read_manifest
 
 CONFIG_FILE = "tokenizer_config.json"
 SPECIALS_FILE = "special_tokens_map.json"
@@ -45,11 +45,14 @@ def export_tokenizer(data: DataConfig, out: str, *, model_max_length: int) -> di
                             + ", ".join(f"{d}: {m.tokenizer_sha256[:12]}" for d, m in manifests) + ")")
     directory, manifest = manifests[0]
     src = os.path.join(directory, manifest.tokenizer_file)
-    if not os.path.isfile(src):
-        return _not_written(f"the job's dataset {directory!r} has no {manifest.tokenizer_file}")
+    try:  # a regular file of the dataset's own directory, never a symlink's target
+        fd = open_dataset_file(directory, manifest.tokenizer_file)
+    except ValueError as e:
+        return _not_written(f"the job's dataset's tokenizer cannot be read: {e}")
     os.makedirs(out, exist_ok=True)
-    shutil.copyfile(src, os.path.join(out, "tokenizer.json"))
-    specials = _special_tokens(src, manifest.eos_id)
+    with os.fdopen(fd, "rb") as f, open(os.path.join(out, "tokenizer.json"), "wb") as dst:
+        shutil.copyfileobj(f, dst)
+    specials = _special_tokens(os.path.join(out, "tokenizer.json"), manifest.eos_id)  # the copy just made
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": model_max_length,
               "clean_up_tokenization_spaces": False, **specials}
     _write_json(os.path.join(out, CONFIG_FILE), config)

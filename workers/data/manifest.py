@@ -10,12 +10,17 @@ A prepared dataset is a directory::
 
 Documents are concatenated in input order, each followed by the tokenizer's end-of-text token (when it has
 one), and every ``round(1 / val_fraction)``-th document goes to the validation split.
+
+Every file a manifest names must be a plain name inside its directory (no ``/``, no ``..``) and is opened
+without following a symlink (:func:`open_dataset_file`): the service admits a dataset by its directory, under
+its data roots, so a manifest must not be able to point a job at a file outside them.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import stat
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -81,6 +86,15 @@ class Manifest:
     def to_dict(self) -> dict[str, Any]:
         return to_plain(self)
 
+    def files(self) -> list[tuple[str, str]]:
+        """``(what, name)`` of every file this manifest names, for the checks and messages."""
+        named = [("tokenizer_file", self.tokenizer_file)]
+        for split, s in (("train", self.train), ("val", self.val)):
+            named += [(f"{split} shard", sh.file) for sh in s.shards]
+            if s.doc_index:
+                named.append((f"{split} doc_index", s.doc_index))
+        return named
+
 
 def read_manifest(directory: str) -> Manifest:
     """The manifest of a prepared dataset; ``ValueError`` naming the directory when there is none."""
@@ -96,7 +110,53 @@ def read_manifest(directory: str) -> Manifest:
     if data.get("format") != FORMAT_VERSION:
         raise ValueError(f"{path!r} has format {data.get('format')!r}, this Meridian reads {FORMAT_VERSION}; "
                          "prepare the dataset again")
-    return from_plain(Manifest, data)
+    manifest = from_plain(Manifest, data)
+    for what, name in manifest.files():
+        if not is_plain_name(name):
+            raise ValueError(f"{path!r} names {what} {name!r}, which is not a plain file name inside the dataset "
+                             "directory (no '/', no '..'); prepare the dataset again with `meridian data prepare`")
+    return manifest
+
+
+def is_plain_name(name: object) -> bool:
+    """A file name that stays inside its directory whatever the directory is: no separator, not ``.``/``..``."""
+    return (isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name
+            and "\0" not in name)
+
+
+def open_dataset_file(directory: str, name: str) -> int:
+    """A read-only descriptor of the regular file ``name`` of a dataset directory. A symlink (even one that stays
+    inside the data roots: the service checked none) and anything but a regular file are a ``ValueError``
+    naming the file, as is a name with a path in it; non-blocking, so a named pipe cannot hang the caller."""
+    if not is_plain_name(name):
+        raise ValueError(f"dataset {directory!r}: {name!r} is not a plain file name; prepare the dataset again")
+    path = os.path.join(directory, name)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0))
+    except OSError as e:
+        raise ValueError(f"dataset {directory!r}: {name} cannot be opened ({e.strerror}); it must be a regular "
+                         "file, not a symlink; prepare the dataset again") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ValueError(f"dataset {directory!r}: {name} is not a regular file; prepare the dataset again")
+    return fd
+
+
+def check_dataset_files(directory: str, manifest: Manifest) -> None:
+    """Before a job is admitted: every shard the manifest names is a regular file of the directory (not a
+    symlink), and its other files, where present, too. ``ValueError`` naming the first one that is not."""
+    for what, name in manifest.files():
+        try:
+            st = os.lstat(os.path.join(directory, name))
+        except FileNotFoundError:
+            if what.endswith("shard"):
+                raise ValueError(f"dataset {directory!r}: {what} {name} is missing; prepare the dataset again") from None
+            continue  # the tokenizer and document index: not read by training
+        if not stat.S_ISREG(st.st_mode):
+            kind = "a symlink" if stat.S_ISLNK(st.st_mode) else "not a regular file"
+            raise ValueError(f"dataset {directory!r}: {what} {name} is {kind}; a dataset's files must be regular "
+                             "files inside its directory (copy the data there instead of linking it)")
+
 
 
 def write_manifest(directory: str, manifest: Manifest) -> None:

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from meridian.workers.contracts.config import DataConfig
-from meridian.workers.data.manifest import Manifest, read_manifest
+from meridian.workers.data.manifest import Manifest, open_dataset_file, read_manifest
 from meridian.workers.data.text import StepSampled, TextDataset
 
 BLEND_BLOCK = 4096
@@ -90,20 +90,20 @@ class TokenStream:
         self.maps: list[mmap.mmap] = []
         self.shards: list[np.ndarray] = []
         for sh in s.shards:
-            path = os.path.join(directory, sh.file)
-            expected = sh.tokens * dtype.itemsize
+            # A plain name opened without following a symlink: the service admitted the directory, not where
+            # a link inside it might point.
+            fd = open_dataset_file(directory, sh.file)
             try:
-                size = os.path.getsize(path)
-            except OSError as e:
-                raise ValueError(f"dataset {directory!r}: shard {sh.file} cannot be read: {e.strerror}") from None
-            if size != expected:
-                raise ValueError(f"dataset {directory!r}: shard {sh.file} has {size} bytes, the manifest says "
-                                 f"{expected}; prepare the dataset again")
-            if sh.tokens:
-                with open(path, "rb") as f:
-                    mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-                self.maps.append(mm)
-                self.shards.append(np.frombuffer(mm, dtype=dtype))
+                size, expected = os.fstat(fd).st_size, sh.tokens * dtype.itemsize
+                if size != expected:
+                    raise ValueError(f"dataset {directory!r}: shard {sh.file} has {size} bytes, the manifest says "
+                                     f"{expected}; prepare the dataset again")
+                if sh.tokens:
+                    mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+                    self.maps.append(mm)
+                    self.shards.append(np.frombuffer(mm, dtype=dtype))
+            finally:
+                os.close(fd)
         self.bounds = np.cumsum([0] + [len(m) for m in self.shards])
         self.tokens = int(self.bounds[-1])
 
