@@ -56,6 +56,7 @@ class FakeLauncher:
         self.swept: list[str] = []  # jobs whose snapshot folders were to be removed on every node
         self.on_launch: Any = None  # called with the job id before the runner exists (to step a race)
         self.launch_error: Exception | None = None  # raised after the runner was created (a start timeout)
+        self.poll_errors: dict[str, Exception] = {}  # job id → raised by its polls (a runner that does not answer)
 
     def launch(self, job_id: str, config: Any, plan: Any, *, min_workers: int = 1) -> str:
         if self.on_launch is not None:
@@ -70,6 +71,8 @@ class FakeLauncher:
         self.swept.append(job_id)
 
     def poll(self, job_id: str, after: int) -> RunnerPoll:
+        if job_id in self.poll_errors:
+            raise self.poll_errors[job_id]
         r = self.runners.get(job_id)
         if r is None:
             raise RunnerLost(job_id)

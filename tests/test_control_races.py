@@ -164,6 +164,42 @@ def test_a_cancel_the_runner_never_answers_ends_at_its_deadline_with_the_runner_
     assert supervisor.launcher.swept == [job.id]  # the killed runner cannot remove its workers' RAM snapshots
 
 
+def test_the_deadlines_hold_when_the_runner_does_not_answer_and_the_failure_is_reported(supervisor, store):
+    from meridian.service.supervision.reconcile import Deadlines
+
+    stuck, _ = supervisor.submit(req("stuck"), {})
+    behind, _ = supervisor.submit(req("behind", workers=1), {})
+    supervisor.tick()  # "stuck" is placing
+    timeout = TimeoutError("GetTimeoutError: Get timed out: some object(s) not ready (10 s)")
+    supervisor.launcher.poll_errors[stuck.id] = timeout
+    supervisor.tick()
+    supervisor.tick()
+    # within the deadline: retried, and said once (an event, /healthz degraded), not once per tick
+    assert store.get_job(stuck.id).status.state is JobState.PLACING
+    assert [e.kind for e in store.list_events(stuck.id)].count("supervisor_error") == 1
+    assert supervisor.health()["status"] == "degraded"
+    # Past it: the job fails and its runner is killed, though the runner never answered (before: placing forever,
+    # and every job behind it queued).
+    supervisor.deadlines = Deadlines(placing_s=0.0)
+    supervisor.tick()
+    job = store.get_job(stuck.id)
+    assert (job.status.state, job.status.reason) == (JobState.FAILED, "PlacingTimedOut")
+    assert supervisor.launcher.released == [stuck.id] and supervisor.launcher.swept == [stuck.id]
+    supervisor.deadlines = Deadlines()
+    supervisor.tick()
+    assert store.get_job(behind.id).status.state is JobState.PLACING and supervisor.health()["status"] == "ok"
+    # The same for a cancel: a running job whose runner stops answering after the cancel request.
+    supervisor.launcher.runners[behind.id].state = "running"
+    supervisor.tick()
+    supervisor.cancel(behind.id)
+    supervisor.launcher.poll_errors[behind.id] = timeout
+    supervisor.deadlines = Deadlines(cancel_s=0.0)
+    supervisor.tick()
+    job = store.get_job(behind.id)
+    assert (job.status.state, job.status.reason) == (JobState.CANCELLED, "CancelTimedOut")
+    assert supervisor.launcher.released == [stuck.id, behind.id]
+
+
 def test_an_unschedulable_head_of_queue_does_not_block_jobs_that_fit(supervisor, store, cluster_view):
     head, _ = supervisor.submit(req("head", workers=2, datacenters=("dc-a", "dc-b")), {})
     fits, _ = supervisor.submit(req("fits", workers=1, datacenters=("dc-a",)), {})

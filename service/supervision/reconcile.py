@@ -99,7 +99,7 @@ def reconcile(
     """
     if isinstance(poll, RunnerLost):
         return _lost(job, poll)
-    overdue = _overdue(job, poll, now, deadlines)
+    overdue = _overdue(job, poll.state, now, deadlines)
     if overdue is not None:
         return Decision(store=False, outcome=overdue, release=True, forget=True, sweep_snapshots=True)
     events: list[Mapping[str, Any]] = list(poll.events)
@@ -166,15 +166,27 @@ def _lost(job: JobRecord, lost: RunnerLost) -> Decision:
         f"restarted); resubmit the job. Ray said: {str(lost)[:300]}"))
 
 
-def _overdue(job: JobRecord, poll: RunnerPoll, now: float, deadlines: Deadlines) -> JobStatus | None:
-    """The final status of a job whose runner missed a deadline (it is then killed), else ``None``."""
-    if poll.state.is_terminal:
+def unanswered(job: JobRecord, *, now: float, deadlines: Deadlines = DEFAULT_DEADLINES) -> Decision | None:
+    """The decision for ``job`` when its runner did not answer the poll (a timeout, an actor that cannot be
+    reached) but is not known gone: a missed deadline ends the job as it would after an answer, and the runner
+    is killed; else ``None`` (the next tick polls again). Without this a hung runner kept a placing job placing,
+    and every job behind it queued, forever."""
+    overdue = _overdue(job, None, now, deadlines)
+    if overdue is None:
+        return None
+    return Decision(store=False, outcome=overdue, release=True, forget=True, sweep_snapshots=True)
+
+
+def _overdue(job: JobRecord, state: RunnerState | None, now: float, deadlines: Deadlines) -> JobStatus | None:
+    """The final status of a job whose runner missed a deadline (it is then killed), else ``None``; ``state``:
+    what the runner answered, ``None`` when it did not answer."""
+    if state is not None and state.is_terminal:
         return None
     if job.cancel_requested and now - (job.cancel_requested_at or now) > deadlines.cancel_s:
         return JobStatus(JobState.CANCELLED, "CancelTimedOut",
                          f"the runner did not stop within {deadlines.cancel_s:.0f} s of the cancel request; "
                          "it was killed with its workers")
-    if (job.status.state is JobState.PLACING and poll.state is RunnerState.STARTING
+    if (job.status.state is JobState.PLACING and state in (RunnerState.STARTING, None)
             and now - (job.state_since or now) > deadlines.placing_s):
         return JobStatus(JobState.FAILED, "PlacingTimedOut",
                          f"no training step within {deadlines.placing_s:.0f} s of placing the job (workers not "

@@ -38,6 +38,7 @@ from meridian.service.supervision.reconcile import (
     Decision,
     needs_started_workers,
     reconcile,
+    unanswered,
 )
 from meridian.service.supervision.stall import StallPolicy
 
@@ -148,15 +149,17 @@ class Supervisor:
     def _job_failed(self, job_id: str, e: Exception) -> None:
         """Record on the job (once per distinct error) that following it failed; the tick goes on."""
         message = f"{type(e).__name__}: {e}"[:500]
+        if self.job_errors.get(job_id) == message:  # the same as last tick (a runner that stays unreachable)
+            log.debug("following job %s failed again: %s", job_id, message)
+            return
         log.exception("following job %s failed", job_id)
-        if self.job_errors.get(job_id) != message:
-            self.job_errors[job_id] = message
-            try:
-                self.store.add_event(job_id, "supervisor_error",
-                                     f"the service could not follow this job on its last tick ({message}); "
-                                     "it retries every tick", {"error": message})
-            except Exception:  # noqa: BLE001 - the store itself failing is reported by /healthz
-                log.exception("recording the error of job %s failed", job_id)
+        self.job_errors[job_id] = message
+        try:
+            self.store.add_event(job_id, "supervisor_error",
+                                 f"the service could not follow this job on its last tick ({message}); "
+                                 "it retries every tick", {"error": message})
+        except Exception:  # noqa: BLE001 - the store itself failing is reported by /healthz
+            log.exception("recording the error of job %s failed", job_id)
 
     def _admit(self, topo: ClusterTopology) -> None:
         placing = self.store.list_jobs(states={JobState.PLACING}, limit=1)
@@ -219,8 +222,12 @@ class Supervisor:
             poll: RunnerPoll | RunnerLost = self.launcher.poll(job.id, cursor)
         except RunnerLost as lost:
             poll = lost
-        except Exception as e:  # noqa: BLE001 - a slow poll is retried next tick
-            log.warning("polling job %s failed: %s", job.id, e)
+        except Exception as e:  # a slow or unreachable runner: its deadlines still hold, else retried next tick
+            decision = unanswered(job, now=time.time(), deadlines=self.deadlines)
+            if decision is None:
+                raise  # recorded on the job and in /healthz by the tick (once per distinct error)
+            log.warning("polling job %s failed (%s) past its deadline: ending it", job.id, e)
+            self._carry_out(job, decision)
             return
         if job.id not in self._stalls_named:  # first sight in this process: stalls stored before a restart count
             self._stalls_named[job.id] = {(e.data.get("rank"), e.data.get("step"))
