@@ -77,7 +77,8 @@ class TrainResult:
 
     first_loss: float
     final_loss: float
-    eval_loss: float
+    eval_loss: float | None
+    """The held-out loss after the last step; ``None`` when the held-out split has no sample (``eval_skipped``)."""
     steps: int
     tokens_per_s: float
     """Mean training throughput over the steps after the first (which includes warm-up costs)."""
@@ -87,3 +88,5 @@ class TrainResult:
     """Optimizer state held on this rank after the last step (1/N of replicated AdamW when sharded)."""
     final_params: dict[str, torch.Tensor] | None = None
     """This rank's model (or stage) parameters after the last step (CPU copies), with ``keep_params``."""
+    eval_skipped: str = ""
+    """Why the final evaluation did not run (its split is too short for one sample), or empty."""

@@ -24,7 +24,7 @@ import torch
 
 from meridian.workers.contracts.config import DataConfig
 from meridian.workers.data.manifest import Manifest, open_dataset_file, read_manifest
-from meridian.workers.data.text import StepSampled, TextDataset
+from meridian.workers.data.text import StepSampled, TextDataset, TooFewTokens
 
 BLEND_BLOCK = 4096
 _MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
@@ -137,7 +137,7 @@ class _Source:
         self.seq_len, self.seed, self.index, self.shuffle = seq_len, seed, index, shuffle
         self.num_samples = (self.stream.tokens - 1) // seq_len
         if self.num_samples < 1:
-            raise ValueError(
+            raise TooFewTokens(
                 f"dataset {directory!r} has {self.stream.tokens} {split} tokens, too few for one sample of "
                 f"model.seq_len={seq_len} tokens; prepare more text (or a larger --val-fraction) or shorten seq_len"
             )

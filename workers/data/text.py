@@ -25,6 +25,11 @@ BUILTIN_PYTHON_REFERENCE = "builtin:python-reference"
 HELD_OUT_FRACTION = 0.05
 
 
+class TooFewTokens(ValueError):
+    """A split holds fewer than ``seq_len + 1`` tokens: not one sample. The training loop skips its final
+    evaluation on such a held-out split instead of losing the trained run."""
+
+
 def load_text(cfg: DataConfig) -> bytes:
     """The corpus as bytes, capped at ``cfg.max_bytes``. Raises ``ValueError`` a person can act on."""
     if cfg.source == BUILTIN_PYTHON_REFERENCE:
@@ -100,7 +105,7 @@ class TextDataset(StepSampled):
         self.seed = seed
         self.num_samples = (len(self.tokens) - 1) // seq_len
         if self.num_samples < 1:
-            raise ValueError(
+            raise TooFewTokens(
                 f"data.source has {len(tokens)} bytes, too few for one {split} sample of "
                 f"model.seq_len={seq_len} tokens; use a bigger file or a shorter seq_len"
             )

@@ -161,6 +161,8 @@ class ElasticTrainer:
             Rendezvous.teardown()
             if outcome.finished:
                 assert outcome.result is not None
+                if a.rank == 0 and outcome.result.eval_skipped:
+                    self.on_event("final_eval_skipped", outcome.result.eval_skipped, {})
                 self.checkpoints.wait()
                 self.rdzv.finish()
                 return outcome.result

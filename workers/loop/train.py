@@ -8,7 +8,8 @@ One call of :meth:`TrainingLoop.run_epoch` trains one *epoch*, one membership of
     steps   :func:`meridian.workers.loop.step.timed_step` until the last step, or until every rank agrees to
             leave at a step boundary (a newcomer waits to join); rank 0 reports each step as a
             :class:`~meridian.workers.contracts.records.StepRecord` through a :class:`ProgressSink`
-    finish  evaluate, the final checkpoint (elastic), the :class:`TrainResult`
+    finish  the final checkpoint (elastic), evaluate (skipped, with the reason in the result, when the held-out
+            split has no sample), the :class:`TrainResult`
     close   the replica's one clean-up path, on success and on error alike
 
 Plain training — :func:`train`, used by the tests and the benchmarks — is that loop for one epoch over the
@@ -32,6 +33,7 @@ import torch.distributed as dist
 from meridian.workers.contracts.config import TrainConfig
 from meridian.workers.contracts.records import TrainResult
 from meridian.workers.data.shards import Dataset
+from meridian.workers.data.text import TooFewTokens
 from meridian.workers.loop import prepared
 from meridian.workers.loop.observe import DevicePeak, measure_peak_flops
 from meridian.workers.loop.parallel import ModelParallelReplica
@@ -220,10 +222,10 @@ class TrainingLoop:
 
         publish(reports.flush())
         replica.engine.synchronize()
-        eval_loss = replica.evaluate(val_data or self.data("eval"))
-        final_params = replica.parameters() if self.keep_params else None
-        if state is not None:
+        if state is not None:  # the trained run is kept before anything else can fail
             state.finish(replica)
+        eval_loss, eval_skipped = self._final_evaluation(replica, val_data)
+        final_params = replica.parameters() if self.keep_params else None
         totals = torch.tensor([float(inter_dc_total)])
         dist.all_reduce(totals)
         result = TrainResult(
@@ -231,8 +233,20 @@ class TrainingLoop:
             tokens_per_s=timed_tokens / timed_s if timed_s else 0.0,
             inter_dc_bytes_per_step=totals.item() / max(1, steps_here),
             optimizer_state_bytes=replica.engine.optimizer_state_nbytes(), final_params=final_params,
+            eval_skipped=eval_skipped,
         )  # fmt: skip
         return EpochOutcome(finished=True, result=result)
+
+    def _final_evaluation(self, replica: Replica, val_data: Dataset | None) -> tuple[float | None, str]:
+        """``(held-out loss, "")``, or ``(None, why)`` when the held-out split cannot give one sample: a job
+        without ``validation`` is admitted whatever its split holds (``--val-fraction 0``, a short text), and
+        its trained steps must not be lost to the loss it was only to report. Every rank reads the same split,
+        so all of them evaluate or all skip."""
+        try:
+            data = val_data or self.data("eval")
+        except TooFewTokens as e:
+            return None, f"final evaluation skipped: {e}"
+        return replica.evaluate(data), ""
 
 
 def train(
