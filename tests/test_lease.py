@@ -90,3 +90,65 @@ def test_meridian_serve_on_a_database_another_service_owns_exits_with_the_owner_
         other.close()
     err = capsys.readouterr().err
     assert code == 2 and "another Meridian service (pid" in err and "owns this database" in err
+
+
+def test_a_lease_taken_over_during_a_tick_stops_the_writes_after_the_slow_ray_call(two_stores, cluster_view, tmp_path):
+    """A tick can outlast the lease (a poll waits up to 10 s, a launch up to 60 s): the lease is asked again before
+    what a Ray call returned is stored, or the records the new owner already stored were stored twice."""
+    from fakes import step_record
+
+    from meridian.service.lease import Lease, LeaseLost
+
+    clock = Clock()
+    a, b = two_stores
+    cluster = FakeLauncher()  # the one Ray cluster both services see
+    mine = Lease(a.engine, ttl_s=30, clock=clock)
+    mine.acquire()
+    sup_a = Supervisor(a, cluster, cluster_view, checkpoint_root=str(tmp_path), lease=mine)
+    job, _ = sup_a.submit(JobRequest(name="j", model=model_preset("nano"), steps=3, global_batch=4, micro_batch=2), {})
+    sup_a.tick()
+    cluster.runners[job.id].state = "running"
+    cluster.runners[job.id].push("record", step_record(1, 3, 5.0))
+    sup_a.tick()
+    cluster.runners[job.id].push("record", step_record(2, 3, 4.0))
+    poll = cluster.poll
+
+    def slow_poll(job_id, after):  # A's poll hangs past its lease; service B starts and follows the job meanwhile
+        cluster.poll = poll  # B's polls answer at once
+        clock.t += 35
+        other = Lease(b.engine, ttl_s=30, clock=clock)
+        other.acquire()
+        Supervisor(b, cluster, cluster_view, checkpoint_root=str(tmp_path), lease=other).tick()
+        return poll(job_id, after)
+
+    cluster.poll = slow_poll
+    with pytest.raises(LeaseLost):
+        sup_a.tick()
+    assert [m["step"] for m in a.list_metrics(job.id)] == [1, 2]  # B stored step 2; A did not store it again
+
+
+def test_a_service_stopping_during_a_launch_leaves_the_job_placing_for_the_next_one(store, cluster_view, tmp_path):
+    """Stopping takes the service's Ray connection down under a launch in flight: that is not the job's failure
+    (it was marked failed, after the lease had been released). The next service reattaches to it or fails it."""
+    import threading
+
+    from meridian.service.jobs import JobState
+
+    launching, stopping = threading.Event(), threading.Event()
+
+    class SlowStart(FakeLauncher):
+        def launch(self, job_id, config, plan, *, min_workers=1):
+            launching.set()
+            stopping.wait(10)
+            raise RuntimeError("Ray has been shut down")  # what ray.get says once the driver disconnected
+
+    sup = Supervisor(store, SlowStart(), cluster_view, checkpoint_root=str(tmp_path), poll_interval_s=0.05)
+    job, _ = sup.submit(JobRequest(name="j", model=model_preset("nano"), steps=3, global_batch=4, micro_batch=2), {})
+    sup.start()
+    assert launching.wait(10)
+    thread = sup._thread
+    sup.stop(timeout=0.1)  # the launch is still in flight
+    stopping.set()
+    thread.join(10)
+    status = store.get_job(job.id).status
+    assert (status.state, status.reason) == (JobState.PLACING, "Placing"), status

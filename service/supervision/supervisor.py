@@ -133,18 +133,30 @@ class Supervisor:
 
     # -- the loop -----------------------------------------------------------------------------------------
     def tick(self) -> None:
-        if self.lease is not None and not self.lease.renew():
-            raise LeaseLost("another service took over this database's lease; this one no longer admits or "
-                            "follows jobs (stop it, or restart it once the other service has stopped)")
+        self._check_lease()
         topo = self.read_topology()
         self._admit(topo)
         for job in self.store.list_jobs(states=ACTIVE, limit=10_000):
+            if self._stop.is_set():
+                return  # the service is stopping: its store may close under this loop
             try:
                 self._follow(job)
+            except LeaseLost:
+                raise
             except Exception as e:  # noqa: BLE001 - one job's failure must not stop the others being followed
                 self._job_failed(job.id, e)
             else:
                 self.job_errors.pop(job.id, None)
+
+    def _check_lease(self) -> None:
+        """Raise :class:`LeaseLost` if another service took this database's lease. Asked before every write
+        that follows a Ray call, not only once a tick: a tick can outlast the lease (a launch waits up to a
+        minute, each poll up to ten seconds), and a service that took over meanwhile has already stored what this
+        one is about to (the records since a cursor read before the takeover would be stored twice). Cheap: the
+        database is asked only once a third of the lease's life has passed since the last renewal."""
+        if self.lease is not None and not self.lease.renew():
+            raise LeaseLost("another service took over this database's lease; this one no longer admits or "
+                            "follows jobs (stop it, or restart it once the other service has stopped)")
 
     def _job_failed(self, job_id: str, e: Exception) -> None:
         """Record on the job (once per distinct error) that following it failed; the tick goes on."""
@@ -205,6 +217,12 @@ class Supervisor:
         try:
             runner = self.launcher.launch(job.id, config, plan, min_workers=job.request.topology.min_workers)
         except Exception as e:  # noqa: BLE001 - report any launch failure on the job
+            if self._stop.is_set():
+                # The service stops (its Ray connection and store go): not the job's failure. It stays placing;
+                # the next service finds its runner by name and starts it, or fails it if there is none.
+                log.warning("job %s: launch interrupted by the service stopping (%s); left placing", job.id, e)
+                return
+            self._check_lease()  # another service follows the job now: it decides about its runner
             # The runner may exist (e.g. it was created but did not start in time): kill it, so nothing of
             # a job marked failed keeps running.
             try:
@@ -213,6 +231,9 @@ class Supervisor:
                 log.exception("killing the runner of job %s after its failed launch failed", job.id)
             self._set(job.id, JobStatus(JobState.FAILED, "LaunchFailed", f"could not start the job on Ray: {e}"))
             return
+        if self._stop.is_set():
+            return  # the next service reattaches to the runner by its name
+        self._check_lease()
         self.store.update_fields(job.id, runner=runner)
         self._followed.add(job.id)
 
@@ -223,12 +244,14 @@ class Supervisor:
         except RunnerLost as lost:
             poll = lost
         except Exception as e:  # a slow or unreachable runner: its deadlines still hold, else retried next tick
+            self._check_lease()
             decision = unanswered(job, now=time.time(), deadlines=self.deadlines)
             if decision is None:
                 raise  # recorded on the job and in /healthz by the tick (once per distinct error)
             log.warning("polling job %s failed (%s) past its deadline: ending it", job.id, e)
             self._carry_out(job, decision)
             return
+        self._check_lease()  # the poll took a while: is this service still the one that stores it?
         if job.id not in self._stalls_named:  # first sight in this process: stalls stored before a restart count
             self._stalls_named[job.id] = {(e.data.get("rank"), e.data.get("step"))
                                           for e in self.store.list_events(job.id, limit=100_000) if e.kind == "stall"}
