@@ -132,7 +132,7 @@ def check_validation_split(data: DataConfig, model: ModelConfig) -> None:
                 f"validation: dataset {directory!r} has {val.tokens} validation tokens ({val.documents} documents), "
                 f"fewer than one sample of model.seq_len + 1 = {model.seq_len + 1}; prepare it again with a larger "
                 "--val-fraction or more documents (a text file's documents are its paragraphs, separated by blank "
-                "lines; a JSON-lines file's are its lines), or drop validation")
+                "lines and cut after 64 KiB; a JSON-lines file's are its lines), or drop validation")
 
 
 def _under(path: str, root: str) -> bool:

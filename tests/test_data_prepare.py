@@ -292,3 +292,26 @@ def test_validation_under_pipeline_and_data_parallelism_matches_one_process(data
     want = [r.val_loss for r in single]
     assert [v is None for v in got] == [True, False, True, False]
     assert [got[1], got[3]] == pytest.approx([want[1], want[3]], rel=1e-4)
+
+
+def test_a_text_without_blank_lines_is_cut_into_bounded_documents(tmp_path):
+    """One sentence per line and no blank line: before, the whole file was one document (held and encoded
+    whole, 7.4 GiB for 60 MB of text) and nothing was held out for validation."""
+    from meridian.workers.data.hf_tokenizer import byte_tokenizer
+    from meridian.workers.data.prepare import MAX_DOCUMENT_BYTES, iter_documents
+
+    lines = [f"sentence {i}: the quick brown fox jumps over the lazy dog.\n" for i in range(40_000)]
+    text = "".join(lines)
+    path = tmp_path / "lines.txt"
+    path.write_text(text, encoding="utf-8")
+    docs = [d for d, _ in iter_documents(str(path), "text")]
+    assert "".join(docs) == text  # cut at line ends: nothing lost, nothing split inside a line
+    assert all(len(d.encode()) < MAX_DOCUMENT_BYTES + len(lines[-1]) for d in docs)
+    assert len(docs) == -(-len(text) // MAX_DOCUMENT_BYTES) >= 30
+    byte_tok = tmp_path / "bytes.json"
+    byte_tokenizer().save(str(byte_tok))
+    m = prepare([str(path)], str(tmp_path / "out"), PrepareOptions(tokenizer=str(byte_tok), val_fraction=0.05),
+                progress=False).manifest
+    assert m.inputs[0].documents == len(docs)
+    assert m.val.documents == sum(is_val_document(i, 0.05) for i in range(len(docs))) >= 1
+    assert m.val.tokens >= MAX_DOCUMENT_BYTES and m.tokens == len(text.encode())  # byte tokenizer: no end token
