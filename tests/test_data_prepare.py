@@ -315,3 +315,33 @@ def test_a_text_without_blank_lines_is_cut_into_bounded_documents(tmp_path):
     assert m.inputs[0].documents == len(docs)
     assert m.val.documents == sum(is_val_document(i, 0.05) for i in range(len(docs))) >= 1
     assert m.val.tokens >= MAX_DOCUMENT_BYTES and m.tokens == len(text.encode())  # byte tokenizer: no end token
+
+
+@pytest.mark.parametrize("top", [300, 70_000])
+def test_a_tokenizer_with_unused_ids_is_sized_by_its_largest_id(tmp_path, top):
+    """Six tokens, one of them with id ``top``: the manifest's vocab_size (what admission checks the model
+    against, and the shards' dtype) is ``top + 1``, not 6; before, a model of 6 rows was admitted and training
+    hit an out-of-range embedding index, and id 70,000 overflowed uint16 with an error naming no file."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from meridian.service.data_access import check_dataset_vocab
+    from meridian.service.errors import InvalidJob
+    from meridian.workers.contracts.model_config import ModelConfig
+
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0, "hello": 1, "world": 2, "foo": 3, "</s>": 4, "bar": top},
+                                     unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tok.json"))
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("\n\n".join("hello world foo bar " * 20 for _ in range(50)))
+    out = str(tmp_path / "ds")
+    m = prepare([str(corpus)], out, PrepareOptions(tokenizer=str(tmp_path / "tok.json"), val_fraction=0.1),
+                progress=False).manifest
+    assert m.vocab_size == top + 1 and m.dtype == ("uint16" if top < 1 << 16 else "uint32")
+    assert int(np.fromfile(os.path.join(out, m.train.shards[0].file), dtype=m.dtype).max()) == top
+    small = ModelConfig(n_layers=2, d_model=64, n_heads=4, seq_len=64, vocab_size=6)
+    with pytest.raises(InvalidJob, match=f"vocabulary of {top + 1} tokens but model.vocab_size is 6"):
+        check_dataset_vocab(DataConfig(dataset=out), small)
+    with pytest.raises(PrepareError, match=rf"vocabulary of {top + 1} tokens \(its 6 tokens have ids up to {top}\)"):
+        prepare([str(corpus)], str(tmp_path / "other"),
+                PrepareOptions(tokenizer=str(tmp_path / "tok.json"), max_vocab=top), progress=False)

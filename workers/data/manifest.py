@@ -58,6 +58,7 @@ class Manifest:
     key: str
     """Hash of the inputs' contents and every option: a rerun with the same key reuses the directory."""
     vocab_size: int
+    """Embedding rows the token ids need: the tokenizer's largest id + 1 (its token count when ids have no holes)."""
     dtype: str
     """``uint16`` when every token id fits, else ``uint32``."""
     tokenizer_sha256: str

@@ -63,7 +63,8 @@ class PrepareOptions:
     val_fraction: float = 0.05
     text_field: str = "text"
     max_vocab: int = 0
-    """Fail when the tokenizer has more tokens than this (a model's ``vocab_size``); 0: no limit."""
+    """Fail when the tokenizer's ids need more embedding rows than this (a model's ``vocab_size``): its largest
+    id + 1; 0: no limit."""
     shard_tokens: int = SHARD_TOKENS
 
     def check(self) -> None:
@@ -190,6 +191,14 @@ def load_tokenizer(path: str):
         raise PrepareError(f"{path}: not a Hugging Face tokenizer.json ({e})", path) from None
 
 
+def id_space(tok) -> int:
+    """Embedding rows the tokenizer's ids need: its largest id + 1. Not its token count
+    (``get_vocab_size``): a tokenizer.json may leave ids unused, and a model sized by the count would meet
+    ids past its last row."""
+    ids = tok.get_vocab(with_added_tokens=True).values()
+    return max(ids) + 1 if ids else 0
+
+
 def _eos_id(tok) -> int | None:
     for t in EOS_CANDIDATES:
         i = tok.token_to_id(t)
@@ -295,26 +304,28 @@ def prepare(inputs: list[str], out: str, opts: PrepareOptions, *, progress: bool
             old = None
         if old is not None and old.key == key:
             return PrepareResult(old, os.path.abspath(out), True, time.monotonic() - t0)
-    os.makedirs(out, exist_ok=True)
-    with contextlib.suppress(FileNotFoundError):
-        os.remove(os.path.join(out, MANIFEST))  # from here on the directory is unfinished
-    for name in os.listdir(out):  # shards of an earlier run with other inputs
-        if name.startswith(("train-", "val-")) and name.endswith((".bin", ".bin.tmp", ".npy")):
-            os.remove(os.path.join(out, name))
-
     if opts.tokenizer:
         tok = load_tokenizer(opts.tokenizer)
     else:
         if log:
             log(f"training a byte-level BPE of {opts.vocab_size} tokens on {len(files)} file(s)")
         tok = train_bpe([f.path for f in files], opts.vocab_size, opts.text_field)
-    vocab = tok.get_vocab_size(with_added_tokens=True)
+    vocab = id_space(tok)
+    where = opts.tokenizer or "the trained tokenizer"
+    count = tok.get_vocab_size(with_added_tokens=True)
+    holes = f" (its {count} tokens have ids up to {vocab - 1})" if count != vocab else ""
     if opts.max_vocab and vocab > opts.max_vocab:
-        where = opts.tokenizer or "the trained tokenizer"
-        raise PrepareError(f"{where}: vocabulary of {vocab} tokens is too large for the model's vocab_size "
+        raise PrepareError(f"{where}: vocabulary of {vocab} tokens{holes} is too large for the model's vocab_size "
                            f"{opts.max_vocab}", opts.tokenizer)
     if vocab > 1 << 32:
-        raise PrepareError(f"{opts.tokenizer}: vocabulary of {vocab} tokens does not fit uint32", opts.tokenizer)
+        raise PrepareError(f"{where}: vocabulary of {vocab} tokens{holes} does not fit uint32", opts.tokenizer)
+
+    os.makedirs(out, exist_ok=True)  # only now: a refused tokenizer leaves an earlier dataset here as it was
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(os.path.join(out, MANIFEST))  # from here on the directory is unfinished
+    for name in os.listdir(out):  # shards of an earlier run with other inputs
+        if name.startswith(("train-", "val-")) and name.endswith((".bin", ".bin.tmp", ".npy")):
+            os.remove(os.path.join(out, name))
     tok_path = os.path.join(out, "tokenizer.json")
     tok.save(tok_path)
     dtype = np.dtype(np.uint16 if vocab <= 1 << 16 else np.uint32)
