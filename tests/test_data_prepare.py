@@ -345,3 +345,14 @@ def test_a_tokenizer_with_unused_ids_is_sized_by_its_largest_id(tmp_path, top):
     with pytest.raises(PrepareError, match=rf"vocabulary of {top + 1} tokens \(its 6 tokens have ids up to {top}\)"):
         prepare([str(corpus)], str(tmp_path / "other"),
                 PrepareOptions(tokenizer=str(tmp_path / "tok.json"), max_vocab=top), progress=False)
+
+
+def test_max_vocab_is_checked_when_the_directory_is_reused(corpus, dataset, tmp_path):
+    again = prepare([corpus], dataset, BPE, progress=False)
+    assert again.reused
+    with pytest.raises(PrepareError, match=r"vocabulary of 512 tokens, too large for the model's vocab_size 300"):
+        prepare([corpus], dataset, PrepareOptions(train_tokenizer=True, vocab_size=512, val_fraction=0.05,
+                                                  max_vocab=300), progress=False)
+    assert read_manifest(dataset).to_dict() == again.manifest.to_dict()  # the refusal leaves the dataset as it was
+    assert prepare([corpus], dataset, PrepareOptions(train_tokenizer=True, vocab_size=512, val_fraction=0.05,
+                                                     max_vocab=512), progress=False).reused

@@ -302,7 +302,11 @@ def prepare(inputs: list[str], out: str, opts: PrepareOptions, *, progress: bool
             old = read_manifest(out)
         except ValueError:
             old = None
-        if old is not None and old.key == key:
+        if old is not None and old.key == key:  # (--max-vocab is not in the key: it changes no byte written)
+            if opts.max_vocab and old.vocab_size > opts.max_vocab:
+                raise PrepareError(f"{out}: the dataset there (same inputs and options) has a vocabulary of "
+                                   f"{old.vocab_size} tokens, too large for the model's vocab_size {opts.max_vocab}",
+                                   os.path.join(out, MANIFEST))
             return PrepareResult(old, os.path.abspath(out), True, time.monotonic() - t0)
     if opts.tokenizer:
         tok = load_tokenizer(opts.tokenizer)
