@@ -9,6 +9,10 @@ path, and the workers open it refusing anything but a regular file
 (:func:`meridian.workers.data.text.load_text`). A prepared dataset is admitted by its directory, and every file
 its manifest names must be a plain name of a regular file inside it (no ``..``, no absolute name, no symlink),
 which the workers check again as they open them (:func:`meridian.workers.data.manifest.open_dataset_file`).
+
+Admission also pins what it found (``data.pins``): each dataset's manifest key and tokenizer hash, a text
+source's hash. The workers refuse data that has changed since, and the pins are part of the checkpoint
+fingerprint, so neither a recovering worker nor a resume trains on data the job was not admitted on.
 """
 
 from __future__ import annotations
@@ -20,9 +24,10 @@ from dataclasses import dataclass, replace
 
 from meridian.service.errors import InvalidJob
 from meridian.service.jobs import JobRequest
-from meridian.workers.contracts.config import DataConfig
+from meridian.workers.contracts.config import DataConfig, DataPin
 from meridian.workers.contracts.model_config import ModelConfig
 from meridian.workers.data.manifest import check_dataset_files, read_manifest
+from meridian.workers.data.source import read_source, source_sha256
 
 BUILTIN_SOURCES = ("builtin:python-reference",)
 DEFAULT_MAX_BYTES = 128 * 2**20
@@ -69,7 +74,7 @@ class DataAccess:
             raise InvalidJob(f"data.max_bytes {data.max_bytes} is over this service's limit of {self.max_bytes} "
                              "bytes per job; ask for less")
         if data.source in BUILTIN_SOURCES:
-            return data
+            return replace(data, pins=())
         refused = InvalidJob(
             f"data.source {data.source!r} is not a readable regular file under this service's data roots "
             f"({', '.join(self.roots) or 'none configured'}); copy the text there, or start the service with "
@@ -85,11 +90,18 @@ class DataAccess:
             raise refused from None
         if not stat.S_ISREG(st.st_mode):
             raise refused
-        return replace(data, source=path)
+        try:  # the bytes the job will read, pinned: its workers refuse the file once they differ
+            text = read_source(path, data.max_bytes, where="by the service")
+        except ValueError:
+            raise refused from None
+        return replace(data, source=path, pins=(DataPin(path=path, sha256=source_sha256(text)),))
 
 
     def _check_datasets(self, data: DataConfig) -> DataConfig:
-        """Prepared datasets: directories under the roots holding a manifest, read only once admitted."""
+        """Prepared datasets: directories under the roots holding a manifest, read only once admitted, each
+        pinned to its manifest's key and tokenizer hash (the workers refuse a dataset prepared again since)."""
+        pins: list[DataPin] = []
+
         def resolve(directory: str) -> str:
             path = os.path.realpath(directory)
             if not any(_under(path, root) for root in self.roots) or not os.path.isdir(path):
@@ -100,14 +112,18 @@ class DataAccess:
             try:
                 # The roots hold the directory; the files its manifest names must stay in it (plain names,
                 # regular files, no symlinks), or a manifest could point the workers anywhere.
-                check_dataset_files(path, read_manifest(path))
+                manifest = read_manifest(path)
+                check_dataset_files(path, manifest)
             except ValueError as e:
                 raise InvalidJob(f"data: {e}") from None
+            pins.append(DataPin(path=path, manifest_key=manifest.key, tokenizer_sha256=manifest.tokenizer_sha256))
             return path
 
         if data.dataset:
-            return replace(data, dataset=resolve(data.dataset))
-        return replace(data, blend=tuple(replace(b, dataset=resolve(b.dataset)) for b in data.blend))
+            data = replace(data, dataset=resolve(data.dataset))
+        else:
+            data = replace(data, blend=tuple(replace(b, dataset=resolve(b.dataset)) for b in data.blend))
+        return replace(data, pins=tuple(pins))
 
 
 def check_dataset_vocab(data: DataConfig, model: ModelConfig) -> None:

@@ -74,6 +74,23 @@ class BlendEntry:
         _check_dataset_path(self.dataset, "data.blend.dataset")
 
 
+@dataclass(frozen=True, kw_only=True)
+class DataPin:
+    """What the service found at one of a job's data paths when it admitted the job. The workers refuse data
+    that differs (a dataset prepared again in place, a text file rewritten): the sample order is a function of
+    the data, so a worker that rebuilt it later (a recovery, a newcomer, a resume) would otherwise repeat or skip
+    samples, or read ids of another tokenizer, without a word."""
+
+    path: str
+    """The admitted (real) path: a prepared dataset's directory, or the text ``source``."""
+    manifest_key: str = ""
+    """A prepared dataset's ``manifest.json`` key (the hash of its inputs and options)."""
+    tokenizer_sha256: str = ""
+    """A prepared dataset's tokenizer hash, as its manifest gives it."""
+    sha256: str = ""
+    """A text ``source``: the SHA-256 of the bytes the job reads (its first ``max_bytes``)."""
+
+
 def _check_dataset_path(path: str, name: str) -> None:
     if not path or not path.startswith("/"):
         raise ValueError(f"{name} must be the absolute path of a prepared dataset directory, got {path!r}")
@@ -93,6 +110,9 @@ class DataConfig:
     it replaces ``source``."""
     blend: tuple[BlendEntry, ...] = ()
     """Several prepared datasets mixed by weight (instead of ``dataset``)."""
+    pins: tuple[DataPin, ...] = ()
+    """Set by the service when it admits the job (whatever was sent is replaced): what each data path held
+    then. The workers refuse a dataset or text that has changed since."""
 
     def __post_init__(self) -> None:
         if not self.source:
@@ -104,6 +124,10 @@ class DataConfig:
             _check_dataset_path(self.dataset, "data.dataset")
         if len(self.blend) > 64:
             raise ValueError(f"data.blend has {len(self.blend)} datasets; at most 64")
+
+    def pin(self, path: str) -> DataPin | None:
+        """The pin of ``path``, if the service pinned it."""
+        return next((p for p in self.pins if p.path == path), None)
 
     @property
     def datasets(self) -> tuple[tuple[str, float], ...]:

@@ -44,6 +44,10 @@ def export_tokenizer(data: DataConfig, out: str, *, model_max_length: int) -> di
         return _not_written("the job's blend mixes datasets made with different tokenizers ("
                             + ", ".join(f"{d}: {m.tokenizer_sha256[:12]}" for d, m in manifests) + ")")
     directory, manifest = manifests[0]
+    pin = data.pin(directory)
+    if pin is not None and pin.tokenizer_sha256 and pin.tokenizer_sha256 != manifest.tokenizer_sha256:
+        return _not_written(f"the job's dataset {directory!r} was prepared again with another tokenizer after the "
+                            "job was submitted: the tokenizer there is not the one the job trained with")
     src = os.path.join(directory, manifest.tokenizer_file)
     try:  # a regular file of the dataset's own directory, never a symlink's target
         fd = open_dataset_file(directory, manifest.tokenizer_file)

@@ -24,6 +24,7 @@ import stat
 from dataclasses import dataclass, field
 from typing import Any
 
+from meridian.workers.contracts.config import DataPin
 from meridian.workers.contracts.fields import from_plain, to_plain
 
 MANIFEST = "manifest.json"
@@ -117,6 +118,20 @@ def read_manifest(directory: str) -> Manifest:
             raise ValueError(f"{path!r} names {what} {name!r}, which is not a plain file name inside the dataset "
                              "directory (no '/', no '..'); prepare the dataset again with `meridian data prepare`")
     return manifest
+
+
+def check_pinned(directory: str, manifest: Manifest, pin: DataPin | None) -> None:
+    """A ``ValueError`` saying what changed when the dataset is not the one the service admitted the job on
+    (``pin``; ``None``: not pinned, a job admitted before pins existed or one run without the service)."""
+    if pin is None or not pin.manifest_key or pin.manifest_key == manifest.key:
+        return
+    tokenizer = (" with another tokenizer" if pin.tokenizer_sha256 != manifest.tokenizer_sha256 else
+                 " (same tokenizer, other inputs or options)")
+    raise ValueError(
+        f"dataset {directory!r} was prepared again{tokenizer} after this job was submitted (manifest key "
+        f"{pin.manifest_key[:12]}... then, {manifest.key[:12]}... now): training on it would change which samples "
+        "every step reads (repeating and skipping some) mid-job. Put the dataset back as it was (`meridian data "
+        "prepare` with the same inputs and options), or submit a new job; prepare new data into a new directory")
 
 
 def is_plain_name(name: object) -> bool:

@@ -22,8 +22,8 @@ import os
 import numpy as np
 import torch
 
-from meridian.workers.contracts.config import DataConfig
-from meridian.workers.data.manifest import Manifest, open_dataset_file, read_manifest
+from meridian.workers.contracts.config import DataConfig, DataPin
+from meridian.workers.data.manifest import Manifest, check_pinned, open_dataset_file, read_manifest
 from meridian.workers.data.text import StepSampled, TextDataset, TooFewTokens
 
 BLEND_BLOCK = 4096
@@ -81,9 +81,10 @@ class TokenStream:
 
     RELEASE_ALIGN = 1 << 21
 
-    def __init__(self, directory: str, split: str) -> None:
+    def __init__(self, directory: str, split: str, pin: DataPin | None = None) -> None:
         self.directory = directory
         self.manifest: Manifest = read_manifest(directory)
+        check_pinned(directory, self.manifest, pin)  # before anything is read from it
         s = self.manifest.split(split)
         dtype = np.dtype(self.manifest.dtype)
         self.itemsize = dtype.itemsize
@@ -132,8 +133,9 @@ class TokenStream:
 class _Source:
     """Fixed-length windows of one dataset's split, in a seeded per-epoch order (or in order: ``shuffle``)."""
 
-    def __init__(self, directory: str, split: str, seq_len: int, seed: int, index: int, shuffle: bool) -> None:
-        self.stream = TokenStream(directory, split)
+    def __init__(self, directory: str, split: str, seq_len: int, seed: int, index: int, shuffle: bool,
+                 pin: DataPin | None = None) -> None:
+        self.stream = TokenStream(directory, split, pin)
         self.seq_len, self.seed, self.index, self.shuffle = seq_len, seed, index, shuffle
         self.num_samples = (self.stream.tokens - 1) // seq_len
         if self.num_samples < 1:
@@ -165,9 +167,10 @@ class TokenDataset(StepSampled):
     datasets: one, or a weighted blend."""
 
     def __init__(self, datasets: tuple[tuple[str, float], ...], seq_len: int, seed: int, *,
-                 split: str = "train") -> None:
+                 split: str = "train", pins: tuple[DataPin, ...] = ()) -> None:
         shuffle = split == "train"  # held-out batches are the split's first windows, in order
-        self.sources = [_Source(d, split, seq_len, seed, i, shuffle) for i, (d, _) in enumerate(datasets)]
+        pinned = {p.path: p for p in pins}
+        self.sources = [_Source(d, split, seq_len, seed, i, shuffle, pinned.get(d)) for i, (d, _) in enumerate(datasets)]
         self.weights = [w for _, w in datasets]
         self.seq_len, self.seed = seq_len, seed
         self.vocab_size = max(s.stream.manifest.vocab_size for s in self.sources)
@@ -224,5 +227,5 @@ def make_dataset(cfg: DataConfig, seq_len: int, seed: int, *, split: str = "trai
     """The dataset a job's ``data`` config names: prepared token shards (``dataset``/``blend``) or the text
     ``source``. ``split``: ``train``, or ``eval`` (the held-out part)."""
     if cfg.datasets:
-        return TokenDataset(cfg.datasets, seq_len, seed, split="train" if split == "train" else "val")
+        return TokenDataset(cfg.datasets, seq_len, seed, split="train" if split == "train" else "val", pins=cfg.pins)
     return TextDataset(cfg, seq_len, seed, split=split)

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import functools
 import os
-import stat
 from dataclasses import dataclass
 
 import torch
 
 from meridian.workers.contracts.config import DataConfig
+from meridian.workers.data.source import read_source, source_sha256
 
 BUILTIN_PYTHON_REFERENCE = "builtin:python-reference"
 HELD_OUT_FRACTION = 0.05
@@ -40,16 +40,13 @@ def load_text(cfg: DataConfig) -> bytes:
         path = cfg.source
         if not os.path.isabs(path):
             raise ValueError(f"data.source must be an absolute path or {BUILTIN_PYTHON_REFERENCE!r}, got {path!r}")
-        try:
-            # Non-blocking open and no symlink as the last part: a named pipe cannot hang the worker and a
-            # path swapped for a link after the service checked it is refused; then regular files only.
-            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
-        except OSError as e:
-            raise ValueError(f"data.source {path!r} cannot be read on this node: {e.strerror}") from None
-        with os.fdopen(fd, "rb") as f:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise ValueError(f"data.source {path!r} is not a regular file on this node")
-            text = f.read(cfg.max_bytes)
+        text = read_source(path, cfg.max_bytes)  # no symlink, no pipe: regular files only
+        pin = cfg.pin(path)
+        if pin is not None and pin.sha256 and source_sha256(text) != pin.sha256:
+            raise ValueError(
+                f"data.source {path!r} changed after this job was submitted (its first {len(text)} bytes are not "
+                "those the service admitted): training on it would change which samples every step reads mid-job. "
+                "Put the file back as it was, or submit a new job; write new text to a new file")
     return text[: cfg.max_bytes]
 
 

@@ -103,8 +103,11 @@ def fingerprint(cfg: TrainConfig) -> dict[str, Any]:
     shape = [m.n_layers, m.d_model, m.n_heads, m.seq_len, m.vocab_size]
     if m.family is not ModelFamily.GPT:  # (gpt's fingerprint stays as before: older checkpoints still load)
         shape += [m.family.value, m.kv_heads, m.mlp_width, m.tie_embeddings]
-    return {"model": shape, "global_batch": cfg.global_batch,
-            "seed": cfg.seed, "data": [list(d) for d in cfg.data.datasets] or cfg.data.source}  # fmt: skip
+    fp = {"model": shape, "global_batch": cfg.global_batch,
+          "seed": cfg.seed, "data": [list(d) for d in cfg.data.datasets] or cfg.data.source}  # fmt: skip
+    if cfg.data.pins:  # (a job admitted before pins existed keeps its fingerprint: its checkpoints still load)
+        fp["data_pins"] = [[p.path, p.manifest_key, p.tokenizer_sha256, p.sha256] for p in cfg.data.pins]
+    return fp
 
 
 class ModelParallelNotElastic(RuntimeError):

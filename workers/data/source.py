@@ -1,0 +1,31 @@
+"""How a job's text ``data.source`` file is read, by its workers and by the service that admits it; torch-free.
+
+One way to open it for both: non-blocking and not through a symlink as the last part (a named pipe cannot hang
+the reader, a path swapped for a link after the service checked it is refused), regular files only, at most
+``max_bytes``. The service pins a job to the hash of those bytes (:class:`~meridian.workers.contracts.config.
+DataPin`) and the workers refuse a file whose bytes have changed since.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import stat
+
+
+def read_source(path: str, max_bytes: int, *, where: str = "on this node") -> bytes:
+    """The first ``max_bytes`` bytes of the regular file ``path``; ``ValueError`` naming it otherwise."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0))
+    except OSError as e:
+        raise ValueError(f"data.source {path!r} cannot be read {where}: {e.strerror}") from None
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError(f"data.source {path!r} is not a regular file {where}")
+        return f.read(max_bytes)
+
+
+def source_sha256(text: bytes) -> str:
+    """What a text source is pinned by: the hash of the bytes a job reads (text appended past ``max_bytes``
+    changes nothing the job trains on, so it is not a change)."""
+    return hashlib.sha256(text).hexdigest()
