@@ -105,36 +105,39 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from meridian.service.core import MeridianService, ServiceConfig, StorageUnusable
     from meridian.service.lease import DatabaseOwned
 
+    def refused(e: Exception) -> CliError:
+        return CliError("serve-refused", "The service did not start", str(e), exit_code=2)
+
     try:
         # Auth is forced on for any non-loopback bind; with no tokens there the service refuses to start.
         auth = AuthSettings.load(enabled=args.auth or not is_loopback(args.host), token_file=args.token_file)
         check_bind(args.host, auth)
-    except (UnsafeDeployment, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    local = parse_datacenters(args.local_datacenters) if args.local_datacenters else None
-    try:
+        local = parse_datacenters(args.local_datacenters) if args.local_datacenters else None
         config = ServiceConfig(data_dir=args.data_dir, database_url=args.database_url, ray_address=args.address,
                                local_datacenters=local, cpus_per_node=args.cpus_per_node,
                                data_roots=tuple(args.data_root or ()), storage=args.storage)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    except (UnsafeDeployment, ValueError) as e:
+        raise refused(e) from None
     who = f"auth on, {len(auth.hashes)} token(s) from {auth.token_file}" if auth.enabled else "auth off (loopback only)"
     # Started here, in the main thread, not in the app's lifespan (a worker thread): an embedded cluster
     # installs signal handlers, which Python allows only in the main thread.
     try:
         service = MeridianService(config).start()
     except (DatabaseOwned, StorageUnusable) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        raise refused(e) from None
     try:
-        print(f"Meridian API on http://{args.host}:{args.port} (docs at /docs); data in {config.data_dir}; "
-              f"checkpoints and weights in {config.checkpoint_root}; "
-              f"job data from {', '.join(config.effective_data_roots)}; {who}",
-              flush=True)  # fmt: skip
+        started = {"url": f"http://{args.host}:{args.port}", "docs": f"http://{args.host}:{args.port}/docs",
+                   "data_dir": config.data_dir, "checkpoints": config.checkpoint_root,
+                   "data_roots": list(config.effective_data_roots), "auth": auth.enabled,
+                   "token_file": auth.token_file if auth.enabled else None}
+        emit(args, started, f"Meridian API on {started['url']} (docs at /docs); data in {config.data_dir}; "
+                            f"checkpoints and weights in {config.checkpoint_root}; "
+                            f"job data from {', '.join(config.effective_data_roots)}; {who}")
+        sys.stdout.flush()
+        # lifespan "off": this function starts and stops the service, so the app's lifespan has nothing to do; and
+        # uvicorn's lifespan task, cancelled by a second Ctrl-C during the shutdown, logged an ERROR traceback.
         uvicorn.run(create_app(config, auth=auth, service=service), host=args.host, port=args.port,
-                    log_level=args.log_level)  # fmt: skip
+                    log_level=args.log_level, lifespan="off")  # fmt: skip
     finally:
         service.stop()
     return 0

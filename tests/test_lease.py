@@ -3,6 +3,7 @@ owner and how to take over; a lease taken over stops the old service's superviso
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -84,12 +85,16 @@ def test_meridian_serve_on_a_database_another_service_owns_exits_with_the_owner_
 
     other = JobStore(f"sqlite:///{tmp_path / 'meridian.db'}")
     Lease(other.engine).acquire()  # a live service (this process) holds it
+    argv = ["serve", "--data-dir", str(tmp_path), "--port", "1", "--local-datacenters", "dc-a:1"]
     try:
-        code = cli_main(["serve", "--data-dir", str(tmp_path), "--port", "1", "--local-datacenters", "dc-a:1"])
+        code = cli_main(argv)
+        err = capsys.readouterr().err
+        assert code == 2 and "another Meridian service (pid" in err and "owns this database" in err
+        code = cli_main([*argv, "--json"])
     finally:
         other.close()
-    err = capsys.readouterr().err
-    assert code == 2 and "another Meridian service (pid" in err and "owns this database" in err
+    problem = json.loads(capsys.readouterr().out)["error"]
+    assert code == 2 and problem["type"] == "urn:meridian:problem:serve-refused" and "owns this database" in problem["detail"]
 
 
 def test_a_lease_taken_over_during_a_tick_stops_the_writes_after_the_slow_ray_call(two_stores, cluster_view, tmp_path):
