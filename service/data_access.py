@@ -10,6 +10,9 @@ path, and the workers open it refusing anything but a regular file
 its manifest names must be a plain name of a regular file inside it (no ``..``, no absolute name, no symlink),
 which the workers check again as they open them (:func:`meridian.workers.data.manifest.open_dataset_file`).
 
+A fine-tuning job (``model.init_from``) must train on token ids that mean to the checkpoint what they meant
+when it was trained (:func:`check_init_from_data`).
+
 Admission also pins what it found (``data.pins``): each dataset's manifest key and tokenizer hash, a text
 source's hash. The workers refuse data that has changed since, and the pins are part of the checkpoint
 fingerprint, so neither a recovering worker nor a resume trains on data the job was not admitted on.
@@ -26,7 +29,7 @@ from meridian.service.errors import InvalidJob
 from meridian.service.jobs import JobRequest
 from meridian.workers.contracts.config import DataConfig, DataPin
 from meridian.workers.contracts.model_config import ModelConfig
-from meridian.workers.data.manifest import check_dataset_files, read_manifest
+from meridian.workers.data.manifest import check_dataset_files, read_manifest, tokenizer_sha256
 from meridian.workers.data.source import read_source, source_sha256
 
 BUILTIN_SOURCES = ("builtin:python-reference",)
@@ -50,6 +53,8 @@ class DataAccess:
         if request.model.init_from:
             request = replace(request, model=replace(request.model,
                                                      init_from=self.admit_checkpoint(request.model.init_from)))
+        if request.model.init_from:
+            check_init_from_data(data, request.model.init_from)
         check_dataset_vocab(data, request.model)
         if request.validation is not None:
             check_validation_split(data, request.model)
@@ -124,6 +129,47 @@ class DataAccess:
         else:
             data = replace(data, blend=tuple(replace(b, dataset=resolve(b.dataset)) for b in data.blend))
         return replace(data, pins=tuple(pins))
+
+
+def check_init_from_data(data: DataConfig, checkpoint: str) -> None:
+    """A fine-tuning job's token ids must mean to the checkpoint what they meant when it was trained: a prepared
+    dataset (never raw text, read as bytes), made with one tokenizer, and with the checkpoint's own when its
+    directory holds a ``tokenizer.json``. Uses the tokenizer hashes admission pinned (``data.pins``)."""
+    prepare_hint = (f"`meridian data prepare FILES --out NEW_DIR --tokenizer {os.path.join(checkpoint, 'tokenizer.json')}`"
+                    if os.path.lexists(os.path.join(checkpoint, "tokenizer.json")) else
+                    "`meridian data prepare FILES --out NEW_DIR --tokenizer <the checkpoint's tokenizer.json>`")
+    if not data.datasets:
+        raise InvalidJob(
+            f"data.source {data.source!r} is read as raw bytes (token id = byte value), which mean other tokens to "
+            f"model.init_from's vocabulary; prepare the text with the checkpoint's tokenizer, {prepare_hint}, and "
+            "name NEW_DIR in data.dataset")
+    hashes = {p.path: p.tokenizer_sha256 for p in data.pins}
+    if len(set(hashes.values())) > 1:
+        raise InvalidJob("data.blend mixes datasets made with different tokenizers ("
+                         + ", ".join(f"{d}: {h[:12]}" for d, h in hashes.items())
+                         + f"), whose ids mean different tokens to model.init_from; prepare each with {prepare_hint}")
+    path = os.path.join(checkpoint, "tokenizer.json")
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0))
+    except FileNotFoundError:
+        return  # no tokenizer to compare with: the vocabulary size is all admission can check
+    except OSError as e:
+        raise InvalidJob(f"model.init_from: {path} cannot be read ({e.strerror}); it must be a regular file, not a "
+                         "symlink") from None
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise InvalidJob(f"model.init_from: {path} is not a regular file")
+        text = f.read()
+    try:
+        want = tokenizer_sha256(text.decode("utf-8"))
+    except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception on a bad file
+        raise InvalidJob(f"model.init_from: {path} is not a Hugging Face tokenizer.json ({e})") from None
+    for directory, have in hashes.items():
+        if have != want:
+            raise InvalidJob(
+                f"data: dataset {directory!r} was made with another tokenizer than model.init_from's ({path}): its "
+                f"token ids would mean other tokens to the checkpoint. Prepare the text again with {prepare_hint} "
+                "and name NEW_DIR in data.dataset")
 
 
 def check_dataset_vocab(data: DataConfig, model: ModelConfig) -> None:

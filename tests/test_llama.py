@@ -374,7 +374,16 @@ def test_init_from_is_admitted_like_data_under_the_data_roots_before_it_is_read(
         assert no_checkpoint.status_code == 422 and "no config.json" in no_checkpoint.json()["detail"]
         wrong_tp = post("/v1/jobs", str(root / "hf"), parallelism={"tp": 4})  # the checkpoint has 2 KV heads
         assert wrong_tp.status_code == 422 and "tp" in wrong_tp.json()["detail"]
-        ok = post("/v1/jobs", str(root / "empty" / ".." / "hf"))
+        # Fine-tuning reads prepared data (raw text is bytes, which mean nothing to a pretrained vocabulary):
+        # here made with the byte tokenizer, 256 ids as the checkpoint has (and no tokenizer.json to match).
+        from meridian.workers.data.hf_tokenizer import byte_tokenizer
+        from meridian.workers.data.prepare import PrepareOptions, prepare
+
+        byte_tokenizer().save(str(tmp_path / "bytes.json"))
+        (tmp_path / "text.txt").write_text("some text to fine-tune on.\n\n" * 200)
+        prepare([str(tmp_path / "text.txt")], str(root / "ds"),
+                PrepareOptions(tokenizer=str(tmp_path / "bytes.json"), val_fraction=0.1), progress=False)
+        ok = post("/v1/jobs", str(root / "empty" / ".." / "hf"), data={"dataset": str(root / "ds")})
         assert ok.status_code == 201, ok.text
     job = store.get_job(ok.json()["id"])
     assert job.request.model.init_from == os.path.realpath(root / "hf") and job.request.model.kv_heads == 2

@@ -18,6 +18,7 @@ its data roots, so a manifest must not be able to point a job at a file outside 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import stat
@@ -118,6 +119,15 @@ def read_manifest(directory: str) -> Manifest:
             raise ValueError(f"{path!r} names {what} {name!r}, which is not a plain file name inside the dataset "
                              "directory (no '/', no '..'); prepare the dataset again with `meridian data prepare`")
     return manifest
+
+
+def tokenizer_sha256(tokenizer_json: str) -> str:
+    """A manifest's ``tokenizer_sha256`` of a ``tokenizer.json``'s text: the hash of the tokenizer as the
+    ``tokenizers`` library saves it. ``data prepare --tokenizer PATH`` saves the tokenizer it loaded, whose bytes
+    can differ from PATH's (formatting, key order) with the same ids, so a file is compared in that form."""
+    from tokenizers import Tokenizer
+
+    return hashlib.sha256(Tokenizer.from_str(tokenizer_json).to_str(pretty=True).encode("utf-8")).hexdigest()
 
 
 def check_pinned(directory: str, manifest: Manifest, pin: DataPin | None) -> None:

@@ -30,6 +30,7 @@ from meridian.workers.data.manifest import (
     Shard,
     Split,
     read_manifest,
+    tokenizer_sha256,
     write_manifest,
 )
 
@@ -361,7 +362,7 @@ def prepare(inputs: list[str], out: str, opts: PrepareOptions, *, progress: bool
         counted.append(replace(f, documents=docs_here))
     bar.update(base, tokens, final=True)
     train, val = writers["train"].finish(), writers["val"].finish()
-    manifest = Manifest(key=key, vocab_size=vocab, dtype=dtype.name, tokenizer_sha256=_file_sha(tok_path),
+    manifest = Manifest(key=key, vocab_size=vocab, dtype=dtype.name, tokenizer_sha256=tokenizer_sha256(tok.to_str()),
                         tokenizer_trained=opts.train_tokenizer, eos_id=eos, text_field=opts.text_field,
                         val_fraction=opts.val_fraction, train=train, val=val, inputs=tuple(counted))
     write_manifest(out, manifest)
