@@ -64,7 +64,7 @@ class DataAccess:
         """``model.init_from``: the real path of a directory under the data roots, checked before anything in it
         is read; :class:`InvalidJob` (a 422) naming the path and the roots otherwise, in the same words whether
         or not it exists."""
-        path = os.path.realpath(directory) if os.path.isabs(directory) else ""
+        path = _realpath(directory)
         if not path or not any(_under(path, root) for root in self.roots) or not os.path.isdir(path):
             raise InvalidJob(
                 f"model.init_from {directory!r} is not a directory under this service's data roots "
@@ -84,10 +84,8 @@ class DataAccess:
             f"data.source {data.source!r} is not a readable regular file under this service's data roots "
             f"({', '.join(self.roots) or 'none configured'}); copy the text there, or start the service with "
             f"`meridian serve --data-root PATH`. Built-in: {', '.join(BUILTIN_SOURCES)}")
-        if not os.path.isabs(data.source):
-            raise refused
-        path = os.path.realpath(data.source)
-        if not any(_under(path, root) for root in self.roots):
+        path = _realpath(data.source)
+        if not path or not any(_under(path, root) for root in self.roots):
             raise refused  # the same words whether or not it exists: nothing is learned about other files
         try:
             st = os.stat(path)
@@ -108,8 +106,8 @@ class DataAccess:
         pins: list[DataPin] = []
 
         def resolve(directory: str) -> str:
-            path = os.path.realpath(directory)
-            if not any(_under(path, root) for root in self.roots) or not os.path.isdir(path):
+            path = _realpath(directory)
+            if not path or not any(_under(path, root) for root in self.roots) or not os.path.isdir(path):
                 raise InvalidJob(
                     f"data: {directory!r} is not a prepared dataset directory under this service's data roots "
                     f"({', '.join(self.roots) or 'none configured'}); write it there with `meridian data prepare "
@@ -195,6 +193,12 @@ def check_validation_split(data: DataConfig, model: ModelConfig) -> None:
                 f"fewer than one sample of model.seq_len + 1 = {model.seq_len + 1}; prepare it again with a larger "
                 "--val-fraction or more documents (a text file's documents are its paragraphs, separated by blank "
                 "lines and cut after 64 KiB; a JSON-lines file's are its lines), or drop validation")
+
+
+def _realpath(path: str) -> str:
+    """``realpath`` of an absolute path; ``""`` for a relative one or one no file can have (a NUL byte, on
+    which ``realpath`` raises): refused like any other path outside the roots."""
+    return os.path.realpath(path) if os.path.isabs(path) and "\0" not in path else ""
 
 
 def _under(path: str, root: str) -> bool:

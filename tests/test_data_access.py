@@ -115,3 +115,24 @@ def test_a_worker_refuses_a_named_pipe_instead_of_hanging(tmp_path):
         t.join(5)
         pytest.fail("load_text blocked on a named pipe")
     assert outcome and "not a regular file" in outcome[0]
+
+
+def test_a_nul_byte_in_a_data_path_is_a_422_like_any_other_refused_path(store, supervisor, cluster_view, roots):
+    """``realpath`` raises ValueError on a NUL byte: it was a 500 for data.source and data.dataset."""
+    access, root, _ = roots
+    supervisor.data_access = access
+    fake = FakeService(store, supervisor, cluster_view)
+    with TestClient(create_app(fake.config, service=fake), base_url="http://127.0.0.1") as client:
+        answers = {what: client.post("/v1/jobs", json=spec(data=data, model={"preset": "nano", "vocab_size": 512}))
+                   for what, data in (("source", {"source": f"{root}/text.txt\x00.png", "max_bytes": 2048}),
+                                      ("dataset", {"dataset": f"{root}/dir\x00"}),
+                                      ("blend", {"blend": [{"dataset": f"{root}\x00/dir"}]}))}
+        checkpoint = client.post("/v1/jobs", json=spec(model={"init_from": f"{root}/hf\x00"}))
+    assert {w: r.status_code for w, r in answers.items()} == dict.fromkeys(answers, 422)
+    assert answers["source"].json()["detail"].endswith("is not a readable regular file under this service's data "
+                                                       f"roots ({root}); copy the text there, or start the service "
+                                                       "with `meridian serve --data-root PATH`. Built-in: "
+                                                       "builtin:python-reference")
+    for what in ("dataset", "blend"):
+        assert "is not a prepared dataset directory under this service's data roots" in answers[what].json()["detail"]
+    assert checkpoint.status_code == 422 and "model.init_from" in checkpoint.json()["detail"]
