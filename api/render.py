@@ -96,12 +96,19 @@ def compute_probe_view(entry: dict[str, Any]) -> str:
             f"{entry['optimizer_step_s'] * 1e3:.1f} ms; later plans of this model shape and micro-batch use it")
 
 
+def held_out(result: dict[str, Any]) -> str:
+    """The final held-out loss, or why there is none (a held-out split too small for one sample)."""
+    if result.get("eval_loss") is None:
+        return f"no held-out loss: {result.get('eval_skipped') or 'not measured'}"
+    return f"held-out {result['eval_loss']:.3f}"
+
+
 def summary(job: dict[str, Any], wall_s: float | None = None) -> str:
     r, p = job.get("result") or {}, job["progress"]
     lines = [f"job {job['id']} ({job['name']}): {job['state']} — {job['message']}"]
     if r:
         lines += [
-            f"  loss            {r['first_loss']:.3f} → {r['final_loss']:.3f} (held-out {r['eval_loss']:.3f})",
+            f"  loss            {r['first_loss']:.3f} → {r['final_loss']:.3f} ({held_out(r)})",
             f"  throughput      {si(r['tokens_per_s'], ' tokens/s')} over {r['steps']} steps",
             f"  inter-DC bytes  {si(r['inter_dc_bytes_per_step'], 'B')} per step (all ranks)",
         ]

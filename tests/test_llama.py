@@ -216,8 +216,9 @@ def test_every_job_keeps_its_final_weights_and_export_writes_what_transformers_l
         assert main(["export", job["id"], "--out", str(out), "--json"]) == 0
         exported = json.loads(capsys.readouterr().out)
         assert exported["final"] is True
-        with pytest.raises(SystemExit, match="keep_final: false"):
-            main(["export", no["id"], "--out", str(tmp_path / "none")])
+        assert main(["export", no["id"], "--out", str(tmp_path / "none"), "--json"]) == 1
+        problem = json.loads(capsys.readouterr().out)["error"]
+        assert problem["type"] == "urn:meridian:problem:no-checkpoint" and "keep_final: false" in problem["detail"]
 
     theirs = transformers.AutoModelForCausalLM.from_pretrained(str(out)).float().eval()
     x = torch.randint(0, cfg.model.vocab_size, (2, 32), generator=torch.Generator().manual_seed(1))
