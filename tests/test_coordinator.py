@@ -294,3 +294,35 @@ def test_a_closed_coordinator_forms_no_epoch_and_tells_joins_to_end():
     assert isinstance(c.join(member(1, "dc-a", step=7), known_epoch=1, poll_s=0.1), Finished)
     c.tick({"n1"})  # its peers' nodes are gone: an open coordinator would re-form now
     assert [e[0] for e in events].count("epoch_formed") == 1
+
+
+def test_a_newcomer_whose_first_epoch_broke_before_it_restored_receives_the_state_again():
+    # It holds no snapshot yet and rejoins with last_step 0. Taken as the step everyone holds, it sent the job back to
+    # step 0 (every rank found its state incomplete, fell back to step 0 and discarded its newer snapshots).
+    c = Coordinator(planned_workers=2, min_workers=1, dc_order=("dc-a",), on_event=lambda *e: None, grace_s=30)
+    threads, _ = join_concurrently(c, [member(0, "dc-a"), member(1, "dc-a")])
+    for t in threads:
+        t.join(10)
+    newcomer_threads, newcomer = join_concurrently(c, [member(2, "dc-a")])
+    threads, _ = join_concurrently(c, [member(0, "dc-a", step=8), member(1, "dc-a", step=8)], known_epoch=1)
+    for t in threads + newcomer_threads:
+        t.join(10)
+    assert (newcomer["w2"].epoch, newcomer["w2"].resume_step, newcomer["w2"].is_newcomer) == (2, 8, True)
+    threads, out = join_concurrently(c, [member(0, "dc-a", step=8), member(1, "dc-a", step=8), member(2, "dc-a")],
+                                     known_epoch=2)
+    for t in threads:
+        t.join(10)
+    assert {a.epoch for a in out.values()} == {3} and out["w0"].resume_step == 8 and not out["w0"].from_checkpoint
+    assert out["w2"].is_newcomer and not out["w0"].is_newcomer
+
+
+def test_an_epoch_formed_between_two_calls_of_a_worker_is_its_answer_not_a_rejoin():
+    events = []
+    c = Coordinator(planned_workers=2, min_workers=1, dc_order=("dc-a",), on_event=lambda *e: events.append(e),
+                    grace_s=30)
+    assert isinstance(c.join(member(0, "dc-a"), known_epoch=0, poll_s=0.05), Waiting)  # w0 is between two calls
+    assert isinstance(c.join(member(1, "dc-a"), known_epoch=0, poll_s=0.05), Assignment)  # epoch 1 forms with both
+    again = c.join(member(0, "dc-a"), known_epoch=0, poll_s=0.05)
+    # Before: w0 was registered as rejoining epoch 1 and told to wait, so its peer could never form the group.
+    assert isinstance(again, Assignment) and again.epoch == 1 and c.state.first_rejoin_at is None
+    assert [e[0] for e in events].count("epoch_formed") == 1 and not c.state.waiting

@@ -140,3 +140,16 @@ def test_every_member_gone_below_min_workers_waits_and_says_min_workers():
     s.waiting["n3"] = m("n3", "dc-a", t=2.0)  # capacity returned in dc-a: a third worker joins
     d = decide(s, 2.0, alive_nodes=ALL, grace_s=5, start_timeout_s=60, gone={"w0", "w1", "w2"})
     assert isinstance(d, Wait) and "3 of 4 new workers have started" in d.reason  # the run's own may be starting
+
+
+def test_a_newcomer_on_a_node_ray_reports_dead_is_not_formed_with_nor_asked_for():
+    s = MembershipState(planned_workers=2, min_workers=1, dc_order=("dc-a",), first_join_at=0.0)
+    s.epoch = Epoch(1, (m("w0", "dc-a", step=0), m("w1", "dc-a", step=0)), resume_step=0, newcomers=("w0", "w1"))
+    s.waiting = {"w5": m("w5", "dc-a", t=1.0), "w0": m("w0", "dc-a", step=9), "w1": m("w1", "dc-a", step=9)}
+    s.first_rejoin_at = 10.0
+    alive = ALL - {"node-w5"}  # the members left at step 9 for w5, whose node died meanwhile
+    d = decide(s, 10.0, alive_nodes=alive, grace_s=30, start_timeout_s=300)
+    assert isinstance(d, Form) and [x.worker_id for x in d.epoch.members] == ["w0", "w1"] and d.epoch.newcomers == ()
+    s.epoch, s.waiting = d.epoch, {"w5": s.waiting["w5"]}
+    # and the members of the new epoch are not asked to re-form for it at every step boundary
+    assert not s.newcomers_waiting(alive) and s.newcomers_waiting(ALL)

@@ -292,3 +292,31 @@ def test_members_that_rejoined_on_their_own_are_not_told_to_stop_when_ray_report
         c.tick({"n0", "n1", "n2"})
         clock.t += STRANDED_AFTER_S
     assert told == []  # the re-formation is under way; the usual rules (probe, grace, abort_after_s) apply
+
+
+def test_concurrent_probes_of_one_member_count_one_miss_and_a_worker_that_calls_is_alive_again():
+    # Every rejoining survivor probes the silent member at once: their probes timing out together on one slow second
+    # counted as "twice in a row", and the live member was taken for gone for good.
+    started = threading.Barrier(3, timeout=5)
+    calls = []
+
+    def slow_miss(address, port):
+        calls.append(address)
+        time.sleep(0.2)
+        return Probe.UNREACHABLE
+
+    t = LivenessTracker(probe_fn=slow_miss)
+
+    def check():
+        started.wait()
+        t.check([("w3", "h3", 9003)])
+
+    threads = [threading.Thread(target=check) for _ in range(3)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(5)
+    assert t.gone == set() and len(calls) == 1  # one probe in flight at a time; its miss counts once
+    assert t.check([("w3", "h3", 9003)]) == {"w3"}  # a second miss, after the first: twice in a row
+    t.revive("w3")  # it called the coordinator: alive after all
+    assert t.gone == set() and t.check([("w3", "h3", 9003)]) == set()  # and its count starts again

@@ -94,6 +94,13 @@ class Coordinator:
             if self.job_finished or self.closed:
                 return Finished()  # a late worker (a replacement, one left out) has nothing to do
             now = self.clock()
+            self.liveness.revive(wid)  # it calls: whatever a probe concluded before, its process is alive
+            a = self._assignment_locked(wid, known_epoch)
+            if a is not None:
+                # The epoch formed between two of its calls (it was told to wait, then the others arrived):
+                # registering it again as waiting would break that epoch before it formed its group.
+                self._last_call[wid] = now
+                return a
             self._ports[wid] = request.port
             self.state.waiting[wid] = Member.from_request(request, joined_at=self._first_seen.setdefault(wid, now))
             if self.state.epoch is None and self.state.first_join_at is None:
@@ -126,7 +133,8 @@ class Coordinator:
     def pending_change(self, epoch: int) -> bool:
         """Should the members of ``epoch`` re-form at their next step boundary (a newcomer waits)?"""
         with self._cond:
-            return self.state.epoch is not None and self.state.epoch.number == epoch and self.state.newcomers_waiting()
+            return (self.state.epoch is not None and self.state.epoch.number == epoch
+                    and self.state.newcomers_waiting(self._alive_nodes))
 
     def finish(self, worker_id: str) -> None:
         """A member trained the job's last step."""

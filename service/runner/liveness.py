@@ -63,24 +63,43 @@ class LivenessTracker:
     aborted: set[tuple[str, int]] = field(default_factory=set)
     """``(worker_id, epoch)`` pairs told to stop: each is told once."""
     _misses: dict[str, int] = field(default_factory=dict)
+    _probing: set[str] = field(default_factory=set)
     _claims: threading.Lock = field(default_factory=threading.Lock)
 
     def check(self, suspects: Iterable[tuple[str, str, int]]) -> set[str]:
         """Probe each ``(worker_id, address, port)`` (a port of 0: the worker has none, it is never judged
-        here) and return the worker ids newly found gone."""
+        here) and return the worker ids newly found gone.
+
+        One probe of a worker at a time: every rejoining survivor's thread probes the silent member at the same
+        moment, and two of their probes timing out together on one slow second counted as "twice in a row", so a
+        live member was taken for gone. A worker whose probe is in flight is skipped; its result counts once."""
         found: set[str] = set()
         for wid, address, port in suspects:
-            if not port or wid in self.gone:
-                continue
-            result = self.probe_fn(address, port)
-            if result is Probe.ALIVE:
-                self._misses.pop(wid, None)
-                continue
-            self._misses[wid] = self._misses.get(wid, 0) + 1
-            if result is Probe.GONE or self._misses[wid] >= UNREACHABLE_TIMES:
-                found.add(wid)
-        self.gone |= found
+            with self._claims:
+                if not port or wid in self.gone or wid in self._probing:
+                    continue
+                self._probing.add(wid)
+            try:
+                result = self.probe_fn(address, port)
+            finally:
+                with self._claims:
+                    self._probing.discard(wid)
+            with self._claims:
+                if result is Probe.ALIVE:
+                    self._misses.pop(wid, None)
+                    continue
+                self._misses[wid] = self._misses.get(wid, 0) + 1
+                if result is Probe.GONE or self._misses[wid] >= UNREACHABLE_TIMES:
+                    found.add(wid)
+                    self.gone.add(wid)
         return found
+
+    def revive(self, worker_id: str) -> None:
+        """``worker_id`` called the coordinator: it is alive, whatever was concluded before (a member taken for
+        gone on a slow network, back as a newcomer, must be waited for and probed in later epochs again)."""
+        with self._claims:
+            self.gone.discard(worker_id)
+            self._misses.pop(worker_id, None)
 
     def abort(self, stuck: Iterable[tuple[str, str, int]], epoch: int) -> set[str]:
         """Tell each ``(worker_id, address, port)`` not known gone and not told before to leave ``epoch``;

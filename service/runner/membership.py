@@ -98,10 +98,11 @@ class MembershipState:
     """Workers the current Train run started with, when a run replaced one that ended with all its workers (0:
     the plan's): a job that lost every member waits for that many before it re-forms."""
 
-    def newcomers_waiting(self) -> bool:
-        """A worker waits to join: members should re-form at their next step boundary."""
+    def newcomers_waiting(self, alive_nodes: set[str] | None = None) -> bool:
+        """A worker waits to join (on a node in ``alive_nodes``, when given): members should re-form at their next
+        step boundary."""
         ids = {m.worker_id for m in self.epoch.members} if self.epoch else set()
-        return any(w not in ids for w in self.waiting)
+        return any(w not in ids and (alive_nodes is None or m.node_id in alive_nodes) for w, m in self.waiting.items())
 
 
 def _ordered(members: list[Member], dc_order: tuple[str, ...]) -> tuple[Member, ...]:
@@ -165,12 +166,21 @@ def decide(state: MembershipState, now: float, *, alive_nodes: set[str], grace_s
     if not everyone_back and not grace_over:
         return Wait(f"{len(back)} of {len(expected)} reachable workers are back; waiting up to {grace_s:.0f} s for the rest")
     lost = tuple(m for m in current.members if m.worker_id not in {b.worker_id for b in back})
+    # A new worker on a node Ray reports dead, or known gone, is not taken in with the members (they would wait on
+    # it to form the group, until the abort); one on a node too new for the last report is taken in at the next.
+    new = [m for m in new if m.node_id in alive_nodes and m.worker_id not in gone]
     survivors = back + new
     if len(survivors) < state.min_workers:
         return Wait(
             f"{len(survivors)} worker(s) left after losing {len(lost)}; the job needs at least "
             f"{state.min_workers} (topology.min_workers) and waits for capacity to return"
         )
-    resume = min(m.last_step for m in back)
+    # A member that holds no state at the current epoch's step (a newcomer of it whose epoch broke before it
+    # restored, so before it kept a snapshot; or one whose folder is stale) is a newcomer again: it receives the
+    # state. Taking its step as everyone's sent the whole job back to step 0 and discarded the others' snapshots.
+    holders = [m for m in back if m.last_step >= current.resume_step]
+    resume = min(m.last_step for m in holders or back)
+    empty = [m for m in back if m not in holders] if holders else []
     members = _ordered(survivors, state.dc_order)
-    return Form(Epoch(current.number + 1, members, resume_step=resume, newcomers=tuple(m.worker_id for m in new)), lost)
+    newcomers = tuple(m.worker_id for m in new + empty)
+    return Form(Epoch(current.number + 1, members, resume_step=resume, newcomers=newcomers), lost)
