@@ -28,9 +28,11 @@ Per step, on every rank::
 Only step 2 crosses DCs, carrying 1/N of the fragment per rank (N = ranks in the DC), once per H/P steps.
 The outer state (anchor, momentum) is sharded like the inner AdamW state, so it costs 2/N of the model per
 rank; one scratch buffer the size of the model holds deltas in flight. Inner gradients are the DC's sum of
-the ranks' global-batch shares times ``world / dc_size``: the DC's mean gradient when samples are split
-evenly over ranks (:func:`meridian.workers.data.text.rank_slice` splits them within one sample). The outer
-average weighs every DC equally, as the paper averages its replicas.
+the ranks' global-batch shares times ``data-parallel ranks / dc_size``, applied once to the synced
+gradients before clipping (tensor/pipeline ranks hold parts of one replica, not more samples): the DC's mean
+gradient when samples are split evenly over the replicas (:func:`meridian.workers.data.text.rank_slice`
+splits them within one sample). The outer average weighs every DC equally, as the paper averages its
+replicas.
 
 This module never builds process groups; it never talks across DCs except through step 2.
 """
@@ -44,7 +46,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from meridian.workers.contracts.config import Compression, OptimConfig, OuterMerge, SyncConfig, SyncStrategy
@@ -104,7 +105,12 @@ class DiLoCoSync(GradientSync):
         inner_sync = dataclasses.replace(
             sync, strategy=SyncStrategy.HIERARCHICAL, compression=Compression.NONE, diloco=None
         )
-        self.inner = HierarchicalSync(model, intra_dc_view(groups), inner_sync, optim)
+        # Inner gradients: the DC's sum of its ranks' global-batch shares, times (data-parallel ranks / DC
+        # ranks), once, on the synced gradients. Not the whole world (tp × pp ranks hold other parts of the
+        # same replica, not more samples), and not on the loss: in a pipeline every stage but the last gets its
+        # gradient from the next stage, already scaled.
+        self.grad_scale = len(groups.world_ranks) / groups.dc_size
+        self.inner = HierarchicalSync(model, intra_dc_view(groups), inner_sync, optim, grad_scale=self.grad_scale)
         self.model = self.inner.model
         self.buffer = self.inner.buffer
         self.buffer.flatten_params()  # the outer step writes this rank's shard of the flat parameters
@@ -112,7 +118,6 @@ class DiLoCoSync(GradientSync):
         self.schedule = FragmentSchedule(cfg.inner_steps, cfg.fragments, cfg.overlap_steps, cfg.warmup_steps)
         self.comm = InterDCComm(sync.compression, emulator=emulator)  # the only inter-DC traffic
         self.chunk_bytes = sync.inter_dc_chunk_mb * 2**20
-        self.grad_scale = dist.get_world_size() / groups.dc_size
         self.bounds = [shard_range(b.data, groups) for b in self.buffer.buckets]
         # Outer state of this rank's shard, fp32 (the papers keep the outer parameters in full precision).
         self.anchor = [self._theta(b).float().clone() for b in range(len(self.buffer.buckets))]
@@ -151,7 +156,7 @@ class DiLoCoSync(GradientSync):
         return self.inner.micro_batch(last_micro_batch=last_micro_batch)
 
     def backward(self, loss: torch.Tensor, *, last_micro_batch: bool) -> None:
-        self.inner.backward(loss * self.grad_scale, last_micro_batch=last_micro_batch)
+        self.inner.backward(loss, last_micro_batch=last_micro_batch)
 
     def step(self, lr: float, *, snapshot_as: int | None = None) -> StepStats:
         inner = self.inner.step(lr)

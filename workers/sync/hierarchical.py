@@ -90,6 +90,7 @@ class HierarchicalSync(GradientSync):
         *,
         emulator: WanEmulator | None = None,
         broadcast_params: bool = True,
+        grad_scale: float = 1.0,
     ) -> None:
         self.model = model
         self.groups = groups
@@ -116,6 +117,12 @@ class HierarchicalSync(GradientSync):
         else:
             self.optimizer = build_adamw(model, optim)
         self.delayed = sync.delay_one_step
+        self.grad_scale = grad_scale
+        """Factor on the synced gradients before clipping and AdamW (DiLoCo's inner sync: DC sum → global-batch
+        scale). Applied here, once, rather than to the loss: a pipeline stage's loss already carries the scale
+        in the gradient the next stage sent back, so scaling every stage's loss compounds it."""
+        if grad_scale != 1.0 and self.delayed:
+            raise ValueError("grad_scale applies to an exact (not delay_one_step) sync only")
         self.exact_first = lookahead_start(sync.lookahead_after, optim.warmup_steps) if self.lookahead else 0
         """Look-ahead: the steps synced exactly before it takes over."""
         # Delayed, the sync of step t hides behind step t+1 whole. On CPU each bucket is still copied aside and
@@ -208,6 +215,8 @@ class HierarchicalSync(GradientSync):
             comm_s, exposed_s = self.pipeline.finish()
             ready = True
         intra_dc_s, self._intra_dc_s = self._intra_dc_s, 0.0  # every bucket has finished
+        if self.grad_scale != 1.0:
+            self._scale_synced()
         shard = None
         if not ready:  # delayed, first step: no averaged gradients yet, nothing to apply
             norm = torch.zeros((), device=self.buffer.buckets[0].grad.device)
@@ -245,6 +254,13 @@ class HierarchicalSync(GradientSync):
             intra_dc_comm_s=intra_dc_s,
             shard=shard,
         )
+
+    def _scale_synced(self) -> None:
+        """Multiply the synced gradients by ``grad_scale``: the shard the sharded optimizer reads, or every
+        element for the replicated one (whose clipping norm and AdamW read the parameters' ``.grad`` views)."""
+        for bucket in self.buffer.buckets:
+            grad = bucket.grad if self.sharded is None else shard_view(bucket.grad, self.groups)
+            grad.mul_(self.grad_scale)
 
     def _swap_in_previous(self) -> tuple[float, float, bool]:
         """Delayed: start this step's sync on a spare set, then put the previous step's synced gradients in
