@@ -228,3 +228,38 @@ def test_a_checkpoint_of_another_job_is_refused_in_either_format_naming_what_dif
     for folder, differs in (("sharded", "([1, 2], [1, 3])"), ("single", "((1, 2), (1, 3))")):
         with pytest.raises(ValueError, match=re.escape(f"different job (checkpoint vs job: {{'toy': {differs}}})")):
             restore_latest(str(tmp_path / folder), {"toy": (1, 3)}, None, None)
+
+
+def _load_final(rank, world, cfg):
+    """A fresh replica of the same layout, loading the job's final checkpoint: its step and its weights."""
+    from meridian.workers.elastic.durable import restore_latest
+    from meridian.workers.elastic.trainer import fingerprint
+    from meridian.workers.loop.replica import DataParallelReplica, Membership
+
+    rep = DataParallelReplica(cfg, Membership(epoch=1, rank=rank, world_size=world, datacenters=cfg.datacenters),
+                              torch.device("cpu"))
+    rep.build()
+    done = restore_latest(cfg.checkpoint_dir, fingerprint(cfg), rep.model, rep.engine)
+    loaded = {n: p.detach().clone() for n, p in rep.model.named_parameters()}
+    rep.close(ok=True)
+    return done.step, loaded
+
+
+@pytest.mark.parametrize("lookahead", [False, True])
+def test_the_final_checkpoint_holds_the_weights_the_job_ended_with_in_the_one_step_late_modes_too(tmp_path, lookahead):
+    # A one-step-late engine commits the last step's update in the loop's synchronize(), after the last snapshot:
+    # the final checkpoint reused that snapshot, one AdamW update behind final_params (4.8e-4 here) and eval_loss.
+    from dataclasses import replace
+
+    from meridian.workers.contracts.config import OptimConfig, TrainConfig
+    from meridian.workers.contracts.model_config import model_preset
+
+    cfg = TrainConfig(job_id="final-ckpt", model=model_preset("nano"), steps=6, global_batch=4, micro_batch=2,
+                      datacenters=("a", "b"), seed=1, checkpoint_dir=str(tmp_path),
+                      optim=OptimConfig(warmup_steps=0, lr=3e-3))
+    cfg = replace(cfg, sync=SyncConfig(strategy=SyncStrategy.HIERARCHICAL, delay_one_step=lookahead,
+                                       local_lookahead=lookahead, lookahead_after=0 if lookahead else None))
+    ended = run_processes(_elastic_run, 2, cfg, timeout_s=180)
+    loaded = run_processes(_load_final, 2, cfg, timeout_s=180)
+    for (final, _), (step, weights) in zip(ended, loaded, strict=True):
+        assert step == cfg.steps and all(torch.equal(weights[n], final[n]) for n in weights)

@@ -308,13 +308,17 @@ class ElasticState:
     def finish(self, replica: Replica) -> None:
         cfg = self.cfg
         if cfg.checkpoint_dir and (cfg.checkpoint_every == 0 or cfg.steps % cfg.checkpoint_every):
-            self._checkpoint(replica, cfg.steps)  # the final state, always
+            # the final state, always; read after the loop's synchronize(), not the last step's snapshot: a one-step-
+            # late engine took that before it committed the last step's update (the checkpoint, and an export of it,
+            # was one AdamW update behind the weights the job ended with and evaluated)
+            self._checkpoint(replica, cfg.steps, fresh=True)
         self.checkpoints.wait()  # the job has finished only once its final state is written
 
-    def _checkpoint(self, replica: Replica, step: int) -> None:
-        """Every rank writes its own shard of ``step``'s state, in the background."""
+    def _checkpoint(self, replica: Replica, step: int, *, fresh: bool = False) -> None:
+        """Every rank writes its own shard of ``step``'s state, in the background; the snapshot of ``step`` kept
+        in memory is reused unless ``fresh``."""
         assert replica.model is not None and replica.engine is not None
-        if self._last is not None and self._last[0].step == step:
+        if not fresh and self._last is not None and self._last[0].step == step:
             shard, ready = self._last
         else:
             shard = replica.engine.local_shard(step)
