@@ -200,6 +200,52 @@ def test_the_deadlines_hold_when_the_runner_does_not_answer_and_the_failure_is_r
     assert supervisor.launcher.released == [stuck.id, behind.id]
 
 
+def test_a_job_whose_training_config_cannot_be_built_fails_alone_and_the_others_are_followed(
+        supervisor, store, monkeypatch):
+    from fakes import step_record
+
+    import meridian.service.supervision.supervisor as supervisor_module
+
+    running, _ = supervisor.submit(req("running", workers=1), {})
+    supervisor.tick()
+    runner = supervisor.launcher.runners[running.id]
+    runner.state = "running"
+    supervisor.tick()  # running: the next job may be admitted
+    bad, _ = supervisor.submit(req("bad", workers=1), {})
+    build = supervisor_module.build_train_config
+
+    def refuse_bad(job_id, *args, **kwargs):  # as SyncConfig refused an option the chosen strategy does not use
+        if job_id == bad.id:
+            raise ValueError("sync.lookahead_after applies with sync.local_lookahead=true")
+        return build(job_id, *args, **kwargs)
+
+    monkeypatch.setattr(supervisor_module, "build_train_config", refuse_bad)
+    runner.push("record", step_record(1, 3, 5.0))
+    supervisor.tick()  # before: raised here, every tick, and the running job's records were never stored again
+    job = store.get_job(bad.id)
+    assert (job.status.state, job.status.reason) == (JobState.FAILED, "InvalidConfig")
+    assert "lookahead_after" in job.status.message and "resubmit" in job.status.message
+    assert [m["step"] for m in store.list_metrics(running.id)] == [1]
+
+
+def test_an_admission_that_raises_still_lets_the_running_jobs_be_followed(supervisor, store, monkeypatch):
+    from fakes import step_record
+
+    running, _ = supervisor.submit(req("running", workers=1), {})
+    supervisor.tick()
+    runner = supervisor.launcher.runners[running.id]
+    runner.state = "running"
+    runner.push("record", step_record(1, 3, 5.0))
+
+    def broken(topo):
+        raise RuntimeError("the planner has a bug")
+
+    monkeypatch.setattr(supervisor, "_admit", broken)
+    with pytest.raises(RuntimeError, match="the planner has a bug"):  # the tick still fails, and says so
+        supervisor.tick()
+    assert [m["step"] for m in store.list_metrics(running.id)] == [1]  # after following the running job
+
+
 def test_an_unschedulable_head_of_queue_does_not_block_jobs_that_fit(supervisor, store, cluster_view):
     head, _ = supervisor.submit(req("head", workers=2, datacenters=("dc-a", "dc-b")), {})
     fits, _ = supervisor.submit(req("fits", workers=1, datacenters=("dc-a",)), {})

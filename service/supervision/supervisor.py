@@ -135,7 +135,18 @@ class Supervisor:
     def tick(self) -> None:
         self._check_lease()
         topo = self.read_topology()
-        self._admit(topo)
+        admit_error: Exception | None = None
+        try:
+            self._admit(topo)
+        except LeaseLost:
+            raise
+        except Exception as e:  # noqa: BLE001 - raised below, once the active jobs were followed
+            admit_error = e
+        self._follow_active()
+        if admit_error is not None:
+            raise admit_error  # the tick failed (/healthz says so), but the running jobs were still followed
+
+    def _follow_active(self) -> None:
         for job in self.store.list_jobs(states=ACTIVE, limit=10_000):
             if self._stop.is_set():
                 return  # the service is stopping: its store may close under this loop
@@ -204,7 +215,16 @@ class Supervisor:
     def _launch(self, job: JobRecord, plan: Plan) -> None:
         keep = job.request.checkpoint_every or job.request.keep_final
         ckpt_dir = os.path.join(self.checkpoint_root, job.id) if keep else ""
-        config = build_train_config(job.id, job.request, plan, ckpt_dir)
+        try:
+            config = build_train_config(job.id, job.request, plan, ckpt_dir)
+        except ValueError as e:
+            # The plan and the request's options do not make a valid training config: this job's fault, so it
+            # fails with the reason (raised here, it failed every tick, and no other job was admitted or followed).
+            self._set(job.id, JobStatus(JobState.FAILED, "InvalidConfig",
+                                        f"the plan chosen for this job ({plan.sync_strategy.value} sync) and its "
+                                        f"options do not make a valid training config: {e}; change the option "
+                                        "named and resubmit"), expect={JobState.QUEUED})
+            return
         self.store.update_fields(job.id, plan=plan.to_dict())
         where = ", ".join(f"{plan.workers_in(dc)} in {dc}" for dc in plan.datacenters)
         try:
