@@ -72,7 +72,8 @@ def dp_only():
 def test_diloco_with_model_parallelism_matches_the_data_parallel_run(strategy, dcs, tp, pp, dp_only):
     ref_norms, ref_losses = dp_only(strategy)
     out = run_processes(_run, len(dcs), config(strategy, dcs, tp=tp, pp=pp), timeout_s=180)
-    for norms, losses in out:  # every rank of every replica reports the same
-        assert len(norms) == STEPS
-        assert norms == pytest.approx(ref_norms, rel=1e-4)  # the norm over the whole replica, scaled once
-        assert losses == pytest.approx(ref_losses, rel=1e-4)
+    assert len(out[0][0]) == STEPS  # rank 0 records the job's steps
+    for norms, losses in out:  # and every other rank that records reports the same
+        if norms:
+            assert norms == pytest.approx(ref_norms, rel=1e-4)  # the norm over the whole replica, scaled once
+            assert losses == pytest.approx(ref_losses, rel=1e-4)
