@@ -12,7 +12,7 @@ from meridian.service.errors import InvalidJob, Unschedulable
 from meridian.service.jobs import JobRequest, ParallelismRequest, TopologyRequest
 from meridian.service.planning.placement import admission
 from meridian.service.planning.planner import plan_job
-from meridian.workers.contracts.config import SyncConfig, SyncStrategy
+from meridian.workers.contracts.config import Compression, SyncConfig, SyncStrategy
 from meridian.workers.contracts.model_config import model_preset
 
 
@@ -262,3 +262,38 @@ def test_a_train_config_never_leaves_the_bucket_size_to_the_workers():
     with pytest.raises(ValueError, match=r"sync.bucket_mb is 'auto' \(None\)"):
         TrainConfig(job_id="j", model=model_preset("nano"), steps=1, global_batch=2, micro_batch=1,
                     sync=SyncConfig(bucket_mb=None))  # fmt: skip
+
+
+@pytest.mark.parametrize("sync, dcs", [
+    (SyncConfig(strategy=None, bucket_mb=None, lookahead_after=50), {"dc_a": 2}),
+    (SyncConfig(strategy=None, bucket_mb=None, lookahead_after=50), {"dc_a": 2, "dc_b": 2}),
+    (SyncConfig(strategy=None, bucket_mb=None, compression=Compression.INT8), {"dc_a": 2}),
+    (SyncConfig(strategy=None, bucket_mb=None, compression=Compression.BF16), {"dc_a": 2, "dc_b": 2}),
+])  # fmt: skip
+def test_an_auto_option_the_chosen_strategy_does_not_use_never_makes_its_config_invalid(sync, dcs):
+    from meridian.service.planning.train_config import build_train_config
+
+    # Planning and submit succeeded, then the launch's TrainConfig raised: lookahead_after without the look-ahead,
+    # or compression on the flat sync 'auto' picked for one datacenter.
+    request = replace(req(), steps=200, sync=sync)
+    plan = plan_job(request, topology(**dcs))
+    config = build_train_config("j", request, plan, "")
+    assert config.sync.strategy is plan.sync_strategy
+    assert config.sync.compression is sync.compression  # the job's encoding is kept, on a strategy that has it
+    if sync.compression is not Compression.NONE:
+        assert plan.sync_strategy is SyncStrategy.HIERARCHICAL
+        if len(dcs) == 1:
+            assert "sync.compression applies to hierarchical sync only" in plan.explanation
+    if not plan.local_lookahead:
+        assert config.sync.lookahead_after is None
+    # An explicit contradiction is still the job's own error, refused when the request is read.
+    with pytest.raises(ValueError, match="compression applies to the inter-DC step of 'hierarchical' sync only"):
+        SyncConfig(strategy=SyncStrategy.FLAT, compression=Compression.INT8)
+
+
+def test_a_picked_look_ahead_keeps_the_job_s_lookahead_after():
+    from meridian.service.planning.train_config import build_train_config
+
+    request = replace(req(), sync=SyncConfig(strategy=None, lookahead_after=50))
+    plan = replace(plan_job(request, topology(dc_a=1, dc_b=1)), local_lookahead=True)
+    assert build_train_config("j", request, plan, "").sync.lookahead_after == 50

@@ -14,7 +14,7 @@ from typing import Any
 from meridian.service.jobs import JobRequest
 from meridian.service.planning.buckets import bucket_mb_for
 from meridian.service.planning.cost_model import Estimate, Figures, Layout, estimate, grad_bytes_per_device
-from meridian.workers.contracts.config import Precision, SyncStrategy
+from meridian.workers.contracts.config import Compression, Precision, SyncStrategy
 
 TP_SIZES = (1, 2, 4, 8)
 MAX_PP = 8
@@ -104,8 +104,10 @@ def _sync_options(request: JobRequest, *, across: bool, num_dcs: int, pp: int) -
     """Hierarchical (``True``) and/or flat (``False``) data-parallel sync for a layout."""
     if request.sync.strategy is not None and not across and num_dcs > 1:
         return [request.sync.strategy is SyncStrategy.HIERARCHICAL]
-    # pp > 1 runs the hierarchical engine only (DDP cannot follow a pipeline schedule)
-    return [True] if across or num_dcs == 1 or pp > 1 else [True, False]
+    # pp > 1 runs the hierarchical engine only (DDP cannot follow a pipeline schedule), and so does a job with an
+    # inter-DC encoding: flat sync has no inter-DC step to encode, and its config refuses sync.compression
+    only_hierarchical = across or num_dcs == 1 or pp > 1 or request.sync.compression is not Compression.NONE
+    return [True] if only_hierarchical else [True, False]
 
 
 def bucket_mb(request: JobRequest, *, tp: int, pp: int) -> float:
@@ -124,6 +126,7 @@ def _candidate(request: JobRequest, figures: Figures, *, tp: int, pp: int, dp: i
         shard_optimizer=request.sync.shard_optimizer, overlap=request.sync.overlap,
         schedule=request.parallelism.schedule, bucket_bytes=bucket_mb(request, tp=tp, pp=pp) * 2**20,
         fp32=request.precision is Precision.FP32 or (request.precision is Precision.AUTO and not figures.bf16_autocast),
+        encoded=request.sync.strategy is None and request.sync.compression is not Compression.NONE,
     )
     est = estimate(request.model, lay, figures, request.global_batch)
     rejected = ""

@@ -82,6 +82,9 @@ class Layout:
     """Gradient bucket size (``sync.bucket_mb``): a model smaller than one bucket syncs only after backward."""
     fp32: bool = False
     """The job trains in fp32, not in bf16 autocast: its logits are one more fp32 tensor (:func:`activation_bytes`)."""
+    encoded: bool = False
+    """The job leaves the strategy to the planner but sets an inter-DC encoding (``sync.compression``): only the
+    hierarchical engine has the step it encodes (flat sync refuses it), so even one datacenter runs that engine."""
 
     @property
     def devices(self) -> int:
@@ -187,8 +190,9 @@ def estimate(model: ModelConfig, lay: Layout, fig: Figures, global_batch: int) -
 
 def runs_hierarchical(lay: Layout) -> bool:
     """Whether the workers run ``lay`` with the hierarchical engine when the planner picks the strategy:
-    across DCs when asked, and always under pipeline stages (DDP cannot follow a pipeline schedule)."""
-    return (lay.hierarchical and lay.num_dcs > 1 and not lay.pp_spans_dcs) or lay.pp > 1
+    across DCs when asked, always under pipeline stages (DDP cannot follow a pipeline schedule), and whenever the
+    job sets an inter-DC encoding (:attr:`Layout.encoded`)."""
+    return (lay.hierarchical and (lay.num_dcs > 1 or lay.encoded) and not lay.pp_spans_dcs) or lay.pp > 1
 
 
 def _dp_comm(lay: Layout, fig: Figures, grads: float) -> tuple[float, float]:

@@ -37,12 +37,17 @@ def _why_slower(best: Candidate, other: Candidate) -> str:
     return f"+{delta * 1e3:.0f} ms of {reason}" if delta > 0 else "slower overall"
 
 
-def sync_reason(strategy: SyncStrategy, *, requested: bool, num_dcs: int, pp: int = 1, spans: bool = True) -> str:
+def sync_reason(strategy: SyncStrategy, *, requested: bool, num_dcs: int, pp: int = 1, spans: bool = True,
+                encoded: bool = False) -> str:
     if requested:
         return f" Sync '{strategy.value}' (as requested)."
     if strategy is SyncStrategy.HIERARCHICAL and pp > 1 and num_dcs == 1:
         return (" Sync 'hierarchical' inside the datacenter (chosen: pipeline stages need it; in one datacenter "
                 "it is a reduce-scatter + all-gather, the traffic of a flat all-reduce).")
+    if strategy is SyncStrategy.HIERARCHICAL and encoded and num_dcs == 1:
+        return (" Sync 'hierarchical' inside the datacenter (chosen: sync.compression applies to hierarchical sync "
+                "only; with one datacenter no gradient crosses a datacenter link, so nothing is encoded; in one "
+                "datacenter it is a reduce-scatter + all-gather, the traffic of a flat all-reduce).")
     if strategy is SyncStrategy.HIERARCHICAL:
         return (" Sync 'hierarchical' (chosen: reduce-scatter inside each datacenter, all-reduce of 1/N of the "
                 "gradients across, all-gather inside).")

@@ -158,7 +158,7 @@ def _sync_for(request: JobRequest, best: Candidate,
     """The sync strategy of the plan, its DiLoCo settings, and the sentence that says why."""
     strategy = request.sync.strategy or strategy_for(best.layout)
     reason = sync_reason(strategy, requested=request.sync.strategy is not None, num_dcs=best.layout.num_dcs,
-                         pp=best.layout.pp, spans=best.layout.pp_spans_dcs)
+                         pp=best.layout.pp, spans=best.layout.pp_spans_dcs, encoded=best.layout.encoded)
     diloco = request.sync.diloco if strategy.is_diloco else None
     if choice is not None and (choice.strategy.is_diloco or strategy is SyncStrategy.HIERARCHICAL):
         strategy, diloco, reason = choice.strategy, choice.diloco, " " + choice.explanation

@@ -13,13 +13,16 @@ def build_train_config(job_id: str, request: JobRequest, plan: Plan, checkpoint_
     """The service → workers boundary: a frozen config with everything a rank needs. The request's own
     knobs pass through as they are; the plan supplies what the planner decided (placement, tp/pp, and the
     sync strategy with its DiLoCo knobs, its look-ahead, and the gradient bucket size, which resolve a request's
-    ``sync.strategy=None`` and ``sync.bucket_mb=None``)."""
+    ``sync.strategy=None`` and ``sync.bucket_mb=None``). A knob of ``auto`` that only some strategies use is
+    dropped where the plan did not pick one of them: ``sync.lookahead_after`` says when a look-ahead starts, and
+    a plan without the look-ahead has none to start (the config would refuse it)."""
+    lookahead = request.sync.local_lookahead or plan.local_lookahead
     return TrainConfig(
         job_id=job_id, model=request.model, data=request.data, optim=request.optim,
         sync=replace(request.sync, strategy=plan.sync_strategy, diloco=plan.diloco, bucket_mb=plan.bucket_mb,
                      compression=plan.compression or request.sync.compression,
-                     delay_one_step=request.sync.delay_one_step or plan.local_lookahead,
-                     local_lookahead=request.sync.local_lookahead or plan.local_lookahead), wan=request.wan,
+                     delay_one_step=request.sync.delay_one_step or plan.local_lookahead, local_lookahead=lookahead,
+                     lookahead_after=request.sync.lookahead_after if lookahead else None), wan=request.wan,
         steps=request.steps, global_batch=request.global_batch, micro_batch=request.micro_batch,
         seed=request.seed, precision=request.precision, checkpoint_every=request.checkpoint_every,
         snapshot_every=request.snapshot_every or 1, snapshot_adaptive=request.snapshot_every is None,
