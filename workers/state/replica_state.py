@@ -57,6 +57,20 @@ class OuterShard:
     """Outer parameters (the last synced values, ``value``) and outer momentum (``moments["momentum"]``)."""
 
 
+@dataclass(frozen=True)
+class FeedbackShard:
+    """The error-feedback residuals of a compressed inter-DC sync that one rank holds
+    (:mod:`meridian.workers.sync.compression`): per element, what its datacenter's contribution to the sum
+    has not yet put on the wire. Unlike the parameters and moments, which every datacenter holds alike, each
+    datacenter carries its own rounding error, so these are its own and are stored per datacenter."""
+
+    dc: str
+    compression: str
+    """The encoding that left them (``Compression`` value): another encoding's residuals are not carried over."""
+    pieces: tuple[StatePiece, ...]
+    """Residuals of those elements in ``value`` (fp32); no moments."""
+
+
 def _pieces_nbytes(pieces: tuple[StatePiece, ...]) -> int:
     return sum(
         p.value.numel() * p.value.element_size() + sum(m.numel() * m.element_size() for m in p.moments.values())
@@ -73,10 +87,16 @@ class LocalShard:
     pieces: tuple[StatePiece, ...]
     outer: OuterShard | None = None
     """DiLoCo's outer state, for the DiLoCo engines only."""
+    feedback: tuple[FeedbackShard, ...] = ()
+    """Error-feedback residuals of a compressed inter-DC sync: the rank's own DC's in what an engine takes;
+    every stored DC's in what a checkpoint read returns (the engine keeps its DC's). Durable checkpoints carry
+    them; :func:`pack` (in-memory snapshots, the survivors' state exchange) does not, so a re-formation
+    from memory restarts them at zero."""
 
     @property
     def nbytes(self) -> int:
-        return _pieces_nbytes(self.pieces) + (_pieces_nbytes(self.outer.pieces) if self.outer else 0)
+        return (_pieces_nbytes(self.pieces) + (_pieces_nbytes(self.outer.pieces) if self.outer else 0)
+                + sum(_pieces_nbytes(f.pieces) for f in self.feedback))
 
 
 def pack(shard: LocalShard) -> tuple[dict[str, Any], torch.Tensor]:
@@ -183,9 +203,32 @@ def assemble(
     steps = {s.step for s in shards}
     if len(steps) != 1:
         raise ValueError(f"shards of different steps {sorted(steps)} cannot be pooled")
-    if any(s.outer is not None for s in shards):
-        return _assemble_diloco(shards, shapes)
-    return _pool(shards, shapes)
+    params, optimizer = _assemble_diloco(shards, shapes) if any(s.outer is not None for s in shards) \
+        else _pool(shards, shapes)  # fmt: skip
+    feedback = _pool_feedback(shards, shapes)
+    return params, ({**optimizer, FEEDBACK_KEY: feedback} if feedback else optimizer)
+
+
+FEEDBACK_KEY = "error_feedback"
+"""Key of the full state's error-feedback residuals: ``{"compression": str, "residuals": {dc: {parameter: flat
+fp32 tensor}}}``, each datacenter's whole (the engines take their own ranks' elements of their own DC's)."""
+
+
+def _pool_feedback(shards: list[LocalShard], shapes: dict[str, torch.Size]) -> dict[str, Any] | None:
+    """Each datacenter's residuals pooled whole, for the datacenters whose shards cover every element (a
+    datacenter missing some restarts at zero); ``None`` when no shard holds any."""
+    held = [f for s in shards for f in s.feedback]
+    if not held:
+        return None
+    residuals: dict[str, dict[str, torch.Tensor]] = {}
+    for dc in dict.fromkeys(f.dc for f in held):
+        mine = [f for f in held if f.dc == dc]
+        try:
+            pooled, _ = _pool([LocalShard(0, 0, f.pieces) for f in mine], shapes, moment_names=())
+        except IncompleteState:
+            continue
+        residuals[dc] = {n: t.reshape(-1) for n, t in pooled.items()}
+    return {"compression": held[0].compression, "residuals": residuals} if residuals else None
 
 
 def _assemble_diloco(

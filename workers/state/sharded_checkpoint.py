@@ -7,6 +7,8 @@ state). Nothing is gathered. Each parameter is one 1-D DCP tensor of its flatten
     param/<name>            values (the fp32 master where there is one)
     exp_avg/<name>, exp_avg_sq/<name>
     outer/<name>, outer_momentum/<name>     DiLoCo's outer parameters and momentum
+    feedback<i>/<name>      error-feedback residuals of compressed sync, datacenter i's (``meridian.json``
+                            names them), each datacenter's written by its own ranks
 
 and the ranks' ranges are its DCP chunks. Replicas hold the same elements (every datacenter has a whole
 replica; a replicated optimizer holds everything on every rank): :func:`assign_writers` gives every element
@@ -28,6 +30,7 @@ Layout::
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import warnings
 from dataclasses import dataclass
@@ -45,12 +48,15 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from meridian.workers.optim.adamw import MOMENTS
 from meridian.workers.state import storage
 from meridian.workers.state.checkpoint import publish
-from meridian.workers.state.replica_state import LocalShard, OuterShard, StatePiece, assemble
+from meridian.workers.state.replica_state import FeedbackShard, LocalShard, OuterShard, StatePiece, assemble
 
 FORMAT = "meridian.dcp/1"
 META_FILE = "meridian.json"
 OUTER = "outer:"
 """Prefix of DiLoCo's outer pieces in :func:`assign_writers`' names."""
+FEEDBACK = "feedback"
+"""Prefix of error-feedback residuals: ``feedback<i>:<name>`` in :func:`assign_writers`' names, ``feedback<i>/<name>``
+in DCP's, ``i`` the datacenter's index in ``meridian.json``'s ``feedback.dcs`` (its name may be any string)."""
 
 
 # -- who writes what ---------------------------------------------------------------------------------------
@@ -78,10 +84,17 @@ def _offers(rank: int, shard: LocalShard, write_inner: bool) -> list[tuple[int, 
     return inner + outer
 
 
-def _chunks_of(shard: LocalShard, mine: list[tuple[str, int, int]]) -> list[Chunk]:
+def _chunks_of(shard: LocalShard, mine: list[tuple[str, int, int]], feedback_dcs: list[str]) -> list[Chunk]:
     """``(DCP key, start, tensor)`` of the ranges ``mine`` this rank writes, cut from its shard's pieces."""
     out = []
     for name, a, b in mine:
+        if name.startswith(FEEDBACK):  # feedback<i>:<name>: datacenter feedback_dcs[i]'s residuals
+            kind, base = name.split(":", 1)
+            dc = feedback_dcs[int(kind.removeprefix(FEEDBACK))]
+            p = next(p for f in shard.feedback if f.dc == dc for p in f.pieces
+                     if p.name == base and p.start <= a and b <= p.stop)
+            out.append((f"{kind}/{base}", (a,), p.value[a - p.start : b - p.start]))
+            continue
         outer = name.startswith(OUTER)
         pieces = shard.outer.pieces if outer and shard.outer else shard.pieces
         base = name.removeprefix(OUTER) if outer else name
@@ -200,24 +213,30 @@ def save_shard(directory: str, shard: LocalShard, *, rank: int, datacenter: str,
     folder; the others return ``None``. An interrupted save is never read (:func:`write_chunks`)."""
     mine = (rank, datacenter, shard.adam_step, shard.outer.inner_steps_done if shard.outer else None,
             [(p.name, p.start, p.stop) for p in shard.pieces],
-            [(p.name, p.start, p.stop) for p in shard.outer.pieces] if shard.outer else None)
+            [(p.name, p.start, p.stop) for p in shard.outer.pieces] if shard.outer else None,
+            [(f.dc, f.compression, [(p.name, p.start, p.stop) for p in f.pieces]) for f in shard.feedback])
     everyone: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, mine, group=group)
     first_dc = min(everyone, key=lambda e: e[0])[1]
     diloco = any(e[5] is not None for e in everyone)
+    feedback_dcs = sorted({dc for e in everyone for dc, _, _ in e[6]})
     offers = []
-    for r, dc, _, _, inner, outer in everyone:
+    for r, dc, _, _, inner, outer, held in everyone:
         if not diloco or dc == first_dc:  # DiLoCo's inner state differs per DC: write the first DC's
             offers += [(r, n, a, b) for n, a, b in inner]
         offers += [(r, OUTER + n, a, b) for n, a, b in outer or ()]
-    chunks = _chunks_of(shard, assign_writers(offers).get(rank, []))
+        for dc, _, ranges in held:  # residuals differ per DC too, and every DC's are kept
+            offers += [(r, f"{FEEDBACK}{feedback_dcs.index(dc)}:{n}", a, b) for n, a, b in ranges]
+    chunks = _chunks_of(shard, assign_writers(offers).get(rank, []), feedback_dcs)
     sizes = {key: torch.Size([shapes[key.split("/", 1)[1]].numel()]) for key, _, _ in chunks}
 
     def meta() -> dict[str, Any]:
         return {"format": FORMAT, "step": shard.step, "adam_step": max(e[2] for e in everyone),
                 "fingerprint": fingerprint, "shapes": {n: list(s) for n, s in shapes.items()},
                 "diloco": {"dc": first_dc, "inner_steps_done": next(e[3] for e in everyone if e[3] is not None)}
-                if diloco else None}  # fmt: skip
+                if diloco else None,
+                "feedback": {"compression": next(c for e in everyone for _, c, _ in e[6]), "dcs": feedback_dcs}
+                if feedback_dcs else None}  # fmt: skip
 
     return write_chunks(directory, f"step-{shard.step:08d}", chunks, sizes, rank=rank, group=group, meta=meta,
                         keep=keep)
@@ -232,6 +251,8 @@ class ShardedCheckpoint:
     fingerprint: dict[str, Any]
     shapes: dict[str, torch.Size]
     diloco: dict[str, Any] | None
+    feedback: dict[str, Any] | None = None
+    """``{"compression": ..., "dcs": [...]}`` when error-feedback residuals are stored (``feedback<i>/``)."""
 
 
 def is_sharded(path: str) -> bool:
@@ -246,16 +267,18 @@ def open_checkpoint(path: str) -> ShardedCheckpoint:
     if meta.get("format") != FORMAT:
         raise ValueError(f"{path}: checkpoint format {meta.get('format')!r}, this Meridian reads {FORMAT!r}")
     return ShardedCheckpoint(path=path, step=meta["step"], adam_step=meta["adam_step"],
-                             fingerprint=meta["fingerprint"], diloco=meta["diloco"],
+                             fingerprint=meta["fingerprint"], diloco=meta["diloco"], feedback=meta.get("feedback"),
                              shapes={n: torch.Size(s) for n, s in meta["shapes"].items()})
 
 
 def read_ranges(ck: ShardedCheckpoint, ranges: list[tuple[str, int, int]], *, state: bool = True,
                 weights: dict[str, torch.Tensor] | None = None) -> LocalShard:
-    """The elements ``[start, stop)`` of each ``(parameter, start, stop)`` (values, moments, outer state; only
-    the values without ``state``), read on this rank alone (no collective), as a :class:`LocalShard`
-    (:func:`assemble` pools such shards). DCP reads just those bytes of its files. ``weights``: the values
-    already read (:func:`read_weights`); the pieces' values are views of them, not read again."""
+    """The elements ``[start, stop)`` of each ``(parameter, start, stop)`` (values, moments, outer state,
+    error-feedback residuals; only the values without ``state``), read on this rank alone (no collective), as
+    a :class:`LocalShard` (:func:`assemble` pools such shards). DCP reads just those bytes of its files.
+    ``weights``: the values already read (:func:`read_weights`); the pieces' values are views of them, not
+    read again. Residuals are read for every datacenter stored (this function does not know the reader's;
+    the engine keeps its own): k × 4 bytes per element with k datacenters."""
     stored = _reader(ck.path).read_metadata().state_dict_metadata
     wants: dict[str, list[tuple[tuple[int, ...], torch.Tensor]]] = {}
 
@@ -275,7 +298,12 @@ def read_ranges(ck: ShardedCheckpoint, ranges: list[tuple[str, int, int]], *, st
         return t.reshape(-1)
 
     pieces, outer = [], []
+    feedback_dcs = ck.feedback["dcs"] if ck.feedback is not None and state else []
+    residuals: list[list[tuple[str, int, int, torch.Tensor | None]]] = [[] for _ in feedback_dcs]
     for name, a, b in ranges:
+        for i, held in enumerate(residuals):
+            key = f"{FEEDBACK}{i}/{name}"  # a range its DC's ranks did not all write is left out: zero
+            held.append((name, a, b, want(key, a, b) if key in stored and _covers(stored[key], a, b) else None))
         value = weights[name].reshape(-1)[a:b] if weights is not None else want(f"param/{name}", a, b)
         assert value is not None, f"{ck.path} has no values of {name!r}"
         moments = {m: want(f"{m}/{name}", a, b) for m in MOMENTS} if ck.adam_step and state else {}
@@ -285,13 +313,28 @@ def read_ranges(ck: ShardedCheckpoint, ranges: list[tuple[str, int, int]], *, st
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load({}, storage_reader=_reader(ck.path), planner=_RangeLoadPlanner(wants), no_dist=True)
+    feedback = tuple(
+        FeedbackShard(dc, ck.feedback["compression"], tuple(StatePiece(n, a, b, v) for n, a, b, v in held if v is not None))
+        for dc, held in zip(feedback_dcs, residuals, strict=True)
+    ) if ck.feedback is not None else ()  # fmt: skip
     shard = LocalShard(ck.step, ck.adam_step, tuple(
-        StatePiece(n, a, b, v, {m: t for m, t in ms.items() if t is not None}) for n, a, b, v, ms in pieces))
+        StatePiece(n, a, b, v, {m: t for m, t in ms.items() if t is not None}) for n, a, b, v, ms in pieces),
+        feedback=feedback)  # fmt: skip
     if ck.diloco is None or not state:
         return shard
     outer_pieces = tuple(StatePiece(n, a, b, v, {"momentum": m}) for n, a, b, v, m in outer)
-    return LocalShard(shard.step, shard.adam_step, shard.pieces,
-                      OuterShard(ck.diloco["dc"], ck.diloco["inner_steps_done"], outer_pieces))
+    return dataclasses.replace(shard, outer=OuterShard(ck.diloco["dc"], ck.diloco["inner_steps_done"], outer_pieces))
+
+
+def _covers(md: Any, start: int, stop: int) -> bool:
+    """Whether the chunks written of a 1-D DCP tensor cover its elements ``[start, stop)`` (a read of elements
+    nobody wrote would leave them as they were allocated)."""
+    at = start
+    for lo, n in sorted((c.offsets[0], c.sizes[0]) for c in md.chunks):
+        if lo > at:
+            break
+        at = max(at, lo + n)
+    return at >= stop
 
 
 def read_weights(ck: ShardedCheckpoint) -> dict[str, torch.Tensor]:

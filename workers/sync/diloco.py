@@ -53,6 +53,7 @@ from meridian.workers.distributed.flat_collectives import all_gather_single
 from meridian.workers.distributed.layout import DCGroups
 from meridian.workers.state.replica_state import (
     DILOCO_STATE_FORMAT,
+    FeedbackShard,
     LocalShard,
     OuterShard,
     StatePiece,
@@ -61,6 +62,7 @@ from meridian.workers.state.replica_state import (
 )
 from meridian.workers.sync.diloco_schedule import FragmentSchedule, split_fragments
 from meridian.workers.sync.engine import GradientSync, StepStats
+from meridian.workers.sync.feedback_state import feedback_of_full_state, feedback_shard, load_feedback
 from meridian.workers.sync.har import (
     all_gather_in_dc,
     post_receives_across_dcs,
@@ -250,7 +252,12 @@ class DiLoCoSync(GradientSync):
             assert self.inner.optimizer is not None
             inner = replicated_shard(self.inner.optimizer, self.inner._named(), step)
         outer = OuterShard(self.groups.dc, self.done, self._outer_pieces())
-        return dataclasses.replace(inner, outer=outer)
+        # compressed outer deltas: their error feedback (the inner sync never compresses)
+        feedback = feedback_shard(self.comm, self.buffer.buckets, self.scratch, self.groups, self.chunk_bytes)
+        return dataclasses.replace(inner, outer=outer, feedback=feedback)
+
+    def _load_feedback(self, held: tuple[FeedbackShard, ...]) -> None:
+        load_feedback(self.comm, self.buffer.buckets, self.scratch, self.groups, self.chunk_bytes, held)
 
     def local_shard(self, step: int) -> LocalShard:
         return self._local_shard(step)
@@ -297,6 +304,7 @@ class DiLoCoSync(GradientSync):
         self._set_outer(None if outer is None else lambda name, a, b: (
             outer["anchor"][name].reshape(-1)[a:b], outer["momentum"][name].reshape(-1)[a:b]))
         self.done = int(outer["inner_steps_done"]) if outer is not None else 0
+        self._load_feedback(feedback_of_full_state(state))
 
     def _set_outer(self, saved: Callable[[str, int, int], tuple[torch.Tensor, torch.Tensor]] | None) -> None:
         """This rank's outer anchor and momentum from ``saved(parameter, start, stop) -> (anchor, momentum)``
@@ -340,6 +348,7 @@ class DiLoCoSync(GradientSync):
 
         self._set_outer(None if outer is None else saved)
         self.done = shard.outer.inner_steps_done if shard.outer is not None else 0
+        self._load_feedback(shard.feedback)
 
     def optimizer_state_nbytes(self) -> int:
         """Inner AdamW state plus this rank's shard of the outer parameters and momentum."""

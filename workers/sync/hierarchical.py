@@ -53,6 +53,7 @@ sizes work without deadlock. Never builds process groups: it gets them from :cla
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
@@ -64,8 +65,9 @@ from meridian.workers.distributed.layout import DCGroups
 from meridian.workers.distributed.mp_norm import clip_grad_norm
 from meridian.workers.optim.adamw import build_adamw, full_state_of, load_full_state, set_lr, state_nbytes
 from meridian.workers.optim.sharded_adamw import ShardedAdamW
-from meridian.workers.state.replica_state import LocalShard, replicated_shard
+from meridian.workers.state.replica_state import FeedbackShard, LocalShard, replicated_shard
 from meridian.workers.sync.engine import GradientSync, StepStats, broadcast_parameters
+from meridian.workers.sync.feedback_state import feedback_of_full_state, feedback_shard, load_feedback
 from meridian.workers.sync.grad_buffer import Bucket, GradBuffer
 from meridian.workers.sync.har import (
     all_gather_in_dc,
@@ -245,6 +247,8 @@ class HierarchicalSync(GradientSync):
             if snapshot_as is not None:
                 shard = replicated_shard(self.optimizer, self._named(), snapshot_as)
         self.buffer.zero()
+        if shard is not None:
+            shard = self._with_feedback(shard)
         return StepStats(
             grad_norm=norm,
             inter_dc_bytes=self.comm.take_bytes(),
@@ -300,9 +304,20 @@ class HierarchicalSync(GradientSync):
     def local_shard(self, step: int) -> LocalShard:
         if self.sharded is not None:
             self.sharded.wait_params()
-            return self.sharded.local_shard(step)
+            return self._with_feedback(self.sharded.local_shard(step))
         assert self.optimizer is not None
-        return replicated_shard(self.optimizer, self._named(), step)
+        return self._with_feedback(replicated_shard(self.optimizer, self._named(), step))
+
+    # Compressed sync: the error-feedback residuals go with the state (:mod:`meridian.workers.sync.feedback_state`).
+
+    def _with_feedback(self, shard: LocalShard) -> LocalShard:
+        grads = [b.grad for b in self.buffer.buckets]
+        held = feedback_shard(self.comm, self.buffer.buckets, grads, self.groups, self.chunk_bytes)
+        return dataclasses.replace(shard, feedback=held) if held else shard
+
+    def _load_feedback(self, held: tuple[FeedbackShard, ...]) -> None:
+        grads = [b.grad for b in self.buffer.buckets]
+        load_feedback(self.comm, self.buffer.buckets, grads, self.groups, self.chunk_bytes, held)
 
     def synchronize(self) -> None:
         if self.lookahead and self._in_flight:
@@ -329,6 +344,7 @@ class HierarchicalSync(GradientSync):
         return full_state_of(self.optimizer, self._named())
 
     def load_optimizer_state(self, state: dict[str, Any]) -> None:
+        self._load_feedback(feedback_of_full_state(state))
         if self.sharded is not None:
             self.sharded.load_full_state(state)
             return
@@ -343,6 +359,7 @@ class HierarchicalSync(GradientSync):
             super().load_local_shard(shard)
         else:
             self.sharded.load_local_shard(shard)
+            self._load_feedback(shard.feedback)
 
     def optimizer_state_nbytes(self) -> int:
         if self.sharded is not None:
