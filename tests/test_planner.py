@@ -297,3 +297,30 @@ def test_a_picked_look_ahead_keeps_the_job_s_lookahead_after():
     request = replace(req(), sync=SyncConfig(strategy=None, lookahead_after=50))
     plan = replace(plan_job(request, topology(dc_a=1, dc_b=1)), local_lookahead=True)
     assert build_train_config("j", request, plan, "").sync.lookahead_after == 50
+
+
+def test_gpipe_holds_every_micro_batch_s_activations_1f1b_at_most_pp():
+    from meridian.service.planning.cost_model import activation_bytes, memory_per_device
+    from meridian.service.planning.planner import default_figures
+
+    model = model_preset("gpt2-350m")
+    kw = dict(pp=2, dp=1, num_dcs=1, dp_per_dc=1, micro_batch=4, micro_batches=16)
+    one = activation_bytes(model, 4, model.n_layers // 2, 1)
+    f1b, gpipe = (memory_per_device(model, _layout(schedule=s, **kw), 1) for s in ("1f1b", "gpipe"))
+    # pipeline.py's GPipe runs all 16 forwards before any backward; 1F1B's first stage keeps pp=2 in flight
+    assert gpipe - f1b == pytest.approx(14 * one)
+    tp_only = dict(tp=2, pp=1, dp=1, num_dcs=1, dp_per_dc=1, micro_batch=4, micro_batches=16)  # the stage runner too
+    assert (memory_per_device(model, _layout(schedule="gpipe", **tp_only), 1)
+            - memory_per_device(model, _layout(schedule="1f1b", **tp_only), 1)) == pytest.approx(
+        15 * activation_bytes(model, 4, model.n_layers, 2))
+    # On 24 GiB GPUs the 1F1B plan fits; GPipe's 16 micro-batches of activations do not, and the refusal says so.
+    topo = ClusterTopology((node("a0", "dc-a", cpus=8, gpus=1), node("a1", "dc-a", cpus=8, gpus=1)))
+    figures = replace(default_figures(topo, ("dc-a",), True), device_memory_bytes=24 * 2**30)
+
+    def request(schedule):
+        return JobRequest(name="p", model=model, steps=10, global_batch=64, micro_batch=4,
+                          parallelism=ParallelismRequest(tp=1, pp=2, schedule=schedule))
+
+    assert plan_job(request("1f1b"), topo, figures).estimate["memory_bytes"] < 24 * 2**30
+    with pytest.raises(Unschedulable, match=r"use parallelism.schedule '1f1b' \(GPipe holds the activations of all 16"):
+        plan_job(request("gpipe"), topo, figures)

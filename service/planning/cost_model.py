@@ -138,11 +138,22 @@ def activation_bytes(model: ModelConfig, micro_batch: int, layers: int, tp: int,
     return 2 * per_layer_16bit * layers + logits_copies * BYTES_FP32 * b * s * model.vocab_size
 
 
+def micro_batches_in_flight(lay: Layout) -> int:
+    """The micro-batches whose activations a device holds at once (what the schedule in
+    :mod:`meridian.workers.parallel.pipeline` keeps before their backward). The stage runner (any ``tp x pp`` > 1)
+    under GPipe runs all ``m`` forwards before the first backward: ``m``. Under 1F1B the first stage runs ``pp - 1``
+    forwards ahead, then one forward per backward: ``pp``, never more than ``m``. A plain data-parallel replica
+    runs each micro-batch's backward before the next forward: one."""
+    if lay.schedule == "gpipe" and lay.tp * lay.pp > 1:
+        return lay.micro_batches
+    return min(lay.pp, lay.micro_batches)
+
+
 def memory_per_device(model: ModelConfig, lay: Layout, dc_shards: int) -> float:
     params = model.num_params / (lay.tp * lay.pp)
     optimizer = ADAMW_STATE_BYTES * params / (dc_shards if lay.shard_optimizer else 1)
-    in_flight = lay.pp if lay.pp > 1 else 1  # 1F1B keeps at most pp micro-batches' activations
-    acts = activation_bytes(model, lay.micro_batch, model.n_layers // lay.pp, lay.tp, fp32=lay.fp32) * in_flight
+    one = activation_bytes(model, lay.micro_batch, model.n_layers // lay.pp, lay.tp, fp32=lay.fp32)
+    acts = one * micro_batches_in_flight(lay)
     return 2 * BYTES_FP32 * params + optimizer + acts  # params + grads + optimizer + activations
 
 

@@ -72,9 +72,13 @@ def no_fit_in_memory_reason(cands: list[Candidate], figures: Figures) -> str:
     smallest = min(cands, key=lambda c: c.estimate.memory_bytes)
     guessed = "" if figures.device_memory_known else (
         ", a guess: no GPU node's memory could be read; `meridian probe --compute` measures it")
+    lay = smallest.layout
+    gpipe = (f"parallelism.schedule '1f1b' (GPipe holds the activations of all {lay.micro_batches} micro-batches "
+             f"at once, 1F1B at most {min(lay.pp, lay.micro_batches)}), "
+             if lay.schedule == "gpipe" and lay.tp * lay.pp > 1 and lay.micro_batches > lay.pp else "")
     return (
         f"no layout fits in device memory ({figures.device_memory_bytes / 2**30:.1f} GB{guessed}): "
         + "; ".join(f"{c.name} {c.rejected.split(',')[0]}" for c in sorted(cands, key=lambda c: c.layout.tp)[:4])
         + f". The smallest footprint is {smallest.name} at {smallest.estimate.memory_bytes / 2**30:.1f} GB; "
-        "use a smaller model, a smaller micro_batch, or devices with more memory"
+        f"use {gpipe}a smaller model, a smaller micro_batch, or devices with more memory"
     )
