@@ -72,8 +72,22 @@ def test_global_batch_smaller_than_explicit_workers_is_invalid_but_auto_shrinks(
 
 
 def test_min_workers_above_capacity_is_unschedulable():
-    with pytest.raises(Unschedulable, match="min_workers=9"):
+    with pytest.raises(Unschedulable, match="min_workers=9 workers, but the datacenters it may use hold 4"):
         plan_job(req(min_workers=9), topology(dc_a=2, dc_b=2))
+
+
+def test_min_workers_picks_the_fastest_layout_with_enough_workers_or_names_what_caps_them():
+    # 3 samples per step: the fastest layout is 3 replicas of one worker; 2 replicas of 2 stages use all 4.
+    plan = plan_job(req(global_batch=3, min_workers=4), topology(dc_a=2, dc_b=2))
+    assert (plan.num_workers, plan.pp, plan.dp) == (4, 2, 2)
+    assert "Faster but left out: tp=1 pp=1 dp=3 hierarchical" in plan.explanation
+    assert "fewer than topology.min_workers=4" in plan.explanation
+    # Data parallelism only: 2 samples cap the job at 2 replicas, which is what the refusal says (not "the
+    # cluster holds 4").
+    dp_only = replace(req(global_batch=2, min_workers=4), parallelism=ParallelismRequest(tp=1, pp=1))
+    with pytest.raises(Unschedulable, match=r"largest layout that fits uses 2 of the 4 .* training.global_batch=2 "
+                                            r"allows at most 2 replica\(s\).*leave parallelism.tp=1 and parallelism.pp=1"):
+        plan_job(dp_only, topology(dc_a=2, dc_b=2))
 
 
 def test_no_labelled_nodes_explains_how_to_label_them():

@@ -6,13 +6,18 @@ here chooses anything, so changing a sentence never changes a plan.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from meridian.service.jobs import JobRequest
 from meridian.service.planning.candidates import Candidate
 from meridian.service.planning.cost_model import Figures
 from meridian.workers.contracts.config import SyncStrategy
 
 
-def explain(best: Candidate, others: list[Candidate], rejected: list[Candidate], unit: str) -> str:
+def explain(best: Candidate, others: list[Candidate], rejected: list[Candidate], unit: str, *,
+            fewer: Sequence[Candidate] = (), min_workers: int = 1) -> str:
+    """``others``: the layouts the plan could have used, fastest first; ``fewer``: faster-or-not layouts left out
+    because they use fewer than ``min_workers`` workers."""
     lay, e = best.layout, best.estimate
     where = ", ".join(f"{r} replica(s) in {dc}" if not lay.pp_spans_dcs else f"{r} stage(s) in {dc}"
                       for dc, r in zip(best.datacenters, best.replicas_per_dc, strict=True))
@@ -21,6 +26,11 @@ def explain(best: Candidate, others: list[Candidate], rejected: list[Candidate],
     if others:
         nxt = others[0]
         text += f" Next best: {nxt.name} at {nxt.estimate.step_s * 1e3:.0f} ms/step ({_why_slower(best, nxt)})."
+    faster = [c for c in fewer if c.estimate.step_s < e.step_s]
+    if faster:
+        f = faster[0]
+        text += (f" Faster but left out: {f.name} at {f.estimate.step_s * 1e3:.0f} ms/step uses {f.layout.devices} "
+                 f"worker(s), fewer than topology.min_workers={min_workers}.")
     if rejected:
         text += f" Rejected {len(rejected)} layout(s) that do not fit in memory (e.g. {rejected[0].name}: {rejected[0].rejected})."
     return text
@@ -65,6 +75,29 @@ def no_layout_reason(request: JobRequest, devices: dict[str, list[int]], unit: s
         return f"parallelism.tp={par.tp} needs {par.tp} devices on one node; the largest node has {biggest} {unit} slot(s)"
     return (f"no (tp, pp, dp) layout of {request.model.n_layers} layers / {request.model.n_heads} heads fits "
             f"{sum(sum(v) for v in devices.values())} workers with global_batch={request.global_batch}")
+
+
+def too_few_workers_reason(request: JobRequest, fits: list[Candidate], total: int, unit: str) -> str:
+    """Why no layout that fits uses ``topology.min_workers`` workers: the cluster's (or the request's) worker
+    count, or what caps the layouts below it (the global batch, the model's shape), and what to change."""
+    need = request.topology.min_workers
+    head = f"the job needs at least topology.min_workers={need} workers, but "
+    if total < need:
+        if request.topology.workers_per_datacenter is not None:
+            return head + f"topology.workers_per_datacenter asks for {total}; ask for more or lower topology.min_workers"
+        return (head + f"the datacenters it may use hold {total} (one per {unit} of their live nodes); add nodes or "
+                "lower topology.min_workers")
+    largest = max(fits, key=lambda c: c.layout.devices)
+    lay, par = largest.layout, request.parallelism
+    text = head + f"the largest layout that fits uses {lay.devices} of the {total} the cluster holds ({largest.name})"
+    fixed = [f"parallelism.{k}={v}" for k, v in (("tp", par.tp), ("pp", par.pp)) if v]
+    if lay.dp >= request.global_batch:
+        more = f", leave {' and '.join(fixed)} to the planner (more workers per replica)" if fixed else ""
+        return (text + f": every replica needs at least one sample per step, so training.global_batch="
+                f"{request.global_batch} allows at most {lay.dp} replica(s), here of tp={lay.tp} x pp={lay.pp} "
+                f"worker(s); raise training.global_batch{more} or lower topology.min_workers")
+    return (text + ": no (tp, pp, dp) layout of this model uses more (tp divides its heads inside one node, pp its "
+            f"{request.model.n_layers} layers); lower topology.min_workers")
 
 
 def no_fit_in_memory_reason(cands: list[Candidate], figures: Figures) -> str:

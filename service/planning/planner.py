@@ -36,7 +36,13 @@ from meridian.service.planning.cost_model import (
     optimizer_share,
     runs_hierarchical,
 )
-from meridian.service.planning.explain import explain, no_fit_in_memory_reason, no_layout_reason, sync_reason
+from meridian.service.planning.explain import (
+    explain,
+    no_fit_in_memory_reason,
+    no_layout_reason,
+    sync_reason,
+    too_few_workers_reason,
+)
 from meridian.service.planning.placement import (
     CPUS_PER_WORKER,
     choose_datacenters,
@@ -58,15 +64,15 @@ def plan_job(request: JobRequest, topo: ClusterTopology, figures: Figures | None
     devices = devices_per_dc(request, topo, dcs, use_gpu)
     total = sum(sum(v) for v in devices.values())
     cands = _layouts_for(request, dcs, devices, figures, worker_unit(use_gpu))
-    feasible = sorted((c for c in cands if not c.rejected), key=lambda c: (c.estimate.step_s, -c.layout.devices))
-    if not feasible:
+    fits = sorted((c for c in cands if not c.rejected), key=lambda c: (c.estimate.step_s, -c.layout.devices))
+    if not fits:
         raise Unschedulable(no_fit_in_memory_reason(cands, figures))
+    # min_workers is a constraint on the layout, not a check of the fastest one: a slower layout that uses
+    # enough workers is the plan when a faster one uses too few.
+    feasible = [c for c in fits if c.layout.devices >= request.topology.min_workers]
+    if not feasible:
+        raise Unschedulable(too_few_workers_reason(request, fits, total, worker_unit(use_gpu)))
     best, choice = _diloco_override(request, feasible, figures)
-    if best.layout.devices < request.topology.min_workers:
-        raise Unschedulable(
-            f"the job needs at least topology.min_workers={request.topology.min_workers} workers "
-            f"but the best layout uses {best.layout.devices} (the cluster holds {total})"
-        )
     rank_dcs, rank_nodes = rank_placement(best, devices, {dc: list(topo.nodes_in(dc)) for dc in best.datacenters}, use_gpu)
     strategy, diloco, reason = _sync_for(request, best, choice)
     # an auto pick brings its inter-DC encoding (DiLoCo's outer deltas, or per-step sync in bf16), unless the
@@ -84,7 +90,9 @@ def plan_job(request: JobRequest, topo: ClusterTopology, figures: Figures | None
         reason += " " + bucket_reason(request, best.layout)
     return Plan(
         datacenters=best.datacenters, rank_datacenters=rank_dcs, use_gpu=use_gpu, sync_strategy=strategy,
-        explanation=explain(best, feasible[1:], [c for c in cands if c.rejected], worker_unit(use_gpu)) + reason,
+        explanation=explain(best, [c for c in feasible if c is not best], [c for c in cands if c.rejected],
+                            worker_unit(use_gpu), fewer=[c for c in fits if c not in feasible],
+                            min_workers=request.topology.min_workers) + reason,
         diloco=diloco, compression=compression, local_lookahead=lookahead, bucket_mb=bucket_mb, resources_per_worker={"CPU": CPUS_PER_WORKER, **({"GPU": 1.0} if use_gpu else {})},
         tp=best.layout.tp, pp=best.layout.pp, schedule=request.parallelism.schedule,
         stages_span_dcs=best.layout.pp_spans_dcs, micro_batches=best.layout.micro_batches, rank_nodes=rank_nodes,
