@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 from fakes import topology
 
-from meridian.service.jobs import JobRequest, TopologyRequest
+from meridian.service.jobs import JobRequest, ParallelismRequest, TopologyRequest
 from meridian.service.planning.cost_model import Link
 from meridian.service.planning.figures import figures_for
 from meridian.service.planning.planner import default_figures, plan_job
@@ -302,3 +302,29 @@ def test_the_planners_int4_bytes_are_what_the_codec_puts_on_the_wire():
 
     n = 128 * 1000  # whole blocks: only the 4-byte element count is left out of the per-parameter figure
     assert Int4Codec().encode(torch.randn(n)).numel() == OUTER_BYTES_PER_PARAM * n + 4
+
+
+def test_with_gradient_accumulation_exact_sync_hides_only_behind_the_last_micro_batch_s_backward():
+    # 8 buckets on 1 ms / 1 Gbit/s: behind one micro-batch's 67 ms of backward only the last bucket shows; the
+    # same step's compute in 16 micro-batches syncs behind the last one's 4 ms (cost_model.estimate's window).
+    kw = dict(rtt_ms=1, gbps=1, num_params=TINY, compute_s=0.1, bucket_mb=4 * TINY / 2**20 / 8, lookahead=False)
+    whole = cross_dc_time(4 * TINY, rtt_ms=1, gbps=1, num_dcs=2)
+    one = choose_sync(**kw)
+    assert one.compression is Compression.NONE and one.har_exposed_s == pytest.approx(0.0005 + (whole - 0.0005) / 8)
+    sixteen = choose_sync(**kw, micro_batches=16)
+    assert sixteen.har_exposed_s == pytest.approx(whole - 0.1 * 2 / 3 / 16)
+    assert sixteen.compression is not Compression.NONE  # not exact fp32, which would show 24% of a step (limit 5%)
+    with pytest.raises(ValueError, match="micro_batches must be > 0"):
+        choose_sync(**kw, micro_batches=0)
+    # The planner passes the layout's micro-batches: 'auto' no longer keeps exact sync its own estimate shows over
+    # the limit (64 samples as 16 micro-batches of 1 per replica: 8% of the step exposed).
+    topo = topology(dc_a=2, dc_b=2)
+    link = replace(default_figures(topo, ("dc-a", "dc-b"), False), inter_dc=Link(0.01, 0.1e9 / 8), inter_dc_known=True)
+    for micro_batch in (16, 1):
+        request = JobRequest(name="p", model=model_preset("small"), steps=2000, global_batch=64,
+                             micro_batch=micro_batch, parallelism=ParallelismRequest(tp=1, pp=1))
+        plan = plan_job(request, topo, link)
+        exact = plan.sync_strategy is SyncStrategy.HIERARCHICAL and not plan.local_lookahead and not plan.compression
+        assert exact == (micro_batch == 16)
+        if exact:
+            assert plan.estimate["exposed_dp_s"] <= 0.05 * plan.estimate["compute_s"]

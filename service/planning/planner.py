@@ -137,7 +137,8 @@ def _diloco_override(request: JobRequest, feasible: list[Candidate],
                          num_dcs=dp.layout.num_dcs, overlap=request.sync.overlap, bucket_mb=dp.layout.bucket_bytes / 2**20,
                          steps=request.steps, lookahead=request.sync.shard_optimizer,
                          lookahead_after=lookahead_start(request.sync.lookahead_after, request.optim.warmup_steps),
-                         optimizer_step_s=figures.step_overhead_s * optimizer_share(dp.layout))
+                         optimizer_step_s=figures.step_overhead_s * optimizer_share(dp.layout),
+                         micro_batches=dp.layout.micro_batches)
     if choice.strategy.is_diloco:
         # DiLoCo hides the link behind H inner steps: it beats any per-step layout (a stage-spanning
         # pipeline included) when its compute plus the amortised outer sync is shorter.

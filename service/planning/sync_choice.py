@@ -3,8 +3,8 @@
 A pure function of the inter-DC link (RTT, bandwidth), the model's size and the step's compute time, with
 the same link arithmetic as :mod:`meridian.service.planning.cost_model`:
 
-- ``hierarchical`` while its inter-DC all-reduce hides behind backward (about 2/3 of the step's compute)
-  well enough that the step slows by at most ``max_slowdown``: it keeps training identical to one process.
+- ``hierarchical`` while its inter-DC all-reduce hides behind the last micro-batch's backward (about 2/3 of
+  that micro-batch's compute; earlier micro-batches only accumulate, as the cost model counts it) well enough that the step slows by at most ``max_slowdown``: it keeps training identical to one process.
   What hides is bounded by the buckets: the last gradient bucket's exchange (its latency whole, its share of
   the transfer) always follows backward, so a model that fits one bucket hides nothing.
 - Otherwise ``hierarchical`` one step late at a local look-ahead (``sync.delay_one_step`` with
@@ -144,6 +144,7 @@ def choose_sync(
     lookahead: bool = True,
     lookahead_after: int = 20,
     optimizer_step_s: float = 0.0,
+    micro_batches: int = 1,
 ) -> SyncChoice:
     """Pick the data-parallel sync across DCs. ``compute_s``: one optimizer step's forward+backward time;
     ``max_slowdown``: the most exact fp32 sync (or its one-step-late look-ahead) may slow a step;
@@ -151,15 +152,20 @@ def choose_sync(
     length, for the DiLoCo warm-up (none when unknown); ``lookahead``: whether the job's engine can run the
     look-ahead (it needs the sharded optimizer); ``lookahead_after``: the exact steps it starts with (a job no
     longer than that never looks ahead, so it is not offered); ``optimizer_step_s``: one AdamW pass over a
-    rank's optimizer shard, what the look-ahead adds to every step (from the compute probe; 0 when unknown)."""
+    rank's optimizer shard, what the look-ahead adds to every step (from the compute probe; 0 when unknown);
+    ``micro_batches``: a replica's micro-batches per step, of which only the last one's backward can hide exact
+    sync (gradients sync while it runs; the earlier ones only accumulate); one step late the sync has the whole
+    next step."""
     for name, value in (("gbps", gbps), ("num_params", num_params), ("compute_s", compute_s),
-                        ("max_slowdown", max_slowdown), ("per_step_limit", per_step_limit)):
+                        ("max_slowdown", max_slowdown), ("per_step_limit", per_step_limit),
+                        ("micro_batches", micro_batches)):
         if not value > 0:
             raise ValueError(f"{name} must be > 0, got {value!r}")
     if rtt_ms < 0:
         raise ValueError(f"rtt_ms must be >= 0, got {rtt_ms!r}")
     model_bytes = BYTES_FP32 * num_params
     buckets = max(1, math.ceil(model_bytes / (bucket_mb * 2**20)))
+    backward_s = compute_s * 2 / 3 / micro_batches  # the last micro-batch's backward: cost_model.estimate's window
 
     def exposed_s(wire_bytes: float) -> tuple[float, float]:
         """(seconds per step the per-step sync of ``wire_bytes`` leaves exposed, its whole duration)."""
@@ -170,14 +176,15 @@ def choose_sync(
             return total, total
         one_way = rtt_ms / 2000.0  # the last bucket pays its latency whole and its share of the transfer
         last = one_way + (total - one_way) / buckets
-        return max(total - compute_s * 2 / 3, last), total
+        return max(total - backward_s, last), total
 
     exposed, sync_s = exposed_s(model_bytes)
     link = f"{rtt_ms:g} ms RTT / {gbps:g} Gbit/s"
     size = f"{model_bytes / 1e6:.1f} MB of fp32 parameters"
     step = f"{compute_s * 1e3:.1f} ms of compute per step"
     if num_dcs < 2 or exposed <= max_slowdown * compute_s:
-        why = (f"per-step sync costs about {exposed * 1e3:.1f} ms per step not hidden behind backward "
+        behind = "backward" if micro_batches == 1 else f"the last of {micro_batches} micro-batches' backward"
+        why = (f"per-step sync costs about {exposed * 1e3:.1f} ms per step not hidden behind {behind} "
                f"({exposed / compute_s:.0%} of {step}; limit {max_slowdown:.0%}) on {link} for {size}, so "
                "training stays step-for-step identical to one process")
         return SyncChoice(SyncStrategy.HIERARCHICAL, None, f"Sync 'hierarchical' (chosen: {why}).", exposed, sync_s)
