@@ -338,3 +338,26 @@ def test_gpipe_holds_every_micro_batch_s_activations_1f1b_at_most_pp():
     assert plan_job(request("1f1b"), topo, figures).estimate["memory_bytes"] < 24 * 2**30
     with pytest.raises(Unschedulable, match=r"use parallelism.schedule '1f1b' \(GPipe holds the activations of all 16"):
         plan_job(request("gpipe"), topo, figures)
+
+
+def test_a_cpu_only_node_in_a_gpu_datacenter_holds_no_worker_instead_of_making_a_cpu_job():
+    from meridian.service.planning.figures import figures_for
+    from meridian.service.planning.placement import pin_ranks_to_nodes
+
+    # A CPU-only head labelled dc-a (`ray start --head --labels datacenter=dc-a`) made every worker a CPU worker,
+    # 36 of them on the GPU nodes' CPUs.
+    gpus = (node("g0", "dc-a", cpus=16, gpus=4), node("g1", "dc-b", cpus=16, gpus=4))
+    topo = ClusterTopology((*gpus, node("head", "dc-a", cpus=4)))
+    request = replace(req(global_batch=64), parallelism=ParallelismRequest(tp=1, pp=1))
+    plan = plan_job(request, topo)
+    assert plan.use_gpu and plan.num_workers == 8 and plan.resources_per_worker == {"CPU": 1.0, "GPU": 1.0}
+    assert "No worker on head (dc-a): no GPU" in plan.explanation
+    # the launch pins and admission count the same slots: the head has none
+    assert "head" not in pin_ranks_to_nodes(plan, topo) and admission(plan, topo) is None
+    busy = ClusterTopology((node("g0", "dc-a", cpus=16, gpus=4, free_gpus=2), gpus[1], node("head", "dc-a", cpus=4)))
+    assert admission(plan, busy) == "waiting for 2 GPUs in dc-a"
+    # the GPUs' memory read on the GPU nodes is the devices' memory (the head has no GPU to read)
+    figures, sources = figures_for(request, topo, None, {"g0": 24 * 2**30, "g1": 24 * 2**30})
+    assert figures.device_memory_known and figures.device_memory_bytes == 24 * 2**30
+    # a datacenter without any GPU still makes it a CPU job: every rank runs on the same kind of device
+    assert not plan_job(request, ClusterTopology((gpus[0], node("c0", "dc-b", cpus=4)))).use_gpu

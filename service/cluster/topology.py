@@ -57,8 +57,11 @@ class ClusterTopology:
         return next((n for n in self.nodes if n.node_id == node_id), None)
 
     def has_gpus(self, dcs: tuple[str, ...]) -> bool:
-        nodes = [n for dc in dcs for n in self.nodes_in(dc)]
-        return bool(nodes) and all(n.gpus > 0 for n in nodes)
+        """Whether a job in ``dcs`` trains on GPUs: every one of them has a live node with a GPU. A node without
+        one there (a CPU-only head labelled into the datacenter) then holds no worker, instead of turning the
+        whole job into a CPU job on the GPU nodes; a datacenter with no GPU at all does (every rank runs the same
+        code on the same kind of device)."""
+        return bool(dcs) and all(any(n.gpus > 0 for n in self.nodes_in(dc)) for dc in dcs)
 
     def to_dict(self) -> dict[str, Any]:
         dcs = sorted({n.datacenter for n in self.nodes if n.datacenter})

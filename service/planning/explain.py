@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from meridian.service.cluster.topology import ClusterTopology
 from meridian.service.jobs import JobRequest
 from meridian.service.planning.candidates import Candidate
 from meridian.service.planning.cost_model import Figures
@@ -75,6 +76,16 @@ def no_layout_reason(request: JobRequest, devices: dict[str, list[int]], unit: s
         return f"parallelism.tp={par.tp} needs {par.tp} devices on one node; the largest node has {biggest} {unit} slot(s)"
     return (f"no (tp, pp, dp) layout of {request.model.n_layers} layers / {request.model.n_heads} heads fits "
             f"{sum(sum(v) for v in devices.values())} workers with global_batch={request.global_batch}")
+
+
+def idle_nodes_reason(topo: ClusterTopology, dcs: tuple[str, ...], use_gpu: bool) -> str:
+    """The sentence that names the live nodes of a GPU job's datacenters that hold no worker (they have no GPU),
+    so a CPU-only node left idle is a stated decision, not a surprise; empty when there is none."""
+    idle = [n for dc in dcs for n in topo.nodes_in(dc) if n.gpus <= 0] if use_gpu else []
+    if not idle:
+        return ""
+    names = ", ".join(f"{n.node_id} ({n.datacenter})" for n in idle)
+    return f" No worker on {names}: no GPU, and each worker of a GPU job takes one."
 
 
 def too_few_workers_reason(request: JobRequest, fits: list[Candidate], total: int, unit: str) -> str:

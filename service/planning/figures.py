@@ -55,7 +55,7 @@ def figures_for(request: JobRequest, topo: ClusterTopology, probe: dict[str, Any
             sources.append("device memory reported by the devices")
         sources = sources or ["defaults"]
     if not fig.device_memory_known:  # a GPU job whose devices' memory no probe reported
-        nodes = [n.node_id for dc in dcs for n in topo.nodes_in(dc)]
+        nodes = [n.node_id for dc in dcs for n in topo.nodes_in(dc) if n.gpus > 0]  # a CPU-only node holds no worker
         read = [gpu_memory[n] for n in nodes if gpu_memory and n in gpu_memory]
         if nodes and len(read) == len(nodes):
             fig = replace(fig, device_memory_bytes=float(min(read)), device_memory_known=True)

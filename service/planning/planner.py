@@ -38,6 +38,7 @@ from meridian.service.planning.cost_model import (
 )
 from meridian.service.planning.explain import (
     explain,
+    idle_nodes_reason,
     no_fit_in_memory_reason,
     no_layout_reason,
     sync_reason,
@@ -92,7 +93,8 @@ def plan_job(request: JobRequest, topo: ClusterTopology, figures: Figures | None
         datacenters=best.datacenters, rank_datacenters=rank_dcs, use_gpu=use_gpu, sync_strategy=strategy,
         explanation=explain(best, [c for c in feasible if c is not best], [c for c in cands if c.rejected],
                             worker_unit(use_gpu), fewer=[c for c in fits if c not in feasible],
-                            min_workers=request.topology.min_workers) + reason,
+                            min_workers=request.topology.min_workers)
+        + idle_nodes_reason(topo, best.datacenters, use_gpu) + reason,
         diloco=diloco, compression=compression, local_lookahead=lookahead, bucket_mb=bucket_mb, resources_per_worker={"CPU": CPUS_PER_WORKER, **({"GPU": 1.0} if use_gpu else {})},
         tp=best.layout.tp, pp=best.layout.pp, schedule=request.parallelism.schedule,
         stages_span_dcs=best.layout.pp_spans_dcs, micro_batches=best.layout.micro_batches, rank_nodes=rank_nodes,
