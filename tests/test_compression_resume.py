@@ -131,3 +131,31 @@ def test_diloco_outer_residuals_come_back_from_a_checkpoint(tmp_path, dcs, shard
         for key, r in saved.items():
             assert torch.equal(r, restored[key]), key
 
+
+
+def _snapshot_and_checkpoint_shards(rank, world, dcs):
+    from sync_helpers import lr_of, micro_batches, share_loss
+
+    from meridian.workers.sync.hierarchical import HierarchicalSync
+
+    sync = SyncConfig(strategy=SyncStrategy.HIERARCHICAL, compression=Compression.INT8, bucket_mb=64 / 2**20)
+    groups = DCGroups(DCLayout(dcs), rank)
+    engine = HierarchicalSync(toy_model(0), groups, sync, OptimConfig(lr=0.05, warmup_steps=0))
+    batches = micro_batches(0, rank, world, 64)
+    for i, (x, y) in enumerate(batches):
+        last = i == len(batches) - 1
+        with engine.micro_batch(last_micro_batch=last):
+            engine.backward(share_loss(engine.model, x, y), last_micro_batch=last)
+    snapshot = engine.step(lr_of(0), snapshot_as=1).shard
+    checkpoint = engine.local_shard(1)
+    held = engine.feedback_held
+    engine.close()
+    groups.destroy()
+    return held, len(snapshot.feedback), len(checkpoint.feedback)
+
+
+def test_step_snapshots_leave_the_residuals_out_and_a_checkpoint_s_shard_has_them():
+    # A snapshot is taken every step and does not keep the residuals: copying them there cost a host copy of the
+    # rank's shard per step for nothing. A durable checkpoint reads local_shard, which has them.
+    for held, in_snapshot, in_checkpoint in run_processes(_snapshot_and_checkpoint_shards, 2, ("a", "b"), timeout_s=120):
+        assert held and in_snapshot == 0 and in_checkpoint == 1

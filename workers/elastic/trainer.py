@@ -316,9 +316,9 @@ class ElasticState:
 
     def _checkpoint(self, replica: Replica, step: int, *, fresh: bool = False) -> None:
         """Every rank writes its own shard of ``step``'s state, in the background; the snapshot of ``step`` kept
-        in memory is reused unless ``fresh``."""
+        in memory is reused unless ``fresh`` or the engine holds state its snapshots leave out (error feedback)."""
         assert replica.model is not None and replica.engine is not None
-        if not fresh and self._last is not None and self._last[0].step == step:
+        if not fresh and not replica.engine.feedback_held and self._last is not None and self._last[0].step == step:
             shard, ready = self._last
         else:
             shard = replica.engine.local_shard(step)

@@ -172,7 +172,7 @@ class DiLoCoSync(GradientSync):
             for p in landing:
                 waited += self._land(p)
             self._gather_params()
-        shard = self._local_shard(snapshot_as) if snapshot_as is not None else None
+        shard = self._local_shard(snapshot_as, feedback=False) if snapshot_as is not None else None
         return StepStats(
             grad_norm=inner.grad_norm,
             inter_dc_bytes=self.comm.take_bytes(),
@@ -245,16 +245,25 @@ class DiLoCoSync(GradientSync):
                     pieces.append(StatePiece(s.name, start - s.offset, stop - s.offset, value, {"momentum": mom}))
         return tuple(pieces)
 
-    def _local_shard(self, step: int) -> LocalShard:
+    def _local_shard(self, step: int, *, feedback: bool = True) -> LocalShard:
+        """``feedback``: with the residuals of the compressed outer deltas (not in :meth:`step`'s snapshots, which
+        would pay for a host copy every step and not keep it; nor while an outer all-reduce is in flight, which is
+        changing them: a resume then restarts them at zero)."""
         if self.inner.sharded is not None:
             inner = self.inner.sharded.local_shard(step)  # this rank's shard is final; no gather needed
         else:
             assert self.inner.optimizer is not None
             inner = replicated_shard(self.inner.optimizer, self.inner._named(), step)
         outer = OuterShard(self.groups.dc, self.done, self._outer_pieces())
+        if not feedback or self.in_flight:
+            return dataclasses.replace(inner, outer=outer)
         # compressed outer deltas: their error feedback (the inner sync never compresses)
-        feedback = feedback_shard(self.comm, self.buffer.buckets, self.scratch, self.groups, self.chunk_bytes)
-        return dataclasses.replace(inner, outer=outer, feedback=feedback)
+        held = feedback_shard(self.comm, self.buffer.buckets, self.scratch, self.groups, self.chunk_bytes)
+        return dataclasses.replace(inner, outer=outer, feedback=held)
+
+    @property
+    def feedback_held(self) -> bool:
+        return self.comm.compression is not Compression.NONE and bool(self.groups.inter_dc)
 
     def _load_feedback(self, held: tuple[FeedbackShard, ...]) -> None:
         load_feedback(self.comm, self.buffer.buckets, self.scratch, self.groups, self.chunk_bytes, held)

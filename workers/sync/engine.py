@@ -125,6 +125,14 @@ class GradientSync(ABC):
     def local_shard(self, step: int) -> LocalShard:
         """What this rank owns of the current state (parameters and optimizer), as of ``step`` steps done."""
 
+    @property
+    def feedback_held(self) -> bool:
+        """The engine carries state that :meth:`step`'s snapshots leave out and :meth:`local_shard` includes when
+        no sync is in flight (compressed sync's error-feedback residuals): a durable checkpoint reads
+        :meth:`local_shard`. Snapshots leave it out because they do not keep it
+        (:func:`~meridian.workers.state.replica_state.pack`) and its host copy would be paid every step."""
+        return False
+
     @abstractmethod
     def optimizer_state(self) -> dict[str, Any]:
         """The full (unsharded) AdamW state in :mod:`meridian.workers.optim.adamw`'s layout-free form.

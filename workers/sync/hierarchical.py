@@ -60,7 +60,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from meridian.workers.contracts.config import OptimConfig, SyncConfig, lookahead_start
+from meridian.workers.contracts.config import Compression, OptimConfig, SyncConfig, lookahead_start
 from meridian.workers.distributed.layout import DCGroups
 from meridian.workers.distributed.mp_norm import clip_grad_norm
 from meridian.workers.optim.adamw import build_adamw, full_state_of, load_full_state, set_lr, state_nbytes
@@ -247,8 +247,6 @@ class HierarchicalSync(GradientSync):
             if snapshot_as is not None:
                 shard = replicated_shard(self.optimizer, self._named(), snapshot_as)
         self.buffer.zero()
-        if shard is not None:
-            shard = self._with_feedback(shard)
         return StepStats(
             grad_norm=norm,
             inter_dc_bytes=self.comm.take_bytes(),
@@ -310,7 +308,15 @@ class HierarchicalSync(GradientSync):
 
     # Compressed sync: the error-feedback residuals go with the state (:mod:`meridian.workers.sync.feedback_state`).
 
+    @property
+    def feedback_held(self) -> bool:
+        return self.comm.compression is not Compression.NONE and bool(self.groups.inter_dc)
+
     def _with_feedback(self, shard: LocalShard) -> LocalShard:
+        """``shard`` with this rank's residuals, unless a delayed sync is in flight: it is changing them, and the
+        gradient it carries is not kept either (a resume then restarts the residuals at zero)."""
+        if self._in_flight:
+            return shard
         grads = [b.grad for b in self.buffer.buckets]
         held = feedback_shard(self.comm, self.buffer.buckets, grads, self.groups, self.chunk_bytes)
         return dataclasses.replace(shard, feedback=held) if held else shard
