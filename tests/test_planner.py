@@ -355,9 +355,39 @@ def test_a_cpu_only_node_in_a_gpu_datacenter_holds_no_worker_instead_of_making_a
     # the launch pins and admission count the same slots: the head has none
     assert "head" not in pin_ranks_to_nodes(plan, topo) and admission(plan, topo) is None
     busy = ClusterTopology((node("g0", "dc-a", cpus=16, gpus=4, free_gpus=2), gpus[1], node("head", "dc-a", cpus=4)))
-    assert admission(plan, busy) == "waiting for 2 GPUs in dc-a"
+    assert admission(plan, busy) == "waiting for 2 GPUs in dc-a (each worker takes 1 CPU and 1 GPU on one node)"
     # the GPUs' memory read on the GPU nodes is the devices' memory (the head has no GPU to read)
     figures, sources = figures_for(request, topo, None, {"g0": 24 * 2**30, "g1": 24 * 2**30})
     assert figures.device_memory_known and figures.device_memory_bytes == 24 * 2**30
     # a datacenter without any GPU still makes it a CPU job: every rank runs on the same kind of device
     assert not plan_job(request, ClusterTopology((gpus[0], node("c0", "dc-b", cpus=4)))).use_gpu
+
+
+def test_admission_counts_free_slots_per_node_as_ray_places_workers():
+    from meridian.service.planning.placement import pin_ranks_to_nodes
+
+    tp2 = replace(req(global_batch=1), parallelism=ParallelismRequest(tp=2, pp=1))
+    idle = ClusterTopology((node("a0", "dc-a", cpus=2), node("a1", "dc-a", cpus=2)))
+    busy = ClusterTopology((node("a0", "dc-a", cpus=2, free_cpus=1), node("a1", "dc-a", cpus=2)))
+    # A tensor-parallel group pinned to a0 (planned when a0 was idle) does not fit a0's one free CPU now: the job
+    # waits in the queue, saying why, instead of being admitted on dc-a's 3 free CPUs and placing for 15 minutes.
+    planned = plan_job(tp2, idle)
+    assert planned.rank_nodes == ("a0", "a0")
+    assert admission(planned, busy) == ("waiting for 1 CPU on node a0 in dc-a where the plan keeps a "
+                                        "tensor-parallel group of 2 together")
+    # Planned with the cluster as it is now (as the queue does every tick), the group goes where it fits.
+    now = plan_job(tp2, busy)
+    assert now.rank_nodes == ("a1", "a1") and admission(now, busy) is None
+    assert pin_ranks_to_nodes(now, busy) == ("a1", "a1")
+    # A GPU worker asks Ray for a CPU too: GPUs free on a node whose CPUs other work holds are no slot.
+    cpus_held = ClusterTopology((node("g0", "dc-a", cpus=8, gpus=4, free_cpus=1),))
+    plan = plan_job(req(), cpus_held)
+    assert plan.num_workers == 4 and plan.resources_per_worker == {"CPU": 1.0, "GPU": 1.0}
+    assert admission(plan, cpus_held) == "waiting for 3 CPUs in dc-a (each worker takes 1 CPU and 1 GPU on one node)"
+    # ... and a node with fewer CPUs than GPUs holds a worker per CPU
+    assert plan_job(req(), ClusterTopology((node("g0", "dc-a", cpus=2, gpus=4),))).num_workers == 2
+    # GPUs free on one node and CPUs on another make no slot either
+    apart = ClusterTopology((node("g0", "dc-a", cpus=4, gpus=2, free_cpus=0), node("g1", "dc-a", cpus=4, gpus=2,
+                                                                                   free_gpus=0)))
+    assert admission(plan_job(req(global_batch=4), apart), apart) == (
+        "waiting for room for 4 more workers in dc-a (each worker takes 1 CPU and 1 GPU on one node)")

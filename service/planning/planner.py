@@ -45,10 +45,10 @@ from meridian.service.planning.explain import (
     too_few_workers_reason,
 )
 from meridian.service.planning.placement import (
-    CPUS_PER_WORKER,
     choose_datacenters,
     devices_per_dc,
     rank_placement,
+    worker_resources,
     worker_slots,
     worker_unit,
 )
@@ -95,7 +95,7 @@ def plan_job(request: JobRequest, topo: ClusterTopology, figures: Figures | None
                             worker_unit(use_gpu), fewer=[c for c in fits if c not in feasible],
                             min_workers=request.topology.min_workers)
         + idle_nodes_reason(topo, best.datacenters, use_gpu) + reason,
-        diloco=diloco, compression=compression, local_lookahead=lookahead, bucket_mb=bucket_mb, resources_per_worker={"CPU": CPUS_PER_WORKER, **({"GPU": 1.0} if use_gpu else {})},
+        diloco=diloco, compression=compression, local_lookahead=lookahead, bucket_mb=bucket_mb, resources_per_worker=worker_resources(use_gpu),
         tp=best.layout.tp, pp=best.layout.pp, schedule=request.parallelism.schedule,
         stages_span_dcs=best.layout.pp_spans_dcs, micro_batches=best.layout.micro_batches, rank_nodes=rank_nodes,
         estimate={k: round(v, 6) for k, v in best.estimate.to_dict().items()},
