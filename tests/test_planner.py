@@ -391,3 +391,25 @@ def test_admission_counts_free_slots_per_node_as_ray_places_workers():
                                                                                    free_gpus=0)))
     assert admission(plan_job(req(global_batch=4), apart), apart) == (
         "waiting for room for 4 more workers in dc-a (each worker takes 1 CPU and 1 GPU on one node)")
+
+
+def test_a_named_datacenter_that_cannot_hold_a_worker_is_refused_not_dropped():
+    topo = ClusterTopology((node("a0", "dc-a", cpus=2), node("b0", "dc-b", cpus=0.5)))
+    with pytest.raises(Unschedulable, match=r"topology.datacenters names dc-b, but no live node there can hold a "
+                                            r"worker \(each takes 1 CPU; dc-b: b0 has 0.5 CPU"):
+        plan_job(req(["dc-a", "dc-b"]), topo)
+    auto = plan_job(req(), topo)  # 'auto' uses the datacenters that can, and says why not the other
+    assert auto.datacenters == ("dc-a",) and "No worker in dc-b: no live node there can hold one" in auto.explanation
+
+
+@pytest.mark.parametrize("request_, topo, reason", [
+    (replace(req(strategy=SyncStrategy.FLAT), parallelism=ParallelismRequest(pp=2)), topology(dc_a=4),
+     "parallelism.pp=2 and sync.strategy 'flat' do not go together"),
+    (replace(req(), parallelism=ParallelismRequest(pp=2, stages_span_dcs=True)), topology(dc_a=4),
+     "stages_span_dcs=true puts pipeline stages in different datacenters, but the job's workers can only be in dc-a"),
+    (replace(req(workers=(("dc-a", 3), ("dc-b", 1))), parallelism=ParallelismRequest(pp=2, stages_span_dcs=True)),
+     topology(dc_a=4, dc_b=4), r"asks for 4 workers and the job must use them all.*closest uses 2: tp=1 pp=2 across"),
+])  # fmt: skip
+def test_no_layout_names_the_option_that_rules_them_out(request_, topo, reason):
+    with pytest.raises(Unschedulable, match=reason):
+        plan_job(request_, topo)

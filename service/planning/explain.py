@@ -20,8 +20,7 @@ def explain(best: Candidate, others: list[Candidate], rejected: list[Candidate],
     """``others``: the layouts the plan could have used, fastest first; ``fewer``: faster-or-not layouts left out
     because they use fewer than ``min_workers`` workers."""
     lay, e = best.layout, best.estimate
-    where = ", ".join(f"{r} replica(s) in {dc}" if not lay.pp_spans_dcs else f"{r} stage(s) in {dc}"
-                      for dc, r in zip(best.datacenters, best.replicas_per_dc, strict=True))
+    where = _where(best)
     text = (f"{lay.devices} worker(s), one per {unit}: {best.name} ({where}); estimated {e.step_s * 1e3:.0f} ms/step, "
             f"{e.memory_bytes / 2**20:.0f} MiB per device, {e.inter_dc_bytes / 2**20:.1f} MiB across datacenters per step.")
     if others:
@@ -35,6 +34,12 @@ def explain(best: Candidate, others: list[Candidate], rejected: list[Candidate],
     if rejected:
         text += f" Rejected {len(rejected)} layout(s) that do not fit in memory (e.g. {rejected[0].name}: {rejected[0].rejected})."
     return text
+
+
+def _where(c: Candidate) -> str:
+    """'2 replica(s) in dc-a, 1 replica(s) in dc-b' (or stages, when stages span datacenters)."""
+    what = "stage(s)" if c.layout.pp_spans_dcs else "replica(s)"
+    return ", ".join(f"{r} {what} in {dc}" for dc, r in zip(c.datacenters, c.replicas_per_dc, strict=True))
 
 
 def _why_slower(best: Candidate, other: Candidate) -> str:
@@ -69,13 +74,34 @@ def sync_reason(strategy: SyncStrategy, *, requested: bool, num_dcs: int, pp: in
     return " Sync 'flat' inside each datacenter (chosen: pipeline stages, not gradients, cross datacenters)."
 
 
-def no_layout_reason(request: JobRequest, devices: dict[str, list[int]], unit: str) -> str:
+def no_layout_reason(request: JobRequest, devices: dict[str, list[int]], unit: str,
+                     uncounted: Sequence[Candidate] = ()) -> str:
+    """Why no (tp, pp, dp) layout exists, naming the option that rules them out where one does.
+    ``uncounted``: the layouts left out only because they do not use every worker the request's
+    ``topology.workers_per_datacenter`` asks for."""
     par = request.parallelism
+    used = [dc for dc, v in devices.items() if v]
+    total = sum(sum(v) for v in devices.values())
     if par.tp and all(s < par.tp for v in devices.values() for s in v):
         biggest = max((s for v in devices.values() for s in v), default=0)
         return f"parallelism.tp={par.tp} needs {par.tp} devices on one node; the largest node has {biggest} {unit} slot(s)"
+    if par.pp and par.pp > 1 and request.sync.strategy is SyncStrategy.FLAT:
+        return (f"parallelism.pp={par.pp} and sync.strategy 'flat' do not go together: flat sync (DDP) cannot follow "
+                "a pipeline schedule; use sync.strategy 'hierarchical' (or 'auto'), or parallelism.pp=1")
+    if par.stages_span_dcs and len(used) < 2:
+        return (f"parallelism.stages_span_dcs=true puts pipeline stages in different datacenters, but the job's "
+                f"workers can only be in {', '.join(used)}; give it two or more datacenters, or leave "
+                "stages_span_dcs to the planner")
+    if par.stages_span_dcs and par.pp and par.pp % len(used):
+        return (f"parallelism.stages_span_dcs=true splits the pp={par.pp} stages evenly over the {len(used)} "
+                f"datacenters with workers ({', '.join(used)}); use a pp that {len(used)} divides")
+    if uncounted:
+        closest = max(uncounted, key=lambda c: c.layout.devices)
+        return (f"topology.workers_per_datacenter asks for {total} workers and the job must use them all, but no "
+                f"(tp, pp, dp) layout of this model does; the closest uses {closest.layout.devices}: "
+                f"{closest.name} ({_where(closest)}); change the counts or leave them to the planner")
     return (f"no (tp, pp, dp) layout of {request.model.n_layers} layers / {request.model.n_heads} heads fits "
-            f"{sum(sum(v) for v in devices.values())} workers with global_batch={request.global_batch}")
+            f"{total} workers with global_batch={request.global_batch}")
 
 
 def idle_nodes_reason(topo: ClusterTopology, dcs: tuple[str, ...], use_gpu: bool) -> str:
@@ -86,6 +112,21 @@ def idle_nodes_reason(topo: ClusterTopology, dcs: tuple[str, ...], use_gpu: bool
         return ""
     names = ", ".join(f"{n.node_id} ({n.datacenter})" for n in idle)
     return f" No worker on {names}: no GPU, and each worker of a GPU job takes one."
+
+
+def empty_datacenters_reason(empty: list[str], topo: ClusterTopology, per_worker: dict[str, float], *,
+                             named: bool) -> str:
+    """Why the datacenters in ``empty`` get no worker: none of their live nodes has what one worker takes.
+    ``named``: the job listed them in ``topology.datacenters`` (a refusal: dropping them would run another
+    layout than the one asked for); else a sentence of the plan's explanation ('auto' uses the others)."""
+    each = " and ".join(f"{v:g} {r}" for r, v in per_worker.items())
+    largest = "; ".join(
+        f"{dc}: " + ", ".join(f"{n.node_id} has {n.cpus:g} CPU, {n.gpus:g} GPU" for n in topo.nodes_in(dc))
+        for dc in empty)
+    if named:
+        return (f"topology.datacenters names {', '.join(empty)}, but no live node there can hold a worker (each "
+                f"takes {each}; {largest}); add such a node or leave {', '.join(empty)} out of topology.datacenters")
+    return f" No worker in {', '.join(empty)}: no live node there can hold one (each takes {each}; {largest})."
 
 
 def too_few_workers_reason(request: JobRequest, fits: list[Candidate], total: int, unit: str) -> str:

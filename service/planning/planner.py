@@ -37,6 +37,7 @@ from meridian.service.planning.cost_model import (
     runs_hierarchical,
 )
 from meridian.service.planning.explain import (
+    empty_datacenters_reason,
     explain,
     idle_nodes_reason,
     no_fit_in_memory_reason,
@@ -64,6 +65,9 @@ def plan_job(request: JobRequest, topo: ClusterTopology, figures: Figures | None
     figures = figures or default_figures(topo, dcs, use_gpu)
     devices = devices_per_dc(request, topo, dcs, use_gpu)
     total = sum(sum(v) for v in devices.values())
+    empty = [dc for dc in dcs if not devices[dc]]
+    if empty and request.topology.datacenters is not None:
+        raise Unschedulable(empty_datacenters_reason(empty, topo, worker_resources(use_gpu), named=True))
     cands = _layouts_for(request, dcs, devices, figures, worker_unit(use_gpu))
     fits = sorted((c for c in cands if not c.rejected), key=lambda c: (c.estimate.step_s, -c.layout.devices))
     if not fits:
@@ -94,7 +98,8 @@ def plan_job(request: JobRequest, topo: ClusterTopology, figures: Figures | None
         explanation=explain(best, [c for c in feasible if c is not best], [c for c in cands if c.rejected],
                             worker_unit(use_gpu), fewer=[c for c in fits if c not in feasible],
                             min_workers=request.topology.min_workers)
-        + idle_nodes_reason(topo, best.datacenters, use_gpu) + reason,
+        + idle_nodes_reason(topo, best.datacenters, use_gpu)
+        + (empty_datacenters_reason(empty, topo, worker_resources(use_gpu), named=False) if empty else "") + reason,
         diloco=diloco, compression=compression, local_lookahead=lookahead, bucket_mb=bucket_mb, resources_per_worker=worker_resources(use_gpu),
         tp=best.layout.tp, pp=best.layout.pp, schedule=request.parallelism.schedule,
         stages_span_dcs=best.layout.pp_spans_dcs, micro_batches=best.layout.micro_batches, rank_nodes=rank_nodes,
@@ -115,12 +120,13 @@ def _layouts_for(request: JobRequest, dcs: tuple[str, ...], devices: dict[str, l
             f"training.global_batch ({request.global_batch}) is smaller than the number of workers ({total}); "
             "every worker needs at least one sample per step"
         )
-    cands = enumerate_candidates(request, dcs, devices, figures)
+    every = enumerate_candidates(request, dcs, devices, figures)
+    cands = every
     if request.topology.workers_per_datacenter is not None:
         # Explicit worker counts: use every requested device.
-        cands = [c for c in cands if c.layout.devices == total]
+        cands = [c for c in every if c.layout.devices == total]
     if not cands:
-        raise Unschedulable(no_layout_reason(request, devices, unit))
+        raise Unschedulable(no_layout_reason(request, devices, unit, every))
     return cands
 
 
