@@ -175,3 +175,40 @@ def test_a_receive_posted_before_the_first_exchange_makes_it_one_way_in_every_en
     for out in per_rank:  # not on NCCL (see above): the first exchange is the round trip it always was there
         assert out["posted"] == 0
         assert out["waited"] >= rtt
+
+
+def test_the_combine_waits_on_the_transfers_from_its_own_thread(monkeypatch):
+    # On NCCL, Work.wait() orders the calling thread's current stream after the transfer; it ran only on the waiter
+    # thread, so the combine (on the communication stream) could read a receive not yet landed. Fake works record
+    # which threads waited on them.
+    import threading
+
+    import meridian.workers.wan.exchange as exchange
+
+    class FakeWork:
+        def __init__(self):
+            self.waited_on: list[str] = []
+
+        def wait(self, *args):
+            self.waited_on.append(threading.current_thread().name)
+            return True
+
+    works: list[FakeWork] = []
+
+    def batch(ops):
+        works.extend(FakeWork() for _ in ops)
+        return works
+
+    monkeypatch.setattr(exchange.dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(exchange.dist, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(exchange.dist, "get_global_rank", lambda group, rank: rank)
+    monkeypatch.setattr(exchange.dist, "P2POp", lambda *args, **kwargs: None)
+    monkeypatch.setattr(exchange.dist, "batch_isend_irecv", batch)
+    cuda_like = torch.ones(4)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: self is cuda_like))  # as a CUDA tensor would
+    work = ExchangeWork(cuda_like, group=object())
+    combined_on: list[str] = []
+    work._combine = lambda mine, theirs: combined_on.append(threading.current_thread().name)
+    work.wait()
+    assert len(works) == 2 and combined_on == [threading.current_thread().name]
+    assert all(combined_on[0] in w.waited_on for w in works), [w.waited_on for w in works]

@@ -23,8 +23,12 @@ backward's kernels never queue behind a reduce-scatter's ``wait()``; ``finish()`
 wait for the communication stream before the optimizer reads the gradients. Host wall-clock is meaningless
 there (NCCL's ``wait()`` returns at once), so ``comm_s`` and ``exposed_s`` come from CUDA events: per-bucket
 start/end events on the communication stream, and an event on the training stream where ``finish()`` began
-to wait. They are read one step late (the events are long complete then), so timing never syncs the host:
-on CUDA ``finish()`` returns the previous step's figures (0 on the first step). On CPU nothing changes.
+to wait. They are read one step late, so timing never syncs the host: on CUDA ``finish()`` returns the
+previous step's figures (0 on the first step). Each step records into its own of two sets of events: with
+overlap the communication thread records the next step's start events during its backward, before that
+step's ``finish()`` reads the last one's, and ``elapsed_time`` refuses an event not yet complete (a set whose
+events are not all complete — a host far ahead of the device — is skipped, and the figures before it kept).
+On CPU nothing changes.
 """
 
 from __future__ import annotations
@@ -185,6 +189,28 @@ class BucketPipeline:
             self._executor = None
 
 
+class _StepEvents:
+    """One step's timing events: per bucket, start and end on the communication stream; where ``finish()`` began
+    to wait, on the training stream."""
+
+    def __init__(self, buckets: int) -> None:
+        self.start = [torch.cuda.Event(enable_timing=True) for _ in range(buckets)]
+        self.end = [torch.cuda.Event(enable_timing=True) for _ in range(buckets)]
+        self.waits = torch.cuda.Event(enable_timing=True)
+        self.n = 0
+        """Buckets recorded and not yet read (0: nothing to read)."""
+
+    def complete(self) -> bool:
+        return all(e.query() for e in (*self.start[: self.n], *self.end[: self.n], self.waits))
+
+    def read(self) -> tuple[float, float]:
+        """(comm_s, exposed_s) of the step these events timed."""
+        n, origin = self.n, self.start[0]
+        busy = [(origin.elapsed_time(self.start[i]) / 1e3, origin.elapsed_time(self.end[i]) / 1e3) for i in range(n)]
+        exposed = max(0.0, self.waits.elapsed_time(self.end[n - 1]) / 1e3)
+        return _union(busy), exposed
+
+
 class CommStream:
     """The CUDA side of a :class:`BucketPipeline`: a dedicated stream for the collectives, events that order
     it after each bucket's gradients, and event-based timings read one step late (module docstring)."""
@@ -196,13 +222,10 @@ class CommStream:
         self.stream = torch.cuda.Stream(device=device)
         self._ready = [torch.cuda.Event() for _ in range(buckets)]
         self._armed = [False] * buckets
-        self._start = [torch.cuda.Event(enable_timing=True) for _ in range(buckets)]
-        self._end = [torch.cuda.Event(enable_timing=True) for _ in range(buckets)]
-        self._waits = torch.cuda.Event(enable_timing=True)
-        """Recorded on the training stream where ``finish()`` starts to wait for the sync."""
+        self._steps = (_StepEvents(buckets), _StepEvents(buckets))
+        self._current = 0
+        """The set this step records into; the other holds the last step's, until ``finish_begins`` reads it."""
         self._previous: tuple[float, float] = (0.0, 0.0)
-        self._unread = False
-        self._n = 0
 
     @classmethod
     def for_device(cls, device: Any, buckets: int) -> CommStream | None:
@@ -222,35 +245,28 @@ class CommStream:
                 self._armed[index] = False
             else:  # inline (no overlap), or a bucket without gradients: after all the training stream queued
                 self.stream.wait_stream(self.training)
-            self._start[index].record(self.stream)
+            self._steps[self._current].start[index].record(self.stream)
             yield
 
     def finish_begins(self) -> None:
-        if self._unread:  # last step's events completed long ago: reading them does not sync the host
-            self._previous = self._read()
-            self._unread = False
-        self._waits.record(self.training)
+        last = self._steps[1 - self._current]
+        if last.n and last.complete():  # the last step's events (this step's are still being recorded)
+            self._previous = last.read()
+        last.n = 0
+        self._steps[self._current].waits.record(self.training)
 
     def finish(self, started: list[InFlight]) -> tuple[float, float]:
         """Wait for ``started`` on the communication stream, order the training stream after it; returns
         the previous step's (comm_s, exposed_s)."""
+        events = self._steps[self._current]
         with torch.cuda.stream(self.stream):
             for i, flight in enumerate(started):
                 flight.finish()  # NCCL's wait(): the communication stream waits, the host does not
-                self._end[i].record(self.stream)
+                events.end[i].record(self.stream)
         self.training.wait_stream(self.stream)  # the optimizer reads the synced gradients after it
-        self._n = len(started)
-        self._unread = True
+        events.n = len(started)
+        self._current = 1 - self._current  # the next step records into the other set
         return self._previous
-
-    def _read(self) -> tuple[float, float]:
-        n = self._n
-        if n == 0:
-            return 0.0, 0.0
-        origin = self._start[0]
-        busy = [(origin.elapsed_time(self._start[i]) / 1e3, origin.elapsed_time(self._end[i]) / 1e3) for i in range(n)]
-        exposed = max(0.0, self._waits.elapsed_time(self._end[n - 1]) / 1e3)
-        return _union(busy), exposed
 
 
 def finish_all(flights: list[InFlight]) -> float:

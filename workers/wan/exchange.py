@@ -171,6 +171,14 @@ class ExchangeWork:
                 raise self._error
             assert self._ready_at is not None
             sleep_until(self._ready_at)
+            if self._tensor.is_cuda:
+                # Waited again here, on the thread that combines: on NCCL a work's wait() orders the *calling*
+                # thread's current CUDA stream after the transfer (streams are per thread), so the waiter thread's
+                # wait ordered nothing for the combine below, which could read a receive not yet landed. (Not on
+                # gloo: the waiter's wait finished the transfer into host memory, and a second wait() of a gloo
+                # send/receive never returns.)
+                for w in self._works:
+                    w.wait()
             self._combine(self._tensor, self._theirs)
             self._summed = True
             if self._next is not None:  # announce the receive of this chunk's next exchange now
