@@ -12,7 +12,7 @@ from pathlib import Path
 
 from meridian.service.cluster.connect import LocalCluster, connect
 from meridian.service.cluster.gpu_memory import NodeGpuMemory
-from meridian.service.cluster.link_probe import ProbeCache, run_compute_probe, run_probe
+from meridian.service.cluster.link_probe import ProbeCache, run_compute_probe, run_probe, training_precision
 from meridian.service.cluster.logs import LogEntry, WorkerLogs
 from meridian.service.cluster.topology import ClusterTopology, read_topology
 from meridian.service.data_access import DEFAULT_MAX_BYTES, DataAccess
@@ -170,7 +170,8 @@ class MeridianService:
         datacenters it may use, all at once (as training runs); plans of that shape use the figure from now on."""
         topo = read_topology()
         use_gpu = topo.has_gpus(tuple(request.topology.datacenters or topo.datacenters))
-        entry = run_compute_probe(topo, to_plain(request.model), request.micro_batch, use_gpu=use_gpu)
+        entry = run_compute_probe(topo, to_plain(request.model), request.micro_batch, use_gpu=use_gpu,
+                                  precision=training_precision(request.precision.value, use_gpu))
         self.probe_cache.store_compute(entry)  # type: ignore[union-attr]
         return entry
 

@@ -150,6 +150,45 @@ def test_device_memory_comes_from_the_device_and_reaches_the_planner(monkeypatch
     assert fig.device_memory_bytes == 80 * 2**30 and "device memory reported by the devices" in sources
 
 
+def test_a_gpu_job_plans_on_the_compute_rate_of_its_own_precision(monkeypatch):
+    # The compute probe ran fp32 while a GPU job with precision 'auto' trains in bf16 autocast (several times
+    # faster): every GPU plan after a probe used a rate several times too slow.
+    from dataclasses import replace
+
+    from fakes import node
+
+    import meridian.workers.probes.compute_bench as compute_bench
+    from meridian.service.cluster.link_probe import compute_key, training_precision
+    from meridian.service.cluster.topology import ClusterTopology
+    from meridian.service.jobs import JobRequest, TopologyRequest
+    from meridian.service.planning.figures import figures_for
+    from meridian.workers.contracts.config import Precision
+    from meridian.workers.contracts.fields import to_plain
+    from meridian.workers.contracts.model_config import model_preset
+
+    assert [training_precision(p, gpu) for p in ("auto", "fp32", "bf16") for gpu in (True, False)] == [
+        "bf16", "fp32", "fp32", "fp32", "bf16", "bf16"]
+    request = JobRequest(name="p", model=model_preset("nano"), steps=2, global_batch=8, micro_batch=1,
+                         topology=TopologyRequest(datacenters=["dc-a"]))
+    model = to_plain(request.model)
+    probed = {"compute": {compute_key(model, 1): {"flops": 1e13, "optimizer_step_s": 0.01},
+                          compute_key(model, 1, "bf16"): {"flops": 6e13, "optimizer_step_s": 0.01}}}
+    gpus = ClusterTopology((node("g", "dc-a", cpus=8, gpus=1),))
+    assert figures_for(request, gpus, probed)[0].device_flops == 6e13
+    fp32 = replace(request, precision=Precision.FP32)
+    assert figures_for(fp32, gpus, probed)[0].device_flops == 1e13
+    cpus = ClusterTopology((node("c", "dc-a", cpus=8),))
+    assert figures_for(request, cpus, probed)[0].device_flops == 1e13
+
+    # and the probe itself computes in the precision it is given
+    used = []
+    real = compute_bench.autocast_context
+    monkeypatch.setattr(compute_bench, "autocast_context",
+                        lambda precision, device: used.append(precision) or real(precision, device))
+    compute_bench.training_flops(model_preset("nano"), 1, min_seconds=0.01, warmup=0, precision=Precision.BF16)
+    assert used and set(used) == {Precision.BF16}
+
+
 class _Event:
     """Stands in for a CUDA event: the snapshot store writes only after ``synchronize`` returned."""
 

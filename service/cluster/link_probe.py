@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from meridian.service.cluster.topology import ClusterTopology, NodeInfo
+from meridian.service.planning.placement import worker_slots
 from meridian.workers.contracts.link_perf import PerfRow, message_sizes, summarise
 
 NODE_ID_LABEL = "ray.io/node-id"
@@ -103,13 +104,25 @@ def run_probe(topo: ClusterTopology, *, tiers: tuple[str, ...] = TIERS, max_byte
     return ProbeReport(time.time(), tuple(results), tuple(skipped))
 
 
-def compute_key(model: dict[str, Any], micro_batch: int) -> str:
-    return f"L{model['n_layers']}-d{model['d_model']}-h{model['n_heads']}-s{model['seq_len']}-v{model['vocab_size']}-b{micro_batch}"
+def compute_key(model: dict[str, Any], micro_batch: int, precision: str = "fp32") -> str:
+    """The compute figure's key: the model's shape, the micro-batch, and the precision it trains in (a GPU runs
+    bf16 autocast several times faster than fp32; fp32 keys keep their old form)."""
+    key = f"L{model['n_layers']}-d{model['d_model']}-h{model['n_heads']}-s{model['seq_len']}-v{model['vocab_size']}-b{micro_batch}"
+    return key if precision == "fp32" else f"{key}-{precision}"
+
+
+def training_precision(precision: str, use_gpu: bool) -> str:
+    """What a job with ``precision`` (``auto``, ``fp32``, ``bf16``) computes in on these devices: ``auto`` is bf16
+    autocast on GPUs, fp32 on CPUs (:func:`meridian.workers.loop.precision.resolve_precision`)."""
+    if precision == "auto":
+        return "bf16" if use_gpu else "fp32"
+    return precision
 
 
 def run_compute_probe(topo: ClusterTopology, model: dict[str, Any], micro_batch: int, *,
-                      use_gpu: bool = False, min_seconds: float = 3.0) -> dict[str, Any]:
-    """Forward + backward throughput of ``model`` on every worker slot at once (as training runs)."""
+                      use_gpu: bool = False, min_seconds: float = 3.0, precision: str = "fp32") -> dict[str, Any]:
+    """Forward + backward throughput of ``model`` on every worker slot at once (as training runs), in
+    ``precision`` (``fp32`` or ``bf16``: what the job computes in, :func:`training_precision`)."""
     import statistics
 
     import ray
@@ -120,19 +133,19 @@ def run_compute_probe(topo: ClusterTopology, model: dict[str, Any], micro_batch:
     actors = []
     for dc in topo.datacenters:
         for n in topo.nodes_in(dc):
-            slots = int(n.gpus) if use_gpu else int(n.cpus)
+            slots = worker_slots(n, use_gpu=use_gpu)  # the planner's: a GPU worker takes a CPU too
             actors += [actor_cls.options(label_selector={NODE_ID_LABEL: n.node_id}, num_gpus=1 if use_gpu else 0).remote()
                        for _ in range(slots)]
     if not actors:
         raise ValueError("no worker slot to measure: no labelled live node has CPUs/GPUs")
     try:
         ray.get([a.__ray_ready__.remote() for a in actors], timeout=120)  # start together, measure together
-        rows = ray.get([a.compute.remote(model, micro_batch, min_seconds) for a in actors], timeout=300)
+        rows = ray.get([a.compute.remote(model, micro_batch, min_seconds, precision) for a in actors], timeout=300)
     finally:
         for a in actors:
             ray.kill(a)
     out = {
-        "key": compute_key(model, micro_batch), "slots": len(rows), "measured_at": time.time(),
+        "key": compute_key(model, micro_batch, precision), "precision": precision, "slots": len(rows), "measured_at": time.time(),
         "flops": statistics.median(r["flops"] for r in rows),
         "optimizer_step_s": statistics.median(r["optimizer_step_s"] for r in rows),
         "per_slot_flops": [r["flops"] for r in rows],

@@ -12,7 +12,7 @@ import time
 from dataclasses import replace
 from typing import Any
 
-from meridian.service.cluster.link_probe import compute_key
+from meridian.service.cluster.link_probe import compute_key, training_precision
 from meridian.service.cluster.topology import ClusterTopology
 from meridian.service.jobs import JobRequest
 from meridian.service.planning.cost_model import Figures, Link
@@ -44,7 +44,8 @@ def figures_for(request: JobRequest, topo: ClusterTopology, probe: dict[str, Any
                       inter_dc_known="inter_dc" in tiers)
         sources = [f"link probe of {time.strftime('%Y-%m-%d %H:%M', time.localtime(probe.get('measured_at', 0)))}"] if tiers else []
         measured = probe.get("compute") or {}
-        compute = measured.get(compute_key(to_plain(request.model), request.micro_batch))
+        precision = training_precision(request.precision.value, use_gpu)
+        compute = measured.get(compute_key(to_plain(request.model), request.micro_batch, precision))
         if compute:
             fig = replace(fig, device_flops=compute["flops"], step_overhead_s=compute["optimizer_step_s"])
             sources.append("compute probe of this model shape")

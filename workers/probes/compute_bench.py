@@ -13,7 +13,9 @@ from dataclasses import replace
 
 import torch
 
+from meridian.workers.contracts.config import Precision
 from meridian.workers.contracts.model_config import ModelConfig
+from meridian.workers.loop.precision import autocast_context
 from meridian.workers.model.build import build_model
 from meridian.workers.model.gpt import per_sample_loss
 
@@ -28,8 +30,10 @@ def device_memory_bytes(device: torch.device) -> int | None:
 
 
 def training_flops(model_cfg: ModelConfig, micro_batch: int, *, min_seconds: float = 2.0, warmup: int = 2,
-                   device: torch.device | None = None, threads: int | None = None) -> dict[str, float]:
-    """FLOP/s of forward + backward on ``device`` (no optimizer step), over at least ``min_seconds``."""
+                   device: torch.device | None = None, threads: int | None = None,
+                   precision: Precision = Precision.FP32) -> dict[str, float]:
+    """FLOP/s of forward + backward on ``device`` (no optimizer step), over at least ``min_seconds``, in
+    ``precision`` as training runs it (bf16 autocast: several times fp32's rate on a GPU)."""
     if threads:
         torch.set_num_threads(threads)
     device = device or torch.device("cpu")
@@ -38,7 +42,8 @@ def training_flops(model_cfg: ModelConfig, micro_batch: int, *, min_seconds: flo
     x = torch.randint(0, model_cfg.vocab_size, (micro_batch, model_cfg.seq_len), device=device)
 
     def one() -> None:
-        loss = per_sample_loss(model(x), x).mean()
+        with autocast_context(precision, device):
+            loss = per_sample_loss(model(x), x).mean()
         loss.backward()
 
     for _ in range(warmup):

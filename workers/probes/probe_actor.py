@@ -39,15 +39,18 @@ class ProbeActor:
         finally:
             dist.destroy_process_group()
 
-    def compute(self, model: dict[str, Any], micro_batch: int, min_seconds: float = 2.0) -> dict[str, float]:
-        """Forward + backward throughput of this model shape on this worker's device."""
+    def compute(self, model: dict[str, Any], micro_batch: int, min_seconds: float = 2.0,
+                precision: str = "fp32") -> dict[str, float]:
+        """Forward + backward throughput of this model shape on this worker's device, in ``precision``."""
         import torch
 
+        from meridian.workers.contracts.config import Precision
         from meridian.workers.contracts.model_config import ModelConfig
         from meridian.workers.probes.compute_bench import training_flops
 
         device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-        return training_flops(ModelConfig(**model), micro_batch, min_seconds=min_seconds, device=device, threads=1)
+        return training_flops(ModelConfig(**model), micro_batch, min_seconds=min_seconds, device=device, threads=1,
+                              precision=Precision(precision))
 
     def run_intra_node(self, sizes: list[int], procs: int = 2, timeout_s: float = 120) -> list[dict[str, Any]]:
         """Benchmark ``procs`` processes on this node talking over loopback/shared memory."""
