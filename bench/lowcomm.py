@@ -313,13 +313,15 @@ def compare(report: dict[str, dict[str, Any]]) -> None:
 def auto_choice(args: argparse.Namespace, params: int, per_rank: dict[str, Any], chosen: list[Strategy]) -> dict:
     """The planner's pick for the link and the compute time of a step measured here (the median over the
     first DiLoCo run's steps of step time minus blocked time: pure compute, data and optimizer)."""
+    from meridian.bench.sync import micro_batches_per_rank
     from meridian.service.planning.sync_choice import choose_sync
 
     ref = next((s.name for s in chosen if s.sync is not None and s.sync.strategy.is_diloco), "har")
     got = per_rank[ref]
     compute_s = statistics.median(a - b for a, b in zip(got["step_s"], got["blocked_s"], strict=True))
     c = choose_sync(rtt_ms=args.rtt_ms, gbps=args.inter_dc_gbps, num_params=params, compute_s=compute_s,
-                    num_dcs=args.dcs, bucket_mb=args.bucket_mb, steps=args.steps)  # fmt: skip
+                    num_dcs=args.dcs, bucket_mb=args.bucket_mb, steps=args.steps,
+                    micro_batches=micro_batches_per_rank(args.global_batch, args.dcs, args.micro_batch))  # fmt: skip
     d = c.diloco
     return {
         "link": {"rtt_ms": args.rtt_ms, "gbps": args.inter_dc_gbps}, "compute_s_measured": round(compute_s, 5),

@@ -29,6 +29,7 @@ Rounds (``--rounds``) run the strategies interleaved, so drift in machine load h
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 from dataclasses import dataclass
 
@@ -205,11 +206,19 @@ def run(args: argparse.Namespace) -> dict:
         "diloco": {"inner_steps": args.diloco_h, "fragments": args.fragments, "overlap_steps": args.overlap_steps,
                    "outer_lr": args.outer_lr, "outer_momentum": args.outer_momentum},
         "quality": quality(report),
-        "auto_choice": auto_choice(wan, params, len(dcs) // num_dcs, num_dcs, per_rank[0], args.bucket_mb),
+        "auto_choice": auto_choice(wan, params, len(dcs) // num_dcs, num_dcs, per_rank[0], args.bucket_mb,
+                                   micro_batches_per_rank(args.global_batch or 8 * len(dcs), len(dcs), args.micro_batch)),
     }
 
 
-def auto_choice(wan: WanConfig | None, params: int, per_dc: int, num_dcs: int, r0: dict, bucket_mb: float) -> dict | None:
+def micro_batches_per_rank(global_batch: int, ranks: int, micro_batch: int) -> int:
+    """A rank's micro-batches per step (the most any rank has: the planner's hiding window is its last one)."""
+    most = math.ceil(global_batch / ranks)
+    return math.ceil(most / micro_batch)
+
+
+def auto_choice(wan: WanConfig | None, params: int, per_dc: int, num_dcs: int, r0: dict, bucket_mb: float,
+                micro_batches: int = 1) -> dict | None:
     """What the planner's ``auto`` picks for this link and the compute time of a step measured here (median
     over every strategy's timed steps of step time minus time waiting for the sync)."""
     if wan is None or num_dcs < 2:
@@ -218,7 +227,7 @@ def auto_choice(wan: WanConfig | None, params: int, per_dc: int, num_dcs: int, r
 
     compute_s = statistics.median(x for r in r0.values() for x in r["compute_s"])
     c = choose_sync(rtt_ms=wan.rtt_ms, gbps=wan.gbps, num_params=params, compute_s=compute_s, num_dcs=num_dcs,
-                    bucket_mb=bucket_mb)  # fmt: skip
+                    bucket_mb=bucket_mb, micro_batches=micro_batches)  # fmt: skip
     d = c.diloco
     return {"strategy": c.strategy.value, "compression": c.compression.value, "compute_s_measured": round(compute_s, 5),
             "inner_steps": d.inner_steps if d else None, "fragments": d.fragments if d else None,
