@@ -413,3 +413,14 @@ def test_a_named_datacenter_that_cannot_hold_a_worker_is_refused_not_dropped():
 def test_no_layout_names_the_option_that_rules_them_out(request_, topo, reason):
     with pytest.raises(Unschedulable, match=reason):
         plan_job(request_, topo)
+
+
+def test_flat_sync_keeps_the_whole_adamw_state_on_every_rank_in_the_memory_estimate():
+    # DDP shards nothing: the estimate divided the optimizer state by the datacenter's ranks anyway.
+    from meridian.service.planning.cost_model import ADAMW_STATE_BYTES, memory_per_device
+
+    model = model_preset("gpt2-124m")
+    one_dc = dict(dp=4, num_dcs=1, dp_per_dc=4)
+    flat = memory_per_device(model, _layout(hierarchical=False, **one_dc), 4)
+    sharded = memory_per_device(model, _layout(hierarchical=True, encoded=True, **one_dc), 4)
+    assert flat - sharded == pytest.approx(ADAMW_STATE_BYTES * model.num_params * (1 - 1 / 4))

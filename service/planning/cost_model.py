@@ -151,7 +151,9 @@ def micro_batches_in_flight(lay: Layout) -> int:
 
 def memory_per_device(model: ModelConfig, lay: Layout, dc_shards: int) -> float:
     params = model.num_params / (lay.tp * lay.pp)
-    optimizer = ADAMW_STATE_BYTES * params / (dc_shards if lay.shard_optimizer else 1)
+    # Sharded only where the hierarchical engine runs: flat sync (DDP) keeps the whole AdamW state on every rank.
+    sharded = lay.shard_optimizer and lay.dp > 1 and runs_hierarchical(lay)
+    optimizer = ADAMW_STATE_BYTES * params / (dc_shards if sharded else 1)
     one = activation_bytes(model, lay.micro_batch, model.n_layers // lay.pp, lay.tp, fp32=lay.fp32)
     acts = one * micro_batches_in_flight(lay)
     return 2 * BYTES_FP32 * params + optimizer + acts  # params + grads + optimizer + activations
