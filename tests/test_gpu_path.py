@@ -189,6 +189,21 @@ def test_a_gpu_job_plans_on_the_compute_rate_of_its_own_precision(monkeypatch):
     assert used and set(used) == {Precision.BF16}
 
 
+def test_auto_precision_is_bf16_only_on_gpus_that_run_it_natively(monkeypatch):
+    # torch's is_bf16_supported() says yes for a Volta or Turing GPU, which only emulates bf16 (slower than fp32)
+    from meridian.workers.contracts.config import Precision
+    from meridian.workers.loop.precision import resolve_precision
+
+    native = {"volta": False, "ampere": True}
+    for gpu, has_native in native.items():
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported",
+                            lambda including_emulation=True, n=has_native: n or including_emulation)
+        expected = Precision.BF16 if has_native else Precision.FP32
+        assert resolve_precision(Precision.AUTO, torch.device("cuda", 0)) is expected, gpu
+    assert resolve_precision(Precision.AUTO, torch.device("cpu")) is Precision.FP32
+    assert resolve_precision(Precision.BF16, torch.device("cpu")) is Precision.BF16
+
+
 class _Event:
     """Stands in for a CUDA event: the snapshot store writes only after ``synchronize`` returned."""
 

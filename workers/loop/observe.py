@@ -29,7 +29,8 @@ def measure_peak_flops(device: torch.device, *, n: int | None = None, bursts: in
     burst, not the mean, because other processes sharing the cores only ever make a burst slower.
     """
     n = n or PEAK_MATMUL_N.get(device.type, PEAK_MATMUL_N["cpu"])
-    dtype = torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
+    native_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
+    dtype = torch.bfloat16 if native_bf16 else torch.float32
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
     a @ b  # warm-up: first call pays for kernel selection

@@ -10,10 +10,12 @@ from meridian.workers.contracts.config import Precision
 
 
 def resolve_precision(precision: Precision, device: torch.device) -> Precision:
-    """``auto`` → bf16 on a GPU that supports it, fp32 elsewhere (bf16 autocast on CPU is slower)."""
+    """``auto`` → bf16 on a GPU that supports it natively (Ampere and later), fp32 elsewhere: bf16 autocast on CPU
+    is slower, and torch's default ``is_bf16_supported()`` also says yes for GPUs that only emulate it (Volta,
+    Turing), where it is slower than fp32."""
     if precision is not Precision.AUTO:
         return precision
-    if device.type == "cuda" and torch.cuda.is_bf16_supported():
+    if device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False):
         return Precision.BF16
     return Precision.FP32
 
