@@ -254,3 +254,19 @@ def test_the_embedded_cluster_hands_each_node_its_own_gpus_or_none():
     assert gpu_shares(["3", "5"], 2) == [["3"], ["5"]]  # CUDA_VISIBLE_DEVICES' ids, as given
     assert gpu_shares([], 3) == [[], [], []]
 
+
+
+def test_gpu_workers_of_a_node_see_its_gpus_and_each_picks_the_one_ray_gave_it(monkeypatch):
+    # Ray Train masks each worker to its own GPU unless the backend shares them; NCCL between workers of one node
+    # then loses peer-to-peer transfers (and hits NCCL bugs on NVSwitch hosts). Its torch backend shares them.
+    import ray
+
+    from meridian.service.runner.actor import _meridian_torch_config
+    from meridian.workers import entry
+
+    assert _meridian_torch_config(True).backend_cls.share_cuda_visible_devices is True
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")  # the node's GPUs of this job, shared
+    monkeypatch.setattr(ray, "get_gpu_ids", lambda: [6])
+    assert entry._device() == "cuda:2"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "6")  # a replacement worker, started outside the shared group
+    assert entry._device() == "cuda:0"

@@ -111,6 +111,11 @@ def _meridian_torch_config(use_gpu: bool) -> Any:
 
     class _MeridianBackend(Backend):
         has_replica_groups = True  # Ray Train 2.60: replace failing replica groups, keep the others running
+        # As Ray Train's torch backend: each GPU worker sees every GPU its node gives the job, so NCCL between
+        # workers of one node can use peer-to-peer (NVLink) transfers. Masked to its own GPU per process, NCCL
+        # falls back to slower paths and has known bugs on NVSwitch hosts (NVIDIA/nccl#1749, #1906). The worker
+        # picks its own device by Ray's GPU id within the list (meridian.workers.entry._device).
+        share_cuda_visible_devices = True
 
         def on_start(self, worker_group: Any, backend_config: Any) -> None:
             pass  # each epoch forms its own process group (meridian.workers.elastic.rendezvous)
