@@ -128,3 +128,83 @@ def test_a_controller_placing_its_workers_is_asked_to_abort_however_busy(runner)
     assert c.calls == ["abort"] and runner.waits == [("abort", actor.ABORT_WAIT_S)] and runner.killed[0] is c
     (event,) = killed_events(runner)
     assert "did not abort within" in event["message"] and runner.pg_cleanups == ["c0ffee"]
+
+
+def test_a_sweep_that_raises_does_not_keep_the_job_from_its_outcome(monkeypatch):
+    # Before: the first _finish set _finishing, the sweep raised (a busy GCS), the outcome was never set, and every
+    # later _finish returned at once: the job stayed running for ever.
+    from meridian.service.runner.membership import Epoch, Member
+    from meridian.service.runner.poll import RunnerState
+
+    def busy(job_id):
+        raise RuntimeError("GCS unavailable: ray.nodes() timed out")
+
+    monkeypatch.setattr(actor, "sweep_snapshots", busy)
+    plan = type("P", (), {"rank_datacenters": ("dc-a",)})()
+    r = JobRunner("j1", {}, plan, "/tmp/unused")
+    m = Member.from_request(JoinRequest(worker_id="w0", datacenter="dc-a", node_id="n", address="127.0.0.1", port=1),
+                            joined_at=0.0)
+
+    def fit(attempt):  # trains to the last step
+        r.coordinator.state.epoch = Epoch(1, (m,), resume_step=0)
+        r.coordinator.finished.add("w0")
+
+    monkeypatch.setattr(r, "_fit", fit)
+    r._run()
+    poll = r.poll(0)
+    assert r._done.is_set() and poll.state is RunnerState.SUCCEEDED
+    assert "snapshots_not_swept" in [e["kind"] for e in poll.events]
+
+
+def test_no_replacement_worker_is_started_once_the_job_is_cancelled(monkeypatch):
+    from meridian.service.cluster.topology import ClusterTopology, NodeInfo
+    from meridian.service.runner.membership import Epoch, Member
+
+    started, killed = [], []
+
+    class FakeActor:
+        def __init__(self, n):
+            self._actor_id = bytes([n])
+
+    def start(name, cfg, dc, plan):
+        started.append(FakeActor(len(started)))
+        return dc, started[-1]
+
+    monkeypatch.setattr(actor, "_start_replacement", start)
+    monkeypatch.setattr(ray, "kill", lambda handle, no_restart=True: killed.append(handle))
+    plan = type("P", (), {"rank_datacenters": ("dc-a", "dc-a"), "resources_per_worker": {"CPU": 1.0}})()
+    r = JobRunner("j1", {}, plan, "/tmp/unused")
+    monkeypatch.setattr(r, "_abort", lambda controller: None)
+    m = Member.from_request(JoinRequest(worker_id="w0", datacenter="dc-a", node_id="n1", address="127.0.0.1", port=1),
+                            joined_at=0.0)
+    r.coordinator.state.epoch = Epoch(2, (m,), resume_step=10)  # dc-a lost its second worker earlier
+    node = NodeInfo("n1", "dc-a", True, "", False, 2.0, 0.0, 0.0, available_cpus=1.0, available_gpus=0.0, labels={})
+    topo = ClusterTopology((node,))
+    r.cancel()  # the coordinator closes, the controller is stopped; fit() has not returned, so the job is not done
+    r._replace_lost_workers(topo)  # the watch's next tick: dc-a has room again
+    # Before: a worker was started after cancel's kill loop had run, held its CPU, and no one killed it.
+    assert started == [] and "worker_replacing" not in [e["kind"] for e in r.poll(0).events]
+
+
+def test_a_replacement_whose_start_a_cancel_overtook_is_killed(monkeypatch):
+    from meridian.service.cluster.topology import ClusterTopology, NodeInfo
+    from meridian.service.runner.membership import Epoch, Member
+
+    killed = []
+    plan = type("P", (), {"rank_datacenters": ("dc-a", "dc-a"), "resources_per_worker": {"CPU": 1.0}})()
+    r = JobRunner("j1", {}, plan, "/tmp/unused")
+    monkeypatch.setattr(r, "_abort", lambda controller: None)
+    handle = type("A", (), {"_actor_id": b"\x07"})()
+
+    def start(name, cfg, dc, plan):
+        r.cancel()  # lands while Ray starts the worker: cancel's kill loop runs before the runner knows of it
+        return dc, handle
+
+    monkeypatch.setattr(actor, "_start_replacement", start)
+    monkeypatch.setattr(ray, "kill", lambda h, no_restart=True: killed.append(h))
+    m = Member.from_request(JoinRequest(worker_id="w0", datacenter="dc-a", node_id="n1", address="127.0.0.1", port=1),
+                            joined_at=0.0)
+    r.coordinator.state.epoch = Epoch(2, (m,), resume_step=10)
+    node = NodeInfo("n1", "dc-a", True, "", False, 2.0, 0.0, 0.0, available_cpus=1.0, available_gpus=0.0, labels={})
+    r._replace_lost_workers(ClusterTopology((node,)))
+    assert killed == [handle]

@@ -359,9 +359,11 @@ class JobRunner:
         self._replace_lost_workers(topo)
 
     def _replace_lost_workers(self, topo: ClusterTopology) -> None:
-        """Start a worker in each datacenter that runs short of its plan and has room for one again."""
+        """Start a worker in each datacenter that runs short of its plan and has room for one again; none once the
+        job is ending (a cancel or the last step: the coordinator is closed; a worker started then held its CPU or
+        GPU after the kill loop of :meth:`_stop_training` had run)."""
         epoch = self.coordinator.epoch
-        if epoch is None or self._done.is_set():
+        if epoch is None or self._done.is_set() or self._cancel.is_set() or self.coordinator.closed:
             return
         members = {m.worker_id for m in epoch.members}
         waiting = set(self.coordinator.status()["waiting"])
@@ -376,7 +378,13 @@ class JobRunner:
         if dc is None:
             return
         dc_, actor = _start_replacement(self.name, self.train_config, dc, self.plan)
-        self._replacements[actor._actor_id.hex()] = (dc_, actor)
+        with self._lock:
+            self._replacements[actor._actor_id.hex()] = (dc_, actor)
+            stopped = self.coordinator.closed  # _stop_training closed it before its kill loop: this one was missed
+        if stopped:
+            with contextlib.suppress(Exception):
+                ray.kill(actor, no_restart=True)
+            return
         self.push_event("worker_replacing", f"capacity returned in {dc}: starting a worker there", {"datacenter": dc})
 
     def _still_starting(self, key: str, handle: tuple[str, Any]) -> bool:
@@ -396,8 +404,14 @@ class JobRunner:
             if self._finishing:
                 return  # the first outcome wins (training finished, then the aborted controller returns)
             self._finishing = True
-        # Before the outcome is visible: once it is, the service releases (kills) this actor.
-        sweep_snapshots(self.job_id)
+        # Before the outcome is visible: once it is, the service releases (kills) this actor. Best effort: a sweep
+        # that raised (a busy GCS) left the job without an outcome, every later _finish returning at once, so the
+        # job ran forever. Its folders then stay, and an event says so.
+        try:
+            sweep_snapshots(self.job_id)
+        except Exception as e:  # noqa: BLE001 - the outcome must reach the service whatever the sweep did
+            self.push_event("snapshots_not_swept", f"removing the job's in-memory snapshot folders failed ({e}); "
+                            "they stay in RAM on the nodes until the host reboots or a later sweep", {})
         with self._lock:
             self._state, self._error = state, error
         self._done.set()
@@ -412,7 +426,9 @@ class JobRunner:
                 self._stopped_controller = controller
         if first:
             self._abort(controller)
-        for _, actor in list(self._replacements.values()):
+        with self._lock:
+            replacements = list(self._replacements.values())
+        for _, actor in replacements:
             with contextlib.suppress(Exception):
                 ray.kill(actor, no_restart=True)
 
