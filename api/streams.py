@@ -22,6 +22,8 @@ from meridian.service.store import JobStore
 POLL_S = 0.25
 KEEPALIVE_S = 15.0
 BATCH = 500
+DRAIN_S = 30.0
+"""After a job ends, how long a followed log may keep reading what its workers wrote last."""
 
 
 def sse_message(event: EventPublic) -> str:
@@ -61,21 +63,28 @@ async def follow_logs(
     request: Request, store: JobStore, service: Any, job_id: str, tail_bytes: int, ranks: set[int] | None,
     poll_s: float = 1.0,
 ) -> AsyncIterator[str]:
-    """Worker log lines as JSON lines until the job ends (then one final read, so the last lines arrive)."""
+    """Worker log lines as JSON lines until the job ends; then read on until a read brings nothing new (one read
+    takes at most 256 KiB a file: a job that printed more in its last second lost the rest, and the stream ended
+    as if complete), for at most ``DRAIN_S``."""
     offsets: dict[str, int] | None = None
     last_keepalive = time.monotonic()
+    drain_until: float | None = None
     while True:
         job = await run_in_threadpool(store.get_job, job_id)
         try:
+            before = dict(offsets or {})
             entries, offsets = await run_in_threadpool(
                 service.read_logs, job.placement or [], offsets, tail_bytes=tail_bytes, ranks=ranks)
         except Exception as e:  # noqa: BLE001 - a node that cannot be read now is retried, and said so
             yield json.dumps({"rank": -1, "stream": "err", "line": f"(meridian: could not read logs: {e})"}) + "\n"
-            entries = []
+            entries, before = [], None
         for e in entries:
             yield json.dumps({"rank": e.rank, "stream": e.stream, "line": e.line}) + "\n"
         if job.status.state.is_terminal:
-            return
+            drain_until = drain_until or time.monotonic() + DRAIN_S
+            if before is None or offsets == before or time.monotonic() > drain_until or await request.is_disconnected():
+                return
+            continue  # the job is over: drain what its workers wrote, without waiting between reads
         if await request.is_disconnected():
             return
         if not entries and time.monotonic() - last_keepalive > KEEPALIVE_S:

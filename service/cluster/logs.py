@@ -40,8 +40,9 @@ def _logs_dir() -> str:
 
 def read_files_here(wanted: list[tuple[str, int, str, int | None, str]], tail_bytes: int, max_bytes: int) -> list[tuple[str, int, str]]:
     """For (key, pid, stream, offset, ray worker id) read ``worker-<ray worker id>-*-<pid>.<stream>`` in this
-    node's logs folder from ``offset`` (``None``: the last ``tail_bytes``), at most ``max_bytes``, ending on
-    a whole line. The Ray worker id names the very process: a pid alone may have been reused by another
+    node's logs folder from ``offset`` (``None``: the last ``tail_bytes``, whatever ``max_bytes`` says: the
+    newest lines, not the oldest of a window larger than one read), at most ``max_bytes``, ending on a whole
+    line. The Ray worker id names the very process: a pid alone may have been reused by another
     job's worker. Without one (a worker of an older release) the newest file of the pid is read.
     Returns (key, new offset, text)."""
     logs = _logs_dir()
@@ -55,14 +56,15 @@ def read_files_here(wanted: list[tuple[str, int, str, int | None, str]], tail_by
         path = max(paths, key=os.path.getmtime)
         size = os.path.getsize(path)
         start = max(0, size - tail_bytes) if offset is None else min(offset, size)
+        limit = max(max_bytes, tail_bytes) if offset is None else max_bytes
         with open(path, "rb") as f:
             f.seek(start)
-            data = f.read(max_bytes)
+            data = f.read(limit)
         if offset is None and start > 0:
             skip = data.find(b"\n") + 1  # a tail starts mid-line: drop the fragment
             data, start = data[skip:], start + skip
         cut = data.rfind(b"\n") + 1  # keep a partial last line for the next read ...
-        if cut == 0 and len(data) >= max_bytes:
+        if cut == 0 and len(data) >= limit:
             cut = len(data)  # ... unless one line is longer than max_bytes: hand it over in pieces
         data = data[:cut]
         out.append((key, start + len(data), data.decode("utf-8", errors="replace")))
@@ -86,7 +88,9 @@ def plan_reads(
             gone.append((p["rank"], p["node_id"]))
             continue
         for stream in STREAMS:
-            key = f"{p['rank']}:{stream}"
+            # Keyed by the process, not the rank alone: after a re-formation a rank is another process with a log
+            # of its own, which is read from its start, not from the old one's offset.
+            key = f"{p['rank']}:{p.get('ray_worker_id') or p['pid']}:{stream}"
             ranks_of[key] = p["rank"]
             by_node[p["node_id"]].append((key, p["pid"], stream, None if first else offsets.get(key, 0),
                                           str(p.get("ray_worker_id") or "")))
@@ -107,25 +111,10 @@ class WorkerLogs:
     ) -> tuple[list[LogEntry], dict[str, int]]:
         """New log lines of every rank since ``offsets`` (``None``: the tail), and the offsets to pass next.
         A rank on a node outside ``alive_nodes`` is not read (its logs died with it; a first read says so)."""
-        import ray
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
         offsets = dict(offsets or {})
         first = not offsets
         by_node, ranks_of, gone = plan_reads(placement, offsets, ranks=ranks, alive_nodes=alive_nodes)
-        refs = [
-            self._read.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote(
-                wanted, tail_bytes, max_bytes)
-            for node_id, wanted in by_node.items()
-        ]
-        try:
-            results = ray.get(refs, timeout=READ_TIMEOUT_S) if refs else []
-        except (ray.exceptions.RayError, TimeoutError) as e:
-            for ref in refs:
-                ray.cancel(ref, force=True)
-            raise ClusterUnavailable(
-                f"could not read worker logs on nodes {sorted(n[:12] for n in by_node)} within {READ_TIMEOUT_S:.0f} s "
-                f"({type(e).__name__}); a node may be down — GET /v1/cluster shows which") from None
+        results = self._read_on_nodes(by_node, tail_bytes, max_bytes)
         entries: list[LogEntry] = []
         if first:
             entries += [LogEntry(rank, "err", f"(meridian: node {node[:12]} is no longer alive; this rank's logs "
@@ -133,6 +122,26 @@ class WorkerLogs:
         for result in results:
             for key, offset, text in result:
                 offsets[key] = offset
-                entries += [LogEntry(ranks_of[key], key.split(":")[1], line) for line in text.splitlines()]
+                entries += [LogEntry(ranks_of[key], key.rsplit(":", 1)[1], line) for line in text.splitlines()]
         entries.sort(key=lambda e: (e.rank, e.stream))
         return entries, offsets
+
+    def _read_on_nodes(self, by_node: dict[str, list[tuple[str, int, str, int | None, str]]], tail_bytes: int,
+                       max_bytes: int) -> list[list[tuple[str, int, str]]]:
+        """:func:`read_files_here` on each node, in a task pinned to it."""
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        refs = [
+            self._read.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote(
+                wanted, tail_bytes, max_bytes)
+            for node_id, wanted in by_node.items()
+        ]
+        try:
+            return ray.get(refs, timeout=READ_TIMEOUT_S) if refs else []
+        except (ray.exceptions.RayError, TimeoutError) as e:
+            for ref in refs:
+                ray.cancel(ref, force=True)
+            raise ClusterUnavailable(
+                f"could not read worker logs on nodes {sorted(n[:12] for n in by_node)} within {READ_TIMEOUT_S:.0f} s "
+                f"({type(e).__name__}); a node may be down — GET /v1/cluster shows which") from None
