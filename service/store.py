@@ -455,12 +455,21 @@ class JobStore:
             ])
 
     def list_metrics(self, job_id: str, *, after_step: int = 0, limit: int = 10_000) -> list[dict[str, Any]]:
-        q = (
-            sa.select(metrics_table.c.data).where(metrics_table.c.job_id == job_id, metrics_table.c.step > after_step)
-            .order_by(metrics_table.c.step, metrics_table.c.id).limit(limit)
-        )
+        return [point for point, _ in self.page_metrics(job_id, after_step=after_step, limit=limit)]
+
+    def page_metrics(self, job_id: str, *, after_step: int = 0, after_id: int | None = None,
+                     limit: int = 10_000) -> list[tuple[dict[str, Any], int]]:
+        """(point, row id) in (step, row id) order: after ``after_step`` or, with ``after_id``, after the row
+        (``after_step``, ``after_id``). A step can be stored twice (a failure with snapshots every k > 1 steps
+        trains up to k - 1 steps again), so a page that ends inside a step continues with that step's next row;
+        by step alone, that row was skipped."""
+        c = metrics_table.c
+        after = c.step > after_step
+        if after_id is not None:
+            after = sa.or_(after, sa.and_(c.step == after_step, c.id > after_id))
+        q = sa.select(c.data, c.id).where(c.job_id == job_id, after).order_by(c.step, c.id).limit(limit)
         with self.engine.connect() as conn:
-            return [json.loads(r.data) for r in conn.execute(q)]
+            return [(json.loads(r.data), r.id) for r in conn.execute(q)]
 
     def close(self) -> None:
         self.engine.dispose()

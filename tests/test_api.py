@@ -146,3 +146,21 @@ def test_job_list_pages_follow_every_change_to_a_job(client, store):
     client.delete(f"/v1/jobs/{second['id']}")
     assert client.get("/v1/jobs", params={"state": "cancelled"}).json()["jobs"][0]["id"] == second["id"]
     assert [j["id"] for j in client.get("/v1/jobs", params={"limit": 1, "offset": 1}).json()["jobs"]] == [first["id"]]
+
+
+def test_paging_the_metrics_with_next_keeps_a_step_trained_twice(client, supervisor):
+    # After a failure with snapshots every k > 1 steps, steps 5 and 6 were trained (and recorded) again. Paged by
+    # step alone, a page ending between a step's two points lost the second.
+    job = client.post("/v1/jobs", json=spec()).json()
+    points = [{"step": i, "loss": 10.0 - i, "epoch": 1} for i in range(1, 7)]
+    points += [{"step": i, "loss": 10.0 - i, "epoch": 2} for i in range(5, 9)]
+    supervisor.store.add_metrics(job["id"], points)
+    got, params = [], {"limit": 5}
+    while True:
+        page = client.get(f"/v1/jobs/{job['id']}/metrics", params=params).json()
+        got += page["points"]
+        if not page["points"]:
+            break
+        params = {"limit": 5, **page["next"]}
+    assert sorted((p["step"], p["epoch"]) for p in got) == sorted((p["step"], p["epoch"]) for p in points)
+    assert client.get(f"/v1/jobs/{job['id']}/metrics", params={"after_step": 6}).json()["points"][0]["step"] == 7

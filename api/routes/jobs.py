@@ -158,11 +158,16 @@ def job_events(
 def job_metrics(
     job_id: str, store: StoreDep, caller: CallerDep,
     after_step: Annotated[int, Query(ge=0, le=2**62)] = 0,
+    after_id: Annotated[int | None, Query(ge=0, le=2**62)] = None,
     limit: Annotated[int, Query(ge=1, le=100_000)] = 10_000,
 ) -> dict[str, Any]:
-    """The stored per-step series: loss, tokens/s, step time, learning rate, inter-DC bytes."""
+    """The stored per-step series: loss, tokens/s, step time, learning rate, inter-DC bytes. Page with ``next``:
+    the ``after_step`` and ``after_id`` of the next page (a step trained again after a failure has two points,
+    and a page may end between them)."""
     caller.check_owns(store.get_job(job_id))
-    return {"job_id": job_id, "points": store.list_metrics(job_id, after_step=after_step, limit=limit)}
+    page = store.page_metrics(job_id, after_step=after_step, after_id=after_id, limit=limit)
+    nxt = {"after_step": int(page[-1][0]["step"]), "after_id": page[-1][1]} if page else None
+    return {"job_id": job_id, "points": [point for point, _ in page], "next": nxt}
 
 
 @router.get("/{job_id}/artifacts", responses=ERRORS)
