@@ -138,15 +138,12 @@ class LoopbackHostOnly:
             host = next((v.decode("latin-1") for k, v in scope.get("headers", ()) if k == b"host"), "")
             name = host_name(host)
             if not (is_loopback(name) or name.endswith(".localhost")):
-                from meridian.api.errors import PROBLEM_JSON, problem_bytes
+                from meridian.api.errors import send_problem
 
-                body = problem_bytes(403, f"Host {host[:100]!r} is not a loopback name: with auth off this service "
-                                          "only answers requests addressed to localhost or 127.0.0.1 (protection "
-                                          "against DNS rebinding). Use http://127.0.0.1:<port>, or serve with --auth",
-                                     instance=scope.get("path", ""))
-                await send({"type": "http.response.start", "status": 403, "headers": [
-                    (b"content-type", PROBLEM_JSON.encode()), (b"content-length", str(len(body)).encode())]})
-                await send({"type": "http.response.body", "body": body})
+                await send_problem(send, 403, f"Host {host[:100]!r} is not a loopback name: with auth off this "
+                                              "service only answers requests addressed to localhost or 127.0.0.1 "
+                                              "(protection against DNS rebinding). Use http://127.0.0.1:<port>, or "
+                                              "serve with --auth", instance=scope.get("path", ""))
                 return
         await self.app(scope, receive, send)
 

@@ -92,6 +92,15 @@ def problem_bytes(status: int, detail: str, *, instance: str = "", **extra: Any)
                                    instance=instance, **extra)).encode()
 
 
+async def send_problem(send: Any, status: int, detail: str, *, instance: str = "") -> None:
+    """Answer with a problem from an ASGI middleware, below the app's handlers (the body size limit, the
+    loopback Host check, an unhandled exception)."""
+    body = problem_bytes(status, detail, instance=instance)
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", PROBLEM_JSON.encode()), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(MeridianError)
     async def _meridian(request: Request, exc: MeridianError) -> JSONResponse:
@@ -140,10 +149,5 @@ class UnexpectedErrors:
             log.exception("unhandled error on %s %s", scope.get("method", ""), scope.get("path", ""))
             if started:  # a streamed body broke half-way: nothing more can be said on this response
                 raise
-            body = json.dumps(problem_body(500, f"internal error ({type(exc).__name__}); the service log has the "
-                                                f"details under request id {rid}",
-                                           instance=scope.get("path", ""))).encode()
-            await send({"type": "http.response.start", "status": 500,
-                        "headers": [(b"content-type", PROBLEM_JSON.encode()),
-                                    (b"content-length", str(len(body)).encode())]})
-            await send({"type": "http.response.body", "body": body})
+            await send_problem(send, 500, f"internal error ({type(exc).__name__}); the service log has the details "
+                                          f"under request id {rid}", instance=scope.get("path", ""))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from meridian.api.errors import PROBLEM_JSON, problem_bytes
+from meridian.api.errors import send_problem
 
 DEFAULT_MAX_BODY_BYTES = 1 * 2**20
 
@@ -23,10 +23,7 @@ class BodySizeLimit:
         return f"request body larger than {self.max_bytes} bytes; a job spec is a few kB, send less"
 
     async def _reject(self, scope: dict, send: Any) -> None:
-        body = problem_bytes(413, self._message(), instance=scope.get("path", ""))
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", PROBLEM_JSON.encode()), (b"content-length", str(len(body)).encode())]})
-        await send({"type": "http.response.body", "body": body})
+        await send_problem(send, 413, self._message(), instance=scope.get("path", ""))
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
