@@ -30,7 +30,7 @@ from meridian.service.jobs import JobRequest
 from meridian.workers.contracts.config import DataConfig, DataPin
 from meridian.workers.contracts.model_config import ModelConfig
 from meridian.workers.data.manifest import check_dataset_files, read_manifest, tokenizer_sha256
-from meridian.workers.data.source import read_source, source_sha256
+from meridian.workers.data.source import NotRegularFile, open_regular, read_source, source_sha256
 
 BUILTIN_SOURCES = ("builtin:python-reference",)
 DEFAULT_MAX_BYTES = 128 * 2**20
@@ -148,15 +148,15 @@ def check_init_from_data(data: DataConfig, checkpoint: str) -> None:
                          + f"), whose ids mean different tokens to model.init_from; prepare each with {prepare_hint}")
     path = os.path.join(checkpoint, "tokenizer.json")
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0))
+        fd = open_regular(path)
     except FileNotFoundError:
         return  # no tokenizer to compare with: the vocabulary size is all admission can check
     except OSError as e:
         raise InvalidJob(f"model.init_from: {path} cannot be read ({e.strerror}); it must be a regular file, not a "
                          "symlink") from None
+    except NotRegularFile:
+        raise InvalidJob(f"model.init_from: {path} is not a regular file") from None
     with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise InvalidJob(f"model.init_from: {path} is not a regular file")
         text = f.read()
     try:
         want = tokenizer_sha256(text.decode("utf-8"))

@@ -27,6 +27,7 @@ from typing import Any
 
 from meridian.workers.contracts.config import DataPin
 from meridian.workers.contracts.fields import from_plain, to_plain
+from meridian.workers.data.source import NotRegularFile, open_regular
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
@@ -156,16 +157,13 @@ def open_dataset_file(directory: str, name: str) -> int:
     naming the file, as is a name with a path in it; non-blocking, so a named pipe cannot hang the caller."""
     if not is_plain_name(name):
         raise ValueError(f"dataset {directory!r}: {name!r} is not a plain file name; prepare the dataset again")
-    path = os.path.join(directory, name)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0))
+        return open_regular(os.path.join(directory, name))
     except OSError as e:
         raise ValueError(f"dataset {directory!r}: {name} cannot be opened ({e.strerror}); it must be a regular "
                          "file, not a symlink; prepare the dataset again") from None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise ValueError(f"dataset {directory!r}: {name} is not a regular file; prepare the dataset again")
-    return fd
+    except NotRegularFile:
+        raise ValueError(f"dataset {directory!r}: {name} is not a regular file; prepare the dataset again") from None
 
 
 def check_dataset_files(directory: str, manifest: Manifest) -> None:
@@ -182,7 +180,6 @@ def check_dataset_files(directory: str, manifest: Manifest) -> None:
             kind = "a symlink" if stat.S_ISLNK(st.st_mode) else "not a regular file"
             raise ValueError(f"dataset {directory!r}: {what} {name} is {kind}; a dataset's files must be regular "
                              "files inside its directory (copy the data there instead of linking it)")
-
 
 
 def write_manifest(directory: str, manifest: Manifest) -> None:

@@ -13,15 +13,31 @@ import os
 import stat
 
 
+class NotRegularFile(Exception):
+    """What :func:`open_regular` opened is not a regular file (a directory, a pipe, a device)."""
+
+
+def open_regular(path: str) -> int:
+    """A read-only descriptor of the regular file ``path``, opened non-blocking and not through a symlink as its
+    last part (a named pipe cannot hang the reader; a path swapped for a link after it was checked is refused).
+    ``OSError`` when it cannot be opened (a symlink among the reasons), :class:`NotRegularFile` when it is not a
+    regular file; each caller says which in its own words."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0))
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise NotRegularFile(path)
+    return fd
+
+
 def read_source(path: str, max_bytes: int, *, where: str = "on this node") -> bytes:
     """The first ``max_bytes`` bytes of the regular file ``path``; ``ValueError`` naming it otherwise."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0))
+        fd = open_regular(path)
     except OSError as e:
         raise ValueError(f"data.source {path!r} cannot be read {where}: {e.strerror}") from None
+    except NotRegularFile:
+        raise ValueError(f"data.source {path!r} is not a regular file {where}") from None
     with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise ValueError(f"data.source {path!r} is not a regular file {where}")
         return f.read(max_bytes)
 
 
