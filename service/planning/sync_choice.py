@@ -4,7 +4,8 @@ A pure function of the inter-DC link (RTT, bandwidth), the model's size and the 
 the same link arithmetic as :mod:`meridian.service.planning.cost_model`:
 
 - ``hierarchical`` while its inter-DC all-reduce hides behind the last micro-batch's backward (about 2/3 of
-  that micro-batch's compute; earlier micro-batches only accumulate, as the cost model counts it) well enough that the step slows by at most ``max_slowdown``: it keeps training identical to one process.
+  that micro-batch's compute; earlier micro-batches only accumulate, as the cost model counts it) well enough
+  that the step slows by at most ``max_slowdown``: it keeps training identical to one process.
   What hides is bounded by the buckets: the last gradient bucket's exchange (its latency whole, its share of
   the transfer) always follows backward, so a model that fits one bucket hides nothing.
 - Otherwise ``hierarchical`` one step late at a local look-ahead (``sync.delay_one_step`` with

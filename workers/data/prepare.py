@@ -4,8 +4,9 @@ Documents stream from the inputs in batches and are encoded with Hugging Face ``
 ``encode_batch``, which runs on every core (its Rust thread pool), so neither the corpus nor its tokens are
 ever held whole in memory. A text file's document is a paragraph, cut at the first line end after
 :data:`MAX_DOCUMENT_BYTES`: a file with no blank lines (a sentence or a document per line) would otherwise be
-one document, held and encoded whole (60 MB of text peaked at 7.4 GiB) and never split for validation. The result is described in :mod:`meridian.workers.data.manifest`. The key of a
-run hashes the inputs' contents and every option: a rerun with the same key returns the existing manifest.
+one document, held and encoded whole (60 MB of text peaked at 7.4 GiB) and never split for validation. The
+result is described in :mod:`meridian.workers.data.manifest`. The key of a run hashes the inputs' contents
+and every option: a rerun with the same key returns the existing manifest.
 """
 
 from __future__ import annotations
