@@ -79,16 +79,41 @@ class TakenStorePortCoordinator(RecordingCoordinator):
         return a
 
 
+class HeldFinishCoordinator(RecordingCoordinator):
+    """Holds worker ``held``'s first ``finish`` call until :meth:`release_finish`, then drops it: the worker's
+    training process is killed in that window (it trained the last step, its finish never arrives)."""
+
+    def __init__(self, *, held: str, **kw) -> None:
+        super().__init__(**kw)
+        self.held, self._holding, self._released = held, threading.Event(), threading.Event()
+
+    def finish(self, worker_id: str) -> None:
+        if worker_id != self.held or self._holding.is_set():
+            return super().finish(worker_id)
+        self._holding.set()
+        self._released.wait(TIMEOUT_S)
+
+    def holding_finish(self) -> bool:
+        return self._holding.is_set()
+
+    def release_finish(self) -> None:
+        self._released.set()
+
+
 _SERVER: dict[str, RecordingCoordinator] = {}
 
 
-def _coordinator(planned: int = 0, taken_store_epoch: int = 0) -> RecordingCoordinator:
+def _coordinator(planned: int = 0, taken_store_epoch: int = 0, hold_finish: str = "") -> RecordingCoordinator:
     """The one coordinator of this manager's server process (created by the first call, which names the size)."""
     if "c" not in _SERVER:
         kw = {"planned_workers": planned, "min_workers": 1, "dc_order": ("dc-a", "dc-b")}
         # (A stopped member's next process needs a few seconds to rejoin on a loaded machine: a longer grace.)
-        _SERVER["c"] = (TakenStorePortCoordinator(epoch=taken_store_epoch, grace_s=9.0, **kw) if taken_store_epoch
-                        else RecordingCoordinator(grace_s=3.0, **kw))  # fmt: skip
+        if taken_store_epoch:
+            _SERVER["c"] = TakenStorePortCoordinator(epoch=taken_store_epoch, grace_s=9.0, **kw)
+        elif hold_finish:
+            _SERVER["c"] = HeldFinishCoordinator(held=hold_finish, grace_s=3.0, **kw)
+        else:
+            _SERVER["c"] = RecordingCoordinator(grace_s=3.0, **kw)
     return _SERVER["c"]
 
 
@@ -99,11 +124,13 @@ class CoordinatorManager(BaseManager):
 CoordinatorManager.register("coordinator", _coordinator)
 
 
-def _elastic_worker(i, dc, address, cfg, results, kill_children=(), freeze_after=0, frozen_pids=None):
+def _elastic_worker(i, dc, address, cfg, results, kill_children=(), freeze_after=0, frozen_pids=None,
+                    kill_in_finish=False):
     """One worker's agent. ``kill_children``: SIGKILL its training processes (not the agent), the n-th one it
     starts once that one has trained step ``kill_children[n]`` (``0``: at once, before it trains).
     ``freeze_after``: once it has trained that step, SIGSTOP its training process and then itself, as a host that
-    lost its power stops (sockets open, nothing answers); their pids go to ``frozen_pids``."""
+    lost its power stops (sockets open, nothing answers); their pids go to ``frozen_pids``. ``kill_in_finish``:
+    SIGKILL its training process while the coordinator holds its ``finish`` call (:class:`HeldFinishCoordinator`)."""
     manager = CoordinatorManager(address=address, authkey=AUTHKEY)
     manager.connect()
     coordinator = manager.coordinator()
@@ -119,6 +146,8 @@ def _elastic_worker(i, dc, address, cfg, results, kill_children=(), freeze_after
         threading.Thread(target=_kill_children, args=(agent, cfg, f"w{i}", kill_children), daemon=True).start()
     if freeze_after:
         threading.Thread(target=_freeze, args=(agent, cfg, f"w{i}", freeze_after, frozen_pids), daemon=True).start()
+    if kill_in_finish:
+        threading.Thread(target=_kill_in_finish, args=(agent, coordinator), daemon=True).start()
     try:
         result, error = agent.run(), None
     except RuntimeError as e:
@@ -140,6 +169,16 @@ def _freeze(agent: Agent, cfg: TrainConfig, worker_id: str, step: int, frozen_pi
     os.kill(os.getpid(), signal.SIGSTOP)
 
 
+def _kill_in_finish(agent: Agent, coordinator) -> None:
+    deadline = time.monotonic() + TIMEOUT_S
+    while not coordinator.holding_finish():
+        assert time.monotonic() < deadline, "the finish call never came"
+        time.sleep(0.01)
+    os.kill(agent._child.pid, signal.SIGKILL)
+    agent._child.join(10)
+    coordinator.release_finish()
+
+
 def _kill_children(agent: Agent, cfg: TrainConfig, worker_id: str, after_steps: tuple[int, ...]) -> None:
     seen = set()
     for step in after_steps:
@@ -157,10 +196,10 @@ AUTHKEY = b"meridian-test"
 class ElasticRun:
     """The coordinator server and the worker processes of one test run."""
 
-    def __init__(self, planned: int, taken_store_epoch: int = 0) -> None:
+    def __init__(self, planned: int, taken_store_epoch: int = 0, hold_finish: str = "") -> None:
         self.manager = CoordinatorManager(address=("127.0.0.1", 0), authkey=AUTHKEY)
         self.manager.start()
-        self.coordinator = self.manager.coordinator(planned, taken_store_epoch)
+        self.coordinator = self.manager.coordinator(planned, taken_store_epoch, hold_finish)
         self.ctx = zygote_context()  # the workers are forks of the zygote (zygote_process in start)
         self.results = self.ctx.Queue()
         self.frozen = self.ctx.Queue()
@@ -168,9 +207,10 @@ class ElasticRun:
         self.procs: dict[int, mp.Process] = {}
         self.job_ids: set[str] = set()
 
-    def start(self, i: int, dc: str, cfg: TrainConfig, kill_children: tuple[int, ...] = (), freeze_after: int = 0) -> None:
+    def start(self, i: int, dc: str, cfg: TrainConfig, kill_children: tuple[int, ...] = (), freeze_after: int = 0,
+              kill_in_finish: bool = False) -> None:
         p = zygote_process(_elastic_worker, (i, dc, self.manager.address, cfg, self.results, kill_children,
-                                             freeze_after, self.frozen), daemon=False)
+                                             freeze_after, self.frozen, kill_in_finish), daemon=False)
         p.start()
         self.procs[i] = p
         self.job_ids.add(cfg.job_id)
@@ -431,4 +471,23 @@ def test_a_host_that_stops_answering_is_left_behind_once_ray_reports_its_node_de
     assert after["datacenters"] == ["dc-a", "dc-b", "dc-b"] and after["resume_step"] >= 3
     assert after["time"] - frozen_at < 20  # not after the 60 s collective timeout
     assert all(o["result"] is not None for o in out.values())
+    assert _max_rel(out[0]["result"].final_params, reference) < 1e-4
+
+
+def test_a_rank_killed_between_its_last_step_and_its_finish_does_not_train_the_job_again(elastic_run, reference):
+    # w1 trained the last step with the others; its training process is killed before its finish reaches the
+    # coordinator (out of memory in the final evaluation, a kill). The others finished. Its next process must
+    # not train the job again on its own (it holds a quarter of the state: without a checkpoint it restarted
+    # from step 0, alone).
+    run = elastic_run(4, hold_finish="w1")
+    cfg = job(job_id=_unique_job_id())
+    for i, dc in enumerate(DCS):
+        run.start(i, dc, cfg, kill_in_finish=i == 1)
+    out = run.collect({0, 1, 2, 3})
+    assert [e[0] for e in out[1]["events"]].count("training_process_killed") == 1, out[1]["events"]
+    formed = [e[2] for e in run.events() if e[0] == "epoch_formed"]
+    assert len(formed) == 1, formed
+    assert not [e for e in run.events() if e[0] == "restarted"], run.events()
+    assert all(out[i]["result"] is not None for i in (0, 2, 3)), [o["error"] for o in out.values()]
+    assert out[1]["error"] is None and out[1]["result"] is None
     assert _max_rel(out[0]["result"].final_params, reference) < 1e-4

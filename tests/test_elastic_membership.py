@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from meridian.service.runner.membership import Epoch, Form, Member, MembershipState, Wait, decide
 from meridian.workers.contracts.rendezvous import JoinRequest
 
@@ -125,6 +127,23 @@ def test_every_member_gone_with_new_workers_holding_their_snapshots_resumes_from
     assert isinstance(d, Form) and not d.epoch.from_checkpoint
     assert d.epoch.resume_step == 24  # the newest step every worker holding shards has
     assert set(d.epoch.newcomers) == {"n0", "n1", "n2"} and len(d.lost) == 3
+
+
+def test_every_member_gone_a_stale_folder_taken_over_does_not_send_the_job_back_to_its_step():
+    # n2 took over the folder of a worker lost at step 3 that nobody had taken over since (its host had more new
+    # workers than fresh folders). No other folder keeps step 3: resuming there lost the state.
+    s = MembershipState(planned_workers=3, min_workers=1, dc_order=("dc-a", "dc-b"), first_join_at=0.0)
+    s.epoch = Epoch(3, (m("w0", "dc-a"), m("w1", "dc-b"), m("w2", "dc-b")), resume_step=10)
+    s.waiting.update({"n0": m("n0", "dc-a", step=24), "n1": m("n1", "dc-b", step=25), "n2": m("n2", "dc-b", step=3)})
+    d = decide(s, 1.0, alive_nodes=ALL, grace_s=5, start_timeout_s=60, gone={"w0", "w1", "w2"})
+    assert isinstance(d, Form) and not d.epoch.from_checkpoint
+    assert d.epoch.resume_step == 24 and set(d.epoch.newcomers) == {"n0", "n1", "n2"}
+    # Snapshots 10 steps apart: a folder at step 40 keeps 40, 30 and 20, so 20 is shared and 10 is not.
+    for n2_step, resume in ((20, 20), (10, 40)):
+        s.waiting = {w: replace(m(w, dc, step=step), snapshot_every=10)
+                     for w, dc, step in (("n0", "dc-a", 40), ("n1", "dc-b", 40), ("n2", "dc-b", n2_step))}
+        d = decide(s, 1.0, alive_nodes=ALL, grace_s=5, start_timeout_s=60, gone={"w0", "w1", "w2"})
+        assert d.epoch.resume_step == resume
 
 
 def test_every_member_gone_below_min_workers_waits_and_says_min_workers():

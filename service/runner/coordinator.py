@@ -144,9 +144,14 @@ class Coordinator:
 
     @property
     def job_finished(self) -> bool:
-        """Every member of the current epoch has trained the last step."""
+        """A member of the current epoch has finished, so every member has trained the last step and written its
+        part of the final checkpoint: a rank finishes only after its epoch's last collective, which every member
+        enters after those (:meth:`~meridian.workers.loop.train.TrainingLoop.run_epoch`; a tensor/pipeline-parallel
+        epoch ends on a barrier after its weights are written). A member whose process died after that collective,
+        before its own finish arrived, has nothing left to do: its next process is told so. (Before, it re-formed
+        an epoch alone, and holding a part of the state it trained the job again from step 0.)"""
         e = self.state.epoch
-        return e is not None and all(m.worker_id in self.finished for m in e.members)
+        return e is not None and any(m.worker_id in self.finished for m in e.members)
 
     # -- called by the runner ---------------------------------------------------------------------------
     def close(self) -> None:

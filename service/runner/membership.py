@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from meridian.workers.contracts.rendezvous import JoinRequest
+from meridian.workers.elastic.protocol import KEEP_SNAPSHOTS
 
 
 @dataclass(frozen=True)
@@ -114,6 +115,21 @@ def _ordered(members: list[Member], dc_order: tuple[str, ...]) -> tuple[Member, 
                                                 node_first[m.node_id], m.node_id, m.joined_at, m.worker_id)))
 
 
+def _adopted_resume_step(new: list[Member]) -> int:
+    """The step new workers that took over a lost job's snapshot folders resume from: the oldest step among those
+    whose folders can still hold the newest one's shards. Each folder keeps its last :data:`KEEP_SNAPSHOTS`
+    snapshots, ``snapshot_every`` steps apart, so a folder whose last step is older than that window shares no
+    step with the newest: it was left by a worker lost long before (nobody took it over until now), and taking
+    its step as everyone's sent the job back to a step no other shard was kept at, so to its durable checkpoint,
+    or to step 0 without one. Its worker receives the state like a worker without a folder."""
+    held = [m for m in new if m.last_step > 0]
+    if not held:
+        return 0
+    newest = max(m.last_step for m in held)
+    window = (KEEP_SNAPSHOTS - 1) * max(m.snapshot_every for m in held)
+    return min(m.last_step for m in held if m.last_step >= newest - window)
+
+
 def decide(state: MembershipState, now: float, *, alive_nodes: set[str], grace_s: float,
            start_timeout_s: float, gone: frozenset[str] | set[str] = frozenset()) -> Form | Wait | None:
     """``Form`` a new epoch, ``Wait`` (with why), or ``None`` when there is nothing to decide.
@@ -156,9 +172,9 @@ def decide(state: MembershipState, now: float, *, alive_nodes: set[str], grace_s
         if len(new) < expected and now - min(m.joined_at for m in new) < start_timeout_s:
             return Wait(f"every worker of the job was lost; {len(new)} of {expected} new workers have started")
         members = _ordered(new, state.dc_order)
-        adopted = [m.last_step for m in new if m.last_step > 0]
-        return Form(Epoch(current.number + 1, members, resume_step=min(adopted, default=0),
-                          newcomers=tuple(m.worker_id for m in members), from_checkpoint=not adopted),
+        return Form(Epoch(current.number + 1, members, resume_step=_adopted_resume_step(new),
+                          newcomers=tuple(m.worker_id for m in members),
+                          from_checkpoint=not any(m.last_step for m in new)),
                     lost=current.members)
     expected = {m.worker_id for m in reachable} | {m.worker_id for m in back}
     everyone_back = {m.worker_id for m in back} >= expected

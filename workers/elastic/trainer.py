@@ -228,6 +228,7 @@ class ElasticTrainer:
         save_model_parallel_weights(self.cfg.checkpoint_dir, outcome.result.final_params, rank=m.rank,
                                     replica=coords.replica, stage=coords.stage, tp_rank=coords.tp_rank,
                                     tp=self.cfg.parallel.tp, step=self.cfg.steps, fingerprint=fingerprint(self.cfg))
+        dist.barrier()  # rank 0 publishes the folder after the others wrote: none finishes before (job_finished)
         if not keep:
             outcome = EpochOutcome(finished=True, result=replace(outcome.result, final_params=None))
         return outcome
