@@ -9,6 +9,11 @@
   Like int8 it cannot be summed on the wire: receivers all-gather and sum after decoding. Meant for outer
   DiLoCo deltas (streaming DiLoCo quantises them to 4 bits, Douillard et al. 2025, arXiv:2501.18512 §3),
   where error feedback carries what one sync rounds away into the next.
+- Non-finite values: the int8 and int4 scales are the absmax of the *finite* values, and a NaN or infinity
+  goes out as a code no finite value uses (int8: -128; int4: nibble 0) and decodes as NaN. It reaches the sum as
+  it does uncompressed or in bf16, so a diverged datacenter stops the job visibly; a scale taken over a NaN
+  (1) would have sent it as 0 (int8) or -8 (int4), and error feedback would have kept sending that finite
+  value every step after.
 - :class:`ErrorFeedback`: keeps, per rank and per chunk, what the encoding lost (``x - decode(encode(x))``)
   and adds it to the next step's value of that chunk before encoding (Seide et al. 2014, "1-bit SGD";
   Karimireddy et al. 2019, "Error Feedback Fixes SignSGD"). Summed over steps, what was sent differs
@@ -35,6 +40,16 @@ from meridian.workers.contracts.wire_format import (
 
 INT8_LEVELS = 127
 INT4_LEVELS = 7
+INT8_NOT_FINITE = -128
+"""The int8 code of a NaN or infinity (finite values use -127…127); it decodes as NaN."""
+INT4_NOT_FINITE = 0
+"""The int4 nibble of a NaN or infinity (finite values use 1…15, ``q + 8``); it decodes as NaN."""
+
+
+def _positive(scale: torch.Tensor) -> torch.Tensor:
+    """``scale`` where it is > 0, else 1: all zeros, or an absmax so small that absmax / levels underflows to 0
+    (x / 0 would be NaN, and NaN's code is the non-finite one)."""
+    return torch.where(scale > 0, scale, torch.ones_like(scale))
 
 
 class Codec(Protocol):
@@ -63,15 +78,18 @@ class Int8Codec:
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         x = x.float()
-        absmax = x.abs().max() if x.numel() else x.new_zeros(())
-        scale = torch.where(absmax > 0, absmax / INT8_LEVELS, torch.ones_like(absmax)).reshape(1)
-        q = torch.round(x / scale).clamp_(-INT8_LEVELS, INT8_LEVELS).to(torch.int8)
+        finite = torch.isfinite(x)
+        magnitude = torch.where(finite, x.abs(), 0.0)
+        absmax = magnitude.max() if x.numel() else x.new_zeros(())
+        scale = _positive(absmax / INT8_LEVELS).reshape(1)
+        q = torch.round(x / scale).clamp_(-INT8_LEVELS, INT8_LEVELS)
+        q = torch.where(finite, q, float(INT8_NOT_FINITE)).to(torch.int8)
         return torch.cat([q.view(torch.uint8), scale.view(torch.uint8)])
 
     def decode(self, payload: torch.Tensor) -> torch.Tensor:
         q = payload[:-SCALE_BYTES].view(torch.int8)
         scale = payload[-SCALE_BYTES:].clone().view(torch.float32)
-        return q.float() * scale
+        return torch.where(q == INT8_NOT_FINITE, float("nan"), q.float() * scale)
 
     def decode_sum(self, gathered: torch.Tensor) -> torch.Tensor:
         """(k, n + 4) payloads of the k datacenters → their fp32 sum, added in row order on every rank."""
@@ -81,7 +99,8 @@ class Int8Codec:
 class Int4Codec:
     """``[n (int32) | nibbles, two per byte | one fp32 scale per block]``; the last block is zero-padded.
 
-    Nibble ``q + 8`` (1…15) for ``q`` in [-7, 7]; the even element of a pair sits in the low nibble."""
+    Nibble ``q + 8`` (1…15) for ``q`` in [-7, 7], 0 for a non-finite value; the even element of a pair sits in the
+    low nibble."""
 
     def __init__(self, block: int = INT4_BLOCK) -> None:
         if block < 2 or block % 2:
@@ -98,9 +117,11 @@ class Int4Codec:
         padded = torch.zeros(blocks * self.block, dtype=torch.float32, device=x.device)
         padded[:n] = x
         rows = padded.view(blocks, self.block)
-        absmax = rows.abs().amax(dim=1, keepdim=True)
-        scale = torch.where(absmax > 0, absmax / INT4_LEVELS, torch.ones_like(absmax))
-        q = (torch.round(rows / scale).clamp_(-INT4_LEVELS, INT4_LEVELS) + 8).to(torch.uint8).view(-1, 2)
+        finite = torch.isfinite(rows)
+        absmax = torch.where(finite, rows.abs(), 0.0).amax(dim=1, keepdim=True)
+        scale = _positive(absmax / INT4_LEVELS)
+        q = torch.round(rows / scale).clamp_(-INT4_LEVELS, INT4_LEVELS) + 8
+        q = torch.where(finite, q, float(INT4_NOT_FINITE)).to(torch.uint8).view(-1, 2)
         packed = q[:, 0] | (q[:, 1] << 4)
         header = torch.tensor([n], dtype=torch.int32, device=x.device).view(torch.uint8)
         return torch.cat([header, packed, scale.reshape(-1).view(torch.uint8)])
@@ -110,8 +131,9 @@ class Int4Codec:
         blocks = -(-n // self.block)
         body = payload[INT4_HEADER_BYTES : INT4_HEADER_BYTES + blocks * self.block // 2]
         scales = payload[INT4_HEADER_BYTES + body.numel() :].clone().view(torch.float32).view(blocks, 1)
-        q = torch.stack([body & 0x0F, body >> 4], dim=1).view(blocks, self.block).float() - 8
-        return (q * scales).reshape(-1)[:n]
+        nibbles = torch.stack([body & 0x0F, body >> 4], dim=1).view(blocks, self.block)
+        values = torch.where(nibbles == INT4_NOT_FINITE, float("nan"), (nibbles.float() - 8) * scales)
+        return values.reshape(-1)[:n]
 
     def decode_sum(self, gathered: torch.Tensor) -> torch.Tensor:
         """(k, payload) payloads of the k datacenters → their fp32 sum, added in row order on every rank."""
