@@ -207,3 +207,27 @@ def test_compressed_training_tracks_uncompressed():
     fp32 = out[Compression.NONE][1]
     assert out[Compression.BF16][1] == pytest.approx(fp32 / 2, rel=1e-3)
     assert out[Compression.INT8][1] == pytest.approx(fp32 / 4, rel=0.01)
+
+
+def _bf16_exchange_vs_one_process(rank, world):
+    """Two DCs, bf16: the exchange's sums for 4 steps, and the same computed in one process (each DC's stream
+    through its own error feedback, the two bf16 values added in fp32)."""
+    groups = DCGroups(DCLayout(("a", "b")), rank)
+    comm = InterDCComm(Compression.BF16)
+    ((seg, group),) = groups.inter_dc.items()
+    reference = [ErrorFeedback(Bf16Codec()) for _ in range(2)]
+    same = []
+    for step in range(4):
+        xs = [torch.randn(301, generator=torch.Generator().manual_seed(10 * step + r)) * 1000 for r in range(2)]
+        mine = xs[rank].clone()
+        comm.all_reduce_async(mine, group, seg, key="k").wait()
+        a, b = (reference[r].encode("k", xs[r]).float() for r in range(2))
+        same.append(torch.equal(mine, a + b))
+    groups.destroy()
+    return same
+
+
+def test_two_datacenters_add_their_bf16_values_in_fp32():
+    # Added in bf16, the sum rounded once more, and error feedback never saw that rounding: it was lost for good.
+    for same in run_processes(_bf16_exchange_vs_one_process, 2):
+        assert same == [True] * 4
