@@ -415,6 +415,19 @@ def test_no_layout_names_the_option_that_rules_them_out(request_, topo, reason):
         plan_job(request_, topo)
 
 
+def test_uneven_pipeline_stages_count_the_activations_of_the_deepest_stage():
+    # 5 layers on 4 stages run 2, 1, 1, 1 (workers/parallel/pipeline.py): the first stage holds two layers'
+    # activations per micro-batch in flight; the estimate counted 5 // 4 = 1.
+    from meridian.service.planning.cost_model import activation_bytes, memory_per_device
+    from meridian.workers.parallel.tensor_parallel import stage_layers
+
+    model = replace(model_preset("gpt2-124m"), n_layers=5)
+    deepest = max(len(stage_layers(5, 4, s)) for s in range(4))
+    kw = dict(pp=4, dp=1, num_dcs=1, dp_per_dc=1, micro_batch=4, micro_batches=16)
+    f1b, gpipe = (memory_per_device(model, _layout(schedule=s, **kw), 1) for s in ("1f1b", "gpipe"))
+    assert gpipe - f1b == pytest.approx((16 - 4) * activation_bytes(model, 4, deepest, 1)) and deepest == 2
+
+
 def test_flat_sync_keeps_the_whole_adamw_state_on_every_rank_in_the_memory_estimate():
     # DDP shards nothing: the estimate divided the optimizer state by the datacenter's ranks anyway.
     from meridian.service.planning.cost_model import ADAMW_STATE_BYTES, memory_per_device

@@ -154,7 +154,8 @@ def memory_per_device(model: ModelConfig, lay: Layout, dc_shards: int) -> float:
     # Sharded only where the hierarchical engine runs: flat sync (DDP) keeps the whole AdamW state on every rank.
     sharded = lay.shard_optimizer and lay.dp > 1 and runs_hierarchical(lay)
     optimizer = ADAMW_STATE_BYTES * params / (dc_shards if sharded else 1)
-    one = activation_bytes(model, lay.micro_batch, model.n_layers // lay.pp, lay.tp, fp32=lay.fp32)
+    # The busiest stage's layers: uneven depths put the extra layers on the first stages (5 on 4: 2, 1, 1, 1)
+    one = activation_bytes(model, lay.micro_batch, -(-model.n_layers // lay.pp), lay.tp, fp32=lay.fp32)
     acts = one * micro_batches_in_flight(lay)
     return 2 * BYTES_FP32 * params + optimizer + acts  # params + grads + optimizer + activations
 
