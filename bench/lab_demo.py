@@ -91,6 +91,20 @@ def steady_tokens_per_s(points: list[dict[str, Any]], steady_from: int) -> float
     return per_step * (last["step"] - first["step"]) / elapsed if elapsed > 0 else None
 
 
+PLAN_FIELDS = ("rank_datacenters", "use_gpu", "resources_per_worker", "sync_strategy", "local_lookahead", "compression",
+               "bucket_mb", "tp", "pp", "micro_batches", "estimate")
+"""The plan's fields a lab-demo run records (a missing one is ``None``)."""
+
+
+def steady_breakdown_ms(points: list[dict[str, Any]], steady_from: int) -> dict[str, float]:
+    """The median of each per-step time (``step_s``, ``compute_s``, ``exposed_s``, ...) over the steps from
+    ``steady_from`` on, in ms."""
+    steady = [p for p in points if p.get("step", 0) >= steady_from]
+    keys = sorted({k for p in steady for k, v in p.items() if k.endswith("_s") and isinstance(v, (int, float))})
+    return {k.removesuffix("_s"): round(1000 * statistics.median(p[k] for p in steady if isinstance(p.get(k), (int, float))), 1)
+            for k in keys}  # fmt: skip
+
+
 def sync_sentence(explanation: str) -> str | None:
     """The plan's reason for its sync (``Sync '…' (chosen: …).``), out of its whole explanation."""
     start = explanation.find("Sync '")
@@ -220,6 +234,10 @@ def _one_run(args: argparse.Namespace, side: str, spec: dict[str, Any]) -> dict[
             "median_exposed_ms": round(1000 * statistics.median(p["exposed_s"] for p in points), 1) if points else None,
             "delay_line": state.delay_line, "delay_line_cpu_s": round(line_cpu_s, 2),
             "phases": phases,
+            # What `auto` planned and where the steady steps' time went: a ratio far from the bench lab's (same
+            # link, engine and model, jobs started directly) is read from these, not guessed
+            "plan": {k: plan.get(k) for k in PLAN_FIELDS},
+            "steady_step_ms": steady_breakdown_ms(points, args.steady_from),
         }
     finally:
         if service is not None:

@@ -66,3 +66,10 @@ def test_the_run_keeps_the_plan_s_reason_for_its_sync():
     plan = "4 workers in 2 datacenters. Sync 'hierarchical' one step late (chosen: a (b) c). Buckets: 4 of 1 MiB."
     assert lab_demo.sync_sentence(plan) == "Sync 'hierarchical' one step late (chosen: a (b) c)."
     assert lab_demo.sync_sentence("no sync here") is None
+
+
+def test_the_steady_breakdown_is_each_per_step_time_s_median_from_the_steady_step_on():
+    points = [{"step": 1, "step_s": 9.0, "compute_s": 9.0},
+              *({"step": s, "step_s": 0.1 * s, "compute_s": 0.05 * s, "exposed_s": 0.001, "loss": 2.0}
+                for s in (3, 4, 5))]  # fmt: skip
+    assert lab_demo.steady_breakdown_ms(points, 3) == {"step": 400.0, "compute": 200.0, "exposed": 1.0}
