@@ -7,6 +7,7 @@ across hosts); running them on CUDA tensors is a GPU check (README, GPU section)
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -270,3 +271,24 @@ def test_gpu_workers_of_a_node_see_its_gpus_and_each_picks_the_one_ray_gave_it(m
     assert entry._device() == "cuda:2"
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "6")  # a replacement worker, started outside the shared group
     assert entry._device() == "cuda:0"
+
+
+def test_the_compute_probe_of_a_cpu_job_measures_the_cpu_on_a_node_with_a_gpu(monkeypatch):
+    # On a GPU workstation a CPU job's compute probe (POST /v1/diagnostics/compute) ran on the GPU, and `auto`
+    # planned the job from the GPU's rate.
+    from dataclasses import asdict
+
+    import meridian.workers.probes.compute_bench as compute_bench
+    from meridian.workers.contracts.model_config import model_preset
+    from meridian.workers.probes.probe_actor import ProbeActor
+
+    devices = []
+    real = compute_bench.training_flops
+    monkeypatch.setattr(compute_bench, "training_flops",
+                        lambda *a, device=None, **kw: devices.append(device) or real(*a, device=device, **kw))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    row = ProbeActor().compute(asdict(model_preset("nano")), 1, min_seconds=0.01)
+    assert devices == [torch.device("cpu")] and row["flops"] > 0
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(RuntimeError, match="placed for a GPU worker but this process sees no CUDA device"):
+        ProbeActor().compute(asdict(model_preset("nano")), 1, min_seconds=0.01, use_gpu=True)

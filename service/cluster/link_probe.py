@@ -140,7 +140,7 @@ def run_compute_probe(topo: ClusterTopology, model: dict[str, Any], micro_batch:
         raise ValueError("no worker slot to measure: no labelled live node has CPUs/GPUs")
     try:
         ray.get([a.__ray_ready__.remote() for a in actors], timeout=120)  # start together, measure together
-        rows = ray.get([a.compute.remote(model, micro_batch, min_seconds, precision) for a in actors], timeout=300)
+        rows = ray.get([a.compute.remote(model, micro_batch, min_seconds, precision, use_gpu) for a in actors], timeout=300)
     finally:
         for a in actors:
             ray.kill(a)

@@ -7,6 +7,7 @@ alone measures the intra-node tier by spawning two local processes. Runs on any 
 
 from __future__ import annotations
 
+import os
 import socket
 from typing import Any
 
@@ -40,15 +41,20 @@ class ProbeActor:
             dist.destroy_process_group()
 
     def compute(self, model: dict[str, Any], micro_batch: int, min_seconds: float = 2.0,
-                precision: str = "fp32") -> dict[str, float]:
-        """Forward + backward throughput of this model shape on this worker's device, in ``precision``."""
+                precision: str = "fp32", use_gpu: bool = False) -> dict[str, float]:
+        """Forward + backward throughput of this model shape on the device the job's workers train on (a GPU with
+        ``use_gpu``, else the CPU), in ``precision``. (It took the GPU wherever the node had one: on a GPU
+        workstation a CPU job's compute was measured on the GPU.)"""
         import torch
 
         from meridian.workers.contracts.config import Precision
         from meridian.workers.contracts.model_config import ModelConfig
         from meridian.workers.probes.compute_bench import training_flops
 
-        device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+        if use_gpu and not torch.cuda.is_available():
+            raise RuntimeError("the compute probe was placed for a GPU worker but this process sees no CUDA device "
+                               f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
+        device = torch.device("cuda") if use_gpu else torch.device("cpu")
         return training_flops(ModelConfig(**model), micro_batch, min_seconds=min_seconds, device=device, threads=1,
                               precision=Precision(precision))
 
