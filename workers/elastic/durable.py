@@ -30,6 +30,7 @@ from meridian.workers.state import checkpoint as single_file
 from meridian.workers.state import storage
 from meridian.workers.state.replica_state import LocalShard, assemble
 from meridian.workers.state.sharded_checkpoint import (
+    first_failure,
     is_sharded,
     open_checkpoint,
     read_ranges,
@@ -44,15 +45,33 @@ GROUP_TIMEOUT = datetime.timedelta(minutes=5)
 read: :mod:`meridian.workers.state.storage`)."""
 
 
+class CheckpointNotWritten(RuntimeError):
+    """A durable checkpoint's save failed (a full disk, storage that refuses the write): the job stops instead of
+    training on without the checkpoint it asked for (its final one: the weights it keeps and exports)."""
+
+
+@dataclass
+class _Save:
+    """One save on the writer thread: its step, and the error it ended with."""
+
+    step: int
+    thread: threading.Thread | None = None
+    error: BaseException | None = None
+
+
 class Checkpointer:
     """One save at a time, in step order, each on a background thread; every rank of the epoch calls
-    :meth:`save` at the same steps."""
+    :meth:`save` at the same steps. A save that failed is raised by the next :meth:`wait` (which :meth:`save`
+    and the end of the job call) as :class:`CheckpointNotWritten`, or as the collective's own error when a
+    peer went away (the epoch re-forms and saves again)."""
 
     def __init__(self, directory: str, fingerprint: dict[str, Any]) -> None:
         self.directory, self.fingerprint = directory, fingerprint
-        self._writer: threading.Thread | None = None
+        self._save: _Save | None = None
         self._group: Any = None
         self.last_error: BaseException | None = None
+        """The error of the last save that failed, abandoned ones included (raised by :meth:`wait` unless
+        abandoned)."""
         self.call_s: list[float] = []
         """Seconds the training thread spent in each :meth:`save` (waiting for the previous save included)."""
         self.write_s: list[float] = []
@@ -60,25 +79,28 @@ class Checkpointer:
 
     def new_epoch(self) -> None:
         """The epoch's groups are new: a save still running in the last one is abandoned with its group (it
-        fails on its own; its folder stays uncommitted and is never read)."""
-        if self._writer is not None and self._writer.is_alive():
+        fails on its own; its folder stays uncommitted and is never read, and its error is not raised)."""
+        if self._save is not None and self._save.thread is not None and self._save.thread.is_alive():
             print("meridian: a checkpoint save of the previous epoch is abandoned", file=sys.stderr, flush=True)
-        self._writer, self._group = None, None
+        self._save, self._group = None, None
 
     def save(self, shard: LocalShard, *, rank: int, datacenter: str, shapes: dict[str, torch.Size],
              ready: Any = None) -> None:
-        """Start writing ``shard``; ``ready``: a CUDA event after which its host copies are complete."""
+        """Start writing ``shard``; ``ready``: a CUDA event after which its host copies are complete. Raises
+        the error of the previous save, if it failed (:meth:`wait`)."""
         t0 = time.perf_counter()
         self.wait()
         if self._group is None:  # collective: every rank reaches its first save at the same step
             self._group = dist.new_group(backend="gloo", timeout=GROUP_TIMEOUT)
-        args = (shard, rank, datacenter, shapes, ready, self._group)
-        self._writer = threading.Thread(target=self._write, args=args, name="meridian-checkpoint", daemon=True)
-        self._writer.start()
+        save = _Save(shard.step)
+        args = (save, shard, rank, datacenter, shapes, ready, self._group)
+        save.thread = threading.Thread(target=self._write, args=args, name="meridian-checkpoint", daemon=True)
+        self._save = save
+        save.thread.start()
         self.call_s.append(time.perf_counter() - t0)
 
-    def _write(self, shard: LocalShard, rank: int, datacenter: str, shapes: dict[str, torch.Size], ready: Any,
-               group: Any) -> None:
+    def _write(self, save: _Save, shard: LocalShard, rank: int, datacenter: str, shapes: dict[str, torch.Size],
+               ready: Any, group: Any) -> None:
         t0 = time.perf_counter()
         try:
             if ready is not None:
@@ -86,15 +108,29 @@ class Checkpointer:
             save_shard(self.directory, shard, rank=rank, datacenter=datacenter, shapes=shapes,
                        fingerprint=self.fingerprint, group=group)
             self.write_s.append(time.perf_counter() - t0)
-        except BaseException as e:  # a peer died mid-save: the epoch's failure handling deals with it
-            self.last_error = e
-            print(f"meridian: checkpoint of step {shard.step} not written: {e}", file=sys.stderr, flush=True)
+        except BaseException as e:  # raised on the training thread by wait() (a peer's death: the epoch re-forms)
+            save.error = self.last_error = e
+            print(f"meridian: checkpoint of step {shard.step} not written: {first_failure(e)}", file=sys.stderr,
+                  flush=True)
 
     def wait(self) -> None:
-        """Until the save in flight (if any) is done."""
-        if self._writer is not None:
-            self._writer.join()
-            self._writer = None
+        """Until the save in flight (if any) is done; raises its error if it failed (once)."""
+        save, self._save = self._save, None
+        if save is None:
+            return
+        if save.thread is not None:
+            save.thread.join()
+        if save.error is None:
+            return
+        cause = first_failure(save.error)
+        if isinstance(cause, getattr(dist, "DistError", ())):  # a peer went away mid-save: as the training's own
+            raise cause
+        raise CheckpointNotWritten(
+            f"the durable checkpoint of step {save.step} was not written to {self.directory} "
+            f"({type(cause).__name__}: {cause}); make room there or fix what refused the write (its permissions; "
+            "for a URL, its credentials and endpoint): the job stops rather than train on without the checkpoint "
+            "it was asked to keep"
+        ) from save.error
 
 
 @dataclass(frozen=True)

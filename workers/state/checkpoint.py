@@ -57,13 +57,25 @@ def publish(root: str | Path, written: str | Path, name: str, *, keep: int) -> P
     return final if storage.is_url(final) else Path(final)
 
 
+def read_state(folder: str) -> dict[str, Any]:
+    """What the checkpoint folder's ``state.pt`` holds (step, model, optimizer, fingerprint); a file cut short or
+    garbled is a :class:`~meridian.workers.state.storage.CheckpointUnreadable` saying what to do."""
+    try:
+        with storage.open_file(storage.join(folder, STATE_FILE), "rb") as f:
+            data = torch.load(f, map_location="cpu", weights_only=False)
+        if not isinstance(data, dict) or not {"step", "model", "optimizer", "fingerprint"} <= data.keys():
+            raise ValueError(f"{STATE_FILE} holds no Meridian checkpoint")
+    except Exception as e:  # torch's own errors for a cut zip, unpickling errors, a URL's library's
+        raise storage.unreadable(folder, e) from e
+    return data
+
+
 def load_latest(directory: str) -> Checkpoint | None:
     """The newest complete checkpoint in ``directory``, or ``None`` if there is none."""
     name = storage.latest(directory)
     if name is None:
         return None
-    with storage.open_file(storage.join(directory, name, STATE_FILE), "rb") as f:
-        data = torch.load(f, map_location="cpu", weights_only=False)
+    data = read_state(storage.join(directory, name))
     return Checkpoint(step=data["step"], model=data["model"], optimizer=data["optimizer"],
                       fingerprint=data["fingerprint"])
 

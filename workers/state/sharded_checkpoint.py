@@ -40,6 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
@@ -260,15 +261,32 @@ def is_sharded(path: str) -> bool:
 
 
 def open_checkpoint(path: str) -> ShardedCheckpoint:
+    """The checkpoint folder ``path``'s description (``meridian.json``); a ``FileNotFoundError`` if it has none
+    (incomplete), :class:`~meridian.workers.state.storage.CheckpointUnreadable` if it does not parse."""
     text = storage.read_text(storage.join(path, META_FILE))
     if text is None:
         raise FileNotFoundError(f"{path} holds no {META_FILE}: not a complete checkpoint")
-    meta = json.loads(text)
-    if meta.get("format") != FORMAT:
-        raise ValueError(f"{path}: checkpoint format {meta.get('format')!r}, this Meridian reads {FORMAT!r}")
-    return ShardedCheckpoint(path=path, step=meta["step"], adam_step=meta["adam_step"],
-                             fingerprint=meta["fingerprint"], diloco=meta["diloco"], feedback=meta.get("feedback"),
-                             shapes={n: torch.Size(s) for n, s in meta["shapes"].items()})
+    try:
+        meta = json.loads(text)
+        found = meta.get("format")
+    except (ValueError, AttributeError) as e:
+        raise storage.unreadable(path, e) from e
+    if found != FORMAT:
+        raise ValueError(f"{path}: checkpoint format {found!r}, this Meridian reads {FORMAT!r}")
+    try:
+        return ShardedCheckpoint(path=path, step=int(meta["step"]), adam_step=int(meta["adam_step"]),
+                                 fingerprint=meta["fingerprint"], diloco=meta["diloco"], feedback=meta.get("feedback"),
+                                 shapes={n: torch.Size(s) for n, s in meta["shapes"].items()})  # fmt: skip
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise storage.unreadable(path, KeyError(f"{META_FILE} lacks {e}") if isinstance(e, KeyError) else e) from e
+
+
+def _metadata(ck: ShardedCheckpoint) -> Any:
+    """DCP's ``.metadata`` of the checkpoint (what every chunk is and where)."""
+    try:
+        return _reader(ck.path).read_metadata()
+    except Exception as e:  # cut short: an unpickling error; gone: FileNotFoundError; a URL's library's own
+        raise storage.unreadable(ck.path, e) from e
 
 
 def read_ranges(ck: ShardedCheckpoint, ranges: list[tuple[str, int, int]], *, state: bool = True,
@@ -279,7 +297,7 @@ def read_ranges(ck: ShardedCheckpoint, ranges: list[tuple[str, int, int]], *, st
     ``weights``: the values already read (:func:`read_weights`); the pieces' values are views of them, not
     read again. Residuals are read for every datacenter stored (this function does not know the reader's;
     the engine keeps its own): k × 4 bytes per element with k datacenters."""
-    stored = _reader(ck.path).read_metadata().state_dict_metadata
+    stored = _metadata(ck).state_dict_metadata
     wants: dict[str, list[tuple[tuple[int, ...], torch.Tensor]]] = {}
 
     def want(key: str, start: int, stop: int) -> torch.Tensor | None:
@@ -312,7 +330,10 @@ def read_ranges(ck: ShardedCheckpoint, ranges: list[tuple[str, int, int]], *, st
             outer.append((name, a, b, want(f"outer/{name}", a, b), want(f"outer_momentum/{name}", a, b)))
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load({}, storage_reader=_reader(ck.path), planner=_RangeLoadPlanner(wants), no_dist=True)
+        try:
+            dcp.load({}, storage_reader=_reader(ck.path), planner=_RangeLoadPlanner(wants), no_dist=True)
+        except (Exception, CheckpointException) as e:  # (DCP's is a BaseException holding the reader's error)
+            raise storage.unreadable(ck.path, first_failure(e)) from e
     feedback = tuple(
         FeedbackShard(dc, ck.feedback["compression"], tuple(StatePiece(n, a, b, v) for n, a, b, v in held if v is not None))
         for dc, held in zip(feedback_dcs, residuals, strict=True)
@@ -324,6 +345,17 @@ def read_ranges(ck: ShardedCheckpoint, ranges: list[tuple[str, int, int]], *, st
         return shard
     outer_pieces = tuple(StatePiece(n, a, b, v, {"momentum": m}) for n, a, b, v, m in outer)
     return dataclasses.replace(shard, outer=OuterShard(ck.diloco["dc"], ck.diloco["inner_steps_done"], outer_pieces))
+
+
+def first_failure(error: BaseException) -> BaseException:
+    """The error under DCP's ``CheckpointException`` (each rank's failure), else ``error``."""
+    failures = getattr(error, "failures", None)
+    if isinstance(failures, dict) and failures:
+        first = next(iter(failures.values()))
+        inner = first[0] if isinstance(first, tuple) else first
+        if isinstance(inner, BaseException):
+            return inner
+    return error
 
 
 def _covers(md: Any, start: int, stop: int) -> bool:
@@ -345,7 +377,7 @@ def read_weights(ck: ShardedCheckpoint) -> dict[str, torch.Tensor]:
 
 def stored_nbytes(ck: ShardedCheckpoint) -> int:
     """Bytes of tensor data the checkpoint holds (values, moments, outer state), from its DCP metadata."""
-    md = _reader(ck.path).read_metadata()
+    md = _metadata(ck)
     return sum(m.size.numel() * m.properties.dtype.itemsize for m in md.state_dict_metadata.values()
                if hasattr(m, "chunks"))
 

@@ -31,6 +31,7 @@ import contextlib
 import math
 import os
 import pickle
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -66,6 +67,12 @@ def snapshot_interval(loop_s: float, background_s: float, step_s: float) -> int:
     return max(1, k)
 
 
+class SnapshotNotWritten(OSError):
+    """A snapshot's file could not be written (its RAM folder is full: a container's small ``/dev/shm``). Raised
+    on the training thread, also for a write on the writer thread (by the next call that waits for it): a
+    snapshot missing without a word would leave a failure to resume from an older step, or the checkpoint."""
+
+
 class SnapshotStore:
     """The newest ``keep`` shards, in memory (``directory=None``) or as files in a RAM-backed folder."""
 
@@ -78,6 +85,8 @@ class SnapshotStore:
         """A read started by :meth:`read_ahead`: its step, its thread, and (once read) the packed shard."""
         self.write_s: list[float] = []
         """Each background write's seconds, from :meth:`append` to the shard kept (newest last, a few)."""
+        self._failed: BaseException | None = None
+        """The error of the writer thread's last write, raised by :meth:`wait`."""
         if self.directory is not None:
             self.directory.mkdir(parents=True, exist_ok=True)
 
@@ -101,25 +110,49 @@ class SnapshotStore:
         return waited_s
 
     def _append_when_ready(self, shard: LocalShard, ready: Any, since: float) -> None:
-        ready.synchronize()
-        self._append(shard)
+        try:
+            ready.synchronize()
+            self._append(shard)
+        except BaseException as e:  # raised on the training thread by wait()
+            self._failed = e
+            return
         self.write_s = [*self.write_s[-2:], time.perf_counter() - since]
 
     def wait(self) -> None:
-        """Until the shard being written (if any) is kept."""
+        """Until the shard being written (if any) is kept; raises the error its write failed with."""
         if self._writer is not None:
             self._writer.join()
             self._writer = None
+        failed, self._failed = self._failed, None
+        if failed is not None:
+            raise failed
 
     def _append(self, shard: LocalShard) -> None:
         if self.directory is None:
             self._memory = [s for s in self._memory if s.step != shard.step][-(self.keep - 1) :] + [shard]
             return
         tmp = self.directory / f"partial-{shard.step:010d}.tmp"
-        write_packed(tmp, *pack_parts(shard))
-        os.replace(tmp, self._path(shard.step))
+        desc, tensors = pack_parts(shard)
+        try:
+            write_packed(tmp, desc, tensors)
+            os.replace(tmp, self._path(shard.step))
+        except OSError as e:
+            tmp.unlink(missing_ok=True)  # what was written of it would hold the RAM the next snapshot needs
+            raise SnapshotNotWritten(e.errno, self._not_written(shard.step, 4 * desc["numel"], e)) from e
         for old in self._files()[: -self.keep]:
             old.unlink(missing_ok=True)
+
+    def _not_written(self, step: int, nbytes: int, error: OSError) -> str:
+        assert self.directory is not None
+        try:
+            free = f"{_mib(shutil.disk_usage(self.directory).free)} free there"
+        except OSError:
+            free = "its free space unknown"
+        return (f"the state snapshot of step {step} could not be written to {self.directory} "
+                f"({error.strerror or error}; it needs {_mib(nbytes)}, {self.keep} such kept, "
+                f"{free}): give that folder's filesystem more room (a container's /dev/shm: docker run "
+                "--shm-size, or a memory-backed emptyDir on Kubernetes), or train on more workers so each "
+                "holds a smaller shard")
 
     def read_ahead(self, step: int) -> None:
         """Start reading the file of ``step`` on a thread, for :meth:`get_packed` of that step to take. For a
@@ -199,6 +232,10 @@ class SnapshotStore:
             return
         for f in self._files():
             f.unlink(missing_ok=True)
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:,.1f} MiB" if nbytes >= 2**20 else f"{nbytes:,} bytes"
 
 
 def write_packed(path: Path, desc: dict[str, Any], tensors: list[torch.Tensor]) -> None:

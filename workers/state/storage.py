@@ -25,6 +25,8 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import stat
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
@@ -84,11 +86,19 @@ def read_text(location: str) -> str | None:
 
 
 def write_text(location: str, text: str) -> None:
-    """Replace the file whole: a rename of a temporary file locally, one PUT on an object store."""
+    """Replace the file whole: a rename of a temporary file locally, one PUT on an object store. The temporary
+    file is this writer's own (two saves committing at once, e.g. an abandoned epoch's and the next one's, each
+    replace ``latest`` whole instead of one renaming the other's half-written file or finding it gone)."""
     if not is_url(location):
-        tmp = f"{location}.tmp"
-        Path(tmp).write_text(text)
-        os.replace(tmp, location)
+        folder, name = os.path.split(location)
+        tmp = os.path.join(folder, f".{name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        try:
+            Path(tmp).write_text(text)
+            os.replace(tmp, location)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
         return
     fs, path = _fs(location)
     fs.pipe_file(path, text.encode())
@@ -154,8 +164,14 @@ def step_folders(root: str) -> dict[str, dict[str, int]]:
         base = Path(root)
         if not base.is_dir():
             return {}
-        return {d.name: {f.name: f.stat().st_size for f in d.iterdir() if f.is_file()}
-                for d in base.glob(PREFIX + "*") if d.is_dir()}  # fmt: skip
+        found: dict[str, dict[str, int]] = {}
+        for d in base.glob(PREFIX + "*"):
+            try:  # a commit deletes old checkpoints while a listing (the artifacts', an export's) reads them
+                if d.is_dir():
+                    found[d.name] = {f.name: size for f in d.iterdir() if (size := _file_size(f)) is not None}
+            except FileNotFoundError:  # the folder went meanwhile: it is not there
+                continue
+        return found
     fs, path = _fs(root)
     out: dict[str, dict[str, int]] = {}
     try:
@@ -169,15 +185,69 @@ def step_folders(root: str) -> dict[str, dict[str, int]]:
     return out
 
 
+def is_step_name(name: str) -> bool:
+    """Whether ``name`` is a checkpoint's folder name as a save writes it (``step-<digits>``): a copy such as
+    ``step-00000040.bak`` someone left beside them is not one of the job's checkpoints."""
+    digits = name.removeprefix(PREFIX)
+    return name.startswith(PREFIX) and digits.isascii() and digits.isdigit()
+
+
+def _file_size(path: Path) -> int | None:
+    """The bytes of the regular file ``path``; ``None`` for anything else, or a file gone meanwhile."""
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return None
+    return st.st_size if stat.S_ISREG(st.st_mode) else None
+
+
 def complete(folders: dict[str, dict[str, int]]) -> list[str]:
-    """The names of the folders that hold a marker, oldest first."""
-    return sorted(name for name, files in folders.items() if any(m in files for m in MARKERS))
+    """The names of the checkpoint folders that hold a marker, oldest first."""
+    return sorted(name for name, files in folders.items()
+                  if is_step_name(name) and any(m in files for m in MARKERS))  # fmt: skip
+
+
+def is_complete(folder: str) -> bool:
+    """Whether the checkpoint folder (or URL) holds its marker, i.e. every file of it was written."""
+    return any(exists(join(folder, marker)) for marker in MARKERS)
 
 
 def latest(root: str) -> str | None:
-    """The name ``root/latest`` gives, or ``None``."""
+    """The name of the newest committed checkpoint: the one ``root/latest`` names while that folder is complete,
+    else the newest complete folder; ``None`` if there is none. ``latest`` may name a folder that is gone or
+    incomplete when a save of the step it names died between removing the old folder and renaming the new one
+    into place (a resume after an older snapshot writes a step again), or when the pointer itself was lost;
+    the newest complete checkpoint is then the one every reader trusts (every rank alike: a listing)."""
     text = read_text(join(root, LATEST))
-    return text.strip() if text else None
+    name = text.strip() if text else None
+    if name and is_step_name(name) and is_complete(join(root, name)):
+        return name
+    done = complete(step_folders(root))
+    return done[-1] if done else None
+
+
+class CheckpointUnreadable(ValueError):
+    """A complete checkpoint (its marker written) whose files do not read back: one cut short, missing, garbled,
+    or (a URL) unreachable."""
+
+
+def unreadable(folder: str, error: BaseException) -> CheckpointUnreadable:
+    """The :class:`CheckpointUnreadable` of checkpoint ``folder`` that failed to read with ``error``: what
+    failed, and what to do (which checkpoint a resume takes once this one's folder is gone)."""
+    root, name = folder.rstrip("/").rsplit("/", 1) if is_url(folder) else os.path.split(folder.rstrip("/"))
+    try:
+        older = [n for n in complete(step_folders(root)) if n < name]
+    except Exception:  # listing fails too (storage unreachable): the message still says what to do
+        older = []
+    then = (f"a resume then starts from {older[-1]}" if older
+            else "there is no older checkpoint: a resume then starts at step 0")  # fmt: skip
+    why = str(error) or "a file ends too early"
+    return CheckpointUnreadable(
+        f"the checkpoint {folder} cannot be read ({type(error).__name__}: {why}): a file of it is cut short, "
+        "missing or garbled (a disk that filled, a copy or upload that stopped, a file edited or removed by hand), "
+        f"or its storage is unreachable. If the storage is reachable, restore the folder from a copy, or delete it "
+        f"({then})"
+    )
 
 
 # -- a save: where it writes, how it commits --------------------------------------------------------------
@@ -221,8 +291,8 @@ def commit(root: str, name: str, written: str, *, keep: int) -> str:
         for marker in MARKERS:
             remove(join(root, old, marker))
         remove(join(root, old))
-    for stale in sorted(set(folders) - set(done)):  # a URL's crashed saves
-        if stale < name:
+    for stale in sorted(set(folders) - set(done)):  # a URL's crashed saves (a folder not named as saves name
+        if is_step_name(stale) and stale < name:  # theirs, e.g. someone's copy, is left alone)
             remove(join(root, stale))
     if not is_url(root):
         for partial in Path(root).glob(f".{PREFIX}*.partial"):  # a local folder's crashed saves
