@@ -103,12 +103,17 @@ def held_out(result: dict[str, Any]) -> str:
     return f"held-out {result['eval_loss']:.3f}"
 
 
+def _loss(value: Any) -> str:
+    """A loss as ``3.142``, or ``-`` where there is none (``null``: a NaN the workers reported)."""
+    return f"{value:.3f}" if isinstance(value, (int, float)) else "-"
+
+
 def summary(job: dict[str, Any], wall_s: float | None = None) -> str:
     r, p = job.get("result") or {}, job["progress"]
     lines = [f"job {job['id']} ({job['name']}): {job['state']} — {job['message']}"]
     if r:
         lines += [
-            f"  loss            {r['first_loss']:.3f} → {r['final_loss']:.3f} ({held_out(r)})",
+            f"  loss            {_loss(r.get('first_loss'))} → {_loss(r.get('final_loss'))} ({held_out(r)})",
             f"  throughput      {si(r['tokens_per_s'], ' tokens/s')} over {r['steps']} steps",
             f"  inter-DC bytes  {si(r['inter_dc_bytes_per_step'], 'B')} per step (all ranks)",
         ]

@@ -300,6 +300,13 @@ class JobSpec(Strict):
     def _check(self) -> JobSpec:
         # Any ValueError here becomes a 422 naming the field. A checkpoint (init_from) is not read here: the
         # service reads it only once its path is admitted (the routes' to_request), which checks the rest.
+        par = self.parallelism
+        if self.checkpoint.interval_steps and any(isinstance(n, int) and n > 1 for n in (par.tp, par.pp)):
+            raise ValueError(
+                f"checkpoint.interval_steps={self.checkpoint.interval_steps} needs parallelism.tp and .pp of 1 (or "
+                f"'auto', which then keeps them 1): a tensor/pipeline-parallel job (tp={par.tp}, pp={par.pp}) writes "
+                "only its final weights, no checkpoint it could resume from; set checkpoint.interval_steps to 0 to "
+                "run it so")
         if self.model.init_from is None:
             self.to_request()
         else:

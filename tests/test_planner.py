@@ -437,3 +437,14 @@ def test_flat_sync_keeps_the_whole_adamw_state_on_every_rank_in_the_memory_estim
     flat = memory_per_device(model, _layout(hierarchical=False, **one_dc), 4)
     sharded = memory_per_device(model, _layout(hierarchical=True, encoded=True, **one_dc), 4)
     assert flat - sharded == pytest.approx(ADAMW_STATE_BYTES * model.num_params * (1 - 1 / 4))
+
+
+def test_a_job_that_asks_for_periodic_checkpoints_is_offered_only_data_parallel_layouts():
+    # Only a data-parallel job writes checkpoints it can resume from: under auto a tp/pp layout would have left
+    # checkpoint.interval_steps without effect (a tensor/pipeline-parallel job writes only its final weights).
+    from meridian.service.planning.planner import default_figures, ranked_layouts
+
+    topo = _two_slot_nodes()
+    request = replace(req(global_batch=8), checkpoint_every=5)
+    ranked = ranked_layouts(request, topo, default_figures(topo, ("dc-a", "dc-b"), False))
+    assert ranked and {(c.layout.tp, c.layout.pp) for c, _ in ranked} == {(1, 1)}

@@ -133,3 +133,17 @@ def test_stalls_are_named_once_and_not_while_the_membership_waits():
     assert reconcile(job(placement=placement), p, stall_policy=policy, stalls_named={(1, 4)}).stalls == ()
     waiting = poll(heartbeats=beats, recent_step_s=(1.0,), now=101.0, wait_reason="re-forming")
     assert reconcile(job(placement=placement), waiting, stall_policy=policy).stalls == ()
+
+
+def test_the_result_s_losses_are_the_job_s_first_and_last_steps_not_its_last_epoch_s():
+    # The workers' result covers their last epoch: re-formed at step 3 of 4, its first loss was step 4's; resumed
+    # at the last step (a peer lost in the final checkpoint), it trained none and both losses were NaN.
+    before = reconcile(job(), poll(records=(step_record(1, 4, 5.0), step_record(2, 4, 4.0)), cursor=2))
+    running = job(progress=before.fields["progress"])
+    d = reconcile(running, poll(RunnerState.SUCCEEDED, records=(step_record(3, 4, 3.5), step_record(4, 4, 3.0)),
+                                result={"first_loss": 3.0, "final_loss": 3.0, "steps": 4}, cursor=4))
+    assert d.fields["result"] == {"first_loss": 5.0, "final_loss": 3.0, "steps": 4}
+    nan = float("nan")
+    done = job(progress=d.fields["progress"])
+    d = reconcile(done, poll(RunnerState.SUCCEEDED, result={"first_loss": nan, "final_loss": nan, "steps": 4}, cursor=4))
+    assert d.fields["result"] == {"first_loss": 5.0, "final_loss": 3.0, "steps": 4}

@@ -17,3 +17,8 @@ def test_the_summary_shows_the_held_out_loss_or_why_there_is_none():
     # A job whose held-out split is too small for one sample ends with no held-out loss (it formatted None: crash)
     why = "the held-out split has 0 tokens, too few for one sample"
     assert f"5.600 → 2.700 (no held-out loss: {why})" in summary(job(eval_loss=None, eval_skipped=why))
+
+
+def test_the_summary_of_a_result_without_losses_says_so_instead_of_failing():
+    # A result whose losses are null (NaN from workers whose last epoch trained no step) made `meridian run` raise.
+    assert "loss            - → - (held-out 2.600)" in summary(job(first_loss=None, final_loss=None))

@@ -73,8 +73,11 @@ def enumerate_candidates(request: JobRequest, dcs: tuple[str, ...], devices: dic
 
 def _model_parallel_sizes(request: JobRequest) -> tuple[list[int], list[int]]:
     """Tensor-parallel sizes that divide the model's heads and MLP width, and pipeline depths that divide
-    its layers (or what the request fixed)."""
+    its layers (or what the request fixed). A job that asks for periodic checkpoints is left ``tp = pp = 1``
+    where it leaves them to the planner: only a data-parallel job writes checkpoints it can resume from."""
     model, par = request.model, request.parallelism
+    if request.checkpoint_every:
+        return [par.tp or 1], [par.pp or 1]
     tps = [par.tp] if par.tp else [t for t in TP_SIZES
                                    if model.n_heads % t == 0 and model.kv_heads % t == 0 and model.mlp_width % t == 0]
     pps = [par.pp] if par.pp else [1] if model.tie_embeddings else _divisors(model.n_layers, MAX_PP)

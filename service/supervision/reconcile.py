@@ -124,7 +124,7 @@ def reconcile(
     if placement != (job.placement or []):
         fields["placement"] = sorted(placement, key=lambda p: p["rank"])
     if poll.result is not None:
-        fields["result"] = dict(poll.result)
+        fields["result"] = job_losses(dict(poll.result), progress)
     outcome = None
     if poll.state.is_terminal:
         outcome = RUNNER_OUTCOME.get(poll.state) or JobStatus(
@@ -140,6 +140,20 @@ def needs_started_workers(poll: RunnerPoll) -> bool:
     """Whether :func:`reconcile` needs the job's stored ``worker_started`` events for this poll (reading
     them costs a query of every event of the job, so only when a new epoch names its ranks)."""
     return any(ev["kind"] == "epoch_formed" for ev in poll.events)
+
+
+def job_losses(result: dict[str, Any], progress: Mapping[str, Any]) -> dict[str, Any]:
+    """``result`` with the job's first and last step losses from its step records (``progress``). The workers'
+    result covers their last epoch only: after a re-formation its first loss was that epoch's first step's, and an
+    epoch that resumed at the last step (a peer lost during the final checkpoint or evaluation) trained none, so
+    both were NaN (``null`` in the API, and ``meridian run`` failed formatting it)."""
+    if isinstance(progress.get("first_loss"), (int, float)):
+        result["first_loss"] = progress["first_loss"]
+    final = result.get("final_loss")
+    at_end = progress.get("step") is not None and progress.get("step") == progress.get("total_steps")
+    if at_end and isinstance(progress.get("loss"), (int, float)) and not (isinstance(final, float) and final == final):
+        result["final_loss"] = progress["loss"]  # (a NaN is the one float unequal to itself)
+    return result
 
 
 def fold_progress(previous: Mapping[str, Any] | None, records: Sequence[StepRecord], cursor: int) -> dict[str, Any]:

@@ -195,8 +195,9 @@ class ElasticTrainer:
                 if a.epoch > 1 or a.resume_step > 0:
                     raise ModelParallelNotElastic(
                         f"a job with tensor/pipeline parallelism (tp={self.cfg.parallel.tp}, pp={self.cfg.parallel.pp}) "
-                        "cannot resume after losing a worker yet; resubmit it (set checkpoint.interval_steps to keep "
-                        "progress) or run it with tp=1, pp=1 to make it elastic"
+                        "cannot resume after losing a worker yet, and writes no checkpoint to resume from (only its "
+                        "final weights): resubmit it, or run it with tp=1, pp=1 to make it elastic and to let "
+                        "checkpoint.interval_steps keep its progress"
                     )
                 return self._run_model_parallel_epoch(m)
             watch = PendingChangeWatch(self.rdzv) if a.rank == 0 else None
