@@ -10,6 +10,8 @@ from fastapi import Depends, FastAPI
 from fastapi.responses import FileResponse, JSONResponse
 from fastapi.staticfiles import StaticFiles
 from starlette.concurrency import run_in_threadpool
+from starlette.responses import Response
+from starlette.types import Scope
 
 import meridian
 from meridian.api.auth import AuthSettings, LoopbackHostOnly, get_caller
@@ -21,6 +23,26 @@ from meridian.api.routes import cluster, diagnostics, jobs
 from meridian.service.core import MeridianService, ServiceConfig
 
 STATIC = Path(__file__).parent / "static"
+# The page's policy: its own script and styles only (an injected <script> or onerror= never runs), requests
+# only to this service, no framing by another site. (Browser tests that evaluate strings in the page, as
+# Playwright's wait_for_function does, open it with the policy bypassed; the policy's own test does not.)
+PAGE_HEADERS = {
+    "Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; "
+                               "connect-src 'self'; img-src 'self'; base-uri 'none'; form-action 'none'; "
+                               "frame-ancestors 'none'",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+}
+
+
+class PageFiles(StaticFiles):
+    """The page's assets, with the page's headers: ``/static/index.html`` is the page too, and must not be a
+    way around its policy."""
+
+    async def get_response(self, path: str, scope: Scope) -> Response:
+        response = await super().get_response(path, scope)
+        response.headers.update(PAGE_HEADERS)
+        return response
 
 
 def create_app(
@@ -72,11 +94,12 @@ def create_app(
         return JSONResponse({**health, "version": meridian.__version__},
                             status_code=503 if health["status"] == "failing" else 200)
 
-    app.mount("/static", StaticFiles(directory=STATIC), name="static")
+    app.mount("/static", PageFiles(directory=STATIC), name="static")
 
     @app.get("/", include_in_schema=False)
     def index() -> FileResponse:
-        """The live page: jobs, datacenter map, loss/throughput charts (assets ship with the package)."""
-        return FileResponse(STATIC / "index.html")
+        """The live page: jobs, datacenter map, loss/throughput charts (assets ship with the package).
+        Its policy lets it run only its own script and talk only to this service, and no other site frame it."""
+        return FileResponse(STATIC / "index.html", headers=PAGE_HEADERS)
 
     return app

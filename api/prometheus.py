@@ -8,6 +8,7 @@ list of names the dashboards test checks panels against.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -29,6 +30,7 @@ SERVICE_METRICS: tuple[MetricDef, ...] = (
     MetricDef("meridian_service_jobs", "gauge", "Jobs in each state", tags=("state",)),
 )
 _DEFS = {d.name: d for d in SERVICE_METRICS}
+log = logging.getLogger(__name__)
 
 
 class _JobsCollector(Collector):
@@ -38,7 +40,14 @@ class _JobsCollector(Collector):
         self.counts = counts
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        counts = self.counts()
+        try:
+            counts = self.counts()
+        except Exception as e:  # noqa: BLE001 - the store failing must not take the request metrics down with it
+            # A scrape that fails loses every series: the request counts that show the outage too. Export the
+            # rest, without these gauges (a gap on the dashboard), and say why in the log.
+            log.warning("/metrics: jobs by state left out, the job store could not be read: %s: %s",
+                        type(e).__name__, e)
+            return
         if counts is None:  # the service is still starting: export nothing rather than zeros
             return
         queue = _DEFS["meridian_service_queue_length"]
@@ -48,6 +57,29 @@ class _JobsCollector(Collector):
         for state, n in sorted(counts.items(), key=lambda kv: kv[0].value):
             family.add_metric([state.value], n)
         yield family
+
+
+HTTP_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
+"""Methods counted under their own name; any other (a client may send any token as a method) is ``OTHER``,
+so requests cannot grow the label set without bound."""
+
+
+def method_label(method: str) -> str:
+    return method if method in HTTP_METHODS else "OTHER"
+
+
+def route_label(scope: dict[str, Any]) -> str:
+    """The route template that served a request (never the raw path: job ids would explode the label set),
+    the mount's prefix for a mounted app (``/static``), or ``unmatched``."""
+    path = getattr(scope.get("route"), "path", None)
+    if path:
+        return str(path)
+    if "app_root_path" not in scope:  # only a matched Mount sets it
+        return "unmatched"
+    root, app_root = scope.get("root_path", ""), scope["app_root_path"]
+    if root != app_root and root.startswith(app_root):
+        return root[len(app_root):] or "unmatched"  # the prefix of a mount the code declares
+    return "unmatched"
 
 
 def install_metrics(app: FastAPI, counts: Callable[[], dict[JobState, int] | None]) -> CollectorRegistry:
@@ -68,9 +100,9 @@ def install_metrics(app: FastAPI, counts: Callable[[], dict[JobState, int] | Non
             response = await call_next(request)
             status = str(response.status_code)
         finally:
-            route = getattr(request.scope.get("route"), "path", None) or "unmatched"
-            requests.labels(request.method, route, status).inc()
-            latency.labels(request.method, route).observe(time.perf_counter() - t0)
+            method, route = method_label(request.method), route_label(request.scope)
+            requests.labels(method, route, status).inc()
+            latency.labels(method, route).observe(time.perf_counter() - t0)
         return response
 
     @app.get("/metrics", tags=["health"], include_in_schema=True)

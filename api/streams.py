@@ -26,10 +26,15 @@ DRAIN_S = 30.0
 """After a job ends, how long a followed log may keep reading what its workers wrote last."""
 
 
+# Line ends that JSON leaves raw in a string but that many line readers split on (Python's str.splitlines,
+# httpx's iter_lines): escaped, a message holding one stays on its data line. The JSON means the same.
+_UNICODE_LINE_ENDS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def sse_message(event: EventPublic) -> str:
     # Event kinds are identifiers, but a newline in one would end the SSE field early: keep it on one line.
     kind = "".join(ch for ch in event.kind if ch.isprintable()) or "message"
-    return f"id: {event.id}\nevent: {kind}\ndata: {event.model_dump_json()}\n\n"
+    return f"id: {event.id}\nevent: {kind}\ndata: {event.model_dump_json().translate(_UNICODE_LINE_ENDS)}\n\n"
 
 
 async def job_event_stream(request: Request, store: JobStore, job_id: str, after: int) -> AsyncIterator[str]:
@@ -59,6 +64,11 @@ async def job_event_stream(request: Request, store: JobStore, job_id: str, after
         await asyncio.sleep(POLL_S)
 
 
+def _note(line: str) -> str:
+    """A line of the service's own in a followed log (rank -1)."""
+    return json.dumps({"rank": -1, "stream": "err", "line": line}) + "\n"
+
+
 async def follow_logs(
     request: Request, store: JobStore, service: Any, job_id: str, tail_bytes: int, ranks: set[int] | None,
     poll_s: float = 1.0,
@@ -69,6 +79,7 @@ async def follow_logs(
     offsets: dict[str, int] | None = None
     last_keepalive = time.monotonic()
     drain_until: float | None = None
+    said: str | None = None  # the read error last said: said once, not on every poll while it lasts
     while True:
         job = await run_in_threadpool(store.get_job, job_id)
         try:
@@ -76,8 +87,15 @@ async def follow_logs(
             entries, offsets = await run_in_threadpool(
                 service.read_logs, job.placement or [], offsets, tail_bytes=tail_bytes, ranks=ranks)
         except Exception as e:  # noqa: BLE001 - a node that cannot be read now is retried, and said so
-            yield json.dumps({"rank": -1, "stream": "err", "line": f"(meridian: could not read logs: {e})"}) + "\n"
+            error = f"(meridian: could not read logs: {e})"
+            if error != said:
+                yield _note(error)
+                said = error
             entries, before = [], None
+        else:
+            if said is not None:
+                yield _note("(meridian: reading logs again)")
+                said = None
         for e in entries:
             yield json.dumps({"rank": e.rank, "stream": e.stream, "line": e.line}) + "\n"
         if job.status.state.is_terminal:

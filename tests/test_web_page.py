@@ -78,7 +78,7 @@ def test_page_shows_job_map_and_live_chart(live_service):
     with playwright_api.sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, headless=True)
         try:
-            page = browser.new_page()
+            page = browser.new_page(bypass_csp=True)  # wait_for_function evaluates strings
             errors: list[str] = []
             page.on("pageerror", lambda e: errors.append(str(e)))
             page.on("requestfailed", lambda r: errors.append(f"request failed: {r.url}"))
@@ -150,7 +150,7 @@ def test_with_auth_on_the_page_asks_for_a_token_and_keeps_it_for_the_session(sto
         with playwright_api.sync_playwright() as p:
             browser = p.chromium.launch(executable_path=CHROMIUM, headless=True)
             try:
-                page = browser.new_page()
+                page = browser.new_page(bypass_csp=True)  # wait_for_function evaluates strings
                 page.goto(url + "/")
                 page.locator("#token-form").wait_for(state="visible", timeout=15_000)
                 assert "needs an API token" in page.locator("#status").inner_text()

@@ -4,8 +4,19 @@
 
 const POLL_MS = 1000;
 const SVG = "http://www.w3.org/2000/svg";
+const MAX_EVENTS = 1000;      // events kept on the page (the oldest go first); the API has them all
+const MAX_POINTS = 4000;      // chart points kept per series; past it every other one is dropped
+const PAGE_EVENTS = 10000;    // the API's largest page of events
+const PAGE_POINTS = 10000;
+const PAGES_PER_TICK = 10;    // a long job's history is read over a few ticks, not in one burst
 let selected = null;          // job id shown in detail
-let lastEventId = 0;
+// What the page has read of the selected job. A click replaces the object: a poll still in flight for the
+// job shown before sees it is no longer current and draws nothing.
+let detail = newDetail(null);
+
+function newDetail(jobId) {
+  return { jobId, lastEventId: 0, shown: 0, dropped: 0, points: [], cursor: null };
+}
 
 const $ = (id) => document.getElementById(id);
 
@@ -21,7 +32,20 @@ function authHeaders() {
 function askForToken(why) {
   $("token-form").hidden = false;
   $("token-forget").hidden = !sessionStorage.getItem(TOKEN_KEY);
-  throw new Error(why);
+  throw new ServiceError(why);  // the service answered: it wants a token
+}
+
+class ServiceError extends Error {}  // the service answered, with an error: not "cannot reach"
+
+async function problemText(r) {
+  // Errors are RFC 9457 problem JSON: its detail says what went wrong, its request id finds it in the log.
+  try {
+    const p = await r.json();
+    if (p && typeof p.detail === "string") {
+      return `${p.detail} (HTTP ${r.status}${p.request_id ? `, request id ${p.request_id}` : ""})`;
+    }
+  } catch (e) { /* not JSON: a proxy's page */ }
+  return `HTTP ${r.status} ${r.statusText}`.trim();
 }
 
 async function getJSON(url) {
@@ -33,7 +57,7 @@ async function getJSON(url) {
     askForToken(sent ? "the token was refused; paste a valid one" : "this service needs an API token; paste one above");
   }
   if (r.status === 404) return null;
-  if (!r.ok) throw new Error(`${url}: HTTP ${r.status}`);
+  if (!r.ok) throw new ServiceError(`the service answered ${url} with an error: ${await problemText(r)}`);
   return r.json();
 }
 
@@ -41,6 +65,13 @@ $("token-form").addEventListener("submit", (ev) => {
   ev.preventDefault();
   const token = $("token").value.trim();
   if (!token) return;
+  // A token is printable ASCII (mrd_ + URL-safe base64); anything else cannot even be sent in a header
+  // (a character picked up when copying it, such as a zero-width space or an ellipsis).
+  if (!/^[\x21-\x7e]+$/.test(token)) {
+    $("status").textContent = "that is not an API token: it holds characters a token never has " +
+      "(spaces or non-ASCII characters picked up when copying it); paste it again";
+    return;
+  }
   sessionStorage.setItem(TOKEN_KEY, token);
   $("token").value = "";
   $("token-form").hidden = true;
@@ -58,7 +89,8 @@ $("token-forget").addEventListener("click", () => {
 function el(tag, attrs = {}, text) {
   const node = tag.includes(":") || ["svg", "g", "rect", "circle", "line", "polyline", "text", "path", "title"].includes(tag)
     ? document.createElementNS(SVG, tag) : document.createElement(tag);
-  for (const [k, v] of Object.entries(attrs)) node.setAttribute(k, v);
+  // A style goes through the CSSOM: the page's Content-Security-Policy refuses inline style attributes.
+  for (const [k, v] of Object.entries(attrs)) if (k === "style") node.style.cssText = v; else node.setAttribute(k, v);
   if (text !== undefined) node.textContent = text;
   return node;
 }
@@ -93,7 +125,7 @@ function renderJobs(jobs) {
       el("td", { class: "loss" }, p.loss === null ? "-" : p.loss.toFixed(3)), el("td", {}, si(p.tokens_per_s)),
       el("td", {}, duration(p.eta_s)));
     tr.title = `${j.reason}: ${j.message}`;
-    tr.addEventListener("click", () => { selected = j.id; lastEventId = 0; $("events").replaceChildren(); tick(); });
+    tr.addEventListener("click", () => select(j.id));
     body.append(tr);
   }
 }
@@ -144,13 +176,27 @@ function renderMap(cluster, job, probe) {
   $("map-job").textContent = job ? `(ranks of job ${job.id})` : "";
 }
 
+function select(jobId) {
+  if (jobId === selected) return;
+  selected = jobId;
+  detail = newDetail(jobId);
+  $("events").replaceChildren();
+  $("events").start = 1;
+  tick();
+}
+
 // -- charts -----------------------------------------------------------------------------------------------
 function lineChart(svg, series, { colors = ["#c2410c"], labels = [] } = {}) {
   svg.replaceChildren();
-  const W = 420, H = 180, L = 48, B = 20, pts = series.flat();
+  const W = 420, H = 180, L = 48, B = 20;
+  // A diverged loss is stored as null: it is not a point at 0, and not a point at all.
+  series = series.map((s) => s.filter(([x, y]) => Number.isFinite(x) && Number.isFinite(y)));
+  const pts = series.flat();
   if (!pts.length) { svg.append(el("text", { x: 150, y: 90 }, "no steps yet")); return; }
-  const xs = pts.map((p) => p[0]), ys = pts.map((p) => p[1]);
-  const x0 = Math.min(...xs), x1 = Math.max(...xs, x0 + 1), y0 = Math.min(...ys, 0), y1 = Math.max(...ys) || 1;
+  let x0 = Infinity, x1 = -Infinity, y0 = 0, y1 = -Infinity;  // no Math.min(...): it overflows on long arrays
+  for (const [x, y] of pts) { x0 = Math.min(x0, x); x1 = Math.max(x1, x); y0 = Math.min(y0, y); y1 = Math.max(y1, y); }
+  x1 = Math.max(x1, x0 + 1);
+  y1 = y1 || 1;
   const sx = (x) => L + (x - x0) / (x1 - x0) * (W - L - 8), sy = (y) => H - B - (y - y0) / (y1 - y0 || 1) * (H - B - 10);
   svg.append(el("line", { x1: L, y1: H - B, x2: W - 4, y2: H - B, stroke: "#ccd" }));
   svg.append(el("text", { x: 2, y: 14 }, si(y1)), el("text", { x: 2, y: H - B }, si(y0)));
@@ -163,33 +209,88 @@ function lineChart(svg, series, { colors = ["#c2410c"], labels = [] } = {}) {
   });
 }
 
+const CHART_FIELDS = ["loss", "val_loss", "tokens_per_s", "data_s", "compute_s", "sync_wait_s"];
+
+function keepPoints(d, points) {
+  for (const p of points) {
+    const kept = { step: p.step };
+    for (const k of CHART_FIELDS) if (typeof p[k] === "number") kept[k] = p[k];
+    d.points.push(kept);
+  }
+  // A long job's history stays a few thousand points: every other one goes (the newest always stays).
+  while (d.points.length > MAX_POINTS) {
+    const last = d.points[d.points.length - 1];
+    d.points = d.points.filter((_, i) => i % 2 === 0);
+    if (d.points[d.points.length - 1] !== last) d.points.push(last);
+  }
+}
+
 function renderCharts(points) {
   const phase = (k) => points.filter((p) => p[k] !== undefined && p[k] !== null).map((p) => [p.step, p[k]]);
   const val = phase("val_loss");  // drawn only when the job's validation produced some
-  lineChart($("chart-loss"), [points.map((p) => [p.step, p.loss]), ...(val.length ? [val] : [])],
+  lineChart($("chart-loss"), [phase("loss"), ...(val.length ? [val] : [])],
     { colors: ["#c2410c", "#6f42c1"], labels: ["train", "validation"] });
-  lineChart($("chart-tps"), [points.map((p) => [p.step, p.tokens_per_s])], { colors: ["#3a72e8"] });
+  lineChart($("chart-tps"), [phase("tokens_per_s")], { colors: ["#3a72e8"] });
   lineChart($("chart-phase"), [phase("data_s"), phase("compute_s"), phase("sync_wait_s")],
     { colors: ["#9a6700", "#1a7f37", "#c62828"], labels: ["data", "compute", "sync wait"] });
 }
 
-function renderEvents(events) {
+function renderEvents(d, { events, skipped }) {
   const list = $("events");
+  d.dropped += skipped;
   for (const e of events) {
-    lastEventId = Math.max(lastEventId, e.id);
+    if (e.id <= d.lastEventId) continue;  // never listed twice
+    d.lastEventId = e.id;
     list.append(el("li", { class: `ev-${e.kind}` }, `${new Date(e.time * 1000).toLocaleTimeString()} [${e.kind}] ${e.message}`));
+    d.shown += 1;
+  }
+  while (d.shown > MAX_EVENTS) {  // the page keeps the newest; the list's numbers stay the events' numbers
+    list.firstElementChild.remove();
+    d.shown -= 1;
+    d.dropped += 1;
+  }
+  list.start = d.dropped + 1;
+}
+
+// The selected job's events and metrics after what the page holds, a few pages at a time.
+async function readEvents(d) {
+  let events = [], skipped = 0, after = d.lastEventId;
+  for (let i = 0; i < PAGES_PER_TICK; i++) {
+    const page = await getJSON(`/v1/jobs/${encodeURIComponent(d.jobId)}/events?after=${after}&limit=${PAGE_EVENTS}`);
+    const got = page ? page.events : [];
+    if (got.length) after = got[got.length - 1].id;
+    events = events.concat(got);
+    if (events.length > MAX_EVENTS) {  // only the newest are shown: never put the rest on the page
+      skipped += events.length - MAX_EVENTS;
+      events = events.slice(-MAX_EVENTS);
+    }
+    if (got.length < PAGE_EVENTS) break;
+  }
+  return { events, skipped };
+}
+
+// Each page is kept as it comes, with the cursor to the next (a page that fails is asked again next time);
+// a ``d`` no longer selected is simply dropped afterwards.
+async function readMetrics(d) {
+  for (let i = 0; i < PAGES_PER_TICK; i++) {
+    const c = d.cursor, at = c ? `&after_step=${c.after_step}&after_id=${c.after_id}` : "";
+    const page = await getJSON(`/v1/jobs/${encodeURIComponent(d.jobId)}/metrics?limit=${PAGE_POINTS}${at}`);
+    if (!page) return;
+    keepPoints(d, page.points);
+    d.cursor = page.next || d.cursor;
+    if (page.points.length < PAGE_POINTS) return;
   }
 }
 
 // -- loop -------------------------------------------------------------------------------------------------
-async function tick() {
+async function refresh() {
   try {
     const [list, cluster, probe] = await Promise.all([
       getJSON("/v1/jobs?limit=50"), getJSON("/v1/cluster").catch(() => null),
       getJSON("/v1/diagnostics/collectives").catch(() => null),
     ]);
     const jobs = list ? list.jobs : [];
-    if (!selected && jobs.length) selected = (jobs.find((j) => j.state === "running") || jobs[0]).id;
+    if (!selected && jobs.length) select((jobs.find((j) => j.state === "running") || jobs[0]).id);
     renderJobs(jobs);
     const job = jobs.find((j) => j.id === selected) || null;
     renderMap(cluster, job, probe);
@@ -198,16 +299,28 @@ async function tick() {
       $("detail-id").textContent = job.id;
       $("detail-state").textContent = job.state;
       $("detail-state").className = `state state-${job.state}`;
-      const [metrics, events] = await Promise.all([
-        getJSON(`/v1/jobs/${job.id}/metrics`), getJSON(`/v1/jobs/${job.id}/events?after=${lastEventId}`),
-      ]);
-      renderCharts(metrics ? metrics.points : []);
-      renderEvents(events ? events.events : []);
+      const d = detail;
+      const [, events] = await Promise.all([readMetrics(d), readEvents(d)]);
+      if (d !== detail) return;  // another job was selected meanwhile: the next poll draws that one
+      renderCharts(d.points);
+      renderEvents(d, events);
     }
     $("status").textContent = `updated ${new Date().toLocaleTimeString()}`;
   } catch (err) {
-    $("status").textContent = `cannot reach the service: ${err.message}`;
+    $("status").textContent = err instanceof ServiceError ? err.message : `cannot reach the service: ${err.message}`;
   }
+}
+
+// One poll at a time: a slow service must not have two polls read the same events after the same id. A poll
+// asked for while one runs (the timer, a click) runs once that one is done.
+let polling = false, pollAgain = false;
+function tick() {
+  if (polling) { pollAgain = true; return; }
+  polling = true;
+  refresh().finally(() => {
+    polling = false;
+    if (pollAgain) { pollAgain = false; tick(); }
+  });
 }
 
 tick();
