@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -75,6 +76,8 @@ def create_app(
     app.state.service = service
     app.state.auth = auth or AuthSettings()
     app.state.job_pages = jobs.JobPageCache()
+    app.state.stopping = threading.Event()
+    """Set when the server is told to exit: open event and log streams end (:class:`meridian.api.server.Server`)."""
     install_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
     if not app.state.auth.enabled:

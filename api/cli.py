@@ -8,6 +8,7 @@ on stdout, the service's RFC 9457 problem or one of its shape (:mod:`meridian.ap
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -101,6 +102,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from meridian.api.app import create_app
     from meridian.api.auth import AuthSettings, UnsafeDeployment, check_bind, is_loopback
+    from meridian.api.server import Server
     from meridian.service.cluster.connect import parse_datacenters
     from meridian.service.core import MeridianService, ServiceConfig, StorageUnusable
     from meridian.service.lease import DatabaseOwned
@@ -136,8 +138,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         sys.stdout.flush()
         # lifespan "off": this function starts and stops the service, so the app's lifespan has nothing to do; and
         # uvicorn's lifespan task, cancelled by a second Ctrl-C during the shutdown, logged an ERROR traceback.
-        uvicorn.run(create_app(config, auth=auth, service=service), host=args.host, port=args.port,
-                    log_level=args.log_level, lifespan="off")  # fmt: skip
+        server = Server(uvicorn.Config(create_app(config, auth=auth, service=service), host=args.host,
+                                       port=args.port, log_level=args.log_level, lifespan="off"))
+        with contextlib.suppress(KeyboardInterrupt):  # uvicorn raises the Ctrl-C it caught once it has stopped
+            server.run()
     finally:
         service.stop()
     return 0

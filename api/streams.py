@@ -56,8 +56,8 @@ async def job_event_stream(request: Request, store: JobStore, job_id: str, after
         if job.status.state.is_terminal:
             yield f"event: end\ndata: {json.dumps({'state': job.status.state.value, 'last_event_id': last})}\n\n"
             return
-        if await request.is_disconnected():
-            return
+        if await request.is_disconnected() or request.app.state.stopping.is_set():
+            return  # (the service stops: the client resumes after `last` once it is back)
         if time.monotonic() - quiet_since > KEEPALIVE_S:
             yield ": keep-alive\n\n"
             quiet_since = time.monotonic()
@@ -104,6 +104,9 @@ async def follow_logs(
                 return
             continue  # the job is over: drain what its workers wrote, without waiting between reads
         if await request.is_disconnected():
+            return
+        if request.app.state.stopping.is_set():
+            yield _note("(meridian: the service is stopping; follow the logs again once it is back)")
             return
         if not entries and time.monotonic() - last_keepalive > KEEPALIVE_S:
             yield "\n"  # an empty line: JSON-lines readers skip it

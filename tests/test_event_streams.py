@@ -179,3 +179,36 @@ def test_a_message_holding_unicode_line_ends_stays_on_its_data_line(service, sto
     assert note["message"] == odd and note["data"] == {"text": odd, odd: 1}
     assert not {"\x85", "\u2028", "\u2029"} & set(raw)
     assert raw.endswith("\n") and raw.splitlines() == raw.split("\n")[:-1]  # every reader sees the same lines
+
+
+def test_open_streams_end_when_the_server_is_told_to_exit(service, supervisor, monkeypatch):
+    # uvicorn waits for every connection to close; a stream of a running job never closed by itself, so the
+    # server did not stop (`meridian serve` with one follower had not stopped 20 s after its Ctrl-C).
+    import httpx
+
+    monkeypatch.setattr(streams, "KEEPALIVE_S", 0.2)  # each stream says something soon: both are open
+    job = submit(supervisor)
+    lines: dict[str, list[str]] = {"events": [], "logs": []}
+    ended: dict[str, float] = {}
+
+    def follow(kind: str, url: str) -> None:
+        path = f"/v1/jobs/{job}/events" if kind == "events" else f"/v1/jobs/{job}/logs?follow=true"
+        with httpx.stream("GET", url + path, headers=SSE, timeout=30) as r:
+            for line in r.iter_lines():
+                lines[kind].append(line)
+        ended[kind] = time.monotonic()
+
+    with serve_in_thread(service) as url:
+        followers = [threading.Thread(target=follow, args=(k, url), daemon=True) for k in lines]
+        for t in followers:
+            t.start()
+        deadline = time.monotonic() + 10
+        while not (lines["events"] and lines["logs"]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        told = time.monotonic()
+    stopped = time.monotonic() - told
+    for t in followers:
+        t.join(5)
+    assert stopped < 5, f"the server took {stopped:.1f} s to stop"
+    assert set(ended) == {"events", "logs"} and max(ended.values()) - told < 5, ended
+    assert "the service is stopping" in lines["logs"][-1]
