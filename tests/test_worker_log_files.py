@@ -4,6 +4,7 @@ by another job's worker must not show that job's logs (issue 19)."""
 from __future__ import annotations
 
 import os
+import threading
 
 from meridian.service.cluster import logs
 
@@ -63,6 +64,8 @@ def _follow(job, placement, reader, until):
     from meridian.api.streams import follow_logs
 
     class Request:
+        app = types.SimpleNamespace(state=types.SimpleNamespace(stopping=threading.Event()))  # the service runs on
+
         async def is_disconnected(self):
             return False
 
