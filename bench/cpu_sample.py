@@ -30,6 +30,17 @@ def snapshot() -> dict[int, tuple[float, str, int]]:
     return out
 
 
+def machine_busy_cpu_s() -> float:
+    """CPU seconds every core of the machine has spent busy so far (``/proc/stat``: all but idle and iowait),
+    processes that have ended included; 0 where ``/proc`` is not there."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+    except OSError:
+        return 0.0
+    return (sum(fields[:8]) - fields[3] - fields[4]) / _TICK  # user nice system [idle iowait] irq softirq steal
+
+
 def process_cpu_s(pid: int) -> float:
     """CPU seconds (user + system) ``pid`` has used so far, as the kernel counts them."""
     with open(f"/proc/{pid}/stat") as f:

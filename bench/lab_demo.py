@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import sys
@@ -100,7 +101,8 @@ def steady_breakdown_ms(points: list[dict[str, Any]], steady_from: int) -> dict[
     """The median of each per-step time (``step_s``, ``compute_s``, ``exposed_s``, ...) over the steps from
     ``steady_from`` on, in ms."""
     steady = [p for p in points if p.get("step", 0) >= steady_from]
-    keys = sorted({k for p in steady for k, v in p.items() if k.endswith("_s") and isinstance(v, (int, float))})
+    keys = sorted({k for p in steady for k, v in p.items()
+                   if k.endswith("_s") and k != "tokens_per_s" and isinstance(v, (int, float))})  # fmt: skip
     return {k.removesuffix("_s"): round(1000 * statistics.median(p[k] for p in steady if isinstance(p.get(k), (int, float))), 1)
             for k in keys}  # fmt: skip
 
@@ -183,7 +185,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def _one_run(args: argparse.Namespace, side: str, spec: dict[str, Any]) -> dict[str, Any]:
     from meridian.api.client import Client
     from meridian.api.server import serve_in_thread
-    from meridian.bench.cpu_sample import process_cpu_s
+    from meridian.bench.cpu_sample import cpu_between, machine_busy_cpu_s, process_cpu_s, snapshot
     from meridian.bench.gpu import run_job
     from meridian.service.cluster.lab import lab
     from meridian.service.core import MeridianService, ServiceConfig
@@ -216,9 +218,16 @@ def _one_run(args: argparse.Namespace, side: str, spec: dict[str, Any]) -> dict[
                 finally:
                     client.close()
                 phase("probe_s")
-            cpu_before = process_cpu_s(state.delay_line_pid)
+            cpu_before, processes_before, job_began = process_cpu_s(state.delay_line_pid), snapshot(), time.monotonic()
+            busy_before = machine_busy_cpu_s()
             job = run_job(url, spec, args.timeout_s)  # raises unless it succeeded
             line_cpu_s = process_cpu_s(state.delay_line_pid) - cpu_before
+            # Who used the machine's CPU while the job ran: a run far slower than its pair is read from this. The
+            # processes listed are those alive at both ends (not the training processes, gone by then); the
+            # machine's busy CPU counts everything, so the difference is mostly the job's own.
+            processes = cpu_between(processes_before, snapshot(), time.monotonic() - job_began)
+            processes["machine_busy_cpu_s"] = round(machine_busy_cpu_s() - busy_before, 1)
+            processes["machine_cores"] = os.cpu_count()
             phase("job_s")
         plan, result, points = job["plan"], job["result"], job["points"]
         if job.get("started_at") and job.get("created_at"):
@@ -238,6 +247,7 @@ def _one_run(args: argparse.Namespace, side: str, spec: dict[str, Any]) -> dict[
             # link, engine and model, jobs started directly) is read from these, not guessed
             "plan": {k: plan.get(k) for k in PLAN_FIELDS},
             "steady_step_ms": steady_breakdown_ms(points, args.steady_from),
+            "cpu_during_job": processes, "loadavg": os.getloadavg(),
         }
     finally:
         if service is not None:

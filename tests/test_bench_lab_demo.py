@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 
@@ -70,6 +71,28 @@ def test_the_run_keeps_the_plan_s_reason_for_its_sync():
 
 def test_the_steady_breakdown_is_each_per_step_time_s_median_from_the_steady_step_on():
     points = [{"step": 1, "step_s": 9.0, "compute_s": 9.0},
-              *({"step": s, "step_s": 0.1 * s, "compute_s": 0.05 * s, "exposed_s": 0.001, "loss": 2.0}
+              *({"step": s, "step_s": 0.1 * s, "compute_s": 0.05 * s, "exposed_s": 0.001, "loss": 2.0,
+                 "tokens_per_s": 1e4}
                 for s in (3, 4, 5))]  # fmt: skip
     assert lab_demo.steady_breakdown_ms(points, 3) == {"step": 400.0, "compute": 200.0, "exposed": 1.0}
+
+
+def test_the_machine_s_busy_cpu_counts_a_process_that_has_ended():
+    # lab-demo's cpu_during_job lists processes alive at both ends of the job; the training processes are gone by
+    # then, and the machine-wide figure is what still counts them.
+    import multiprocessing
+
+    from meridian.bench.cpu_sample import machine_busy_cpu_s, snapshot
+
+    before, listed_before = machine_busy_cpu_s(), snapshot()
+    p = multiprocessing.get_context("fork").Process(target=_spin, args=(0.5,))
+    p.start()
+    p.join(10)
+    assert p.pid not in snapshot() and p.pid not in listed_before
+    assert machine_busy_cpu_s() - before >= 0.3
+
+
+def _spin(seconds):
+    end = time.process_time() + seconds
+    while time.process_time() < end:
+        pass
