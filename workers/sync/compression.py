@@ -61,6 +61,10 @@ class Codec(Protocol):
         """One payload → fp32 values (n,)."""
         ...
 
+    def decode_sum(self, gathered: torch.Tensor) -> torch.Tensor:
+        """(k, payload) payloads of the k datacenters → their fp32 sum, added in row order on every rank."""
+        ...
+
 
 class Bf16Codec:
     def encode(self, x: torch.Tensor) -> torch.Tensor:
@@ -68,6 +72,10 @@ class Bf16Codec:
 
     def decode(self, payload: torch.Tensor) -> torch.Tensor:
         return payload.float()
+
+    def decode_sum(self, gathered: torch.Tensor) -> torch.Tensor:
+        """(k, n) bf16 payloads of the k datacenters → their fp32 sum, added in row order on every rank."""
+        return decode_sum(self, gathered)
 
 
 class Int8Codec:

@@ -132,26 +132,19 @@ class InterDCComm:
 
         key = (segment, key if key is not None else (tensor.data_ptr(), tensor.numel()))
         payload = self._feedback.encode(key, tensor)
-        if self.compression is Compression.BF16:
-            sent = wire.ring_all_reduce_edge(k, _nbytes(payload))
-            if k == 2:  # the two bf16 values added in fp32 (commutative: the same sum on both owners)
-                def add_in_fp32(mine: torch.Tensor, theirs: torch.Tensor) -> None:
-                    tensor.copy_(mine.float().add_(theirs.float()))
-
-                return self._count(CommHandle(self._exchange(payload, group, segment, name, add_in_fp32), sent))
-            work = self._all_reduce(payload, group, segment, name)
-            return self._count(CommHandle(work, sent, lambda: tensor.copy_(payload)))
-
-        codec = self._gathered
-        assert codec is not None
-        sent = wire.ring_all_gather_edge(k, _nbytes(payload))
-        if k == 2:  # an all-gather of two is an exchange of payloads: one way with a receive posted ahead
-            me = dist.get_rank(group)
+        codec = self._feedback.codec
+        summed_on_wire = self.compression is Compression.BF16  # (k > 2: the backend's ring adds bf16 values)
+        sent = (wire.ring_all_reduce_edge if summed_on_wire else wire.ring_all_gather_edge)(k, _nbytes(payload))
+        if k == 2:  # every encoding: an exchange of payloads, one way with a receive posted ahead, decoded and
+            me = dist.get_rank(group)  # added in fp32 in datacenter order (the same sum on both owners)
 
             def decode_sum(mine: torch.Tensor, theirs: torch.Tensor) -> None:
                 tensor.copy_(codec.decode_sum(torch.stack((mine, theirs) if me == 0 else (theirs, mine))))
 
             return self._count(CommHandle(self._exchange(payload, group, segment, name, decode_sum), sent))
+        if summed_on_wire:
+            work = self._all_reduce(payload, group, segment, name)
+            return self._count(CommHandle(work, sent, lambda: tensor.copy_(payload)))
         gathered = torch.empty(k * payload.numel(), dtype=payload.dtype, device=payload.device)
         work = self._all_gather(gathered, payload, group, segment)
         rows = gathered.view(k, payload.numel())  # gloo wants the flat output; row j is DC j's payload
