@@ -76,8 +76,7 @@ def create_app(
     app.state.service = service
     app.state.auth = auth or AuthSettings()
     app.state.job_pages = jobs.JobPageCache()
-    app.state.stopping = threading.Event()
-    """Set when the server is told to exit: open event and log streams end (:class:`meridian.api.server.Server`)."""
+    app.state.stopping = threading.Event()  # set when the server is told to exit: open streams end (api.server)
     install_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
     if not app.state.auth.enabled:

@@ -64,22 +64,28 @@ def event_texts(page) -> list[str]:
     return page.locator("#events li").all_inner_texts()
 
 
+def slow_event_reads(store, seconds, *, of_job=None) -> threading.Event:
+    """While the returned event is set, the store's reads of events (of ``of_job``, or of any job) take
+    ``seconds`` longer: a slow service, whose page polls overlap."""
+    slow, list_events = threading.Event(), store.list_events
+
+    def slow_list_events(job_id, **kw):
+        if slow.is_set() and of_job in (None, job_id):
+            time.sleep(seconds)
+        return list_events(job_id, **kw)
+
+    store.list_events = slow_list_events
+    return slow
+
+
 def test_overlapping_polls_never_show_an_event_twice(service, store, supervisor, browser):
     """A service slower than the page's 1 s poll: the next poll starts before the last one answered, both ask
     for the events after the same id, and each event was listed twice."""
     job = submit(supervisor, name="slow")
     for i in range(3):
         store.add_event(job, "note", f"note {i}")
-    slow = threading.Event()
+    slow = slow_event_reads(store, 1.6)
     slow.set()
-    list_events = store.list_events
-
-    def slow_list_events(job_id, **kw):
-        if slow.is_set():
-            time.sleep(1.6)
-        return list_events(job_id, **kw)
-
-    store.list_events = slow_list_events
     with serve_in_thread(service) as url:
         page, errors = open_page(browser, url)
         page.locator("#events li", has_text="note 2").wait_for(timeout=15_000)
@@ -102,15 +108,7 @@ def test_clicking_another_job_during_a_poll_shows_only_that_jobs_events(service,
     store.add_event(first, "note", "event of the first job")
     second = submit(supervisor, name="second")  # newest: listed first, shown at start
     store.add_event(second, "note", "event of the second job")
-    slow_job = threading.Event()
-    list_events = store.list_events
-
-    def slow_list_events(job_id, **kw):
-        if job_id == second and slow_job.is_set():
-            time.sleep(2.0)
-        return list_events(job_id, **kw)
-
-    store.list_events = slow_list_events
+    slow_job = slow_event_reads(store, 2.0, of_job=second)
     with serve_in_thread(service) as url:
         page, errors = open_page(browser, url)
         page.locator("#events li", has_text="event of the second job").wait_for(timeout=15_000)

@@ -12,6 +12,7 @@ decision (tests/test_reconcile.py). Must never write anything or call the launch
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -150,9 +151,10 @@ def job_losses(result: dict[str, Any], progress: Mapping[str, Any]) -> dict[str,
     if isinstance(progress.get("first_loss"), (int, float)):
         result["first_loss"] = progress["first_loss"]
     final = result.get("final_loss")
+    missing = final is None or (isinstance(final, float) and math.isnan(final))
     at_end = progress.get("step") is not None and progress.get("step") == progress.get("total_steps")
-    if at_end and isinstance(progress.get("loss"), (int, float)) and not (isinstance(final, float) and final == final):
-        result["final_loss"] = progress["loss"]  # (a NaN is the one float unequal to itself)
+    if missing and at_end and isinstance(progress.get("loss"), (int, float)):
+        result["final_loss"] = progress["loss"]
     return result
 
 
