@@ -13,7 +13,7 @@ data, seed, steps) runs three ways, and one row reports them side by side:
 - ``sync_wait_ms_lab``, ``sync_wait_ms_emulated``: of the step, what rank 0 waited for communication (the
   same statistic as the step time), to see where lab and emulator part;
 - ``step_ms_one_dc``: the same ranks all in the first datacenter's namespace, the job's layout one DC: no
-  inter-DC link at all (measured once per strategy, used for every link);
+  inter-DC link at all;
 - ``scaling_efficiency``: ``step_ms_one_dc / step_ms_lab``;
 - ``inter_dc_bytes_kernel``: what the kernel counted leaving every datacenter's end of the link
   (``tx_bytes`` of its TUN device, read by the datacenter's first rank after each step), per step;
@@ -25,11 +25,16 @@ data, seed, steps) runs three ways, and one row reports them side by side:
 - ``ranks_cpu_ms_per_step_lab``, ``_one_dc``, ``_emulated``: the CPU time all ranks used per timed step
   (each process's, every thread included), summed: on a machine with fewer cores than ranks a step cannot take
   less than that ÷ the cores; ``ranks_system_cpu_ms_per_step_*``: of it, the time in the kernel;
-- ``delay_line_cpu_ms_per_step``, ``delay_line_cpu_share``: the CPU time the lab's delay line (a Python process
+- ``delay_line_cpu_ms_per_step``, ``delay_line_cpu_share``: the CPU time the lab's delay line (a process
   that forwards every inter-DC packet) used during the lab job (``/proc``; start-up included, divided by all the
   job's steps), and that as a share of all this machine's cores over a lab step (``step_ms_lab``). On a small
   machine the datacenters share their cores with the link: the one-DC job pays none of it, so
   ``scaling_efficiency`` carries it.
+
+With ``--rounds N`` every strategy's three jobs run N times, interleaved with the other strategies', their
+order rotated each round (:func:`round_order`); a row's step times are the medians over its rounds, its ratios
+(``emulated_vs_lab``, ``scaling_efficiency``, ``overlap_saving``) the medians of each round's own ratio, listed
+per round beside them (``emulated_vs_lab_rounds``, ``scaling_efficiency_rounds``), its bytes the means.
 
 Step times are over the steps after ``--warmup`` (the median for per-step strategies; for DiLoCo the mean over
 whole cycles of H steps after the first outer sync, since its median step has no sync and its first sync also
@@ -223,6 +228,91 @@ def summarise(ranks: list[dict], timed_window: tuple[int, int], use_mean: bool) 
     return out
 
 
+WAYS = ("lab", "emulated", "one_dc")
+"""The three ways every round runs a strategy's job, in this order rotated by one each round (round 1: the lab
+first, round 2: the emulator first, ...), so that a machine that slows down or speeds up over a run does not favour
+one way."""
+
+
+def round_order(round_index: int) -> tuple[str, ...]:
+    k = round_index % len(WAYS)
+    return WAYS[k:] + WAYS[:k]
+
+
+def measure_round(args: argparse.Namespace, state: lab_mod.LabState, strategy: str, wan: WanConfig,
+                  multi: list[str], one: list[str], workdir: Path, round_index: int) -> dict[str, dict]:
+    """One round of ``strategy``: its job on the lab, behind the emulator (on loopback, beside the idle lab) and
+    in one datacenter, in :func:`round_order`; with ``overlap_saving``, hierarchical's job with overlap off
+    right after its lab run."""
+    timed, mean = window(args, strategy), strategy == "diloco"
+    out: dict[str, dict] = {}
+    for way in round_order(round_index):
+        if way == "lab":
+            cpu_before = process_cpu_s(state.delay_line_pid)
+            out["lab"] = summarise(run_in_lab(state, job(args, strategy, tuple(multi), None), multi, workdir,
+                                              args.timeout_s, timed), timed, mean)  # fmt: skip
+            out["lab"]["delay_line_cpu_ms"] = 1000 * (process_cpu_s(state.delay_line_pid) - cpu_before) / args.steps
+            if strategy == "hierarchical" and args.overlap_saving:
+                off = "hierarchical-no-overlap"
+                out["no_overlap"] = summarise(run_in_lab(state, job(args, off, tuple(multi), None), multi, workdir,
+                                                         args.timeout_s, window(args, off)), window(args, off), False)  # fmt: skip
+        elif way == "emulated":
+            out["emulated"] = summarise(run_processes(_emulated, len(multi), job(args, strategy, tuple(multi), wan),
+                                                      timeout_s=args.timeout_s), timed, mean)  # fmt: skip
+        else:
+            out["one_dc"] = summarise(run_in_lab(state, job(args, strategy, tuple(one), None), one, workdir,
+                                                 args.timeout_s, timed), timed, mean)  # fmt: skip
+    return out
+
+
+def row_of(rtt_ms: float, gbps: float, strategy: str, line_kind: str, rounds: list[dict[str, dict]],
+           har_min: float) -> dict:
+    """One row from a strategy's rounds: each step time the median over the rounds; each ratio the median of
+    the rounds' own ratios (a round's three jobs ran minutes apart at most, so a ratio inside a round is what
+    this machine can compare), with every round's ratio beside it; bytes the mean over the rounds."""
+    def med(way: str, key: str) -> float:
+        return statistics.median(r[way][key] for r in rounds)
+
+    def mean(way: str, key: str) -> float:
+        return statistics.mean(r[way][key] for r in rounds)
+
+    vs_lab = [r["emulated"]["step_ms"] / r["lab"]["step_ms"] for r in rounds]
+    efficiency = [r["one_dc"]["step_ms"] / r["lab"]["step_ms"] for r in rounds]
+    kernel, reported = mean("lab", "kernel"), mean("lab", "reported")
+    row = {
+        "rtt_ms": rtt_ms, "gbps": gbps, "strategy": strategy, "delay_line": line_kind, "rounds": len(rounds),
+        "step_ms_lab": round(med("lab", "step_ms"), 1), "step_ms_emulated": round(med("emulated", "step_ms"), 1),
+        "step_ms_one_dc": round(med("one_dc", "step_ms"), 1),
+        "emulated_vs_lab": round(statistics.median(vs_lab), 3),
+        "emulated_vs_lab_rounds": [round(x, 3) for x in vs_lab],
+        # of which rank 0 waited for communication (the same statistic): where the two differ
+        "sync_wait_ms_lab": round(med("lab", "sync_wait_ms"), 1),
+        "sync_wait_ms_emulated": round(med("emulated", "sync_wait_ms"), 1),
+        "scaling_efficiency": round(statistics.median(efficiency), 3),
+        "scaling_efficiency_rounds": [round(x, 3) for x in efficiency],
+        "inter_dc_bytes_kernel": round(kernel),
+        "inter_dc_bytes_reported": round(reported),
+        "reported_vs_kernel": round(reported / kernel, 4) if kernel else None,
+        "inter_dc_bytes_reported_emulated": round(mean("emulated", "reported")),
+        "har_min_bytes": round(har_min),
+        "step_stat": "mean" if strategy == "diloco" else "median", "steps_timed": rounds[0]["lab"]["steps_timed"],
+        "timed_steps": rounds[0]["lab"]["timed_steps"],
+        "ranks_cpu_ms_per_step_lab": round(med("lab", "ranks_cpu_ms"), 1),
+        "ranks_cpu_ms_per_step_one_dc": round(med("one_dc", "ranks_cpu_ms"), 1),
+        "ranks_cpu_ms_per_step_emulated": round(med("emulated", "ranks_cpu_ms"), 1),
+        # of which in the kernel (system time: the sockets, the lab's devices)
+        "ranks_system_cpu_ms_per_step_lab": round(med("lab", "ranks_system_cpu_ms"), 1),
+        "ranks_system_cpu_ms_per_step_one_dc": round(med("one_dc", "ranks_system_cpu_ms"), 1),
+        "delay_line_cpu_ms_per_step": round(med("lab", "delay_line_cpu_ms"), 1),
+        "delay_line_cpu_share": round(med("lab", "delay_line_cpu_ms") / (med("lab", "step_ms") * (os.cpu_count() or 1)), 4),
+    }  # fmt: skip
+    if all("no_overlap" in r for r in rounds):  # overlap as what it saves: step time with it off minus with it on
+        row["step_ms_lab_no_overlap"] = round(med("no_overlap", "step_ms"), 1)
+        row["overlap_saving"] = round(statistics.median(1 - r["lab"]["step_ms"] / r["no_overlap"]["step_ms"]
+                                                        for r in rounds), 3)  # fmt: skip
+    return row
+
+
 def run(args: argparse.Namespace) -> dict:
     links = parse_links(args.links)
     strategies = [s for s in args.strategies.split(",") if s]
@@ -232,79 +322,38 @@ def run(args: argparse.Namespace) -> dict:
         raise RuntimeError("the lab creates network namespaces: run `meridian bench lab` as root")
     if args.steps <= args.warmup + 1:
         raise ValueError(f"--steps must exceed --warmup + 1 ({args.warmup + 1}), got {args.steps}")
+    if args.rounds < 1:
+        raise ValueError(f"--rounds must be at least 1, got {args.rounds}")
     for s in strategies:
         window(args, s)
     names = [f"dc-{chr(ord('a') + i)}" for i in range(args.dcs)]
     multi = [dc for dc in names for _ in range(args.workers_per_dc)]
     one = [names[0]] * len(multi)
     params = count_params(args.model)
-    one_dc: dict[str, dict] = {}
     rows = []
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="meridian-bench-lab-") as tmp:
         workdir = Path(tmp)
         for rtt_ms, gbps in links:
-            lab_runs: dict[str, dict] = {}
+            wan = WanConfig(rtt_ms=rtt_ms, gbps=gbps)
+            rounds: dict[str, list[dict[str, dict]]] = {s: [] for s in strategies}
             with lab_lock(args.lock, args.lock_timeout_s):
                 state = lab_mod.up({dc: args.workers_per_dc for dc in names}, rtt_ms=rtt_ms, gbps=gbps,
                                    name=LAB_NAME, ray=False, line=args.delay_line)  # fmt: skip
                 line_kind = state.delay_line  # native or python: one line per link, for every row of it
                 try:
-                    for s in strategies:
-                        mean = s == "diloco"
-                        cpu_before = process_cpu_s(state.delay_line_pid)
-                        lab_runs[s] = summarise(run_in_lab(state, job(args, s, tuple(multi), None), multi, workdir,
-                                                           args.timeout_s, window(args, s)), window(args, s), mean)  # fmt: skip
-                        lab_runs[s]["delay_line_cpu_ms"] = 1000 * (process_cpu_s(state.delay_line_pid) - cpu_before) / args.steps
-                        if s == "hierarchical" and args.overlap_saving:  # the same job with overlap off
-                            off = "hierarchical-no-overlap"
-                            lab_runs[off] = summarise(run_in_lab(state, job(args, off, tuple(multi), None), multi,
-                                                                 workdir, args.timeout_s, window(args, off)),
-                                                      window(args, off), False)  # fmt: skip
-                        if s not in one_dc:
-                            ranks = run_in_lab(state, job(args, s, tuple(one), None), one, workdir, args.timeout_s,
-                                               window(args, s))  # fmt: skip
-                            one_dc[s] = summarise(ranks, window(args, s), mean)
+                    for i in range(args.rounds):
+                        for s in strategies:
+                            rounds[s].append(measure_round(args, state, s, wan, multi, one, workdir, i))
                 finally:
                     lab_mod.down(LAB_NAME)
-            wan = WanConfig(rtt_ms=rtt_ms, gbps=gbps)
             for s in strategies:
-                emu = summarise(run_processes(_emulated, len(multi), job(args, s, tuple(multi), wan),
-                                              timeout_s=args.timeout_s), window(args, s), s == "diloco")  # fmt: skip
-                lab_r = lab_runs[s]
                 har_min = args.dcs * params * 4 / (args.diloco_h if s == "diloco" else 1)
-                rows.append({
-                    "rtt_ms": rtt_ms, "gbps": gbps, "strategy": s, "delay_line": line_kind,
-                    "step_ms_lab": round(lab_r["step_ms"], 1), "step_ms_emulated": round(emu["step_ms"], 1),
-                    "step_ms_one_dc": round(one_dc[s]["step_ms"], 1),
-                    "emulated_vs_lab": round(emu["step_ms"] / lab_r["step_ms"], 3),
-                    # of which rank 0 waited for communication (the same statistic): where the two differ
-                    "sync_wait_ms_lab": round(lab_r["sync_wait_ms"], 1), "sync_wait_ms_emulated": round(emu["sync_wait_ms"], 1),
-                    "scaling_efficiency": round(one_dc[s]["step_ms"] / lab_r["step_ms"], 3),
-                    "inter_dc_bytes_kernel": round(lab_r["kernel"]),
-                    "inter_dc_bytes_reported": round(lab_r["reported"]),
-                    "reported_vs_kernel": round(lab_r["reported"] / lab_r["kernel"], 4) if lab_r["kernel"] else None,
-                    "inter_dc_bytes_reported_emulated": round(emu["reported"]),
-                    "har_min_bytes": round(har_min),
-                    "step_stat": "mean" if s == "diloco" else "median", "steps_timed": lab_r["steps_timed"],
-                    "timed_steps": lab_r["timed_steps"],
-                    "ranks_cpu_ms_per_step_lab": round(lab_r["ranks_cpu_ms"], 1),
-                    "ranks_cpu_ms_per_step_one_dc": round(one_dc[s]["ranks_cpu_ms"], 1),
-                    "ranks_cpu_ms_per_step_emulated": round(emu["ranks_cpu_ms"], 1),
-                    # of which in the kernel (system time: the sockets, the lab's devices)
-                    "ranks_system_cpu_ms_per_step_lab": round(lab_r["ranks_system_cpu_ms"], 1),
-                    "ranks_system_cpu_ms_per_step_one_dc": round(one_dc[s]["ranks_system_cpu_ms"], 1),
-                    "delay_line_cpu_ms_per_step": round(lab_r["delay_line_cpu_ms"], 1),
-                    "delay_line_cpu_share": round(lab_r["delay_line_cpu_ms"] / (lab_r["step_ms"] * (os.cpu_count() or 1)), 4),
-                })  # fmt: skip
-                off = lab_runs.get(f"{s}-no-overlap")
-                if off is not None:  # overlap as what it saves: step time with it off minus with it on
-                    rows[-1]["step_ms_lab_no_overlap"] = round(off["step_ms"], 1)
-                    rows[-1]["overlap_saving"] = round(1 - lab_r["step_ms"] / off["step_ms"], 3)
+                rows.append(row_of(rtt_ms, gbps, s, line_kind, rounds[s], har_min))
     return {
         "model": args.model, "params": params, "workers": len(multi), "datacenters": args.dcs,
         "steps": args.steps, "warmup": args.warmup, "bucket_mb": args.bucket_mb, "chunk_mb": args.chunk_mb,
-        "diloco_h": args.diloco_h, "wall_s": round(time.monotonic() - started, 1),
+        "diloco_h": args.diloco_h, "rounds": args.rounds, "wall_s": round(time.monotonic() - started, 1),
         "loadavg": Path("/proc/loadavg").read_text().split()[:3], "rows": rows,
     }  # fmt: skip
 
@@ -317,6 +366,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=14, help="optimizer steps per job (default 14)")
     p.add_argument("--warmup", type=int, default=2, help="first steps left out of the figures (default 2)")
     p.add_argument("--diloco-h", type=int, default=4, help="DiLoCo inner steps between syncs (default 4)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run every strategy's three jobs this many times, interleaved, their order rotated each round; "
+                        "a row gives the median (default 1)")
     p.add_argument("--no-overlap-saving", dest="overlap_saving", action="store_false",
                    help="skip the hierarchical job with overlap off (its step time gives overlap_saving)")
     p.add_argument("--delay-line", choices=delay_line.KINDS, default="auto", help=delay_line.KINDS_HELP)
