@@ -21,6 +21,7 @@ from meridian.api.limits import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
 from meridian.api.prometheus import install_metrics
 from meridian.api.request_id import RequestId
 from meridian.api.routes import cluster, diagnostics, jobs
+from meridian.api.streams import DEFAULT_MAX_STREAMS_PER_OWNER, StreamSlots
 from meridian.service.core import MeridianService, ServiceConfig
 
 STATIC = Path(__file__).parent / "static"
@@ -48,7 +49,7 @@ class PageFiles(StaticFiles):
 
 def create_app(
     config: ServiceConfig, *, service: MeridianService | None = None, auth: AuthSettings | None = None,
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_streams_per_owner: int = DEFAULT_MAX_STREAMS_PER_OWNER,
 ) -> FastAPI:
     """An app that starts (and on shutdown stops) a :class:`MeridianService` for ``config``.
 
@@ -77,6 +78,7 @@ def create_app(
     app.state.auth = auth or AuthSettings()
     app.state.job_pages = jobs.JobPageCache()
     app.state.stopping = threading.Event()  # set when the server is told to exit: open streams end (api.server)
+    app.state.stream_slots = StreamSlots(max_streams_per_owner)  # event streams and followed logs, per owner
     install_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
     if not app.state.auth.enabled:

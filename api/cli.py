@@ -118,6 +118,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         config = ServiceConfig(data_dir=args.data_dir, database_url=args.database_url, ray_address=args.address,
                                local_datacenters=local, cpus_per_node=args.cpus_per_node,
                                data_roots=tuple(args.data_root or ()), storage=args.storage)
+        if args.max_streams_per_owner is not None and args.max_streams_per_owner < 1:
+            raise ValueError(f"--max-streams-per-owner must be at least 1, got {args.max_streams_per_owner}")
     except (UnsafeDeployment, ValueError) as e:
         raise refused(e) from None
     who = f"auth on, {len(auth.hashes)} token(s) from {auth.token_file}" if auth.enabled else "auth off (loopback only)"
@@ -138,7 +140,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         sys.stdout.flush()
         # lifespan "off": this function starts and stops the service, so the app's lifespan has nothing to do; and
         # uvicorn's lifespan task, cancelled by a second Ctrl-C during the shutdown, logged an ERROR traceback.
-        server = Server(uvicorn.Config(create_app(config, auth=auth, service=service), host=args.host,
+        app = create_app(config, auth=auth, service=service, **(
+            {"max_streams_per_owner": args.max_streams_per_owner} if args.max_streams_per_owner is not None else {}))
+        server = Server(uvicorn.Config(app, host=args.host,
                                        port=args.port, log_level=args.log_level, lifespan="off"))
         with contextlib.suppress(KeyboardInterrupt):  # uvicorn raises the Ctrl-C it caught once it has stopped
             server.run()
@@ -363,6 +367,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "DATA_DIR/checkpoints)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     s.add_argument("--auth", action="store_true", help="require bearer tokens (always on for a non-loopback --host)")
+    s.add_argument("--max-streams-per-owner", type=int, default=None, metavar="N",
+                   help="event streams and followed logs one owner may hold open at once; one more is a 429 "
+                        "(default: 32, api.streams.DEFAULT_MAX_STREAMS_PER_OWNER)")
     s.add_argument("--token-file", default=default_token_file(), help="token hashes (default: $MERIDIAN_TOKEN_FILE "
                    "or ~/.meridian/tokens.json)")
     s.set_defaults(run=cmd_serve)

@@ -36,6 +36,15 @@ from meridian.service.errors import (
 
 log = logging.getLogger(__name__)
 
+
+class TooManyStreams(MeridianError):
+    """An owner already holds as many event streams and followed logs open as the service allows
+    (:class:`meridian.api.streams.StreamSlots`)."""
+
+
+RETRY_AFTER_S = {TooManyStreams: 5}
+"""What a refusal that passes by itself tells the client to wait (``Retry-After``, seconds)."""
+
 STATUS: dict[type[MeridianError], int] = {
     JobNotFound: 404,
     InvalidJob: 422,
@@ -47,6 +56,7 @@ STATUS: dict[type[MeridianError], int] = {
     StorageUnreadable: 503,
     Unauthorized: 401,
     PayloadTooLarge: 413,
+    TooManyStreams: 429,
 }
 
 
@@ -106,6 +116,8 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _meridian(request: Request, exc: MeridianError) -> JSONResponse:
         status = next((code for cls, code in STATUS.items() if isinstance(exc, cls)), 400)
         headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+        if (wait_s := RETRY_AFTER_S.get(type(exc))) is not None:
+            headers = {"Retry-After": str(wait_s)}
         return problem(request, status, str(exc), kind=type(exc).__name__, headers=headers)
 
     @app.exception_handler(RequestValidationError)

@@ -149,7 +149,8 @@ def job_events(
     caller.check_owns(store.get_job(job_id))
     start = max(after, last_event_id or 0)
     if "text/event-stream" in accept:
-        return StreamingResponse(job_event_stream(request, store, job_id, start), media_type="text/event-stream",
+        stream = request.app.state.stream_slots.hold(caller.owner, job_event_stream(request, store, job_id, start))
+        return StreamingResponse(stream, media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     return EventList(events=[EventPublic.from_event(e) for e in store.list_events(job_id, after=start, limit=limit)])
 
@@ -191,7 +192,8 @@ def job_logs(
     job = caller.check_owns(store.get_job(job_id))
     ranks = set(rank) if rank else None
     if follow:
-        return StreamingResponse(follow_logs(request, store, service, job_id, tail_kb * 1024, ranks),
-                                 media_type="application/x-ndjson", headers={"Cache-Control": "no-cache"})
+        stream = request.app.state.stream_slots.hold(
+            caller.owner, follow_logs(request, store, service, job_id, tail_kb * 1024, ranks))
+        return StreamingResponse(stream, media_type="application/x-ndjson", headers={"Cache-Control": "no-cache"})
     entries, _ = service.read_logs(job.placement or [], None, tail_bytes=tail_kb * 1024, ranks=ranks)
     return LogList.from_entries(job_id, entries)
