@@ -9,7 +9,9 @@ one), and ``latest``, the name of the newest committed checkpoint. Readers start
 shows only folders with their marker. How a save commits:
 
 - **local folder**: the files go to a hidden ``.step-<N>.partial`` folder, which is renamed into place (a
-  rename: the folder appears whole or not at all), then ``latest`` is replaced atomically.
+  rename: the folder appears whole or not at all), then ``latest`` is replaced atomically. Each step reaches
+  the disk before the next names it (``fsync`` of every file written, of the folder, of the rename, of
+  ``latest``), so a power loss leaves the previous checkpoint or the new one, never a name without its bytes.
 - **URL** (an object store has no directories and no atomic rename): the files go straight to ``step-<N>/``,
   the marker last, and ``latest`` (one small object, one PUT, written after the marker) is the commit point.
   A save of the step ``latest`` names first points ``latest`` back at the previous complete checkpoint and
@@ -93,12 +95,15 @@ def write_text(location: str, text: str) -> None:
         folder, name = os.path.split(location)
         tmp = os.path.join(folder, f".{name}.{os.getpid()}.{threading.get_ident()}.tmp")
         try:
-            Path(tmp).write_text(text)
+            with open(tmp, "w") as f:
+                f.write(text)
+                _sync(f)
             os.replace(tmp, location)
         except BaseException:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             raise
+        sync_folder(folder or ".")
         return
     fs, path = _fs(location)
     fs.pipe_file(path, text.encode())
@@ -126,10 +131,32 @@ def open_file(location: str, mode: str) -> Iterator[IO[bytes]]:
     if not is_url(location):
         with open(location, mode) as f:
             yield f
+            if "r" not in mode:
+                _sync(f)
         return
     fs, path = _fs(location)
     with fs.open(path, mode) as f:
         yield f
+
+
+def _sync(f: IO[Any]) -> None:
+    """The file's bytes on the disk, not only in the page cache: a checkpoint must outlive a power loss."""
+    f.flush()
+    os.fsync(f.fileno())
+
+
+def sync_folder(folder: str) -> None:
+    """The folder's entries (a file created or renamed in it) on the disk. A local folder only; a filesystem
+    that cannot sync a directory (some network mounts) is left to its own guarantees."""
+    try:
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return
+    try:
+        with contextlib.suppress(OSError):
+            os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def remove(location: str) -> None:
@@ -283,7 +310,9 @@ def commit(root: str, name: str, written: str, *, keep: int) -> str:
     if not is_url(root):
         if os.path.exists(final):
             shutil.rmtree(final)
+        sync_folder(written)  # its files' entries, before the folder is named complete
         os.replace(written, final)
+        sync_folder(root)  # the rename, before `latest` names it
     write_text(join(root, LATEST), name)  # the commit point
     folders = step_folders(root)
     done = complete(folders)
