@@ -256,14 +256,26 @@ def _event_line(e: dict[str, Any]) -> str:
     return f"{e['id']:>6}  {time.strftime('%H:%M:%S', time.localtime(e['time']))}  {e['kind']:<16} {e['message']}"
 
 
+def _earlier_note(n: int) -> str:
+    return f"({n} earlier events not shown: --tail N shows the last N, up to 10000; --after ID those after an event)"
+
+
 def cmd_events(args: argparse.Namespace, client: Client) -> int:
-    if args.follow:
-        for e in client.stream_events(args.id, after=args.after):
+    data = client.events(args.id, after=args.after, newest=args.tail)
+    if args.follow:  # the last --tail events, then live from there: a long job's history is not replayed
+        if data.get("earlier") and not args.json:
+            print(_earlier_note(data["earlier"]), flush=True)
+        after = args.after
+        for e in data["events"]:
+            print(json.dumps(e) if args.json else _event_line(e), flush=True)
+            after = e["id"]
+        for e in client.stream_events(args.id, after=after):
             print(json.dumps(e) if args.json else _event_line(e), flush=True)
         return 0
-    data = client.events(args.id, after=args.after)
-    text = "\n".join(_event_line(e) for e in data["events"])
-    emit(args, data, text or "no events")
+    lines = [_event_line(e) for e in data["events"]]
+    if data.get("earlier"):
+        lines.insert(0, _earlier_note(data["earlier"]))
+    emit(args, data, "\n".join(lines) or "no events")
     return 0
 
 
@@ -412,9 +424,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--timeout", type=float, default=24 * 3600)
     s.set_defaults(run=cmd_watch)
 
-    s = verb("events", "list a job's events (-f: follow them live until the job ends)")
+    s = verb("events", "list a job's last 1000 events (-f: then follow them live until the job ends)")
     s.add_argument("id")
-    s.add_argument("--after", type=int, default=0)
+    s.add_argument("--after", type=int, default=0, help="only events with a larger id")
+    s.add_argument("--tail", type=int, default=1000, metavar="N",
+                   help="the last N events (after --after), 1-10000 (default 1000); earlier ones are counted")
     s.add_argument("-f", "--follow", action="store_true")
     s.set_defaults(run=cmd_events)
 

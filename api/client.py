@@ -136,8 +136,13 @@ class Client:
         """Measure the job spec's model and micro-batch on every worker slot (the planner uses the result)."""
         return self.request("POST", "/v1/diagnostics/compute", json=spec, timeout=timeout_s)
 
-    def events(self, job_id: str, after: int = 0) -> dict[str, Any]:
-        return self.request("GET", f"/v1/jobs/{job_id}/events", params={"after": after})
+    def events(self, job_id: str, after: int = 0, newest: int | None = None) -> dict[str, Any]:
+        """The first page of events after ``after``, or with ``newest`` the last ``newest`` of them (and
+        ``earlier``, how many come before)."""
+        params: dict[str, Any] = {"after": after}
+        if newest is not None:
+            params["newest"] = newest
+        return self.request("GET", f"/v1/jobs/{job_id}/events", params=params)
 
     def logs(self, job_id: str, **params: Any) -> dict[str, Any]:
         return self.request("GET", f"/v1/jobs/{job_id}/logs", params=params)

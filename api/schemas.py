@@ -418,6 +418,8 @@ class EventPublic(BaseModel):
 
 class EventList(BaseModel):
     events: list[EventPublic]
+    earlier: int | None = None
+    """With ``newest``: how many of the job's events (after ``after``) come before the first one listed."""
 
 
 class ErrorBody(BaseModel):

@@ -433,15 +433,23 @@ class JobStore:
                 job_id=job_id, time=at or time.time(), kind=kind, message=message, data=json.dumps(data or {}),
             )])[0]
 
-    def list_events(self, job_id: str, *, after: int = 0, limit: int = 1000) -> list[Event]:
-        q = (
-            sa.select(events_table).where(events_table.c.job_id == job_id, events_table.c.id > after)
-            .order_by(events_table.c.id).limit(limit)
-        )
+    def list_events(self, job_id: str, *, after: int = 0, limit: int = 1000, newest: bool = False) -> list[Event]:
+        """The job's events with an id above ``after``, oldest first: the first ``limit`` of them, or with
+        ``newest`` the last ``limit`` (a long job's tail without reading its whole history)."""
+        q = sa.select(events_table).where(events_table.c.job_id == job_id, events_table.c.id > after)
+        q = q.order_by(events_table.c.id.desc() if newest else events_table.c.id).limit(limit)
         with self.engine.connect() as conn:
-            return [
-                Event(r.id, r.job_id, r.time, r.kind, r.message, json.loads(r.data)) for r in conn.execute(q)
-            ]
+            events = [Event(r.id, r.job_id, r.time, r.kind, r.message, json.loads(r.data)) for r in conn.execute(q)]
+        return events[::-1] if newest else events
+
+    def count_events(self, job_id: str, *, after: int = 0, before: int | None = None) -> int:
+        """How many of the job's events have an id above ``after`` (and below ``before``)."""
+        q = sa.select(sa.func.count()).select_from(events_table).where(
+            events_table.c.job_id == job_id, events_table.c.id > after)
+        if before is not None:
+            q = q.where(events_table.c.id < before)
+        with self.engine.connect() as conn:
+            return int(conn.execute(q).scalar_one())
 
     # -- metrics ----------------------------------------------------------------------------------------
     def add_metrics(self, job_id: str, records: list[dict[str, Any]]) -> None:

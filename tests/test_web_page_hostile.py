@@ -197,6 +197,31 @@ def test_a_job_with_many_events_shows_the_newest_at_once_and_keeps_the_page_smal
         assert errors == []
 
 
+def test_the_page_reads_only_a_long_jobs_newest_events(service, store, supervisor, browser):
+    """Its first read of a selected job asks for the newest 1,000 events and how many came before; it paged
+    through the whole history before, 10,000 events a request, to keep the last 1,000."""
+    job = submit(supervisor, name="chatty")
+    with store.engine.begin() as conn:
+        store._insert_events(conn, [dict(job_id=job, time=time.time(), kind="note", message=f"note {i}", data="{}")
+                                    for i in range(25_000)])
+    read: list[int] = []
+    list_events = store.list_events
+
+    def counted(job_id, **kw):
+        events = list_events(job_id, **kw)
+        read.append(len(events))
+        return events
+
+    store.list_events = counted
+    with serve_in_thread(service) as url:
+        page, errors = open_page(browser, url)
+        page.locator("#events li", has_text="note 24999").wait_for(timeout=12_000)
+        page.wait_for_timeout(1_500)  # a poll or two more: they read only what is new
+        assert sum(read) <= 1_000, f"the page read {sum(read)} events of a job it shows 1,000 of"
+        assert page.evaluate("document.getElementById('events').start") == 24_002  # the list's numbers: the events'
+        assert errors == []
+
+
 HOSTILE = '<img src=x onerror="window.pwned=1"><script>window.pwned=1</script>"\'&'
 
 

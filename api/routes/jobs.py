@@ -138,6 +138,9 @@ def job_events(
     job_id: str, store: StoreDep, caller: CallerDep, request: Request,
     after: Annotated[int, Query(ge=0, le=2**62, description="only events with a larger id")] = 0,
     limit: Annotated[int, Query(ge=1, le=10_000)] = 1000,
+    newest: Annotated[int | None, Query(ge=1, le=10_000, description="instead of the first `limit` events after "
+                                        "`after`, the last this many (still oldest first), and `earlier`: how many "
+                                        "come before them")] = None,  # fmt: skip
     last_event_id: Annotated[int | None, Header(ge=0, le=2**62, description="resume an event stream after this id")] = None,
     accept: Annotated[str, Header(max_length=1000)] = "",
 ) -> Any:
@@ -145,14 +148,19 @@ def job_events(
 
     With ``Accept: text/event-stream`` this is a Server-Sent Events stream: each event carries its ``id``,
     so a client that reconnects with ``Last-Event-ID`` gets exactly the events after it; the stream ends
-    (with an ``end`` event) once the job is finished and every event was sent."""
+    (with an ``end`` event) once the job is finished and every event was sent. ``newest=N`` reads a long job's
+    tail (a day of progress alone is 86,400 events) without its history."""
     caller.check_owns(store.get_job(job_id))
     start = max(after, last_event_id or 0)
     if "text/event-stream" in accept:
         stream = request.app.state.stream_slots.hold(caller.owner, job_event_stream(request, store, job_id, start))
         return StreamingResponse(stream, media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    return EventList(events=[EventPublic.from_event(e) for e in store.list_events(job_id, after=start, limit=limit)])
+    if newest is None:
+        return EventList(events=[EventPublic.from_event(e) for e in store.list_events(job_id, after=start, limit=limit)])
+    events = store.list_events(job_id, after=start, limit=newest, newest=True)
+    earlier = store.count_events(job_id, after=start, before=events[0].id) if events else 0
+    return EventList(events=[EventPublic.from_event(e) for e in events], earlier=earlier)
 
 
 @router.get("/{job_id}/metrics", responses=ERRORS)

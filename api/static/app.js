@@ -15,7 +15,7 @@ let selected = null;          // job id shown in detail
 let detail = newDetail(null);
 
 function newDetail(jobId) {
-  return { jobId, lastEventId: 0, shown: 0, dropped: 0, points: [], cursor: null };
+  return { jobId, lastEventId: 0, shown: 0, dropped: 0, points: [], cursor: null, tailRead: false };
 }
 
 const $ = (id) => document.getElementById(id);
@@ -252,9 +252,16 @@ function renderEvents(d, { events, skipped }) {
   list.start = d.dropped + 1;
 }
 
-// The selected job's events and metrics after what the page holds, a few pages at a time.
+// The selected job's events and metrics after what the page holds, a few pages at a time. The first read of a
+// job asks for its newest events only (and how many come before them): a long job's history is never fetched.
 async function readEvents(d) {
   let events = [], skipped = 0, after = d.lastEventId;
+  if (!d.tailRead) {
+    const tail = await getJSON(`/v1/jobs/${encodeURIComponent(d.jobId)}/events?newest=${MAX_EVENTS}`);
+    if (!tail) return { events, skipped };  // asked again next time
+    d.tailRead = true;
+    return { events: tail.events, skipped: tail.earlier || 0 };
+  }
   for (let i = 0; i < PAGES_PER_TICK; i++) {
     const page = await getJSON(`/v1/jobs/${encodeURIComponent(d.jobId)}/events?after=${after}&limit=${PAGE_EVENTS}`);
     const got = page ? page.events : [];
