@@ -9,7 +9,7 @@ import pytest
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 sys.path.insert(0, str(Path(__file__).parent))  # for `import fakes`
 
-from fakes import FakeLauncher, topology  # noqa: E402
+from fakes import FakeLauncher, FakeService, topology  # noqa: E402
 
 from meridian.service.store import JobStore  # noqa: E402
 from meridian.service.supervision.supervisor import Supervisor  # noqa: E402
@@ -61,6 +61,12 @@ def cluster_view():
 @pytest.fixture
 def supervisor(store, cluster_view, tmp_path):
     return Supervisor(store, FakeLauncher(), cluster_view, checkpoint_root=str(tmp_path / "ckpt"))
+
+
+@pytest.fixture
+def service(store, supervisor, cluster_view):
+    """The API's service over the real store and supervisor and the fake cluster."""
+    return FakeService(store, supervisor, cluster_view)
 
 
 # -- the end of the run ------------------------------------------------------------------------------------------

@@ -122,6 +122,14 @@ def spec(**overrides: Any) -> dict[str, Any]:
     return s
 
 
+def submit(supervisor: Any, owner: str = "", **fields: Any) -> str:
+    """Submit :func:`spec` (with ``fields``) for ``owner`` straight to the supervisor; the job's id."""
+    from meridian.api.schemas import JobSpec
+
+    s = JobSpec.model_validate(spec(**fields))
+    return supervisor.submit(s.to_request(owner), s.model_dump(mode="json"))[0].id
+
+
 class FakeService:
     """What the API needs of a :class:`~meridian.service.core.MeridianService`, over a real store and
     supervisor but a fake cluster, launcher and worker logs (``logs[(rank, stream)]`` = lines so far)."""

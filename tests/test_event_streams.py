@@ -8,28 +8,16 @@ import socket
 import threading
 import time
 
-import pytest
-from fakes import FakeService, spec
+from fakes import submit
 from fastapi.testclient import TestClient
 
 from meridian.api import streams
 from meridian.api.app import create_app
 from meridian.api.auth import AuthSettings, create_token
 from meridian.api.client import parse_sse
-from meridian.api.schemas import JobSpec
 from meridian.api.server import serve_in_thread
 
 SSE = {"Accept": "text/event-stream"}
-
-
-@pytest.fixture
-def service(store, supervisor, cluster_view):
-    return FakeService(store, supervisor, cluster_view)
-
-
-def submit(supervisor, owner=""):
-    s = JobSpec.model_validate(spec())
-    return supervisor.submit(s.to_request(owner), s.model_dump(mode="json"))[0].id
 
 
 def add_notes(store, job_id, n, size=10):

@@ -7,24 +7,12 @@ from __future__ import annotations
 import json
 import time
 
-import pytest
-from fakes import FakeService, spec
+from fakes import submit
 from fastapi.testclient import TestClient
 
 from meridian.api.app import create_app
 from meridian.api.cli import main
-from meridian.api.schemas import JobSpec
 from meridian.api.server import serve_in_thread
-
-
-@pytest.fixture
-def service(store, supervisor, cluster_view):
-    return FakeService(store, supervisor, cluster_view)
-
-
-def submit(supervisor) -> str:
-    s = JobSpec.model_validate(spec())
-    return supervisor.submit(s.to_request(""), s.model_dump(mode="json"))[0].id
 
 
 def add_notes(store, job_id: str, n: int) -> None:

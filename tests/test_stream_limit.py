@@ -10,26 +10,15 @@ import time
 
 import httpx
 import pytest
-from fakes import FakeService, spec
+from fakes import submit
 
 from meridian.api import streams
 from meridian.api.auth import AuthSettings, create_token
 from meridian.api.cli import build_parser
 from meridian.api.errors import TooManyStreams
-from meridian.api.schemas import JobSpec
 from meridian.api.server import serve_in_thread
 
 SSE = {"Accept": "text/event-stream"}
-
-
-@pytest.fixture
-def service(store, supervisor, cluster_view):
-    return FakeService(store, supervisor, cluster_view)
-
-
-def submit(supervisor, owner=""):
-    s = JobSpec.model_validate(spec())
-    return supervisor.submit(s.to_request(owner), s.model_dump(mode="json"))[0].id
 
 
 def _open(url: str, path: str, token: str | None = None) -> socket.socket:

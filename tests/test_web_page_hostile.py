@@ -15,9 +15,8 @@ import time
 from pathlib import Path
 
 import pytest
-from fakes import FakeService, spec
+from fakes import FakeService, submit
 
-from meridian.api.schemas import JobSpec
 from meridian.api.server import serve_in_thread
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
@@ -25,16 +24,6 @@ playwright_api = pytest.importorskip("playwright.sync_api", reason="playwright i
 if not Path(CHROMIUM).exists():
     pytest.skip(f"no chromium at {CHROMIUM}: `apt-get install -y chromium` (make test does it as root)",
                 allow_module_level=True)
-
-
-def submit(supervisor, **fields):
-    s = JobSpec.model_validate(spec(**fields))
-    return supervisor.submit(s.to_request(), s.model_dump(mode="json"))[0].id
-
-
-@pytest.fixture
-def service(store, supervisor, cluster_view):
-    return FakeService(store, supervisor, cluster_view)
 
 
 @pytest.fixture
