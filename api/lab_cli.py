@@ -77,11 +77,15 @@ def cmd_lab_probe(args: argparse.Namespace) -> int:
 def cmd_lab_status(args: argparse.Namespace) -> int:
     from meridian.service.cluster.lab import lab
 
-    state = lab.load_state(args.name)
-    s = state.summary() | {"delay_line_running": lab.delay_line_running(state), "alive_nodes": lab.alive_nodes(state)}
+    s = lab.status(args.name)
     nodes = ", ".join(f"{n['ip']} ({n['labels'].get('datacenter', 'head')})" for n in s["alive_nodes"])
-    line = "" if s["delay_line_running"] else (f"; its delay line is NOT running (see {state.delay_line_log}): "
+    line = "" if s["delay_line_running"] else (f"; its delay line is NOT running (see {s['delay_line_log']}): "
                                                 "nothing crosses between datacenters")  # fmt: skip
+    if not s["started"]:
+        line += (f"; its `up` has not finished (still running, or interrupted: `meridian lab down --name "
+                 f"{args.name}` removes what it made)")  # fmt: skip
+    if s["ray_error"]:
+        line += f"; {s['ray_error']}"
     return _emit(args, s, f"lab {args.name!r} at {s['ray_address']}: {len(s['alive_nodes'])} live nodes: {nodes}{line}")
 
 
@@ -100,7 +104,24 @@ def cmd_lab_down(args: argparse.Namespace) -> int:
 def run(args: argparse.Namespace) -> int:
     from meridian.service.cluster.lab.lab import LabError
 
+    as_json = bool(getattr(args, "json", False))
     try:
         return args.run(args)
     except LabError as e:
-        return report(bool(getattr(args, "json", False)), local_problem("lab-error", "Lab error", str(e)), 1)
+        return report(as_json, local_problem("lab-error", "Lab error", str(e)), 1)
+    except KeyboardInterrupt:  # an interrupted `up` removes what it made, unless interrupted again meanwhile
+        detail = f"`meridian lab {args.lab_verb}` was interrupted"
+        if args.lab_verb in ("up", "down"):
+            left = lab_state_exists(args.name)
+            detail += (f"; part of lab {args.name!r} is left: `meridian lab down --name {args.name}` removes it"
+                       if left else f"; nothing of lab {args.name!r} is left")  # fmt: skip
+        return report(as_json, local_problem("interrupted", "Interrupted", detail), 130)
+
+
+def lab_state_exists(name: str) -> bool:
+    from meridian.service.cluster.lab.lab import LabError, state_path
+
+    try:
+        return state_path(name).exists()
+    except LabError:
+        return False

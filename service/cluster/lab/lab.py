@@ -11,6 +11,7 @@ step is written to the lab's state file before it is taken, so ``down`` removes 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import re
@@ -18,7 +19,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -60,6 +61,8 @@ class LabState:
     """Why ``auto`` fell back to the Python line, if it did."""
     ray_temp_dir: str = ""
     started: bool = False
+    ray: bool = True
+    """Whether ``up`` starts a Ray cluster (``False``: the network and the delay line only)."""
 
     @property
     def layout(self) -> LabLayout:
@@ -91,6 +94,14 @@ class LabState:
 
 
 LAB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,31}")
+RAY_TEMP_PREFIX = "/tmp/meridian-lab-"
+RAY_SOCKET_TAIL = len("/session_2026-01-01_00-00-00_000000_4194304/sockets/plasma_store.3200")
+"""The longest path Ray puts below a node's temp dir: its session (a date and the head's pid, up to 7 digits) and
+the object store's socket, numbered per node of the session."""
+RAY_LAB_NAME_MAX = 107 - len(RAY_TEMP_PREFIX) - RAY_SOCKET_TAIL
+"""A Unix socket's path holds at most 107 bytes, and Ray's sockets lie below the lab's temp dir, which carries the
+lab's name: a longer name made ``ray start --head`` fail after the network was built."""
+LOCK_FILE = "lab.lock"
 MTU_RANGE = (1280, 65535)
 """IPv6's minimum (Ray and gloo may use it) to the largest a TUN device takes."""
 
@@ -106,7 +117,10 @@ def state_path(name: str) -> Path:
 def load_state(name: str) -> LabState:
     path = state_path(name)
     if not path.exists():
-        raise LabError(f"no lab named {name!r} is up (no {path}); start one with `meridian lab up`")
+        others = other_labs(name)
+        hint = (f"; lab {others[0]!r} is: pass `--name {others[0]}`" if others
+                else "; start one with `meridian lab up`")  # fmt: skip
+        raise LabError(f"no lab named {name!r} is up (no {path}){hint}")
     return LabState(**json.loads(path.read_text()))
 
 
@@ -117,9 +131,39 @@ def _save(state: LabState) -> None:
     tmp.replace(state_path(state.name))
 
 
+@contextlib.contextmanager
+def _locked(verb: str) -> Iterator[None]:
+    """Hold the lab's lock while ``up`` or ``down`` changes what exists. Every lab uses the same head address,
+    ports and device names, so one ``up`` or ``down`` runs at a time, whatever its lab's name: a ``down`` while an
+    ``up`` ran removed what ``up`` had recorded so far while ``up`` went on making more. The kernel drops the lock
+    when its holder dies, even by SIGKILL, so a killed ``up`` leaves no lock behind."""
+    STATE_DIR.mkdir(parents=True, exist_ok=True)
+    path = STATE_DIR / LOCK_FILE
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+            raise LabError(f"cannot {verb} now: {holder} is changing the lab (lock {path}); wait for it to finish, "
+                           "or interrupt it with Ctrl-C (an interrupted `up` removes what it made)") from None  # fmt: skip
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"`meridian lab {verb}` (pid {os.getpid()})".encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def other_labs(name: str) -> list[str]:
+    """The names of the labs that are up (or half made) besides ``name``."""
+    if not STATE_DIR.is_dir():
+        return []
+    return sorted(p.stem for p in STATE_DIR.glob("*.json") if p.stem != name and LAB_NAME.fullmatch(p.stem))
+
+
 def _require_root() -> None:
     if os.geteuid() != 0:
-        raise LabError("the lab creates network namespaces and devices: run it as root (or with CAP_NET_ADMIN)")
+        raise LabError("the lab creates network namespaces and devices: run it as root (sudo meridian lab ...)")
 
 
 def _ray_bin() -> str:
@@ -154,15 +198,32 @@ def up(datacenters: dict[str, int], *, rtt_ms: float, gbps: float, name: str = "
         raise LabError(f"cpus_per_node must be at least 1, got {cpus_per_node}: a node without CPUs runs no worker")
     if not MTU_RANGE[0] <= mtu <= MTU_RANGE[1]:
         raise LabError(f"mtu must be between {MTU_RANGE[0]} and {MTU_RANGE[1]}, got {mtu}")
-    if state_path(name).exists():
-        raise LabError(f"a lab named {name!r} is already up ({state_path(name)}); `meridian lab down` removes it")
+    if ray and len(name) > RAY_LAB_NAME_MAX:
+        raise LabError(f"lab name {name!r} is {len(name)} characters; a lab with Ray takes at most "
+                       f"{RAY_LAB_NAME_MAX}: Ray's socket paths below {RAY_TEMP_PREFIX}{name} must fit in 107 bytes")  # fmt: skip
     layout = LabLayout.build(datacenters, LinkSpec(rtt_ms, gbps))  # checks the spec before anything is made
+    with _locked("up"):
+        return _up(datacenters, layout, rtt_ms=rtt_ms, gbps=gbps, name=name, cpus_per_node=cpus_per_node, mtu=mtu,
+                   timeout_s=timeout_s, ray=ray, line=line)  # fmt: skip
+
+
+def _up(datacenters: dict[str, int], layout: LabLayout, *, rtt_ms: float, gbps: float, name: str,
+        cpus_per_node: int, mtu: int, timeout_s: float, ray: bool, line: str) -> LabState:  # fmt: skip
+    if state_path(name).exists():
+        raise LabError(f"a lab named {name!r} is already up, or a killed `up` left it half made "
+                       f"({state_path(name)}); `meridian lab down --name {name}` removes it")  # fmt: skip
+    others = other_labs(name)
+    if others:
+        raise LabError(f"lab {others[0]!r} is up ({state_path(others[0])}); every lab uses the head address "
+                       f"{HEAD_IP}, the same ports and device names, so one runs at a time: "
+                       f"`meridian lab down --name {others[0]}` first")  # fmt: skip
     taken = [dc.netns for dc in layout.datacenters if Path(f"/run/netns/{dc.netns}").exists()]
+    taken += [dc.host_veth for dc in layout.datacenters if Path(f"/sys/class/net/{dc.host_veth}").exists()]
     if taken:
-        raise LabError(f"network namespaces {taken} already exist but no lab state names them: remove them "
-                       "with `ip netns del NAME` if they are left from an earlier lab")  # fmt: skip
-    state = LabState(name=name, datacenters=dict(datacenters), rtt_ms=rtt_ms, gbps=gbps, mtu=mtu,
-                     cpus_per_node=cpus_per_node, ray_temp_dir=f"/tmp/meridian-lab-{name}")  # fmt: skip
+        raise LabError(f"network namespaces or devices {taken} already exist but no lab state names them: remove "
+                       "them (`ip netns del NAME`, `ip link del NAME`) if they are left from an earlier lab")  # fmt: skip
+    state = LabState(name=name, datacenters=dict(datacenters), rtt_ms=rtt_ms, gbps=gbps, mtu=mtu, ray=ray,
+                     cpus_per_node=cpus_per_node, ray_temp_dir=f"{RAY_TEMP_PREFIX}{name}")  # fmt: skip
     _save(state)
     try:
         def made(kind: str, what: str) -> None:
@@ -174,10 +235,10 @@ def up(datacenters: dict[str, int], *, rtt_ms: float, gbps: float, name: str = "
         if ray:
             _start_ray(state, layout, timeout_s)
     except network.NetworkError as e:
-        down(name)
+        _down(name)
         raise LabError(f"building the lab's network failed, and what it had made is removed: {e}") from None
     except BaseException:
-        down(name)
+        _down(name)
         raise
     state.started = True
     _save(state)
@@ -191,7 +252,7 @@ def _start_delay_line(state: LabState, layout: LabLayout, line: str) -> None:
                                                                           STATE_DIR)  # fmt: skip
     except delay_line.NativeLineUnavailable as e:
         raise LabError(str(e)) from None
-    log = open(state.delay_line_log, "ab")  # noqa: SIM115
+    log = open(state.delay_line_log, "wb")  # noqa: SIM115 - this line's words only: `check_delay_line` quotes them
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     state.delay_line_pid = proc.pid
     _save(state)
@@ -289,8 +350,12 @@ def process_exited(pid: int) -> bool:
 def _run_ray(cmd: list[str], env: dict[str, str]) -> None:
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
     if out.returncode != 0:
-        tail = (out.stderr or out.stdout).strip().splitlines()[-5:]
-        raise LabError(f"`{' '.join(cmd[:6])} …` failed: " + " | ".join(tail))
+        said = ANSI_ESCAPE.sub("", out.stderr.strip() or out.stdout.strip())  # Ray colours its terminal output
+        raise LabError(f"`{' '.join(cmd[:6])} …` failed (exit code {out.returncode}): "
+                       + " | ".join(said.splitlines()[-5:]))  # fmt: skip
+
+
+ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 
 def alive_nodes(state: LabState) -> list[dict[str, Any]]:
@@ -299,6 +364,22 @@ def alive_nodes(state: LabState) -> list[dict[str, Any]]:
     nodes = list_nodes(address=state.dashboard_url, timeout=10, raise_on_missing_output=False)
     return [{"ip": n.node_ip, "labels": dict(n.labels or {}), "node_id": n.node_id}
             for n in nodes if n.state == "ALIVE"]  # fmt: skip
+
+
+def status(name: str = "lab") -> dict[str, Any]:
+    """What the lab ``name`` is, and what of it runs: never raises for a lab that is broken (its delay line or Ray
+    head dead, or its ``up`` interrupted), it says so: ``started``, ``delay_line_running``, ``ray_error``."""
+    state = load_state(name)
+    out = state.summary() | {"started": state.started, "delay_line_running": delay_line_running(state),
+                             "delay_line_log": str(state.delay_line_log), "alive_nodes": [], "ray_error": ""}  # fmt: skip
+    if state.ray:
+        try:
+            out["alive_nodes"] = alive_nodes(state)
+        except Exception as e:  # noqa: BLE001 - a dead head is what status is asked to show, not a traceback
+            said = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+            out["ray_error"] = (f"the lab's Ray head does not answer at {state.dashboard_url} ({said}); "
+                                f"`meridian lab down --name {name}` and `up` again")  # fmt: skip
+    return out
 
 
 def _wait_for_nodes(state: LabState, expected: int, timeout_s: float) -> None:
@@ -352,12 +433,40 @@ def _kill(pids: list[int], grace_s: float = 10.0) -> list[int]:
     return left
 
 
+def _argv(pid: int) -> list[bytes]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return []
+
+
+def _is_lab_ray_process(argv: list[bytes], temp_dir: bytes, address: bytes) -> bool:
+    """Ray gives each of its processes the lab's temp dir, or a path below it, as an option's value
+    (``--temp-dir=…``, ``--log_dir=…/session_…/logs``; ``ray start --temp-dir …`` itself); the head's Ray client
+    server has only the head's address. A bare substring also matched what merely names such a path (a user's
+    ``tail -f /tmp/meridian-lab-lab-delay-line.log``), another lab's whose name starts with this one's, and any
+    program given ``--address=<the head>`` (a ``meridian serve`` of the user's): ``down`` killed them."""
+    for i, arg in enumerate(argv):
+        flag, eq, value = arg.partition(b"=")
+        if not (eq and flag.startswith(b"--")):
+            flag, value = (argv[i - 1] if i else b""), arg
+            if flag != b"--temp-dir":
+                continue
+        if value == temp_dir or value.startswith(temp_dir + b"/"):
+            return True
+    return f"--address={address.decode()}".encode() in argv and b"ray.util.client.server" in argv
+
+
 def _ray_processes(state: LabState) -> list[int]:
-    """Every process of the lab's Ray cluster: the ones naming its temp dir or its head's address, and their
-    descendants (Ray's workers name neither)."""
-    roots = lab_processes(state.ray_temp_dir) if state.ray_temp_dir else []
-    # The head's Ray client server names neither the temp dir nor a parent of ours, only the head's address.
-    roots += [p for p in lab_processes(f"--address={state.ray_address}") if p not in roots]
+    """Every process of the lab's Ray cluster (:func:`_is_lab_ray_process`), and their descendants (Ray's workers
+    name neither the temp dir nor the address)."""
+    temp_dir, address = state.ray_temp_dir.encode(), state.ray_address.encode()
+    roots = []
+    if state.ray_temp_dir:
+        for proc in Path("/proc").iterdir():
+            pid = int(proc.name) if proc.name.isdigit() else os.getpid()
+            if pid != os.getpid() and _is_lab_ray_process(_argv(pid), temp_dir, address):
+                roots.append(pid)
     return descendants(roots)
 
 
@@ -396,6 +505,12 @@ def down_if_up(name: str) -> None:
 def down(name: str = "lab") -> dict[str, Any]:
     """Remove everything the lab made: its Ray processes, the delay line, namespaces and devices."""
     _require_root()
+    state_path(name)  # a name that cannot be a lab's is refused before the lock is taken
+    with _locked("down"):
+        return _down(name)
+
+
+def _down(name: str) -> dict[str, Any]:
     state = load_state(name)
     killed = _ray_processes(state)
     _kill(killed, RAY_GRACE_S)

@@ -91,9 +91,12 @@ class LabLayout:
             raise ValueError(f"the lab holds 1 to {MAX_DATACENTERS} datacenters, got {len(datacenters)}")
         dcs = []
         for i, (name, count) in enumerate(datacenters.items()):
-            if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,30}", name):
-                raise ValueError(f"datacenter name {name!r} cannot name a network namespace: use up to 31 "
-                                 "letters, digits, '-', '_' or '.'")  # fmt: skip
+            # a namespace's name, and the value of the nodes' Ray label, which must end with a letter or digit
+            # (`ray start` refused `dc-` only after the network and the head were up)
+            if not re.fullmatch(r"[A-Za-z0-9]([A-Za-z0-9_.-]{0,29}[A-Za-z0-9])?", name):
+                raise ValueError(f"datacenter name {name!r} cannot name a network namespace and a Ray label: use "
+                                 "up to 31 letters, digits, '-', '_' or '.', starting and ending with a letter or "
+                                 "digit")  # fmt: skip
             nodes = tuple(LabNode(name, k, f"198.18.{i + 1}.{FIRST_NODE_HOST + k}") for k in range(count))
             dcs.append(LabDatacenter(name, i, nodes))
         return cls(tuple(dcs), link)

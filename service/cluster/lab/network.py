@@ -66,15 +66,16 @@ def datacenter_commands(dc: LabDatacenter, layout: LabLayout, mtu: int) -> list[
 
 
 def create(layout: LabLayout, made: Callable[[str, str], None], *, mtu: int, run: Run = sh) -> None:
-    """Build the lab's network; ``made(kind, name)`` is told of each namespace or host device as it appears,
-    so a failure half-way still leaves a record of what to remove."""
+    """Build the lab's network; ``made(kind, name)`` is told of each namespace or host device before the command
+    that makes it runs, so a failure half-way, or a SIGKILL right after the command, still leaves a record of what
+    to remove (removing one that was never made is quiet). The caller has checked that none of them exists."""
     for dc in layout.datacenters:
         for cmd in datacenter_commands(dc, layout, mtu):
-            run(cmd)
             if cmd[:3] == ["ip", "netns", "add"]:
                 made("netns", dc.netns)
             elif cmd[:3] == ["ip", "link", "add"]:
                 made("link", dc.host_veth)
+            run(cmd)
     first = layout.datacenters[0]
     run(["ip", "addr", "add", f"{HEAD_IP}/32", "dev", first.host_veth])
 
