@@ -88,6 +88,19 @@ def test_a_lab_name_too_long_for_rays_socket_paths_is_refused_before_anything_is
         lab.up({"dc-a": 1, "dc-b": 1}, rtt_ms=21, gbps=1, name="bench-recovery-torchft", ray=False)
 
 
+def test_more_nodes_than_the_machine_can_hold_are_refused_before_anything_is_made(fake_host, monkeypatch):
+    """Nothing capped the lab's size: 200 datacenters of 16 nodes were accepted, ~140 MB of Ray processes each."""
+    monkeypatch.setattr(lab, "available_memory", lambda: 4 * 2**30)  # 4 GiB free: 14 nodes fit in half of it
+    with pytest.raises(lab.LabError, match=r"16 Ray nodes \(the head included\) would hold ~2.2 GiB") as refused:
+        lab.up({"dc-a": 8, "dc-b": 7}, rtt_ms=21, gbps=1, name="big")
+    assert "more than half of the 4.0 GiB" in str(refused.value) and "fewer nodes" in str(refused.value)
+    assert not fake_host and not lab.state_path("big").exists()
+    with pytest.raises(NetworkStandIn):
+        lab.up({"dc-a": 7, "dc-b": 6}, rtt_ms=21, gbps=1, name="fits")  # 14 with the head
+    with pytest.raises(NetworkStandIn):  # a lab without Ray starts no nodes: the network alone
+        lab.up({"dc-a": 8, "dc-b": 8}, rtt_ms=21, gbps=1, name="big", ray=False)
+
+
 # --- one lab at a time, one `up` or `down` at a time -------------------------------------------------------------
 
 

@@ -102,6 +102,9 @@ RAY_LAB_NAME_MAX = 107 - len(RAY_TEMP_PREFIX) - RAY_SOCKET_TAIL
 """A Unix socket's path holds at most 107 bytes, and Ray's sockets lie below the lab's temp dir, which carries the
 lab's name: a longer name made ``ray start --head`` fail after the network was built."""
 LOCK_FILE = "lab.lock"
+NODE_MEMORY_BYTES = 140 * 2**20
+"""What one idle lab node's Ray processes hold (its raylet, dashboard agent and runtime-env agent: 136-138 MB of
+PSS each, measured on 2026-11-28 with Ray 2.60), before any job's worker starts on it."""
 MTU_RANGE = (1280, 65535)
 """IPv6's minimum (Ray and gloo may use it) to the largest a TUN device takes."""
 
@@ -202,9 +205,30 @@ def up(datacenters: dict[str, int], *, rtt_ms: float, gbps: float, name: str = "
         raise LabError(f"lab name {name!r} is {len(name)} characters; a lab with Ray takes at most "
                        f"{RAY_LAB_NAME_MAX}: Ray's socket paths below {RAY_TEMP_PREFIX}{name} must fit in 107 bytes")  # fmt: skip
     layout = LabLayout.build(datacenters, LinkSpec(rtt_ms, gbps))  # checks the spec before anything is made
+    if ray:
+        _check_memory(len(layout.nodes) + 1)  # and the head
     with _locked("up"):
         return _up(datacenters, layout, rtt_ms=rtt_ms, gbps=gbps, name=name, cpus_per_node=cpus_per_node, mtu=mtu,
                    timeout_s=timeout_s, ray=ray, line=line)  # fmt: skip
+
+
+def available_memory() -> int:
+    """The bytes this machine can give new processes without swapping (``MemAvailable``)."""
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    raise LabError("/proc/meminfo has no MemAvailable: cannot tell whether the lab's nodes fit in memory")
+
+
+def _check_memory(ray_nodes: int) -> None:
+    """Refuse a lab whose idle Ray nodes alone would take more than half of the memory available: its jobs'
+    workers need the rest (a 200-datacenter lab of 16 nodes each was accepted, and would have started 3,200)."""
+    need, available = ray_nodes * NODE_MEMORY_BYTES, available_memory()
+    if need > available / 2:
+        raise LabError(f"{ray_nodes} Ray nodes (the head included) would hold ~{need / 2**30:.1f} GiB before any job "
+                       f"runs (~{NODE_MEMORY_BYTES / 2**20:.0f} MB each), more than half of the "
+                       f"{available / 2**30:.1f} GiB this machine has available, and a job's workers need the rest: "
+                       "ask for fewer nodes")  # fmt: skip
 
 
 def _up(datacenters: dict[str, int], layout: LabLayout, *, rtt_ms: float, gbps: float, name: str,
