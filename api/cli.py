@@ -261,7 +261,7 @@ def _earlier_note(n: int) -> str:
 
 
 def cmd_events(args: argparse.Namespace, client: Client) -> int:
-    data = client.events(args.id, after=args.after, newest=args.tail)
+    data = client.events(args.id, after=args.after, newest=args.tail or None)
     if args.follow:  # the last --tail events, then live from there: a long job's history is not replayed
         if data.get("earlier") and not args.json:
             print(_earlier_note(data["earlier"]), flush=True)
@@ -428,7 +428,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("id")
     s.add_argument("--after", type=int, default=0, help="only events with a larger id")
     s.add_argument("--tail", type=int, default=1000, metavar="N",
-                   help="the last N events (after --after), 1-10000 (default 1000); earlier ones are counted")
+                   help="the last N events (after --after), up to 10000 (default 1000), earlier ones counted; 0: from "
+                        "--after on instead (the first 1000, or with -f every event)")
     s.add_argument("-f", "--follow", action="store_true")
     s.set_defaults(run=cmd_events)
 

@@ -56,9 +56,9 @@ class StreamSlots:
                 who = f"owner {owner!r}" if owner else "this service's user"
                 raise TooManyStreams(
                     f"{who} already holds {held} event streams and followed logs open, the most this service "
-                    f"allows at once (meridian serve --max-streams-per-owner, now {self.per_owner}); close one (a "
-                    "page following a job, `meridian events -f`, `meridian logs -f`) and try again, or read without "
-                    "following (GET .../events?after=ID, .../logs)")  # fmt: skip
+                    f"allows at once (meridian serve --max-streams-per-owner, now {self.per_owner}); close one "
+                    "(`meridian events -f`, `meridian logs -f`, or another client following a job) and try again, or "
+                    "read without following (GET .../events?after=ID, .../logs)")  # fmt: skip
             self._open[owner] = held + 1
         released = threading.Event()
 

@@ -59,5 +59,7 @@ def test_the_cli_prints_the_last_events_and_says_how_many_came_before(service, s
         got = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
         assert [e["message"] for e in got[:2]] == ["note 1498", "note 1499"] and got[-1]["kind"] == "state"
         assert len(got) == 3
-        assert main(["events", job, "--tail", "0", "--json"]) == 1  # the service's 422, as JSON
+        assert main(["events", job, "--tail", "10001", "--json"]) == 1  # the service's 422, as JSON
         assert "newest" in json.loads(capsys.readouterr().out)["error"]["detail"]
+        assert main(["events", job, "--tail", "0", "-f", "--json"]) == 0  # from --after on: every event
+        assert len(capsys.readouterr().out.splitlines()) == 1 + 1500 + 1
