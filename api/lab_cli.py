@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from typing import Any
 
 from meridian.api.cli_errors import local_problem, report
@@ -95,18 +96,28 @@ def cmd_lab_down(args: argparse.Namespace) -> int:
     r = lab.down(args.name)
     text = (f"lab {args.name!r} removed: {r['ray_processes_stopped']} Ray processes stopped, namespaces "
             f"{', '.join(r['netns_removed']) or 'none'} deleted")  # fmt: skip
-    if r["problems"]:
-        text += "\nnot removed: " + "; ".join(r["problems"])
-    _emit(args, r, text)
-    return 1 if r["problems"] else 0
+    if not r["problems"]:
+        return _emit(args, r, text)
+    # Part of the lab is left: an error like every verb's (`{"error": PROBLEM}` with --json), with what was removed.
+    problem = local_problem("lab-down-incomplete", "Lab not wholly removed",
+                            f"lab {args.name!r} was not wholly removed: {'; '.join(r['problems'])}; remove what is "
+                            "left by hand (`ip netns del NAME`, `ip link del NAME`, `kill PID`)")  # fmt: skip
+    if args.json:
+        print(json.dumps({"error": problem, **r}, indent=2))
+    else:
+        print(text)
+    print(f"error: {problem['detail']}", file=sys.stderr, flush=True)
+    return 1
 
 
 def run(args: argparse.Namespace) -> int:
-    from meridian.service.cluster.lab.lab import LabError
+    from meridian.service.cluster.lab.lab import InvalidLab, LabError
 
     as_json = bool(getattr(args, "json", False))
     try:
         return args.run(args)
+    except InvalidLab as e:
+        return report(as_json, local_problem("invalid-input", "Invalid input", str(e)), 2)
     except LabError as e:
         return report(as_json, local_problem("lab-error", "Lab error", str(e)), 1)
     except KeyboardInterrupt:  # an interrupted `up` removes what it made, unless interrupted again meanwhile

@@ -335,3 +335,28 @@ def test_each_namespace_and_device_is_recorded_before_the_command_that_makes_it(
         made_link = events.index(("ran", f"ip link add {dc.host_veth}"))
         assert events.index(("recorded", dc.netns)) < made_ns
         assert events.index(("recorded", dc.host_veth)) < made_link
+
+
+# --- the CLI's exit codes and JSON ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("argv", [["--mtu", "10"], ["--cpus-per-node", "0"], ["--name", "../x"]])
+def test_figures_that_cannot_make_a_lab_are_invalid_input_exit_2(fake_host, capsys, argv):
+    """They were refused with exit 1, the code of a lab that failed, not of input that could never work."""
+    rc = cli_main(["lab", "up", "--datacenters", "dc-a:1,dc-b:1", "--json", *argv])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 2 and out["error"]["type"] == "urn:meridian:problem:invalid-input", out
+    assert not fake_host
+
+
+def test_a_down_that_leaves_something_says_so_as_an_error(fake_host, capsys, monkeypatch):
+    """It exited 1 with a `problems` list but no `error` object, unlike every other verb's failure."""
+    _write_state("rev")
+    monkeypatch.setattr(lab, "down", lambda name: {"name": name, "ray_processes_stopped": 3, "netns_removed": ["a"],
+                                                   "problems": ["namespace mrd-dc-b: Device or resource busy"]})
+    rc = cli_main(["lab", "down", "--name", "rev", "--json"])
+    captured = capsys.readouterr()
+    out = json.loads(captured.out)
+    assert rc == 1 and out["error"]["type"] == "urn:meridian:problem:lab-down-incomplete"
+    assert "mrd-dc-b: Device or resource busy" in out["error"]["detail"] and out["netns_removed"] == ["a"]
+    assert "not wholly removed" in captured.err

@@ -42,6 +42,11 @@ class LabError(RuntimeError):
     """What went wrong, in words a person can act on."""
 
 
+class InvalidLab(LabError, ValueError):
+    """Figures that cannot make a lab (a name, the MTU, CPUs per node, the delay line): refused before anything is
+    made; the CLI's exit code 2, as for any invalid input."""
+
+
 @dataclass
 class LabState:
     name: str
@@ -113,7 +118,7 @@ def state_path(name: str) -> Path:
     """Where the lab ``name`` records what it made; the name becomes a file name and part of Ray's temp dir, so
     it is letters, digits, ``-`` and ``_`` only (a ``../`` in it would have written outside the state dir)."""
     if not LAB_NAME.fullmatch(name):
-        raise LabError(f"lab name {name!r}: use 1-32 letters, digits, '-' or '_', starting with a letter or digit")
+        raise InvalidLab(f"lab name {name!r}: use 1-32 letters, digits, '-' or '_', starting with a letter or digit")
     return STATE_DIR / f"{name}.json"
 
 
@@ -196,13 +201,13 @@ def up(datacenters: dict[str, int], *, rtt_ms: float, gbps: float, name: str = "
     its own processes in the namespaces). ``line`` chooses the delay line (:data:`delay_line.KINDS`)."""
     _require_root()
     if line not in delay_line.KINDS:
-        raise LabError(f"delay line {line!r}: choose one of {', '.join(delay_line.KINDS)}")
+        raise InvalidLab(f"delay line {line!r}: choose one of {', '.join(delay_line.KINDS)}")
     if cpus_per_node < 1:
-        raise LabError(f"cpus_per_node must be at least 1, got {cpus_per_node}: a node without CPUs runs no worker")
+        raise InvalidLab(f"cpus_per_node must be at least 1, got {cpus_per_node}: a node without CPUs runs no worker")
     if not MTU_RANGE[0] <= mtu <= MTU_RANGE[1]:
-        raise LabError(f"mtu must be between {MTU_RANGE[0]} and {MTU_RANGE[1]}, got {mtu}")
+        raise InvalidLab(f"mtu must be between {MTU_RANGE[0]} and {MTU_RANGE[1]}, got {mtu}")
     if ray and len(name) > RAY_LAB_NAME_MAX:
-        raise LabError(f"lab name {name!r} is {len(name)} characters; a lab with Ray takes at most "
+        raise InvalidLab(f"lab name {name!r} is {len(name)} characters; a lab with Ray takes at most "
                        f"{RAY_LAB_NAME_MAX}: Ray's socket paths below {RAY_TEMP_PREFIX}{name} must fit in 107 bytes")  # fmt: skip
     layout = LabLayout.build(datacenters, LinkSpec(rtt_ms, gbps))  # checks the spec before anything is made
     if ray:
