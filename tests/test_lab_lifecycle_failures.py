@@ -360,3 +360,26 @@ def test_a_down_that_leaves_something_says_so_as_an_error(fake_host, capsys, mon
     assert rc == 1 and out["error"]["type"] == "urn:meridian:problem:lab-down-incomplete"
     assert "mrd-dc-b: Device or resource busy" in out["error"]["detail"] and out["netns_removed"] == ["a"]
     assert "not wholly removed" in captured.err
+
+
+def test_down_stops_a_delay_line_whose_pid_an_interrupted_up_never_recorded(fake_host, monkeypatch):
+    """An `up` killed between starting the delay line and saving its pid left the line running for good: `down`
+    knew only recorded pids. It now also finds a line by the namespaces it carries, which are this lab's alone."""
+    state = _write_state("rev", netns=["mrd-dc-a", "mrd-dc-b"])
+    monkeypatch.setattr(network, "remove", lambda netns, links: [])  # no real namespaces here
+    tuns = json.dumps([["mrd-dc-a", "mrdt0"], ["mrd-dc-b", "mrdt1"]])
+    other = json.dumps([["mrd-dc-a", "mrdt0"], ["mrd-dc-c", "mrdt1"]])
+    sleep = "import time; time.sleep(60)"
+    ours = subprocess.Popen([sys.executable, "-c", sleep, "-m", "meridian.service.cluster.lab.delay_line", "--tuns",
+                             tuns])  # fmt: skip
+    theirs = subprocess.Popen([sys.executable, "-c", sleep, "-m", "meridian.service.cluster.lab.delay_line",
+                               "--tuns", other])  # fmt: skip
+    try:
+        assert state.delay_line_pid == 0
+        lab.down("rev")
+        assert ours.wait(timeout=15) is not None  # stopped
+        assert theirs.poll() is None  # a line that carries other namespaces is not this lab's
+    finally:
+        for p in (ours, theirs):
+            p.kill()
+            p.wait()

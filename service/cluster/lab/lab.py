@@ -486,6 +486,27 @@ def _is_lab_ray_process(argv: list[bytes], temp_dir: bytes, address: bytes) -> b
     return f"--address={address.decode()}".encode() in argv and b"ray.util.client.server" in argv
 
 
+def _delay_lines_of(state: LabState) -> list[int]:
+    """The delay-line processes (native or Python) whose namespaces are exactly this lab's."""
+    want, found = set(state.netns), []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        argv = [a.decode(errors="replace") for a in _argv(int(proc.name)) if a]
+        if argv and Path(argv[0]).name.startswith("delay-line-"):  # <binary> <one-way µs> <offload> (ns dev)...
+            carried = set(argv[3::2])
+        elif "meridian.service.cluster.lab.delay_line" in argv and "--tuns" in argv[:-1]:
+            try:
+                carried = {ns for ns, _ in json.loads(argv[argv.index("--tuns") + 1])}
+            except (ValueError, TypeError):
+                continue
+        else:
+            continue
+        if want and carried == want:
+            found.append(int(proc.name))
+    return found
+
+
 def _ray_processes(state: LabState) -> list[int]:
     """Every process of the lab's Ray cluster (:func:`_is_lab_ray_process`), and their descendants (Ray's workers
     name neither the temp dir nor the address)."""
@@ -547,6 +568,9 @@ def _down(name: str) -> dict[str, Any]:
     # a zombie still goes to _kill, which reaps it; a live process that reused a dead line's pid is left alone
     if pid and Path(f"/proc/{pid}").exists() and (process_exited(pid) or delay_line_running(state)):
         _kill([pid])
+    # A line started by an `up` killed before it recorded the pid: found by what it carries, this lab's namespaces
+    # (one lab runs at a time, so no other lab's line names them).
+    _kill([p for p in _delay_lines_of(state) if p != pid])
     problems = network.remove(state.netns, state.links)
     if not problems:
         state_path(name).unlink(missing_ok=True)
