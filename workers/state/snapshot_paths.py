@@ -9,10 +9,13 @@ import contextlib
 import fcntl
 import glob
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+
+from meridian.workers.wan.file_names import FILE_PREFIX, safe_name
 
 OWNER_FILE = "owner"
 """In a snapshot folder: the pid and start time of the agent that keeps it (a worker's long-lived process)."""
@@ -48,11 +51,35 @@ def orphaned_snapshot_dirs() -> list[str]:
 
 
 def remove_snapshot_dirs(job_id: str) -> list[str]:
-    """Remove this host's snapshot folders of ``job_id`` (a killed worker's folder outlives it); the removed."""
+    """Remove this host's snapshot folders of ``job_id`` (a killed worker's folder outlives it), and the job's
+    emulated-WAN link files (:func:`wan_link_files`, which a killed training process leaves too); the removed."""
     removed = snapshot_dirs(job_id)
     for folder in removed:
         shutil.rmtree(folder, ignore_errors=True)
+    for path in wan_link_files(job_id):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+            removed.append(path)
     return removed
+
+
+# -- the WAN emulator's shared files of a job (named by :mod:`meridian.workers.wan.file_names`) ------------------
+def wan_link_files(job_id: str) -> list[str]:
+    """This host's emulated-WAN link files of ``job_id``'s epochs: their key is ``job-<id>`` (``-e<epoch>`` after
+    the first epoch) cut to 48 characters, then ``.<hex>`` (``meridian.workers.loop.replica``'s ``key_prefix``,
+    ``agree_key``). Each epoch's processes remove their own when they end on their own; a process killed (a
+    cancelled job's, a service's cluster that went) leaves them in RAM. A job id whose key the WAN emulator
+    hashes (not ``[A-Za-z0-9_.-]``, or over ~30 characters) is not found; the service's ids are 12 hex digits."""
+    found = []
+    for name in os.listdir(_snapshot_root()):
+        if not name.startswith(FILE_PREFIX):
+            continue
+        key = name[len(FILE_PREFIX):].split("+", 1)[0]
+        prefix = key.rsplit(".", 1)[0] if "." in key else ""
+        if prefix == safe_name(f"job-{job_id}")[:48] or re.fullmatch(
+                re.escape(safe_name(f"job-{job_id}-e")[:48]) + r"[0-9]+", prefix):
+            found.append(os.path.join(_snapshot_root(), name))
+    return found
 
 
 # -- a folder whose worker died, taken over by a new worker of the job on the same host ---------------------------

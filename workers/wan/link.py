@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
 import os
 import re
 import secrets
@@ -23,7 +22,8 @@ from collections.abc import Callable, Iterator
 
 import torch.distributed as dist
 
-FILE_PREFIX = "meridian-wan-"
+from meridian.workers.wan.file_names import FILE_PREFIX, safe_name  # noqa: F401 - the names the emulator's files take
+
 KEY_RE = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 # Ledger slots are reused modulo this many collectives per group. Ranks of a group are never more than a
 # few collectives apart (each completes only when all ranks issued it), so a slot is long settled by reuse.
@@ -50,12 +50,6 @@ _BOOT_ID = _read_boot_id()
 def shm_dir() -> str:
     """Where the shared link files live: ``/dev/shm`` (RAM) if writable, else the temp directory."""
     return "/dev/shm" if os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
-
-
-def safe_name(name: str) -> str:
-    if re.fullmatch(r"[A-Za-z0-9_.\-]{1,40}", name):
-        return name
-    return re.sub(r"[^A-Za-z0-9_.\-]", "_", name)[:24] + "_" + hashlib.sha1(name.encode()).hexdigest()[:8]
 
 
 def cleanup(key: str, directory: str | None = None) -> int:
