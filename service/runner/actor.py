@@ -167,6 +167,8 @@ class JobRunner:
         self._stopped_controller: Any = None
         """The controller :meth:`_stop_training` has stopped (the service repeats a cancel until the job ends)."""
         self._cancel = threading.Event()
+        self._failure: str | None = None
+        """Why a worker failed the job (:meth:`fail`): its outcome once its training has been stopped."""
         self._done = threading.Event()
         self._thread: threading.Thread | None = None
         self._metrics = JobMetricsState(job_id)
@@ -226,7 +228,7 @@ class JobRunner:
     def set_controller(self, controller: Any) -> None:
         self._controller = controller
         self._run_workers_started = False
-        if self._cancel.is_set() or self._done.is_set():
+        if self._cancel.is_set() or self._failure is not None or self._done.is_set():
             self._stop_training()
 
     def push_progress(self, records: list[StepRecord]) -> None:
@@ -297,9 +299,16 @@ class JobRunner:
                 self._result = result
 
     def fail(self, message: str) -> None:
-        """A worker hit an error that restarting cannot fix: fail the job with it and stop the others."""
-        self._finish(RunnerState.FAILED, _describe_failure(message))
+        """A worker hit an error that restarting cannot fix: stop the others, then fail the job with it. In that
+        order, as a cancel does: the others' processes restart when their collectives fail, and each new one
+        makes its snapshot folder again; a sweep before they were stopped left those folders in RAM once the
+        workers were killed (reproduced: two of four, after one rank's snapshot write failed)."""
+        with self._lock:
+            if self._failure is None:
+                self._failure = _describe_failure(message)
+            failure = self._failure
         self._stop_training()
+        self._finish(RunnerState.FAILED, failure)
 
     # The rendezvous, called by the workers (see meridian.workers.elastic.rendezvous).
     def rdzv_join(self, request: JoinRequest, known_epoch: int) -> JoinReply:
@@ -470,7 +479,8 @@ class JobRunner:
         try:
             for attempt in range(1, MAX_TRAIN_RUNS + 1):
                 error = self._fit(attempt)
-                if (error is None or self._cancel.is_set() or self._done.is_set() or self.coordinator.job_finished
+                if (error is None or self._cancel.is_set() or self._failure is not None or self._done.is_set()
+                        or self.coordinator.job_finished
                         or not _train_controller_failed(error) or attempt == MAX_TRAIN_RUNS):
                     break
                 # Ray Train's controller failed (a Ray Train 2.60 bug: a second worker dying while it replaces a
@@ -483,6 +493,8 @@ class JobRunner:
                                 "on their nodes", {"attempt": attempt + 1, "gone": sorted(gone)})  # fmt: skip
             if self._cancel.is_set():
                 self._finish(RunnerState.CANCELLED)
+            elif self._failure is not None:  # a worker failed it (fail() stopped the run, and finishes it too)
+                self._finish(RunnerState.FAILED, self._failure)
             elif error is not None:
                 self._finish(RunnerState.FAILED, _describe_failure(error))
             elif self.coordinator.job_finished:
@@ -492,6 +504,8 @@ class JobRunner:
         except BaseException as e:  # noqa: BLE001 - every outcome must reach the service
             if self._cancel.is_set():
                 self._finish(RunnerState.CANCELLED)
+            elif self._failure is not None:
+                self._finish(RunnerState.FAILED, self._failure)
             else:
                 self._finish(RunnerState.FAILED, _describe_failure(e) or traceback.format_exc(limit=3))
 
