@@ -118,3 +118,17 @@ def test_export_does_not_copy_a_symlinked_tokenizer(layout, tmp_path):
     out = export_tokenizer(DataConfig(dataset=str(ds)), str(tmp_path / "export"), model_max_length=16)
     assert not out["written"] and "not a symlink" in out["reason"]
     assert not (tmp_path / "export" / "tokenizer.json").exists()
+
+
+@pytest.mark.parametrize("content", ['{"format": 1}', '[1, 2]', '{"format": 1, "key": "k", "vocab_size": 8, '
+                                     '"dtype": "uint16", "tokenizer_sha256": "", "tokenizer_trained": false, '
+                                     '"eos_id": null, "text_field": "text", "val_fraction": 0.1, "train": 5, "val": {}}'],
+                         ids=["fields-missing", "a-list", "a-split-of-another-shape"])
+def test_a_manifest_of_another_shape_is_refused_at_submit_saying_so(layout, content):
+    """A manifest that parsed as JSON but was not a manifest's shape made `POST /v1/jobs` a 500 (a TypeError
+    from rebuilding it) instead of a 422 naming the file."""
+    access, ds, _ = layout
+    (ds / "manifest.json").write_text(content)
+    with pytest.raises(InvalidJob, match="manifest") as refused:
+        access.check(DataConfig(dataset=str(ds)))
+    assert "manifest.json" in str(refused.value) and "prepare the dataset again" in str(refused.value)

@@ -111,10 +111,17 @@ def read_manifest(directory: str) -> Manifest:
                          f"... --out {directory}` first") from None
     except (OSError, json.JSONDecodeError) as e:
         raise ValueError(f"{path!r} cannot be read: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path!r} holds a JSON {type(data).__name__}, not a dataset manifest; prepare the dataset "
+                         "again with `meridian data prepare`")
     if data.get("format") != FORMAT_VERSION:
         raise ValueError(f"{path!r} has format {data.get('format')!r}, this Meridian reads {FORMAT_VERSION}; "
                          "prepare the dataset again")
-    manifest = from_plain(Manifest, data)
+    try:
+        manifest = from_plain(Manifest, data)
+    except (TypeError, ValueError, AttributeError, KeyError) as e:  # fields missing, unknown, or of another shape
+        raise ValueError(f"{path!r} is not a whole dataset manifest ({e}); prepare the dataset again with "
+                         "`meridian data prepare`") from None
     for what, name in manifest.files():
         if not is_plain_name(name):
             raise ValueError(f"{path!r} names {what} {name!r}, which is not a plain file name inside the dataset "
