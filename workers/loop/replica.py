@@ -35,6 +35,7 @@ from meridian.workers.loop.prepared import initial_model
 from meridian.workers.model.gpt import per_sample_loss
 from meridian.workers.sync.build import GradientSync, build_sync
 from meridian.workers.wan.collectives import WanEmulator, agree_key, cleanup
+from meridian.workers.wan.file_names import job_key_prefix
 
 Batches = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -84,8 +85,7 @@ class Replica(ABC):
 
     @property
     def key_prefix(self) -> str:
-        # A fresh key per epoch: the files of a broken epoch are never read by the next one.
-        return f"job-{self.cfg.job_id}" + (f"-e{self.m.epoch}" if self.m.epoch else "")
+        return job_key_prefix(self.cfg.job_id, self.m.epoch)
 
     @abstractmethod
     def build(self) -> None:

@@ -9,13 +9,12 @@ import contextlib
 import fcntl
 import glob
 import os
-import re
 import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from meridian.workers.wan.file_names import FILE_PREFIX, safe_name
+from meridian.workers.wan.file_names import FILE_PREFIX, is_job_stem, shm_dir
 
 OWNER_FILE = "owner"
 """In a snapshot folder: the pid and start time of the agent that keeps it (a worker's long-lived process)."""
@@ -65,20 +64,18 @@ def remove_snapshot_dirs(job_id: str) -> list[str]:
 
 # -- the WAN emulator's shared files of a job (named by :mod:`meridian.workers.wan.file_names`) ------------------
 def wan_link_files(job_id: str) -> list[str]:
-    """This host's emulated-WAN link files of ``job_id``'s epochs: their key is ``job-<id>`` (``-e<epoch>`` after
-    the first epoch) cut to 48 characters, then ``.<hex>`` (``meridian.workers.loop.replica``'s ``key_prefix``,
-    ``agree_key``). Each epoch's processes remove their own when they end on their own; a process killed (a
-    cancelled job's, a service's cluster that went) leaves them in RAM. A job id whose key the WAN emulator
-    hashes (not ``[A-Za-z0-9_.-]``, or over ~30 characters) is not found; the service's ids are 12 hex digits."""
+    """This host's emulated-WAN link files of ``job_id``'s epochs. Each epoch's processes remove their own when they
+    end on their own; a process killed (a cancelled job's, a service's cluster that went) leaves them in RAM. A job
+    id whose key the WAN emulator hashes (not ``[A-Za-z0-9_.-]``, or over ~30 characters) is not found; the
+    service's ids are 12 hex digits."""
+    directory = shm_dir()
     found = []
-    for name in os.listdir(_snapshot_root()):
+    for name in os.listdir(directory):
         if not name.startswith(FILE_PREFIX):
             continue
         key = name[len(FILE_PREFIX):].split("+", 1)[0]
-        prefix = key.rsplit(".", 1)[0] if "." in key else ""
-        if prefix == safe_name(f"job-{job_id}")[:48] or re.fullmatch(
-                re.escape(safe_name(f"job-{job_id}-e")[:48]) + r"[0-9]+", prefix):
-            found.append(os.path.join(_snapshot_root(), name))
+        if "." in key and is_job_stem(key.rsplit(".", 1)[0], job_id):
+            found.append(os.path.join(directory, name))
     return found
 
 

@@ -15,14 +15,13 @@ import os
 import re
 import secrets
 import struct
-import tempfile
 import threading
 import uuid
 from collections.abc import Callable, Iterator
 
 import torch.distributed as dist
 
-from meridian.workers.wan.file_names import FILE_PREFIX, safe_name  # noqa: F401 - the names the emulator's files take
+from meridian.workers.wan.file_names import FILE_PREFIX, key_stem, safe_name, shm_dir  # noqa: F401 - the names the emulator's files take
 
 KEY_RE = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 # Ledger slots are reused modulo this many collectives per group. Ranks of a group are never more than a
@@ -45,11 +44,6 @@ def _read_boot_id() -> bytes:
 
 
 _BOOT_ID = _read_boot_id()
-
-
-def shm_dir() -> str:
-    """Where the shared link files live: ``/dev/shm`` (RAM) if writable, else the temp directory."""
-    return "/dev/shm" if os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
 
 
 def cleanup(key: str, directory: str | None = None) -> int:
@@ -91,7 +85,7 @@ def agree_key(prefix: str) -> str:
     """A key unique to this run and equal on every rank: rank 0's ``prefix`` plus random hex, exchanged once
     over the world group. Fresh keys keep a restarted job off the files of the run before it. Raises
     :class:`NotOneHost` (on every rank alike) when the ranks are not all on this host."""
-    mine = (f"{safe_name(prefix)[:48]}.{secrets.token_hex(4)}" if dist.get_rank() == 0 else None, host_identity())
+    mine = (f"{key_stem(prefix)}.{secrets.token_hex(4)}" if dist.get_rank() == 0 else None, host_identity())
     box: list = [None] * dist.get_world_size()
     dist.all_gather_object(box, mine)
     check_one_host([host for _, host in box])
