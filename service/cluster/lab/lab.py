@@ -427,16 +427,16 @@ def _wait_for_nodes(state: LabState, expected: int, timeout_s: float) -> None:
                    + (f" (last error: {last_error})" if last_error else ""))  # fmt: skip
 
 
-def lab_processes(temp_dir: str) -> list[int]:
-    """Pids of the processes whose command line names the lab's Ray temp dir (its Ray processes)."""
-    pids = []
+def _other_processes() -> Iterator[tuple[int, list[bytes]]]:
+    """Every process but this one, with its command line split into arguments (empty once it is gone)."""
     for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit() or int(proc.name) == os.getpid():
-            continue
-        with contextlib.suppress(OSError):
-            if temp_dir.encode() in (proc / "cmdline").read_bytes():
-                pids.append(int(proc.name))
-    return pids
+        if proc.name.isdigit() and int(proc.name) != os.getpid():
+            yield int(proc.name), _argv(int(proc.name))
+
+
+def lab_processes(text: str) -> list[int]:
+    """Pids of the processes whose command line contains ``text`` (``--node_id=…``, a temp dir)."""
+    return [pid for pid, argv in _other_processes() if text.encode() in b"\0".join(argv)]
 
 
 RAY_GRACE_S = 3.0
@@ -489,10 +489,8 @@ def _is_lab_ray_process(argv: list[bytes], temp_dir: bytes, address: bytes) -> b
 def _delay_lines_of(state: LabState) -> list[int]:
     """The delay-line processes (native or Python) whose namespaces are exactly this lab's."""
     want, found = set(state.netns), []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        argv = [a.decode(errors="replace") for a in _argv(int(proc.name)) if a]
+    for pid, raw in _other_processes():
+        argv = [a.decode(errors="replace") for a in raw if a]
         if argv and Path(argv[0]).name.startswith("delay-line-"):  # <binary> <one-way µs> <offload> (ns dev)...
             carried = set(argv[3::2])
         elif "meridian.service.cluster.lab.delay_line" in argv and "--tuns" in argv[:-1]:
@@ -503,21 +501,17 @@ def _delay_lines_of(state: LabState) -> list[int]:
         else:
             continue
         if want and carried == want:
-            found.append(int(proc.name))
+            found.append(pid)
     return found
 
 
 def _ray_processes(state: LabState) -> list[int]:
     """Every process of the lab's Ray cluster (:func:`_is_lab_ray_process`), and their descendants (Ray's workers
     name neither the temp dir nor the address)."""
+    if not state.ray_temp_dir:
+        return []
     temp_dir, address = state.ray_temp_dir.encode(), state.ray_address.encode()
-    roots = []
-    if state.ray_temp_dir:
-        for proc in Path("/proc").iterdir():
-            pid = int(proc.name) if proc.name.isdigit() else os.getpid()
-            if pid != os.getpid() and _is_lab_ray_process(_argv(pid), temp_dir, address):
-                roots.append(pid)
-    return descendants(roots)
+    return descendants([pid for pid, argv in _other_processes() if _is_lab_ray_process(argv, temp_dir, address)])
 
 
 def _comm(pid: int) -> str:
