@@ -13,6 +13,9 @@ collectives in global segment order, so uneven layouts cannot deadlock.
 
 The sharded optimizer (:mod:`meridian.workers.optim.sharded_adamw`) runs steps 1–2 on gradients and replaces
 step 3 by an all-gather of updated parameters.
+
+Steps 1 and 3 on a CPU rank are direct point-to-point transfers (:mod:`meridian.workers.distributed.direct_collectives`):
+gloo's reduce-scatter alone cost more than an all-reduce of the whole buffer. On CUDA they are NCCL's collectives.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from meridian.workers.distributed import direct_collectives as direct
 from meridian.workers.distributed.flat_collectives import all_gather_single, reduce_scatter_single
 from meridian.workers.distributed.layout import DCGroups, Segment
 from meridian.workers.sync.inter_dc import CommHandle, InterDCComm
@@ -65,6 +69,8 @@ def reduce_scatter_in_dc(buf: torch.Tensor, groups: DCGroups, *, into: torch.Ten
     if groups.dc_size == 1:
         if into is not None:
             shard.copy_(buf)  # the whole buffer is this rank's shard
+    elif direct.serves(buf):  # CPU: direct transfers, half gloo's collective's cost (direct_collectives)
+        direct.reduce_scatter(shard, buf, groups.intra_dc)  # into ``buf``'s own shard too: it only adds there
     elif into is not None:  # a separate output: the collective writes it directly
         reduce_scatter_single(shard, buf, op=dist.ReduceOp.SUM, group=groups.intra_dc)
     else:
@@ -114,10 +120,14 @@ def all_reduce_across_dcs(
     return round(sum(h.nbytes for h in handles))
 
 
-def all_gather_in_dc(buf: torch.Tensor, groups: DCGroups, *, async_op: bool = False) -> dist.Work | None:
+def all_gather_in_dc(
+    buf: torch.Tensor, groups: DCGroups, *, async_op: bool = False
+) -> dist.Work | direct.Transfers | None:
     """Step 3: every rank of the DC receives every shard (of gradients, or of updated parameters)."""
     if groups.dc_size == 1:
         return None
+    if direct.serves(buf):  # CPU: direct transfers, no copy of the shard (direct_collectives)
+        return direct.all_gather(buf, groups.intra_dc, async_op=async_op)
     shard = shard_view(buf, groups).clone()  # the input may not alias the output
     return all_gather_single(buf, shard, group=groups.intra_dc, async_op=async_op)
 
