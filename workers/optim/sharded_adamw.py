@@ -48,6 +48,7 @@ import torch.distributed as dist
 from torch import nn
 
 from meridian.workers.contracts.config import OptimConfig
+from meridian.workers.distributed.direct_collectives import Transfers
 from meridian.workers.distributed.flat_collectives import all_gather_single
 from meridian.workers.distributed.layout import DCGroups, DCLayout
 from meridian.workers.optim.adamw import (
@@ -155,7 +156,7 @@ class ShardedAdamW:
         self.clip_coef: torch.Tensor | None = None
         """The clipping coefficient of the last committed update (``None`` before the first)."""
         self.wait_s = 0.0
-        self._gathers: dict[int, dist.Work] = {}
+        self._gathers: dict[int, dist.Work | Transfers] = {}  # NCCL's all-gathers, or a CPU rank's direct ones
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         # Norm vector: one entry per (bucket, segment), filled by that segment's owner in this DC.
         self._entries = [(b, seg) for b in buffer.buckets for seg in groups.layout.segments]
