@@ -11,6 +11,9 @@ that). The embedded cluster hands the host's GPUs out instead (:func:`gpu_shares
 slice, named to its raylet in ``CUDA_VISIBLE_DEVICES`` (Ray maps a worker's GPU slot through it), or, when
 there are fewer GPUs than nodes, no node gets one and the workers run on CPU (:attr:`LocalCluster.gpu_note`
 says so).
+
+A SIGKILL of the service gives it no chance to stop the cluster: a small watchdog process (:mod:`.watchdog`) then
+kills what Ray's own ties to the service leave running (each node's dashboard and runtime-env agents, ~60 s).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from dataclasses import dataclass
 
 import ray
 
+from meridian.service.cluster import watchdog
 from meridian.service.runner.actor import NAMESPACE
 
 log = logging.getLogger(__name__)
@@ -83,6 +87,7 @@ class LocalCluster:
 
     def __post_init__(self) -> None:
         self._cluster = None
+        self._watchdog = None
         self.gpu_note = ""
         """Why the nodes got no GPU although the host has some (empty otherwise)."""
 
@@ -97,6 +102,10 @@ class LocalCluster:
                              "and one GPU cannot host two ranks: the workers run on CPU (give as many nodes as GPUs, "
                              "e.g. --datacenters dc-a:1, to train on the GPU)")
             log.warning("embedded cluster: %s", self.gpu_note)
+        if self._watchdog is None:  # before the first Ray process: it sees them all
+            from ray._common.utils import get_default_ray_temp_dir
+
+            self._watchdog = watchdog.start(get_default_ray_temp_dir())
         self._cluster = Cluster(
             initialize_head=True,
             head_node_args={
@@ -120,6 +129,8 @@ class LocalCluster:
         if self._cluster is not None:
             self._cluster.shutdown()
             self._cluster = None
+        watchdog.stop(self._watchdog)  # after the cluster: a SIGKILL during its shutdown is still covered
+        self._watchdog = None
 
 
 def connect(address: str | None) -> None:
