@@ -17,9 +17,13 @@ import textwrap
 import time
 from pathlib import Path
 
+import httpx
 import pytest
+from fakes import spec
 from processes import descendants, is_gone, process_line
 from test_serve_process import serving
+
+from meridian.workers.state.snapshot_paths import snapshot_dirs
 
 CLEANUP_BOUND_S = 15
 
@@ -40,8 +44,13 @@ def _left_after(pids: set[int], bound_s: float) -> tuple[set[int], float]:
 
 
 @pytest.mark.slow
-def test_sigkilled_serve_leaves_no_embedded_cluster_process(tmp_path):
-    with serving(tmp_path) as (proc, _, _):
+def test_sigkilled_serve_leaves_no_embedded_cluster_process_nor_snapshot(tmp_path):
+    with serving(tmp_path) as (proc, base, _):
+        job = httpx.post(f"{base}/v1/jobs", json=spec(training={"steps": 100_000}), timeout=30).json()
+        deadline = time.monotonic() + 120
+        while len(snapshot_dirs(job["id"])) < 2:  # training, each worker keeping its state in RAM
+            assert time.monotonic() < deadline, "the job's workers kept no snapshots within 120 s"
+            time.sleep(0.5)
         started = descendants(proc.pid)
         agents = {p for p in started if _cmdline(p).startswith(("ray::DashboardAgent", "ray::RuntimeEnvAgent"))}
         assert len(agents) == 6, {p: _cmdline(p) for p in started}  # the head and two nodes, two agents each
@@ -50,6 +59,10 @@ def test_sigkilled_serve_leaves_no_embedded_cluster_process(tmp_path):
         left, took = _left_after(started, CLEANUP_BOUND_S)
         assert not left, (f"{len(left)} processes of the embedded cluster still run {took:.0f} s after a SIGKILL of "
                           "the service: " + "; ".join(f"{_cmdline(p)[:80]!r} ({process_line(p)})" for p in left))
+        deadline = time.monotonic() + 5  # removed right after the kills
+        while snapshot_dirs(job["id"]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert snapshot_dirs(job["id"]) == [], "the killed service's job left its snapshots in RAM"
 
 
 # A stand-in service: it starts the watchdog, then a Ray-like process (it names the temp dir as an option's value,
@@ -58,8 +71,8 @@ def test_sigkilled_serve_leaves_no_embedded_cluster_process(tmp_path):
 SERVICE = textwrap.dedent("""
     import subprocess, sys, time
     from meridian.service.cluster import watchdog
-    temp_dir, mode = sys.argv[1], sys.argv[2]
-    dog = watchdog.start(temp_dir)
+    temp_dir, mode, snapshots = sys.argv[1], sys.argv[2], sys.argv[3]
+    dog = watchdog.start(temp_dir, snapshots, "owner")
     child = "import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); print(p.pid, flush=True); time.sleep(600)"
     ray_like = subprocess.Popen([sys.executable, "-c", child, f"--log_dir={temp_dir}/session_1/logs"], stdout=subprocess.PIPE, text=True)
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", f"--log_dir={temp_dir}-other/logs"])
@@ -74,8 +87,9 @@ SERVICE = textwrap.dedent("""
 
 @contextlib.contextmanager
 def stand_in_service(tmp_path: Path, mode: str):
-    proc = subprocess.Popen([sys.executable, "-c", SERVICE, str(tmp_path / "ray"), mode], stdout=subprocess.PIPE,
-                            text=True)
+    (tmp_path / "shm").mkdir()
+    proc = subprocess.Popen([sys.executable, "-c", SERVICE, str(tmp_path / "ray"), mode,
+                             str(tmp_path / "shm" / "meridian-snapshots.*.*")], stdout=subprocess.PIPE, text=True)
     pids: list[int] = []
     try:
         pids = [int(p) for p in proc.stdout.readline().split()]
@@ -88,8 +102,24 @@ def stand_in_service(tmp_path: Path, mode: str):
         proc.wait()
 
 
+def _snapshot_folder(tmp_path: Path, name: str, owner: int | None) -> Path:
+    """A worker's snapshot folder as :mod:`meridian.workers.state.snapshot_paths` makes it: its owner file names the
+    process that keeps it (pid and start time)."""
+    folder = tmp_path / "shm" / f"meridian-snapshots.job1.{name}"
+    folder.mkdir()
+    (folder / "shard-000001").write_bytes(b"state")
+    if owner is not None:
+        started = Path(f"/proc/{owner}/stat").read_text().rsplit(")", 1)[1].split()[19]
+        (folder / "owner").write_text(f"{owner} {started}")
+    return folder
+
+
 def test_watchdog_kills_only_the_dead_service_ray_processes(tmp_path):
     with stand_in_service(tmp_path, "watch") as (proc, dog, ray_like, grandchild, other):
+        kept_by_worker = _snapshot_folder(tmp_path, "w1", grandchild)  # a process of the cluster keeps it
+        not_ours = _snapshot_folder(tmp_path, "w2", other)  # the service's child, not a Ray process
+        someone_elses = _snapshot_folder(tmp_path, "w3", os.getpid())
+        no_owner = _snapshot_folder(tmp_path, "w4", None)
         outsider = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)",
                                      f"--log_dir={tmp_path / 'ray'}/session_2/logs"])  # another cluster's, not a child
         try:
@@ -99,6 +129,11 @@ def test_watchdog_kills_only_the_dead_service_ray_processes(tmp_path):
             assert not left, [process_line(p) for p in left]
             assert not is_gone(other), "a child of the service that does not run from Ray's temp dir was killed"
             assert outsider.poll() is None, "a process that is not the service's was killed"
+            deadline = time.monotonic() + 5  # removed right after the kills
+            while kept_by_worker.exists() and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert not kept_by_worker.exists(), "a snapshot folder a process of the cluster kept is still in RAM"
+            assert not_ours.exists() and someone_elses.exists() and no_owner.exists()
         finally:
             outsider.kill()
             outsider.wait()
@@ -106,8 +141,10 @@ def test_watchdog_kills_only_the_dead_service_ray_processes(tmp_path):
 
 def test_watchdog_stopped_in_order_kills_nothing(tmp_path):
     with stand_in_service(tmp_path, "stop") as (proc, dog, ray_like, grandchild, _):
+        folder = _snapshot_folder(tmp_path, "w1", grandchild)
         assert is_gone(dog)
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         time.sleep(3)  # longer than the watchdog takes (it scans once a second)
         assert not is_gone(ray_like) and not is_gone(grandchild)
+        assert folder.exists()

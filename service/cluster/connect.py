@@ -13,7 +13,8 @@ there are fewer GPUs than nodes, no node gets one and the workers run on CPU (:a
 says so).
 
 A SIGKILL of the service gives it no chance to stop the cluster: a small watchdog process (:mod:`.watchdog`) then
-kills what Ray's own ties to the service leave running (each node's dashboard and runtime-env agents, ~60 s).
+kills what Ray's own ties to the service leave running (each node's dashboard and runtime-env agents, ~60 s), and
+removes the in-memory snapshot folders its workers kept.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import ray
 
 from meridian.service.cluster import watchdog
 from meridian.service.runner.actor import NAMESPACE
+from meridian.workers.state.snapshot_paths import OWNER_FILE, every_snapshot_pattern
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +107,7 @@ class LocalCluster:
         if self._watchdog is None:  # before the first Ray process: it sees them all
             from ray._common.utils import get_default_ray_temp_dir
 
-            self._watchdog = watchdog.start(get_default_ray_temp_dir())
+            self._watchdog = watchdog.start(get_default_ray_temp_dir(), every_snapshot_pattern(), OWNER_FILE)
         self._cluster = Cluster(
             initialize_head=True,
             head_node_args={

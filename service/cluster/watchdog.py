@@ -14,8 +14,9 @@ own session so that a terminal's Ctrl-C or hang-up does not reach it). While the
 a second, every process below the service's children that run Ray from Ray's temp dir (they name it, or a path
 below it, as an option's value: ``--log_dir=/tmp/ray/session_…/logs``), with each one's start time. When the
 service is gone (its parent pid changes) it SIGKILLs the recorded processes that still run, and whatever runs
-below them, and exits: measured, the last process of the cluster was gone 0.8-0.9 s after the SIGKILL (idle, or
-training a job). Its cost while the service runs: a ~1 ms scan a second, ~1 ms added to the start. A process is
+below them, then removes the in-memory snapshot folders those processes kept (a training job's workers keep
+one each in ``/dev/shm``, the size of their state: otherwise RAM until the service's next start swept them), and
+exits: measured, the last process of the cluster was gone 0.8-0.9 s after the SIGKILL (idle, or training a job). Its cost while the service runs: a ~1 ms scan a second, ~1 ms added to the start. A process is
 killed only if its start time still matches (a pid the kernel gave to someone else is left alone), and through a
 pidfd where the kernel has them. It never looks at processes by name, nor at other clusters: only at what runs
 below this service's children. Not covered: a process started less than a second before the SIGKILL by one that
@@ -28,7 +29,9 @@ cluster, never for a cluster the service merely connects to (``--address``).
 
 from __future__ import annotations
 
+import glob
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -37,13 +40,15 @@ import time
 SCAN_INTERVAL_S = 1.0  # a /proc scan costs ~1 ms of CPU with ~100 processes on the host
 
 
-def start(ray_temp_dir: str) -> subprocess.Popen | None:
-    """Watch this process (Linux only: it reads /proc); returns the watchdog for :func:`stop`."""
+def start(ray_temp_dir: str, snapshots: str = "", owner_file: str = "owner") -> subprocess.Popen | None:
+    """Watch this process (Linux only: it reads /proc); returns the watchdog for :func:`stop`. ``snapshots``: the
+    glob of the workers' in-memory snapshot folders (:mod:`meridian.workers.state.snapshot_paths`), each naming the
+    process that keeps it in its ``owner_file``; empty: none are removed."""
     if not sys.platform.startswith("linux"):
         return None
     # -I -S: the file runs by its path, with no site packages (a ~20 ms start, nothing of the service imported)
-    return subprocess.Popen([sys.executable, "-I", "-S", os.path.abspath(__file__), str(os.getpid()), ray_temp_dir],
-                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True)
+    argv = [sys.executable, "-I", "-S", os.path.abspath(__file__), str(os.getpid()), ray_temp_dir, snapshots, owner_file]
+    return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True)
 
 
 def stop(watchdog: subprocess.Popen | None) -> None:
@@ -57,11 +62,13 @@ def stop(watchdog: subprocess.Popen | None) -> None:
             watchdog.wait()
 
 
-def watch(service_pid: int, ray_temp_dir: str) -> None:
-    """Record the service's Ray processes until it is gone, then kill those still running."""
+def watch(service_pid: int, ray_temp_dir: str, snapshots: str = "", owner_file: str = "owner") -> None:
+    """Record the service's Ray processes until it is gone, then kill those still running and remove the snapshot
+    folders they kept."""
     for sig in (signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
     seen: dict[int, int] = {}  # pid → start time (clock ticks after boot)
+    ever: set[tuple[int, int]] = set()  # every (pid, start time) seen: a worker that died left its folder for a new one
     temp_dir = os.fsencode(ray_temp_dir.rstrip("/"))
     while os.getppid() == service_pid:  # our parent: once it dies, we are given to init (or a subreaper)
         table = _processes()
@@ -69,11 +76,28 @@ def watch(service_pid: int, ray_temp_dir: str) -> None:
         # kept while they run, even once their parent is gone (a removed node's agents are init's children)
         seen = {pid: started for pid, started in seen.items() if table.get(pid, (0, None))[1] == started}
         seen.update((pid, table[pid][1]) for pid in _below(roots, table))
+        ever.update(seen.items())
         time.sleep(SCAN_INTERVAL_S)
     table = _processes()
     alive = [pid for pid, started in seen.items() if pid in table and table[pid][1] == started]
     for pid in _below(alive, table):
         _kill(pid, table[pid][1])
+    if snapshots:
+        _remove_snapshots(snapshots, owner_file, ever)
+
+
+def _remove_snapshots(pattern: str, owner_file: str, kept_by: set[tuple[int, int]]) -> None:
+    """Remove the snapshot folders that a process of this cluster kept, alive or not (its pid and start time in the
+    folder's owner file): the service would sweep them at its next start, and until then they hold RAM. Folders of other
+    services' workers, or naming no owner, are left."""
+    for folder in glob.glob(pattern):
+        try:
+            with open(os.path.join(folder, owner_file)) as f:
+                pid, started = (int(x) for x in f.read().split())
+        except (OSError, ValueError):
+            continue
+        if (pid, started) in kept_by:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def _processes() -> dict[int, tuple[int, int]]:
@@ -145,4 +169,4 @@ def _kill(pid: int, started: int) -> None:
 
 
 if __name__ == "__main__":
-    watch(int(sys.argv[1]), sys.argv[2])
+    watch(int(sys.argv[1]), *sys.argv[2:])

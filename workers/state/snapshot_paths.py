@@ -38,9 +38,14 @@ def snapshot_dirs(job_id: str) -> list[str]:
     return glob.glob(os.path.join(_snapshot_root(), f"meridian-snapshots.{glob.escape(_safe(job_id))}.*"))
 
 
+def every_snapshot_pattern() -> str:
+    """The glob of this host's snapshot folders, of every job."""
+    return os.path.join(_snapshot_root(), "meridian-snapshots.*.*")
+
+
 def every_snapshot_dir() -> list[str]:
     """This host's snapshot folders, of every job."""
-    return glob.glob(os.path.join(_snapshot_root(), "meridian-snapshots.*.*"))
+    return glob.glob(every_snapshot_pattern())
 
 
 def orphaned_snapshot_dirs() -> list[str]:
