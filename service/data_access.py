@@ -30,7 +30,7 @@ from meridian.service.jobs import JobRequest
 from meridian.workers.contracts.config import DataConfig, DataPin
 from meridian.workers.contracts.model_config import ModelConfig
 from meridian.workers.data.manifest import check_dataset_files, read_manifest, tokenizer_sha256
-from meridian.workers.data.source import NotRegularFile, open_regular, read_source, source_sha256
+from meridian.workers.data.source import NotRegularFile, open_regular, read_source, source_sha256, split_bytes
 
 BUILTIN_SOURCES = ("builtin:python-reference",)
 DEFAULT_MAX_BYTES = 128 * 2**20
@@ -56,6 +56,7 @@ class DataAccess:
         if request.model.init_from:
             check_init_from_data(data, request.model.init_from)
         check_dataset_vocab(data, request.model)
+        check_train_split(data, request.model)
         if request.validation is not None:
             check_validation_split(data, request.model)
         return replace(request, data=data)
@@ -171,7 +172,12 @@ def check_init_from_data(data: DataConfig, checkpoint: str) -> None:
 
 
 def check_dataset_vocab(data: DataConfig, model: ModelConfig) -> None:
-    """A job's model must have a row for every token of its prepared dataset(s) (read from the manifests)."""
+    """A job's model must have a row for every token of its prepared dataset(s) (read from the manifests), or of
+    raw text: its bytes are its token ids, 0-255."""
+    if not data.datasets and model.vocab_size < 256:
+        raise InvalidJob(f"data.source {data.source!r} is read as bytes (token ids 0-255) but model.vocab_size is "
+                         f"{model.vocab_size}; set model.vocab_size >= 256, or prepare the text with a tokenizer "
+                         "of that size (`meridian data prepare`) and name it in data.dataset")
     best, where = 0, ""
     for directory, _ in data.datasets:
         vocab = read_manifest(directory).vocab_size
@@ -182,9 +188,45 @@ def check_dataset_vocab(data: DataConfig, model: ModelConfig) -> None:
                          f"{model.vocab_size}; set model.vocab_size >= {best}")
 
 
+def _text_bytes(data: DataConfig) -> int | None:
+    """How many bytes of its admitted text file a job reads (``None``: the built-in corpus, ~465 KB)."""
+    if data.datasets or data.source in BUILTIN_SOURCES:
+        return None
+    try:
+        return min(os.stat(data.source).st_size, data.max_bytes)
+    except OSError as e:  # removed since it was admitted, a moment ago
+        raise InvalidJob(f"data.source {data.source!r} cannot be read by the service ({e.strerror})") from None
+
+
+def check_train_split(data: DataConfig, model: ModelConfig) -> None:
+    """Every job needs one training sample (``seq_len + 1`` tokens) in each of its datasets, or in its text's
+    first 95 %, which its workers would otherwise fail on after placement."""
+    size = _text_bytes(data)
+    if size is not None:
+        start, stop = split_bytes(size, "train")
+        if stop - start < model.seq_len + 1:
+            raise InvalidJob(f"data.source {data.source!r} has {size} bytes; its first 95 % ({stop - start} bytes, "
+                             f"one token each) is fewer than one sample of model.seq_len + 1 = {model.seq_len + 1}; "
+                             "use a longer text or a shorter model.seq_len")
+    for directory, _ in data.datasets:
+        train = read_manifest(directory).train
+        if train.tokens < model.seq_len + 1:
+            raise InvalidJob(f"data: dataset {directory!r} has {train.tokens} train tokens, fewer than one sample of "
+                             f"model.seq_len + 1 = {model.seq_len + 1}; prepare more text into it or shorten "
+                             "model.seq_len")
+
+
 def check_validation_split(data: DataConfig, model: ModelConfig) -> None:
     """A job with ``validation`` needs one sample (``seq_len + 1`` tokens) in each dataset's validation split,
-    which its workers would otherwise fail on after placement."""
+    or in its text's held-out last 5 %, which its workers would otherwise fail on after placement."""
+    size = _text_bytes(data)
+    if size is not None:
+        start, stop = split_bytes(size, "val")
+        if stop - start < model.seq_len + 1:
+            raise InvalidJob(f"validation: data.source {data.source!r} has {size} bytes; its held-out last 5 % "
+                             f"({stop - start} bytes) is fewer than one sample of model.seq_len + 1 = "
+                             f"{model.seq_len + 1}; use a text of at least {20 * (model.seq_len + 1) + 20} bytes, a "
+                             "shorter model.seq_len, or drop validation")
     for directory, _ in data.datasets:
         val = read_manifest(directory).val
         if val.tokens < model.seq_len + 1:

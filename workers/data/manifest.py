@@ -103,13 +103,21 @@ class Manifest:
 def read_manifest(directory: str) -> Manifest:
     """The manifest of a prepared dataset; ``ValueError`` naming the directory when there is none."""
     path = os.path.join(directory, MANIFEST)
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
+    try:  # like every file of the dataset: a regular file, not a symlink, opened non-blocking (a pipe, a link to
+        # /dev/zero, would hang the reader, the service's request with it)
+        fd = open_regular(path)
     except FileNotFoundError:
         raise ValueError(f"{directory!r} is not a prepared dataset (no {MANIFEST}); run `meridian data prepare "
                          f"... --out {directory}` first") from None
-    except (OSError, json.JSONDecodeError) as e:
+    except OSError as e:
+        raise ValueError(f"{path!r} cannot be read ({e.strerror}); it must be a regular file, not a symlink") from None
+    except NotRegularFile:
+        raise ValueError(f"{path!r} is not a regular file; prepare the dataset again with `meridian data "
+                         "prepare`") from None
+    try:
+        with os.fdopen(fd, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError) as e:  # ValueError: not JSON, not UTF-8
         raise ValueError(f"{path!r} cannot be read: {e}") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path!r} holds a JSON {type(data).__name__}, not a dataset manifest; prepare the dataset "
@@ -126,7 +134,39 @@ def read_manifest(directory: str) -> Manifest:
         if not is_plain_name(name):
             raise ValueError(f"{path!r} names {what} {name!r}, which is not a plain file name inside the dataset "
                              "directory (no '/', no '..'); prepare the dataset again with `meridian data prepare`")
+    wrong = _wrong_field(manifest)
+    if wrong:
+        raise ValueError(f"{path!r} has {wrong}; prepare the dataset again with `meridian data prepare`")
     return manifest
+
+
+DTYPES = {"uint16": 2, "uint32": 4}
+"""What a shard's tokens may be stored as, and their size in bytes."""
+
+
+def _wrong_field(m: Manifest) -> str:
+    """What of a manifest's values the service and the workers could not use as they are (``""``: nothing):
+    :func:`from_plain` takes the JSON's values as they come, so a string ``vocab_size`` was a 500 at submit."""
+    def count(v: object, least: int = 0) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v >= least
+
+    if not count(m.vocab_size, 1):
+        return f"vocab_size {m.vocab_size!r}, not a positive integer"
+    if m.dtype not in DTYPES:
+        return f"dtype {m.dtype!r}, not one of {', '.join(DTYPES)}"
+    for name in ("key", "tokenizer_sha256"):
+        if not isinstance(getattr(m, name), str):
+            return f"{name} {getattr(m, name)!r}, not a string"
+    for split in ("train", "val"):
+        s = m.split(split)
+        for sh in s.shards:
+            if not count(sh.tokens):
+                return f"{split} shard {sh.file} of {sh.tokens!r} tokens, not a count"
+        if not count(s.tokens) or not count(s.documents):
+            return f"{split}.tokens {s.tokens!r} and {split}.documents {s.documents!r}, not both counts"
+        if s.tokens != sum(sh.tokens for sh in s.shards):
+            return f"{split}.tokens {s.tokens}, but its shards hold {sum(sh.tokens for sh in s.shards)}"
+    return ""
 
 
 def tokenizer_sha256(tokenizer_json: str) -> str:
@@ -175,7 +215,9 @@ def open_dataset_file(directory: str, name: str) -> int:
 
 def check_dataset_files(directory: str, manifest: Manifest) -> None:
     """Before a job is admitted: every shard the manifest names is a regular file of the directory (not a
-    symlink), and its other files, where present, too. ``ValueError`` naming the first one that is not."""
+    symlink) of the size its token count makes, and its other files, where present, regular files too.
+    ``ValueError`` naming the first one that is not."""
+    sizes = {sh.file: sh.tokens * DTYPES[manifest.dtype] for s in (manifest.train, manifest.val) for sh in s.shards}
     for what, name in manifest.files():
         try:
             st = os.lstat(os.path.join(directory, name))
@@ -187,6 +229,9 @@ def check_dataset_files(directory: str, manifest: Manifest) -> None:
             kind = "a symlink" if stat.S_ISLNK(st.st_mode) else "not a regular file"
             raise ValueError(f"dataset {directory!r}: {what} {name} is {kind}; a dataset's files must be regular "
                              "files inside its directory (copy the data there instead of linking it)")
+        if what.endswith("shard") and st.st_size != sizes[name]:  # a copy cut short, another dataset's shard
+            raise ValueError(f"dataset {directory!r}: {what} {name} has {st.st_size} bytes, the manifest says "
+                             f"{sizes[name]}; prepare the dataset again")
 
 
 def write_manifest(directory: str, manifest: Manifest) -> None:

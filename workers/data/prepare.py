@@ -12,6 +12,7 @@ and every option: a rerun with the same key returns the existing manifest.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -287,6 +288,27 @@ def _file_sha(path: str) -> str:
         return hashlib.sha256(f.read()).hexdigest()
 
 
+LOCK_FILE = ".prepare.lock"
+
+
+@contextlib.contextmanager
+def _writing(out: str) -> Iterator[None]:
+    """Hold ``out``'s lock while a run deletes and writes its files: a second run into the same directory at the
+    same time would delete the first's half-written shards and write its own under the first's manifest. That
+    second run is refused at once (a wait could last as long as the first run), saying what to do."""
+    fd = os.open(os.path.join(out, LOCK_FILE), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise PrepareError(f"{out}: another `meridian data prepare` is writing this directory now; wait for it "
+                               "to end and run this again (the same inputs and options reuse what it wrote), or "
+                               "prepare into another directory", out) from None
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
 def prepare(inputs: list[str], out: str, opts: PrepareOptions, *, progress: bool = True,
             log: Callable[[str], None] | None = None) -> PrepareResult:
     """Tokenise ``inputs`` into the dataset directory ``out`` (reusing it when its key matches)."""
@@ -327,46 +349,47 @@ def prepare(inputs: list[str], out: str, opts: PrepareOptions, *, progress: bool
         raise PrepareError(f"{where}: vocabulary of {vocab} tokens{holes} does not fit uint32", opts.tokenizer)
 
     os.makedirs(out, exist_ok=True)  # only now: a refused tokenizer leaves an earlier dataset here as it was
-    with contextlib.suppress(FileNotFoundError):
-        os.remove(os.path.join(out, MANIFEST))  # from here on the directory is unfinished
-    for name in os.listdir(out):  # shards of an earlier run with other inputs
-        if name.startswith(("train-", "val-")) and name.endswith((".bin", ".bin.tmp", ".npy")):
-            os.remove(os.path.join(out, name))
-    tok_path = os.path.join(out, "tokenizer.json")
-    tok.save(tok_path)
-    dtype = np.dtype(np.uint16 if vocab <= 1 << 16 else np.uint32)
-    eos = _eos_id(tok)
+    with _writing(out):  # one run writes a directory at a time
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(out, MANIFEST))  # from here on the directory is unfinished
+        for name in os.listdir(out):  # shards of an earlier run with other inputs
+            if name.startswith(("train-", "val-")) and name.endswith((".bin", ".bin.tmp", ".npy")):
+                os.remove(os.path.join(out, name))
+        tok_path = os.path.join(out, "tokenizer.json")
+        tok.save(tok_path)
+        dtype = np.dtype(np.uint16 if vocab <= 1 << 16 else np.uint32)
+        eos = _eos_id(tok)
 
-    writers = {s: _SplitWriter(out, s, dtype, opts.shard_tokens) for s in ("train", "val")}
-    bar = _Progress(sum(f.bytes for f in files), progress)
-    doc_no, base, tokens = 0, 0, 0
-    counted: list[InputFile] = []
-    for f in files:
-        docs_here = 0
-        batch: list[str] = []
-        batch_bytes = 0
-        for doc, done in iter_documents(f.path, opts.text_field):
-            batch.append(doc)
-            batch_bytes += len(doc)
-            if len(batch) >= BATCH_DOCS or batch_bytes >= BATCH_BYTES:
+        writers = {s: _SplitWriter(out, s, dtype, opts.shard_tokens) for s in ("train", "val")}
+        bar = _Progress(sum(f.bytes for f in files), progress)
+        doc_no, base, tokens = 0, 0, 0
+        counted: list[InputFile] = []
+        for f in files:
+            docs_here = 0
+            batch: list[str] = []
+            batch_bytes = 0
+            for doc, done in iter_documents(f.path, opts.text_field):
+                batch.append(doc)
+                batch_bytes += len(doc)
+                if len(batch) >= BATCH_DOCS or batch_bytes >= BATCH_BYTES:
+                    doc_no, tokens = _encode(tok, batch, writers, doc_no, eos, opts.val_fraction, tokens)
+                    docs_here += len(batch)
+                    batch, batch_bytes = [], 0
+                    bar.update(base + done, tokens)
+            if batch:
                 doc_no, tokens = _encode(tok, batch, writers, doc_no, eos, opts.val_fraction, tokens)
                 docs_here += len(batch)
-                batch, batch_bytes = [], 0
-                bar.update(base + done, tokens)
-        if batch:
-            doc_no, tokens = _encode(tok, batch, writers, doc_no, eos, opts.val_fraction, tokens)
-            docs_here += len(batch)
-        if docs_here == 0:
-            raise PrepareError(f"{f.path}: no documents (every line is empty)", f.path)
-        base += f.bytes
-        bar.update(base, tokens)
-        counted.append(replace(f, documents=docs_here))
-    bar.update(base, tokens, final=True)
-    train, val = writers["train"].finish(), writers["val"].finish()
-    manifest = Manifest(key=key, vocab_size=vocab, dtype=dtype.name, tokenizer_sha256=tokenizer_sha256(tok.to_str()),
-                        tokenizer_trained=opts.train_tokenizer, eos_id=eos, text_field=opts.text_field,
-                        val_fraction=opts.val_fraction, train=train, val=val, inputs=tuple(counted))
-    write_manifest(out, manifest)
+            if docs_here == 0:
+                raise PrepareError(f"{f.path}: no documents (every line is empty)", f.path)
+            base += f.bytes
+            bar.update(base, tokens)
+            counted.append(replace(f, documents=docs_here))
+        bar.update(base, tokens, final=True)
+        train, val = writers["train"].finish(), writers["val"].finish()
+        manifest = Manifest(key=key, vocab_size=vocab, dtype=dtype.name, tokenizer_sha256=tokenizer_sha256(tok.to_str()),
+                            tokenizer_trained=opts.train_tokenizer, eos_id=eos, text_field=opts.text_field,
+                            val_fraction=opts.val_fraction, train=train, val=val, inputs=tuple(counted))
+        write_manifest(out, manifest)
     return PrepareResult(manifest, os.path.abspath(out), False, time.monotonic() - t0)
 
 

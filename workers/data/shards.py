@@ -159,7 +159,13 @@ class _Source:
         return out
 
     def windows(self, window_ids: np.ndarray) -> np.ndarray:
-        return np.stack([self.stream.read(int(w) * self.seq_len, self.seq_len + 1) for w in window_ids])
+        rows = np.stack([self.stream.read(int(w) * self.seq_len, self.seq_len + 1) for w in window_ids])
+        top, vocab = int(rows.max()), self.stream.manifest.vocab_size
+        if top >= vocab:  # the service admitted the model by the manifest's vocab_size: an id past it has no row
+            raise ValueError(f"dataset {self.stream.directory!r} holds token id {top} but its manifest declares a "
+                             f"vocab_size of {vocab} (the model was admitted by that figure, an id past it has no "
+                             "embedding row); prepare the dataset again")
+        return rows
 
 
 class TokenDataset(StepSampled):

@@ -19,10 +19,9 @@ from dataclasses import dataclass
 import torch
 
 from meridian.workers.contracts.config import DataConfig
-from meridian.workers.data.source import read_source, source_sha256
+from meridian.workers.data.source import read_source, source_sha256, split_bytes
 
 BUILTIN_PYTHON_REFERENCE = "builtin:python-reference"
-HELD_OUT_FRACTION = 0.05
 
 
 class TooFewTokens(ValueError):
@@ -96,8 +95,8 @@ class TextDataset(StepSampled):
 
     def __init__(self, cfg: DataConfig, seq_len: int, seed: int, *, split: str = "train") -> None:
         tokens = _tokens(cfg)
-        cut = int(len(tokens) * (1 - HELD_OUT_FRACTION))
-        self.tokens = tokens[:cut] if split == "train" else tokens[cut:]
+        start, stop = split_bytes(len(tokens), split)
+        self.tokens = tokens[start:stop]
         self.seq_len = seq_len
         self.seed = seed
         self.num_samples = (len(self.tokens) - 1) // seq_len
