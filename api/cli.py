@@ -335,7 +335,15 @@ def cmd_export(args: argparse.Namespace, client: Client) -> int:
     from meridian.workers.model.export import export_job  # torch: only this verb needs it
 
     latest = next(a for a in info["artifacts"] if a["path"] == info["latest"])
-    done = export_job(info["latest"], info["model"], info["data"], args.out)
+    try:
+        done = export_job(info["latest"], info["model"], info["data"], args.out)
+    except Exception as e:
+        if type(e) is not Exception:  # only `tokenizers`' own (a bare Exception): any other is a bug to show
+            raise
+        raise CliError("tokenizer-unreadable", "Tokenizer unreadable",
+                       f"the weights are in {args.out}, but its tokenizer.json, copied from job {args.id}'s dataset, "
+                       f"is not one the tokenizers library can read ({e}); delete it from {args.out} (the dataset's "
+                       "tokenizer.json was damaged since it was prepared: prepare the text again to get one)") from None
     out, tokenizer = done["out"], done["tokenizer"]
     note = "" if latest["final"] else " (not the final step: the job has not finished)"
     if args.json:

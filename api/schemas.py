@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import MISSING, fields, replace
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
 from meridian.service.errors import InvalidJob
 from meridian.service.jobs import (
@@ -33,6 +33,7 @@ from meridian.service.jobs import (
 )
 from meridian.service.store import Event, JobRecord
 from meridian.workers.contracts.config import (
+    BlendEntry,
     Compression,
     DataConfig,
     DiLoCoConfig,
@@ -105,10 +106,12 @@ class ConfigModel(Strict):
 _CONFIG_OF: dict[type[ConfigModel], type] = {}
 
 
-def config_model(cls: type, name: str, **overrides: dict[str, Any]) -> type[ConfigModel]:
-    """A wire model of every field of dataclass ``cls``; ``overrides[field]``: extra ``Field`` arguments."""
+def config_model(cls: type, name: str, base: type[ConfigModel] = ConfigModel,
+                 **overrides: dict[str, Any]) -> type[ConfigModel]:
+    """A wire model of every field of dataclass ``cls`` (checks of the wire's own in ``base``);
+    ``overrides[field]``: extra ``Field`` arguments."""
     hints = typing.get_type_hints(cls)
-    model = create_model(name, __base__=ConfigModel, __doc__=" ".join((cls.__doc__ or "").split()), __module__=__name__,
+    model = create_model(name, __base__=base, __doc__=" ".join((cls.__doc__ or "").split()), __module__=__name__,
                          **{f.name: (hints[f.name], config_field(cls, f.name, **overrides.get(f.name, {})))
                             for f in fields(cls)})
     _CONFIG_OF[model] = cls
@@ -178,7 +181,28 @@ class ModelSpec(Strict):
         return replace(base, **sizes)
 
 
-DataSpec = config_model(DataConfig, "DataSpec", source={"min_length": 1, "max_length": 4096})
+class _DataChecks(ConfigModel):
+    """What only the wire can tell of ``data``: a ``blend`` given but empty (the config reads ``()`` as none),
+    and one naming a dataset twice as written (two names of one directory are found at admission, by
+    :class:`~meridian.service.data_access.DataAccess`)."""
+
+    @field_validator("blend", check_fields=False)
+    @classmethod
+    def _blend_names_datasets_once(cls, blend: tuple[BlendEntry, ...]) -> tuple[BlendEntry, ...]:
+        if not blend:
+            raise ValueError('an empty blend names no data: give at least one prepared dataset ({"dataset": DIR, '
+                             '"weight": W}), or leave data.blend out to train on data.source')
+        seen: set[str] = set()
+        for entry in blend:
+            path = entry.dataset.rstrip("/") or "/"
+            if path in seen:
+                raise ValueError(f"names dataset {entry.dataset!r} twice; name each dataset once, with the weight "
+                                 "of all the samples it should give")
+            seen.add(path)
+        return blend
+
+
+DataSpec = config_model(DataConfig, "DataSpec", _DataChecks, source={"min_length": 1, "max_length": 4096})
 WanSpec = config_model(WanConfig, "WanSpec")
 ValidationSpec = config_model(ValidationConfig, "ValidationSpec")
 DiLoCoSpec = config_model(DiLoCoConfig, "DiLoCoSpec")

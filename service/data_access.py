@@ -126,7 +126,16 @@ class DataAccess:
         if data.dataset:
             data = replace(data, dataset=resolve(data.dataset))
         else:
-            data = replace(data, blend=tuple(replace(b, dataset=resolve(b.dataset)) for b in data.blend))
+            named: dict[str, str] = {}  # real path → the name it was first given by (two names, one directory)
+            blend = []
+            for b in data.blend:
+                path = resolve(b.dataset)
+                if path in named:
+                    raise InvalidJob(f"data.blend names dataset {path!r} twice ({named[path]!r} and {b.dataset!r}); "
+                                     "name each dataset once, with the weight of all the samples it should give")
+                named[path] = b.dataset
+                blend.append(replace(b, dataset=path))
+            data = replace(data, blend=tuple(blend))
         return replace(data, pins=tuple(pins))
 
 
