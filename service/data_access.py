@@ -207,16 +207,24 @@ def _text_bytes(data: DataConfig) -> int | None:
         raise InvalidJob(f"data.source {data.source!r} cannot be read by the service ({e.strerror})") from None
 
 
+def _text_split_too_short(data: DataConfig, model: ModelConfig, split: str) -> tuple[int, int] | None:
+    """(the text's bytes, the split's) when a job's text holds less than one sample in ``split``; else ``None``
+    (enough, or no text file: the built-in corpus, or prepared datasets)."""
+    size = _text_bytes(data)
+    if size is None:
+        return None
+    start, stop = split_bytes(size, split)
+    return (size, stop - start) if stop - start < model.seq_len + 1 else None
+
+
 def check_train_split(data: DataConfig, model: ModelConfig) -> None:
     """Every job needs one training sample (``seq_len + 1`` tokens) in each of its datasets, or in its text's
     first 95 %, which its workers would otherwise fail on after placement."""
-    size = _text_bytes(data)
-    if size is not None:
-        start, stop = split_bytes(size, "train")
-        if stop - start < model.seq_len + 1:
-            raise InvalidJob(f"data.source {data.source!r} has {size} bytes; its first 95 % ({stop - start} bytes, "
-                             f"one token each) is fewer than one sample of model.seq_len + 1 = {model.seq_len + 1}; "
-                             "use a longer text or a shorter model.seq_len")
+    if short := _text_split_too_short(data, model, "train"):
+        size, held = short
+        raise InvalidJob(f"data.source {data.source!r} has {size} bytes; its first 95 % ({held} bytes, one token "
+                         f"each) is fewer than one sample of model.seq_len + 1 = {model.seq_len + 1}; use a longer "
+                         "text or a shorter model.seq_len")
     for directory, _ in data.datasets:
         train = read_manifest(directory).train
         if train.tokens < model.seq_len + 1:
@@ -228,14 +236,11 @@ def check_train_split(data: DataConfig, model: ModelConfig) -> None:
 def check_validation_split(data: DataConfig, model: ModelConfig) -> None:
     """A job with ``validation`` needs one sample (``seq_len + 1`` tokens) in each dataset's validation split,
     or in its text's held-out last 5 %, which its workers would otherwise fail on after placement."""
-    size = _text_bytes(data)
-    if size is not None:
-        start, stop = split_bytes(size, "val")
-        if stop - start < model.seq_len + 1:
-            raise InvalidJob(f"validation: data.source {data.source!r} has {size} bytes; its held-out last 5 % "
-                             f"({stop - start} bytes) is fewer than one sample of model.seq_len + 1 = "
-                             f"{model.seq_len + 1}; use a text of at least {20 * (model.seq_len + 1) + 20} bytes, a "
-                             "shorter model.seq_len, or drop validation")
+    if short := _text_split_too_short(data, model, "val"):
+        size, held = short
+        raise InvalidJob(f"validation: data.source {data.source!r} has {size} bytes; its held-out last 5 % ({held} "
+                         f"bytes) is fewer than one sample of model.seq_len + 1 = {model.seq_len + 1}; use a text of "
+                         f"at least {20 * (model.seq_len + 1) + 20} bytes, a shorter model.seq_len, or drop validation")
     for directory, _ in data.datasets:
         val = read_manifest(directory).val
         if val.tokens < model.seq_len + 1:
