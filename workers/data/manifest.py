@@ -144,6 +144,15 @@ DTYPES = {"uint16": 2, "uint32": 4}
 """What a shard's tokens may be stored as, and their size in bytes."""
 
 
+def check_shard_size(directory: str, manifest: Manifest, shard: Shard, size: int) -> None:
+    """``ValueError`` unless ``shard``'s file, of ``size`` bytes, holds the tokens the manifest gives it (a copy cut
+    short, another dataset's shard): at admission, and again by each worker that opens it."""
+    expected = shard.tokens * DTYPES[manifest.dtype]
+    if size != expected:
+        raise ValueError(f"dataset {directory!r}: shard {shard.file} has {size} bytes, the manifest says {expected}; "
+                         "prepare the dataset again")
+
+
 def _wrong_field(m: Manifest) -> str:
     """What of a manifest's values the service and the workers could not use as they are (``""``: nothing):
     :func:`from_plain` takes the JSON's values as they come, so a string ``vocab_size`` was a 500 at submit."""
@@ -217,7 +226,7 @@ def check_dataset_files(directory: str, manifest: Manifest) -> None:
     """Before a job is admitted: every shard the manifest names is a regular file of the directory (not a
     symlink) of the size its token count makes, and its other files, where present, regular files too.
     ``ValueError`` naming the first one that is not."""
-    sizes = {sh.file: sh.tokens * DTYPES[manifest.dtype] for s in (manifest.train, manifest.val) for sh in s.shards}
+    shards = {sh.file: sh for s in (manifest.train, manifest.val) for sh in s.shards}
     for what, name in manifest.files():
         try:
             st = os.lstat(os.path.join(directory, name))
@@ -229,9 +238,8 @@ def check_dataset_files(directory: str, manifest: Manifest) -> None:
             kind = "a symlink" if stat.S_ISLNK(st.st_mode) else "not a regular file"
             raise ValueError(f"dataset {directory!r}: {what} {name} is {kind}; a dataset's files must be regular "
                              "files inside its directory (copy the data there instead of linking it)")
-        if what.endswith("shard") and st.st_size != sizes[name]:  # a copy cut short, another dataset's shard
-            raise ValueError(f"dataset {directory!r}: {what} {name} has {st.st_size} bytes, the manifest says "
-                             f"{sizes[name]}; prepare the dataset again")
+        if what.endswith("shard"):
+            check_shard_size(directory, manifest, shards[name], st.st_size)
 
 
 def write_manifest(directory: str, manifest: Manifest) -> None:

@@ -23,7 +23,13 @@ import numpy as np
 import torch
 
 from meridian.workers.contracts.config import DataConfig, DataPin
-from meridian.workers.data.manifest import Manifest, check_pinned, open_dataset_file, read_manifest
+from meridian.workers.data.manifest import (
+    Manifest,
+    check_pinned,
+    check_shard_size,
+    open_dataset_file,
+    read_manifest,
+)
 from meridian.workers.data.text import StepSampled, TextDataset, TooFewTokens
 
 BLEND_BLOCK = 4096
@@ -95,10 +101,7 @@ class TokenStream:
             # a link inside it might point.
             fd = open_dataset_file(directory, sh.file)
             try:
-                size, expected = os.fstat(fd).st_size, sh.tokens * dtype.itemsize
-                if size != expected:
-                    raise ValueError(f"dataset {directory!r}: shard {sh.file} has {size} bytes, the manifest says "
-                                     f"{expected}; prepare the dataset again")
+                check_shard_size(directory, self.manifest, sh, os.fstat(fd).st_size)
                 if sh.tokens:
                     mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
                     self.maps.append(mm)
