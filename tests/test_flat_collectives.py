@@ -7,7 +7,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from meridian.workers.distributed import direct_collectives, flat_collectives
+from meridian.bench.engine_ceiling import use_in_dc
+from meridian.workers.distributed import flat_collectives
 from meridian.workers.distributed.layout import DCGroups, DCLayout
 from meridian.workers.distributed.multiproc import run_processes
 from meridian.workers.sync.har import hierarchical_all_reduce
@@ -26,7 +27,7 @@ def _har_with_only_the_old_names(rank: int, world: int) -> dict:
         if hasattr(dist, new):
             delattr(dist, new)  # this interpreter is the rank's own: nothing else sees the change
         setattr(dist, old, counted)
-    direct_collectives.serves = lambda buf: False  # the in-DC collectives, as a GPU rank runs them (CPU goes direct)
+    use_in_dc("collectives")  # the in-DC collectives, as a GPU rank runs them (CPU ranks go direct)
     groups = DCGroups(DCLayout(("a", "a", "b", "b")), rank)
     buf = torch.randint(-8, 9, (4 * groups.layout.units * 3,), generator=torch.Generator().manual_seed(rank)).float()
     flat = buf.clone()
