@@ -153,6 +153,23 @@ def test_lookahead_commits_every_exact_update_with_gradients_taken_at_the_local_
             assert norms[exact_first] == 0.0 and all(n > 0 for j, n in enumerate(norms) if j != exact_first), i
 
 
+def _lookahead_synchronized_mid_run(rank, world):
+    e = _engine(rank, UNEVEN, OPTIM, delay_one_step=True, local_lookahead=True, lookahead_after=0)
+    train_steps(e, rank, world, steps=4, micro=3)
+    e.synchronize()  # what a validation pass mid-job does: land the sync in flight and commit it
+    train_steps(e, rank, world, steps=4, micro=3, first_step=4)
+    return _close(e)
+
+
+def test_a_look_ahead_job_synchronized_mid_run_goes_on_and_its_replicas_agree():
+    # Landing the sync in flight summed two exchanges of each chunk with no new one between them, and each posted
+    # its next receive on the same tag: the next step's exchange waited for ever on the second (gloo filled the
+    # first). It hung validation passes of look-ahead jobs.
+    out = run_processes(_lookahead_synchronized_mid_run, 3, timeout_s=120)
+    for params in out[1:]:
+        assert all(torch.equal(params[n], out[0][n]) for n in params)
+
+
 def _exact_first(rank, world):
     out = []
     for warmup, after in ((0, None), (50, None), (50, 3)):

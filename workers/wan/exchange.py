@@ -74,7 +74,13 @@ class PostedReceives:
     def post(self, key: Hashable, buffer: torch.Tensor, peer: int, group: dist.ProcessGroup) -> None:
         """Post ``key``'s next receive; not posted when the pair is already closed (the peer left after this
         exchange completed, e.g. at the end of a job or a resize). That failure belongs to the next exchange,
-        which then posts afresh and fails where it matters, never to the one that just completed."""
+        which then posts afresh and fails where it matters, never to the one that just completed.
+
+        Nor when one is posted already: two exchanges of ``key`` summed with no new one issued between them (a
+        sync one step late, landed early by ``synchronize``) would post two receives on one tag. gloo fills the
+        first with the next exchange's data, and a second one kept in its place would wait for ever."""
+        if key in self._posted:
+            return
         try:
             work = dist.irecv(buffer, peer, group=group, tag=self.tag(key, group))
         except RuntimeError:  # gloo: "Connection closed by peer"
