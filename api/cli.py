@@ -96,6 +96,12 @@ def watch(client: Client, job_id: str, *, as_json: bool, timeout_s: float, inter
         time.sleep(interval_s)
 
 
+def summary(client: Client, job: dict[str, Any], wall_s: float | None = None) -> str:
+    """The job's summary, with what an armed look-ahead decided (its ``sync_decided`` events), if it did."""
+    decided = tuple(e["message"] for e in client.events(job["id"])["events"] if e["kind"] == "sync_decided")
+    return render.summary(job, wall_s=wall_s, sync_decisions=decided)
+
+
 # -- verbs -----------------------------------------------------------------------------------------------
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
@@ -187,7 +193,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
             if args.json:
                 print(json.dumps(job, indent=2))
             else:
-                print("\n" + render.summary(job, wall_s=time.monotonic() - t1))
+                print("\n" + summary(client, job, wall_s=time.monotonic() - t1))
             return 0 if job["state"] == "succeeded" else 1
     finally:
         say("Stopping the embedded cluster …")
@@ -198,7 +204,7 @@ def cmd_submit(args: argparse.Namespace, client: Client) -> int:
     job = client.submit(load_spec(args.file), idempotency_key=args.idempotency_key)
     if args.watch:
         job = watch(client, job["id"], as_json=args.json, timeout_s=args.timeout)
-        emit(args, job, render.summary(job))
+        emit(args, job, summary(client, job))
         return 0 if job["state"] == "succeeded" else 1
     emit(args, job, f"submitted job {job['id']} ({job['state']}): {job['plan']['explanation'] if job['plan'] else ''}")
     return 0
@@ -213,14 +219,14 @@ def cmd_ls(args: argparse.Namespace, client: Client) -> int:
 
 def cmd_get(args: argparse.Namespace, client: Client) -> int:
     job = client.job(args.id)
-    emit(args, job, render.summary(job) + "\n" + render.progress_line(job))
+    emit(args, job, summary(client, job) + "\n" + render.progress_line(job))
     return 0
 
 
 def cmd_watch(args: argparse.Namespace, client: Client) -> int:
     job = watch(client, args.id, as_json=args.json, timeout_s=args.timeout)
     if not args.json:
-        print(render.summary(job))
+        print(summary(client, job))
     return 0 if job["state"] == "succeeded" else 1
 
 

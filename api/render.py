@@ -108,7 +108,8 @@ def _loss(value: Any) -> str:
     return f"{value:.3f}" if isinstance(value, (int, float)) else "-"
 
 
-def summary(job: dict[str, Any], wall_s: float | None = None) -> str:
+def summary(job: dict[str, Any], wall_s: float | None = None, sync_decisions: tuple[str, ...] = ()) -> str:
+    """``sync_decisions``: the messages of the job's ``sync_decided`` events (an armed look-ahead's decision)."""
     r, p = job.get("result") or {}, job["progress"]
     lines = [f"job {job['id']} ({job['name']}): {job['state']} — {job['message']}"]
     if r:
@@ -123,6 +124,7 @@ def summary(job: dict[str, Any], wall_s: float | None = None) -> str:
         lines.append(f"  wall time       {duration(wall_s)}")
     if job.get("plan"):
         lines.append(f"  plan            {job['plan']['explanation']}")
+    lines += [f"  sync decided    {m}" for m in sync_decisions]
     if job["placement"]:
         lines += ["", placement_table(job)]
     return "\n".join(lines)

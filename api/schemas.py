@@ -284,6 +284,7 @@ class SyncSpec(Strict):
     delay_one_step: bool = config_field(SyncConfig, "delay_one_step")
     local_lookahead: bool = config_field(SyncConfig, "local_lookahead")
     lookahead_after: int | None = config_field(SyncConfig, "lookahead_after")
+    lookahead_when_exposed: float | None = config_field(SyncConfig, "lookahead_when_exposed")
     diloco: DiLoCoSpec | None = None  # type: ignore[valid-type]
 
     def to_config(self) -> SyncConfig:
@@ -293,7 +294,7 @@ class SyncSpec(Strict):
             strategy=None if strategy is None else SyncStrategy(strategy), bucket_mb=self.bucket_mb,
             shard_optimizer=self.shard_optimizer, overlap=self.overlap, inter_dc_chunk_mb=self.inter_dc_chunk_mb,
             compression=self.compression, delay_one_step=self.delay_one_step, local_lookahead=self.local_lookahead,
-            lookahead_after=self.lookahead_after,
+            lookahead_after=self.lookahead_after, lookahead_when_exposed=self.lookahead_when_exposed,
             diloco=None if self.diloco is None else self.diloco.to_config(),
         )
 

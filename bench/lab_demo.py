@@ -18,6 +18,8 @@ What each run reports comes from the job's own step records (``GET /v1/jobs/{id}
   figure the scaling efficiency is taken from (the job's first steps pay for process and group start-up);
 - ``job_tokens_per_s``: the job's own whole-run figure (its result);
 - ``final_loss``, ``eval_loss``; the plan's sync choice (``sync_strategy``, ``local_lookahead``, ``compression``);
+  with the look-ahead armed (no probe), what the job decided (``sync_decision``: the measured figures and the
+  reason) and ``late_steps``, the steps whose sync ran one step late;
 - ``median_exposed_ms``: the median step's sync left exposed, as the job reported it;
 - ``delay_line_cpu_s``: CPU seconds the lab's delay line used over the job (``/proc``): a real link costs the ranks'
   cores nothing, so on a small machine this is the lab's own distortion.
@@ -92,8 +94,8 @@ def steady_tokens_per_s(points: list[dict[str, Any]], steady_from: int) -> float
     return per_step * (last["step"] - first["step"]) / elapsed if elapsed > 0 else None
 
 
-PLAN_FIELDS = ("rank_datacenters", "use_gpu", "resources_per_worker", "sync_strategy", "local_lookahead", "compression",
-               "bucket_mb", "tp", "pp", "micro_batches", "estimate")
+PLAN_FIELDS = ("rank_datacenters", "use_gpu", "resources_per_worker", "sync_strategy", "local_lookahead",
+               "lookahead_when_exposed", "compression", "bucket_mb", "tp", "pp", "micro_batches", "estimate")
 """The plan's fields a lab-demo run records (a missing one is ``None``)."""
 
 
@@ -114,6 +116,13 @@ def sync_sentence(explanation: str) -> str | None:
         return None
     end = explanation.find(").", start)
     return explanation[start:end + 2 if end >= 0 else None]
+
+
+def sync_decision(points: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """What an armed look-ahead decided (``sync.lookahead_when_exposed``), from the step record that carries it
+    (the last, if a re-formed epoch decided again); ``None`` when nothing was armed."""
+    decided = [p["sync_decision"] for p in points if p.get("sync_decision")]
+    return decided[-1] if decided else None
 
 
 def round_would_overrun(elapsed_s: float, last_round_s: float, max_wall_s: float | None) -> str | None:
@@ -237,6 +246,7 @@ def _one_run(args: argparse.Namespace, side: str, spec: dict[str, Any]) -> dict[
             "side": side, "datacenters": plan["datacenters"], "sync_strategy": plan["sync_strategy"],
             "local_lookahead": plan["local_lookahead"], "compression": plan["compression"],
             "sync_explanation": sync_sentence(plan["explanation"]),
+            "sync_decision": sync_decision(points), "late_steps": sum(1 for p in points if p.get("sync_late")),
             "steady_tokens_per_s": round(steady, 1) if steady is not None else None,
             "job_tokens_per_s": round(result["tokens_per_s"], 1),
             "final_loss": result["final_loss"], "eval_loss": result.get("eval_loss"),
@@ -260,7 +270,8 @@ def _one_run(args: argparse.Namespace, side: str, spec: dict[str, Any]) -> dict[
 def render(result: dict[str, Any]) -> str:
     lines = [f"{'side':<5} {'sync':<14} {'steady tok/s':>12} {'job tok/s':>10} {'final loss':>10} {'line CPU s':>10}"]
     for r in result["runs"]:
-        sync = r["sync_strategy"] + ("+lookahead" if r["local_lookahead"] else "")
+        decided = r.get("sync_decision") or {}
+        sync = r["sync_strategy"] + ("+lookahead" if r["local_lookahead"] or decided.get("lookahead") else "")
         lines.append(f"{r['side']:<5} {sync:<14} {r['steady_tokens_per_s'] or float('nan'):>12.0f} "
                      f"{r['job_tokens_per_s']:>10.0f} {r['final_loss']:>10.4f} {r['delay_line_cpu_s']:>10.2f}")
     for p in result["rounds"]:

@@ -117,13 +117,15 @@ def reference_params(
 
 
 def reference_lookahead_params(
-    steps: int, cfg: OptimConfig, dcs: tuple[str, ...], micro: int = 3, seed: int = 0, *, exact_first: int = 0
+    steps: int, cfg: OptimConfig, dcs: tuple[str, ...], micro: int = 3, seed: int = 0, *, exact_first: int = 0,
+    exact_from: int | None = None,
 ) -> dict[str, torch.Tensor]:
     """Single-process ``local_lookahead`` for ranks in datacenters ``dcs``: the first ``exact_first`` steps are
     plain exact steps; after them each DC computes step t's gradients at its own look-ahead parameters (its own
     gradients of step t-1, scaled by world / DC size, clipped by the last committed update's coefficient, applied
     by a throwaway copy of the optimizer); the committed parameters take the exact global gradient of step t-1
-    (with its lr) before the look-ahead of step t; after the last step the last gradient is committed too."""
+    (with its lr) before the look-ahead of step t; after the last step the last gradient is committed too.
+    ``exact_from``: from this step on, exact steps again (the gradient still pending is committed first)."""
     world = len(dcs)
     model = toy_model(seed)
     opt = build_adamw(model, cfg)
@@ -155,6 +157,10 @@ def reference_lookahead_params(
     ahead = {dc: committed for dc in dcs}
     pending: tuple[dict[str, torch.Tensor], float] | None = None
     for step in range(steps):
+        exact = step < exact_first or (exact_from is not None and step >= exact_from)
+        if exact and pending is not None:  # back from the look-ahead: land what is in flight
+            committed, pending = update(committed, *pending), None
+            ahead = {dc: committed for dc in dcs}
         local = {}
         for dc in dict.fromkeys(dcs):
             load(ahead[dc])
@@ -164,7 +170,7 @@ def reference_lookahead_params(
                     share_loss(model, x, y).backward()
             local[dc] = {n: p.grad.clone() for n, p in params.items()}
         total = {n: sum(g[n] for g in local.values()) for n in params}
-        if step < exact_first:
+        if exact:
             committed = update(committed, total, lr_of(step))
             ahead = {dc: committed for dc in dcs}
             continue

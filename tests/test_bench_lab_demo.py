@@ -96,3 +96,13 @@ def _spin(seconds):
     end = time.process_time() + seconds
     while time.process_time() < end:
         pass
+
+
+def test_the_run_reports_what_an_armed_look_ahead_decided_the_last_time_it_decided():
+    decided = {"lookahead": True, "at_step": 20, "reason": "one step late at a local look-ahead from step 21: ..."}
+    points = [{"step": 20, "sync_decision": None}, {"step": 21, "sync_decision": decided, "sync_late": False},
+              {"step": 22, "sync_late": True}]
+    assert lab_demo.sync_decision(points) == decided
+    again = {**decided, "lookahead": False, "at_step": 40}
+    assert lab_demo.sync_decision([*points, {"step": 41, "sync_decision": again}]) == again
+    assert lab_demo.sync_decision([{"step": 1}]) is None

@@ -298,7 +298,7 @@ def test_an_auto_option_the_chosen_strategy_does_not_use_never_makes_its_config_
         assert plan.sync_strategy is SyncStrategy.HIERARCHICAL
         if len(dcs) == 1:
             assert "sync.compression applies to hierarchical sync only" in plan.explanation
-    if not plan.local_lookahead:
+    if not (plan.local_lookahead or plan.lookahead_when_exposed is not None):
         assert config.sync.lookahead_after is None
     # An explicit contradiction is still the job's own error, refused when the request is read.
     with pytest.raises(ValueError, match="compression applies to the inter-DC step of 'hierarchical' sync only"):
@@ -311,6 +311,56 @@ def test_a_picked_look_ahead_keeps_the_job_s_lookahead_after():
     request = replace(req(), sync=SyncConfig(strategy=None, lookahead_after=50))
     plan = replace(plan_job(request, topology(dc_a=1, dc_b=1)), local_lookahead=True)
     assert build_train_config("j", request, plan, "").sync.lookahead_after == 50
+
+
+def _measured(topo, fast=True):
+    from meridian.service.planning.cost_model import Link
+    from meridian.service.planning.planner import default_figures
+
+    figures = replace(default_figures(topo, topo.datacenters, False), inter_dc_known=True, compute_known=True)
+    if fast:  # a link next door and slow devices: exact sync hides behind backward
+        return replace(figures, device_flops=5e8, inter_dc=Link(1e-4, 1e9 / 8))
+    return replace(figures, device_flops=5e9, inter_dc=Link(10.5e-3, 1e9 / 8))
+
+
+def test_auto_arms_the_look_ahead_when_it_planned_exact_sync_on_figures_nobody_measured():
+    from meridian.service.planning.train_config import build_train_config
+
+    topo = topology(dc_a=2, dc_b=2)
+    request = replace(req(), steps=200)
+    plan = plan_job(request, topo)  # no probe: the link and the compute are defaults
+    assert plan.sync_strategy is SyncStrategy.HIERARCHICAL and not plan.local_lookahead
+    assert plan.lookahead_when_exposed == 0.05 and "The look-ahead is armed" in plan.explanation
+    sync = build_train_config("j", request, plan, "").sync
+    assert (sync.delay_one_step, sync.local_lookahead, sync.lookahead_when_exposed) == (True, True, 0.05)
+    # measured figures that call for exact sync: exact sync, nothing armed
+    measured = plan_job(request, topo, _measured(topo))
+    assert measured.sync_strategy is SyncStrategy.HIERARCHICAL and measured.lookahead_when_exposed is None
+    assert not measured.local_lookahead and "armed" not in measured.explanation
+    sync = build_train_config("j", request, measured, "").sync
+    assert (sync.delay_one_step, sync.local_lookahead, sync.lookahead_when_exposed) == (False, False, None)
+    # measured figures that call for the look-ahead: set, not armed, unless the job asks for it armed
+    slow = plan_job(request, topo, _measured(topo, fast=False))
+    assert slow.local_lookahead and slow.lookahead_when_exposed is None
+    asked = replace(request, sync=SyncConfig(strategy=None, lookahead_when_exposed=0.2))
+    assert plan_job(asked, topo, _measured(topo, fast=False)).lookahead_when_exposed == 0.2
+    assert plan_job(asked, topo, _measured(topo)).lookahead_when_exposed == 0.2  # asked: armed on exact sync too
+
+
+@pytest.mark.parametrize("change, dcs", [
+    ({"steps": 20}, {"dc_a": 2, "dc_b": 2}),  # no longer than the exact steps the look-ahead starts with
+    ({"steps": 200}, {"dc_a": 4}),  # one datacenter: no link to hide
+    ({"steps": 200, "sync": SyncConfig(strategy=None, shard_optimizer=False)}, {"dc_a": 2, "dc_b": 2}),
+    ({"steps": 200, "sync": SyncConfig(strategy=SyncStrategy.HIERARCHICAL)}, {"dc_a": 2, "dc_b": 2}),  # asked
+    ({"steps": 200, "parallelism": ParallelismRequest(tp=1, pp=2)}, {"dc_a": 2, "dc_b": 2}),
+])  # fmt: skip
+def test_auto_never_arms_a_look_ahead_the_job_could_not_run(change, dcs):
+    from meridian.service.planning.train_config import build_train_config
+
+    request = replace(req(), **change)
+    plan = plan_job(request, topology(**dcs))
+    assert plan.lookahead_when_exposed is None and not plan.local_lookahead
+    assert build_train_config("j", request, plan, "").sync.lookahead_when_exposed is None
 
 
 def test_gpipe_holds_every_micro_batch_s_activations_1f1b_at_most_pp():

@@ -22,3 +22,9 @@ def test_the_summary_shows_the_held_out_loss_or_why_there_is_none():
 def test_the_summary_of_a_result_without_losses_says_so_instead_of_failing():
     # A result whose losses are null (NaN from workers whose last epoch trained no step) made `meridian run` raise.
     assert "loss            - → - (held-out 2.600)" in summary(job(first_loss=None, final_loss=None))
+
+
+def test_the_summary_says_what_an_armed_look_ahead_decided():
+    decided = "Sync at epoch 1: exact sync kept: the exact sync left 1.0 ms a step exposed (1% of 100.0 ms ...)."
+    assert f"  sync decided    {decided}" in summary(job(), sync_decisions=(decided,)).splitlines()
+    assert "sync decided" not in summary(job())

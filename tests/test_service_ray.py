@@ -54,6 +54,17 @@ def test_two_datacenter_job_succeeds_with_workers_in_both_and_lower_loss(api):
     assert job["result"]["inter_dc_bytes_per_step"] > 0
     kinds = [e["kind"] for e in api.get(f"/v1/jobs/{job['id']}/events").json()["events"]]
     assert kinds.count("worker_started") == 4
+    # `auto` planned on default figures (no probe), so the look-ahead was armed: the exact steps before step 20
+    # measured the sync; every rank decided the same, and the steps after ran as decided.
+    assert job["plan"]["lookahead_when_exposed"] == 0.05 and not job["plan"]["local_lookahead"]
+    decided = [e for e in api.get(f"/v1/jobs/{job['id']}/events").json()["events"] if e["kind"] == "sync_decided"]
+    assert len(decided) == 1, decided
+    d, late = decided[0]["data"], [p["step"] for p in points if p["sync_late"]]
+    assert d["steps_measured"] == 8 and d["compute_s"] > 0 and d["exact_step_s"] > 0
+    if d["lookahead_step_s"] is None:  # exact sync hid well enough: nothing tried
+        assert d["at_step"] == 20 and not d["lookahead"] and late == [], (d, late)
+    else:  # the look-ahead tried from step 21 (whose sync lands late), kept or not at step 31
+        assert d["at_step"] == 30 and late == list(range(21, 41 if d["lookahead"] else 32)), (d, late)
     # The final weights were kept (checkpoint.keep_final defaults to true) and are listed.
     artifacts = api.get(f"/v1/jobs/{job['id']}/artifacts").json()
     assert artifacts["artifacts"] and artifacts["artifacts"][-1]["final"], artifacts

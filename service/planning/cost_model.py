@@ -53,6 +53,10 @@ class Figures:
     inter_dc_known: bool = False
     """``inter_dc`` was measured, declared or emulated (not a default): only then may the planner trade
     per-step sync for DiLoCo (:mod:`meridian.service.planning.sync_choice`)."""
+    compute_known: bool = False
+    """``device_flops`` and ``step_overhead_s`` were measured for this model shape (a compute probe), not a
+    default: without them ``auto``'s per-step sync choice is armed to be checked at run time
+    (:func:`meridian.service.planning.planner.armed_lookahead`)."""
     device_memory_known: bool = True
     """``device_memory_bytes`` came from the devices (a probe, or the GPU nodes' own reading); ``False`` for the
     GPU default, which a refusal then names as a guess."""

@@ -47,7 +47,8 @@ def figures_for(request: JobRequest, topo: ClusterTopology, probe: dict[str, Any
         precision = training_precision(request.precision.value, use_gpu)
         compute = measured.get(compute_key(to_plain(request.model), request.micro_batch, precision))
         if compute:
-            fig = replace(fig, device_flops=compute["flops"], step_overhead_s=compute["optimizer_step_s"])
+            fig = replace(fig, device_flops=compute["flops"], step_overhead_s=compute["optimizer_step_s"],
+                          compute_known=True)
             sources.append("compute probe of this model shape")
         # A device's memory does not depend on the model shape probed: any GPU compute probe tells it.
         memories = [c["device_memory_bytes"] for c in measured.values() if c.get("device_memory_bytes")]

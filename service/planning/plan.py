@@ -34,6 +34,9 @@ class Plan:
     local_lookahead: bool = False
     """The planner chose per-step sync applied one step late at a local look-ahead (``sync.delay_one_step`` and
     ``sync.local_lookahead``, :mod:`meridian.service.planning.sync_choice`)."""
+    lookahead_when_exposed: float | None = None
+    """The look-ahead is armed (``sync.lookahead_when_exposed``): the job's own steps decide whether it takes
+    over. ``auto`` arms it on exact per-step sync it chose on figures nobody measured."""
     bucket_mb: float = 4.0
     """The gradient bucket size every rank uses: the job's ``sync.bucket_mb``, or the planner's
     (:mod:`meridian.service.planning.buckets`) when the job left it out."""
@@ -74,6 +77,7 @@ class Plan:
             "diloco": None if self.diloco is None else to_plain(self.diloco),
             "compression": None if self.compression is None else self.compression.value,
             "local_lookahead": self.local_lookahead,
+            "lookahead_when_exposed": self.lookahead_when_exposed,
             "bucket_mb": self.bucket_mb,
             "estimate": self.estimate,
             "alternatives": list(self.alternatives),

@@ -54,8 +54,14 @@ from meridian.service.planning.placement import (
     worker_unit,
 )
 from meridian.service.planning.plan import Plan
-from meridian.service.planning.sync_choice import SyncChoice, choose_sync
-from meridian.workers.contracts.config import Compression, DiLoCoConfig, SyncStrategy, lookahead_start
+from meridian.service.planning.sync_choice import MAX_SLOWDOWN, SyncChoice, choose_sync
+from meridian.workers.contracts.config import (
+    LOOKAHEAD_DECISION_STEPS,
+    Compression,
+    DiLoCoConfig,
+    SyncStrategy,
+    lookahead_start,
+)
 
 
 def plan_job(request: JobRequest, topo: ClusterTopology, figures: Figures | None = None) -> Plan:
@@ -85,6 +91,9 @@ def plan_job(request: JobRequest, topo: ClusterTopology, figures: Figures | None
     picked = choice is not None and strategy is choice.strategy and choice.compression is not Compression.NONE
     compression = choice.compression if picked and request.sync.compression is Compression.NONE else None
     lookahead = choice is not None and strategy is choice.strategy and choice.local_lookahead
+    armed = armed_lookahead(request, best.layout, strategy, lookahead, figures)
+    if armed is not None and not lookahead:
+        reason += " " + armed_reason(armed, lookahead_start(request.sync.lookahead_after, request.optim.warmup_steps))
     if lookahead:  # one step late, the sync hides behind the next step: what the estimate shows exposed changes
         assert choice is not None
         e = best.estimate
@@ -100,7 +109,8 @@ def plan_job(request: JobRequest, topo: ClusterTopology, figures: Figures | None
                             min_workers=request.topology.min_workers)
         + idle_nodes_reason(topo, best.datacenters, use_gpu)
         + (empty_datacenters_reason(empty, topo, worker_resources(use_gpu), named=False) if empty else "") + reason,
-        diloco=diloco, compression=compression, local_lookahead=lookahead, bucket_mb=bucket_mb, resources_per_worker=worker_resources(use_gpu),
+        diloco=diloco, compression=compression, local_lookahead=lookahead, lookahead_when_exposed=armed,
+        bucket_mb=bucket_mb, resources_per_worker=worker_resources(use_gpu),
         tp=best.layout.tp, pp=best.layout.pp, schedule=request.parallelism.schedule,
         stages_span_dcs=best.layout.pp_spans_dcs, micro_batches=best.layout.micro_batches, rank_nodes=rank_nodes,
         estimate={k: round(v, 6) for k, v in best.estimate.to_dict().items()},
@@ -155,6 +165,38 @@ def _diloco_override(request: JobRequest, feasible: list[Candidate],
             return dp, choice
         return best, None
     return best, choice if best is dp else None
+
+
+def armed_lookahead(request: JobRequest, lay: Layout, strategy: SyncStrategy, lookahead: bool,
+                    figures: Figures) -> float | None:
+    """``sync.lookahead_when_exposed`` for an ``auto`` job's plan, or ``None`` (the look-ahead set, or not run).
+
+    Exact per-step sync across datacenters chosen on figures nobody measured (no link probe or declared link, or
+    no compute probe of this model shape) is a guess: the job then arms the look-ahead at :data:`MAX_SLOWDOWN`
+    (or the job's own ``sync.lookahead_when_exposed``), so its exact steps measure whether the sync is exposed,
+    and if it is the look-ahead is tried and kept only if it steps faster
+    (:mod:`meridian.workers.sync.lookahead_decision`). A look-ahead
+    the planner chose stays armed only if the job asked for that. Never for a job too short for the look-ahead,
+    without the sharded optimizer, with model parallelism, or with an inter-DC encoding."""
+    asked = request.sync.lookahead_when_exposed
+    if request.sync.strategy is not None:
+        return None  # the job's own sync knobs pass through as they are
+    if lookahead:
+        return asked
+    guessed = not (figures.inter_dc_known and figures.compute_known)
+    first = lookahead_start(request.sync.lookahead_after, request.optim.warmup_steps)
+    fits = (strategy is SyncStrategy.HIERARCHICAL and lay.num_dcs > 1 and lay.tp == 1 and lay.pp == 1
+            and request.sync.shard_optimizer and request.steps > max(first, LOOKAHEAD_DECISION_STEPS))
+    if not (fits and (guessed or asked is not None)):
+        return None
+    return asked if asked is not None else MAX_SLOWDOWN
+
+
+def armed_reason(threshold: float, lookahead_after: int) -> str:
+    return (f"The look-ahead is armed: the figures were not all measured, so the exact steps before step "
+            f"{lookahead_after} measure how long each waits for the sync; if more than {threshold:.0%} of a step's "
+            "compute, the look-ahead (one step late) is tried for a few steps and stays only if they were faster "
+            "(a 'sync_decided' event says what was measured and chosen).")
 
 
 def bucket_reason(request: JobRequest, lay: Layout) -> str:

@@ -16,13 +16,15 @@ def build_train_config(job_id: str, request: JobRequest, plan: Plan, checkpoint_
     ``sync.strategy=None`` and ``sync.bucket_mb=None``). A knob of ``auto`` that only some strategies use is
     dropped where the plan did not pick one of them: ``sync.lookahead_after`` says when a look-ahead starts, and
     a plan without the look-ahead has none to start (the config would refuse it)."""
-    lookahead = request.sync.local_lookahead or plan.local_lookahead
+    armed = plan.lookahead_when_exposed if request.sync.strategy is None else request.sync.lookahead_when_exposed
+    lookahead = request.sync.local_lookahead or plan.local_lookahead or armed is not None
     return TrainConfig(
         job_id=job_id, model=request.model, data=request.data, optim=request.optim,
         sync=replace(request.sync, strategy=plan.sync_strategy, diloco=plan.diloco, bucket_mb=plan.bucket_mb,
                      compression=plan.compression or request.sync.compression,
-                     delay_one_step=request.sync.delay_one_step or plan.local_lookahead, local_lookahead=lookahead,
-                     lookahead_after=request.sync.lookahead_after if lookahead else None), wan=request.wan,
+                     delay_one_step=request.sync.delay_one_step or lookahead, local_lookahead=lookahead,
+                     lookahead_after=request.sync.lookahead_after if lookahead else None,
+                     lookahead_when_exposed=armed if lookahead else None), wan=request.wan,
         steps=request.steps, global_batch=request.global_batch, micro_batch=request.micro_batch,
         seed=request.seed, precision=request.precision, checkpoint_every=request.checkpoint_every,
         snapshot_every=request.snapshot_every or 1, snapshot_adaptive=request.snapshot_every is None,

@@ -237,6 +237,9 @@ class JobRunner:
                 self._state = RunnerState.RUNNING
             for r in records:
                 self._name_unrecorded_steps(r)
+                if r.sync_decision is not None:  # an armed look-ahead decided, on the steps it measured
+                    self._add_event("sync_decided", f"Sync at epoch {r.epoch}: {r.sync_decision['reason']}.",
+                                    {**r.sync_decision, "epoch": r.epoch})
                 self._outbox.add_record(r)
                 self._metrics.on_record(r)
             if time.monotonic() - self._exported_at >= EXPORT_EVERY_S:  # the service's polls export too

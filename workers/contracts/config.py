@@ -259,6 +259,15 @@ LOOKAHEAD_AFTER_MIN = 20
 one-process replay of the look-ahead's maths (a throwaway script, not in the repository)."""
 
 
+LOOKAHEAD_DECISION_SKIP = 2
+"""An armed look-ahead (``sync.lookahead_when_exposed``) does not measure the first steps after its engine was
+built (the first pays for warm-up, a re-formation's for its restore)."""
+LOOKAHEAD_DECISION_MEASURE = 8
+"""An armed look-ahead decides on this many exact steps' figures."""
+LOOKAHEAD_DECISION_STEPS = LOOKAHEAD_DECISION_SKIP + LOOKAHEAD_DECISION_MEASURE
+"""An armed look-ahead decides after at least this many steps of its engine."""
+
+
 def lookahead_start(lookahead_after: int | None, lr_warmup_steps: int) -> int:
     """The steps a look-ahead job syncs exactly before the look-ahead takes over: ``sync.lookahead_after``, or
     the learning-rate warm-up's ``lr_warmup_steps``, at least :data:`LOOKAHEAD_AFTER_MIN`."""
@@ -307,6 +316,13 @@ class SyncConfig:
     """With ``local_lookahead``: the steps synced exactly (not late) first, while AdamW's moments are young and
     a look-ahead's error is largest; ``None``: the learning-rate warm-up's steps, at least
     :data:`LOOKAHEAD_AFTER_MIN`."""
+    lookahead_when_exposed: float | None = knob(None, ge=0, le=100)
+    """With ``local_lookahead``: the look-ahead is *armed*, not set. Where it would take over, the exact steps just
+    before are measured; if they waited for the sync more than this share of a step's compute, the look-ahead is
+    tried for a few steps and stays only if its steps were faster (by 1%); otherwise the job stays exact. Every
+    rank decides the same, on the slowest rank's figures; each epoch decides again
+    (:mod:`meridian.workers.sync.lookahead_decision`). ``auto`` arms it (at 0.05) when it planned exact sync on
+    figures nobody measured; ``None``: the look-ahead is set."""
     diloco: DiLoCoConfig | None = None
     """Knobs of the ``diloco`` / ``streaming-diloco`` strategies; ``None`` takes :class:`DiLoCoConfig`'s
     defaults for them and is required for the others."""
@@ -323,6 +339,9 @@ class SyncConfig:
         if self.lookahead_after is not None and not self.local_lookahead and self.strategy is not None:
             raise ValueError("sync.lookahead_after applies with sync.local_lookahead=true (or 'auto', which may "
                              "pick the look-ahead) only")
+        if self.lookahead_when_exposed is not None and not self.local_lookahead and self.strategy is not None:
+            raise ValueError("sync.lookahead_when_exposed applies with sync.local_lookahead=true (or 'auto', which "
+                             "may arm the look-ahead) only")
         if self.local_lookahead and not (self.delay_one_step and self.shard_optimizer):
             raise ValueError(
                 "sync.local_lookahead needs sync.delay_one_step=true (it steers the step that runs while the "

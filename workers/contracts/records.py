@@ -47,6 +47,11 @@ class StepRecord:
     """The elastic membership the step ran in (0: a run without a rendezvous)."""
     val_loss: float | None = None
     """Loss on the validation split after this step, when the job's ``validation`` scheduled one."""
+    sync_late: bool = False
+    """This step's gradient sync was applied one step late (with ``sync.local_lookahead``: at a look-ahead)."""
+    sync_decision: dict[str, Any] | None = None
+    """On the step where an armed look-ahead (``sync.lookahead_when_exposed``) was decided: the decision and the
+    measured figures it was taken on (``LookaheadDecision.to_dict`` plus its ``reason``)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

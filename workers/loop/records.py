@@ -5,7 +5,7 @@ rank); both are defined in the torch-free contracts."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from meridian.workers.contracts.config import TrainConfig
 from meridian.workers.contracts.records import DevicePeak, StepRecord
@@ -63,4 +63,11 @@ def step_record(
         workers=world,
         epoch=epoch,
         val_loss=val_loss,
+        sync_late=stats.late,
+        sync_decision=decision_record(stats),
     )
+
+
+def decision_record(stats: StepStats) -> dict[str, Any] | None:
+    decision = stats.lookahead_decision
+    return None if decision is None else {**decision.to_dict(), "reason": decision.reason}

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from meridian.workers.state.replica_state import LocalShard
+from meridian.workers.sync.lookahead_decision import LookaheadDecision
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,10 @@ class StepStats:
     shard: LocalShard | None = None
     """What this rank owns of the updated state, when ``step(..., snapshot_as=n)``
     (:mod:`meridian.workers.state.replica_state`)."""
+    late: bool = False
+    """This step's sync is applied one step late (``delay_one_step``; with ``local_lookahead``, at a look-ahead)."""
+    lookahead_decision: LookaheadDecision | None = None
+    """Set on the step where an armed look-ahead was decided (``sync.lookahead_when_exposed``)."""
 
     @property
     def overlap_fraction(self) -> float:

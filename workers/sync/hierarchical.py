@@ -41,7 +41,9 @@ With ``local_lookahead`` as well (sharded optimizer only), step t+1 does not com
 
 The first ``lookahead_after`` steps (by default the learning-rate warm-up's, at least 20) sync exactly, as
 without ``delay_one_step``: while AdamW's moments are young a look-ahead strays furthest. The engine counts
-them by the committed updates, so a resumed job carries on in the same phase.
+them by the committed updates, so a resumed job carries on in the same phase. With ``lookahead_when_exposed``
+the look-ahead takes over only if the exact steps before it measured the sync exposed
+and a trial of it stepped faster (:mod:`meridian.workers.sync.lookahead_decision`); otherwise the job stays exact.
 
 So every DC commits the exact global-batch update of every step, in order; step t+1's gradients are
 evaluated where this DC's own update of step t led, a local-versus-global difference away from the exact
@@ -76,6 +78,7 @@ from meridian.workers.sync.har import (
     start_all_reduce_across_dcs,
 )
 from meridian.workers.sync.inter_dc import InterDCComm
+from meridian.workers.sync.lookahead_decision import LookaheadChooser, LookaheadDecision
 from meridian.workers.sync.overlap import BucketPipeline, InFlight, finish_all
 from meridian.workers.wan.emulator import WanEmulator
 
@@ -127,17 +130,23 @@ class HierarchicalSync(GradientSync):
             raise ValueError("grad_scale applies to an exact (not delay_one_step) sync only")
         self.exact_first = lookahead_start(sync.lookahead_after, optim.warmup_steps) if self.lookahead else 0
         """Look-ahead: the steps synced exactly before it takes over."""
+        self.chooser = (LookaheadChooser(sync.lookahead_when_exposed, self.exact_first)
+                        if self.lookahead and sync.lookahead_when_exposed is not None else None)
+        """Look-ahead armed, not set: tried only if the exact steps waited for the sync, kept only if faster."""
         # Delayed, the sync of step t hides behind step t+1 whole. On CPU each bucket is still copied aside and
         # started (HAR step 1 included) by the comm thread during backward; on CUDA it starts in step(), so no
         # copy on the communication stream races the next step's use of the gradients.
         self.late_overlap = self.overlap and self.delayed and self.buffer.buckets[0].grad.device.type == "cpu"
         self.pipeline = BucketPipeline(
             self.buffer, self._start_bucket,
-            overlap=self.overlap and (not self.delayed or self.exact_first > 0 or self.late_overlap),
+            overlap=self.overlap and (not self.delayed or self.exact_first > 0 or self.chooser is not None
+                                      or self.late_overlap),
         )
         self._intra_dc_s = 0.0  # HAR step 1 time this step, for the per-tier metrics
-        self._spares = [[torch.zeros_like(b.grad) for b in self.buffer.buckets] for _ in range(2)] if self.delayed else []
+        self._spares: list[list[torch.Tensor]] = []
         """Delayed: ``[where this step's sync goes, where the last step's runs]``; swapped every step."""
+        if self.delayed and self.chooser is None:  # armed: made only if the look-ahead is chosen
+            self._make_spares()
         self._in_flight: list[InFlight] = []
         """Delayed: the sync started by the last ``step()`` (none before the first)."""
         self._in_flight_lr = 0.0
@@ -147,12 +156,20 @@ class HierarchicalSync(GradientSync):
         self._scale = len(groups.world_ranks) / groups.dc_size
         """Look-ahead: DC sum → estimate of the global-batch sum (samples are split evenly over ranks)."""
 
+    def _make_spares(self) -> None:
+        self._spares = [[torch.zeros_like(b.grad) for b in self.buffer.buckets] for _ in range(2)]
+
     @property
     def late(self) -> bool:
-        """Whether this step's sync is applied one step late (``delay_one_step``, after the exact first steps)."""
+        """Whether this step's sync is applied one step late (``delay_one_step``, after the exact first steps;
+        armed, once the look-ahead was chosen)."""
         if not self.delayed:
             return False
-        return self.sharded is None or self.sharded.steps >= self.exact_first
+        if self.sharded is None:
+            return True
+        if self.chooser is not None:
+            return self.chooser.lookahead
+        return self.sharded.steps >= self.exact_first
 
     def _start_bucket(self, bucket: Bucket) -> InFlight:
         if self.late:  # one step late: sync in a spare set, the next backward accumulates into the bucket meanwhile
@@ -207,6 +224,10 @@ class HierarchicalSync(GradientSync):
     def step(self, lr: float, *, snapshot_as: int | None = None) -> StepStats:
         commit_lr = lr
         late = self.late
+        deciding = self.chooser is not None and self.chooser.decision is None
+        if deciding:
+            assert self.chooser is not None and self.sharded is not None
+            self.chooser.due_at(self.sharded.steps)  # fixed at the first step, after any restore
         if late:
             commit_lr = self._in_flight_lr if self.lookahead else lr
             self._in_flight_lr = lr
@@ -247,6 +268,7 @@ class HierarchicalSync(GradientSync):
             if snapshot_as is not None:
                 shard = replicated_shard(self.optimizer, self._named(), snapshot_as)
         self.buffer.zero()
+        decision = self._decide(exposed_s) if deciding else None
         return StepStats(
             grad_norm=norm,
             inter_dc_bytes=self.comm.take_bytes(),
@@ -255,7 +277,23 @@ class HierarchicalSync(GradientSync):
             exposed_s=exposed_s,
             intra_dc_comm_s=intra_dc_s,
             shard=shard,
+            late=late,
+            lookahead_decision=decision,
         )
+
+    def _decide(self, exposed_s: float) -> LookaheadDecision | None:
+        """Armed look-ahead, after each step until decided: the chooser keeps the step's figures and, at its
+        checks, every rank decides the same (one small all-reduce each). A trial of the look-ahead gets its spare
+        gradient sets; a trial that lost commits the sync in flight, and the next step is exact again."""
+        assert self.chooser is not None and self.sharded is not None
+        decision = self.chooser.after_step(self.sharded.steps, exposed_s, self.groups.world,
+                                           self.buffer.buckets[0].grad.device)
+        if self.chooser.trying and not self._spares:
+            self._make_spares()
+        if decision is not None and not decision.lookahead and self._in_flight:
+            self._commit_in_flight()
+            self._spares = []
+        return decision
 
     def _scale_synced(self) -> None:
         """Multiply the synced gradients by ``grad_scale``: the shard the sharded optimizer reads, or every
