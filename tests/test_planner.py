@@ -347,6 +347,22 @@ def test_auto_arms_the_look_ahead_when_it_planned_exact_sync_on_figures_nobody_m
     assert plan_job(asked, topo, _measured(topo)).lookahead_when_exposed == 0.2  # asked: armed on exact sync too
 
 
+def test_the_look_ahead_is_neither_set_nor_armed_where_a_device_cannot_hold_its_buffers():
+    from meridian.service.planning.planner import default_figures
+
+    topo = topology(dc_a=2, dc_b=2)
+    request = replace(req(), steps=200)
+    roomy = plan_job(request, topo)
+    assert roomy.lookahead_when_exposed == 0.05
+    just = roomy.estimate["memory_bytes"] + 1  # the layout fits, its look-ahead's buffers do not
+    tight = plan_job(request, topo, replace(default_figures(topo, topo.datacenters, False), device_memory_bytes=just))
+    assert tight.num_workers == 4 and tight.lookahead_when_exposed is None  # armed on defaults, but no room
+    slow = _measured(topo, fast=False)  # figures that call for the look-ahead: set where it fits
+    assert plan_job(request, topo, slow).local_lookahead
+    squeezed = plan_job(request, topo, replace(slow, device_memory_bytes=just))
+    assert not squeezed.local_lookahead and squeezed.lookahead_when_exposed is None
+
+
 @pytest.mark.parametrize("change, dcs", [
     ({"steps": 20}, {"dc_a": 2, "dc_b": 2}),  # no longer than the exact steps the look-ahead starts with
     ({"steps": 200}, {"dc_a": 4}),  # one datacenter: no link to hide

@@ -164,6 +164,15 @@ def memory_per_device(model: ModelConfig, lay: Layout, dc_shards: int) -> float:
     return 2 * BYTES_FP32 * params + optimizer + acts  # params + grads + optimizer + activations
 
 
+def lookahead_bytes(model: ModelConfig, lay: Layout) -> float:
+    """What the one-step-late look-ahead (set, or armed and tried) adds on each device: the fp32 committed copy of
+    the rank's optimizer shard and its datacenter's gradient shard kept for the look-ahead, plus two spare fp32
+    gradient sets, where the sync one step late lands while the next backward fills the buckets."""
+    params = model.num_params / (lay.tp * lay.pp)
+    shards = max(1, lay.dp_per_dc if lay.dp_per_dc else lay.dp)
+    return 2 * BYTES_FP32 * params / shards + 2 * BYTES_FP32 * params
+
+
 def estimate(model: ModelConfig, lay: Layout, fig: Figures, global_batch: int) -> Estimate:
     tokens_per_replica = global_batch / lay.dp * model.seq_len
     work = tokens_per_replica * model.flops_per_token / (lay.tp * lay.pp)

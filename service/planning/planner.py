@@ -33,6 +33,7 @@ from meridian.service.planning.cost_model import (
     Figures,
     Layout,
     grad_bytes_per_device,
+    lookahead_bytes,
     optimizer_share,
     runs_hierarchical,
 )
@@ -91,7 +92,7 @@ def plan_job(request: JobRequest, topo: ClusterTopology, figures: Figures | None
     picked = choice is not None and strategy is choice.strategy and choice.compression is not Compression.NONE
     compression = choice.compression if picked and request.sync.compression is Compression.NONE else None
     lookahead = choice is not None and strategy is choice.strategy and choice.local_lookahead
-    armed = armed_lookahead(request, best.layout, strategy, lookahead, figures)
+    armed = armed_lookahead(request, best, strategy, lookahead, figures)
     if armed is not None and not lookahead:
         reason += " " + armed_reason(armed, lookahead_start(request.sync.lookahead_after, request.optim.warmup_steps))
     if lookahead:  # one step late, the sync hides behind the next step: what the estimate shows exposed changes
@@ -150,10 +151,11 @@ def _diloco_override(request: JobRequest, feasible: list[Candidate],
     if request.sync.strategy is not None or not figures.inter_dc_known or not data_parallel:
         return best, None
     dp = data_parallel[0]
+    room = lookahead_fits(request, dp, figures)
     choice = choose_sync(rtt_ms=figures.inter_dc.latency_s * 2000, gbps=figures.inter_dc.bytes_per_s * 8 / 1e9,
                          num_params=request.model.num_params, compute_s=dp.estimate.compute_s,
                          num_dcs=dp.layout.num_dcs, overlap=request.sync.overlap, bucket_mb=dp.layout.bucket_bytes / 2**20,
-                         steps=request.steps, lookahead=request.sync.shard_optimizer,
+                         steps=request.steps, lookahead=request.sync.shard_optimizer and room,
                          lookahead_after=lookahead_start(request.sync.lookahead_after, request.optim.warmup_steps),
                          optimizer_step_s=figures.step_overhead_s * optimizer_share(dp.layout),
                          micro_batches=dp.layout.micro_batches)
@@ -167,7 +169,13 @@ def _diloco_override(request: JobRequest, feasible: list[Candidate],
     return best, choice if best is dp else None
 
 
-def armed_lookahead(request: JobRequest, lay: Layout, strategy: SyncStrategy, lookahead: bool,
+def lookahead_fits(request: JobRequest, cand: Candidate, figures: Figures) -> bool:
+    """Whether a device holds the layout with the look-ahead's extra buffers as well
+    (:func:`~meridian.service.planning.cost_model.lookahead_bytes`)."""
+    return cand.estimate.memory_bytes + lookahead_bytes(request.model, cand.layout) <= figures.device_memory_bytes
+
+
+def armed_lookahead(request: JobRequest, cand: Candidate, strategy: SyncStrategy, lookahead: bool,
                     figures: Figures) -> float | None:
     """``sync.lookahead_when_exposed`` for an ``auto`` job's plan, or ``None`` (the look-ahead set, or not run).
 
@@ -175,9 +183,9 @@ def armed_lookahead(request: JobRequest, lay: Layout, strategy: SyncStrategy, lo
     no compute probe of this model shape) is a guess: the job then arms the look-ahead at :data:`MAX_SLOWDOWN`
     (or the job's own ``sync.lookahead_when_exposed``), so its exact steps measure whether the sync is exposed,
     and if it is the look-ahead is tried and kept only if it steps faster
-    (:mod:`meridian.workers.sync.lookahead_decision`). A look-ahead
-    the planner chose stays armed only if the job asked for that. Never for a job too short for the look-ahead,
-    without the sharded optimizer, with model parallelism, or with an inter-DC encoding."""
+    (:mod:`meridian.workers.sync.lookahead_decision`). A look-ahead the planner chose stays armed only if the job
+    asked for that. Never for a job too short for the look-ahead, without the sharded optimizer, with model
+    parallelism, or where a device cannot hold its buffers."""
     asked = request.sync.lookahead_when_exposed
     if request.sync.strategy is not None:
         return None  # the job's own sync knobs pass through as they are
@@ -185,8 +193,10 @@ def armed_lookahead(request: JobRequest, lay: Layout, strategy: SyncStrategy, lo
         return asked
     guessed = not (figures.inter_dc_known and figures.compute_known)
     first = lookahead_start(request.sync.lookahead_after, request.optim.warmup_steps)
+    lay = cand.layout
     fits = (strategy is SyncStrategy.HIERARCHICAL and lay.num_dcs > 1 and lay.tp == 1 and lay.pp == 1
-            and request.sync.shard_optimizer and request.steps > max(first, LOOKAHEAD_DECISION_STEPS))
+            and request.sync.shard_optimizer and request.steps > max(first, LOOKAHEAD_DECISION_STEPS)
+            and lookahead_fits(request, cand, figures))
     if not (fits and (guessed or asked is not None)):
         return None
     return asked if asked is not None else MAX_SLOWDOWN
