@@ -128,3 +128,17 @@ def test_the_end_of_a_run_sweeps_snapshot_folders_from_here_and_on_other_hosts_b
     assert sorted(removed) == sorted(snapshot_dir(job_id, w) for w in ("w1", "w2")) and not snapshot_dirs(job_id)
     # One address here (every node of this cluster runs on this host): a task to it only from "elsewhere".
     assert len(tasks_to) == (1 if runner_host == "another host" else 0), tasks_to
+
+
+def test_a_two_datacenter_look_ahead_job_with_validation_passes_runs_to_its_end(api):
+    # Each validation pass lands the look-ahead's sync in flight; the step after one waited for ever on an
+    # exchange (two receives posted on one tag), so such a job hung at its first validation.
+    sync = {"strategy": "hierarchical", "delay_one_step": True, "local_lookahead": True, "lookahead_after": 0}
+    r = api.post("/v1/jobs", json=spec(training={"steps": 12, "global_batch": 8, "micro_batch": 2}, sync=sync,
+                                       validation={"every_steps": 4, "batches": 1}))
+    assert r.status_code == 201, r.text
+    job = wait_for(api, r.json()["id"], {"succeeded", "failed", "cancelled"}, timeout_s=180)
+    assert job["state"] == "succeeded", job["message"]
+    points = api.get(f"/v1/jobs/{job['id']}/metrics").json()["points"]
+    assert [p["step"] for p in points if p.get("val_loss") is not None] == [4, 8, 12]
+    assert all(p["sync_late"] for p in points)  # one step late from the first step
