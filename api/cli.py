@@ -97,7 +97,8 @@ def watch(client: Client, job_id: str, *, as_json: bool, timeout_s: float, inter
 
 
 def summary(client: Client, job: dict[str, Any], wall_s: float | None = None) -> str:
-    """The job's summary, with what an armed look-ahead decided (its ``sync_decided`` events), if it did."""
+    """The job's summary, with what an armed look-ahead decided (its ``sync_decided`` events), if it did; for the
+    text output only (``--json`` prints the job as the API returned it)."""
     decided = tuple(e["message"] for e in client.events(job["id"])["events"] if e["kind"] == "sync_decided")
     return render.summary(job, wall_s=wall_s, sync_decisions=decided)
 
@@ -204,7 +205,7 @@ def cmd_submit(args: argparse.Namespace, client: Client) -> int:
     job = client.submit(load_spec(args.file), idempotency_key=args.idempotency_key)
     if args.watch:
         job = watch(client, job["id"], as_json=args.json, timeout_s=args.timeout)
-        emit(args, job, summary(client, job))
+        emit(args, job, "" if args.json else summary(client, job))
         return 0 if job["state"] == "succeeded" else 1
     emit(args, job, f"submitted job {job['id']} ({job['state']}): {job['plan']['explanation'] if job['plan'] else ''}")
     return 0
@@ -219,7 +220,7 @@ def cmd_ls(args: argparse.Namespace, client: Client) -> int:
 
 def cmd_get(args: argparse.Namespace, client: Client) -> int:
     job = client.job(args.id)
-    emit(args, job, summary(client, job) + "\n" + render.progress_line(job))
+    emit(args, job, "" if args.json else summary(client, job) + "\n" + render.progress_line(job))
     return 0
 
 

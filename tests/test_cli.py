@@ -141,3 +141,16 @@ def test_serve_storage_puts_checkpoints_on_the_given_path_and_refuses_what_it_ca
     for bad, why in (("nosuch://bucket/ckpt", "knows no scheme"), ("relative/dir", "absolute path")):
         assert main(["serve", "--data-dir", str(tmp_path), "--storage", bad]) == 2
         assert why in capsys.readouterr().err
+
+
+def test_get_prints_what_an_armed_look_ahead_decided(served, capsys, tmp_path, store):
+    job_file = tmp_path / "job.json"
+    job_file.write_text(json.dumps(spec(name="armed")))
+    code, out, _ = run(capsys, "submit", str(job_file), "--json")
+    job_id = json.loads(out)["id"]
+    decided = "Sync at epoch 1: exact sync kept: exact sync left 1.0 ms a step waiting for the sync (1% of 100.0 ms)"
+    store.add_event(job_id, "sync_decided", decided, {"lookahead": False})
+    code, out, _ = run(capsys, "get", job_id)
+    assert code == 0 and f"  sync decided    {decided}" in out.splitlines()
+    code, out, _ = run(capsys, "get", job_id, "--json")
+    assert "sync decided" not in out and json.loads(out)["id"] == job_id  # --json prints the job as it is
