@@ -96,11 +96,22 @@ def watch(client: Client, job_id: str, *, as_json: bool, timeout_s: float, inter
         time.sleep(interval_s)
 
 
+SUMMARY_EVENT_PAGES = 50
+"""A summary reads at most this many pages of a job's events for its sync decisions."""
+
+
 def summary(client: Client, job: dict[str, Any], wall_s: float | None = None) -> str:
     """The job's summary, with what an armed look-ahead decided (its ``sync_decided`` events), if it did; for the
     text output only (``--json`` prints the job as the API returned it)."""
-    decided = tuple(e["message"] for e in client.events(job["id"])["events"] if e["kind"] == "sync_decided")
-    return render.summary(job, wall_s=wall_s, sync_decisions=decided)
+    decided: list[str] = []
+    after = 0
+    for _ in range(SUMMARY_EVENT_PAGES):  # a re-formed epoch decides again, maybe thousands of events later
+        page = client.events(job["id"], after=after)["events"]
+        if not page:
+            break
+        decided += [e["message"] for e in page if e["kind"] == "sync_decided"]
+        after = page[-1]["id"]
+    return render.summary(job, wall_s=wall_s, sync_decisions=tuple(decided))
 
 
 # -- verbs -----------------------------------------------------------------------------------------------

@@ -120,7 +120,7 @@ def sync_sentence(explanation: str) -> str | None:
 
 def sync_decision(points: list[dict[str, Any]]) -> dict[str, Any] | None:
     """What an armed look-ahead decided (``sync.lookahead_when_exposed``), from the step record that carries it
-    (the last, if a re-formed epoch decided again); ``None`` when nothing was armed."""
+    (the last, if a re-formed epoch decided again); ``None`` when nothing was armed, or it never decided."""
     decided = [p["sync_decision"] for p in points if p.get("sync_decision")]
     return decided[-1] if decided else None
 

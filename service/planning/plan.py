@@ -36,7 +36,7 @@ class Plan:
     ``sync.local_lookahead``, :mod:`meridian.service.planning.sync_choice`)."""
     lookahead_when_exposed: float | None = None
     """The look-ahead is armed (``sync.lookahead_when_exposed``): the job's own steps decide whether it takes
-    over. ``auto`` arms it on exact per-step sync it chose on figures nobody measured."""
+    over. ``auto`` arms it on exact per-step sync it chose on figures nobody measured, or where the job asked."""
     bucket_mb: float = 4.0
     """The gradient bucket size every rank uses: the job's ``sync.bucket_mb``, or the planner's
     (:mod:`meridian.service.planning.buckets`) when the job left it out."""

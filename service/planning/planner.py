@@ -61,6 +61,7 @@ from meridian.workers.contracts.config import (
     Compression,
     DiLoCoConfig,
     SyncStrategy,
+    lookahead_decided_by,
     lookahead_start,
 )
 
@@ -94,7 +95,8 @@ def plan_job(request: JobRequest, topo: ClusterTopology, figures: Figures | None
     lookahead = choice is not None and strategy is choice.strategy and choice.local_lookahead
     armed = armed_lookahead(request, best, strategy, lookahead, figures)
     if armed is not None and not lookahead:
-        reason += " " + armed_reason(armed, lookahead_start(request.sync.lookahead_after, request.optim.warmup_steps))
+        checked = max(lookahead_start(request.sync.lookahead_after, request.optim.warmup_steps), LOOKAHEAD_DECISION_STEPS)
+        reason += " " + armed_reason(armed, checked)
     if lookahead:  # one step late, the sync hides behind the next step: what the estimate shows exposed changes
         assert choice is not None
         e = best.estimate
@@ -184,8 +186,8 @@ def armed_lookahead(request: JobRequest, cand: Candidate, strategy: SyncStrategy
     (or the job's own ``sync.lookahead_when_exposed``), so its exact steps measure whether the sync is exposed,
     and if it is the look-ahead is tried and kept only if it steps faster
     (:mod:`meridian.workers.sync.lookahead_decision`). A look-ahead the planner chose stays armed only if the job
-    asked for that. Never for a job too short for the look-ahead, without the sharded optimizer, with model
-    parallelism, or where a device cannot hold its buffers."""
+    asked for that. Never for a job too short for every check to be done (a trial included), without the sharded
+    optimizer, with model parallelism, or where a device cannot hold its buffers."""
     asked = request.sync.lookahead_when_exposed
     if request.sync.strategy is not None:
         return None  # the job's own sync knobs pass through as they are
@@ -195,16 +197,16 @@ def armed_lookahead(request: JobRequest, cand: Candidate, strategy: SyncStrategy
     first = lookahead_start(request.sync.lookahead_after, request.optim.warmup_steps)
     lay = cand.layout
     fits = (strategy is SyncStrategy.HIERARCHICAL and lay.num_dcs > 1 and lay.tp == 1 and lay.pp == 1
-            and request.sync.shard_optimizer and request.steps > max(first, LOOKAHEAD_DECISION_STEPS)
+            and request.sync.shard_optimizer and request.steps >= lookahead_decided_by(first)
             and lookahead_fits(request, cand, figures))
     if not (fits and (guessed or asked is not None)):
         return None
     return asked if asked is not None else MAX_SLOWDOWN
 
 
-def armed_reason(threshold: float, lookahead_after: int) -> str:
+def armed_reason(threshold: float, checked_at: int) -> str:
     return (f"The look-ahead is armed: the figures were not all measured, so the exact steps before step "
-            f"{lookahead_after} measure how long each waits for the sync; if more than {threshold:.0%} of a step's "
+            f"{checked_at} measure how long each waits for the sync; if more than {threshold:.0%} of a step's "
             "compute, the look-ahead (one step late) is tried for a few steps and stays only if they were faster "
             "(a 'sync_decided' event says what was measured and chosen).")
 

@@ -265,7 +265,14 @@ built (the first pays for warm-up, a re-formation's for its restore)."""
 LOOKAHEAD_DECISION_MEASURE = 8
 """An armed look-ahead decides on this many exact steps' figures."""
 LOOKAHEAD_DECISION_STEPS = LOOKAHEAD_DECISION_SKIP + LOOKAHEAD_DECISION_MEASURE
-"""An armed look-ahead decides after at least this many steps of its engine."""
+"""An armed look-ahead checks its exact steps after this many steps of its engine (at the earliest), and a trial of
+the look-ahead lasts this many steps plus one (its first commits nothing)."""
+
+
+def lookahead_decided_by(lookahead_after: int) -> int:
+    """The steps a fresh armed engine needs before every check is done (a trial's included), with the exact
+    steps checked at ``lookahead_after`` committed updates (:func:`lookahead_start`) at the earliest."""
+    return max(lookahead_after, LOOKAHEAD_DECISION_STEPS) + LOOKAHEAD_DECISION_STEPS + 1
 
 
 def lookahead_start(lookahead_after: int | None, lr_warmup_steps: int) -> int:

@@ -70,4 +70,4 @@ def step_record(
 
 def decision_record(stats: StepStats) -> dict[str, Any] | None:
     decision = stats.lookahead_decision
-    return None if decision is None else {**decision.to_dict(), "reason": decision.reason}
+    return None if decision is None else decision.to_record()

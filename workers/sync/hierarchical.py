@@ -42,8 +42,9 @@ With ``local_lookahead`` as well (sharded optimizer only), step t+1 does not com
 The first ``lookahead_after`` steps (by default the learning-rate warm-up's, at least 20) sync exactly, as
 without ``delay_one_step``: while AdamW's moments are young a look-ahead strays furthest. The engine counts
 them by the committed updates, so a resumed job carries on in the same phase. With ``lookahead_when_exposed``
-the look-ahead takes over only if the exact steps before it measured the sync exposed
-and a trial of it stepped faster (:mod:`meridian.workers.sync.lookahead_decision`); otherwise the job stays exact.
+(armed) the look-ahead takes over only if the exact steps before it waited for the sync and a trial of it
+stepped faster (:mod:`meridian.workers.sync.lookahead_decision`), otherwise the job stays exact; an armed engine
+measures again after a resume.
 
 So every DC commits the exact global-batch update of every step, in order; step t+1's gradients are
 evaluated where this DC's own update of step t led, a local-versus-global difference away from the exact
@@ -162,7 +163,7 @@ class HierarchicalSync(GradientSync):
     @property
     def late(self) -> bool:
         """Whether this step's sync is applied one step late (``delay_one_step``, after the exact first steps;
-        armed, once the look-ahead was chosen)."""
+        armed, during the trial and once the look-ahead was kept)."""
         if not self.delayed:
             return False
         if self.sharded is None:
@@ -269,6 +270,8 @@ class HierarchicalSync(GradientSync):
                 shard = replicated_shard(self.optimizer, self._named(), snapshot_as)
         self.buffer.zero()
         decision = self._decide(exposed_s) if deciding else None
+        if decision is not None and not decision.lookahead and late and snapshot_as is not None:
+            shard = self.local_shard(snapshot_as)  # the lost trial just committed its sync in flight: include it
         return StepStats(
             grad_norm=norm,
             inter_dc_bytes=self.comm.take_bytes(),
@@ -292,7 +295,7 @@ class HierarchicalSync(GradientSync):
             self._make_spares()
         if decision is not None and not decision.lookahead and self._in_flight:
             self._commit_in_flight()
-            self._spares = []
+            self._spares, self._local = [], []
         return decision
 
     def _scale_synced(self) -> None:
@@ -364,6 +367,8 @@ class HierarchicalSync(GradientSync):
         load_feedback(self.comm, self.buffer.buckets, grads, self.groups, self.chunk_bytes, held)
 
     def synchronize(self) -> None:
+        if self.chooser is not None:
+            self.chooser.skip_next()  # a validation pass or the job's end is not a step's time
         if self.lookahead and self._in_flight:
             self._commit_in_flight()
         if self.sharded is not None:

@@ -24,6 +24,7 @@ decision.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -32,7 +33,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from meridian.workers.contracts.config import LOOKAHEAD_DECISION_MEASURE, LOOKAHEAD_DECISION_SKIP
+from meridian.workers.contracts.config import (
+    LOOKAHEAD_DECISION_MEASURE,
+    LOOKAHEAD_DECISION_SKIP,
+    LOOKAHEAD_DECISION_STEPS,
+)
 
 PREFERRED_WITHIN = 0.01
 """The look-ahead changes where gradients are evaluated (loss at equal tokens within ~1% of exact sync's, not
@@ -55,10 +60,14 @@ class LookaheadDecision:
     """The trial's steps (``None``: no trial, the exact sync hid well enough)."""
     threshold: float
     steps_measured: int
-    """Steps measured on each side."""
+    """Exact steps measured (a trial measures as many, fewer if a validation pass fell inside it)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def to_record(self) -> dict[str, Any]:
+        """What a step record carries: the figures and the sentence that says why."""
+        return {**self.to_dict(), "reason": self.reason}
 
     @property
     def reason(self) -> str:
@@ -89,8 +98,9 @@ class _Steps:
         self.seen += 1
 
     def medians(self) -> tuple[float, float]:
+        """(wall, exposed); with nothing measured an endless step, which no rule prefers."""
         if not self.rows:
-            return 0.0, 0.0
+            return math.inf, 0.0
         walls, exposed = zip(*self.rows, strict=True)
         return statistics.median(walls), statistics.median(exposed)
 
@@ -120,8 +130,13 @@ class LookaheadChooser:
         """The committed updates at which the exact steps are checked: fixed at its first call (after any
         restore)."""
         if self._due is None:
-            self._due = max(self.earliest, committed + LOOKAHEAD_DECISION_SKIP + LOOKAHEAD_DECISION_MEASURE)
+            self._due = max(self.earliest, committed + LOOKAHEAD_DECISION_STEPS)
         return self._due
+
+    def skip_next(self) -> None:
+        """Leave the next step unmeasured: what ran since the last one (a validation pass, which also lands a
+        trial's sync in flight) is not a step's time."""
+        self._last_end = None
 
     def after_step(self, committed: int, exposed_s: float, group: dist.ProcessGroup,
                    device: torch.device) -> LookaheadDecision | None:
@@ -134,18 +149,18 @@ class LookaheadChooser:
             self._exact.add(wall, exposed_s)
             if committed < self.due_at(committed):
                 return None
-            step, exposed = _max_over(group, device, *self._exact.medians())
+            step, exposed = _max_over(group, device, committed, *self._exact.medians())
             self._exact_figures = (exposed, max(0.0, step - exposed), step)
             if exposed > self.threshold * self._exact_figures[1]:
                 self.trying = True  # the next step syncs one step late
-                self._trial_due = committed + LOOKAHEAD_DECISION_SKIP + LOOKAHEAD_DECISION_MEASURE
+                self._trial_due = committed + LOOKAHEAD_DECISION_STEPS
                 self._last_end = None  # the trial's steps are timed afresh (and its first ones skipped)
                 return None
             return self._decide(committed, None, lookahead=False)
         self._trial.add(wall, exposed_s)
         if committed < self._trial_due:
             return None
-        (step,) = _max_over(group, device, self._trial.medians()[0])
+        (step,) = _max_over(group, device, committed, self._trial.medians()[0])
         self.trying = False
         return self._decide(committed, step, lookahead=step < (1 - PREFERRED_WITHIN) * self._exact_figures[2])
 
@@ -158,8 +173,14 @@ class LookaheadChooser:
         return self.decision
 
 
-def _max_over(group: dist.ProcessGroup, device: torch.device, *values: float) -> tuple[float, ...]:
-    """Each value's maximum over the ranks of ``group`` (one small all-reduce)."""
-    t = torch.tensor(values, dtype=torch.float64, device=device)
+def _max_over(group: dist.ProcessGroup, device: torch.device, committed: int, *values: float) -> tuple[float, ...]:
+    """Each value's maximum over the ranks of ``group`` (one small all-reduce), checking on the way that every
+    rank is at the same ``committed`` update: ranks that were not would be pairing this all-reduce with another
+    collective of the same group."""
+    t = torch.tensor([committed, -committed, *values], dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return tuple(float(v) for v in t.tolist())
+    most, least, *out = t.tolist()
+    if most != -least:
+        raise RuntimeError(f"the armed look-ahead's check found ranks at {-least:.0f} to {most:.0f} committed "
+                           "updates: they must all decide at the same step (a restore gave them different states?)")
+    return tuple(float(v) for v in out)
