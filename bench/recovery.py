@@ -88,10 +88,13 @@ def _tokens_per_step(args: argparse.Namespace) -> int:
 
 
 def job_spec(args: argparse.Namespace) -> dict[str, Any]:
-    """The Meridian side's job, as ``POST /v1/jobs`` takes it."""
+    """The Meridian side's job, as ``POST /v1/jobs`` takes it. Exact per-step sync, named: what the other sides
+    run, and what ``auto`` planned here before it armed the look-ahead on guessed figures (whose trial, in every
+    re-formed epoch, would put one-step-late steps into the throughput after a loss)."""
     return {"name": "bench-recovery", "model": {"preset": args.model},
             "training": {"steps": args.steps, "global_batch": args.global_batch, "micro_batch": args.micro_batch,
                          "lr": 3e-3},
+            "sync": {"strategy": "hierarchical"},
             "checkpoint": {"snapshot_every": args.snapshot_every}}
 
 
