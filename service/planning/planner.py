@@ -96,7 +96,7 @@ def plan_job(request: JobRequest, topo: ClusterTopology, figures: Figures | None
     armed = armed_lookahead(request, best, strategy, lookahead, figures)
     if armed is not None and not lookahead:
         checked = max(lookahead_start(request.sync.lookahead_after, request.optim.warmup_steps), LOOKAHEAD_DECISION_STEPS)
-        reason += " " + armed_reason(armed, checked)
+        reason += " " + armed_reason(armed, checked, asked=request.sync.lookahead_when_exposed is not None)
     if lookahead:  # one step late, the sync hides behind the next step: what the estimate shows exposed changes
         assert choice is not None
         e = best.estimate
@@ -204,9 +204,9 @@ def armed_lookahead(request: JobRequest, cand: Candidate, strategy: SyncStrategy
     return asked if asked is not None else MAX_SLOWDOWN
 
 
-def armed_reason(threshold: float, checked_at: int) -> str:
-    return (f"The look-ahead is armed: the figures were not all measured, so the exact steps before step "
-            f"{checked_at} measure how long each waits for the sync; if more than {threshold:.0%} of a step's "
+def armed_reason(threshold: float, checked_at: int, *, asked: bool) -> str:
+    why = "as the job asked" if asked else "the figures were not all measured"
+    return (f"The look-ahead is armed ({why}): the exact steps before step {checked_at} measure how long each waits for the sync; if more than {threshold:.0%} of a step's "
             "compute, the look-ahead (one step late) is tried for a few steps and stays only if they were faster "
             "(a 'sync_decided' event says what was measured and chosen).")
 
