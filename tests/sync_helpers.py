@@ -121,11 +121,27 @@ def reference_lookahead_params(
     exact_from: int | None = None,
 ) -> dict[str, torch.Tensor]:
     """Single-process ``local_lookahead`` for ranks in datacenters ``dcs``: the first ``exact_first`` steps are
-    plain exact steps; after them each DC computes step t's gradients at its own look-ahead parameters (its own
-    gradients of step t-1, scaled by world / DC size, clipped by the last committed update's coefficient, applied
-    by a throwaway copy of the optimizer); the committed parameters take the exact global gradient of step t-1
-    (with its lr) before the look-ahead of step t; after the last step the last gradient is committed too.
+    plain exact steps, the rest one step late at a local look-ahead (:func:`reference_schedule_params`).
     ``exact_from``: from this step on, exact steps again (the gradient still pending is committed first)."""
+    modes = "".join("E" if s < exact_first or (exact_from is not None and s >= exact_from) else "L"
+                    for s in range(steps))
+    return reference_schedule_params(steps, cfg, dcs, modes, micro=micro, seed=seed)
+
+
+def reference_schedule_params(
+    steps: int, cfg: OptimConfig, dcs: tuple[str, ...], modes: str, *, sync_before=(), drop_before=(),
+    micro: int = 3, seed: int = 0,
+) -> dict[str, torch.Tensor]:
+    """Single-process replay of any sequence of exact and one-step-late steps for ranks in datacenters ``dcs``.
+
+    ``modes[s]``: ``E``, step s is exact; ``L``, one step late at a local look-ahead: each DC computes step s's
+    gradients at its own look-ahead parameters (its own gradients of step s-1, scaled by world / DC size, clipped
+    by the last committed update's coefficient, applied by a throwaway copy of the optimizer), and the committed
+    parameters take the exact global gradient of step s-1 (with its lr) before the look-ahead of step s. An exact
+    step first commits what is in flight; after the last step what is in flight is committed too (the final
+    ``synchronize``). Before a step in ``sync_before`` the gradient in flight is committed and the look-ahead
+    dropped (``synchronize()``, a validation pass); before a step in ``drop_before`` it is dropped uncommitted (a
+    restore from a snapshot taken while it was in flight)."""
     world = len(dcs)
     model = toy_model(seed)
     opt = build_adamw(model, cfg)
@@ -157,8 +173,10 @@ def reference_lookahead_params(
     ahead = {dc: committed for dc in dcs}
     pending: tuple[dict[str, torch.Tensor], float] | None = None
     for step in range(steps):
-        exact = step < exact_first or (exact_from is not None and step >= exact_from)
-        if exact and pending is not None:  # back from the look-ahead: land what is in flight
+        exact = modes[step] == "E"
+        if step in drop_before:
+            pending, ahead = None, {dc: committed for dc in dcs}
+        if (exact or step in sync_before) and pending is not None:  # land what is in flight
             committed, pending = update(committed, *pending), None
             ahead = {dc: committed for dc in dcs}
         local = {}

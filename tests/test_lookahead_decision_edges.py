@@ -12,7 +12,6 @@ Each test says what it pins; those marked "was a bug" failed on a9170d5/2587f33 
 
 from __future__ import annotations
 
-import copy
 import itertools
 import math
 from dataclasses import replace
@@ -25,6 +24,7 @@ from sync_helpers import (
     max_rel_diff,
     micro_batches,
     params_of,
+    reference_schedule_params,
     share_loss,
     toy_model,
 )
@@ -45,7 +45,6 @@ from meridian.workers.contracts.config import (
 from meridian.workers.contracts.model_config import model_preset
 from meridian.workers.distributed.layout import DCGroups, DCLayout
 from meridian.workers.distributed.multiproc import run_processes
-from meridian.workers.optim.adamw import build_adamw
 from meridian.workers.sync import lookahead_decision
 from meridian.workers.sync.hierarchical import HierarchicalSync
 
@@ -59,68 +58,9 @@ LOSE, WIN = 1.0, -100.0  # PREFERRED_WITHIN: the trial always loses / always win
 
 def _reference(steps: int, modes: str, *, sync_before=(), drop_before=(), micro: int = 3,
                dcs: tuple[str, ...] = UNEVEN) -> dict[str, torch.Tensor]:
-    """``modes[s]``: 'E' step s is exact, 'L' one step late at a local look-ahead (as
-    ``sync_helpers.reference_lookahead_params``). Before step s in ``sync_before`` the gradient in flight is
-    committed and the look-ahead dropped (``synchronize()``, a validation pass); before a step in ``drop_before``
-    it is dropped uncommitted (a restore from a snapshot taken while it was in flight). An exact step first
-    commits what is in flight; after the last step what is in flight is committed (the final ``synchronize``)."""
-    world = len(dcs)
-    model = toy_model(0)
-    opt = build_adamw(model, OPTIM)
-    params = dict(model.named_parameters())
-
-    def load(values):
-        with torch.no_grad():
-            for n, v in values.items():
-                params[n].copy_(v)
-
-    coef: list[torch.Tensor] = []
-
-    def update(values, grads, lr, *, look=False):
-        load(values)
-        for n, g in grads.items():
-            params[n].grad = g * coef[-1] if look and coef else g.clone()
-        if not (look and coef):
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), OPTIM.grad_clip)
-            if not look:
-                coef.append(torch.clamp(OPTIM.grad_clip / (norm + 1e-6), max=1.0))
-        for group in opt.param_groups:
-            group["lr"] = lr
-        opt.step()
-        return params_of(model)
-
-    committed = params_of(model)
-    ahead = {dc: committed for dc in dcs}
-    pending = None
-    for step in range(steps):
-        exact = modes[step] == "E"
-        if step in drop_before:
-            pending, ahead = None, {dc: committed for dc in dcs}
-        if (exact or step in sync_before) and pending is not None:
-            committed, pending = update(committed, *pending), None
-            ahead = {dc: committed for dc in dcs}
-        local = {}
-        for dc in dict.fromkeys(dcs):
-            load(ahead[dc])
-            model.zero_grad(set_to_none=True)
-            for rank in (r for r, d in enumerate(dcs) if d == dc):
-                for x, y in micro_batches(step, rank, world, micro):
-                    share_loss(model, x, y).backward()
-            local[dc] = {n: p.grad.clone() for n, p in params.items()}
-        total = {n: sum(g[n] for g in local.values()) for n in params}
-        if exact:
-            committed = update(committed, total, lr_of(step))
-            ahead = {dc: committed for dc in dcs}
-            continue
-        if pending is not None:
-            committed = update(committed, *pending)
-        saved = copy.deepcopy(opt.state_dict())
-        for dc, grads in local.items():
-            ahead[dc] = update(committed, {n: g * world / dcs.count(dc) for n, g in grads.items()}, lr_of(step),
-                               look=True)
-            opt.load_state_dict(copy.deepcopy(saved))
-        pending = (total, lr_of(step))
-    return update(committed, *pending) if pending is not None else committed
+    """:func:`sync_helpers.reference_schedule_params` with this file's optimizer."""
+    return reference_schedule_params(steps, OPTIM, dcs, modes, sync_before=sync_before, drop_before=drop_before,
+                                     micro=micro)
 
 
 def _modes(*runs: tuple[str, int]) -> str:
