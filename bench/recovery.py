@@ -1,13 +1,15 @@
 """``meridian bench recovery``: kill a node mid-run; how long until training steps again, how much is lost,
 how fast it trains after, and how long until a returning node trains again — Meridian, torchft, Ray Train.
 
-Three sides, one after the other in the same invocation, the same model, data order and global batch, 2 DCs ×
+Three sides (a fourth on request), one after the other in the same invocation, the same model, data order and global batch, 2 DCs ×
 2 one-CPU workers on gloo by default:
 
 - ``meridian``: a job submitted through the REST API on a Ray cluster: by default an embedded one (the fast
   health checks Meridian sets on clusters it starts); with ``--cluster ray-start`` the path a user runs,
   ``ray start`` head and nodes with Ray's default health checks (:mod:`meridian.bench.recovery_cluster`). At ``--kill-at-step`` (and ``--kill-after-s`` after its first step) the node of a worker in the last datacenter
   is killed with no grace; the survivors re-form and resume from the state they hold in memory.
+- ``meridian_new_process`` (not run unless named): the same, with survivors that exit after the failure and hand
+  training to their agent's standby process, as they did before CPU survivors re-formed in their own process.
 - ``torchft``: torchft 0.2's ``Manager`` with one replica group per worker and its lighthouse, as plain
   processes (no Ray); the same kill is a SIGKILL of that worker's process (:mod:`meridian.bench.recovery_torchft`).
   With ``--cluster ray-start`` its groups run in the lab's namespaces, across the same link as Meridian's side.
@@ -36,7 +38,8 @@ from meridian.bench.recovery_measure import WINDOW_S, Phases, recovery_metrics
 
 NAME = "recovery"
 HELP = "node kill → next step, steps lost, throughput after, scale-up: Meridian vs torchft vs Ray Train elastic"
-SIDES = ("meridian", "torchft", "ray_train_elastic")
+SIDES = ("meridian", "meridian_new_process", "torchft", "ray_train_elastic")
+DEFAULT_SIDES = ("meridian", "torchft", "ray_train_elastic")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -54,7 +57,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--micro-batch", type=int, default=2)
     p.add_argument("--checkpoint-every", type=int, default=10, help="the baseline's disk checkpoint interval")
     p.add_argument("--rounds", type=int, default=1)
-    p.add_argument("--sides", nargs="+", choices=SIDES, default=list(SIDES))
+    p.add_argument("--sides", nargs="+", choices=SIDES, default=list(DEFAULT_SIDES),
+                   help="meridian_new_process: Meridian with survivors that exit and hand over to a standby process "
+                        "(MERIDIAN_REFORM=new-process, as before they re-formed in their own process on CPU)")
     p.add_argument("--timeout-s", type=float, default=900.0, help="give up on one side after this long")
     p.add_argument("--cluster", choices=CLUSTERS, default="embedded",
                    help="embedded: a cluster this process starts, with fast health checks; ray-start: `ray start` "
@@ -399,6 +404,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def _side(side: str, args: argparse.Namespace) -> dict[str, Any]:
     if side == "meridian":
+        return _meridian(args)
+    if side == "meridian_new_process":
+        from meridian.workers.elastic.protocol import REFORM_ENV
+
+        os.environ[REFORM_ENV] = "new-process"  # this side's own process: its cluster's workers inherit it
         return _meridian(args)
     if side == "torchft":
         from meridian.bench.recovery_torchft import run_torchft

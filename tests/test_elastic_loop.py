@@ -20,6 +20,8 @@ import time
 import uuid
 from dataclasses import replace
 from multiprocessing.managers import BaseManager
+from statistics import median
+from typing import Any
 
 import pytest
 import torch
@@ -125,12 +127,13 @@ CoordinatorManager.register("coordinator", _coordinator)
 
 
 def _elastic_worker(i, dc, address, cfg, results, kill_children=(), freeze_after=0, frozen_pids=None,
-                    kill_in_finish=False):
+                    kill_in_finish=False, sample_child=False):
     """One worker's agent. ``kill_children``: SIGKILL its training processes (not the agent), the n-th one it
     starts once that one has trained step ``kill_children[n]`` (``0``: at once, before it trains).
     ``freeze_after``: once it has trained that step, SIGSTOP its training process and then itself, as a host that
     lost its power stops (sockets open, nothing answers); their pids go to ``frozen_pids``. ``kill_in_finish``:
-    SIGKILL its training process while the coordinator holds its ``finish`` call (:class:`HeldFinishCoordinator`)."""
+    SIGKILL its training process while the coordinator holds its ``finish`` call (:class:`HeldFinishCoordinator`).
+    ``sample_child``: record, per epoch, the most open files and threads its training process had."""
     manager = CoordinatorManager(address=address, authkey=AUTHKEY)
     manager.connect()
     coordinator = manager.coordinator()
@@ -148,12 +151,34 @@ def _elastic_worker(i, dc, address, cfg, results, kill_children=(), freeze_after
         threading.Thread(target=_freeze, args=(agent, cfg, f"w{i}", freeze_after, frozen_pids), daemon=True).start()
     if kill_in_finish:
         threading.Thread(target=_kill_in_finish, args=(agent, coordinator), daemon=True).start()
+    usage: dict[int, dict[str, Any]] = {}
+    done = threading.Event()
+    if sample_child:
+        threading.Thread(target=_sample_child, args=(agent, usage, done), daemon=True).start()
     try:
         result, error = agent.run(), None
     except RuntimeError as e:
         result, error = None, str(e)
+    done.set()
     results.put((i, pickle.dumps({"result": result, "records": sink.records, "restarts": agent.restarts,
-                                  "events": events, "error": error})))  # fmt: skip
+                                  "recoveries": agent.recoveries, "events": events, "error": error,
+                                  "child_usage": dict(usage)})))  # fmt: skip
+
+
+def _sample_child(agent: Agent, usage: dict[int, dict[str, Any]], done: threading.Event) -> None:
+    """Every 10 ms: the training process's open files and threads in each epoch it trained."""
+    while not done.wait(0.01):
+        child, epoch = agent._child, agent.ids["epoch"]
+        if child is None or agent._joining or not epoch:
+            continue
+        try:
+            files = len(os.listdir(f"/proc/{child.pid}/fd"))
+            threads = len(os.listdir(f"/proc/{child.pid}/task"))
+        except (OSError, ValueError):  # it ended between the lookups
+            continue
+        seen = usage.setdefault(epoch, {"pid": child.pid, "files": [], "threads": []})
+        seen["files"].append(files)
+        seen["threads"].append(threads)
 
 
 def _freeze(agent: Agent, cfg: TrainConfig, worker_id: str, step: int, frozen_pids) -> None:
@@ -208,9 +233,9 @@ class ElasticRun:
         self.job_ids: set[str] = set()
 
     def start(self, i: int, dc: str, cfg: TrainConfig, kill_children: tuple[int, ...] = (), freeze_after: int = 0,
-              kill_in_finish: bool = False) -> None:
+              kill_in_finish: bool = False, sample_child: bool = False) -> None:
         p = zygote_process(_elastic_worker, (i, dc, self.manager.address, cfg, self.results, kill_children,
-                                             freeze_after, self.frozen, kill_in_finish), daemon=False)
+                                             freeze_after, self.frozen, kill_in_finish, sample_child), daemon=False)
         p.start()
         self.procs[i] = p
         self.job_ids.add(cfg.job_id)
@@ -313,7 +338,9 @@ def test_losing_a_rank_mid_run_reforms_on_the_survivors_and_matches_an_uninterru
     assert after["datacenters"] == ["dc-a", "dc-b", "dc-b"]
     assert after["resume_step"] >= 3  # nothing lost: the survivors held the latest step in memory
     finished = [o for o in out.values() if o["result"] is not None]
-    assert len(finished) == 3 and all(o["restarts"] == len(formed) - 1 for o in finished)
+    assert len(finished) == 3 and all(o["recoveries"] == len(formed) - 1 for o in finished)
+    # On CPU each survivor re-formed in its own training process: none was started again.
+    assert all(o["restarts"] == 0 for o in finished), [o["restarts"] for o in finished]
     assert _max_rel(out[0]["result"].final_params, reference) < 1e-4
     # Rank 0 of the new epoch reported every step after the resume point (the victim's reports died with it).
     steps = {r.step for o in out.values() for r in o["records"] if r.epoch == after["epoch"]}
@@ -336,7 +363,11 @@ def test_members_stuck_on_a_store_that_never_came_up_are_stopped_and_everyone_re
     # Re-formed within seconds, not after the 60 s collective timeout the stuck ranks would otherwise wait out.
     assert formed[2]["time"] - formed[1]["time"] < 30
     finished = [o for o in out.values() if o["result"] is not None]
-    assert len(finished) == 3 and all(o["restarts"] == 2 for o in finished)
+    assert len(finished) == 3 and all(o["recoveries"] == 2 for o in finished)
+    # A stopped member's training process is started again; every other recovery stays in its process (the first
+    # for all three, the store refusal for rank 0 of epoch 2).
+    told = {f"w{i}": sum(1 for w, _ in stuck if w == f"w{i}") for i in out}
+    assert {f"w{i}": o["restarts"] for i, o in out.items()} == told, (told, stuck)
     assert _max_rel(out[0]["result"].final_params, reference) < 1e-4
 
 
@@ -428,6 +459,54 @@ def test_a_training_process_killed_on_a_live_node_is_restarted_and_the_job_goes_
     assert formed[-1]["datacenters"] == ["dc-a", "dc-a", "dc-b", "dc-b"] and formed[-1]["resume_step"] >= 3, formed
     assert all(o["result"] is not None for o in out.values()), [o["error"] for o in out.values()]
     assert _max_rel(out[1]["result"].final_params, reference) < 1e-4
+
+
+REPEAT_STEPS = 60
+
+
+@pytest.fixture(scope="module")
+def repeat_reference():
+    return run_processes(_reference_rank, 4, job(steps=REPEAT_STEPS), timeout_s=TIMEOUT_S)[0]
+
+
+def test_survivors_that_re_form_again_and_again_in_their_own_process_leak_no_files_or_threads(
+    elastic_run, repeat_reference
+):
+    # w1's training process is killed three times; each time the others re-form with its next process in their
+    # own processes (their sockets shut down, their groups and engine dropped). A group, pair
+    # or thread left behind by those re-formations would add up epoch after epoch: before the collection after a
+    # re-formation (ElasticTrainer.collect_last_epoch) each left 9 threads and ~10 files. Compared: each epoch's
+    # steady state (the last quarter of its samples: the last epoch's groups go after the next epoch's first step)
+    # against the first epoch's.
+    run = elastic_run(4)
+    cfg = job(steps=REPEAT_STEPS, job_id=_unique_job_id())
+    for i, dc in enumerate(DCS):
+        run.start(i, dc, cfg, kill_children=(3, 15, 30) if i == 1 else (), sample_child=i == 0)
+    out = run.collect({0, 1, 2, 3})
+    assert all(o["result"] is not None for o in out.values()), [o["error"] for o in out.values()]
+    killed = [e for e in out[1]["events"] if e[0] == "training_process_killed"]
+    assert len(killed) >= 2, out[1]["events"]  # (the third may come after the job's last step on a fast machine)
+    formed = [e[2] for e in run.events() if e[0] == "epoch_formed"]
+    last = formed[-1]["epoch"]  # (w1's agent lives: each epoch has its next process)
+    survivor = out[0]
+    assert survivor["restarts"] == 0 and survivor["recoveries"] >= 2, survivor
+    usage = survivor["child_usage"]
+    assert len({u["pid"] for u in usage.values()}) == 1, usage  # one training process throughout
+
+    def steady(epoch: int, what: str) -> float:
+        samples = usage[epoch][what]
+        return median(samples[len(samples) * 3 // 4:])
+
+    report = {e: (steady(e, "files"), steady(e, "threads")) for e in usage}
+    # Measured with the collection: +8 files and +1 thread (the state exchange's) in every epoch after the first.
+    # Without it (its collection and gc.freeze both taken out): +20 files and +10 threads in the second epoch, +32
+    # and +19 in the third, until Python's own collector ran.
+    later = [e for e in usage if e > 1]
+    assert len(later) >= 2 and last in later, (report, formed)
+    assert max(steady(e, "files") for e in later) <= steady(1, "files") + 12, report
+    assert max(steady(e, "threads") for e in later) <= steady(1, "threads") + 3, report
+    # (27+ of the 60 steps summed over three ranks, in another order than four: fp32 drift, far below O(1))
+    assert _max_rel(out[0]["result"].final_params, repeat_reference) < 1e-3
 
 
 def test_a_worker_whose_training_processes_die_before_training_gives_up_saying_why(elastic_run):

@@ -61,3 +61,17 @@ def test_a_gloo_peer_blocked_in_a_collective_fails_before_the_process_exits():
     _, blocked = run_processes(_blocked_on_a_rank_that_shuts_down, 2, timeout_s=60)
     assert blocked["failed_after_s"] is not None, "the all-reduce completed: nothing was shut down"
     assert blocked["failed_after_s"] < 2.0, blocked  # rank 0 lived 3.5 s; the shutdown came at 0.5
+
+
+def test_a_training_process_re_forms_in_its_own_process_on_cpu_and_exits_on_a_gpu():
+    from meridian.workers.elastic.protocol import re_forms_in_process
+
+    assert re_forms_in_process("cpu", {}) and re_forms_in_process("cpu", {"MERIDIAN_REFORM": "in-process"})
+    assert not re_forms_in_process("cpu", {"MERIDIAN_REFORM": "new-process"})
+    assert not re_forms_in_process("cuda:0", {}) and not re_forms_in_process("cuda", {"MERIDIAN_REFORM": "in-process"})
+    try:
+        re_forms_in_process("cpu", {"MERIDIAN_REFORM": "inprocess"})
+    except ValueError as e:
+        assert "MERIDIAN_REFORM='inprocess'" in str(e) and "'new-process'" in str(e)
+    else:
+        raise AssertionError("a misspelt MERIDIAN_REFORM was taken")

@@ -120,7 +120,7 @@ def _run(loop_config: dict[str, Any], cfg: TrainConfig, rt: Any, standby: Any, r
         summary = {
             "first_loss": result.first_loss, "final_loss": result.final_loss, "eval_loss": result.eval_loss,
             "steps": result.steps, "tokens_per_s": result.tokens_per_s,
-            "inter_dc_bytes_per_step": result.inter_dc_bytes_per_step, "recoveries": agent.restarts,
+            "inter_dc_bytes_per_step": result.inter_dc_bytes_per_step, "recoveries": agent.recoveries,
             **({"eval_skipped": result.eval_skipped} if result.eval_skipped else {}),
         }
         ray.get(runner.push_result.remote(summary), timeout=CALL_TIMEOUT_S)

@@ -1,23 +1,28 @@
-"""The worker agent: training runs in a child process that can die cleanly when its epoch breaks.
+"""The worker agent: training runs in a child process that the agent restarts when it dies.
 
-Why a child: gloo cannot abort a collective in flight. When a peer dies, a rank whose other operations are
-still pending (its communication thread, an async all-gather) keeps its sockets open however its process
-groups are destroyed (measured: a blocked peer waited until the process exited), so ranks that wait on *it*
-hang until the collective timeout. ``ProcessGroupGloo.abort()`` (torch 2.13) does not change that (measured: 4
-ranks in an all-reduce, one exits; its two neighbours failed at 0.32 s and aborted their group at once, and
-the third rank stayed blocked until they exited, 1.37 s, as without the abort). A process exit closes every
-socket at once, so a failure propagates through the whole job in well under a second. (What would let a rank
-stay: ``abort()`` *and* dropping every reference to the group and its works, without ``gc.collect()``, closed the
-sockets in 20-50 ms and released the blocked rank, even with an all-gather still in flight on a second group:
-``meridian bench gloo-release``, torch 2.13. The engine, its communication thread and the sharded optimizer hold
-such references today, so re-forming in process is not built.) The agent — the Ray
-Train worker itself, which Ray Train must not lose — stays; it hands training to a *standby* child that it
-started earlier, which has already paid for the interpreter and the torch import (~2 s idle, far more on a
-loaded machine), and starts the next standby while the new child trains (on CPU a fork of a zygote that
-imported everything once: :func:`~meridian.workers.elastic.standby.standby_context`). A restart is therefore a
-pipe message, not a process start.
+Why a child: a peer's death must not take the Ray Train worker with it, and a rank that cannot leave its
+collectives must be stoppable. gloo cannot abort a collective in flight. When a peer dies, a rank whose other
+operations are still pending (its communication thread, an async all-gather) keeps its sockets open however its
+process groups are destroyed (measured: a blocked peer waited until the process exited), so ranks that wait on
+*it* hang until the collective timeout. ``ProcessGroupGloo.abort()`` (torch 2.13) does not change that
+(measured: 4 ranks in an all-reduce, one exits; its two neighbours failed at 0.32 s and aborted their group at
+once, and the third rank stayed blocked until they exited, 1.37 s, as without the abort).
 
-What survives the child: the in-memory snapshots, written after each step to a tmpfs folder (``/dev/shm``,
+What a survivor does on CPU: it stays in its process. It shuts every TCP connection it holds down
+(:func:`~meridian.workers.elastic.sockets.shut_down_tcp_sockets`: what the exit did for it; peers blocked on it
+and its own threads inside a collective fail at once), drops the epoch's groups and engine, and joins the next
+epoch (:class:`~meridian.workers.elastic.trainer.ElasticTrainer`, ``shut_sockets_on_failure``), its memory and
+datasets warm. It tells the agent (:data:`~meridian.workers.elastic.protocol.RECOVERED`), which counts the
+recovery. On a GPU it exits instead (NCCL's threads may abort a process whose socket is shut under them, and
+that is not checked on a GPU): the agent hands training to a *standby* child that it started earlier, which has
+already paid for the interpreter and the torch import (~2 s idle, far more on a loaded machine), and starts the
+next standby while the new child trains (on CPU a fork of a zygote that imported everything once:
+:func:`~meridian.workers.elastic.standby.standby_context`). A standby also takes over from a child killed by a
+signal, or stopped by the coordinator because it stayed stuck (:meth:`Agent.abort`): a restart is a pipe message,
+not a process start. ``MERIDIAN_REFORM=new-process`` in a worker's environment makes a CPU survivor exit too (the
+way it did before; ``meridian bench recovery`` compares both).
+
+What survives a child: the in-memory snapshots, written after each step to a tmpfs folder (``/dev/shm``,
 RAM) that the next child reads, and the epoch number it last belonged to. The child reaches the
 coordinator, the progress sink and the event sink through the agent, over one pipe
 (:class:`~meridian.workers.elastic.child.PipeClient`), so it never touches Ray. The standby process lives in
@@ -40,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 from meridian.workers.contracts.config import TrainConfig
 from meridian.workers.elastic.liveness import LivenessListener
 from meridian.workers.elastic.pipe import recv, send
-from meridian.workers.elastic.protocol import KEEP_SNAPSHOTS, LEAVING, RESTART_EXIT_CODE
+from meridian.workers.elastic.protocol import KEEP_SNAPSHOTS, LEAVING, RECOVERED, RESTART_EXIT_CODE
 from meridian.workers.elastic.standby import Standby, standby_context
 from meridian.workers.state.snapshot_paths import adopt_orphan, snapshot_dir
 
@@ -85,7 +90,7 @@ def raised(traceback_text: str) -> str:
                 lines[-1] if lines else "(no message)")
 
 class Agent:
-    """Runs the job's training in child processes until it finishes; restarts a child whose epoch broke."""
+    """Runs the job's training in child processes until it finishes; restarts a child that died or left."""
 
     def __init__(
         self, cfg: TrainConfig, call: Call, *, worker_id: str, datacenter: str, node_id: str, address: str,
@@ -107,6 +112,9 @@ class Agent:
         self.max_restarts = max_restarts
         self.store_dir = snapshot_dir(cfg.job_id, worker_id)
         self.restarts = 0
+        """Training processes started after the first (a crash, an abort, or a peer's failure on a GPU)."""
+        self.recoveries = 0
+        """Times this worker's training went on after its epoch broke: in a new process, or re-formed in its own."""
         self.crashes = 0
         """Training processes killed by a signal one after another before training a step (:data:`CRASHES_IN_A_ROW`)."""
         self._trained = False
@@ -161,6 +169,7 @@ class Agent:
                     if current.proc.exitcode != RESTART_EXIT_CODE and not aborted:
                         self._crashed(current.proc)
                 self.restarts += 1
+                self.recoveries += 1
                 if self.restarts > self.max_restarts:
                     raise RuntimeError(f"gave up after {self.max_restarts} restarts of the training process")
         finally:
@@ -264,6 +273,8 @@ class Agent:
             elif kind == "epoch":
                 with self._lock:
                     self.ids["epoch"], self._joining = msg[1], False
+            elif kind == RECOVERED:
+                self.recoveries += 1
             elif kind == "peak":
                 self.ids["peak"] = msg[1]  # the next training process reuses rank 0's device peak
             elif kind == "cadence":

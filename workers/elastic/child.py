@@ -14,7 +14,7 @@ import torch
 from meridian.workers.contracts.config import TrainConfig
 from meridian.workers.contracts.records import StepRecord
 from meridian.workers.elastic.pipe import recv, send
-from meridian.workers.elastic.protocol import LEAVING
+from meridian.workers.elastic.protocol import LEAVING, RECOVERED, re_forms_in_process
 from meridian.workers.state.snapshots import SnapshotStore
 
 
@@ -106,6 +106,7 @@ def child_main(conn: Any, cfg: TrainConfig, ids: dict[str, Any], store_dir: str,
     if threads:
         torch.set_num_threads(threads)
     client = PipeClient(conn)
+    in_new_process = not re_forms_in_process(device)
     rdzv = Rendezvous(
         client.call, worker_id=ids["worker_id"], datacenter=ids["datacenter"], node_id=ids["node_id"],
         address=ids["address"], backend=ids["backend"], collective_timeout_s=ids["collective_timeout_s"],
@@ -116,7 +117,8 @@ def child_main(conn: Any, cfg: TrainConfig, ids: dict[str, Any], store_dir: str,
     trainer = ElasticTrainer(
         cfg, rdzv, sink=sink, on_event=lambda k, m, d: client.tell("event", k, m, d),
         device=torch.device(device), join_timeout_s=ids["join_timeout_s"],
-        snapshots=SnapshotStore(ids["keep"], store_dir), exit_on_failure=True,
+        snapshots=SnapshotStore(ids["keep"], store_dir), exit_on_failure=in_new_process,
+        shut_sockets_on_failure=not in_new_process, on_recovery=lambda: client.tell(RECOVERED),
         on_epoch=lambda n: client.tell("epoch", n), keep_params=ids["keep_params"],
         peak=ids["peak"], on_peak=lambda p: client.tell("peak", p), before_exit=client.leaving,
         snapshot_every=ids["snapshot_every"], on_snapshot_cadence=lambda k: client.tell("cadence", k),

@@ -1,11 +1,33 @@
 """What the agent and its training process agree on, kept apart so the agent (the Ray Train worker) can
 start without importing the training stack, which its standby process pays for instead."""
 
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
 RESTART_EXIT_CODE = 75
 """A training process's exit code for "my epoch broke (a peer failed): start me again"."""
 
 LEAVING = "leaving"
 """The message a training process sends right before it exits with :data:`RESTART_EXIT_CODE`."""
 
+RECOVERED = "recovered"
+"""The message a training process sends when a peer's failure broke its epoch and it joins again itself (on CPU:
+see :mod:`meridian.workers.elastic.child`), where a process on a GPU exits to be restarted."""
+
 KEEP_SNAPSHOTS = 3
 """Ranks of one epoch are at most one step apart when it breaks; three shards leave a margin."""
+
+REFORM_ENV = "MERIDIAN_REFORM"
+"""``new-process``: a training process on CPU whose epoch broke exits, and the agent's standby joins in its place,
+instead of re-forming in its own process (the way it was before; ``meridian bench recovery`` compares both)."""
+
+
+def re_forms_in_process(device: str, environ: Mapping[str, str] | None = None) -> bool:
+    """Whether a training process on ``device`` joins the next epoch itself after a peer's failure: on CPU, unless
+    :data:`REFORM_ENV` says ``new-process``. On a GPU it exits (see :mod:`meridian.workers.elastic.agent`)."""
+    value = (os.environ if environ is None else environ).get(REFORM_ENV, "in-process")
+    if value not in ("in-process", "new-process"):
+        raise ValueError(f"{REFORM_ENV}={value!r}: expected 'in-process' or 'new-process'")
+    return not device.startswith("cuda") and value == "in-process"

@@ -94,7 +94,8 @@ def build_replica(cfg: TrainConfig, membership: Membership, device: torch.device
 
 class TrainingLoop:
     """One rank's training, epoch after epoch. ``on_failure`` sees an error before the clean-up runs (the
-    elastic agent's child leaves the process there: gloo cannot abort a collective in flight)."""
+    elastic agent's child shuts its TCP connections down there, or leaves the process on a GPU: gloo cannot abort
+    a collective in flight, and the clean-up would wait for one)."""
 
     def __init__(
         self, cfg: TrainConfig, *, sink: ProgressSink, device: torch.device | None = None, keep_params: bool = False,
