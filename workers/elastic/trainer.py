@@ -10,8 +10,8 @@ One *epoch* is one membership: its ranks, its process groups, its sync engine. E
                     the durable checkpoint if they cannot cover the whole state, or nothing on a first start
          → train, snapshotting this rank's shard every ``snapshot_every`` steps (before the parameter
            all-gather; with k > 1 a failure resumes from the last snapshot and trains up to k - 1 steps again)
-    a collective fails  → shut this rank's connections down, tear down every group (so blocked peers fail fast
-                          too) → join again, in the same process (on a GPU, in the agent's next one)
+    a collective fails  → tear down every group (so blocked peers fail fast too) → join again: on CPU in the same
+                          process, its TCP connections shut down first; on a GPU in the agent's next process
     a newcomer waits    → every rank leaves after the same step (the flag rides on the stats all-reduce)
                           → join again; the newcomer receives the state from the pooled shards
 
@@ -140,8 +140,9 @@ class ElasticTrainer:
         exit would do for it). Only where this process holds no other rank's sockets: the agent's training process
         on CPU."""
         self._garbage = False
-        self._frozen = False
         """An epoch of this process ended: :meth:`collect_last_epoch` has its cycles to free."""
+        self._frozen = False
+        """What lived before this process's first epoch is frozen (:meth:`collect_last_epoch`)."""
         self.on_recovery = on_recovery or (lambda: None)
         """Called when this process joins again after a peer's failure (its agent counts the job's recoveries)."""
         self.before_exit = before_exit or (lambda: None)
