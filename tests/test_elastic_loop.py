@@ -133,7 +133,7 @@ def _elastic_worker(i, dc, address, cfg, results, kill_children=(), freeze_after
     ``freeze_after``: once it has trained that step, SIGSTOP its training process and then itself, as a host that
     lost its power stops (sockets open, nothing answers); their pids go to ``frozen_pids``. ``kill_in_finish``:
     SIGKILL its training process while the coordinator holds its ``finish`` call (:class:`HeldFinishCoordinator`).
-    ``sample_child``: record, per epoch, the most open files and threads its training process had."""
+    ``sample_child``: record its training process's open files and threads every 10 ms, by epoch."""
     manager = CoordinatorManager(address=address, authkey=AUTHKEY)
     manager.connect()
     coordinator = manager.coordinator()
