@@ -67,9 +67,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lab-rtt-ms", type=float, default=1.0, help="ray-start: the delay line's RTT between DCs")
     p.add_argument("--lab-gbps", type=float, default=1.0, help="ray-start: the link's rate between DCs")
     p.add_argument("--torchft-heartbeat-timeout-ms", type=int, default=None,
-                   help="the torchft lighthouse's heartbeat timeout (default: torchft's own, 5,000 ms). A group whose "
-                        "quorum request arrived before it died is waited for this long; its managers heartbeat every "
-                        "100 ms, so a user chasing fast failover may set it far lower")
+                   help="the torchft lighthouse's heartbeat timeout (default: torchft's own, 5,000 ms). A dead "
+                        "group counts as alive this long, and the lighthouse forms a quorum only from more than half "
+                        "of the groups it counts alive, so when a survivor is still blocked in its collective the "
+                        "others wait this long; its managers heartbeat every 100 ms, so a user chasing fast failover "
+                        "may set it far lower")
+    p.add_argument("--torchft-kill-phase", choices=("random", "between-steps"), default="random",
+                   help="random (default): the bench SIGKILLs torchft's victim at whatever point of a step it is, as "
+                        "Meridian's node is killed; between-steps: the victim SIGKILLs itself right after a committed "
+                        "step, before it asks for the next quorum, the one moment at which torchft's lighthouse "
+                        "re-forms the quorum without waiting for the dead group's heartbeat to expire (torchft at its "
+                        "fastest)")
     p.add_argument("--snapshot-every", type=_cadence, default=1,
                    help="Meridian's checkpoint.snapshot_every: 1 (default) keeps every step's state in memory, as "
                         "torchft does, so a failure loses at most the step in flight; 'auto' is a job's default, "
@@ -375,6 +383,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                   "node_back_after_first_reformed_step_s": args.back_after_s,
                   "baseline_checkpoint_every": args.checkpoint_every, "meridian_snapshot_every": args.snapshot_every,
                   "torchft_heartbeat_timeout_ms": args.torchft_heartbeat_timeout_ms or "torchft's default (5000)",
+                  "torchft_kill_phase": args.torchft_kill_phase,
                   "loadavg_at_start": load_at_start,
                   **({"lab": {"rtt_ms": args.lab_rtt_ms, "gbps": args.lab_gbps}} if args.cluster == "ray-start" else {})},
         "measures": {
@@ -387,6 +396,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "victim_exited_s": "kill → the last killed process seen exited (its sockets closed): the kernel's part, "
                                "before any survivor can see the victim gone (a node's ~10 processes for Meridian and "
                                "Ray Train, one process for torchft)",
+            "lighthouse": "torchft only, from its lighthouse's log: the first quorum smaller than the job after the "
+                          "kill, how long after the kill it formed, how many groups still counted as alive then, the "
+                          "lighthouse's reason and what held it until then; waited_for_heartbeat_timeout: it formed "
+                          "only once the dead group's heartbeat had expired",
         },
     }
     for side, all_runs in sides.items():

@@ -96,12 +96,13 @@ class Phases:
         self.cpu_samples: list[Any] = []
         """Per-process CPU snapshots the driver takes at the kill and when the node returns."""
 
-    def killed(self) -> None:
-        """Call right before the kill's first signal."""
+    def killed(self, at: float | None = None) -> None:
+        """Call right before the kill's first signal; or, for a victim that killed itself, once it is gone,
+        with the wall-clock time it stamped right before its kill (``at``)."""
         from meridian.bench.cpu_sample import snapshot
 
         self.cpu_samples.append(snapshot())
-        self.kill_time = time.time()
+        self.kill_time = time.time() if at is None else at
 
     def dead(self) -> None:
         """Call once every killed process has exited: the victim's side of the kill is over from here."""

@@ -1,7 +1,7 @@
 """The recovery benchmark's torchft side: the same model, data and kill as Meridian's, on torchft 0.2.
 
-Plain processes, no Ray (torchft does not need it): a lighthouse in this process and one replica group
-of one worker per slot (``--dcs`` × ``--nodes-per-dc`` processes, :mod:`meridian.bench.torchft_worker`).
+Plain processes, no Ray (torchft does not need it): a lighthouse (:mod:`meridian.bench.torchft_lighthouse`)
+and one replica group of one worker per slot (``--dcs`` × ``--nodes-per-dc`` processes, :mod:`meridian.bench.torchft_worker`).
 One replica group per worker is what torchft's design recommends for plain data parallelism with one
 process per node: the replica group is its unit of failure and of healing, so one group per node (here
 per worker) loses only that worker on a node's death, where one group per datacenter would drop the whole
@@ -9,6 +9,15 @@ datacenter's group from the quorum until every one of its ranks is back. At ``--
 worker of the last datacenter gets SIGKILL (its "node" dies with no grace); once the shrunk quorum has
 trained ``--back-after-s``, the worker is started again (the node is back) and heals from a peer; the
 side stops once that group trains again (or after ``--scale-up-timeout-s``).
+
+The report's ``lighthouse`` says how the shrunk quorum came about, from the lighthouse's own log: torchft has
+two outcomes here. The lighthouse forms a quorum without a group that is still heartbeating only from more than
+half of the groups it sees heartbeating (its guard against a split brain), and a dead group counts as
+heartbeating for ``--torchft-heartbeat-timeout-ms``. When the kill leaves one survivor blocked in its
+collective (a peer it waits on gave up on that collective but keeps its sockets open until it re-forms), only two
+of four groups ask, and the quorum waits for the dead group's heartbeat to expire (``waited_for_heartbeat_timeout``);
+when every survivor's collective fails at once, three of four ask and the quorum forms after the 100 ms join
+timeout.
 
 With ``--cluster ray-start`` Meridian's side crosses the lab's link at ``--lab-rtt-ms``; so does this one: the
 lab comes up without Ray, each replica group runs in its datacenter's namespace on a lab node's address (its
@@ -36,12 +45,54 @@ from typing import Any
 
 from meridian.bench.recovery_cluster import dc_name
 from meridian.bench.recovery_measure import Phases, recovery_metrics
+from meridian.bench.torchft_lighthouse import reformed_quorum
 
 
 def _records(path: Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip().endswith("}")]
+
+
+class _Lighthouse:
+    """torchft's lighthouse in its own process (:mod:`meridian.bench.torchft_lighthouse`), logging every quorum
+    decision to ``lighthouse.log`` in the side's folder, so the report can say why the survivors waited."""
+
+    START_TIMEOUT_S = 30.0
+
+    def __init__(self, folder: Path, heartbeat_timeout_ms: int | None) -> None:
+        cmd = [sys.executable, "-m", "meridian.bench.torchft_lighthouse"]
+        if heartbeat_timeout_ms is not None:
+            cmd += ["--heartbeat-timeout-ms", str(heartbeat_timeout_ms)]
+        self.log_path = folder / "lighthouse.log"
+        with open(self.log_path, "w") as log:
+            self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
+                                         env={**os.environ, "RUST_LOG": "info"}, text=True)  # fmt: skip
+        self.address = self._read_address()
+
+    def _read_address(self) -> str:
+        import selectors
+
+        with selectors.DefaultSelector() as sel:
+            sel.register(self.proc.stdout, selectors.EVENT_READ)
+            if sel.select(self.START_TIMEOUT_S) and (line := self.proc.stdout.readline().strip()):
+                return line
+        self.stop()
+        raise RuntimeError(f"torchft's lighthouse did not say its address within {self.START_TIMEOUT_S:.0f} s "
+                           f"(exit code {self.proc.returncode}):\n{self.log()[-2000:]}")  # fmt: skip
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> None:
+        """Close its stdin (it shuts the lighthouse down and exits); kill it if it has not within 10 s."""
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
 
 
 class _Workers:
@@ -56,6 +107,8 @@ class _Workers:
                "--datacenter", self.dcs[replica], "--lighthouse", self.lighthouse,
                "--out", str(self.folder / f"replica-{replica}.jsonl"), "--model", a.model, "--steps", str(a.steps),
                "--global-batch", str(a.global_batch), "--micro-batch", str(a.micro_batch)]  # fmt: skip
+        if a.torchft_kill_phase == "between-steps":
+            cmd += ["--die-on", str(self.folder / f"die-{replica}"), "--died-at", str(self.folder / f"died-{replica}")]
         env = {**os.environ}
         if self.lab_state is not None:  # on the lab node of the same slot, in its datacenter's namespace
             from meridian.service.cluster.lab import network
@@ -69,6 +122,23 @@ class _Workers:
     def kill(self, replica: int) -> None:
         self.procs[replica].send_signal(signal.SIGKILL)
         self.procs[replica].wait(10)
+
+    def kill_between_steps(self, replica: int, timeout_s: float = 30.0) -> float:
+        """Have ``replica`` SIGKILL itself right after its next committed step, before it asks for the next
+        quorum; return once it has exited, with the wall-clock time it stamped right before its kill."""
+        order, stamp = self.folder / f"die-{replica}", self.folder / f"died-{replica}"
+        order.touch()
+        try:
+            self.procs[replica].wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"torchft replica {replica} did not kill itself within {timeout_s:.0f} s of "
+                               "being told to (it commits no steps?)") from None  # fmt: skip
+        finally:
+            order.unlink(missing_ok=True)  # a group started again later must not die too
+        if self.procs[replica].returncode != -signal.SIGKILL or not stamp.exists():
+            raise RuntimeError(f"torchft replica {replica} exited with {self.procs[replica].returncode} "
+                               "instead of killing itself after a step")  # fmt: skip
+        return float(stamp.read_text())
 
     def failed(self) -> str | None:
         for r, p in self.procs.items():
@@ -85,19 +155,15 @@ class _Workers:
 
 
 def run_torchft(args: argparse.Namespace) -> dict[str, Any]:
-    from torchft._torchft import LighthouseServer
-
     folder = Path(tempfile.mkdtemp(prefix="meridian-bench-torchft-"))
-    # torchft's defaults for the quorum (join timeout, tick) and, unless asked otherwise, the heartbeat timeout;
-    # min_replicas=1 lets the quorum shrink to any number of survivors, as Meridian's min_workers=1 does.
-    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1,
-                                  heartbeat_timeout_ms=args.torchft_heartbeat_timeout_ms)
+    # torchft's defaults for the quorum (join timeout, tick) and, unless asked otherwise, the heartbeat timeout.
+    lighthouse = _Lighthouse(folder, args.torchft_heartbeat_timeout_ms)
     try:
         lab_state = _lab_up(args) if getattr(args, "cluster", "embedded") == "ray-start" else None
     except BaseException:
-        lighthouse.shutdown()
+        lighthouse.stop()
         raise
-    address = lighthouse.address()
+    address = lighthouse.address
     if lab_state is not None:  # the lab's datacenters reach this namespace at the head's address
         from meridian.service.cluster.lab.layout import HEAD_IP
 
@@ -122,7 +188,10 @@ def run_torchft(args: argparse.Namespace) -> dict[str, Any]:
                 raise RuntimeError(why)
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the torchft side did not finish within {args.timeout_s:.0f} s")
-            if action == "kill":
+            if action == "kill" and args.torchft_kill_phase == "between-steps":
+                phases.killed(at=workers.kill_between_steps(victim))
+                phases.dead()
+            elif action == "kill":
                 phases.killed()
                 workers.kill(victim)  # returns once the process has exited
                 phases.dead()
@@ -135,16 +204,19 @@ def run_torchft(args: argparse.Namespace) -> dict[str, Any]:
         out = recovery_metrics(_records(watched), kill_time=phases.kill_time, full_workers=n, survivors=n - 1,
                                tokens_per_step=args.tokens_per_step, back_time=phases.back_time)  # fmt: skip
         out["victim_exited_s"] = phases.victim_exited_s()
+        out["lighthouse"] = reformed_quorum(lighthouse.log(), kill_time=phases.kill_time, full=n)
         out["cpu_from_kill_to_return"] = phases.cpu_report()
         out["runs_on"] = "plain processes, no Ray: a torchft lighthouse and one replica group per worker" + (
             f", each in its datacenter's lab namespace across the same {args.lab_rtt_ms:g} ms / {args.lab_gbps:g} "
             "Gbit/s link as Meridian's side" if lab_state is not None else "")
         out["replica_groups"] = n
-        out["killed"] = f"SIGKILL of replica group {victim}'s process (in {workers.dcs[victim]})"
+        out["killed"] = f"SIGKILL of replica group {victim}'s process (in {workers.dcs[victim]})" + (
+            ", by itself right after a committed step, before it asked for the next quorum"
+            if args.torchft_kill_phase == "between-steps" else ", at whatever point of a step it was")  # fmt: skip
         return out
     finally:
         workers.stop()
-        lighthouse.shutdown()
+        lighthouse.stop()
         if lab_state is not None:
             from meridian.service.cluster.lab import lab
 

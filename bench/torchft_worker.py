@@ -9,7 +9,9 @@ gradients and its ``OptimizerWrapper``, over ``ProcessGroupGloo``. (Not torchft'
 in torchft 0.2 its comm hook asserts — ``assert fut._fut`` — on the next bucket after an all-reduce failed,
 so a peer's death crashed the survivors instead of skipping the step.) a group that joins late is healed by torchft (the state of
 a peer is streamed to it over HTTP). Every committed step appends ``{"step", "time", "workers", "replica"}``
-to ``--out`` (JSON lines), stamped when the optimizer step is done.
+to ``--out`` (JSON lines), stamped when the optimizer step is done. With ``--die-on FILE`` the process kills
+itself with SIGKILL right after the first step it commits once FILE exists, before it asks for the next quorum
+(``bench recovery --torchft-kill-phase between-steps``: torchft's fastest outcome, on purpose).
 """
 
 from __future__ import annotations
@@ -35,10 +37,16 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout-s", type=float, default=30.0, help="torchft's timeout for collectives and RPCs")
+    p.add_argument("--die-on", default=None,
+                   help="a file: once it exists, this process SIGKILLs itself right after its next committed step, "
+                        "before it asks for the next quorum (after stamping the time in --died-at)")
+    p.add_argument("--died-at", default=None, help="where to write the wall-clock time right before that kill")
     p.add_argument("--host", default=None,
                    help="the address this group's store and manager listen on and advertise (a lab node's, inside "
                         "its datacenter's namespace); default: the store on 127.0.0.1, the manager on the hostname")
     args = p.parse_args()
+    if (args.die_on is None) != (args.died_at is None):
+        p.error("--die-on and --died-at go together")
 
     import torch
     import torch.distributed as dist
@@ -94,7 +102,18 @@ def main() -> None:
             if manager.current_step() > step:
                 out.write(json.dumps({"step": manager.current_step(), "time": time.time(), "workers": n,
                                       "replica": args.replica}) + "\n")  # fmt: skip
+                if args.die_on is not None and Path(args.die_on).exists():
+                    _die(Path(args.died_at))
     manager.shutdown(wait=False)
+
+
+def _die(stamp: Path) -> None:
+    """SIGKILL this process, as a node's death would, once the time is written where the launcher reads it."""
+    import os
+    import signal
+
+    stamp.write_text(repr(time.time()))
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _start_together(folder: Path, replica: int, timeout_s: float) -> None:

@@ -34,4 +34,7 @@ def test_torchft_groups_train_heal_and_recover_across_the_lab_link():
     # the groups in the second datacenter healed from the first (its checkpoint server reachable across the
     # link), trained, lost one group to the kill, went on and took it back
     assert run["steps_lost"] <= 1 and run["kill_to_next_step_s"] > 0 and run["scale_up_s"] is not None, run
+    # the lighthouse's log says how the shrunk quorum formed, before its first step
+    shrunk = run["lighthouse"]
+    assert shrunk["participants"] < 4 and 0 < shrunk["formed_after_kill_s"] <= run["kill_to_next_step_s"], run
     assert not Path("/run/meridian-lab/bench-recovery-torchft.json").exists()  # the lab came down
