@@ -32,6 +32,7 @@ from meridian.workers.contracts.model_config import model_preset
 from meridian.workers.distributed.multiproc import run_processes
 from meridian.workers.distributed.zygote import zygote_context, zygote_process
 from meridian.workers.elastic.agent import Agent
+from meridian.workers.elastic.protocol import REFORM_ENV
 from meridian.workers.loop.train import ListSink, train
 from meridian.workers.state.snapshot_paths import remove_snapshot_dirs, snapshot_dir
 
@@ -345,6 +346,20 @@ def test_losing_a_rank_mid_run_reforms_on_the_survivors_and_matches_an_uninterru
     # Rank 0 of the new epoch reported every step after the resume point (the victim's reports died with it).
     steps = {r.step for o in out.values() for r in o["records"] if r.epoch == after["epoch"]}
     assert steps == set(range(after["resume_step"] + 1, STEPS + 1))
+
+
+def test_survivors_told_to_leave_their_process_hand_over_to_their_standbys_and_match_too(
+    elastic_run, reference, monkeypatch
+):
+    # What every survivor does on a GPU (OnPeerFailure.EXIT), here on CPU with MERIDIAN_REFORM=new-process.
+    monkeypatch.setenv(REFORM_ENV, "new-process")
+    out, events = _lose_w1_after_step_3(elastic_run(4))
+    formed = [e[2] for e in events if e[0] == "epoch_formed"]
+    finished = [o for o in out.values() if o["result"] is not None]
+    assert len(finished) == 3 and all(o["restarts"] >= 1 for o in finished), [o["restarts"] for o in finished]
+    # a survivor's recoveries are its process restarts here: it sent no "recovered" message
+    assert all(o["recoveries"] == o["restarts"] == len(formed) - 1 for o in finished), (formed, finished)
+    assert _max_rel(out[0]["result"].final_params, reference) < 1e-4
 
 
 def test_members_stuck_on_a_store_that_never_came_up_are_stopped_and_everyone_re_forms(elastic_run, reference):

@@ -11,7 +11,7 @@ once, and the third rank stayed blocked until they exited, 1.37 s, as without th
 What a survivor does on CPU: it stays in its process. It shuts every TCP connection it holds down
 (:func:`~meridian.workers.elastic.sockets.shut_down_tcp_sockets`: what the exit did for it; peers blocked on it
 and its own threads inside a collective fail at once), drops the epoch's groups and engine, and joins the next
-epoch (:class:`~meridian.workers.elastic.trainer.ElasticTrainer`, ``shut_sockets_on_failure``), its memory and
+epoch (:class:`~meridian.workers.elastic.trainer.OnPeerFailure`, ``SHUT_SOCKETS_AND_REJOIN``), its memory and
 datasets warm. It tells the agent (:data:`~meridian.workers.elastic.protocol.RECOVERED`), which counts the
 recovery. On a GPU it exits instead (NCCL's threads may abort a process whose socket is shut under them, and
 that is not checked on a GPU): the agent hands training to a *standby* child that it started earlier, which has

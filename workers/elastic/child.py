@@ -101,7 +101,7 @@ def child_main(conn: Any, cfg: TrainConfig, ids: dict[str, Any], store_dir: str,
                threads: int | None, store: Any = None) -> None:
     """Train until the job is done; ``store``: the store server the standby hosted for the first join."""
     from meridian.workers.elastic.rendezvous import Rendezvous
-    from meridian.workers.elastic.trainer import ElasticTrainer
+    from meridian.workers.elastic.trainer import ElasticTrainer, OnPeerFailure
 
     if threads:
         torch.set_num_threads(threads)
@@ -117,8 +117,8 @@ def child_main(conn: Any, cfg: TrainConfig, ids: dict[str, Any], store_dir: str,
     trainer = ElasticTrainer(
         cfg, rdzv, sink=sink, on_event=lambda k, m, d: client.tell("event", k, m, d),
         device=torch.device(device), join_timeout_s=ids["join_timeout_s"],
-        snapshots=SnapshotStore(ids["keep"], store_dir), exit_on_failure=in_new_process,
-        shut_sockets_on_failure=not in_new_process, on_recovery=lambda: client.tell(RECOVERED),
+        snapshots=SnapshotStore(ids["keep"], store_dir), on_recovery=lambda: client.tell(RECOVERED),
+        on_peer_failure=OnPeerFailure.EXIT if in_new_process else OnPeerFailure.SHUT_SOCKETS_AND_REJOIN,
         on_epoch=lambda n: client.tell("epoch", n), keep_params=ids["keep_params"],
         peak=ids["peak"], on_peak=lambda p: client.tell("peak", p), before_exit=client.leaving,
         snapshot_every=ids["snapshot_every"], on_snapshot_cadence=lambda k: client.tell("cadence", k),

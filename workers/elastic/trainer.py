@@ -24,6 +24,7 @@ step boundary — is this module's :class:`ElasticState`, which the loop calls a
 
 from __future__ import annotations
 
+import enum
 import gc
 import os
 import threading
@@ -116,29 +117,39 @@ class ModelParallelNotElastic(RuntimeError):
     """A tensor/pipeline-parallel job lost a worker: it cannot re-form (yet)."""
 
 
+class OnPeerFailure(enum.Enum):
+    """What a rank does when a peer's failure ends its epoch."""
+
+    REJOIN = "rejoin"
+    """Tear the epoch down and join the next one in this process. For ranks that share their process with other
+    ranks' sockets (tests that run ranks as threads)."""
+    SHUT_SOCKETS_AND_REJOIN = "shut-sockets-and-rejoin"
+    """Shut this process's TCP connections down first (what a process exit would do for it), so peers blocked on
+    it and its own communication thread fail at once; then rejoin in this process. The agent's training process
+    on CPU."""
+    EXIT = "exit"
+    """Leave the process (:mod:`meridian.workers.elastic.agent` starts a new one): on a GPU, where shutting
+    sockets down under NCCL is not checked, or with ``MERIDIAN_REFORM=new-process``."""
+
+
 class ElasticTrainer:
     """One rank of an elastic job; :meth:`run` returns when the job's last step is done."""
 
     def __init__(
         self, cfg: TrainConfig, rendezvous: Rendezvous, *, sink: ProgressSink, on_event: EventFn,
         device: torch.device | None = None, join_timeout_s: float = 600.0, snapshots: SnapshotStore | None = None,
-        exit_on_failure: bool = False, on_epoch: Callable[[int], None] | None = None, keep_params: bool = False,
+        on_peer_failure: OnPeerFailure = OnPeerFailure.REJOIN, on_epoch: Callable[[int], None] | None = None,
+        keep_params: bool = False,
         peak: Any = None, on_peak: Callable[[Any], None] | None = None, before_exit: Callable[[], None] | None = None,
         snapshot_every: int = 1, on_snapshot_cadence: Callable[[int], None] | None = None,
-        shut_sockets_on_failure: bool = False, on_recovery: Callable[[], None] | None = None,
+        on_recovery: Callable[[], None] | None = None,
     ) -> None:  # fmt: skip
         self.cfg = cfg
         self.rdzv = rendezvous
         self.on_event = on_event
         self.join_timeout_s = join_timeout_s
         self.snapshots = snapshots or SnapshotStore(KEEP_SNAPSHOTS)
-        self.exit_on_failure = exit_on_failure
-        """Leave the process on a peer's failure (:mod:`meridian.workers.elastic.agent` starts a new one): on a GPU,
-        where shutting sockets down under NCCL is not checked."""
-        self.shut_sockets_on_failure = shut_sockets_on_failure
-        """Re-form in this process after a peer's failure, shutting its TCP connections down first (what a process
-        exit would do for it). Only where this process holds no other rank's sockets: the agent's training process
-        on CPU."""
+        self.on_peer_failure = on_peer_failure
         self._garbage = False
         """An epoch of this process ended: :meth:`collect_last_epoch` has its cycles to free."""
         self._frozen = False
@@ -205,13 +216,13 @@ class ElasticTrainer:
     def _on_failure(self, error: Exception) -> None:
         if not is_peer_failure(error):
             return
-        if self.shut_sockets_on_failure:
+        if self.on_peer_failure is OnPeerFailure.SHUT_SOCKETS_AND_REJOIN:
             # This rank re-forms in its own process: its TCP connections go now, so peers blocked on it and its
             # own threads still inside a collective (the engine's communication thread) fail at once, and the
             # clean-up that follows joins threads that have returned (:mod:`meridian.workers.elastic.sockets`).
             shut_down_tcp_sockets()
             return
-        if self.exit_on_failure:
+        if self.on_peer_failure is OnPeerFailure.EXIT:
             self.before_exit()  # the agent starts the next process now
             if self.loop.device.type == "cpu":
                 # Peers blocked on this rank fail now, not once the exit has freed its memory. Not with NCCL: its
