@@ -15,9 +15,10 @@ two outcomes here. The lighthouse forms a quorum without a group that is still h
 half of the groups it sees heartbeating (its guard against a split brain), and a dead group counts as
 heartbeating for ``--torchft-heartbeat-timeout-ms``. When the kill leaves one survivor blocked in its
 collective (a peer it waits on gave up on that collective but keeps its sockets open until it re-forms), only two
-of four groups ask, and the quorum waits for the dead group's heartbeat to expire (``waited_for_heartbeat_timeout``);
-when every survivor's collective fails at once, three of four ask and the quorum forms after the 100 ms join
-timeout.
+of four groups ask, and the quorum waits for the dead group's heartbeat to expire (``waited_for_heartbeat_timeout``).
+When the victim dies between committing a step and asking for the next quorum, it shares no collective with
+anyone: three of four ask and the quorum forms after the 100 ms join timeout (``--torchft-kill-phase
+between-steps`` kills it there on purpose).
 
 With ``--cluster ray-start`` Meridian's side crosses the lab's link at ``--lab-rtt-ms``; so does this one: the
 lab comes up without Ray, each replica group runs in its datacenter's namespace on a lab node's address (its

@@ -121,8 +121,8 @@ class OnPeerFailure(enum.Enum):
     """What a rank does when a peer's failure ends its epoch."""
 
     REJOIN = "rejoin"
-    """Tear the epoch down and join the next one in this process. For ranks that share their process with other
-    ranks' sockets (tests that run ranks as threads)."""
+    """Tear the epoch down and join the next one in this process, its sockets left to that teardown. The default:
+    tests and benchmarks that drive a trainer without an agent."""
     SHUT_SOCKETS_AND_REJOIN = "shut-sockets-and-rejoin"
     """Shut this process's TCP connections down first (what a process exit would do for it), so peers blocked on
     it and its own communication thread fail at once; then rejoin in this process. The agent's training process
