@@ -189,12 +189,12 @@ def run_torchft(args: argparse.Namespace) -> dict[str, Any]:
                 raise RuntimeError(why)
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the torchft side did not finish within {args.timeout_s:.0f} s")
-            if action == "kill" and args.torchft_kill_phase == "between-steps":
-                phases.killed(at=workers.kill_between_steps(victim))
-                phases.dead()
-            elif action == "kill":
-                phases.killed()
-                workers.kill(victim)  # returns once the process has exited
+            if action == "kill":
+                if args.torchft_kill_phase == "between-steps":
+                    phases.killed(at=workers.kill_between_steps(victim))
+                else:
+                    phases.killed()
+                    workers.kill(victim)  # returns once the process has exited
                 phases.dead()
             elif action == "back":
                 phases.came_back()
