@@ -39,7 +39,7 @@ test: $(STAMP) $(CHROMIUM) $(POSTGRES)
 	$(BIN)/python -m pytest -q
 
 lint: $(STAMP)
-	$(BIN)/ruff check api service workers bench tests
+	$(BIN)/ruff check api service workers bench cli lab tests
 
 clean:
 	rm -rf $(VENV) .meridian .pytest_cache

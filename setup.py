@@ -10,6 +10,8 @@ FOLDERS = {
     "meridian.service": "service",
     "meridian.workers": "workers",
     "meridian.bench": "bench",
+    "meridian.cli": "cli",
+    "meridian.lab": "lab",
 }
 # Data-only folders that ship beside the code: `meridian demo` runs examples/demo.json by default, from
 # site-packages/meridian/examples in an installed wheel (an editable install reads the repository's).
@@ -21,7 +23,7 @@ for name, folder in FOLDERS.items():
     packages += [name] + [f"{name}.{sub}" for sub in find_packages(folder)]
 
 # The lab's C delay line is compiled on the machine that runs the lab (meridian lab up), so its source ships.
-package_data = {"meridian.api": ["static/*"], "meridian.service.cluster.lab": ["*.c"]}
+package_data = {"meridian.api": ["static/*"], "meridian.lab": ["*.c"]}
 for name, (folder, patterns) in DATA_FOLDERS.items():
     packages.append(name)
     package_dir[name] = folder

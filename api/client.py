@@ -11,9 +11,10 @@ from typing import Any
 
 import httpx
 
-from meridian.api.cli_errors import PROBLEM_TYPE, local_problem
+from meridian.api.problems import PROBLEM_TYPE, local_problem
 
 DEFAULT_URL = "http://127.0.0.1:8080"
+TERMINAL_STATES = frozenset({"succeeded", "failed", "cancelled"})
 
 
 class ApiError(RuntimeError):
@@ -114,6 +115,17 @@ class Client:
 
     def job(self, job_id: str) -> dict[str, Any]:
         return self.request("GET", f"/v1/jobs/{job_id}")
+
+    def wait(self, job_id: str, *, timeout_s: float, interval_s: float = 1.0) -> dict[str, Any]:
+        """Poll job ``job_id`` until it ends; the job as the API returns it. ``ApiError`` (status 0, kind
+        ``watch-timeout``) when it has not ended after ``timeout_s`` seconds: the job keeps running."""
+        deadline = time.monotonic() + timeout_s
+        while (job := self.job(job_id))["state"] not in TERMINAL_STATES:
+            if time.monotonic() > deadline:
+                raise ApiError(0, f"job {job_id} still {job['state']} after {timeout_s:.0f} s ({job['message']})",
+                               kind="watch-timeout")
+            time.sleep(interval_s)
+        return job
 
     def jobs(self, **params: Any) -> dict[str, Any]:
         return self.request("GET", "/v1/jobs", params=params)

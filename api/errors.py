@@ -19,6 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from meridian.api.problems import PROBLEM_TYPE
 from meridian.api.request_id import current_request_id
 from meridian.service.errors import (
     ClusterUnavailable,
@@ -80,7 +81,7 @@ def problem_body(status: int, detail: str, *, kind: str = "", instance: str = ""
     except ValueError:
         phrase = "Error"
     slug = re.sub(r"(?<!^)(?=[A-Z])", "-", kind).lower() if kind else phrase.lower().replace(" ", "-")
-    body = {"type": f"urn:meridian:problem:{slug}", "title": phrase, "status": status, "detail": detail}
+    body = {"type": PROBLEM_TYPE + slug, "title": phrase, "status": status, "detail": detail}
     if instance:
         body["instance"] = instance
     rid = current_request_id()

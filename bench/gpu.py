@@ -56,13 +56,12 @@ def job_spec(args: argparse.Namespace) -> dict[str, Any]:
 def run_job(url: str, spec: dict[str, Any], timeout_s: float) -> dict[str, Any]:
     """Submit ``spec`` to the service at ``url`` and wait for it to end; the job as the API returns it, with its
     step records (``points``) and each step's time (``step_s``)."""
-    from meridian.api.cli import watch
     from meridian.api.client import ApiError, Client
 
     client = Client(url, token=os.environ.get("MERIDIAN_TOKEN"))
     job = client.submit(spec)
     try:
-        job = watch(client, job["id"], as_json=False, timeout_s=timeout_s, interval_s=1.0)
+        job = client.wait(job["id"], timeout_s=timeout_s)
     except ApiError as e:
         if e.status == 0:  # still running at the deadline: a benchmark leaves nothing behind
             client.cancel(job["id"])

@@ -62,8 +62,8 @@ import meridian
 from meridian.bench.cpu_sample import process_cpu_s
 from meridian.bench.lab_worker import run_rank
 from meridian.bench.sync import add_job_shape_arguments, count_params
-from meridian.service.cluster.lab import delay_line
-from meridian.service.cluster.lab import lab as lab_mod
+from meridian.lab import delay_line
+from meridian.lab import lab as lab_mod
 from meridian.workers.contracts.config import (
     DiLoCoConfig,
     OptimConfig,

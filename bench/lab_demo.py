@@ -3,7 +3,7 @@
     sudo meridian bench lab-demo --json [--rounds 2] [--rtt-ms 21] [--gbps 1] [--probe] [--spec examples/demo.json]
                                  [--max-wall-s S]
 
-Each run brings up the lab with Ray (:mod:`meridian.service.cluster.lab`): ``two`` puts the workers in two
+Each run brings up the lab with Ray (:mod:`meridian.lab`): ``two`` puts the workers in two
 datacenters, half each, joined over real TCP through the delay line at ``--rtt-ms`` and ``--gbps``; ``one`` puts
 them all in the first datacenter, where no link exists. The service runs in this process on the lab's Ray
 address, as ``meridian serve --address`` does; with ``--probe`` it first measures the cluster's links and the
@@ -45,7 +45,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from meridian.service.cluster.lab import delay_line
+from meridian.lab import delay_line
 
 NAME = "lab-demo"
 HELP = "a job through the REST API on the network lab: two datacenters against one (scaling efficiency, loss)"
@@ -196,7 +196,7 @@ def _one_run(args: argparse.Namespace, side: str, spec: dict[str, Any]) -> dict[
     from meridian.api.server import serve_in_thread
     from meridian.bench.cpu_sample import cpu_between, machine_busy_cpu_s, process_cpu_s, snapshot
     from meridian.bench.gpu import run_job
-    from meridian.service.cluster.lab import lab
+    from meridian.lab import lab
     from meridian.service.core import MeridianService, ServiceConfig
 
     lab.down_if_up(LAB_NAME)

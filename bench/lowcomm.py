@@ -218,7 +218,7 @@ def _run_rank(rank: int, world: int, jobs: list[tuple[str, TrainConfig, TorchftO
 def run_on_lab(args: argparse.Namespace, chosen: list[Strategy]) -> dict[str, dict[str, Any]]:
     """Meridian's strategies as processes in the lab's namespaces, one rank per datacenter (real TCP)."""
     from meridian.bench.lab import lab_lock, run_in_lab
-    from meridian.service.cluster.lab import lab as lab_mod
+    from meridian.lab import lab as lab_mod
 
     if os.geteuid() != 0:
         raise RuntimeError("--lab creates network namespaces: run `meridian bench lowcomm --lab` as root")

@@ -4,7 +4,7 @@
   on clusters it starts itself. A node's death is a SIGKILL of its raylet and of everything it started, at
   once (as on the other path), then ``remove_node`` for Ray's bookkeeping.
 - ``ray-start``: what a user runs, ``ray start --head`` and ``ray start --address … --labels datacenter=…`` per
-  node, with Ray's default health checks. Its nodes are the network lab's (:mod:`meridian.service.cluster.lab`):
+  node, with Ray's default health checks. Its nodes are the network lab's (:mod:`meridian.lab`):
   each datacenter in its own network namespace, joined over real TCP through the delay line (``--lab-rtt-ms``).
   A node's death is a SIGKILL of its raylet, then of everything it started, as when a machine dies; it comes
   back with the same ``ray start`` command. Needs root, like the lab.
@@ -54,7 +54,7 @@ class EmbeddedCluster:
         for nodes in self._nodes.values():
             for n in nodes:
                 if n.node_id == node_id:
-                    from meridian.service.cluster.lab.lab import kill_ray_node
+                    from meridian.lab.lab import kill_ray_node
 
                     nodes.remove(n)
                     # Every process of the node at once, as on the ray-start path and as a machine dies:
@@ -74,7 +74,7 @@ class EmbeddedCluster:
 
 class RayStartCluster:
     def __init__(self, args: argparse.Namespace) -> None:
-        from meridian.service.cluster.lab import lab
+        from meridian.lab import lab
 
         self._lab = lab
         lab.down_if_up(LAB_NAME)

@@ -112,7 +112,7 @@ class _Workers:
             cmd += ["--die-on", str(self.folder / f"die-{replica}"), "--died-at", str(self.folder / f"died-{replica}")]
         env = {**os.environ}
         if self.lab_state is not None:  # on the lab node of the same slot, in its datacenter's namespace
-            from meridian.service.cluster.lab import network
+            from meridian.lab import network
 
             dc = self.lab_state.layout.datacenters[replica // a.nodes_per_dc]
             cmd = network.in_ns(dc.netns, [*cmd, "--host", dc.nodes[replica % a.nodes_per_dc].ip])
@@ -166,7 +166,7 @@ def run_torchft(args: argparse.Namespace) -> dict[str, Any]:
         raise
     address = lighthouse.address
     if lab_state is not None:  # the lab's datacenters reach this namespace at the head's address
-        from meridian.service.cluster.lab.layout import HEAD_IP
+        from meridian.lab.layout import HEAD_IP
 
         address = f"http://{HEAD_IP}:{address.rsplit(':', 1)[1]}"
     n = args.dcs * args.nodes_per_dc
@@ -219,7 +219,7 @@ def run_torchft(args: argparse.Namespace) -> dict[str, Any]:
         workers.stop()
         lighthouse.stop()
         if lab_state is not None:
-            from meridian.service.cluster.lab import lab
+            from meridian.lab import lab
 
             lab.down(LAB_NAME)
         if not os.environ.get("MERIDIAN_BENCH_KEEP"):
@@ -232,7 +232,7 @@ LAB_NAME = "bench-recovery-torchft"
 def _lab_up(args: argparse.Namespace) -> Any:
     """With ``--cluster ray-start`` Meridian's side crosses the lab's link; so does this side: the lab's
     namespaces and link (no Ray), one replica group on each node's address."""
-    from meridian.service.cluster.lab import lab
+    from meridian.lab import lab
 
     lab.down_if_up(LAB_NAME)
     return lab.up({dc_name(d): args.nodes_per_dc for d in range(args.dcs)}, rtt_ms=args.lab_rtt_ms,

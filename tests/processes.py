@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from meridian.service.cluster.lab import lab
-from meridian.service.cluster.lab.lab import process_exited
+from meridian.lab import lab
+from meridian.lab.lab import process_exited
 
 
 def is_gone(pid: int) -> bool:

@@ -24,9 +24,9 @@ from meridian.api.auth import (
     hash_token,
     read_tokens,
 )
-from meridian.api.cli import main as cli_main
 from meridian.api.client import Client, parse_sse
 from meridian.api.server import serve_in_thread
+from meridian.cli.main import main as cli_main
 from meridian.service.cluster.topology import ClusterTopology
 from meridian.service.store import JobStore
 from meridian.service.supervision.supervisor import Supervisor

@@ -27,7 +27,7 @@ class ServiceProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(log_path, "a")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "meridian.api.cli", "serve", "--address", address, "--port", str(self.port),
+            [sys.executable, "-m", "meridian.cli.main", "serve", "--address", address, "--port", str(self.port),
              "--data-dir", data_dir, "--log-level", "warning"],
             stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"},
         )

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from meridian.bench.cli import BENCHMARKS, MAY_BE_NEGATIVE, MAY_BE_ZERO, build_parser, main
+from meridian.cli.bench import BENCHMARKS, MAY_BE_NEGATIVE, MAY_BE_ZERO, build_parser, main
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -24,7 +24,7 @@ def test_a_number_no_benchmark_runs_with_is_a_usage_error(argv, message, capsys)
 
 def test_zero_is_accepted_where_it_means_something():
     parser = build_parser()
-    from meridian.bench.cli import check_numbers
+    from meridian.cli.bench import check_numbers
 
     for argv in (["lowcomm", "--rtt-ms", "0", "--diloco-warmup-steps", "0", "--seed", "-1"],
                  ["lab", "--global-batch", "0"]):  # 0 is its default: 8 samples per worker

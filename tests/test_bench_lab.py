@@ -27,7 +27,7 @@ KEYS = {"rtt_ms", "gbps", "strategy", "step_ms_lab", "step_ms_emulated", "step_m
 
 
 def test_bench_lab_rows_and_bytes_against_the_kernel() -> None:
-    cmd = [sys.executable, "-m", "meridian.api.cli", "bench", "lab", "--json", "--links", "21:1", "--strategies",
+    cmd = [sys.executable, "-m", "meridian.cli.main", "bench", "lab", "--json", "--links", "21:1", "--strategies",
            "hierarchical,flat", "--model", "tiny", "--steps", "8", "--warmup", "2", "--no-overlap-saving"]  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=1200,
                          env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})  # fmt: skip
@@ -71,7 +71,7 @@ def test_diloco_is_timed_over_whole_cycles_after_its_first_sync() -> None:
 
 
 def _lowcomm(*extra: str) -> dict:
-    cmd = [sys.executable, "-m", "meridian.api.cli", "bench", "lowcomm", "--json", "--steps", "40", "--inner-steps",
+    cmd = [sys.executable, "-m", "meridian.cli.main", "bench", "lowcomm", "--json", "--steps", "40", "--inner-steps",
            "8", "--compression", "int4", "--diloco-warmup-steps", "0", "--overlap-steps", "1", "--rtt-ms", "21",
            "--inter-dc-gbps", "1", "--strategies", "streaming-diloco+int4/H8", *extra]  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=1200,

@@ -1,4 +1,4 @@
-"""Imports flow api → service → workers, one way and without cycles.
+"""Imports flow cli → bench → api → service → workers, one way and without cycles; the lab stands alone.
 
 The service never pulls in the HTTP stack or torch (it runs on the head node and answers the API; the torch
 import alone costs seconds); worker code (which runs on remote nodes) never imports the control plane; and
@@ -13,7 +13,16 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 FOLDERS = {"api": "meridian.api", "service": "meridian.service", "workers": "meridian.workers",
-           "bench": "meridian.bench"}  # fmt: skip
+           "bench": "meridian.bench", "cli": "meridian.cli", "lab": "meridian.lab"}  # fmt: skip
+MAY_IMPORT = {
+    "meridian.cli": {"meridian.bench", "meridian.api", "meridian.service", "meridian.workers", "meridian.lab"},
+    "meridian.bench": {"meridian.api", "meridian.service", "meridian.workers", "meridian.lab"},
+    "meridian.api": {"meridian.service", "meridian.workers"},
+    "meridian.service": {"meridian.workers"},
+    "meridian.workers": set(),
+    "meridian.lab": set(),
+}
+"""Which top-level packages each may import (at any depth of a file): the one-way flow above."""
 
 
 def _modules_after(import_line: str) -> set[str]:
@@ -105,6 +114,16 @@ def test_find_cycle_sees_one():
 def test_no_import_cycles():
     cycle = find_cycle(import_graph())
     assert cycle is None, "import cycle: " + " → ".join(cycle or [])
+
+
+def test_top_level_packages_import_only_downstream():
+    wrong = sorted(f"{a} imports {b}" for a, deps in import_graph().items() for b in deps
+                   if _top(b) != _top(a) and _top(b) not in MAY_IMPORT[_top(a)])
+    assert not wrong, wrong
+
+
+def _top(module: str) -> str:
+    return ".".join(module.split(".")[:2])
 
 
 def test_package_inits_import_nothing():

@@ -8,8 +8,8 @@ import pytest
 from fakes import FakeService, spec
 
 from meridian.api.auth import AuthSettings, create_token
-from meridian.api.cli import main
 from meridian.api.server import serve_in_thread
+from meridian.cli.main import main
 from meridian.workers.contracts.model_config import model_preset
 
 
@@ -122,8 +122,8 @@ def test_with_json_an_error_is_the_problem_on_stdout_and_the_line_on_stderr(serv
 def test_every_example_job_file_is_a_valid_spec():
     from pathlib import Path
 
-    from meridian.api.cli import load_spec
     from meridian.api.schemas import JobSpec
+    from meridian.cli.main import load_spec
 
     files = sorted(p for p in (Path(__file__).parents[1] / "examples").iterdir() if p.suffix in (".json", ".yaml"))
     assert len(files) >= 2

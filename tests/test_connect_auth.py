@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from ray._private.services import get_node_ip_address
 
-from meridian.service.cluster.lab.lab import _kill, descendants, lab_processes
+from meridian.lab.lab import _kill, descendants, lab_processes
 from meridian.workers.distributed.ports import free_port
 
 pytestmark = pytest.mark.slow

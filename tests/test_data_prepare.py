@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from meridian.api.cli import main as cli_main
+from meridian.cli.main import main as cli_main
 from meridian.workers.contracts.config import BlendEntry, DataConfig, TrainConfig, ValidationConfig
 from meridian.workers.contracts.model_config import model_preset
 from meridian.workers.data.manifest import read_manifest

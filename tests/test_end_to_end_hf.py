@@ -14,7 +14,7 @@ import torch
 from fakes import spec
 from ray_env import local_cluster, service_client
 
-from meridian.api.cli import main
+from meridian.cli.main import main
 from meridian.workers.contracts.config import DataConfig
 from meridian.workers.contracts.fields import from_plain
 from meridian.workers.data.shards import make_dataset

@@ -11,8 +11,8 @@ from fakes import submit
 from fastapi.testclient import TestClient
 
 from meridian.api.app import create_app
-from meridian.api.cli import main
 from meridian.api.server import serve_in_thread
+from meridian.cli.main import main
 
 
 def add_notes(store, job_id: str, n: int) -> None:

@@ -52,7 +52,7 @@ def test_export_of_a_job_whose_dataset_tokenizer_is_damaged_is_a_cli_error_not_a
     from dataclasses import replace
     from pydoc_data.topics import topics
 
-    import meridian.api.cli as cli
+    import meridian.cli.main as cli
     from meridian.workers.data.manifest import read_manifest
     from meridian.workers.data.prepare import PrepareOptions, prepare
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from processes import is_gone
 
-from meridian.service.cluster.lab import delay_line
+from meridian.lab import delay_line
 
 pytestmark = [
     pytest.mark.slow,
@@ -24,7 +24,7 @@ pytestmark = [
 ]
 
 NAME = f"test{os.getpid()}"
-CLI = [sys.executable, "-m", "meridian.api.cli", "lab"]
+CLI = [sys.executable, "-m", "meridian.cli.main", "lab"]
 RTT_MS = 21.0
 
 
@@ -112,7 +112,7 @@ def _wait_for(what: str, ok, timeout_s: float = 90.0):
 def test_a_killed_node_dies_whole_and_comes_back_with_the_same_ray_start(lab):
     """What ``bench recovery --cluster ray-start`` does to a node: its raylet and everything under it die at
     once, Ray notices on its own, and the node's ``ray start`` brings it back (a new node id)."""
-    from meridian.service.cluster.lab import lab as lab_mod
+    from meridian.lab import lab as lab_mod
 
     state = lab_mod.load_state(NAME)
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from meridian.service.cluster.lab import delay_line
+from meridian.lab import delay_line
 
 RTT_MS = 21.0
 needs_root = pytest.mark.skipif(os.geteuid() != 0 or not Path("/dev/net/tun").exists(),
@@ -23,7 +23,7 @@ needs_cc = pytest.mark.skipif(delay_line.c_compiler() is None, reason="no C comp
 @needs_root
 @pytest.mark.parametrize("line", [pytest.param("native", marks=needs_cc), "python"])
 def test_each_line_carries_the_link_with_its_delay_and_counts_what_it_forwarded(line):
-    from meridian.service.cluster.lab import lab
+    from meridian.lab import lab
 
     name = f"line{os.getpid()}{line[0]}"
     state = lab.up({"dc-a": 1, "dc-b": 1}, rtt_ms=RTT_MS, gbps=1.0, name=name, ray=False, line=line)
@@ -65,7 +65,7 @@ def test_auto_falls_back_to_python_saying_why_and_native_refuses(tmp_path, monke
         monkeypatch.delenv("CC", raising=False)
     tuns = [("mrd-dc-a", "mrd-tun-a"), ("mrd-dc-b", "mrd-tun-b")]
     cmd, kind, why = delay_line.command(tuns, 10.5, "auto", tmp_path)
-    assert kind == "python" and cmd[1:3] == ["-m", "meridian.service.cluster.lab.delay_line"]
+    assert kind == "python" and cmd[1:3] == ["-m", "meridian.lab.delay_line"]
     assert "--delay-line python" in why and ("no C compiler" in why if compiler is None else compiler in why)
     with pytest.raises(delay_line.NativeLineUnavailable):
         delay_line.command(tuns, 10.5, "native", tmp_path)
@@ -81,7 +81,7 @@ def test_the_native_command_passes_the_one_way_delay_in_microseconds_and_each_da
 
 
 def test_a_network_command_that_is_missing_or_fails_says_which():
-    from meridian.service.cluster.lab import network
+    from meridian.lab import network
 
     with pytest.raises(network.NetworkError, match="iproute2"):
         network.sh(["/nonexistent/ip", "link"])
@@ -93,7 +93,7 @@ def test_a_network_command_that_is_missing_or_fails_says_which():
 def test_up_whose_network_fails_half_way_removes_what_it_made_and_says_why(monkeypatch):
     """Seen with a PATH without /usr/sbin: `ip netns exec … sysctl` failed after the first namespace existed, and
     `lab up` ended in a traceback instead of an error a person can act on."""
-    from meridian.service.cluster.lab import lab, network
+    from meridian.lab import lab, network
 
     real_create = network.create
 
@@ -112,7 +112,7 @@ def test_up_whose_network_fails_half_way_removes_what_it_made_and_says_why(monke
 
 @pytest.mark.parametrize("name", ["../etc/x", "a b", "", "-x", "x" * 33])
 def test_a_lab_name_that_is_not_a_plain_word_is_refused_before_anything_is_read_or_written(name):
-    from meridian.service.cluster.lab import lab
+    from meridian.lab import lab
 
     with pytest.raises(lab.LabError, match="letters, digits"):
         lab.state_path(name)
@@ -122,7 +122,7 @@ def test_a_lab_name_that_is_not_a_plain_word_is_refused_before_anything_is_read_
 @pytest.mark.parametrize(("kwargs", "says"), [({"cpus_per_node": 0}, "at least 1"), ({"mtu": 100}, "mtu must be"),
                                               ({"line": "fast"}, "choose one of")])  # fmt: skip
 def test_up_refuses_figures_that_cannot_make_a_lab_before_making_anything(kwargs, says):
-    from meridian.service.cluster.lab import lab
+    from meridian.lab import lab
 
     name = f"bad{os.getpid()}"
     with pytest.raises(lab.LabError, match=says):
@@ -134,7 +134,7 @@ def test_up_refuses_figures_that_cannot_make_a_lab_before_making_anything(kwargs
 def test_a_lab_whose_delay_line_died_says_so_instead_of_probing_into_silence():
     """Without the line every inter-DC packet is lost: a probe would wait out its timeout and a job's collectives
     theirs. `lab probe` refuses at once, naming the line's log, and `lab status` says the line is not running."""
-    from meridian.service.cluster.lab import lab
+    from meridian.lab import lab
 
     name = f"dead{os.getpid()}"
     state = lab.up({"dc-a": 1, "dc-b": 1}, rtt_ms=RTT_MS, gbps=1.0, name=name, ray=False)
@@ -152,7 +152,7 @@ def test_a_lab_whose_delay_line_died_says_so_instead_of_probing_into_silence():
 
 @needs_root
 def test_down_leaves_alone_a_process_that_took_a_dead_lines_pid():
-    from meridian.service.cluster.lab import lab
+    from meridian.lab import lab
 
     name = f"reuse{os.getpid()}"
     state = lab.up({"dc-a": 1, "dc-b": 1}, rtt_ms=RTT_MS, gbps=1.0, name=name, ray=False)
@@ -172,7 +172,7 @@ def test_down_leaves_alone_a_process_that_took_a_dead_lines_pid():
 
 @needs_root
 def test_down_if_up_removes_a_left_lab_and_is_quiet_when_there_is_none():
-    from meridian.service.cluster.lab import lab
+    from meridian.lab import lab
 
     name = f"left{os.getpid()}"
     lab.down_if_up(name)  # nothing there: nothing to do, no error

@@ -7,9 +7,9 @@ import struct
 
 import pytest
 
-from meridian.service.cluster.lab.delay_line import destination_index
-from meridian.service.cluster.lab.layout import HEAD_IP, LabLayout, LinkSpec
-from meridian.service.cluster.lab.network import datacenter_commands, tbf_args
+from meridian.lab.delay_line import destination_index
+from meridian.lab.layout import HEAD_IP, LabLayout, LinkSpec
+from meridian.lab.network import datacenter_commands, tbf_args
 
 
 def _ipv4(dst: str) -> bytes:
@@ -67,7 +67,7 @@ def test_token_bucket_burst_is_two_ms_of_traffic_but_never_below_a_tso_segment()
 def test_lab_nodes_offer_no_gpus_so_a_gpu_host_is_not_counted_once_per_node(monkeypatch):
     """Every lab node shares the host's GPUs; Ray would detect them on each node, and a job planned for GPUs
     would put several NCCL ranks on one device. The lab rehearses the network: its head and nodes are CPU-only."""
-    from meridian.service.cluster.lab import lab as lab_mod
+    from meridian.lab import lab as lab_mod
 
     started: list[list[str]] = []
     monkeypatch.setattr(lab_mod, "_run_ray", lambda cmd, env: started.append(cmd))
@@ -88,7 +88,7 @@ def test_kill_stops_what_ignores_sigterm_after_the_grace_and_reaps_its_own_child
     import time
     from pathlib import Path
 
-    from meridian.service.cluster.lab import lab as lab_mod
+    from meridian.lab import lab as lab_mod
 
     stubborn = subprocess.Popen([sys.executable, "-c", "import signal, sys, time; "
                                  "signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); time.sleep(60)"],

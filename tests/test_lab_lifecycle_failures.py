@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from meridian.api.cli import main as cli_main
-from meridian.service.cluster.lab import lab, network
-from meridian.service.cluster.lab.layout import LabLayout, LinkSpec
+from meridian.cli.main import main as cli_main
+from meridian.lab import lab, network
+from meridian.lab.layout import LabLayout, LinkSpec
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0 or not Path("/dev/net/tun").exists(),
                                 reason="the lab creates network namespaces and TUN devices: run the tests as root")  # fmt: skip
@@ -164,7 +164,7 @@ def test_down_while_up_runs_is_refused_and_leaves_up_to_finish(fake_host, monkey
 
 
 def test_the_lock_of_an_up_killed_by_sigkill_does_not_outlive_it(fake_host):
-    code = ("import sys, time; from pathlib import Path; from meridian.service.cluster.lab import lab; "
+    code = ("import sys, time; from pathlib import Path; from meridian.lab import lab; "
             f"lab.STATE_DIR = Path({str(lab.STATE_DIR)!r}); "
             "cm = lab._locked('up'); cm.__enter__(); print('held', flush=True); time.sleep(60)")  # fmt: skip
     holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
@@ -269,7 +269,7 @@ def test_a_dead_delay_line_is_explained_by_its_own_words_not_an_earlier_labs():
 def test_ctrl_c_during_a_real_up_removes_everything_and_says_so_in_json():
     """Ctrl-C (SIGINT to the terminal's process group) once the network and the delay line are up and Ray starts."""
     name = f"lc{os.getpid()}d"
-    cmd = [sys.executable, "-m", "meridian.api.cli", "lab", "up", "--name", name, "--datacenters", "dc-a:1,dc-b:1",
+    cmd = [sys.executable, "-m", "meridian.cli.main", "lab", "up", "--name", name, "--datacenters", "dc-a:1,dc-b:1",
            "--json"]  # fmt: skip
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
                          env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"},
@@ -370,9 +370,9 @@ def test_down_stops_a_delay_line_whose_pid_an_interrupted_up_never_recorded(fake
     tuns = json.dumps([["mrd-dc-a", "mrdt0"], ["mrd-dc-b", "mrdt1"]])
     other = json.dumps([["mrd-dc-a", "mrdt0"], ["mrd-dc-c", "mrdt1"]])
     sleep = "import time; time.sleep(60)"
-    ours = subprocess.Popen([sys.executable, "-c", sleep, "-m", "meridian.service.cluster.lab.delay_line", "--tuns",
+    ours = subprocess.Popen([sys.executable, "-c", sleep, "-m", "meridian.lab.delay_line", "--tuns",
                              tuns])  # fmt: skip
-    theirs = subprocess.Popen([sys.executable, "-c", sleep, "-m", "meridian.service.cluster.lab.delay_line",
+    theirs = subprocess.Popen([sys.executable, "-c", sleep, "-m", "meridian.lab.delay_line",
                                "--tuns", other])  # fmt: skip
     try:
         assert state.delay_line_pid == 0

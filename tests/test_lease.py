@@ -80,7 +80,7 @@ def test_a_supervisor_whose_lease_was_taken_over_launches_nothing(two_stores, cl
 
 
 def test_meridian_serve_on_a_database_another_service_owns_exits_with_the_owner_named(tmp_path, capsys):
-    from meridian.api.cli import main as cli_main
+    from meridian.cli.main import main as cli_main
     from meridian.service.lease import Lease
 
     other = JobStore(f"sqlite:///{tmp_path / 'meridian.db'}")

@@ -167,8 +167,8 @@ def test_every_job_keeps_its_final_weights_and_export_writes_what_transformers_l
     from fakes import FakeService, spec
 
     from meridian.api.auth import AuthSettings
-    from meridian.api.cli import main
     from meridian.api.server import serve_in_thread
+    from meridian.cli.main import main
     from meridian.service.data_access import DataAccess
     from meridian.workers.state import checkpoint as ckpt_io
 

@@ -9,9 +9,9 @@ import pytest
 
 pytest.importorskip("torchft")
 
-from meridian.bench.cli import build_parser  # noqa: E402
 from meridian.bench.lowcomm import run  # noqa: E402
 from meridian.bench.sync import count_params  # noqa: E402
+from meridian.cli.bench import build_parser  # noqa: E402
 
 H = 4
 

@@ -43,7 +43,7 @@ def test_the_estimate_grows_with_the_micro_batch_as_the_measurement_does(gpu):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a host without CUDA")
 def test_bench_memory_refuses_a_host_without_cuda():
-    from meridian.bench.cli import main
+    from meridian.cli.bench import main
 
     assert main(["memory", "--json"]) == 1
 

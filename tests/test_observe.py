@@ -196,7 +196,7 @@ def test_service_metrics_count_requests_queue_and_states(store, supervisor, clus
 
 
 def test_cli_progress_bar_shows_eta_and_where_the_step_went():
-    from meridian.api.render import progress_line
+    from meridian.cli.render import progress_line
 
     job = {"state": "running", "message": "", "progress": {
         "step": 30, "total_steps": 120, "loss": 2.5, "tokens_per_s": 5000.0, "eta_s": 95.0, "step_s": 0.5,

@@ -33,7 +33,7 @@ pytestmark = [
 def _torchft_side(*args: str) -> dict[str, Any]:
     """One round of the torchft side, with short windows (these tests check the path a run takes, not its
     throughput): the report."""
-    cmd = [sys.executable, "-m", "meridian.api.cli", "bench", "recovery", "--json", "--sides", "torchft",
+    cmd = [sys.executable, "-m", "meridian.cli.main", "bench", "recovery", "--json", "--sides", "torchft",
            "--rounds", "1", "--kill-after-s", "5", *args]  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
                          env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})  # fmt: skip

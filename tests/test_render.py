@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from meridian.api.render import summary
+from meridian.cli.render import summary
 
 
 def job(**result):

@@ -34,7 +34,7 @@ def serving(tmp_path: Path, *extra: str, datacenters: str = "dc-a:1,dc-b:1"):
     port = free_port()
     log = open(tmp_path / "serve.log", "w")  # noqa: SIM115
     proc = subprocess.Popen(
-        [sys.executable, "-m", "meridian.api.cli", "serve", "--local-datacenters", datacenters,
+        [sys.executable, "-m", "meridian.cli.main", "serve", "--local-datacenters", datacenters,
          "--port", str(port), "--data-dir", str(tmp_path / "data"), *extra],
         stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"},
     )  # fmt: skip
@@ -129,7 +129,7 @@ def test_serve_on_postgresql_runs_a_job_to_the_end(tmp_path, postgres_server):
         assert artifacts["latest"].startswith(str(storage))
 
         second = subprocess.run(
-            [sys.executable, "-m", "meridian.api.cli", "serve", "--database-url", url, "--port", "1",
+            [sys.executable, "-m", "meridian.cli.main", "serve", "--database-url", url, "--port", "1",
              "--data-dir", str(tmp_path / "other"), "--local-datacenters", "dc-a:1"],
             capture_output=True, text=True, timeout=120, env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"},
         )  # fmt: skip

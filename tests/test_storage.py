@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from meridian.api.cli import main as cli_main
+from meridian.cli.main import main as cli_main
 from meridian.service.core import ServiceConfig, StorageUnusable
 
 

@@ -21,7 +21,7 @@ from sync_helpers import params_of
 from test_replica_state import STEPS, _shapes
 from test_sharded_checkpoint import _engine, trained_shard
 
-from meridian.api.cli import main as cli_main
+from meridian.cli.main import main as cli_main
 from meridian.service.artifacts import list_artifacts
 from meridian.service.core import ServiceConfig, StorageUnusable
 from meridian.workers.contracts.config import SyncStrategy

@@ -14,9 +14,9 @@ from fakes import submit
 
 from meridian.api import streams
 from meridian.api.auth import AuthSettings, create_token
-from meridian.api.cli import build_parser
 from meridian.api.errors import TooManyStreams
 from meridian.api.server import serve_in_thread
+from meridian.cli.main import build_parser
 
 SSE = {"Accept": "text/event-stream"}
 

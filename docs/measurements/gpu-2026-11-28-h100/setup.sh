@@ -24,7 +24,7 @@ if ! command -v ip >/dev/null || ! command -v tc >/dev/null; then
   mkdir -p /opt/iproute && cp .devrun/iproute/* /opt/iproute/
   for b in ip tc; do printf '#!/bin/sh\nLD_LIBRARY_PATH=/opt/iproute exec /opt/iproute/%s "$@"\n' $b > /usr/local/bin/$b; chmod +x /usr/local/bin/$b; done
 fi
-(cd /tmp && "$PY" -c 'import ray, fastapi, meridian.api.cli; print("ray", ray.__version__)') || exit 1
+(cd /tmp && "$PY" -c 'import ray, fastapi, meridian.cli.main; print("ray", ray.__version__)') || exit 1
 command -v meridian ray
 # Can this kernel host the lab? (namespaces, veth, tun, tbf)
 ip netns add mtest && ip link add mt0 type veth peer name mt1 && ip tuntap add dev mtun mode tun \

@@ -192,7 +192,7 @@ def command(tuns: list[tuple[str, str]], one_way_ms: float, kind: str, cache_dir
             if kind == "native":
                 raise
             why = str(e)
-    cmd = [sys.executable, "-m", "meridian.service.cluster.lab.delay_line", "--tuns", json.dumps(tuns),
+    cmd = [sys.executable, "-m", "meridian.lab.delay_line", "--tuns", json.dumps(tuns),
            "--one-way-ms", str(one_way_ms)] + ([] if offload else ["--no-offload"])  # fmt: skip
     return cmd, "python", why
 

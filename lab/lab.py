@@ -1,7 +1,7 @@
 """``meridian lab up | probe | status | down``: a multi-datacenter Ray cluster on one machine, over real TCP.
 
-``up`` builds the network (:mod:`~meridian.service.cluster.lab.network`), starts the delay line
-(:mod:`~meridian.service.cluster.lab.delay_line`), a Ray head in the host namespace (no CPUs: the control
+``up`` builds the network (:mod:`~meridian.lab.network`), starts the delay line
+(:mod:`~meridian.lab.delay_line`), a Ray head in the host namespace (no CPUs: the control
 plane, and where ``meridian serve --address`` connects) and one Ray node per lab node inside its datacenter's
 namespace, labelled ``datacenter=<name>``, with ``GLOO_SOCKET_IFNAME`` set to the namespace's device. Each
 step is written to the lab's state file before it is taken, so ``down`` removes exactly what ``up`` made
@@ -24,8 +24,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from meridian.service.cluster.lab import delay_line, network
-from meridian.service.cluster.lab.layout import HEAD_IP, LabDatacenter, LabLayout, LabNode, LinkSpec
+from meridian.lab import delay_line, network
+from meridian.lab.layout import HEAD_IP, LabDatacenter, LabLayout, LabNode, LinkSpec
 
 STATE_DIR = Path("/run/meridian-lab")
 RAY_PORT = 6390
@@ -493,7 +493,7 @@ def _delay_lines_of(state: LabState) -> list[int]:
         argv = [a.decode(errors="replace") for a in raw if a]
         if argv and Path(argv[0]).name.startswith("delay-line-"):  # <binary> <one-way µs> <offload> (ns dev)...
             carried = set(argv[3::2])
-        elif "meridian.service.cluster.lab.delay_line" in argv and "--tuns" in argv[:-1]:
+        elif "meridian.lab.delay_line" in argv and "--tuns" in argv[:-1]:
             try:
                 carried = {ns for ns, _ in json.loads(argv[argv.index("--tuns") + 1])}
             except (ValueError, TypeError):
@@ -584,12 +584,12 @@ def probe(name: str = "lab", *, bulk_mb: float = 64, pings: int = 20, timeout_s:
     for dst in lay.datacenters[1:]:
         port = 29000 + dst.index
         server = subprocess.Popen(network.in_ns(dst.netns, [
-            sys.executable, "-m", "meridian.service.cluster.lab.tcp_probe", "serve", "--host", dst.nodes[0].ip,
+            sys.executable, "-m", "meridian.lab.tcp_probe", "serve", "--host", dst.nodes[0].ip,
             "--port", str(port), "--timeout-s", str(timeout_s)]), stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
         try:
             before = network.link_bytes(src.netns, src.tun)
             out = subprocess.run(network.in_ns(src.netns, [
-                sys.executable, "-m", "meridian.service.cluster.lab.tcp_probe", "measure", "--host",
+                sys.executable, "-m", "meridian.lab.tcp_probe", "measure", "--host",
                 dst.nodes[0].ip, "--port", str(port), "--source", src.nodes[0].ip, "--pings", str(pings),
                 "--bulk-mb", str(bulk_mb), "--timeout-s", str(timeout_s)]),
                 capture_output=True, text=True, timeout=timeout_s * 2)  # fmt: skip

@@ -3,7 +3,7 @@
 Every datacenter is a network namespace. Its nodes are addresses on the namespace's end of a veth pair
 whose other end is in the host namespace (the management path to the Ray head, unshaped: a control plane
 sits next to every datacenter). Datacenters reach each other only through a TUN device in each namespace,
-whose packets a delay line (:mod:`meridian.service.cluster.lab.delay_line`) holds for the one-way delay and
+whose packets a delay line (:mod:`meridian.lab.delay_line`) holds for the one-way delay and
 hands to the destination datacenter's TUN; the kernel's ``tbf`` on each TUN sets the rate.
 
 Addresses come from 198.18.0.0/15, the range RFC 2544 sets aside for network benchmarks, so they never

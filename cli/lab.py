@@ -1,4 +1,4 @@
-"""``meridian lab``: the CLI of the network lab (:mod:`meridian.service.cluster.lab.lab`).
+"""``meridian lab``: the CLI of the network lab (:mod:`meridian.lab.lab`).
 
 ``up`` prints the Ray address to give ``meridian serve --address``; ``probe`` measures the inter-DC link
 with real TCP; ``status`` shows what is up; ``down`` removes exactly what ``up`` made. Each takes ``--json``.
@@ -11,8 +11,8 @@ import json
 import sys
 from typing import Any
 
-from meridian.api.cli_errors import local_problem, report
-from meridian.service.cluster.lab import delay_line
+from meridian.cli.errors import local_problem, report
+from meridian.lab import delay_line
 
 
 def add_lab_parser(sub: Any) -> None:
@@ -48,8 +48,8 @@ def _emit(args: argparse.Namespace, data: Any, text: str) -> int:
 
 
 def cmd_lab_up(args: argparse.Namespace) -> int:
+    from meridian.lab import lab
     from meridian.service.cluster.connect import parse_datacenters
-    from meridian.service.cluster.lab import lab
 
     state = lab.up(parse_datacenters(args.datacenters), rtt_ms=args.rtt_ms, gbps=args.gbps, name=args.name,
                    cpus_per_node=args.cpus_per_node, mtu=args.mtu, line=args.delay_line)  # fmt: skip
@@ -65,7 +65,7 @@ def cmd_lab_up(args: argparse.Namespace) -> int:
 
 
 def cmd_lab_probe(args: argparse.Namespace) -> int:
-    from meridian.service.cluster.lab import lab
+    from meridian.lab import lab
 
     r = lab.probe(args.name, bulk_mb=args.bulk_mb)
     lines = [f"{x['src']} → {x['dst']}: RTT {x['rtt_ms']:.2f} ms (min {x['rtt_min_ms']:.2f}), "
@@ -76,7 +76,7 @@ def cmd_lab_probe(args: argparse.Namespace) -> int:
 
 
 def cmd_lab_status(args: argparse.Namespace) -> int:
-    from meridian.service.cluster.lab import lab
+    from meridian.lab import lab
 
     s = lab.status(args.name)
     nodes = ", ".join(f"{n['ip']} ({n['labels'].get('datacenter', 'head')})" for n in s["alive_nodes"])
@@ -91,7 +91,7 @@ def cmd_lab_status(args: argparse.Namespace) -> int:
 
 
 def cmd_lab_down(args: argparse.Namespace) -> int:
-    from meridian.service.cluster.lab import lab
+    from meridian.lab import lab
 
     r = lab.down(args.name)
     text = (f"lab {args.name!r} removed: {r['ray_processes_stopped']} Ray processes stopped, namespaces "
@@ -111,7 +111,7 @@ def cmd_lab_down(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from meridian.service.cluster.lab.lab import InvalidLab, LabError
+    from meridian.lab.lab import InvalidLab, LabError
 
     as_json = bool(getattr(args, "json", False))
     try:
@@ -130,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def lab_state_exists(name: str) -> bool:
-    from meridian.service.cluster.lab.lab import LabError, state_path
+    from meridian.lab.lab import LabError, state_path
 
     try:
         return state_path(name).exists()

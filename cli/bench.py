@@ -14,7 +14,7 @@ import os
 import sys
 from collections.abc import Iterator
 
-from meridian.api.cli_errors import local_problem, report
+from meridian.cli.errors import local_problem, report
 
 # name → module (imported lazily: a benchmark's heavy imports only load when it runs)
 BENCHMARKS: dict[str, str] = {

@@ -12,7 +12,7 @@ import json
 import sys
 from typing import Any
 
-from meridian.api.cli_errors import local_problem, report
+from meridian.cli.errors import local_problem, report
 
 
 def add_data_parser(sub: Any) -> None:

@@ -1,6 +1,6 @@
 """Create and remove the lab's namespaces, links, addresses, routes and rate limits with ``ip`` and ``tc``.
 
-Everything made here is named from :mod:`meridian.service.cluster.lab.layout` (the ``mrd`` prefix) and
+Everything made here is named from :mod:`meridian.lab.layout` (the ``mrd`` prefix) and
 listed in the lab's state, so removal deletes exactly that: a namespace takes its veth end, TUN and qdisc
 with it, and the host end of a veth goes with its peer. Needs root (CAP_NET_ADMIN).
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import subprocess
 from collections.abc import Callable
 
-from meridian.service.cluster.lab.layout import HEAD_IP, LabDatacenter, LabLayout
+from meridian.lab.layout import HEAD_IP, LabDatacenter, LabLayout
 
 Run = Callable[[list[str]], None]
 

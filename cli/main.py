@@ -2,7 +2,7 @@
 
 Every verb that prints takes ``--json`` for scripts. Errors print the service's ``detail`` on stderr and exit 1
 (2 for bad input or command-line usage), never a traceback; with ``--json`` they also print ``{"error": PROBLEM}``
-on stdout, the service's RFC 9457 problem or one of its shape (:mod:`meridian.api.cli_errors`).
+on stdout, the service's RFC 9457 problem or one of its shape (:mod:`meridian.cli.errors`).
 """
 
 from __future__ import annotations
@@ -16,15 +16,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from meridian.api import render
-from meridian.api.cli_errors import CliError, local_problem, report
+from meridian.api.client import TERMINAL_STATES as TERMINAL
 from meridian.api.client import ApiError, Client
-from meridian.api.data_cli import add_data_parser
-from meridian.api.data_cli import run as run_data
-from meridian.api.lab_cli import add_lab_parser
-from meridian.api.lab_cli import run as run_lab
-
-TERMINAL = {"succeeded", "failed", "cancelled"}
+from meridian.cli import render
+from meridian.cli.data import add_data_parser
+from meridian.cli.data import run as run_data
+from meridian.cli.errors import CliError, local_problem, report
+from meridian.cli.lab import add_lab_parser
+from meridian.cli.lab import run as run_lab
 
 
 def default_token_file() -> str:
@@ -498,7 +497,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:
-        from meridian.bench.cli import main as bench_main
+        from meridian.cli.bench import main as bench_main
 
         return bench_main(argv[1:])
     args = build_parser().parse_args(argv)

@@ -13,14 +13,9 @@ import json
 import sys
 from typing import Any
 
-PROBLEM_TYPE = "urn:meridian:problem:"
-"""The prefix of every problem's ``type``, the service's and the CLI's (``api.errors.problem_body``)."""
+from meridian.api.problems import local_problem
 
-
-def local_problem(kind: str, title: str, detail: str, **extra: Any) -> dict[str, Any]:
-    """A problem found on this side of the API; ``kind`` is a slug (``service-unreachable``)."""
-    return {"type": PROBLEM_TYPE + kind, "title": title, "detail": detail, **extra}
-
+__all__ = ["CliError", "local_problem", "report"]
 
 def report(as_json: bool, problem: dict[str, Any], exit_code: int) -> int:
     """Print ``problem`` (stderr for a person; stdout as JSON with ``as_json``) and return ``exit_code``."""

@@ -1,0 +1,5 @@
+import sys
+
+from meridian.cli.main import main
+
+sys.exit(main())
