@@ -26,6 +26,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from meridian.workers.contracts.config import TrainConfig
 from meridian.workers.data.shards import Dataset
@@ -33,7 +34,7 @@ from meridian.workers.distributed.layout import DCGroups, DCLayout
 from meridian.workers.loop.precision import autocast_context
 from meridian.workers.loop.prepared import initial_model
 from meridian.workers.model.gpt import per_sample_loss
-from meridian.workers.sync.build import GradientSync, build_sync
+from meridian.workers.sync.build import GradientSync, build_sync, runs_on_fsdp
 from meridian.workers.wan.collectives import WanEmulator, agree_key, cleanup
 from meridian.workers.wan.file_names import job_key_prefix
 
@@ -105,9 +106,10 @@ class Replica(ABC):
         return 0
 
     def parameters(self) -> dict[str, torch.Tensor]:
-        """CPU copies of this rank's parameters (synchronize the engine first)."""
+        """CPU copies of this rank's parameters, whole where they are sharded (synchronize the engine first;
+        collective inside the DC then: every rank calls it)."""
         assert self.model is not None
-        return {name: p.detach().cpu().clone() for name, p in self.model.named_parameters()}
+        return {name: _whole(p).detach().cpu().clone() for name, p in self.model.named_parameters()}
 
     def close(self, *, ok: bool) -> None:
         """The one clean-up path: after the last step (``ok``) or after a failure, whatever was built so far."""
@@ -135,13 +137,19 @@ class Replica(ABC):
             cleanup(self.key)
 
 
+def _whole(p: torch.Tensor) -> torch.Tensor:
+    """``p`` itself, or the whole tensor of a sharded (DTensor) parameter."""
+    return p.full_tensor() if isinstance(p, DTensor) else p
+
+
 class DataParallelReplica(Replica):
     """The whole model on every rank; the engine syncs gradients over all of them (:mod:`meridian.workers.sync`)."""
 
     def build(self) -> None:
         cfg, m = self.cfg, self.m
         layout = DCLayout(m.datacenters)
-        self.groups = groups = DCGroups(layout, m.rank)
+        # FSDP2's inter-DC pieces are its own (per parameter row): it makes the groups for them
+        self.groups = groups = DCGroups(layout, m.rank, segment_groups=not runs_on_fsdp(cfg.sync))
         self.model = initial_model(cfg.model, cfg.seed).to(self.device)  # built ahead by a standby, or now
         emulator = None
         if cfg.wan is not None and layout.num_dcs > 1:  # every inter-DC collective waits for the emulated link
