@@ -23,11 +23,10 @@ def dc_mesh(group: dist.ProcessGroup, device: torch.device) -> DeviceMesh:
 
 
 def transformer_blocks(model: nn.Module) -> Sequence[nn.Module]:
-    """The model's repeated blocks, each its own FSDP unit (and, later, its own checkpointed/compiled region)."""
+    """The model's repeated blocks (its ``blocks`` ModuleList), each its own FSDP unit; none: the model is one
+    unit."""
     blocks = getattr(model, "blocks", None)
-    if not isinstance(blocks, nn.ModuleList):
-        raise TypeError(f"{type(model).__name__} has no ModuleList of blocks named 'blocks' to shard one by one")
-    return list(blocks)
+    return list(blocks) if isinstance(blocks, nn.ModuleList) else []
 
 
 def apply_fsdp(

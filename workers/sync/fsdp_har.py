@@ -10,20 +10,35 @@ communicate nothing)::
                      # 2) all-reduce the shard across DCs  FSDP2's all-reduce hook: each piece of those rows with
                      #                                      its holders in the other DCs, chunked, all in flight,
                      #                                      through InterDCComm (compression, bytes, WAN emulation)
-    step(lr)         wait for 2); clip (the norm of the local shards, summed in the DC) and AdamW, both on this
-                     rank's shard only
+    step(lr)         wait for 2); clip (one norm, the same bits in every DC) and AdamW, on this rank's rows only
                      # 3) all-gather inside the DC         FSDP2, at the next forward: the updated parameters
 
 Only step 2 crosses the slow link, carrying this rank's rows (1/N of the model for N ranks in its DC), once.
-Parameters, gradients and optimizer state live sharded inside a DC and replicated across DCs: a whole replica of
+Parameters, gradients and optimizer state are sharded inside a DC and replicated across DCs: a whole replica of
 the state in every datacenter, which is what recovery rebuilds from (:mod:`meridian.workers.state.replica_state`).
-Datacenters of any sizes: the pieces and their holders come from :mod:`meridian.workers.distributed.shard_rows`.
-With ``overlap`` off, step 2 starts in ``step`` instead of during backward (what overlap saves is measured by
-running both).
+Datacenters of any sizes (:mod:`meridian.workers.sync.shard_exchange`). With ``overlap`` off, step 2 starts in
+``step`` instead of during backward.
 
-The optimizer is torch's AdamW over the plain local tensors of the shards (fused on CUDA), so its state is
-exactly this rank's rows: ``(parameter, start, stop)`` element ranges of each flattened parameter, the form
-snapshots, the survivors' exchange and durable checkpoints already speak.
+With ``delay_one_step`` step t's sum runs behind the whole of step t+1 (forward included) and step t+1 applies
+it: every replica still applies the exact global-batch gradient of every step, in order, one step late (step 0
+applies none; a snapshot or re-formation drops the sum in flight). With ``local_lookahead`` as well, step t+1
+does not compute at stale parameters::
+
+    step(lr) at step t
+        step t's sum started (backward), this rank's DC-summed rows kept (before step 2)
+        commit: wait for step t-1's sum; AdamW on the committed fp32 rows with it (step t-1's lr)
+        look ahead: parameters <- AdamW(committed, DC-summed rows × ranks / DC ranks), moments untouched
+    synchronize()
+        land the sum in flight, commit it, parameters <- committed: nothing is dropped
+
+The first ``lookahead_after`` steps sync exactly; with ``lookahead_when_exposed`` (armed) the look-ahead takes
+over only if the exact steps before waited for the sync and a trial of it stepped faster
+(:mod:`meridian.workers.sync.lookahead_decision`).
+
+The optimizer is torch's AdamW over plain tensors of this rank's rows (fused on CUDA): the FSDP2 shards' own
+local tensors, or with the look-ahead their committed fp32 copies. Its state is exactly ``(parameter, start,
+stop)`` element ranges of each flattened parameter, the form snapshots, the survivors' exchange and durable
+checkpoints speak.
 """
 
 from __future__ import annotations
@@ -36,11 +51,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 
-from meridian.workers.contracts.config import Compression, OptimConfig, SyncConfig
-from meridian.workers.distributed.layout import DCGroups, Segment
-from meridian.workers.distributed.shard_rows import chunk_rows, pieces, rows_of
+from meridian.workers.contracts.config import Compression, OptimConfig, SyncConfig, lookahead_start
+from meridian.workers.distributed.layout import DCGroups
 from meridian.workers.optim.adamw import (
     FULL_STATE_FORMAT,
     MOMENTS,
@@ -50,6 +63,7 @@ from meridian.workers.optim.adamw import (
     set_lr,
     step_counter,
 )
+from meridian.workers.optim.lookahead import lookahead_adamw
 from meridian.workers.parallel.fsdp import apply_fsdp, dc_mesh
 from meridian.workers.state.replica_state import (
     FeedbackShard,
@@ -60,84 +74,28 @@ from meridian.workers.state.replica_state import (
     piece_of,
 )
 from meridian.workers.sync.engine import GradientSync, StepStats, broadcast_parameters
-from meridian.workers.sync.har import chunk_views
-from meridian.workers.sync.inter_dc import CommHandle, InterDCComm
+from meridian.workers.sync.inter_dc import InterDCComm
+from meridian.workers.sync.lookahead_decision import LookaheadChooser, LookaheadDecision
+from meridian.workers.sync.shard_exchange import (
+    Flight,
+    NormPlan,
+    ShardParam,
+    Unit,
+    describe_units,
+    plan_exchanges,
+)
 from meridian.workers.wan.emulator import WanEmulator
 
 
 @dataclass
-class _Param:
-    """One parameter of an FSDP unit, as this rank holds it."""
+class _Sync:
+    """One step's gradient sum: each unit's reduce-scatter output and its exchanges in flight."""
 
-    name: str
-    param: nn.Parameter
-    """The sharded parameter (a DTensor)."""
-    local: torch.Tensor
-    """Its local rows, a plain tensor (what the optimizer updates in place)."""
-    rows: tuple[int, int]
-    """Rows ``[lo, hi)`` of dim 0 this rank holds."""
-    row_numel: int
-    offset: int
-    """First element of this parameter's padded rows in the unit's reduce-scatter output."""
-
-    @property
-    def start(self) -> int:
-        return self.rows[0] * self.row_numel
-
-    @property
-    def stop(self) -> int:
-        return self.rows[1] * self.row_numel
-
-
-@dataclass
-class _Exchange:
-    """What this rank sums with one tuple of holders, one per datacenter, for one unit."""
-
-    segment: Segment
-    """Its holders (``owners``, world ranks in datacenter order); ``lo``/``hi``: the unit, naming it."""
-    group: dist.ProcessGroup
-    spans: list[tuple[int, int]]
-    """Element ranges ``[a, b)`` of the unit's reduce-scatter output, in parameter order, merged where adjacent."""
-    buf: torch.Tensor | None = None
-    handles: list[CommHandle] = field(default_factory=list)
-
-    def start(self, reduced: torch.Tensor, comm: InterDCComm, chunk_bytes: float, unit: int) -> None:
-        if len(self.spans) == 1:  # one range: summed where it lies, no copy
-            a, b = self.spans[0]
-            self.buf = reduced[a:b]
-        else:
-            self.buf = torch.cat([reduced[a:b] for a, b in self.spans])
-        self.handles = [comm.all_reduce_async(chunk, self.group, self.segment, key=(unit, c))
-                        for c, chunk in enumerate(chunk_views(self.buf, chunk_bytes))]  # fmt: skip
-
-    def finish(self, reduced: torch.Tensor) -> None:
-        for h in self.handles:
-            h.wait()
-        self.handles = []
-        assert self.buf is not None
-        if len(self.spans) > 1:
-            at = 0
-            for a, b in self.spans:
-                reduced[a:b].copy_(self.buf[at : at + b - a])
-                at += b - a
-        self.buf = None
-
-
-@dataclass
-class _Unit:
-    index: int
-    module: FSDPModule
-    params: list[_Param]
-    exchanges: list[_Exchange] = field(default_factory=list)
-    reduced: torch.Tensor | None = None
-    """The last reduce-scatter output, until ``step`` has landed it in the gradients."""
-
-
-def _fsdp_params(unit: FSDPModule) -> list[Any]:
-    """The FSDP params of ``unit`` in reduce-scatter order (torch keeps them on the unit's param group; there is no
-    public accessor)."""
-    group = unit._get_fsdp_state()._fsdp_param_group
-    return [] if group is None else list(group.fsdp_params)
+    reduced: dict[int, torch.Tensor] = field(default_factory=dict)
+    flights: dict[int, list[Flight]] = field(default_factory=dict)
+    local: dict[int, torch.Tensor] = field(default_factory=dict)
+    """Look-ahead: each unit's rows as summed inside the DC, before step 2."""
+    started_at: float | None = None
 
 
 class FSDPHierarchicalSync(GradientSync):
@@ -155,85 +113,56 @@ class FSDPHierarchicalSync(GradientSync):
         grad_scale: float = 1.0,
         reshard_after_forward: bool = True,
     ) -> None:
-        if sync.delay_one_step or sync.local_lookahead:
-            raise ValueError("delay_one_step and local_lookahead run on the flat-bucket engine, not on FSDP2")
         self.groups, self.optim_cfg = groups, optim
         self.grad_scale = grad_scale
         self.overlap = sync.overlap
         self.chunk_bytes = sync.inter_dc_chunk_mb * 2**20
+        self.delayed, self.lookahead = sync.delay_one_step, sync.local_lookahead
+        if grad_scale != 1.0 and self.delayed:
+            raise ValueError("grad_scale applies to an exact (not delay_one_step) sync only")
         device = next(model.parameters()).device
         if broadcast_params:  # every replica starts from the same weights (whole, before sharding)
             broadcast_parameters(model, src=groups.world_ranks[0], group=groups.world)
-        self.mesh = dc_mesh(groups.intra_dc, device)
-        fsdp_units = apply_fsdp(model, self.mesh, reshard_after_forward=reshard_after_forward)
+        fsdp_units = apply_fsdp(model, dc_mesh(groups.intra_dc, device), reshard_after_forward=reshard_after_forward)
         self.model = model
         self.root = fsdp_units[-1]
         self.comm = InterDCComm(sync.compression, emulator=emulator)
-        self.units = self._describe(model, fsdp_units)
+        self.units: list[Unit] = describe_units(model, fsdp_units, groups)
         if groups.num_dcs > 1:
-            self._plan_exchanges()
+            plan_exchanges(self.units, groups)
+        self.norms = NormPlan(self.units, groups)
         for unit in self.units:
             unit.module.set_all_reduce_hook(lambda reduced, unit=unit: self._reduced(unit, reduced))
-        named = [(p.name, p.local) for u in self.units for p in u.params]
-        self.params = [p for u in self.units for p in u.params]
+        self.params: list[ShardParam] = [p for u in self.units for p in u.params]
+        # The optimizer's tensors: the shards' own rows, or (look-ahead) their committed fp32 copies.
+        self.tensors = [p.local.detach().clone() if self.lookahead else p.local for p in self.params]
+        named = [(p.name, t) for p, t in zip(self.params, self.tensors, strict=True)]
         self.optimizer = make_adamw(param_groups(named, model, optim), optim)
+        self._decay = {id(t): g["weight_decay"] for g in self.optimizer.param_groups for t in g["params"]}
         self.steps = 0
-        """Optimizer steps taken (AdamW's bias-correction count)."""
-        self._started_at: float | None = None
+        """Committed optimizer steps (AdamW's bias-correction count)."""
+        self.clip_coef: torch.Tensor | None = None
+        """The clipping coefficient of the last committed update (the look-ahead clips with it)."""
+        self.exact_first = lookahead_start(sync.lookahead_after, optim.warmup_steps) if self.lookahead else 0
+        self.chooser = (LookaheadChooser(sync.lookahead_when_exposed, self.exact_first)
+                        if self.lookahead and sync.lookahead_when_exposed is not None else None)
+        self._scale = len(groups.world_ranks) / groups.dc_size
+        """Look-ahead: a DC's sum → an estimate of the global-batch sum (samples split evenly over ranks)."""
+        self._current = _Sync()
+        """The sum the backward under way starts."""
+        self._in_flight: _Sync | None = None
+        """One step late: the sum the last ``step`` started and the next applies."""
+        self._in_flight_lr = 0.0
 
-    # -- layout ------------------------------------------------------------------------------------------
-
-    def _describe(self, model: nn.Module, fsdp_units: list[FSDPModule]) -> list[_Unit]:
-        names = {id(p): n for n, p in model.named_parameters()}
-        n, k = self.groups.dc_size, self.groups.dc_rank
-        units = []
-        for i, module in enumerate(fsdp_units):
-            params, offset = [], 0
-            for fp in _fsdp_params(module):
-                size = fp._orig_size
-                n0, row_numel = (size[0], math.prod(size[1:])) if len(size) else (1, 1)
-                param = fp.sharded_param
-                local = param.data.to_local()
-                rows = rows_of(n0, n, k)
-                if local.numel() != (rows[1] - rows[0]) * row_numel:
-                    raise AssertionError(f"{names[id(param)]}: FSDP holds {local.numel()} elements here, "
-                                         f"rows {rows} of {tuple(size)} would be {(rows[1] - rows[0]) * row_numel}")
-                params.append(_Param(names[id(param)], param, local, rows, row_numel, offset))
-                offset += chunk_rows(n0, n) * row_numel
-            if params:
-                units.append(_Unit(i, module, params))
-        return units
-
-    def _plan_exchanges(self) -> None:
-        """For every unit, the pieces of this rank's rows and who holds each in the other DCs; the groups of every
-        holder tuple of the model (every rank creates all of them, in the same order)."""
-        layout = self.groups.layout
-        sizes = [len(layout.ranks_in(dc)) for dc in layout.dcs]
-        me = layout.dcs.index(self.groups.dc)
-        holders_of = [[layout.ranks_in(dc)[i] for i in range(s)] for dc, s in zip(layout.dcs, sizes, strict=True)]
-        mine: dict[int, dict[tuple[int, ...], list[tuple[int, int]]]] = {}
-        every: set[tuple[int, ...]] = set()
-        for unit in self.units:
-            for p in unit.params:
-                n0 = p.param.shape[0] if p.param.dim() else 1
-                for piece in pieces(n0, sizes):
-                    owners = tuple(holders_of[d][h] for d, h in enumerate(piece.holders))
-                    every.add(owners)
-                    if piece.holders[me] != self.groups.dc_rank:
-                        continue
-                    a = p.offset + (piece.lo - p.rows[0]) * p.row_numel
-                    spans = mine.setdefault(unit.index, {}).setdefault(owners, [])
-                    b = a + (piece.hi - piece.lo) * p.row_numel
-                    if spans and spans[-1][1] == a:
-                        spans[-1] = (spans[-1][0], b)
-                    else:
-                        spans.append((a, b))
-        groups = self.groups.owner_groups(sorted(every))
-        me_world = self.groups.rank
-        for unit in self.units:
-            for owners, spans in sorted(mine.get(unit.index, {}).items()):
-                assert me_world in owners
-                unit.exchanges.append(_Exchange(Segment(unit.index, unit.index, owners), groups[owners], spans))
+    @property
+    def late(self) -> bool:
+        """Whether this step's sum is applied one step late (``delay_one_step``, after the exact first steps;
+        armed, during the trial and once the look-ahead was kept)."""
+        if not self.delayed:
+            return False
+        if self.chooser is not None:
+            return self.chooser.lookahead
+        return self.steps >= self.exact_first
 
     # -- one step ----------------------------------------------------------------------------------------
 
@@ -243,72 +172,141 @@ class FSDPHierarchicalSync(GradientSync):
         self.root.set_requires_gradient_sync(last_micro_batch)
         loss.backward()
 
-    def _reduced(self, unit: _Unit, reduced: torch.Tensor) -> None:
-        """FSDP2's all-reduce hook: ``reduced`` holds this rank's DC-summed rows of the unit (padded)."""
-        unit.reduced = reduced
+    def _reduced(self, unit: Unit, reduced: torch.Tensor) -> None:
+        """FSDP2's all-reduce hook: ``reduced`` holds this rank's DC-summed rows of ``unit`` (padded)."""
+        sync = self._current
+        sync.reduced[unit.index] = reduced
+        if self.lookahead and self.late:  # step 2 sums in place: keep this DC's own sum for the look-ahead
+            sync.local[unit.index] = reduced.clone()
         if self.overlap:
-            self._start(unit)
+            self._start(sync, unit)
 
-    def _start(self, unit: _Unit) -> None:
-        assert unit.reduced is not None
-        if self._started_at is None:
-            self._started_at = time.perf_counter()
-        for x in unit.exchanges:
-            x.start(unit.reduced, self.comm, self.chunk_bytes, unit.index)
+    def _start(self, sync: _Sync, unit: Unit) -> None:
+        if sync.started_at is None:
+            sync.started_at = time.perf_counter()
+        sync.flights[unit.index] = [x.start(sync.reduced[unit.index], self.comm, self.chunk_bytes)
+                                    for x in unit.exchanges]  # fmt: skip
 
     def step(self, lr: float, *, snapshot_as: int | None = None) -> StepStats:
         t0 = time.perf_counter()
+        current, self._current = self._current, _Sync()
+        missing = [u.index for u in self.units if u.index not in current.reduced]
+        if missing:
+            raise RuntimeError(f"step() without the last micro-batch's backward: units {missing} reduced nothing")
+        if not self.overlap:
+            for unit in self.units:
+                self._start(current, unit)
+        deciding = self.chooser is not None and self.chooser.decision is None
+        if deciding:
+            assert self.chooser is not None
+            self.chooser.due_at(self.steps)  # fixed at the first step, after any restore
+        late = self.late
+        apply = current
+        commit_lr = lr
+        if late:
+            commit_lr = self._in_flight_lr if self.lookahead else lr
+            self._in_flight_lr = lr
+            apply, self._in_flight = self._in_flight, current
+        comm_s = exposed_s = 0.0
+        norm = torch.zeros((), device=self.params[0].local.device)
+        if apply is not None:
+            started = apply.started_at if apply.started_at is not None else t0
+            w0 = time.perf_counter()
+            self._land(apply)
+            done = time.perf_counter()
+            exposed_s = done - w0
+            comm_s = done - started if self.groups.num_dcs > 1 else 0.0
+            norm = self._commit(commit_lr, write_params=not (self.lookahead and late))
+        shard = self.local_shard(snapshot_as) if snapshot_as is not None else None
+        if self.lookahead and late:
+            self._look_ahead(lr, current)
+        decision = self._decide(exposed_s) if deciding else None
+        if decision is not None and not decision.lookahead and late and snapshot_as is not None:
+            shard = self.local_shard(snapshot_as)  # the lost trial just committed its sum in flight: include it
+        for p in self.params:
+            p.param.grad = None
+        return StepStats(grad_norm=norm, inter_dc_bytes=self.comm.take_bytes(), sync_wait_s=exposed_s, comm_s=comm_s,
+                         exposed_s=exposed_s, shard=shard, late=late, lookahead_decision=decision)  # fmt: skip
+
+    def _land(self, sync: _Sync) -> None:
+        """Wait for ``sync``'s inter-DC sums and make them the optimizer's gradients."""
         for unit in self.units:
-            if not self.overlap:
-                self._start(unit)
-        started = self._started_at if self._started_at is not None else t0
-        for unit in self.units:
-            self._land(unit)
-        done = time.perf_counter()
-        exposed_s, comm_s = done - t0, (done - started) if self.groups.num_dcs > 1 else 0.0
-        self._started_at = None
-        norm = self._clip()
+            reduced = sync.reduced[unit.index]
+            for x, flight in zip(unit.exchanges, sync.flights.get(unit.index, []), strict=False):
+                x.finish(flight, reduced)
+        for p, t in zip(self.params, self.tensors, strict=True):
+            # A view of the sum (FSDP2's own gradient, for an exact step): nothing reuses the buffer after this.
+            g = p.in_reduced(sync.reduced[p.unit])
+            if self.grad_scale != 1.0:
+                g.mul_(self.grad_scale)
+            t.grad = g
+
+    def _commit(self, lr: float, *, write_params: bool = True) -> torch.Tensor:
+        """Clip and update the optimizer's tensors with their gradients; returns the norm before clipping.
+        ``write_params``: with the look-ahead, copy the committed rows into the parameters (else the look-ahead
+        writes them next)."""
+        by_param = {id(p): t for p, t in zip(self.params, self.tensors, strict=True)}
+        norm = self.norms.norm(lambda p: by_param[id(p)].grad)
+        if self.optim_cfg.grad_clip > 0:
+            coef = self.clip_coef = torch.clamp(self.optim_cfg.grad_clip / (norm + 1e-6), max=1.0)
+            for t in self.tensors:
+                t.grad.mul_(coef.to(t.grad.device))
         set_lr(self.optimizer, lr)
         self.optimizer.step()
         self.steps += 1
-        for p in self.params:
-            p.local.grad = None
-            p.param.grad = None
-        shard = self.local_shard(snapshot_as) if snapshot_as is not None else None
-        return StepStats(grad_norm=norm, inter_dc_bytes=self.comm.take_bytes(), sync_wait_s=exposed_s, comm_s=comm_s,
-                         exposed_s=exposed_s, shard=shard)  # fmt: skip
+        for t in self.tensors:
+            t.grad = None
+        if self.lookahead and write_params:
+            with torch.no_grad():
+                for p, t in zip(self.params, self.tensors, strict=True):
+                    p.local.copy_(t)
+        return norm.detach()
 
-    def _land(self, unit: _Unit) -> None:
-        """Wait for the unit's inter-DC sums and make them the optimizer's gradients (local tensors)."""
-        reduced, unit.reduced = unit.reduced, None
-        if reduced is None:
-            raise RuntimeError("step() before the last micro-batch's backward: no gradients were reduced")
-        for x in unit.exchanges:
-            x.finish(reduced)
-        for p in unit.params:
-            g = p.param.grad.to_local() if p.param.grad is not None else None
-            src = reduced[p.offset : p.offset + p.local.numel()].view_as(p.local)
-            if g is None or g.data_ptr() != src.data_ptr():  # FSDP made a copy (or none): take the summed rows
-                g = src.clone() if g is None else g.copy_(src)
-            if self.grad_scale != 1.0:
-                g.mul_(self.grad_scale)
-            p.local.grad = g
-
-    def _clip(self) -> torch.Tensor:
-        """Clip the global gradient norm; returns it before clipping. After step 2 every DC holds the whole
-        gradient, so the sum of squares over this DC's shards is the global one."""
-        device = self.params[0].local.device
-        sumsq = torch.zeros((), dtype=torch.float64, device=device)
-        for p in self.params:
-            sumsq += p.local.grad.double().square().sum()
-        if self.groups.dc_size > 1:
-            dist.all_reduce(sumsq, group=self.groups.intra_dc)
-        norm = sumsq.sqrt().float()
+    def _look_ahead(self, lr: float, sync: _Sync) -> None:
+        """Parameters <- AdamW(committed, this DC's summed rows × scale), clipped by the last committed coefficient
+        (before any: by their own norm), moments untouched."""
+        local = {id(p): p.in_reduced(sync.local[u.index]) for u in self.units for p in u.params}
+        coef = torch.ones((), device=self.params[0].local.device)
         if self.optim_cfg.grad_clip > 0:
-            coef = torch.clamp(self.optim_cfg.grad_clip / (norm + 1e-6), max=1.0)
-            for p in self.params:
-                p.local.grad.mul_(coef)
-        return norm
+            if self.clip_coef is not None:
+                coef = self.clip_coef
+            else:
+                norm = self.norms.norm(lambda p: local[id(p)]) * self._scale
+                coef = torch.clamp(self.optim_cfg.grad_clip / (norm + 1e-6), max=1.0)
+        cfg = self.optim_cfg
+        by_decay: dict[float, list[int]] = {}
+        for i, t in enumerate(self.tensors):
+            by_decay.setdefault(self._decay[id(t)], []).append(i)
+        for decay, idx in by_decay.items():
+            lookahead_adamw(
+                [self.tensors[i] for i in idx],
+                torch._foreach_mul([local[id(self.params[i])].float() for i in idx], coef * self._scale),
+                [self.optimizer.state.get(self.tensors[i]) for i in idx],
+                [self.params[i].local for i in idx],
+                lr=lr, weight_decay=decay, beta1=cfg.beta1, beta2=cfg.beta2, eps=cfg.eps, step=self.steps + 1,
+            )  # fmt: skip
+
+    def _decide(self, exposed_s: float) -> LookaheadDecision | None:
+        """Armed look-ahead, after each step until decided: every rank decides the same (one small all-reduce at
+        each check). A trial that lost commits the sum in flight, and the next step is exact again."""
+        assert self.chooser is not None
+        decision = self.chooser.after_step(self.steps, exposed_s, self.groups.world, self.params[0].local.device)
+        if decision is not None and not decision.lookahead and self._in_flight is not None:
+            self._commit_in_flight()
+        return decision
+
+    def _commit_in_flight(self) -> None:
+        """Look-ahead: land the sum in flight and commit it; the parameters become the committed ones."""
+        sync, self._in_flight = self._in_flight, None
+        assert sync is not None
+        self._land(sync)
+        self._commit(self._in_flight_lr)
+
+    def synchronize(self) -> None:
+        if self.chooser is not None:
+            self.chooser.skip_next()  # a validation pass or the job's end is not a step's time
+        if self.lookahead and self._in_flight is not None:
+            self._commit_in_flight()
 
     # -- state -------------------------------------------------------------------------------------------
 
@@ -316,41 +314,45 @@ class FSDPHierarchicalSync(GradientSync):
         return [(p.name, p.start, p.stop) for p in self.params if p.stop > p.start]
 
     def local_shard(self, step: int) -> LocalShard:
-        pieces_ = tuple(piece_of(p.name, p.start, p.stop, p.local, self.optimizer.state.get(p.local))
-                        for p in self.params if p.stop > p.start)  # fmt: skip
-        return LocalShard(step, self.steps, pieces_, feedback=self._feedback())
+        """Copies of this rank's rows (the committed ones, with the look-ahead) and their moments; the
+        error-feedback residuals unless a sum is in flight (it is changing them)."""
+        pieces_ = tuple(piece_of(p.name, p.start, p.stop, t, self.optimizer.state.get(t))
+                        for p, t in zip(self.params, self.tensors, strict=True) if p.stop > p.start)  # fmt: skip
+        feedback = self._feedback() if self._in_flight is None else ()
+        return LocalShard(step, self.steps, pieces_, feedback=feedback)
 
     def load_weights(self, model: nn.Module, params: dict[str, torch.Tensor]) -> None:
         with torch.no_grad():
-            for p in self.params:
-                full = params[p.name].reshape(-1)
-                p.local.copy_(full[p.start : p.stop].view_as(p.local))
+            for p, t in zip(self.params, self.tensors, strict=True):
+                rows = params[p.name].reshape(-1)[p.start : p.stop].view_as(p.local)
+                p.local.copy_(rows)
+                if t is not p.local:
+                    t.copy_(rows)
 
     def load_local_shard(self, shard: LocalShard) -> None:
         self.steps = shard.adam_step
         self.optimizer.state.clear()
-        for p in self.params:
+        self.clip_coef = None
+        for p, t in zip(self.params, self.tensors, strict=True):
             if p.stop == p.start or not self.steps:
                 continue
             saved = cut(shard.pieces, p.name, p.start, p.stop)
             if not saved.moments:
                 raise ValueError(f"the state of step {shard.step} has no AdamW moments for {p.name!r}")
-            self.optimizer.state[p.local] = {
-                "step": step_counter(self.optimizer, self.steps, p.local),
-                **{m: saved.moments[m].to(device=p.local.device, dtype=p.local.dtype).reshape(p.local.shape).clone()
-                   for m in MOMENTS},
+            self.optimizer.state[t] = {
+                "step": step_counter(self.optimizer, self.steps, t),
+                **{m: saved.moments[m].to(device=t.device, dtype=t.dtype).reshape(t.shape).clone() for m in MOMENTS},
             }  # fmt: skip
         self._load_feedback(shard.feedback)
 
     def optimizer_state(self) -> dict[str, Any]:
         """The whole state, gathered inside the DC (every rank of the DC must call it)."""
         mine = {p.name: (p.start, {m: host_copy(st[m]) for m in MOMENTS})
-                for p in self.params if (st := self.optimizer.state.get(p.local))}  # fmt: skip
-        gathered: list[Any] = [None] * self.groups.dc_size
+                for p, t in zip(self.params, self.tensors, strict=True) if (st := self.optimizer.state.get(t))}  # fmt: skip
+        gathered: list[Any] = [mine]
         if self.groups.dc_size > 1:
+            gathered = [None] * self.groups.dc_size
             dist.all_gather_object(gathered, mine, group=self.groups.intra_dc)
-        else:
-            gathered = [mine]
         shapes = {p.name: p.param.shape for p in self.params}
         params: dict[str, dict[str, torch.Tensor]] = {}
         for part in gathered:
@@ -363,9 +365,9 @@ class FSDPHierarchicalSync(GradientSync):
 
     def load_optimizer_state(self, state: dict[str, Any]) -> None:
         check_full_state(state, [p.name for p in self.params])
-        full = [StatePiece(n, 0, ms[MOMENTS[0]].numel(), torch.empty(0), {m: ms[m].reshape(-1) for m in MOMENTS})
-                for n, ms in state["params"].items()]  # fmt: skip
-        self.load_local_shard(LocalShard(0, int(state["step"]), tuple(full)))
+        whole = tuple(StatePiece(n, 0, ms[MOMENTS[0]].numel(), torch.empty(0), {m: ms[m].reshape(-1) for m in MOMENTS})
+                      for n, ms in state["params"].items())  # fmt: skip
+        self.load_local_shard(LocalShard(0, int(state["step"]), whole))
 
     def optimizer_state_nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for st in self.optimizer.state.values()
@@ -377,31 +379,23 @@ class FSDPHierarchicalSync(GradientSync):
     def feedback_held(self) -> bool:
         return self.comm.compression is not Compression.NONE and self.groups.num_dcs > 1
 
-    def _feedback_spans(self):
-        """``(unit, exchange, chunk index, [(param, element range in it, range in the chunk)])`` of every chunk."""
+    def _chunks(self):
+        """``(exchange, chunk index, its parts)`` of every chunk step 2 sends, parts as ``(parameter, first
+        element, elements)``."""
+        elems = max(1, int(self.chunk_bytes) // 4)  # gradients are fp32
         for unit in self.units:
-            by_offset = sorted(unit.params, key=lambda p: p.offset)
             for x in unit.exchanges:
-                spans = [(a, b) for a, b in x.spans]
-                flat: list[tuple[_Param, int, int]] = []  # (param, first element in it, elements)
-                for a, b in spans:
-                    for p in by_offset:
-                        lo, hi = max(a, p.offset), min(b, p.offset + p.local.numel())
-                        if lo < hi:
-                            flat.append((p, p.start + lo - p.offset, hi - lo))
-                total = sum(n for _, _, n in flat)
-                step = total if self.chunk_bytes is None else max(1, int(self.chunk_bytes) // 4)
-                for c, at in enumerate(range(0, total, step)):
-                    yield unit, x, c, _window(flat, at, min(total, at + step))
+                for c, parts in enumerate(x.chunk_parts(unit.params, elems)):
+                    yield x, c, parts
 
     def _feedback(self) -> tuple[FeedbackShard, ...]:
         if not self.feedback_held:
             return ()
         out = []
-        for unit, x, c, parts in self._feedback_spans():
-            residual = self.comm.residual(x.segment, (unit.index, c))
+        for x, c, parts in self._chunks():
+            residual = self.comm.residual(x.segment, (x.segment.lo, c))
             at = 0
-            for p, start, n, _ in parts:
+            for p, start, n in parts:
                 value = residual[at : at + n] if residual is not None else torch.zeros(n)
                 out.append(StatePiece(p.name, start, start + n, host_copy(value)))
                 at += n
@@ -412,31 +406,23 @@ class FSDPHierarchicalSync(GradientSync):
         mine = next((f for f in held if f.dc == self.groups.dc and f.compression == self.comm.compression.value), None)
         if mine is None or not self.feedback_held:
             return
-        for unit, x, c, parts in self._feedback_spans():
+        device = self.params[0].local.device
+        for x, c, parts in self._chunks():
             values = []
-            for p, start, n, _ in parts:
+            for p, start, n in parts:
                 try:
-                    values.append(cut(mine.pieces, p.name, start, start + n).value)
-                except ValueError:
+                    values.append(cut(mine.pieces, p.name, start, start + n).value.reshape(-1))
+                except ValueError:  # a layout or datacenter the saved state does not cover: zero
                     values.append(torch.zeros(n))
-            device = self.params[0].local.device
-            self.comm.set_residual(x.segment, (unit.index, c), torch.cat(values).to(device))
+            self.comm.set_residual(x.segment, (x.segment.lo, c), torch.cat(values).to(device))
 
     def close(self) -> None:
-        for unit in self.units:
-            for x in unit.exchanges:
-                for h in x.handles:
-                    h.wait()
-                x.handles = []
-
-
-def _window(flat: list[tuple[Any, int, int]], lo: int, hi: int) -> list[tuple[Any, int, int, int]]:
-    """The parts of the concatenation of ``flat`` (``(param, first element, elements)``) in ``[lo, hi)``, as
-    ``(param, first element, elements, offset in the window)``."""
-    out, at = [], 0
-    for p, start, n in flat:
-        a, b = max(lo, at), min(hi, at + n)
-        if a < b:
-            out.append((p, start + a - at, b - a, a - lo))
-        at += n
-    return out
+        """Wait for every sum still in flight (none may outlive the engine's groups) and drop it."""
+        for sync in (self._in_flight, self._current):
+            if sync is None:
+                continue
+            for flights in sync.flights.values():
+                for flight in flights:
+                    for h in flight.handles:
+                        h.wait()
+        self._in_flight, self._current = None, _Sync()
