@@ -126,9 +126,7 @@ def _restored(rank, world, prefer):
     a.close()
     a.groups.destroy()
     b = _engine(rank)
-    with torch.no_grad():
-        for n, p in b.model.named_parameters():
-            p.copy_(weights[n])
+    b.load_weights(b.model, weights)
     b.load_local_shard(shard)
     rows = [_row(_step(b, rank, world, s)) for s in range(5, 32)]
     b.synchronize()

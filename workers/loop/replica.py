@@ -72,6 +72,9 @@ class Replica(ABC):
     """This rank's part of the model and everything that trains it, for one epoch."""
 
     reports_loss: bool = True
+    uniform_micro_batches: bool = False
+    """Every rank runs as many micro-batches a step (some shorter, or empty): sharded parameters are gathered
+    and reduced inside a datacenter once per micro-batch (FSDP2)."""
 
     def __init__(self, cfg: TrainConfig, membership: Membership, device: torch.device) -> None:
         self.cfg, self.m, self.device = cfg, membership, device
@@ -149,7 +152,9 @@ class DataParallelReplica(Replica):
         cfg, m = self.cfg, self.m
         layout = DCLayout(m.datacenters)
         # FSDP2's inter-DC pieces are its own (per parameter row): it makes the groups for them
-        self.groups = groups = DCGroups(layout, m.rank, segment_groups=not runs_on_fsdp(cfg.sync))
+        fsdp = runs_on_fsdp(cfg.sync)
+        self.uniform_micro_batches = fsdp
+        self.groups = groups = DCGroups(layout, m.rank, segment_groups=not fsdp)
         self.model = initial_model(cfg.model, cfg.seed).to(self.device)  # built ahead by a standby, or now
         emulator = None
         if cfg.wan is not None and layout.num_dcs > 1:  # every inter-DC collective waits for the emulated link

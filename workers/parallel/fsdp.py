@@ -8,6 +8,7 @@ loss is its share of the global-batch mean, so the sum over ranks is the single-
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import torch
@@ -15,6 +16,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+# FSDP2's pluggable reduce-scatter (``FSDPModule.set_custom_reduce_scatter``) takes this interface; torch keeps its
+# default implementation in a private module.
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
 
 
 def dc_mesh(group: dist.ProcessGroup, device: torch.device) -> DeviceMesh:
@@ -29,9 +34,27 @@ def transformer_blocks(model: nn.Module) -> Sequence[nn.Module]:
     return list(blocks) if isinstance(blocks, nn.ModuleList) else []
 
 
+class TimedReduceScatter(DefaultReduceScatter):
+    """FSDP2's reduce-scatter, timed: :attr:`seconds` adds up the wall time of every call (on CPU the collective
+    itself; on CUDA only the launch, the collective running on FSDP2's stream)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):  # noqa: ANN001
+        t0 = time.perf_counter()
+        work = super().__call__(output_tensor, input_tensor, group, op, async_op)
+        self.seconds += time.perf_counter() - t0
+        return work
+
+    def take(self) -> float:
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds
+
+
 def apply_fsdp(
     model: nn.Module, mesh: DeviceMesh, *, reshard_after_forward: bool = True,
-    mp_policy: MixedPrecisionPolicy | None = None,
+    mp_policy: MixedPrecisionPolicy | None = None, reduce_scatter: TimedReduceScatter | None = None,
 ) -> list[FSDPModule]:
     """Shard ``model`` in place over ``mesh``: each block, then the root (what is left: embeddings, final norm,
     head). Returns the FSDP units in backward order's reverse (blocks first, the root last)."""
@@ -45,4 +68,6 @@ def apply_fsdp(
     for unit in units:
         unit.set_force_sum_reduction_for_comms(True)  # SUM, not AVG: gloo has no PREMUL_SUM, and we sum
         unit.set_gradient_divide_factor(1.0)
+        if reduce_scatter is not None:
+            unit.set_custom_reduce_scatter(reduce_scatter)
     return units

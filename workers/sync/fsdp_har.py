@@ -64,7 +64,7 @@ from meridian.workers.optim.adamw import (
     step_counter,
 )
 from meridian.workers.optim.lookahead import lookahead_adamw
-from meridian.workers.parallel.fsdp import apply_fsdp, dc_mesh
+from meridian.workers.parallel.fsdp import TimedReduceScatter, apply_fsdp, dc_mesh
 from meridian.workers.state.replica_state import (
     FeedbackShard,
     LocalShard,
@@ -123,7 +123,9 @@ class FSDPHierarchicalSync(GradientSync):
         device = next(model.parameters()).device
         if broadcast_params:  # every replica starts from the same weights (whole, before sharding)
             broadcast_parameters(model, src=groups.world_ranks[0], group=groups.world)
-        fsdp_units = apply_fsdp(model, dc_mesh(groups.intra_dc, device), reshard_after_forward=reshard_after_forward)
+        self.reduce_scatter = TimedReduceScatter()
+        fsdp_units = apply_fsdp(model, dc_mesh(groups.intra_dc, device), reshard_after_forward=reshard_after_forward,
+                                reduce_scatter=self.reduce_scatter)
         self.model = model
         self.root = fsdp_units[-1]
         self.comm = InterDCComm(sync.compression, emulator=emulator)
@@ -208,6 +210,7 @@ class FSDPHierarchicalSync(GradientSync):
             self._in_flight_lr = lr
             apply, self._in_flight = self._in_flight, current
         comm_s = exposed_s = 0.0
+        intra_dc_s = self.reduce_scatter.take()
         norm = torch.zeros((), device=self.params[0].local.device)
         if apply is not None:
             started = apply.started_at if apply.started_at is not None else t0
@@ -225,8 +228,9 @@ class FSDPHierarchicalSync(GradientSync):
             shard = self.local_shard(snapshot_as)  # the lost trial just committed its sum in flight: include it
         for p in self.params:
             p.param.grad = None
-        return StepStats(grad_norm=norm, inter_dc_bytes=self.comm.take_bytes(), sync_wait_s=exposed_s, comm_s=comm_s,
-                         exposed_s=exposed_s, shard=shard, late=late, lookahead_decision=decision)  # fmt: skip
+        return StepStats(grad_norm=norm, inter_dc_bytes=self.comm.take_bytes(), sync_wait_s=exposed_s,
+                         comm_s=intra_dc_s + comm_s, exposed_s=exposed_s, intra_dc_comm_s=intra_dc_s, shard=shard,
+                         late=late, lookahead_decision=decision)  # fmt: skip
 
     def _land(self, sync: _Sync) -> None:
         """Wait for ``sync``'s inter-DC sums and make them the optimizer's gradients."""
