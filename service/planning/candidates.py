@@ -23,7 +23,7 @@ from meridian.service.planning.cost_model import (
     grad_bytes_per_device,
 )
 from meridian.service.planning.request import PlanRequest
-from meridian.service.planning.runtime_support import RUNTIME, RuntimeSupport, missing
+from meridian.service.planning.runtime_support import RuntimeSupport, current_runtime, missing
 from meridian.workers.contracts.config import Compression, Precision, SyncStrategy
 
 TP_SIZES = (1, 2, 4, 8)
@@ -70,12 +70,14 @@ class Candidate:
 
 
 def enumerate_candidates(request: PlanRequest, dcs: tuple[str, ...], devices: dict[str, list[int]],
-                         figures: Figures, runtime: RuntimeSupport = RUNTIME) -> list[Candidate]:
+                         figures: Figures, runtime: RuntimeSupport | None = None) -> list[Candidate]:
     """Every layout the cluster can run for this request with ``runtime``'s features, each with its estimate
     (unsorted).
 
     The order is tp, then pp, then stages-within / stages-across, then hierarchical before flat, then the
-    runtime's knobs: the planner's stable sort keeps it among layouts with equal estimates."""
+    runtime's knobs: the planner's stable sort keeps it among layouts with equal estimates. ``runtime``: default
+    :data:`~meridian.service.planning.runtime_support.RUNTIME`."""
+    runtime = runtime or current_runtime()
     tps, pps = _model_parallel_sizes(request, runtime)
     spans = (False, True) if request.parallelism.stages_span_dcs is None else (request.parallelism.stages_span_dcs,)
     used = tuple(dc for dc in dcs if devices[dc])
@@ -99,12 +101,12 @@ def enumerate_candidates(request: PlanRequest, dcs: tuple[str, ...], devices: di
     return out
 
 
-def _model_parallel_sizes(request: PlanRequest, runtime: RuntimeSupport = RUNTIME) -> tuple[list[int], list[int]]:
+def _model_parallel_sizes(request: PlanRequest, runtime: RuntimeSupport | None = None) -> tuple[list[int], list[int]]:
     """Tensor-parallel sizes that divide the model's heads and MLP width, and pipeline depths that divide
     its layers, up to one layer per stage (or what the request fixed). A job that asks for periodic checkpoints is
     left ``tp = pp = 1`` where it leaves them to the planner: only a data-parallel job writes checkpoints it can
     resume from. A tied head stays on one stage unless the runtime keeps it across stages."""
-    shape, par = request.shape, request.parallelism
+    shape, par, runtime = request.shape, request.parallelism, runtime or current_runtime()
     if request.checkpoint_every:
         return [par.tp or 1], [par.pp or 1]
     tps = [par.tp] if par.tp else [t for t in TP_SIZES

@@ -22,7 +22,7 @@ from meridian.service.planning.described import ClusterSpec
 from meridian.service.planning.plan import Plan
 from meridian.service.planning.planner import fitting_layouts, plan_job
 from meridian.service.planning.request import PlanRequest
-from meridian.service.planning.runtime_support import EVERYTHING, RUNTIME, RuntimeSupport
+from meridian.service.planning.runtime_support import EVERYTHING, RuntimeSupport, current_runtime
 
 TARGET_EFFICIENCY = 0.96
 """The two-datacenter efficiency (step time on one datacenter over step time on two) the threshold is given for."""
@@ -129,7 +129,7 @@ def plan_described(request: PlanRequest, cluster: ClusterSpec) -> OfflinePlan:
     offered: Plan | None = None
     refusal = ""
     try:
-        offered = plan_job(request, topo, figures, runtime=RUNTIME)
+        offered = plan_job(request, topo, figures, runtime=current_runtime())
     except Unschedulable as e:
         refusal = str(e)
     best: Plan | None = None
@@ -149,7 +149,7 @@ def plan_described(request: PlanRequest, cluster: ClusterSpec) -> OfflinePlan:
     if any(dc.node != cluster.datacenters[0].node for dc in cluster.datacenters):
         return replace(result, threshold_note="the datacenters' nodes differ, so there is no one-datacenter "
                                               "cluster of the same GPUs to compare with")
-    return _against_one_dc(result, request, EVERYTHING if headline.plan_only else RUNTIME)
+    return _against_one_dc(result, request, EVERYTHING if headline.plan_only else current_runtime())
 
 
 def _against_one_dc(result: OfflinePlan, request: PlanRequest, runtime: RuntimeSupport) -> OfflinePlan:

@@ -58,7 +58,7 @@ from meridian.service.planning.placement import (
 )
 from meridian.service.planning.plan import Plan
 from meridian.service.planning.request import PlanRequest, plan_request
-from meridian.service.planning.runtime_support import RUNTIME, RuntimeSupport
+from meridian.service.planning.runtime_support import RuntimeSupport
 from meridian.service.planning.sync_choice import MAX_SLOWDOWN, SyncChoice, choose_sync
 from meridian.workers.contracts.config import (
     LOOKAHEAD_DECISION_STEPS,
@@ -71,7 +71,7 @@ from meridian.workers.contracts.config import (
 
 
 def plan_job(request: JobRequest | PlanRequest, topo: ClusterTopology, figures: Figures | None = None, *,
-             runtime: RuntimeSupport = RUNTIME) -> Plan:
+             runtime: RuntimeSupport | None = None) -> Plan:
     """The fastest layout this job can get on this cluster (raises if it can never fit). ``runtime``: the features
     the layouts may use; a plan made with more than :data:`~meridian.service.planning.runtime_support.RUNTIME`
     has may be plan-only (:attr:`Plan.plan_only`), which is never offered to a job."""
@@ -79,7 +79,7 @@ def plan_job(request: JobRequest | PlanRequest, topo: ClusterTopology, figures: 
 
 
 def plan_with_layout(request: JobRequest | PlanRequest, topo: ClusterTopology, figures: Figures | None = None, *,
-                     runtime: RuntimeSupport = RUNTIME) -> tuple[Plan, Candidate]:
+                     runtime: RuntimeSupport | None = None) -> tuple[Plan, Candidate]:
     """:func:`plan_job`'s plan and the candidate layout it chose (its estimate as the plan reports it)."""
     request = plan_request(request)
     dcs = choose_datacenters(request, topo)
@@ -143,7 +143,7 @@ def plan_with_layout(request: JobRequest | PlanRequest, topo: ClusterTopology, f
 
 
 def _layouts_for(request: PlanRequest, dcs: tuple[str, ...], devices: dict[str, list[int]], figures: Figures,
-                 unit: str, runtime: RuntimeSupport = RUNTIME) -> list[Candidate]:
+                 unit: str, runtime: RuntimeSupport | None = None) -> list[Candidate]:
     """Every candidate layout the job may use here (memory not yet judged); raises if there is none."""
     total = sum(sum(v) for v in devices.values())
     if total == 0:
@@ -279,7 +279,7 @@ def ranked_layouts(
 
 
 def fitting_layouts(request: JobRequest | PlanRequest, topo: ClusterTopology, figures: Figures, *,
-                    runtime: RuntimeSupport = RUNTIME) -> list[Candidate]:
+                    runtime: RuntimeSupport | None = None) -> list[Candidate]:
     """Every layout with ``runtime``'s features that fits, fastest estimate first (no rank placed)."""
     request = plan_request(request)
     dcs = choose_datacenters(request, topo)

@@ -39,6 +39,11 @@ RUNTIME = RuntimeSupport()
 tensor and pipeline parallelism (1F1B and GPipe), fp32 weights under bf16 autocast, no activation checkpointing,
 no sequence parallelism, no FSDP, no interleaving."""
 
+def current_runtime() -> RuntimeSupport:
+    """:data:`RUNTIME` as it is now (read at each call, so a test may set the module's ``RUNTIME``)."""
+    return RUNTIME
+
+
 EVERYTHING = RuntimeSupport(**{f.name: True for f in fields(RuntimeSupport)})
 """Every feature the planner models: what ``meridian plan`` searches for plan-only layouts."""
 
@@ -66,8 +71,9 @@ def needs(lay: Layout, *, tied_embeddings: bool) -> tuple[str, ...]:
     return tuple(name for name, used in wanted.items() if used)
 
 
-def missing(lay: Layout, support: RuntimeSupport = RUNTIME, *, tied_embeddings: bool = False) -> tuple[str, ...]:
-    """The features ``lay`` needs that ``support`` lacks: empty when the runtime can run it."""
+def missing(lay: Layout, support: RuntimeSupport | None = None, *, tied_embeddings: bool = False) -> tuple[str, ...]:
+    """The features ``lay`` needs that ``support`` (default: :data:`RUNTIME`) lacks: empty when it can run it."""
+    support = support or current_runtime()
     return tuple(name for name in needs(lay, tied_embeddings=tied_embeddings) if not getattr(support, name))
 
 
