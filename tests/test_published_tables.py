@@ -20,20 +20,16 @@ from pathlib import Path
 import pytest
 import yaml
 
+from meridian.bench.plan_tables import NARAYANAN_TABLE_1, table_1_run
 from meridian.cli.main import load_spec
 from meridian.cli.plan import offline_request
 from meridian.service.jobs import ParallelismRequest
 from meridian.service.planning import runtime_support
 from meridian.service.planning.calibration import (
     CALIBRATION_RUNS,
-    DGX_A100,
-    MEGATRON_2021,
-    PublishedRun,
     calibration_for,
-    gpt_shape,
     predicted_step,
 )
-from meridian.service.planning.cost_model import Recompute
 from meridian.service.planning.described import cluster_from_dict
 from meridian.service.planning.explain import why_not
 from meridian.service.planning.offline import TARGET_EFFICIENCY, plan_described
@@ -80,25 +76,7 @@ def test_at_400_gbit_s_the_seed_s_job_falls_short_and_the_plan_says_what_bandwid
     assert any(line.startswith("vs one DC") and "needs" in line and "Tbit/s" in line for line in lines)
 
 
-TABLE_1 = [  # params (B), heads, hidden, layers, tp, pp, GPUs, batch, TFLOP/s per GPU
-    (1.7, 24, 2304, 24, 1, 1, 32, 512, 137),
-    (3.6, 32, 3072, 30, 2, 1, 64, 512, 138),
-    (7.5, 32, 4096, 36, 4, 1, 128, 512, 142),
-    (18.4, 48, 6144, 40, 8, 1, 256, 1024, 135),
-    (39.1, 64, 8192, 48, 8, 2, 512, 1536, 138),
-    (76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140),
-    (145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148),
-    (310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155),
-    (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163),
-    (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163),
-]
-
-
-def _table_1_run(row) -> PublishedRun:
-    params, heads, hidden, layers, tp, pp, gpus, batch, tflops = row
-    return PublishedRun(source=f"Narayanan et al. 2021, Table 1, {params}B", shape=gpt_shape(layers=layers, hidden=hidden,
-                        heads=heads), nodes=gpus // 8, **DGX_A100, tp=tp, pp=pp, global_batch=batch,
-                        recompute=Recompute.FULL, tflops_per_gpu=tflops, overlap=False, runtime=MEGATRON_2021)
+TABLE_1 = NARAYANAN_TABLE_1  # Narayanan et al. 2021, Table 1, as meridian bench plan-tables prints it
 
 
 def test_no_table_1_row_is_a_calibration_run():
@@ -109,7 +87,7 @@ def test_no_table_1_row_is_a_calibration_run():
 
 @pytest.mark.parametrize("row", TABLE_1, ids=lambda r: f"{r[0]}B")
 def test_narayanan_table_1_fits_80_gb_and_runs_within_15_percent_of_the_published_tflops(row):
-    run = _table_1_run(row)
+    run = table_1_run(row)
     efficiency = calibration_for("A100").efficiency
     assert abs(round(run.shape.num_params / 1e9, 1) - row[0]) <= 0.05 * row[0]  # their eq. 2 counts the same model
     published = predicted_step(run, efficiency)  # the published tp x pp, the planner's micro-batch and v
