@@ -23,6 +23,7 @@ import yaml
 from meridian.bench.plan_tables import NARAYANAN_TABLE_1, table_1_run
 from meridian.cli.main import load_spec
 from meridian.cli.plan import offline_request
+from meridian.service.errors import Unschedulable
 from meridian.service.jobs import ParallelismRequest
 from meridian.service.planning import runtime_support
 from meridian.service.planning.calibration import (
@@ -117,7 +118,8 @@ def test_llama3_8b_plans_data_parallel_with_fsdp_on_one_node_plan_only_until_the
     assert (plan.tp, plan.pp, plan.dp, plan.sharding) == (1, 1, 8, "fsdp") and "fsdp" in plan.plan_only
     assert plan.estimate["memory_bytes"] <= GIB_80
     dp_only = replace(request, parallelism=ParallelismRequest(tp=1, pp=1))
-    with pytest.raises(Exception, match=r"needs 144.6 GB per device"):
+    with pytest.raises(Unschedulable, match=r"needs 144.6 GB per device.*Plan-only, tp=1 pp=1 dp=8 fsdp would fit "
+                                            r"at 30.0 GB per device once the runtime runs FSDP"):
         plan_job(dp_only, topo, figures, runtime=RUNTIME)
     # the integrator flips the capabilities in runtime_support.RUNTIME; then the same layout is offered to jobs
     monkeypatch.setattr(runtime_support, "RUNTIME", RuntimeSupport(fsdp=True, bf16_weights=True))

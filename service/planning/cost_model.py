@@ -36,7 +36,7 @@ by ``tests/test_published_tables.py``.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from meridian.workers.contracts.model_config import ModelConfig
 from meridian.workers.contracts.model_shape import ModelShape
@@ -323,8 +323,6 @@ def memory_per_device(model: ModelShape | ModelConfig, lay: Layout, dc_shards: i
 
 
 def _with_shards(lay: Layout, n: int) -> Layout:
-    from dataclasses import replace
-
     return replace(lay, dp_per_dc=n) if lay.dp_per_dc else replace(lay, dp=n)
 
 

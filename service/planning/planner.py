@@ -58,7 +58,7 @@ from meridian.service.planning.placement import (
 )
 from meridian.service.planning.plan import Plan
 from meridian.service.planning.request import PlanRequest, plan_request
-from meridian.service.planning.runtime_support import RuntimeSupport
+from meridian.service.planning.runtime_support import EVERYTHING, RuntimeSupport, missing_words
 from meridian.service.planning.sync_choice import MAX_SLOWDOWN, SyncChoice, choose_sync
 from meridian.workers.contracts.config import (
     LOOKAHEAD_DECISION_STEPS,
@@ -93,7 +93,8 @@ def plan_with_layout(request: JobRequest | PlanRequest, topo: ClusterTopology, f
     cands = _layouts_for(request, dcs, devices, figures, worker_unit(use_gpu), runtime)
     fits = sorted((c for c in cands if not c.rejected), key=lambda c: (c.estimate.step_s, -c.layout.devices))
     if not fits:
-        raise Unschedulable(no_fit_in_memory_reason(cands, figures))
+        raise Unschedulable(no_fit_in_memory_reason(cands, figures) + _plan_only_fit(request, dcs, devices, figures,
+                                                                                   runtime))
     # min_workers is a constraint on the layout, not a check of the fastest one: a slower layout that uses
     # enough workers is the plan when a faster one uses too few.
     feasible = [c for c in fits if c.layout.devices >= request.topology.min_workers]
@@ -162,6 +163,20 @@ def _layouts_for(request: PlanRequest, dcs: tuple[str, ...], devices: dict[str, 
     if not cands:
         raise Unschedulable(no_layout_reason(request, devices, unit, every))
     return cands
+
+
+def _plan_only_fit(request: PlanRequest, dcs: tuple[str, ...], devices: dict[str, list[int]], figures: Figures,
+                   runtime: RuntimeSupport | None) -> str:
+    """Where nothing the runtime runs fits: the sentence naming the fastest plan-only layout that would, and what
+    it needs (empty when the search already had every feature, or nothing fits even so)."""
+    if runtime is EVERYTHING:
+        return ""
+    fits = [c for c in enumerate_candidates(request, dcs, devices, figures, EVERYTHING) if not c.rejected]
+    if not fits:
+        return ""
+    best = min(fits, key=lambda c: c.estimate.step_s)
+    return (f". Plan-only, {best.name} would fit at {best.estimate.memory_bytes / 2**30:.1f} GB per device once the "
+            f"runtime runs {missing_words(best.plan_only)} (`meridian plan --cluster` shows such plans)")
 
 
 def _diloco_override(request: PlanRequest, feasible: list[Candidate],
