@@ -16,6 +16,10 @@ where ranks go in :mod:`~meridian.service.planning.placement`, the words in
 :mod:`~meridian.service.planning.explain`, the result a :class:`~meridian.service.planning.plan.Plan`. It must
 never call Ray or read the clock.
 
+What the layouts may use is a :class:`~meridian.service.planning.runtime_support.RuntimeSupport`: a job gets only
+layouts today's runtime runs (``RUNTIME``); ``meridian plan --cluster`` also searches with every feature the cost
+model knows, and such a plan is marked plan-only (:attr:`Plan.plan_only`), never offered to a job.
+
 The principle from the product brief: bandwidth-hungry tensor parallelism stays inside a node, data and
 pipeline parallelism may cross datacenters, and data-parallel gradients cross them hierarchically.
 """
