@@ -7,7 +7,8 @@ import time
 
 import pytest
 
-from meridian.bench import cli, lab_demo
+from meridian.bench import lab_demo
+from meridian.cli import bench as cli
 
 
 def point(step, t, step_s=0.2, tokens_per_step=2048):

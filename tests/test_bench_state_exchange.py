@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import argparse
 
-from meridian.bench import cli, state_exchange
+from meridian.bench import state_exchange
+from meridian.cli import bench as cli
 
 
 def test_targeted_receives_less_in_all_and_across_datacenters_than_gather_all():
