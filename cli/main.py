@@ -24,6 +24,7 @@ from meridian.cli.data import run as run_data
 from meridian.cli.errors import CliError, local_problem, report
 from meridian.cli.lab import add_lab_parser
 from meridian.cli.lab import run as run_lab
+from meridian.cli.plan import add_plan_parser
 
 
 def default_token_file() -> str:
@@ -198,7 +199,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
             if service.local_cluster is not None and service.local_cluster.gpu_note:
                 say(f"Note: {service.local_cluster.gpu_note}")
             job = client.submit(spec)
-            say(f"\nSubmitted {args.spec} as job {job['id']} over POST {url}/v1/jobs\n{job['plan']['explanation']}")
+            say(f"\nSubmitted {args.spec} as job {job['id']} over POST {url}/v1/jobs\n{render.plan_block(job['plan'])}")
             t1 = time.monotonic()
             job = watch(client, job["id"], as_json=args.json, timeout_s=args.timeout)
             if args.json:
@@ -217,7 +218,7 @@ def cmd_submit(args: argparse.Namespace, client: Client) -> int:
         job = watch(client, job["id"], as_json=args.json, timeout_s=args.timeout)
         emit(args, job, "" if args.json else summary(client, job))
         return 0 if job["state"] == "succeeded" else 1
-    emit(args, job, f"submitted job {job['id']} ({job['state']}): {job['plan']['explanation'] if job['plan'] else ''}")
+    emit(args, job, f"submitted job {job['id']} ({job['state']})" + (f"\n{render.plan_block(job['plan'])}" if job['plan'] else ""))
     return 0
 
 
@@ -260,12 +261,6 @@ def cmd_probe(args: argparse.Namespace, client: Client) -> int:
         return 0
     data = client.probe_links(args.tiers, int(args.max_mb * 2**20))
     emit(args, data, render.probe_view(data))
-    return 0
-
-
-def cmd_plan(args: argparse.Namespace, client: Client) -> int:
-    plan = client.plan(load_spec(args.file))
-    emit(args, plan, json.dumps(plan, indent=2))
     return 0
 
 
@@ -481,9 +476,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="instead of the links: measure forward + backward of this job's model and micro-batch on "
                         "every worker slot (seconds); later plans of that shape weigh the link against it")
     s.set_defaults(run=cmd_probe)
-    s = verb("plan", "dry-run the planner for a job spec")
-    s.add_argument("file")
-    s.set_defaults(run=cmd_plan)
+    add_plan_parser(verb, load_spec=load_spec, emit=emit)
 
     add_lab_parser(sub)
     add_data_parser(sub)
