@@ -65,9 +65,11 @@ def emit(args: argparse.Namespace, data: Any, text: str) -> None:
     print(json.dumps(data, indent=2) if args.json else text)
 
 
-def watch(client: Client, job_id: str, *, as_json: bool, timeout_s: float, interval_s: float = 0.5) -> dict[str, Any]:
-    """Follow a job until it ends, printing a progress bar (or one JSON object per update)."""
-    deadline = time.monotonic() + timeout_s
+def watch(client: Client, job_id: str, *, as_json: bool, timeout_s: float | None,
+          interval_s: float = 0.5) -> dict[str, Any]:
+    """Follow a job until it ends, printing a progress bar (or one JSON object per update); with ``timeout_s``,
+    give up after that many seconds (the job keeps running), else follow it however long it runs."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
     tty = sys.stdout.isatty() and not as_json
     last_line, last_print = "", 0.0
     while True:
@@ -86,7 +88,7 @@ def watch(client: Client, job_id: str, *, as_json: bool, timeout_s: float, inter
             if tty:
                 print()
             return job
-        if time.monotonic() > deadline:
+        if deadline is not None and time.monotonic() > deadline:
             if tty:
                 print()
             raise ApiError(0, f"job {job_id} still {job['state']} after {timeout_s:.0f} s "
@@ -431,7 +433,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("file")
     s.add_argument("--watch", action="store_true", help="follow the job until it ends")
     s.add_argument("--idempotency-key", default=None, help="resubmitting with the same key returns the same job")
-    s.add_argument("--timeout", type=float, default=3600)
+    s.add_argument("--timeout", type=float, default=None, metavar="S",
+                   help="with --watch: stop following after S seconds, exit 1 (the job keeps running); default: "
+                        "follow until the job ends")
     s.set_defaults(run=cmd_submit)
 
     s = verb("ls", "list jobs, newest first")
@@ -446,7 +450,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = verb("watch", "follow a job with a live progress bar until it ends")
     s.add_argument("id")
-    s.add_argument("--timeout", type=float, default=24 * 3600)
+    s.add_argument("--timeout", type=float, default=None, metavar="S",
+                   help="stop following after S seconds, exit 1 (the job keeps running); default: until it ends")
     s.set_defaults(run=cmd_watch)
 
     s = verb("events", "list a job's last 1000 events (-f: then follow them live until the job ends)")
