@@ -397,8 +397,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--cpus-per-node", type=int, default=1, help="CPUs of each embedded node (default 1)")
     s.add_argument("--data-dir", default=os.path.expanduser("~/.meridian"), help="database, checkpoints, run folders")
     s.add_argument("--database-url", default="", help="SQLAlchemy URL of the job store (default: SQLite in --data-dir)")
-    s.add_argument("--data-root", action="append", metavar="PATH",
-                   help="a folder whose files jobs may train on (data.source); repeatable (default: DATA_DIR/data)")
+    s.add_argument("--data-root", action="append", metavar="PATH_OR_URL",
+                   help="a folder whose files jobs may train on (data.source, data.dataset), or a URL prefix such as "
+                        "s3://bucket/prefix under which data.dataset may name prepared datasets (each node copies "
+                        "them into its cache); repeatable (default: DATA_DIR/data)")
     s.add_argument("--storage", default="", metavar="PATH_OR_URL",
                    help="where checkpoints and final weights go: a path every node and the service can read and "
                         "write (a shared filesystem), or an fsspec URL such as s3://bucket/prefix, credentials "

@@ -27,9 +27,11 @@ from dataclasses import dataclass, replace
 
 from meridian.service.errors import InvalidJob
 from meridian.service.jobs import JobRequest
+from meridian.service.locations import NotUnderRoots, UrlRoot, admit_url
 from meridian.workers.contracts.config import DataConfig, DataPin
 from meridian.workers.contracts.model_config import ModelConfig
-from meridian.workers.data.manifest import check_dataset_files, read_manifest, tokenizer_sha256
+from meridian.workers.data.manifest import check_dataset_files, is_url, read_manifest, tokenizer_sha256
+from meridian.workers.data.remote import check_remote_files
 from meridian.workers.data.source import NotRegularFile, open_regular, read_source, source_sha256, split_bytes
 
 BUILTIN_SOURCES = ("builtin:python-reference",)
@@ -40,12 +42,29 @@ DEFAULT_MAX_BYTES = 128 * 2**20
 @dataclass(frozen=True)
 class DataAccess:
     roots: tuple[str, ...] = ()
-    """Folders whose regular files jobs may train on (resolved with ``realpath`` when checked)."""
+    """Folders whose regular files jobs may train on (resolved with ``realpath`` when checked); a ``file://`` URL
+    is admitted under them too."""
     max_bytes: int = DEFAULT_MAX_BYTES
+    url_roots: tuple[UrlRoot, ...] = ()
+    """URL prefixes (``s3://bucket/prefix``) under which jobs may name prepared datasets
+    (:mod:`meridian.service.locations`)."""
 
     @classmethod
     def for_roots(cls, roots: Sequence[str], *, max_bytes: int = DEFAULT_MAX_BYTES) -> DataAccess:
-        return cls(tuple(os.path.realpath(os.path.expanduser(r)) for r in roots), max_bytes)
+        """``roots`` as ``meridian serve --data-root`` gives them: folders, and URLs (``file://`` ones are folders)."""
+        local = [r.removeprefix("file://") if r.startswith("file://") else r for r in roots
+                 if not is_url(r) or r.startswith("file://")]
+        urls = tuple(UrlRoot.parse(r) for r in roots if is_url(r) and not r.startswith("file://"))
+        return cls(tuple(os.path.realpath(os.path.expanduser(r)) for r in local), max_bytes, urls)
+
+    def admit_url(self, url: str, field: str) -> str:
+        """``url`` if it is under one of :attr:`url_roots` (nothing is fetched to decide); :class:`InvalidJob`
+        (a 422) naming ``field``, in the same words whether or not anything is there. The rule every URL a job
+        names for reading is held to."""
+        try:
+            return admit_url(url, self.url_roots, field=field, flag="--data-root")
+        except NotUnderRoots as e:
+            raise InvalidJob(str(e)) from None
 
     def admit(self, request: JobRequest) -> JobRequest:
         """``request`` with its data source checked and resolved; raises :class:`InvalidJob` (a 422)."""
@@ -107,6 +126,8 @@ class DataAccess:
         pins: list[DataPin] = []
 
         def resolve(directory: str) -> str:
+            if is_url(directory):
+                return resolve_url(directory)
             path = _realpath(directory)
             if not path or not any(_under(path, root) for root in self.roots) or not os.path.isdir(path):
                 raise InvalidJob(
@@ -122,6 +143,27 @@ class DataAccess:
                 raise InvalidJob(f"data: {e}") from None
             pins.append(DataPin(path=path, manifest_key=manifest.key, tokenizer_sha256=manifest.tokenizer_sha256))
             return path
+
+        def resolve_url(url: str) -> str:
+            """A dataset by URL: a ``file://`` one under the data roots as a path is (its real path), any other
+            under :attr:`url_roots`; its manifest and shards read through fsspec only once it is admitted."""
+            if url.startswith("file://"):
+                path = _realpath(url.removeprefix("file://"))
+                if not path or not any(_under(path, root) for root in self.roots) or not os.path.isdir(path):
+                    raise InvalidJob(
+                        f"data: {url!r} is not a prepared dataset directory under this service's data roots "
+                        f"({', '.join(self.roots) or 'none configured'}); write it there with `meridian data "
+                        "prepare ... --out DIR`, or start the service with `meridian serve --data-root PATH`")
+                url = f"file://{path}"
+            else:
+                url = self.admit_url(url, "data")
+            try:
+                manifest = read_manifest(url)
+                check_remote_files(url, manifest)
+            except ValueError as e:
+                raise InvalidJob(f"data: {e}") from None
+            pins.append(DataPin(path=url, manifest_key=manifest.key, tokenizer_sha256=manifest.tokenizer_sha256))
+            return url
 
         if data.dataset:
             data = replace(data, dataset=resolve(data.dataset))

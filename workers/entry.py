@@ -69,6 +69,27 @@ def _rendezvous_call(runner: Any) -> Any:
     return call
 
 
+def _cache_url_datasets(cfg: TrainConfig, runner: Any, *, worker_id: str, node_id: str, datacenter: str) -> None:
+    """Copy the job's datasets named by URL into this host's cache, every shard hashed (a damaged cached one is
+    fetched again), before this worker joins: a node that cannot reach the data fails the job now, at placement,
+    with its name and the reason, before any step. Each copy is a ``dataset_cached`` event."""
+    from meridian.workers.data.remote import local_copy, url_datasets
+
+    for url in url_datasets(cfg.data):
+        try:
+            copy = local_copy(url, cfg.data.pin(url))
+        except Exception as e:
+            message = (f"node {node_id[:12]} ({socket.gethostname()}, datacenter {datacenter}) cannot read the job's "
+                       f"dataset {url}: {e}")
+            ray.get(runner.fail.remote(message), timeout=CALL_TIMEOUT_S)
+            raise RuntimeError(message) from None
+        what = (f"fetched {len(copy.fetched)} shard(s)" if copy.fetched else "found it whole") + (
+            f", fetched {len(copy.refetched)} damaged shard(s) again" if copy.refetched else "")
+        runner.push_event.remote("dataset_cached", f"worker {worker_id[:12]} in {datacenter} cached {url}: {what}", {
+            "url": url, "worker_id": worker_id, "node_id": node_id, "datacenter": datacenter,
+            "directory": copy.directory, "fetched": list(copy.fetched), "refetched": list(copy.refetched)})
+
+
 def ray_train_entry(loop_config: dict[str, Any], *, replacement: bool = False) -> None:
     """``train_loop_per_worker`` of the job's TorchTrainer; with ``replacement``, the body of a worker the runner
     started outside Ray Train's group."""
@@ -104,6 +125,7 @@ def _run(loop_config: dict[str, Any], cfg: TrainConfig, rt: Any, standby: Any, r
         "worker_id": worker_id, "node_id": node_id, "datacenter": dc, "hostname": socket.gethostname(),
         "pid": os.getpid(), "ray_worker_id": rt.get_worker_id(), "device": device, "time": time.time(),
     })
+    _cache_url_datasets(cfg, runner, worker_id=worker_id, node_id=node_id, datacenter=dc)
     agent = Agent(
         cfg, _rendezvous_call(runner), worker_id=worker_id, datacenter=dc, node_id=node_id,
         address=ray.util.get_node_ip_address(), backend=backend_for(device), device=device,
