@@ -136,7 +136,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         local = parse_datacenters(args.local_datacenters) if args.local_datacenters else None
         config = ServiceConfig(data_dir=args.data_dir, database_url=args.database_url, ray_address=args.address,
                                local_datacenters=local, cpus_per_node=args.cpus_per_node,
-                               data_roots=tuple(args.data_root or ()), storage=args.storage)
+                               data_roots=tuple(args.data_root or ()), storage=args.storage,
+                               tracking_roots=tuple(args.tracking_root or ()))
         if args.max_streams_per_owner is not None and args.max_streams_per_owner < 1:
             raise ValueError(f"--max-streams-per-owner must be at least 1, got {args.max_streams_per_owner}")
     except (UnsafeDeployment, ValueError) as e:
@@ -401,6 +402,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a folder whose files jobs may train on (data.source, data.dataset), or a URL prefix such as "
                         "s3://bucket/prefix under which data.dataset may name prepared datasets (each node copies "
                         "them into its cache); repeatable (default: DATA_DIR/data)")
+    s.add_argument("--tracking-root", action="append", metavar="PATH_OR_URL",
+                   help="a folder where jobs may keep an MLflow store (tracking.mlflow.uri file:... or sqlite:...), "
+                        "or an https:// MLflow server they may log to; repeatable (default: DATA_DIR/tracking)")
     s.add_argument("--storage", default="", metavar="PATH_OR_URL",
                    help="where checkpoints and final weights go: a path every node and the service can read and "
                         "write (a shared filesystem), or an fsspec URL such as s3://bucket/prefix, credentials "

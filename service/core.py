@@ -50,6 +50,8 @@ class ServiceConfig:
     """Folders whose files jobs may name as ``data.source`` or ``data.dataset``, and URL prefixes
     (``s3://bucket/prefix``) under which ``data.dataset`` may name prepared datasets; empty: ``<data_dir>/data``
     (not ``data_dir`` itself, which holds the database and, by default, the token file)."""
+    tracking_roots: tuple[str, ...] = ()
+    """Folders (and ``https://`` MLflow servers) where a job's MLflow store may be; empty: ``<data_dir>/tracking``."""
     data_max_bytes: int = DEFAULT_MAX_BYTES
     """The most ``data.max_bytes`` a job may ask for."""
     storage: str = ""
@@ -81,7 +83,9 @@ class ServiceConfig:
         return self.data_roots or (str(Path(self.data_dir) / "data"),)
 
     def data_access(self) -> DataAccess:
-        return DataAccess.for_roots(self.effective_data_roots, max_bytes=self.data_max_bytes)
+        return DataAccess.for_roots(self.effective_data_roots, max_bytes=self.data_max_bytes,
+                                    tracking_roots=self.tracking_roots or (str(Path(self.data_dir) / "tracking"),),
+                                    storage_root=self.checkpoint_root)
 
     def check_storage(self) -> None:
         """Make the storage folder and prove this process can write there, or raise :class:`StorageUnusable`

@@ -1,4 +1,4 @@
-"""Which training text (and which ``model.init_from`` checkpoint) a job may read: a server-side allow-list of data roots, checked at submit.
+"""Which training text (and which ``model.init_from`` checkpoint) a job may read: a server-side allow-list of data roots, checked at submit (and, through :mod:`meridian.service.tracking`, where its trackers may write).
 
 A job's ``data.source`` is opened by its workers with the service's own rights, so the service decides what
 it may name: the built-in corpus, or a regular file under one of :attr:`DataAccess.roots` (``meridian serve
@@ -28,6 +28,7 @@ from dataclasses import dataclass, replace
 from meridian.service.errors import InvalidJob
 from meridian.service.jobs import JobRequest
 from meridian.service.locations import NotUnderRoots, UrlRoot, admit_url
+from meridian.service.tracking import TrackingAccess, admit_tracking
 from meridian.workers.contracts.config import DataConfig, DataPin
 from meridian.workers.contracts.model_config import ModelConfig
 from meridian.workers.data.manifest import check_dataset_files, is_url, read_manifest, tokenizer_sha256
@@ -48,14 +49,21 @@ class DataAccess:
     url_roots: tuple[UrlRoot, ...] = ()
     """URL prefixes (``s3://bucket/prefix``) under which jobs may name prepared datasets
     (:mod:`meridian.service.locations`)."""
+    tracking: TrackingAccess = TrackingAccess()
+    """Where a job's trackers may write (:mod:`meridian.service.tracking`)."""
+    storage_root: str = ""
+    """The jobs' storage (``ServiceConfig.checkpoint_root``): where trackers write by default."""
 
     @classmethod
-    def for_roots(cls, roots: Sequence[str], *, max_bytes: int = DEFAULT_MAX_BYTES) -> DataAccess:
-        """``roots`` as ``meridian serve --data-root`` gives them: folders, and URLs (``file://`` ones are folders)."""
+    def for_roots(cls, roots: Sequence[str], *, max_bytes: int = DEFAULT_MAX_BYTES,
+                  tracking_roots: Sequence[str] = (), storage_root: str = "") -> DataAccess:
+        """``roots`` as ``meridian serve --data-root`` gives them: folders, and URLs (``file://`` ones are folders);
+        ``tracking_roots`` as ``--tracking-root`` gives them."""
         local = [r.removeprefix("file://") if r.startswith("file://") else r for r in roots
                  if not is_url(r) or r.startswith("file://")]
         urls = tuple(UrlRoot.parse(r) for r in roots if is_url(r) and not r.startswith("file://"))
-        return cls(tuple(os.path.realpath(os.path.expanduser(r)) for r in local), max_bytes, urls)
+        return cls(tuple(os.path.realpath(os.path.expanduser(r)) for r in local), max_bytes, urls,
+                   TrackingAccess.for_roots(tracking_roots), storage_root)
 
     def admit_url(self, url: str, field: str) -> str:
         """``url`` if it is under one of :attr:`url_roots` (nothing is fetched to decide); :class:`InvalidJob`
@@ -67,7 +75,9 @@ class DataAccess:
             raise InvalidJob(str(e)) from None
 
     def admit(self, request: JobRequest) -> JobRequest:
-        """``request`` with its data source checked and resolved; raises :class:`InvalidJob` (a 422)."""
+        """``request`` with its data source and its trackers checked and resolved; raises :class:`InvalidJob` (a
+        422)."""
+        request = replace(request, tracking=admit_tracking(request.tracking, self.tracking, self.storage_root))
         data = self.check(request.data)
         if request.model.init_from:
             request = replace(request, model=replace(request.model,

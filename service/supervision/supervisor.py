@@ -41,6 +41,8 @@ from meridian.service.supervision.reconcile import (
     unanswered,
 )
 from meridian.service.supervision.stall import StallPolicy
+from meridian.service.tracking import with_job_dir
+from meridian.workers.state import storage
 
 log = logging.getLogger(__name__)
 
@@ -222,7 +224,8 @@ class Supervisor:
         keep = job.request.checkpoint_every or job.request.keep_final
         ckpt_dir = os.path.join(self.checkpoint_root, job.id) if keep else ""
         try:
-            config = build_train_config(job.id, job.request, plan, ckpt_dir)
+            config = with_job_dir(build_train_config(job.id, job.request, plan, ckpt_dir),
+                                  storage.join(self.checkpoint_root, job.id), plan.to_dict())
         except ValueError as e:
             # The plan and the request's options do not make a valid training config: this job's fault, so it
             # fails with the reason (raised here, it failed every tick, and no other job was admitted or followed).

@@ -15,6 +15,7 @@ from typing import Any
 
 from meridian.workers.contracts.fields import check_bounds, knob
 from meridian.workers.contracts.model_config import ModelConfig
+from meridian.workers.contracts.tracking import TrackingConfig
 
 
 class SyncStrategy(str, enum.Enum):
@@ -475,6 +476,11 @@ class TrainConfig:
     """Tensor and pipeline parallelism inside each data-parallel replica."""
     validation: ValidationConfig | None = None
     """Periodic evaluation on the held-out split; ``None``: only the final evaluation."""
+    tracking: TrackingConfig | None = None
+    """The experiment trackers rank 0 logs to; ``None``: none."""
+    job_dir: str = ""
+    """The job's folder in the service's storage (a path or URL): tracker logs and profiler traces go there;
+    empty: neither is written."""
 
     def __post_init__(self) -> None:
         check_batches(self)

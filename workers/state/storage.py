@@ -363,3 +363,24 @@ def remove_tokens(root: str, names: list[str]) -> None:
     for name in names:
         with contextlib.suppress(Exception):
             remove(join(root, PROOF_FOLDER, name))
+
+
+def list_files(location: str) -> dict[str, int]:
+    """Every file under the folder (or URL) ``location``, by its path relative to it, with its bytes; ``{}`` when
+    there is none."""
+    if not is_url(location):
+        out: dict[str, int] = {}
+        for folder, _, names in os.walk(location):
+            for name in names:
+                path = os.path.join(folder, name)
+                if (bytes_ := _file_size(Path(path))) is not None:
+                    out[os.path.relpath(path, location)] = bytes_
+        return out
+    fs, path = _fs(location)
+    try:
+        found = fs.find(path, detail=True)
+    except FileNotFoundError:
+        return {}
+    base = path.rstrip("/") + "/"
+    return {p[len(base):]: int(info.get("size") or 0) for p, info in found.items()
+            if p.startswith(base) and info.get("type") != "directory"}
