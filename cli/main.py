@@ -24,6 +24,7 @@ from meridian.cli.data import run as run_data
 from meridian.cli.errors import CliError, local_problem, report
 from meridian.cli.lab import add_lab_parser
 from meridian.cli.lab import run as run_lab
+from meridian.cli.profile import add_profile_parser
 
 
 def default_token_file() -> str:
@@ -498,6 +499,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_lab_parser(sub)
     add_data_parser(sub)
+    add_profile_parser(sub)
 
     b = sub.add_parser("bench", help="benchmarks (sync, scaling, …); see `meridian bench -h`", add_help=False)
     b.add_argument("rest", nargs=argparse.REMAINDER)

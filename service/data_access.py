@@ -32,7 +32,7 @@ from meridian.service.tracking import TrackingAccess, admit_tracking
 from meridian.workers.contracts.config import DataConfig, DataPin
 from meridian.workers.contracts.model_config import ModelConfig
 from meridian.workers.data.manifest import check_dataset_files, is_url, read_manifest, tokenizer_sha256
-from meridian.workers.data.remote import check_remote_files
+from meridian.workers.data.remote import check_remote_files, manifest_of
 from meridian.workers.data.source import NotRegularFile, open_regular, read_source, source_sha256, split_bytes
 
 BUILTIN_SOURCES = ("builtin:python-reference",)
@@ -168,7 +168,7 @@ class DataAccess:
             else:
                 url = self.admit_url(url, "data")
             try:
-                manifest = read_manifest(url)
+                manifest = manifest_of(url)
                 check_remote_files(url, manifest)
             except ValueError as e:
                 raise InvalidJob(f"data: {e}") from None
@@ -241,7 +241,7 @@ def check_dataset_vocab(data: DataConfig, model: ModelConfig) -> None:
                          "of that size (`meridian data prepare`) and name it in data.dataset")
     best, where = 0, ""
     for directory, _ in data.datasets:
-        vocab = read_manifest(directory).vocab_size
+        vocab = manifest_of(directory).vocab_size
         if vocab > best:
             best, where = vocab, directory
     if best > model.vocab_size:
@@ -278,7 +278,7 @@ def check_train_split(data: DataConfig, model: ModelConfig) -> None:
                          f"each) is fewer than one sample of model.seq_len + 1 = {model.seq_len + 1}; use a longer "
                          "text or a shorter model.seq_len")
     for directory, _ in data.datasets:
-        train = read_manifest(directory).train
+        train = manifest_of(directory).train
         if train.tokens < model.seq_len + 1:
             raise InvalidJob(f"data: dataset {directory!r} has {train.tokens} train tokens, fewer than one sample of "
                              f"model.seq_len + 1 = {model.seq_len + 1}; prepare more text into it or shorten "
@@ -294,7 +294,7 @@ def check_validation_split(data: DataConfig, model: ModelConfig) -> None:
                          f"bytes) is fewer than one sample of model.seq_len + 1 = {model.seq_len + 1}; use a text of "
                          f"at least {20 * (model.seq_len + 1) + 20} bytes, a shorter model.seq_len, or drop validation")
     for directory, _ in data.datasets:
-        val = read_manifest(directory).val
+        val = manifest_of(directory).val
         if val.tokens < model.seq_len + 1:
             raise InvalidJob(
                 f"validation: dataset {directory!r} has {val.tokens} validation tokens ({val.documents} documents), "

@@ -104,12 +104,8 @@ class Manifest:
 
 
 def read_manifest(directory: str) -> Manifest:
-    """The manifest of a prepared dataset (a directory, or a URL read through fsspec:
-    :mod:`meridian.workers.data.remote`); ``ValueError`` naming the directory when there is none."""
-    if is_url(directory):
-        from meridian.workers.data.remote import read_remote_manifest
-
-        return read_remote_manifest(directory)
+    """The manifest of a prepared dataset directory (one named by URL: :func:`meridian.workers.data.remote.
+    manifest_of`); ``ValueError`` naming the directory when there is none."""
     path = os.path.join(directory, MANIFEST)
     try:  # like every file of the dataset: a regular file, not a symlink, opened non-blocking (a pipe, a link to
         # /dev/zero, would hang the reader, the service's request with it)

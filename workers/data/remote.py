@@ -29,7 +29,15 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from meridian.workers.contracts.config import DataConfig, DataPin
-from meridian.workers.data.manifest import DTYPES, MANIFEST, Manifest, check_pinned, is_url, parse_manifest
+from meridian.workers.data.manifest import (
+    DTYPES,
+    MANIFEST,
+    Manifest,
+    check_pinned,
+    is_url,
+    parse_manifest,
+    read_manifest,
+)
 
 CHUNK = 8 << 20
 """Bytes read and hashed at a time while a shard is fetched or checked."""
@@ -78,6 +86,11 @@ def read_remote_manifest(url: str) -> Manifest:
     except Exception as e:  # noqa: BLE001 - each filesystem library raises its own types
         raise _unreadable(url, e) from None
     return parse_manifest(text, where)
+
+
+def manifest_of(location: str) -> Manifest:
+    """The manifest of a prepared dataset named by its directory or by its URL."""
+    return read_remote_manifest(location) if is_url(location) else read_manifest(location)
 
 
 def check_remote_files(url: str, manifest: Manifest) -> None:
