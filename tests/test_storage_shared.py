@@ -110,6 +110,7 @@ def test_two_nodes_whose_storage_folders_differ_are_found_not_shared_and_the_job
                     assert f"the checkpoint storage {folder} is not shared" in detail, detail
                     assert f"node {other[:12]}" in detail and "meridian serve --storage s3://" in detail
                     assert api.get("/v1/jobs").json()["count"] == 0  # refused before anything was stored
+                    assert "is not shared" in api.get("/v1/cluster").json()["storage"]["not_shared"]
                     one = spec(name="one", topology={"datacenters": ["dc-a"]},
                                training={"steps": 2, "global_batch": 2, "micro_batch": 1})
                     r = api.post("/v1/jobs", json=one)

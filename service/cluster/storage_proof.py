@@ -157,6 +157,11 @@ class SharedStorage:
             self.last = None
             self.proven |= set(result.nodes)
 
+    def status(self) -> dict[str, object]:
+        """What is known now: the storage, the nodes proven to share it, and the last failed proof's finding."""
+        return {"root": self.root, "proven_nodes": sorted(self.proven),
+                "not_shared": self.last.message() if self.last is not None else ""}
+
     def require_for(self, datacenters: Iterable[str], topo: ClusterTopology) -> None:
         """:meth:`require` for the nodes a job planned on ``datacenters`` may run its ranks on: every live node of
         them that has a CPU or GPU (a replacement may land on any of them)."""
