@@ -139,7 +139,7 @@ class SharedStorage:
     prove: Callable[[str, list[str]], Verdict] = field(default=prove)
     proven: set[str] = field(default_factory=set)
     last: Verdict | None = None
-    """The last proof that failed, if the last one did."""
+    """The last proof that failed, until a proof of all its nodes succeeds."""
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def require(self, node_ids: Iterable[str]) -> None:
@@ -154,7 +154,8 @@ class SharedStorage:
             if not result.shared:
                 self.last = result
                 raise StorageNotShared(result.message())
-            self.last = None
+            if self.last is not None and set(self.last.nodes) <= set(result.nodes):
+                self.last = None  # the nodes it was about are proven now (a mount was fixed)
             self.proven |= set(result.nodes)
 
     def status(self) -> dict[str, object]:
