@@ -233,3 +233,47 @@ def test_a_finished_jobs_loss_reads_back_from_every_tracker_equal_to_its_metrics
     assert artifacts["tracking"]["mlflow"] == {"uri": f"file:{mlruns}", "experiment": "e2e"}
     series, config = wandb_series(artifacts["tracking"]["wandb"]["path"], job_id)
     assert series == want and config["plan.num_workers"] == "2"
+
+
+def _job_record(job_id: str, tracking: dict):
+    import json as json_
+
+    from meridian.service.jobs import JobState, JobStatus
+    from meridian.service.store import JobRecord
+
+    request = _request(tracking)
+    return JobRecord(id=job_id, seq=1, name="t", owner="", priority=0, status=JobStatus(JobState.SUCCEEDED, "", ""),
+                     request_json=json_.dumps(request.to_dict()), spec={}, plan=None, placement=None, progress=None,
+                     result=None, runner=None, created_at=0.0, updated_at=0.0, started_at=None, finished_at=None)
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_the_logs_in_the_jobs_folder_are_listed_in_its_artifacts_on_a_folder_or_an_object_store(tmp_path, where):
+    import contextlib
+
+    from s3_env import moto_s3
+
+    from meridian.service.artifacts import list_artifacts
+    from meridian.workers.state import storage
+
+    with moto_s3() if where == "s3" else contextlib.nullcontext(str(tmp_path / "ckpt")) as root:
+        job_dir = storage.join(root, "job-t1")
+        cfg = with_job_dir(_cfg("", TrackingConfig(tensorboard=True, wandb=WandbTracking(project="p"))), job_dir, {})
+        sink = TrackingSink(Runner(), cfg, on_event=lambda *e: pytest.fail(str(e)))
+        for step in range(1, 6):
+            sink.step(_record(step))
+        sink.close()
+        listing = list_artifacts(root, _job_record("job-t1", {"tensorboard": True, "wandb": {"project": "p"}}))
+        tb = listing["tracking"]["tensorboard"]
+        assert tb["path"] == storage.join(job_dir, "tensorboard") and tb["bytes"] > 0
+        assert any(f["name"].startswith("events.out.tfevents.") for f in tb["files"])
+        assert any(f["name"].endswith("run-job-t1.wandb") for f in listing["tracking"]["wandb"]["files"])
+        if where == "s3":  # mirrored whole: the copy reads back as what was logged
+            from fsspec.core import url_to_fs
+
+            fs, path = url_to_fs(tb["path"])
+            fs.get(path, str(tmp_path / "tb"), recursive=True)
+            folder = str(tmp_path / "tb")
+        else:
+            folder = tb["path"]
+        assert tensorboard_series(folder) == [(s, f32(4.0 / s + 0.123456789)) for s in range(1, 6)]
