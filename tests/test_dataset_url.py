@@ -174,6 +174,32 @@ def test_a_dataset_prepared_again_after_admission_is_refused_by_the_node(dataset
             local_copy(url, pin)
 
 
+def test_a_node_that_cannot_reach_the_dataset_says_which_node_and_why(dataset, cache):
+    from s3_env import aws_env
+
+    from meridian.workers.data.remote import DataUnreachable, cache_url_datasets
+
+    with moto_s3() as bucket:
+        url = f"{bucket}/data/ref"
+        upload(dataset, url)
+        data = DataAccess.for_roots([f"{bucket}/data"]).admit(_spec(url).to_request()).data
+        events = []
+        cache_url_datasets(data, worker_id="w1", node_id="ab" * 28, datacenter="dc-a", host="h1",
+                           on_event=lambda *e: events.append(e))
+        assert [e[0] for e in events] == ["dataset_cached"] and events[0][2]["datacenter"] == "dc-a"
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    with aws_env(AWS_ACCESS_KEY_ID="x", AWS_SECRET_ACCESS_KEY="y", AWS_DEFAULT_REGION="us-east-1",
+                 AWS_ENDPOINT_URL=f"http://127.0.0.1:{closed}", AWS_MAX_ATTEMPTS="1"), \
+            pytest.raises(DataUnreachable, match=r"node abababababab \(h2, datacenter dc-b\) cannot read the job's "
+                                                 r"dataset s3://.*Could not connect to the endpoint"):
+        cache_url_datasets(data, worker_id="w2", node_id="ab" * 28, datacenter="dc-b", host="h2",
+                           on_event=lambda *e: None)
+
+
 def _text(tmp_path) -> str:
     path = tmp_path / "other.txt"
     path.write_text("\n\n".join(f"paragraph {i} of another text, " * 20 for i in range(200)))

@@ -70,24 +70,16 @@ def _rendezvous_call(runner: Any) -> Any:
 
 
 def _cache_url_datasets(cfg: TrainConfig, runner: Any, *, worker_id: str, node_id: str, datacenter: str) -> None:
-    """Copy the job's datasets named by URL into this host's cache, every shard hashed (a damaged cached one is
-    fetched again), before this worker joins: a node that cannot reach the data fails the job now, at placement,
-    with its name and the reason, before any step. Each copy is a ``dataset_cached`` event."""
-    from meridian.workers.data.remote import local_copy, url_datasets
+    """Copy the job's datasets named by URL into this host's cache before this worker joins (a node that cannot
+    reach them fails the job now, at placement, naming itself, before any step)."""
+    from meridian.workers.data.remote import DataUnreachable, cache_url_datasets
 
-    for url in url_datasets(cfg.data):
-        try:
-            copy = local_copy(url, cfg.data.pin(url))
-        except Exception as e:
-            message = (f"node {node_id[:12]} ({socket.gethostname()}, datacenter {datacenter}) cannot read the job's "
-                       f"dataset {url}: {e}")
-            ray.get(runner.fail.remote(message), timeout=CALL_TIMEOUT_S)
-            raise RuntimeError(message) from None
-        what = (f"fetched {len(copy.fetched)} shard(s)" if copy.fetched else "found it whole") + (
-            f", fetched {len(copy.refetched)} damaged shard(s) again" if copy.refetched else "")
-        runner.push_event.remote("dataset_cached", f"worker {worker_id[:12]} in {datacenter} cached {url}: {what}", {
-            "url": url, "worker_id": worker_id, "node_id": node_id, "datacenter": datacenter,
-            "directory": copy.directory, "fetched": list(copy.fetched), "refetched": list(copy.refetched)})
+    try:
+        cache_url_datasets(cfg.data, worker_id=worker_id, node_id=node_id, datacenter=datacenter,
+                           host=socket.gethostname(), on_event=runner.push_event.remote)
+    except DataUnreachable as e:
+        ray.get(runner.fail.remote(str(e)), timeout=CALL_TIMEOUT_S)
+        raise RuntimeError(str(e)) from None
 
 
 def ray_train_entry(loop_config: dict[str, Any], *, replacement: bool = False) -> None:

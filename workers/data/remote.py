@@ -24,7 +24,7 @@ import hashlib
 import json
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -270,3 +270,25 @@ def local_datasets(data: DataConfig, *, trust_stamp: bool = True) -> tuple[tuple
             directory = local
         datasets.append((directory, weight))
     return tuple(datasets), tuple(pins)
+
+
+class DataUnreachable(RuntimeError):
+    """A node cannot copy a job's dataset (no credentials, no route, a damaged store): the job cannot train."""
+
+
+def cache_url_datasets(data: DataConfig, *, worker_id: str, node_id: str, datacenter: str, host: str,
+                       on_event: Callable[[str, str, dict[str, Any]], Any]) -> None:
+    """What a worker does before it joins: copy every dataset of ``data`` named by URL into this host's cache,
+    every shard hashed (:func:`local_copy`), each copy a ``dataset_cached`` event; :class:`DataUnreachable` naming
+    the node, its host and the reason when one cannot be."""
+    for url in url_datasets(data):
+        try:
+            copy = local_copy(url, data.pin(url))
+        except Exception as e:  # noqa: BLE001 - whatever stops the copy stops the job, with its reason
+            raise DataUnreachable(f"node {node_id[:12]} ({host}, datacenter {datacenter}) cannot read the job's "
+                                  f"dataset {url}: {e}") from e
+        what = (f"fetched {len(copy.fetched)} shard(s)" if copy.fetched else "found it whole") + (
+            f", fetched {len(copy.refetched)} damaged shard(s) again" if copy.refetched else "")
+        on_event("dataset_cached", f"worker {worker_id[:12]} in {datacenter} cached {url}: {what}", {
+            "url": url, "worker_id": worker_id, "node_id": node_id, "datacenter": datacenter,
+            "directory": copy.directory, "fetched": list(copy.fetched), "refetched": list(copy.refetched)})
