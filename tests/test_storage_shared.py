@@ -52,6 +52,21 @@ def test_nodes_proven_once_are_not_asked_again_and_a_new_one_is_proven_beside_on
     assert asked[-1] == ["a", "c"] and shared.proven == {"a", "b"} and shared.last is not None
 
 
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_tokens_read_back_through_the_storage_and_are_removed(tmp_path, where):
+    from s3_env import moto_s3
+
+    from meridian.workers.state import storage
+
+    with moto_s3() if where == "s3" else contextlib.nullcontext(str(tmp_path / "ckpt")) as root:
+        names = [storage.write_token(root, "n0nce", node) for node in ("a" * 56, "b" * 56)]
+        assert storage.read_tokens(root, "n0nce", names) == dict.fromkeys(names, True)
+        assert storage.read_tokens(root, "other", names) == dict.fromkeys(names, False)  # another proof's nonce
+        storage.remove_tokens(root, names)
+        assert storage.read_tokens(root, "n0nce", names) == dict.fromkeys(names, False)
+        assert storage.list_files(storage.join(root, storage.PROOF_FOLDER)) == {}
+
+
 # -- two Ray nodes with separate storage folders ----------------------------------------------------------
 @contextlib.contextmanager
 def node_with_its_own_folder(address: str, folder: str, dc: str):
