@@ -101,10 +101,12 @@ def _admit_mlflow_uri(mlflow: MlflowTracking, access: TrackingAccess) -> str:
     return f"file:{real}" if scheme == "file" else f"sqlite:///{real}"
 
 
-def with_job_dir(config: TrainConfig, job_dir: str, plan: dict[str, Any]) -> TrainConfig:
-    """``config`` at launch: the job's folder in the storage, and its trackers' hyperparameters from ``plan``
-    (:meth:`~meridian.service.planning.plan.Plan.to_dict`, flattened)."""
-    tracking = config.tracking
+def with_job_dir(config: TrainConfig, job_dir: str, plan: dict[str, Any],
+                 tracking: TrackingConfig | None = None) -> TrainConfig:
+    """``config`` at launch: the job's folder in the storage, and the job's ``tracking`` (as admitted; ``None``:
+    the config's own) with its hyperparameters from ``plan`` (:meth:`~meridian.service.planning.plan.Plan.to_dict`,
+    flattened)."""
+    tracking = tracking if tracking is not None else config.tracking
     if tracking is not None:
         if tracking.mlflow is not None and not tracking.mlflow.uri:
             tracking = replace(tracking, mlflow=replace(tracking.mlflow, uri=f"file:{storage.join(job_dir, 'mlflow')}"))

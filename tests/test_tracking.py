@@ -196,6 +196,24 @@ def test_an_mlflow_uri_must_be_under_a_tracking_root(tmp_path):
         on_s3.admit(_request({"mlflow": {}}))
 
 
+def test_the_launched_config_carries_the_jobs_tracking_its_folder_and_the_plan(supervisor, tmp_path):
+    from fakes import spec
+
+    from meridian.service.supervision.supervisor import Supervisor
+
+    sup = Supervisor(supervisor.store, supervisor.launcher, supervisor.read_topology,
+                     checkpoint_root=str(tmp_path / "ckpt"),
+                     data_access=DataAccess.for_roots([str(tmp_path)], storage_root=str(tmp_path / "ckpt")))
+    s = JobSpec.model_validate(spec(tracking={"tensorboard": True, "mlflow": {}}))
+    job, _ = sup.submit(s.to_request(), s.model_dump(mode="json"))
+    sup.tick()
+    (job_id, config, plan), = sup.launcher.launched
+    assert job_id == job.id and config.job_dir == str(tmp_path / "ckpt" / job.id)
+    assert config.tracking.tensorboard and config.tracking.mlflow.uri == f"file:{tmp_path / 'ckpt' / job.id / 'mlflow'}"
+    params = dict(config.tracking.params)
+    assert params["plan.num_workers"] == str(plan.num_workers) and "plan.sync_strategy" in params
+
+
 # -- through the service, on an embedded Ray cluster -------------------------------------------------------
 @pytest.mark.slow
 def test_a_finished_jobs_loss_reads_back_from_every_tracker_equal_to_its_metrics(tmp_path):

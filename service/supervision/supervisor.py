@@ -225,7 +225,8 @@ class Supervisor:
         ckpt_dir = os.path.join(self.checkpoint_root, job.id) if keep else ""
         try:
             config = with_job_dir(build_train_config(job.id, job.request, plan, ckpt_dir),
-                                  storage.join(self.checkpoint_root, job.id), plan.to_dict())
+                                  storage.join(self.checkpoint_root, job.id), plan.to_dict(),
+                                  tracking=job.request.tracking)
         except ValueError as e:
             # The plan and the request's options do not make a valid training config: this job's fault, so it
             # fails with the reason (raised here, it failed every tick, and no other job was admitted or followed).

@@ -13,6 +13,7 @@ Where the job's folder is a URL (an object store), TensorBoard and W&B write to 
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import tempfile
 import time
@@ -56,6 +57,13 @@ class Mirror:
                 fs.put_file(path, f"{root.rstrip('/')}/{rel}")
                 self._sent[path] = (st.st_size, st.st_mtime_ns)
 
+    def close(self) -> None:
+        """The last copy, then the local folder goes."""
+        try:
+            self.sync()
+        finally:
+            shutil.rmtree(self.local, ignore_errors=True)
+
 
 def place(job_dir: str, job_id: str, name: str) -> tuple[str, Mirror | None]:
     """The local folder a tracker writes ``name`` to, and the mirror that copies it into the job's folder when
@@ -64,8 +72,7 @@ def place(job_dir: str, job_id: str, name: str) -> tuple[str, Mirror | None]:
     if not storage.is_url(job_dir):
         os.makedirs(target, exist_ok=True)
         return target, None
-    local = os.path.join(tempfile.gettempdir(), "meridian-tracking", job_id, name)
-    os.makedirs(local, exist_ok=True)
+    local = tempfile.mkdtemp(prefix=f"meridian-tracking-{job_id}-{name}-")  # this writer's own, removed at close
     return local, Mirror(local, target)
 
 
@@ -95,7 +102,7 @@ class TensorBoardWriter:
     def close(self) -> None:
         self._writer.close()
         if self.mirror is not None:
-            self.mirror.sync()
+            self.mirror.close()
 
 
 class MlflowWriter:
@@ -159,4 +166,4 @@ class WandbWriter:
     def close(self) -> None:
         self.run.finish()
         if self.mirror is not None:
-            self.mirror.sync()
+            self.mirror.close()
