@@ -15,7 +15,7 @@ FOLDERS = {
 }
 # Data-only folders that ship beside the code: `meridian demo` runs examples/demo.json by default, from
 # site-packages/meridian/examples in an installed wheel (an editable install reads the repository's).
-DATA_FOLDERS = {"meridian.examples": ("examples", ["*.json", "*.yaml"])}
+DATA_FOLDERS = {"meridian.examples": ("examples", ["**/*.json", "**/*.yaml"])}
 
 packages, package_dir = [], {}
 for name, folder in FOLDERS.items():

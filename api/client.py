@@ -168,6 +168,26 @@ class Client:
     def health(self) -> dict[str, Any]:
         return self.request("GET", "/healthz")
 
+    def profile(self, job_id: str, steps: int, ranks: list[int]) -> dict[str, Any]:
+        """Ask ranks of a running job for a profiler trace of their next ``steps`` steps."""
+        return self.request("POST", f"/v1/jobs/{job_id}/profile", json={"steps": steps, "ranks": ranks})
+
+    def profiles(self, job_id: str) -> dict[str, Any]:
+        return self.request("GET", f"/v1/jobs/{job_id}/profiles")
+
+    def download(self, path: str, out: str) -> int:
+        """Write what GET ``path`` answers to the file ``out``; its bytes."""
+        written = 0
+        with self._errors(), self._http.stream("GET", path, timeout=httpx.Timeout(30.0, read=300.0)) as r:
+            if r.status_code >= 400:
+                r.read()
+                self._raise_for(r)
+            with open(out, "wb") as f:
+                for chunk in r.iter_bytes():
+                    f.write(chunk)
+                    written += len(chunk)
+        return written
+
     def close(self) -> None:
         self._http.close()
 

@@ -50,6 +50,7 @@ from meridian.workers.contracts.config import (
 from meridian.workers.contracts.fields import bounds_of, default_of
 from meridian.workers.contracts.hf_config import model_config_from_hf
 from meridian.workers.contracts.model_config import MODEL_PRESETS, ModelConfig, ModelFamily
+from meridian.workers.contracts.tracking import MlflowTracking, TrackingConfig, WandbTracking
 
 DCName = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$", description="a datacenter label value")]
 AUTO = "auto"
@@ -308,6 +309,24 @@ class CheckpointSpec(Strict):
         "else widened as measured (a GPU's multi-GB shard), each widening announced as a job event.")
 
 
+MlflowSpec = config_model(MlflowTracking, "MlflowSpec", uri={"max_length": 4096})
+WandbSpec = config_model(WandbTracking, "WandbSpec")
+
+
+class TrackingSpec(Strict):
+    """Experiment trackers rank 0 logs every step to, with the config and plan as hyperparameters (each needs its
+    library installed where the job runs: ``pip install 'meridian[tracking]'``)."""
+
+    tensorboard: bool = config_field(TrackingConfig, "tensorboard")
+    mlflow: MlflowSpec | None = None  # type: ignore[valid-type]
+    wandb: WandbSpec | None = None  # type: ignore[valid-type]
+
+    def to_config(self) -> TrackingConfig:
+        return TrackingConfig(tensorboard=self.tensorboard,
+                              mlflow=None if self.mlflow is None else self.mlflow.to_config(),
+                              wandb=None if self.wandb is None else self.wandb.to_config())
+
+
 class JobSpec(Strict):
     name: str = Field(..., min_length=1, max_length=100, pattern=r"^[A-Za-z0-9][A-Za-z0-9 _.:-]*$")
     model: ModelSpec = ModelSpec()
@@ -319,6 +338,7 @@ class JobSpec(Strict):
     wan: WanSpec | None = None  # type: ignore[valid-type]
     checkpoint: CheckpointSpec = CheckpointSpec()
     validation: ValidationSpec | None = None  # type: ignore[valid-type]
+    tracking: TrackingSpec | None = None
     priority: int = config_field(JobRequest, "priority")
 
     @model_validator(mode="after")
@@ -352,6 +372,7 @@ class JobSpec(Strict):
             snapshot_every=_or_auto(self.checkpoint.snapshot_every),
             priority=self.priority, owner=owner,
             validation=None if self.validation is None else self.validation.to_config(),
+            tracking=None if self.tracking is None else self.tracking.to_config(),
         )
 
 

@@ -24,6 +24,7 @@ BENCHMARKS: dict[str, str] = {
     "api": "meridian.bench.api",
     "consistency": "meridian.bench.consistency",
     "plan": "meridian.bench.plan",
+    "plan-tables": "meridian.bench.plan_tables",
     "recovery": "meridian.bench.recovery",
     "data": "meridian.bench.data",
     "checkpoint": "meridian.bench.checkpoint",

@@ -24,6 +24,8 @@ from meridian.cli.data import run as run_data
 from meridian.cli.errors import CliError, local_problem, report
 from meridian.cli.lab import add_lab_parser
 from meridian.cli.lab import run as run_lab
+from meridian.cli.plan import add_plan_parser
+from meridian.cli.profile import add_profile_parser
 
 
 def default_token_file() -> str:
@@ -65,9 +67,11 @@ def emit(args: argparse.Namespace, data: Any, text: str) -> None:
     print(json.dumps(data, indent=2) if args.json else text)
 
 
-def watch(client: Client, job_id: str, *, as_json: bool, timeout_s: float, interval_s: float = 0.5) -> dict[str, Any]:
-    """Follow a job until it ends, printing a progress bar (or one JSON object per update)."""
-    deadline = time.monotonic() + timeout_s
+def watch(client: Client, job_id: str, *, as_json: bool, timeout_s: float | None,
+          interval_s: float = 0.5) -> dict[str, Any]:
+    """Follow a job until it ends, printing a progress bar (or one JSON object per update); with ``timeout_s``,
+    give up after that many seconds (the job keeps running), else follow it however long it runs."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
     tty = sys.stdout.isatty() and not as_json
     last_line, last_print = "", 0.0
     while True:
@@ -86,7 +90,7 @@ def watch(client: Client, job_id: str, *, as_json: bool, timeout_s: float, inter
             if tty:
                 print()
             return job
-        if time.monotonic() > deadline:
+        if deadline is not None and time.monotonic() > deadline:
             if tty:
                 print()
             raise ApiError(0, f"job {job_id} still {job['state']} after {timeout_s:.0f} s "
@@ -134,7 +138,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         local = parse_datacenters(args.local_datacenters) if args.local_datacenters else None
         config = ServiceConfig(data_dir=args.data_dir, database_url=args.database_url, ray_address=args.address,
                                local_datacenters=local, cpus_per_node=args.cpus_per_node,
-                               data_roots=tuple(args.data_root or ()), storage=args.storage)
+                               data_roots=tuple(args.data_root or ()), storage=args.storage,
+                               tracking_roots=tuple(args.tracking_root or ()))
         if args.max_streams_per_owner is not None and args.max_streams_per_owner < 1:
             raise ValueError(f"--max-streams-per-owner must be at least 1, got {args.max_streams_per_owner}")
     except (UnsafeDeployment, ValueError) as e:
@@ -198,7 +203,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
             if service.local_cluster is not None and service.local_cluster.gpu_note:
                 say(f"Note: {service.local_cluster.gpu_note}")
             job = client.submit(spec)
-            say(f"\nSubmitted {args.spec} as job {job['id']} over POST {url}/v1/jobs\n{job['plan']['explanation']}")
+            say(f"\nSubmitted {args.spec} as job {job['id']} over POST {url}/v1/jobs\n{render.plan_block(job['plan'])}")
             t1 = time.monotonic()
             job = watch(client, job["id"], as_json=args.json, timeout_s=args.timeout)
             if args.json:
@@ -217,7 +222,7 @@ def cmd_submit(args: argparse.Namespace, client: Client) -> int:
         job = watch(client, job["id"], as_json=args.json, timeout_s=args.timeout)
         emit(args, job, "" if args.json else summary(client, job))
         return 0 if job["state"] == "succeeded" else 1
-    emit(args, job, f"submitted job {job['id']} ({job['state']}): {job['plan']['explanation'] if job['plan'] else ''}")
+    emit(args, job, f"submitted job {job['id']} ({job['state']})" + (f"\n{render.plan_block(job['plan'])}" if job['plan'] else ""))
     return 0
 
 
@@ -260,12 +265,6 @@ def cmd_probe(args: argparse.Namespace, client: Client) -> int:
         return 0
     data = client.probe_links(args.tiers, int(args.max_mb * 2**20))
     emit(args, data, render.probe_view(data))
-    return 0
-
-
-def cmd_plan(args: argparse.Namespace, client: Client) -> int:
-    plan = client.plan(load_spec(args.file))
-    emit(args, plan, json.dumps(plan, indent=2))
     return 0
 
 
@@ -395,8 +394,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--cpus-per-node", type=int, default=1, help="CPUs of each embedded node (default 1)")
     s.add_argument("--data-dir", default=os.path.expanduser("~/.meridian"), help="database, checkpoints, run folders")
     s.add_argument("--database-url", default="", help="SQLAlchemy URL of the job store (default: SQLite in --data-dir)")
-    s.add_argument("--data-root", action="append", metavar="PATH",
-                   help="a folder whose files jobs may train on (data.source); repeatable (default: DATA_DIR/data)")
+    s.add_argument("--data-root", action="append", metavar="PATH_OR_URL",
+                   help="a folder whose files jobs may train on (data.source, data.dataset), or a URL prefix such as "
+                        "s3://bucket/prefix under which data.dataset may name prepared datasets (each node copies "
+                        "them into its cache); repeatable (default: DATA_DIR/data)")
+    s.add_argument("--tracking-root", action="append", metavar="PATH_OR_URL",
+                   help="a folder where jobs may keep an MLflow store (tracking.mlflow.uri file:... or sqlite:...), "
+                        "or an https:// MLflow server they may log to; repeatable (default: DATA_DIR/tracking)")
     s.add_argument("--storage", default="", metavar="PATH_OR_URL",
                    help="where checkpoints and final weights go: a path every node and the service can read and "
                         "write (a shared filesystem), or an fsspec URL such as s3://bucket/prefix, credentials "
@@ -431,7 +435,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("file")
     s.add_argument("--watch", action="store_true", help="follow the job until it ends")
     s.add_argument("--idempotency-key", default=None, help="resubmitting with the same key returns the same job")
-    s.add_argument("--timeout", type=float, default=3600)
+    s.add_argument("--timeout", type=float, default=None, metavar="S",
+                   help="with --watch: stop following after S seconds, exit 1 (the job keeps running); default: "
+                        "follow until the job ends")
     s.set_defaults(run=cmd_submit)
 
     s = verb("ls", "list jobs, newest first")
@@ -446,7 +452,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = verb("watch", "follow a job with a live progress bar until it ends")
     s.add_argument("id")
-    s.add_argument("--timeout", type=float, default=24 * 3600)
+    s.add_argument("--timeout", type=float, default=None, metavar="S",
+                   help="stop following after S seconds, exit 1 (the job keeps running); default: until it ends")
     s.set_defaults(run=cmd_watch)
 
     s = verb("events", "list a job's last 1000 events (-f: then follow them live until the job ends)")
@@ -481,12 +488,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="instead of the links: measure forward + backward of this job's model and micro-batch on "
                         "every worker slot (seconds); later plans of that shape weigh the link against it")
     s.set_defaults(run=cmd_probe)
-    s = verb("plan", "dry-run the planner for a job spec")
-    s.add_argument("file")
-    s.set_defaults(run=cmd_plan)
+    add_plan_parser(verb, load_spec=load_spec, emit=emit)
 
     add_lab_parser(sub)
     add_data_parser(sub)
+    add_profile_parser(sub)
 
     b = sub.add_parser("bench", help="benchmarks (sync, scaling, …); see `meridian bench -h`", add_help=False)
     b.add_argument("rest", nargs=argparse.REMAINDER)

@@ -123,8 +123,35 @@ def summary(job: dict[str, Any], wall_s: float | None = None, sync_decisions: tu
     if wall_s is not None:
         lines.append(f"  wall time       {duration(wall_s)}")
     if job.get("plan"):
-        lines.append(f"  plan            {job['plan']['explanation']}")
+        lines += ["  plan"] + ["    " + line for line in plan_block(job["plan"]).splitlines()]
     lines += [f"  sync decided    {m}" for m in sync_decisions]
     if job["placement"]:
         lines += ["", placement_table(job)]
     return "\n".join(lines)
+
+
+def plan_block(plan: dict[str, Any]) -> str:
+    """A plan's short block (at most eight lines; :func:`meridian.service.planning.explain.summary_block` words it),
+    or its explanation where the service sent no block (an older service)."""
+    return plan.get("summary") or plan["explanation"]
+
+
+def plan_view(plan: dict[str, Any], *, explain: bool = False) -> str:
+    """``meridian plan``'s text: the block, and with ``explain`` the planner's whole reasoning."""
+    return plan_block(plan) + (f"\n\nwhy: {plan['explanation']}" if explain else "")
+
+
+def offline_plan_view(data: dict[str, Any], summary: str, *, explain: bool = False) -> str:
+    """``meridian plan --cluster``'s text: what the cluster computes at, the plan's block with what it is compared
+    with, and with ``explain`` the reasoning of the plan (and of the offered one, where they differ)."""
+    c = data["cluster"]
+    head = (f"{c['gpus']} GPUs in {', '.join(f'{dc} ({n})' for dc, n in c['datacenters'].items())}; compute at "
+            f"{c['efficiency']:.3f} of peak, {c['calibration']}")
+    text = f"{head}\n{summary}"
+    if explain:
+        text += f"\n\nwhy: {data['plan']['explanation']}"
+        if data["plan_only"] and data["offered"]:
+            text += f"\n\nwhy today's: {data['offered']['explanation']}"
+        elif data["plan_only"]:
+            text += f"\n\nwhy none today: {data['refusal']}"
+    return text

@@ -1,6 +1,6 @@
 """What a job wrote to its storage: the durable checkpoints under ``<checkpoint root>/<job id>/`` (a folder or
 an fsspec URL), the last of which holds the final weights (every job keeps them unless
-``checkpoint.keep_final`` is false).
+``checkpoint.keep_final`` is false), and its trackers' logs there (``tensorboard/``, ``wandb/``).
 
 Torch-free: the listing reads file names, sizes and the ``latest`` pointer
 (:mod:`meridian.workers.state.storage`), never the tensors, and shows only complete checkpoints (those with
@@ -38,9 +38,20 @@ def list_artifacts(checkpoint_root: str, job: JobRecord) -> dict[str, Any]:
         })
     latest = storage.join(root, pointer) if pointer else None
     url = storage.is_url(root)
+    tracking = job.request.tracking
+    logs: dict[str, Any] = {}
+    for name in ("tensorboard", "wandb"):  # what rank 0's trackers wrote into the job's folder
+        folder = storage.join(root, name)
+        files = storage.list_files(folder)
+        if files:
+            logs[name] = {"path": folder, "files": [{"name": n, "bytes": b} for n, b in sorted(files.items())],
+                          "bytes": sum(files.values())}
+    if tracking is not None and tracking.mlflow is not None:
+        logs["mlflow"] = {"uri": tracking.mlflow.uri or f"file:{storage.join(root, 'mlflow')}",
+                          "experiment": tracking.mlflow.experiment}
     return {
         "job_id": job.id, "storage": root, "exists": bool(folders) or pointer is not None or os.path.isdir(root),
         "latest": latest, "keep_final": job.request.keep_final, "model": to_plain(job.request.model),
-        "data": to_plain(job.request.data), "artifacts": items,
+        "data": to_plain(job.request.data), "artifacts": items, "tracking": logs,
         "readable_here": latest is not None and (url or os.access(latest, os.R_OK)),
     }

@@ -14,6 +14,7 @@ from meridian.service.cluster.connect import LocalCluster, connect
 from meridian.service.cluster.gpu_memory import NodeGpuMemory
 from meridian.service.cluster.link_probe import ProbeCache, run_compute_probe, run_probe, training_precision
 from meridian.service.cluster.logs import LogEntry, WorkerLogs
+from meridian.service.cluster.storage_proof import SharedStorage, worker_nodes
 from meridian.service.cluster.topology import ClusterTopology, read_topology
 from meridian.service.data_access import DEFAULT_MAX_BYTES, DataAccess
 from meridian.service.errors import MeridianError
@@ -46,8 +47,11 @@ class ServiceConfig:
     cpus_per_node: int = 1
     poll_interval_s: float = 0.5
     data_roots: tuple[str, ...] = ()
-    """Folders whose files jobs may name as ``data.source``; empty: ``<data_dir>/data`` (not ``data_dir``
-    itself, which holds the database and, by default, the token file)."""
+    """Folders whose files jobs may name as ``data.source`` or ``data.dataset``, and URL prefixes
+    (``s3://bucket/prefix``) under which ``data.dataset`` may name prepared datasets; empty: ``<data_dir>/data``
+    (not ``data_dir`` itself, which holds the database and, by default, the token file)."""
+    tracking_roots: tuple[str, ...] = ()
+    """Folders (and ``https://`` MLflow servers) where a job's MLflow store may be; empty: ``<data_dir>/tracking``."""
     data_max_bytes: int = DEFAULT_MAX_BYTES
     """The most ``data.max_bytes`` a job may ask for."""
     storage: str = ""
@@ -65,6 +69,7 @@ class ServiceConfig:
             storage.check_url(self.storage)  # a ValueError naming the scheme or the package to install
         elif self.storage and not os.path.isabs(os.path.expanduser(self.storage)):
             raise ValueError(f"storage {self.storage!r} must be an absolute path (every node resolves it alike)")
+        self.data_access()  # a URL data root written wrongly (s3://b/x/../y) is refused before anything starts
 
     @property
     def checkpoint_root(self) -> str:
@@ -78,7 +83,9 @@ class ServiceConfig:
         return self.data_roots or (str(Path(self.data_dir) / "data"),)
 
     def data_access(self) -> DataAccess:
-        return DataAccess.for_roots(self.effective_data_roots, max_bytes=self.data_max_bytes)
+        return DataAccess.for_roots(self.effective_data_roots, max_bytes=self.data_max_bytes,
+                                    tracking_roots=self.tracking_roots or (str(Path(self.data_dir) / "tracking"),),
+                                    storage_root=self.checkpoint_root)
 
     def check_storage(self) -> None:
         """Make the storage folder and prove this process can write there, or raise :class:`StorageUnusable`
@@ -117,6 +124,7 @@ class MeridianService:
         self.probe_cache: ProbeCache | None = None
         self.worker_logs: WorkerLogs | None = None
         self.lease: Lease | None = None
+        self.shared_storage: SharedStorage | None = None
 
     def start(self) -> MeridianService:
         cfg = self.config
@@ -138,13 +146,16 @@ class MeridianService:
             self.local_cluster = LocalCluster(cfg.local_datacenters, cpus_per_node=cfg.cpus_per_node)
             address = self.local_cluster.start()
         connect(address)
+        # Proven shared by every worker node in the background now, and by a job's nodes when it is submitted.
+        self.shared_storage = SharedStorage(cfg.checkpoint_root)
+        self.shared_storage.start_background(lambda: worker_nodes(read_topology()))
         self.probe_cache = ProbeCache(cfg.data_dir)
         launcher = Launcher(storage_path=str(Path(cfg.data_dir).resolve() / "ray-train"))
         self.supervisor = Supervisor(
             self.store, launcher, read_topology,
             checkpoint_root=cfg.checkpoint_root, poll_interval_s=cfg.poll_interval_s,
             probe_report=self.probe_cache.latest, data_access=cfg.data_access(), lease=self.lease,
-            gpu_memory=NodeGpuMemory(),
+            gpu_memory=NodeGpuMemory(), storage_check=self.shared_storage.require_for,
         )
         self.worker_logs = WorkerLogs()
         self.supervisor.start()

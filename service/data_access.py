@@ -1,4 +1,4 @@
-"""Which training text (and which ``model.init_from`` checkpoint) a job may read: a server-side allow-list of data roots, checked at submit.
+"""Which training text (and which ``model.init_from`` checkpoint) a job may read: a server-side allow-list of data roots, checked at submit (and, through :mod:`meridian.service.tracking`, where its trackers may write).
 
 A job's ``data.source`` is opened by its workers with the service's own rights, so the service decides what
 it may name: the built-in corpus, or a regular file under one of :attr:`DataAccess.roots` (``meridian serve
@@ -27,9 +27,12 @@ from dataclasses import dataclass, replace
 
 from meridian.service.errors import InvalidJob
 from meridian.service.jobs import JobRequest
+from meridian.service.locations import NotUnderRoots, UrlRoot, admit_url
+from meridian.service.tracking import TrackingAccess, admit_tracking
 from meridian.workers.contracts.config import DataConfig, DataPin
 from meridian.workers.contracts.model_config import ModelConfig
-from meridian.workers.data.manifest import check_dataset_files, read_manifest, tokenizer_sha256
+from meridian.workers.data.manifest import check_dataset_files, is_url, read_manifest, tokenizer_sha256
+from meridian.workers.data.remote import check_remote_files, manifest_of
 from meridian.workers.data.source import NotRegularFile, open_regular, read_source, source_sha256, split_bytes
 
 BUILTIN_SOURCES = ("builtin:python-reference",)
@@ -40,15 +43,41 @@ DEFAULT_MAX_BYTES = 128 * 2**20
 @dataclass(frozen=True)
 class DataAccess:
     roots: tuple[str, ...] = ()
-    """Folders whose regular files jobs may train on (resolved with ``realpath`` when checked)."""
+    """Folders whose regular files jobs may train on (resolved with ``realpath`` when checked); a ``file://`` URL
+    is admitted under them too."""
     max_bytes: int = DEFAULT_MAX_BYTES
+    url_roots: tuple[UrlRoot, ...] = ()
+    """URL prefixes (``s3://bucket/prefix``) under which jobs may name prepared datasets
+    (:mod:`meridian.service.locations`)."""
+    tracking: TrackingAccess = TrackingAccess()
+    """Where a job's trackers may write (:mod:`meridian.service.tracking`)."""
+    storage_root: str = ""
+    """The jobs' storage (``ServiceConfig.checkpoint_root``): where trackers write by default."""
 
     @classmethod
-    def for_roots(cls, roots: Sequence[str], *, max_bytes: int = DEFAULT_MAX_BYTES) -> DataAccess:
-        return cls(tuple(os.path.realpath(os.path.expanduser(r)) for r in roots), max_bytes)
+    def for_roots(cls, roots: Sequence[str], *, max_bytes: int = DEFAULT_MAX_BYTES,
+                  tracking_roots: Sequence[str] = (), storage_root: str = "") -> DataAccess:
+        """``roots`` as ``meridian serve --data-root`` gives them: folders, and URLs (``file://`` ones are folders);
+        ``tracking_roots`` as ``--tracking-root`` gives them."""
+        local = [r.removeprefix("file://") if r.startswith("file://") else r for r in roots
+                 if not is_url(r) or r.startswith("file://")]
+        urls = tuple(UrlRoot.parse(r) for r in roots if is_url(r) and not r.startswith("file://"))
+        return cls(tuple(os.path.realpath(os.path.expanduser(r)) for r in local), max_bytes, urls,
+                   TrackingAccess.for_roots(tracking_roots), storage_root)
+
+    def admit_url(self, url: str, field: str) -> str:
+        """``url`` if it is under one of :attr:`url_roots` (nothing is fetched to decide); :class:`InvalidJob`
+        (a 422) naming ``field``, in the same words whether or not anything is there. The rule every URL a job
+        names for reading is held to."""
+        try:
+            return admit_url(url, self.url_roots, field=field, flag="--data-root")
+        except NotUnderRoots as e:
+            raise InvalidJob(str(e)) from None
 
     def admit(self, request: JobRequest) -> JobRequest:
-        """``request`` with its data source checked and resolved; raises :class:`InvalidJob` (a 422)."""
+        """``request`` with its data source and its trackers checked and resolved; raises :class:`InvalidJob` (a
+        422)."""
+        request = replace(request, tracking=admit_tracking(request.tracking, self.tracking, self.storage_root))
         data = self.check(request.data)
         if request.model.init_from:
             request = replace(request, model=replace(request.model,
@@ -107,6 +136,8 @@ class DataAccess:
         pins: list[DataPin] = []
 
         def resolve(directory: str) -> str:
+            if is_url(directory):
+                return resolve_url(directory)
             path = _realpath(directory)
             if not path or not any(_under(path, root) for root in self.roots) or not os.path.isdir(path):
                 raise InvalidJob(
@@ -122,6 +153,27 @@ class DataAccess:
                 raise InvalidJob(f"data: {e}") from None
             pins.append(DataPin(path=path, manifest_key=manifest.key, tokenizer_sha256=manifest.tokenizer_sha256))
             return path
+
+        def resolve_url(url: str) -> str:
+            """A dataset by URL: a ``file://`` one under the data roots as a path is (its real path), any other
+            under :attr:`url_roots`; its manifest and shards read through fsspec only once it is admitted."""
+            if url.startswith("file://"):
+                path = _realpath(url.removeprefix("file://"))
+                if not path or not any(_under(path, root) for root in self.roots) or not os.path.isdir(path):
+                    raise InvalidJob(
+                        f"data: {url!r} is not a prepared dataset directory under this service's data roots "
+                        f"({', '.join(self.roots) or 'none configured'}); write it there with `meridian data "
+                        "prepare ... --out DIR`, or start the service with `meridian serve --data-root PATH`")
+                url = f"file://{path}"
+            else:
+                url = self.admit_url(url, "data")
+            try:
+                manifest = manifest_of(url)
+                check_remote_files(url, manifest)
+            except ValueError as e:
+                raise InvalidJob(f"data: {e}") from None
+            pins.append(DataPin(path=url, manifest_key=manifest.key, tokenizer_sha256=manifest.tokenizer_sha256))
+            return url
 
         if data.dataset:
             data = replace(data, dataset=resolve(data.dataset))
@@ -189,7 +241,7 @@ def check_dataset_vocab(data: DataConfig, model: ModelConfig) -> None:
                          "of that size (`meridian data prepare`) and name it in data.dataset")
     best, where = 0, ""
     for directory, _ in data.datasets:
-        vocab = read_manifest(directory).vocab_size
+        vocab = manifest_of(directory).vocab_size
         if vocab > best:
             best, where = vocab, directory
     if best > model.vocab_size:
@@ -226,7 +278,7 @@ def check_train_split(data: DataConfig, model: ModelConfig) -> None:
                          f"each) is fewer than one sample of model.seq_len + 1 = {model.seq_len + 1}; use a longer "
                          "text or a shorter model.seq_len")
     for directory, _ in data.datasets:
-        train = read_manifest(directory).train
+        train = manifest_of(directory).train
         if train.tokens < model.seq_len + 1:
             raise InvalidJob(f"data: dataset {directory!r} has {train.tokens} train tokens, fewer than one sample of "
                              f"model.seq_len + 1 = {model.seq_len + 1}; prepare more text into it or shorten "
@@ -242,7 +294,7 @@ def check_validation_split(data: DataConfig, model: ModelConfig) -> None:
                          f"bytes) is fewer than one sample of model.seq_len + 1 = {model.seq_len + 1}; use a text of "
                          f"at least {20 * (model.seq_len + 1) + 20} bytes, a shorter model.seq_len, or drop validation")
     for directory, _ in data.datasets:
-        val = read_manifest(directory).val
+        val = manifest_of(directory).val
         if val.tokens < model.seq_len + 1:
             raise InvalidJob(
                 f"validation: dataset {directory!r} has {val.tokens} validation tokens ({val.documents} documents), "

@@ -39,6 +39,7 @@ from meridian.workers.contracts.fields import (
     to_plain,
 )
 from meridian.workers.contracts.model_config import ModelConfig
+from meridian.workers.contracts.tracking import TrackingConfig
 
 
 class JobState(str, enum.Enum):
@@ -188,6 +189,7 @@ class JobRequest:
     ("auto", the default): every step while that is cheap, widened as measured where it is not (a GPU's
     multi-GB shard; ``TrainConfig.snapshot_adaptive``)."""
     validation: ValidationConfig | None = like(TrainConfig, "validation")
+    tracking: TrackingConfig | None = like(TrainConfig, "tracking")
     keep_final: bool = True
     """Write the final step's weights to the job's storage (``checkpoints/<job id>/`` in the service's data
     dir), where ``GET /v1/jobs/{id}/artifacts`` lists them and ``meridian export`` reads them."""

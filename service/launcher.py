@@ -85,6 +85,14 @@ class Launcher:
         with contextlib.suppress(RunnerLost):
             self._actor(job_id).cancel.remote()
 
+    def profile(self, job_id: str, request_id: str, steps: int, ranks: list[int]) -> Any:
+        """The runner's :meth:`~meridian.service.runner.actor.JobRunner.profile`: a ``ProfileDelivery``, or the
+        message saying which ranks the job lacks."""
+        try:
+            return ray.get(self._actor(job_id).profile.remote(request_id, steps, ranks), timeout=CALL_TIMEOUT_S)
+        except ray.exceptions.RayActorError as e:
+            raise RunnerLost(str(e)) from e
+
     def release(self, job_id: str) -> None:
         """Kill the runner (and with it anything it still owns) once its job is over."""
         with contextlib.suppress(RunnerLost):

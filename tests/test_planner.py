@@ -380,15 +380,25 @@ def test_auto_never_arms_a_look_ahead_the_job_could_not_run(change, dcs):
 
 
 def test_gpipe_holds_every_micro_batch_s_activations_1f1b_at_most_pp():
-    from meridian.service.planning.cost_model import activation_bytes, memory_per_device
+    from meridian.service.planning.cost_model import (
+        activation_bytes,
+        logits_bytes,
+        memory_per_device,
+        stage_params,
+    )
     from meridian.service.planning.planner import default_figures
+    from meridian.workers.contracts.model_shape import ModelShape
 
     model = model_preset("gpt2-350m")
     kw = dict(pp=2, dp=1, num_dcs=1, dp_per_dc=1, micro_batch=4, micro_batches=16)
-    one = activation_bytes(model, 4, model.n_layers // 2, 1)
+    logits = logits_bytes(model, 4)
+    one = activation_bytes(model, 4, model.n_layers // 2, 1) - logits  # one stage's layers, one micro-batch
     f1b, gpipe = (memory_per_device(model, _layout(schedule=s, **kw), 1) for s in ("1f1b", "gpipe"))
-    # pipeline.py's GPipe runs all 16 forwards before any backward; 1F1B's first stage keeps pp=2 in flight
-    assert gpipe - f1b == pytest.approx(14 * one)
+    # pipeline.py's GPipe runs all 16 forwards before any backward: its last stage holds 16 micro-batches'
+    # activations and logits. 1F1B's first stage keeps pp=2 in flight (no logits; its last stage holds one). The
+    # estimate counted the logits on every micro-batch in flight on one stage that had both ends' parameters.
+    first, last = stage_params(ModelShape.of(model), 2)
+    assert gpipe - f1b == pytest.approx(16 * (one + logits) - 2 * one + 16 * (last - first))
     tp_only = dict(tp=2, pp=1, dp=1, num_dcs=1, dp_per_dc=1, micro_batch=4, micro_batches=16)  # the stage runner too
     assert (memory_per_device(model, _layout(schedule="gpipe", **tp_only), 1)
             - memory_per_device(model, _layout(schedule="1f1b", **tp_only), 1)) == pytest.approx(
@@ -484,14 +494,27 @@ def test_no_layout_names_the_option_that_rules_them_out(request_, topo, reason):
 def test_uneven_pipeline_stages_count_the_activations_of_the_deepest_stage():
     # 5 layers on 4 stages run 2, 1, 1, 1 (workers/parallel/pipeline.py): the first stage holds two layers'
     # activations per micro-batch in flight; the estimate counted 5 // 4 = 1.
-    from meridian.service.planning.cost_model import activation_bytes, memory_per_device
+    from meridian.service.planning.cost_model import (
+        ADAMW_STATE_BYTES,
+        BYTES_FP32,
+        layer_activation_bytes,
+        logits_bytes,
+        memory_per_device,
+        stage_params,
+    )
+    from meridian.workers.contracts.model_shape import ModelShape
     from meridian.workers.parallel.tensor_parallel import stage_layers
 
     model = replace(model_preset("gpt2-124m"), n_layers=5)
     deepest = max(len(stage_layers(5, 4, s)) for s in range(4))
     kw = dict(pp=4, dp=1, num_dcs=1, dp_per_dc=1, micro_batch=4, micro_batches=16)
     f1b, gpipe = (memory_per_device(model, _layout(schedule=s, **kw), 1) for s in ("1f1b", "gpipe"))
-    assert gpipe - f1b == pytest.approx((16 - 4) * activation_bytes(model, 4, deepest, 1)) and deepest == 2
+    layer, logits = layer_activation_bytes(model, 4, 1), logits_bytes(model, 4)
+    first, last = (p * (2 * BYTES_FP32 + ADAMW_STATE_BYTES) for p in stage_params(ModelShape.of(model), 4))
+    # 1F1B: the first stage holds 2 layers of 4 micro-batches in flight, the last 1 layer of one and its logits;
+    # GPipe: both hold all 16 micro-batches
+    assert deepest == 2 and f1b == pytest.approx(max(first + 4 * deepest * layer, last + layer + logits))
+    assert gpipe == pytest.approx(max(first + 16 * deepest * layer, last + 16 * (layer + logits)))
 
 
 def test_flat_sync_keeps_the_whole_adamw_state_on_every_rank_in_the_memory_estimate():

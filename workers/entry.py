@@ -69,6 +69,19 @@ def _rendezvous_call(runner: Any) -> Any:
     return call
 
 
+def _cache_url_datasets(cfg: TrainConfig, runner: Any, *, worker_id: str, node_id: str, datacenter: str) -> None:
+    """Copy the job's datasets named by URL into this host's cache before this worker joins (a node that cannot
+    reach them fails the job now, at placement, naming itself, before any step)."""
+    from meridian.workers.data.remote import DataUnreachable, cache_url_datasets
+
+    try:
+        cache_url_datasets(cfg.data, worker_id=worker_id, node_id=node_id, datacenter=datacenter,
+                           host=socket.gethostname(), on_event=runner.push_event.remote)
+    except DataUnreachable as e:
+        ray.get(runner.fail.remote(str(e)), timeout=CALL_TIMEOUT_S)
+        raise RuntimeError(str(e)) from None
+
+
 def ray_train_entry(loop_config: dict[str, Any], *, replacement: bool = False) -> None:
     """``train_loop_per_worker`` of the job's TorchTrainer; with ``replacement``, the body of a worker the runner
     started outside Ray Train's group."""
@@ -104,11 +117,17 @@ def _run(loop_config: dict[str, Any], cfg: TrainConfig, rt: Any, standby: Any, r
         "worker_id": worker_id, "node_id": node_id, "datacenter": dc, "hostname": socket.gethostname(),
         "pid": os.getpid(), "ray_worker_id": rt.get_worker_id(), "device": device, "time": time.time(),
     })
+    _cache_url_datasets(cfg, runner, worker_id=worker_id, node_id=node_id, datacenter=dc)
+    on_event = lambda kind, message, data: runner.push_event.remote(kind, message, data)  # noqa: E731
+    sink: Any = RunnerSink(runner)
+    if cfg.tracking is not None and cfg.tracking.enabled:
+        from meridian.workers.tracking.sink import TrackingSink
+
+        sink = TrackingSink(sink, cfg, on_event=on_event)  # opens the trackers only if this worker becomes rank 0
     agent = Agent(
         cfg, _rendezvous_call(runner), worker_id=worker_id, datacenter=dc, node_id=node_id,
         address=ray.util.get_node_ip_address(), backend=backend_for(device), device=device,
-        sink=RunnerSink(runner), on_event=lambda kind, message, data: runner.push_event.remote(kind, message, data),
-        standby=standby,
+        sink=sink, on_event=on_event, standby=standby,
     )  # fmt: skip
     try:
         result = agent.run()
@@ -116,6 +135,9 @@ def _run(loop_config: dict[str, Any], cfg: TrainConfig, rt: Any, standby: Any, r
         # A failure that is not a lost peer (bad data path, out of memory...): retrying cannot fix it.
         ray.get(runner.fail.remote(f"{type(e).__name__}: {e}"), timeout=CALL_TIMEOUT_S)
         raise
+    finally:
+        if hasattr(sink, "close"):
+            sink.close()  # the trackers take the last records and close their files before the result is sent
     if result is not None:  # None: the job finished before this (replacement) worker was needed
         summary = {
             "first_loss": result.first_loss, "final_loss": result.final_loss, "eval_loss": result.eval_loss,

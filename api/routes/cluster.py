@@ -14,8 +14,10 @@ router = APIRouter(tags=["cluster"])
 
 @router.get("/v1/cluster")
 def get_cluster(service: ServiceDep) -> dict[str, Any]:
-    """Every node with its Ray node id, datacenter, liveness, resources and labels, grouped by datacenter."""
-    return service.topology().to_dict()
+    """Every node with its Ray node id, datacenter, liveness, resources and labels, grouped by datacenter; and the
+    jobs' storage: the nodes proven to share it, and what the last proof that failed found."""
+    shared = getattr(service, "shared_storage", None)
+    return {**service.topology().to_dict(), **({"storage": shared.status()} if shared is not None else {})}
 
 
 @router.post("/v1/plans", responses={409: {"model": ErrorBody}, 422: {"model": ErrorBody}})

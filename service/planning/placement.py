@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from meridian.service.cluster.topology import ClusterTopology, NodeInfo
 from meridian.service.errors import InvalidJob, Unschedulable
-from meridian.service.jobs import JobRequest
 from meridian.service.planning.candidates import Candidate
 from meridian.service.planning.plan import Plan
+from meridian.service.planning.request import PlanRequest
 
 CPUS_PER_WORKER = 1.0
 
@@ -41,7 +41,7 @@ def worker_slots(node: NodeInfo, *, use_gpu: bool, available: bool = False) -> i
     return slots(node, worker_resources(use_gpu), available=available)
 
 
-def choose_datacenters(request: JobRequest, topo: ClusterTopology) -> tuple[str, ...]:
+def choose_datacenters(request: PlanRequest, topo: ClusterTopology) -> tuple[str, ...]:
     known = topo.datacenters
     if not known:
         raise Unschedulable(
@@ -73,7 +73,7 @@ def choose_datacenters(request: JobRequest, topo: ClusterTopology) -> tuple[str,
     return tuple(wanted)
 
 
-def devices_per_dc(request: JobRequest, topo: ClusterTopology, dcs: tuple[str, ...], use_gpu: bool) -> dict[str, list[int]]:
+def devices_per_dc(request: PlanRequest, topo: ClusterTopology, dcs: tuple[str, ...], use_gpu: bool) -> dict[str, list[int]]:
     """Slots per node (largest first) in each DC, capped by the request's workers per datacenter."""
     unit = worker_unit(use_gpu)
     out: dict[str, list[int]] = {}

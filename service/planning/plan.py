@@ -26,6 +26,7 @@ class Plan:
     """The planner's choice: the job's ``sync.strategy`` when it asked for one, else the fastest; the
     TrainConfig's ``sync.strategy`` is this (:func:`~meridian.service.planning.train_config.build_train_config`)."""
     explanation: str
+    """Why the plan is what it is, at length: what it beat and why, what was rejected, the sync's reasoning."""
     diloco: DiLoCoConfig | None = None
     """H, fragments, overlap when ``sync_strategy`` is a DiLoCo one (:mod:`meridian.service.planning.sync_choice`)."""
     compression: Compression | None = None
@@ -48,8 +49,24 @@ class Plan:
     micro_batches: int = 1
     rank_nodes: tuple[str | None, ...] = ()
     """Node each rank is pinned to (tensor-parallel groups share a node); ``None``: any node of its DC."""
+    micro_batch: int = 1
+    """Samples per forward pass (the job's ``training.micro_batch``, or the planner's for an offline plan)."""
+    virtual_stages: int = 1
+    """Pipeline stages per device (interleaved 1F1B when > 1)."""
+    sequence_parallel: bool = False
+    activation_checkpointing: str = "none"
+    """Recomputation per block: ``none``, ``selective`` or ``full``."""
+    sharding: str = "none"
+    """What each datacenter's ranks shard: ``fsdp`` (parameters, gradients and optimizer state), ``optimizer``
+    (the optimizer state: the hierarchical engine with ``sync.shard_optimizer``) or ``none``."""
+    plan_only: tuple[str, ...] = ()
+    """The features the layout needs that the runtime lacks (:mod:`meridian.service.planning.runtime_support`):
+    such a plan is shown, never run."""
     estimate: dict[str, float] = field(default_factory=dict)
     alternatives: tuple[dict[str, Any], ...] = ()
+    summary: str = ""
+    """The plan in at most eight lines (layout, memory per device, step estimate, throughput, inter-DC bytes,
+    sync strategy and why): what ``meridian plan``, ``submit`` and ``demo`` print."""
 
     @property
     def num_workers(self) -> int:
@@ -70,7 +87,11 @@ class Plan:
             "rank_datacenters": list(self.rank_datacenters),
             "rank_nodes": list(self.rank_nodes) if self.rank_nodes else [None] * self.num_workers,
             "parallelism": {"tp": self.tp, "pp": self.pp, "dp": self.dp, "schedule": self.schedule,
-                            "stages_span_dcs": self.stages_span_dcs, "micro_batches": self.micro_batches},
+                            "stages_span_dcs": self.stages_span_dcs, "micro_batches": self.micro_batches,
+                            "micro_batch": self.micro_batch, "virtual_stages": self.virtual_stages,
+                            "sequence_parallel": self.sequence_parallel,
+                            "activation_checkpointing": self.activation_checkpointing, "sharding": self.sharding},
+            "plan_only": list(self.plan_only),
             "use_gpu": self.use_gpu,
             "resources_per_worker": self.resources_per_worker,
             "sync_strategy": self.sync_strategy.value,
@@ -81,5 +102,6 @@ class Plan:
             "bucket_mb": self.bucket_mb,
             "estimate": self.estimate,
             "alternatives": list(self.alternatives),
+            "summary": self.summary,
             "explanation": self.explanation,
         }

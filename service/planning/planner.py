@@ -16,6 +16,10 @@ where ranks go in :mod:`~meridian.service.planning.placement`, the words in
 :mod:`~meridian.service.planning.explain`, the result a :class:`~meridian.service.planning.plan.Plan`. It must
 never call Ray or read the clock.
 
+What the layouts may use is a :class:`~meridian.service.planning.runtime_support.RuntimeSupport`: a job gets only
+layouts today's runtime runs (``RUNTIME``); ``meridian plan --cluster`` also searches with every feature the cost
+model knows, and such a plan is marked plan-only (:attr:`Plan.plan_only`), never offered to a job.
+
 The principle from the product brief: bandwidth-hungry tensor parallelism stays inside a node, data and
 pipeline parallelism may cross datacenters, and data-parallel gradients cross them hierarchically.
 """
@@ -43,7 +47,9 @@ from meridian.service.planning.explain import (
     idle_nodes_reason,
     no_fit_in_memory_reason,
     no_layout_reason,
+    summary_block,
     sync_reason,
+    sync_why,
     too_few_workers_reason,
 )
 from meridian.service.planning.placement import (
@@ -55,6 +61,8 @@ from meridian.service.planning.placement import (
     worker_unit,
 )
 from meridian.service.planning.plan import Plan
+from meridian.service.planning.request import PlanRequest, plan_request
+from meridian.service.planning.runtime_support import EVERYTHING, RuntimeSupport, missing_words
 from meridian.service.planning.sync_choice import MAX_SLOWDOWN, SyncChoice, choose_sync
 from meridian.workers.contracts.config import (
     LOOKAHEAD_DECISION_STEPS,
@@ -66,8 +74,18 @@ from meridian.workers.contracts.config import (
 )
 
 
-def plan_job(request: JobRequest, topo: ClusterTopology, figures: Figures | None = None) -> Plan:
-    """The fastest layout this job can get on this cluster (raises if it can never fit)."""
+def plan_job(request: JobRequest | PlanRequest, topo: ClusterTopology, figures: Figures | None = None, *,
+             runtime: RuntimeSupport | None = None) -> Plan:
+    """The fastest layout this job can get on this cluster (raises if it can never fit). ``runtime``: the features
+    the layouts may use; a plan made with more than :data:`~meridian.service.planning.runtime_support.RUNTIME`
+    has may be plan-only (:attr:`Plan.plan_only`), which is never offered to a job."""
+    return plan_with_layout(request, topo, figures, runtime=runtime)[0]
+
+
+def plan_with_layout(request: JobRequest | PlanRequest, topo: ClusterTopology, figures: Figures | None = None, *,
+                     runtime: RuntimeSupport | None = None) -> tuple[Plan, Candidate]:
+    """:func:`plan_job`'s plan and the candidate layout it chose (its estimate as the plan reports it)."""
+    request = plan_request(request)
     dcs = choose_datacenters(request, topo)
     use_gpu = topo.has_gpus(dcs)
     figures = figures or default_figures(topo, dcs, use_gpu)
@@ -76,10 +94,11 @@ def plan_job(request: JobRequest, topo: ClusterTopology, figures: Figures | None
     empty = [dc for dc in dcs if not devices[dc]]
     if empty and request.topology.datacenters is not None:
         raise Unschedulable(empty_datacenters_reason(empty, topo, worker_resources(use_gpu), named=True))
-    cands = _layouts_for(request, dcs, devices, figures, worker_unit(use_gpu))
+    cands = _layouts_for(request, dcs, devices, figures, worker_unit(use_gpu), runtime)
     fits = sorted((c for c in cands if not c.rejected), key=lambda c: (c.estimate.step_s, -c.layout.devices))
     if not fits:
-        raise Unschedulable(no_fit_in_memory_reason(cands, figures))
+        raise Unschedulable(no_fit_in_memory_reason(cands, figures) + _plan_only_fit(request, dcs, devices, figures,
+                                                                                   runtime))
     # min_workers is a constraint on the layout, not a check of the fastest one: a slower layout that uses
     # enough workers is the plan when a faster one uses too few.
     feasible = [c for c in fits if c.layout.devices >= request.topology.min_workers]
@@ -95,7 +114,7 @@ def plan_job(request: JobRequest, topo: ClusterTopology, figures: Figures | None
     lookahead = choice is not None and strategy is choice.strategy and choice.local_lookahead
     armed = armed_lookahead(request, best, strategy, lookahead, figures)
     if armed is not None and not lookahead:
-        checked = max(lookahead_start(request.sync.lookahead_after, request.optim.warmup_steps), LOOKAHEAD_DECISION_STEPS)
+        checked = max(lookahead_start(request.sync.lookahead_after, request.warmup_steps), LOOKAHEAD_DECISION_STEPS)
         reason += " " + armed_reason(armed, checked, asked=request.sync.lookahead_when_exposed is not None)
     if lookahead:  # one step late, the sync hides behind the next step: what the estimate shows exposed changes
         assert choice is not None
@@ -105,7 +124,8 @@ def plan_job(request: JobRequest, topo: ClusterTopology, figures: Figures | None
     bucket_mb = best.layout.bucket_bytes / 2**20
     if request.sync.bucket_mb is None and best.layout.dp > 1 and not strategy.is_diloco:
         reason += " " + bucket_reason(request, best.layout)
-    return Plan(
+    why = sync_why(strategy, requested=request.sync.strategy is not None, lay=best.layout, choice=choice)
+    plan = Plan(
         datacenters=best.datacenters, rank_datacenters=rank_dcs, use_gpu=use_gpu, sync_strategy=strategy,
         explanation=explain(best, [c for c in feasible if c is not best], [c for c in cands if c.rejected],
                             worker_unit(use_gpu), fewer=[c for c in fits if c not in feasible],
@@ -116,13 +136,19 @@ def plan_job(request: JobRequest, topo: ClusterTopology, figures: Figures | None
         bucket_mb=bucket_mb, resources_per_worker=worker_resources(use_gpu),
         tp=best.layout.tp, pp=best.layout.pp, schedule=request.parallelism.schedule,
         stages_span_dcs=best.layout.pp_spans_dcs, micro_batches=best.layout.micro_batches, rank_nodes=rank_nodes,
+        micro_batch=best.layout.micro_batch, virtual_stages=best.layout.virtual_stages,
+        sequence_parallel=best.layout.sequence_parallel, activation_checkpointing=best.layout.recompute.value,
+        sharding="fsdp" if best.layout.fsdp else "optimizer" if best.layout.optimizer_sharded else "none",
+        plan_only=best.plan_only,
         estimate={k: round(v, 6) for k, v in best.estimate.to_dict().items()},
         alternatives=tuple(c.summary() for c in sorted(cands, key=lambda c: (bool(c.rejected), c.estimate.step_s))[:8]),
+        summary=summary_block(best, strategy=strategy, why=why, device_memory_bytes=figures.device_memory_bytes),
     )
+    return plan, best
 
 
-def _layouts_for(request: JobRequest, dcs: tuple[str, ...], devices: dict[str, list[int]], figures: Figures,
-                 unit: str) -> list[Candidate]:
+def _layouts_for(request: PlanRequest, dcs: tuple[str, ...], devices: dict[str, list[int]], figures: Figures,
+                 unit: str, runtime: RuntimeSupport | None = None) -> list[Candidate]:
     """Every candidate layout the job may use here (memory not yet judged); raises if there is none."""
     total = sum(sum(v) for v in devices.values())
     if total == 0:
@@ -133,7 +159,7 @@ def _layouts_for(request: JobRequest, dcs: tuple[str, ...], devices: dict[str, l
             f"training.global_batch ({request.global_batch}) is smaller than the number of workers ({total}); "
             "every worker needs at least one sample per step"
         )
-    every = enumerate_candidates(request, dcs, devices, figures)
+    every = enumerate_candidates(request, dcs, devices, figures, runtime)
     cands = every
     if request.topology.workers_per_datacenter is not None:
         # Explicit worker counts: use every requested device.
@@ -143,7 +169,21 @@ def _layouts_for(request: JobRequest, dcs: tuple[str, ...], devices: dict[str, l
     return cands
 
 
-def _diloco_override(request: JobRequest, feasible: list[Candidate],
+def _plan_only_fit(request: PlanRequest, dcs: tuple[str, ...], devices: dict[str, list[int]], figures: Figures,
+                   runtime: RuntimeSupport | None) -> str:
+    """Where nothing the runtime runs fits: the sentence naming the fastest plan-only layout that would, and what
+    it needs (empty when the search already had every feature, or nothing fits even so)."""
+    if runtime is EVERYTHING:
+        return ""
+    fits = [c for c in enumerate_candidates(request, dcs, devices, figures, EVERYTHING) if not c.rejected]
+    if not fits:
+        return ""
+    best = min(fits, key=lambda c: c.estimate.step_s)
+    return (f". Plan-only, {best.name} would fit at {best.estimate.memory_bytes / 2**30:.1f} GB per device once the "
+            f"runtime runs {missing_words(best.plan_only)} (`meridian plan --cluster` shows such plans)")
+
+
+def _diloco_override(request: PlanRequest, feasible: list[Candidate],
                      figures: Figures) -> tuple[Candidate, SyncChoice | None]:
     """The layout to run and, for a cross-datacenter data-parallel one, the sync choice that overrides the
     default strategy (per-step sync across DCs, or DiLoCo?). Only on a link that was measured or declared:
@@ -155,10 +195,10 @@ def _diloco_override(request: JobRequest, feasible: list[Candidate],
     dp = data_parallel[0]
     room = lookahead_fits(request, dp, figures)
     choice = choose_sync(rtt_ms=figures.inter_dc.latency_s * 2000, gbps=figures.inter_dc.bytes_per_s * 8 / 1e9,
-                         num_params=request.model.num_params, compute_s=dp.estimate.compute_s,
+                         num_params=request.shape.num_params, compute_s=dp.estimate.compute_s,
                          num_dcs=dp.layout.num_dcs, overlap=request.sync.overlap, bucket_mb=dp.layout.bucket_bytes / 2**20,
                          steps=request.steps, lookahead=request.sync.shard_optimizer and room,
-                         lookahead_after=lookahead_start(request.sync.lookahead_after, request.optim.warmup_steps),
+                         lookahead_after=lookahead_start(request.sync.lookahead_after, request.warmup_steps),
                          optimizer_step_s=figures.step_overhead_s * optimizer_share(dp.layout),
                          micro_batches=dp.layout.micro_batches)
     if choice.strategy.is_diloco:
@@ -171,13 +211,13 @@ def _diloco_override(request: JobRequest, feasible: list[Candidate],
     return best, choice if best is dp else None
 
 
-def lookahead_fits(request: JobRequest, cand: Candidate, figures: Figures) -> bool:
+def lookahead_fits(request: PlanRequest, cand: Candidate, figures: Figures) -> bool:
     """Whether a device holds the layout with the look-ahead's extra buffers as well
     (:func:`~meridian.service.planning.cost_model.lookahead_bytes`)."""
-    return cand.estimate.memory_bytes + lookahead_bytes(request.model, cand.layout) <= figures.device_memory_bytes
+    return cand.estimate.memory_bytes + lookahead_bytes(request.shape, cand.layout) <= figures.device_memory_bytes
 
 
-def armed_lookahead(request: JobRequest, cand: Candidate, strategy: SyncStrategy, lookahead: bool,
+def armed_lookahead(request: PlanRequest, cand: Candidate, strategy: SyncStrategy, lookahead: bool,
                     figures: Figures) -> float | None:
     """``sync.lookahead_when_exposed`` for an ``auto`` job's plan, or ``None`` (the look-ahead set, or not run).
 
@@ -194,7 +234,7 @@ def armed_lookahead(request: JobRequest, cand: Candidate, strategy: SyncStrategy
     if lookahead:
         return asked
     guessed = not (figures.inter_dc_known and figures.compute_known)
-    first = lookahead_start(request.sync.lookahead_after, request.optim.warmup_steps)
+    first = lookahead_start(request.sync.lookahead_after, request.warmup_steps)
     lay = cand.layout
     fits = (strategy is SyncStrategy.HIERARCHICAL and lay.num_dcs > 1 and lay.tp == 1 and lay.pp == 1
             and request.sync.shard_optimizer and request.steps >= lookahead_decided_by(first)
@@ -211,9 +251,9 @@ def armed_reason(threshold: float, checked_at: int, *, asked: bool) -> str:
             "(a 'sync_decided' event says what was measured and chosen).")
 
 
-def bucket_reason(request: JobRequest, lay: Layout) -> str:
+def bucket_reason(request: PlanRequest, lay: Layout) -> str:
     """The sentence that says how big the planner made the gradient buckets, and why."""
-    grads = grad_bytes_per_device(request.model, lay.tp, lay.pp)
+    grads = grad_bytes_per_device(request.shape, lay.tp, lay.pp)
     n = buckets_of(grads, lay.bucket_bytes / 2**20)
     size = f"Gradient buckets of {lay.bucket_bytes / 2**20:.2f} MiB"
     limits = f"(aim {TARGET_BUCKETS}, none under {MIN_BUCKET_MB:g} or over {MAX_BUCKET_MB:g} MiB)"
@@ -224,12 +264,13 @@ def bucket_reason(request: JobRequest, lay: Layout) -> str:
             f"but the last can overlap backward {limits}.")
 
 
-def _sync_for(request: JobRequest, best: Candidate,
+def _sync_for(request: PlanRequest, best: Candidate,
               choice: SyncChoice | None) -> tuple[SyncStrategy, DiLoCoConfig | None, str]:
     """The sync strategy of the plan, its DiLoCo settings, and the sentence that says why."""
     strategy = request.sync.strategy or strategy_for(best.layout)
     reason = sync_reason(strategy, requested=request.sync.strategy is not None, num_dcs=best.layout.num_dcs,
-                         pp=best.layout.pp, spans=best.layout.pp_spans_dcs, encoded=best.layout.encoded)
+                         pp=best.layout.pp, spans=best.layout.pp_spans_dcs, encoded=best.layout.encoded,
+                         fsdp=best.layout.fsdp)
     diloco = request.sync.diloco if strategy.is_diloco else None
     if choice is not None and (choice.strategy.is_diloco or strategy is SyncStrategy.HIERARCHICAL):
         strategy, diloco, reason = choice.strategy, choice.diloco, " " + choice.explanation
@@ -244,20 +285,29 @@ def strategy_for(lay: Layout) -> SyncStrategy:
 
 
 def ranked_layouts(
-    request: JobRequest, topo: ClusterTopology, figures: Figures
+    request: JobRequest | PlanRequest, topo: ClusterTopology, figures: Figures
 ) -> list[tuple[Candidate, tuple[str, ...]]]:
     """Every layout that fits, fastest estimate first, with the datacenter of each rank: what
     ``meridian bench plan`` runs to check the estimates against measured step times."""
+    request = plan_request(request)
     dcs = choose_datacenters(request, topo)
     use_gpu = topo.has_gpus(dcs)
     devices = devices_per_dc(request, topo, dcs, use_gpu)
+    nodes = {dc: list(topo.nodes_in(dc)) for dc in dcs}
+    return [(c, rank_placement(c, devices, nodes, use_gpu)[0]) for c in fitting_layouts(request, topo, figures)]
+
+
+def fitting_layouts(request: JobRequest | PlanRequest, topo: ClusterTopology, figures: Figures, *,
+                    runtime: RuntimeSupport | None = None) -> list[Candidate]:
+    """Every layout with ``runtime``'s features that fits, fastest estimate first (no rank placed)."""
+    request = plan_request(request)
+    dcs = choose_datacenters(request, topo)
+    devices = devices_per_dc(request, topo, dcs, topo.has_gpus(dcs))
     total = sum(sum(v) for v in devices.values())
-    cands = [c for c in enumerate_candidates(request, dcs, devices, figures) if not c.rejected]
+    cands = [c for c in enumerate_candidates(request, dcs, devices, figures, runtime) if not c.rejected]
     if request.topology.workers_per_datacenter is not None:
         cands = [c for c in cands if c.layout.devices == total]
-    nodes = {dc: list(topo.nodes_in(dc)) for dc in dcs}
-    return [(c, rank_placement(c, devices, nodes, use_gpu)[0])
-            for c in sorted(cands, key=lambda c: (c.estimate.step_s, -c.layout.devices))]
+    return sorted(cands, key=lambda c: (c.estimate.step_s, -c.layout.devices))
 
 
 def default_figures(topo: ClusterTopology, dcs: tuple[str, ...], use_gpu: bool) -> Figures:

@@ -40,6 +40,7 @@ from meridian.service.runner.buffer import AckedBuffer
 from meridian.service.runner.coordinator import Coordinator
 from meridian.service.runner.metrics import JobMetricsState, RayJobMetrics
 from meridian.service.runner.poll import RunnerPoll, RunnerState
+from meridian.service.runner.profiling import NoSuchRank, ProfileDelivery, deliver
 from meridian.service.runner.replacement import replacement_datacenter
 from meridian.service.runner.train_controller import ANSWER_WAIT_S, loop_held, remove_placement_groups_of
 from meridian.workers.contracts.records import StepRecord
@@ -223,6 +224,14 @@ class JobRunner:
     def cancel(self) -> None:
         self._cancel.set()
         self._stop_training()
+
+    def profile(self, request_id: str, steps: int, ranks: list[int]) -> ProfileDelivery | str:
+        """Ask ``ranks`` of the current epoch for a profiler trace of their next ``steps`` steps
+        (:mod:`meridian.service.runner.profiling`); what the epoch lacks comes back as the message."""
+        try:
+            return deliver(self.coordinator.members(), request_id, steps, ranks)
+        except NoSuchRank as e:
+            return str(e)
 
     # -- called by the workers and the Train controller -------------------------------------------------
     def set_controller(self, controller: Any) -> None:

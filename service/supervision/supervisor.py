@@ -41,6 +41,8 @@ from meridian.service.supervision.reconcile import (
     unanswered,
 )
 from meridian.service.supervision.stall import StallPolicy
+from meridian.service.tracking import with_job_dir
+from meridian.workers.state import storage
 
 log = logging.getLogger(__name__)
 
@@ -59,12 +61,16 @@ class Supervisor:
         probe_report: Callable[[], dict[str, Any] | None] = lambda: None, deadlines: Deadlines = DEFAULT_DEADLINES,
         data_access: DataAccess = BUILTIN_DATA_ONLY, lease: Lease | None = None,
         gpu_memory: Callable[[ClusterTopology], dict[str, int]] = lambda topo: {},
+        storage_check: Callable[[tuple[str, ...], ClusterTopology], None] = lambda dcs, topo: None,
     ) -> None:
         self.store = store
         self.probe_report = probe_report
         self.gpu_memory = gpu_memory
         """node id → its GPUs' memory read on the node (:class:`~meridian.service.cluster.gpu_memory.NodeGpuMemory`)."""
         self.launcher = launcher
+        self.storage_check = storage_check
+        """Raises when the jobs' storage is not shared by the nodes of these datacenters (and the service)
+        (:class:`~meridian.service.cluster.storage_proof.SharedStorage`)."""
         self.read_topology = read_topology
         self.checkpoint_root = checkpoint_root
         self.poll_interval_s = poll_interval_s
@@ -99,7 +105,9 @@ class Supervisor:
             if existing is not None:
                 return existing, False
         request = self.data_access.admit(request)  # a data source the service may not read is a 422
-        plan = self.plan(request)  # reject what can never fit before anything is stored
+        topo = self.read_topology()
+        plan = self.plan(request, topo)  # reject what can never fit before anything is stored
+        self.storage_check(plan.datacenters, topo)  # and a job whose nodes do not share the storage (a 409)
         status = JobStatus(JobState.QUEUED, "Admitting", "waiting for the scheduler")
         record, created = self.store.create_job(request, spec, status=status, idempotency_key=idempotency_key,
                                                 request_hash=body_hash, plan=plan.to_dict())
@@ -216,7 +224,9 @@ class Supervisor:
         keep = job.request.checkpoint_every or job.request.keep_final
         ckpt_dir = os.path.join(self.checkpoint_root, job.id) if keep else ""
         try:
-            config = build_train_config(job.id, job.request, plan, ckpt_dir)
+            config = with_job_dir(build_train_config(job.id, job.request, plan, ckpt_dir),
+                                  storage.join(self.checkpoint_root, job.id), plan.to_dict(),
+                                  tracking=job.request.tracking)
         except ValueError as e:
             # The plan and the request's options do not make a valid training config: this job's fault, so it
             # fails with the reason (raised here, it failed every tick, and no other job was admitted or followed).

@@ -15,6 +15,7 @@ from typing import Any
 
 from meridian.workers.contracts.fields import check_bounds, knob
 from meridian.workers.contracts.model_config import ModelConfig
+from meridian.workers.contracts.tracking import TrackingConfig
 
 
 class SyncStrategy(str, enum.Enum):
@@ -65,7 +66,7 @@ class BlendEntry:
     """One prepared dataset of a blend and its share of the samples."""
 
     dataset: str
-    """Absolute path of a directory written by ``meridian data prepare``."""
+    """Absolute path of a directory written by ``meridian data prepare``, or its URL (see ``data.dataset``)."""
     weight: float = knob(1.0, gt=0, le=1e6)
     """Relative share of the samples (weights are normalised over the blend)."""
 
@@ -92,8 +93,11 @@ class DataPin:
 
 
 def _check_dataset_path(path: str, name: str) -> None:
+    if "://" in path:
+        return  # a URL: the service admits it only under a root its operator declared
     if not path or not path.startswith("/"):
-        raise ValueError(f"{name} must be the absolute path of a prepared dataset directory, got {path!r}")
+        raise ValueError(f"{name} must be the absolute path of a prepared dataset directory, or its URL "
+                         f"(s3://bucket/prefix, file:///path), got {path!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -106,8 +110,9 @@ class DataConfig:
     max_bytes: int = knob(8_000_000, ge=1024, le=10**10)
     """Read at most this many bytes of the source (keeps start-up fast on big files)."""
     dataset: str = ""
-    """Absolute path of a dataset written by ``meridian data prepare`` (memory-mapped token shards); when set
-    it replaces ``source``."""
+    """Absolute path of a dataset written by ``meridian data prepare`` (memory-mapped token shards), or its URL
+    (``s3://bucket/prefix``, ``file:///path``, under a root the service declares), which each node copies into its
+    cache and checks against the manifest's hashes; when set it replaces ``source``."""
     blend: tuple[BlendEntry, ...] = ()
     """Several prepared datasets mixed by weight (instead of ``dataset``)."""
     pins: tuple[DataPin, ...] = ()
@@ -471,6 +476,11 @@ class TrainConfig:
     """Tensor and pipeline parallelism inside each data-parallel replica."""
     validation: ValidationConfig | None = None
     """Periodic evaluation on the held-out split; ``None``: only the final evaluation."""
+    tracking: TrackingConfig | None = None
+    """The experiment trackers rank 0 logs to; ``None``: none."""
+    job_dir: str = ""
+    """The job's folder in the service's storage (a path or URL): tracker logs and profiler traces go there;
+    empty: neither is written."""
 
     def __post_init__(self) -> None:
         check_batches(self)

@@ -37,6 +37,9 @@ FORMAT_VERSION = 1
 class Shard:
     file: str
     tokens: int
+    sha256: str = ""
+    """SHA-256 of the shard file's bytes, as written (empty in datasets prepared before it was recorded: such a
+    dataset trains from a path, not from a URL, whose copies are checked against it)."""
 
 
 @dataclass(frozen=True)
@@ -101,7 +104,8 @@ class Manifest:
 
 
 def read_manifest(directory: str) -> Manifest:
-    """The manifest of a prepared dataset; ``ValueError`` naming the directory when there is none."""
+    """The manifest of a prepared dataset directory (one named by URL: :func:`meridian.workers.data.remote.
+    manifest_of`); ``ValueError`` naming the directory when there is none."""
     path = os.path.join(directory, MANIFEST)
     try:  # like every file of the dataset: a regular file, not a symlink, opened non-blocking (a pipe, a link to
         # /dev/zero, would hang the reader, the service's request with it)
@@ -115,9 +119,22 @@ def read_manifest(directory: str) -> Manifest:
         raise ValueError(f"{path!r} is not a regular file; prepare the dataset again with `meridian data "
                          "prepare`") from None
     try:
-        with os.fdopen(fd, encoding="utf-8") as f:
-            data = json.load(f)
-    except (OSError, ValueError) as e:  # ValueError: not JSON, not UTF-8
+        with os.fdopen(fd, "rb") as f:
+            return parse_manifest(f.read(), path)
+    except OSError as e:
+        raise ValueError(f"{path!r} cannot be read: {e}") from None
+
+
+def is_url(location: str) -> bool:
+    """A dataset named by URL (``s3://bucket/prefix``, ``file:///path``) rather than by a local path."""
+    return "://" in location
+
+
+def parse_manifest(text: bytes, path: str) -> Manifest:
+    """A manifest from the bytes of ``path``'s ``manifest.json``, checked as :func:`read_manifest` checks it."""
+    try:
+        data = json.loads(text.decode("utf-8"))
+    except ValueError as e:  # not JSON, not UTF-8
         raise ValueError(f"{path!r} cannot be read: {e}") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path!r} holds a JSON {type(data).__name__}, not a dataset manifest; prepare the dataset "
@@ -171,6 +188,8 @@ def _wrong_field(m: Manifest) -> str:
         for sh in s.shards:
             if not count(sh.tokens):
                 return f"{split} shard {sh.file} of {sh.tokens!r} tokens, not a count"
+            if not isinstance(sh.sha256, str):
+                return f"{split} shard {sh.file} with sha256 {sh.sha256!r}, not a string"
         if not count(s.tokens) or not count(s.documents):
             return f"{split}.tokens {s.tokens!r} and {split}.documents {s.documents!r}, not both counts"
         if s.tokens != sum(sh.tokens for sh in s.shards):

@@ -220,11 +220,13 @@ class _SplitWriter:
         self.starts: list[int] = []
         self.tokens = 0
         self._file = None
+        self._hash = hashlib.sha256()
         self._in_shard = 0
 
     def _open(self) -> None:
         fname = f"{self.name}-{len(self.shards):05d}.bin"
         self._file = open(os.path.join(self.directory, fname + ".tmp"), "wb")  # noqa: SIM115 - closed in _close
+        self._hash = hashlib.sha256()
         self.shards.append(Shard(file=fname, tokens=0))
         self._in_shard = 0
 
@@ -233,7 +235,8 @@ class _SplitWriter:
             self._file.close()
             fname = self.shards[-1].file
             os.replace(os.path.join(self.directory, fname + ".tmp"), os.path.join(self.directory, fname))
-            self.shards[-1] = Shard(file=fname, tokens=self._in_shard)
+            # The bytes as written: a node that copies the dataset from a URL checks its copy against them.
+            self.shards[-1] = Shard(file=fname, tokens=self._in_shard, sha256=self._hash.hexdigest())
             self._file = None
 
     def add(self, ids: np.ndarray) -> None:
@@ -244,7 +247,9 @@ class _SplitWriter:
                 self._close()
                 self._open()
             take = min(len(ids), self.shard_tokens - self._in_shard)
-            ids[:take].tofile(self._file)
+            chunk = np.ascontiguousarray(ids[:take])
+            self._hash.update(chunk.data)
+            chunk.tofile(self._file)
             self._in_shard += take
             ids = ids[take:]
 

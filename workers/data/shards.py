@@ -30,6 +30,7 @@ from meridian.workers.data.manifest import (
     open_dataset_file,
     read_manifest,
 )
+from meridian.workers.data.remote import local_datasets
 from meridian.workers.data.text import StepSampled, TextDataset, TooFewTokens
 
 BLEND_BLOCK = 4096
@@ -236,5 +237,7 @@ def make_dataset(cfg: DataConfig, seq_len: int, seed: int, *, split: str = "trai
     """The dataset a job's ``data`` config names: prepared token shards (``dataset``/``blend``) or the text
     ``source``. ``split``: ``train``, or ``eval`` (the held-out part)."""
     if cfg.datasets:
-        return TokenDataset(cfg.datasets, seq_len, seed, split="train" if split == "train" else "val", pins=cfg.pins)
+        # A dataset named by URL is read from this host's verified copy (fetched where missing or damaged).
+        datasets, pins = local_datasets(cfg)
+        return TokenDataset(datasets, seq_len, seed, split="train" if split == "train" else "val", pins=pins)
     return TextDataset(cfg, seq_len, seed, split=split)

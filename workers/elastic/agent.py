@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 from meridian.workers.contracts.config import TrainConfig
 from meridian.workers.elastic.liveness import LivenessListener
 from meridian.workers.elastic.pipe import recv, send
+from meridian.workers.elastic.profile_request import write_request
 from meridian.workers.elastic.protocol import KEEP_SNAPSHOTS, LEAVING, RECOVERED, RESTART_EXIT_CODE
 from meridian.workers.elastic.standby import Standby, standby_context
 from meridian.workers.state.snapshot_paths import adopt_orphan, snapshot_dir
@@ -141,7 +142,7 @@ class Agent:
                           f"of this job whose process is gone ({os.path.basename(adopted)}); the job resumes from them "
                           "only if no member of it is left", {"folder": adopted})
         # Lives as long as this process: the coordinator's proof that this worker is gone is a refused connect.
-        liveness = LivenessListener(on_abort=self.abort)
+        liveness = LivenessListener(on_abort=self.abort, on_profile=self.profile)
         self.ids["probe_port"] = liveness.port
         leaving: Any = None  # a process that said it exits for a restart: the next starts before that exit is done
         reapers: list[threading.Thread] = []
@@ -214,6 +215,12 @@ class Agent:
             self._aborted = child
             self.aborts += 1
         child.kill()  # SIGKILL: closes its sockets at once, like the exit of a rank that saw its peer fail
+
+    def profile(self, request_id: str, steps: int) -> None:
+        """The runner's request for a profiler trace of the next ``steps`` steps: left in this worker's folder,
+        where its training process (the current one, or the next) picks it up within a quarter second
+        (:class:`~meridian.workers.elastic.profiling.StepProfiler`)."""
+        write_request(self.store_dir, request_id, steps)
 
     def _take_standby(self) -> Standby:
         """The started standby (or, the first time or if it died, a new one), told to train now."""

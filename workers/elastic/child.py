@@ -14,6 +14,7 @@ import torch
 from meridian.workers.contracts.config import TrainConfig
 from meridian.workers.contracts.records import StepRecord
 from meridian.workers.elastic.pipe import recv, send
+from meridian.workers.elastic.profiling import StepProfiler
 from meridian.workers.elastic.protocol import LEAVING, RECOVERED, re_forms_in_process
 from meridian.workers.state.snapshots import SnapshotStore
 
@@ -61,8 +62,11 @@ detection waits 5 s at the least, so a quarter of a second changes nothing it se
 class PipeSink:
     """Rank 0's step records, one message each; every rank's heartbeats in batches (:data:`BEATS_EVERY_S`)."""
 
-    def __init__(self, client: PipeClient, beats_every_s: float = BEATS_EVERY_S) -> None:
+    def __init__(self, client: PipeClient, beats_every_s: float = BEATS_EVERY_S,
+                 on_beat: Any = None) -> None:
         self.client = client
+        self.on_beat = on_beat
+        """Sees every heartbeat on the training thread (the profiler's step boundaries)."""
         self._beats: list[dict[str, Any]] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -74,6 +78,8 @@ class PipeSink:
         self.client.tell("progress", record)  # the record itself: the pipe pickles the dataclass
 
     def rank_step(self, beat: dict[str, Any]) -> None:
+        if self.on_beat is not None:
+            self.on_beat(beat)
         with self._lock:
             self._beats.append(beat)
 
@@ -113,7 +119,8 @@ def child_main(conn: Any, cfg: TrainConfig, ids: dict[str, Any], store_dir: str,
         device=device, probe_port=ids["probe_port"], store=store,
     )  # fmt: skip
     rdzv.epoch = ids["epoch"]
-    sink = PipeSink(client)
+    profiler = StepProfiler(store_dir, cfg.job_dir, lambda k, m, d: client.tell("event", k, m, d))
+    sink = PipeSink(client, on_beat=profiler.beat)
     trainer = ElasticTrainer(
         cfg, rdzv, sink=sink, on_event=lambda k, m, d: client.tell("event", k, m, d),
         device=torch.device(device), join_timeout_s=ids["join_timeout_s"],
@@ -129,6 +136,7 @@ def child_main(conn: Any, cfg: TrainConfig, ids: dict[str, Any], store_dir: str,
         client.tell("error", traceback.format_exc())
         conn.close()
         os._exit(1)
+    profiler.close()
     sink.close()
     client.tell("done", result)
     conn.close()

@@ -328,3 +328,59 @@ def commit(root: str, name: str, written: str, *, keep: int) -> str:
             if partial.name < f".{name}.partial":
                 shutil.rmtree(partial, ignore_errors=True)
     return final
+
+
+# -- proof that every node sees one storage ---------------------------------------------------------------
+PROOF_FOLDER = ".meridian-shared"
+"""Where the storage proof's tokens go, under the storage root."""
+
+
+def write_token(root: str, nonce: str, node_id: str) -> str:
+    """Write this node's token of proof ``nonce`` under ``root`` (a folder is made if local); its name. Run on
+    each node by :mod:`meridian.service.cluster.storage_proof`."""
+    folder = join(root, PROOF_FOLDER)
+    if not is_url(root):
+        Path(folder).mkdir(parents=True, exist_ok=True)
+    name = f"{nonce}-{node_id[:16]}"
+    write_text(join(folder, name), f"{nonce} {node_id}")
+    return name
+
+
+def read_tokens(root: str, nonce: str, names: list[str]) -> dict[str, bool]:
+    """Which of the tokens ``names`` of proof ``nonce`` this process reads back as written (by any node)."""
+    seen: dict[str, bool] = {}
+    for name in names:
+        try:
+            text = read_text(join(root, PROOF_FOLDER, name))
+        except Exception:  # noqa: BLE001 - unreadable here is what the proof finds out
+            text = None
+        seen[name] = bool(text) and text.split(" ", 1)[0] == nonce and name.startswith(nonce)
+    return seen
+
+
+def remove_tokens(root: str, names: list[str]) -> None:
+    """Delete the proof's tokens that this process sees (its own, or every one on a shared storage)."""
+    for name in names:
+        with contextlib.suppress(Exception):
+            remove(join(root, PROOF_FOLDER, name))
+
+
+def list_files(location: str) -> dict[str, int]:
+    """Every file under the folder (or URL) ``location``, by its path relative to it, with its bytes; ``{}`` when
+    there is none."""
+    if not is_url(location):
+        out: dict[str, int] = {}
+        for folder, _, names in os.walk(location):
+            for name in names:
+                path = os.path.join(folder, name)
+                if (bytes_ := _file_size(Path(path))) is not None:
+                    out[os.path.relpath(path, location)] = bytes_
+        return out
+    fs, path = _fs(location)
+    try:
+        found = fs.find(path, detail=True)
+    except FileNotFoundError:
+        return {}
+    base = path.rstrip("/") + "/"
+    return {p[len(base):]: int(info.get("size") or 0) for p, info in found.items()
+            if p.startswith(base) and info.get("type") != "directory"}

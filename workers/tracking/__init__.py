@@ -1,0 +1,1 @@
+"""Experiment tracking from rank 0: TensorBoard, MLflow and W&B (offline) through their own libraries."""
