@@ -139,7 +139,7 @@ class TextDataset(StepSampled):
 
     def batch(self, first: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Inputs and next-token targets for global samples ``first .. first + count - 1``: (count, seq_len)."""
-        starts = torch.tensor(self.sample_ids(first, count)) * self.seq_len
+        starts = torch.tensor(self.sample_ids(first, count), dtype=torch.long) * self.seq_len
         offsets = torch.arange(self.seq_len + 1)
         windows = self.tokens[starts[:, None] + offsets[None, :]]
         return windows[:, :-1], windows[:, 1:]

@@ -44,6 +44,7 @@ from meridian.workers.elastic.protocol import KEEP_SNAPSHOTS, RESTART_EXIT_CODE
 from meridian.workers.elastic.rendezvous import JobFinished, Rendezvous, StoreNotHosted
 from meridian.workers.elastic.sockets import shut_down_tcp_sockets
 from meridian.workers.elastic.state_exchange import rebuild_state
+from meridian.workers.loop.prepared import freeze_long_lived
 from meridian.workers.loop.replica import Membership, Replica
 from meridian.workers.loop.train import EpochOutcome, ProgressSink, TrainingLoop, TrainResult
 from meridian.workers.parallel.dims import ParallelDims
@@ -152,8 +153,6 @@ class ElasticTrainer:
         self.on_peer_failure = on_peer_failure
         self._garbage = False
         """An epoch of this process ended: :meth:`collect_last_epoch` has its cycles to free."""
-        self._frozen = False
-        """What lived before this process's first epoch is frozen (:meth:`collect_last_epoch`)."""
         self.on_recovery = on_recovery or (lambda: None)
         """Called when this process joins again after a peer's failure (its agent counts the job's recoveries)."""
         self.before_exit = before_exit or (lambda: None)
@@ -236,11 +235,9 @@ class ElasticTrainer:
         watch = None
         try:
             self._formed_at = time.monotonic()
-            if not self._frozen:
-                # What lives before the first epoch (torch, the training stack, the datasets) lives as long as the
-                # process: the collections after a re-formation (:meth:`collect_last_epoch`) need not walk it.
-                gc.freeze()
-                self._frozen = True
+            # What lives before the first epoch (torch, the training stack, the datasets) lives as long as the
+            # process: the collections after a re-formation (:meth:`collect_last_epoch`) need not walk it.
+            freeze_long_lived()
             self.rdzv.form(a)
             m = Membership(epoch=a.epoch, rank=a.rank, world_size=a.world_size, datacenters=a.datacenters,
                            snapshot_every=a.snapshot_every)

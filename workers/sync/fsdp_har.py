@@ -430,3 +430,9 @@ class FSDPHierarchicalSync(GradientSync):
                     for h in flight.handles:
                         h.wait()
         self._in_flight, self._current = None, _Sync()
+        for unit in self.units:  # the model outlives the engine in cycles: it must not hold the engine (its groups)
+            unit.module.set_all_reduce_hook(_no_hook)
+
+
+def _no_hook(reduced: torch.Tensor) -> None:
+    """The all-reduce hook of a closed engine's units: nothing more to sum."""
