@@ -21,6 +21,7 @@ from sqlalchemy.pool import StaticPool
 
 from meridian.service.errors import IdempotencyConflict, InvalidTransition, JobNotFound
 from meridian.service.jobs import JobRequest, JobState, JobStatus, transition
+from meridian.service.resolved import ResolvedJob
 
 CAS_ATTEMPTS = 20
 """How often :meth:`JobStore.set_status` re-reads a status that a concurrent writer changed under it."""
@@ -40,6 +41,7 @@ jobs_table = sa.Table(
     sa.Column("request", sa.Text, nullable=False),
     sa.Column("spec", sa.Text, nullable=False),
     sa.Column("plan", sa.Text),
+    sa.Column("resolved", sa.Text),  # the plan and training config fixed at submit (ResolvedJob.to_json)
     sa.Column("placement", sa.Text),
     sa.Column("progress", sa.Text),
     sa.Column("result", sa.Text),
@@ -114,11 +116,17 @@ class JobRecord:
     state_since: float | None = None
     """When the job entered its current state (``created_at`` for a job stored before this was kept)."""
     request_hash: str | None = None
+    resolved_json: str | None = field(default=None, repr=False)
 
     @cached_property
     def request(self) -> JobRequest:
         # Parsed on first use: listing jobs for the API never needs it, and it is the costliest column.
         return JobRequest.from_dict(json.loads(self.request_json))
+
+    @cached_property
+    def resolved(self) -> ResolvedJob | None:
+        """The plan and training config fixed at submit; ``None`` for a job stored by a service older than them."""
+        return ResolvedJob.from_json(self.resolved_json) if self.resolved_json else None
 
 
 @dataclass(frozen=True)
@@ -136,6 +144,11 @@ def request_hash(spec: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(spec, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
+def new_job_id() -> str:
+    """A fresh job id (12 hex digits)."""
+    return uuid.uuid4().hex[:12]
+
+
 def _loads(text: str | None) -> Any:
     return json.loads(text) if text else None
 
@@ -151,7 +164,7 @@ def _record(row: sa.Row) -> JobRecord:
         created_at=m["created_at"], updated_at=m["updated_at"],
         started_at=m["started_at"], finished_at=m["finished_at"], cancel_requested=bool(m["cancel_requested"]),
         cancel_requested_at=m["cancel_requested_at"], state_since=m["state_since"] or m["created_at"],
-        request_hash=m["request_hash"],
+        request_hash=m["request_hash"], resolved_json=m["resolved"],
     )
 
 
@@ -183,7 +196,7 @@ class JobStore:
         """Columns added after a database was created (``create_all`` makes missing tables, not columns)."""
         have = {c["name"] for c in sa.inspect(self.engine).get_columns("jobs")}
         added = {"cancel_requested": "BOOLEAN NOT NULL DEFAULT FALSE", "cancel_requested_at": "FLOAT",
-                 "state_since": "FLOAT", "request_hash": "VARCHAR(64)"}
+                 "state_since": "FLOAT", "request_hash": "VARCHAR(64)", "resolved": "TEXT"}
         for name, ddl in added.items():
             if name not in have:
                 with self.engine.begin() as conn:
@@ -230,19 +243,19 @@ class JobStore:
 
     def create_job(
         self, request: JobRequest, spec: dict[str, Any], *, status: JobStatus, idempotency_key: str | None = None,
-        request_hash: str | None = None, plan: dict[str, Any] | None = None,
+        request_hash: str | None = None, resolved: ResolvedJob | None = None, job_id: str | None = None,
     ) -> tuple[JobRecord, bool]:
         """Insert a job; returns (record, created). With an idempotency key already used by this owner,
         returns the existing job and ``created=False`` instead of a duplicate, or raises
         :class:`IdempotencyConflict` when the stored job was submitted with another body (``request_hash``).
-        ``plan``: the submit-time plan, in the same insert (written after it, it could replace the plan the
-        scheduler admitted the job with in between)."""
+        ``resolved``: the plan and training config fixed at submit, in the same insert (the scheduler may admit
+        the job as soon as it is committed); ``job_id``: the id they were built for (default: a new one)."""
         if idempotency_key:
             existing = self.find_by_idempotency_key(request.owner, idempotency_key, request_hash)
             if existing is not None:
                 return existing, False
         try:
-            return self._insert_job(request, spec, status, idempotency_key, request_hash, plan), True
+            return self._insert_job(request, spec, status, idempotency_key, request_hash, resolved, job_id), True
         except sa.exc.IntegrityError:
             # A concurrent request with the same key won the race: answer with its job.
             existing = self.find_by_idempotency_key(request.owner, idempotency_key or "", request_hash)
@@ -269,17 +282,18 @@ class JobStore:
 
     def _insert_job(
         self, request: JobRequest, spec: dict[str, Any], status: JobStatus, idempotency_key: str | None,
-        request_hash: str | None, plan: dict[str, Any] | None,
+        request_hash: str | None, resolved: ResolvedJob | None, job_id: str | None,
     ) -> JobRecord:
         now = time.time()
-        job_id = uuid.uuid4().hex[:12]
+        job_id = job_id or new_job_id()
         with self.engine.begin() as conn:
             conn.execute(jobs_table.insert().values(
                 id=job_id, name=request.name, owner=request.owner, priority=request.priority,
                 state=status.state.value, reason=status.reason, message=status.message,
                 request=json.dumps(request.to_dict()), spec=json.dumps(spec), idempotency_key=idempotency_key,
                 request_hash=request_hash, created_at=now, updated_at=now, state_since=now,
-                plan=json.dumps(plan) if plan is not None else None,
+                plan=json.dumps(resolved.plan.to_dict()) if resolved is not None else None,
+                resolved=resolved.to_json() if resolved is not None else None,
             ))
             self._insert_events(conn, [dict(
                 job_id=job_id, time=now, kind="state", message=f"job submitted: {status.state.value}",
@@ -384,7 +398,7 @@ class JobStore:
         raise InvalidTransition(f"job {job_id} kept changing while being set to {status.state.value}; try again")
 
     def update_fields(self, job_id: str, **fields: Any) -> None:
-        """Set JSON fields (plan, placement, progress, result) and plain ones (runner)."""
+        """Set JSON fields (plan, placement, progress, result), plain ones (runner) and ``resolved``."""
         values = self._field_values(fields, time.time())
         with self.engine.begin() as conn:
             if conn.execute(jobs_table.update().where(jobs_table.c.id == job_id).values(**values)).rowcount == 0:
@@ -421,6 +435,8 @@ class JobStore:
                 values[key] = json.dumps(value) if value is not None else None
             elif key == "runner":
                 values[key] = value
+            elif key == "resolved":
+                values[key] = value.to_json() if value is not None else None
             else:
                 raise KeyError(f"unknown job field {key!r}")
         return values

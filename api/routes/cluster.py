@@ -20,5 +20,7 @@ def get_cluster(service: ServiceDep) -> dict[str, Any]:
 
 @router.post("/v1/plans", responses={409: {"model": ErrorBody}, 422: {"model": ErrorBody}})
 def dry_run_plan(spec: JobSpec, supervisor: SupervisorDep) -> dict[str, Any]:
-    """The plan a job spec would get on the cluster right now, without submitting it."""
-    return supervisor.plan(admitted_request(spec, "", supervisor.data_access.admit_checkpoint)).to_dict()
+    """The plan a job spec would get on the cluster right now, without submitting it; a 422 where submitting it
+    would be one (its options and the plan make no valid training config)."""
+    request = admitted_request(spec, "", supervisor.data_access.admit_checkpoint)
+    return supervisor.resolve(request, "dry-run").plan.to_dict()

@@ -12,7 +12,6 @@ a time against fakes. It must never branch on a status ``reason`` meant for peop
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -21,7 +20,7 @@ from typing import Any
 
 from meridian.service.cluster.topology import ClusterTopology
 from meridian.service.data_access import DataAccess
-from meridian.service.errors import InvalidTransition
+from meridian.service.errors import InvalidJob, InvalidTransition
 from meridian.service.jobs import JobRequest, JobState, JobStatus
 from meridian.service.launcher import Launcher
 from meridian.service.lease import Lease, LeaseLost
@@ -29,9 +28,9 @@ from meridian.service.planning.figures import figures_for
 from meridian.service.planning.placement import admission
 from meridian.service.planning.plan import Plan
 from meridian.service.planning.planner import plan_job
-from meridian.service.planning.train_config import build_train_config
+from meridian.service.resolved import ResolvedJob, resolve
 from meridian.service.runner.poll import RunnerLost, RunnerPoll
-from meridian.service.store import JobRecord, JobStore, request_hash
+from meridian.service.store import JobRecord, JobStore, new_job_id, request_hash
 from meridian.service.supervision.reconcile import (
     DEFAULT_DEADLINES,
     Deadlines,
@@ -90,7 +89,16 @@ class Supervisor:
         plan = plan_job(request, topo, figures)
         return replace(plan, explanation=f"{plan.explanation} Figures from: {', '.join(sources)}.")
 
+    def resolve(self, request: JobRequest, job_id: str, topo: ClusterTopology | None = None) -> ResolvedJob:
+        """What ``request`` would run as job ``job_id`` on the cluster now: its plan and training config (raises
+        :class:`Unschedulable` if the cluster can never hold it, :class:`InvalidJob` if the plan makes an option
+        invalid)."""
+        return resolve(job_id, request, self.plan(request, topo), checkpoint_root=self.checkpoint_root)
+
     def submit(self, request: JobRequest, spec: dict[str, Any], *, idempotency_key: str | None = None) -> tuple[JobRecord, bool]:
+        """Admit the data, plan the job and build its training config, then store it queued: the one time a job
+        is planned and validated (anything that would fail at launch raises here, a 422 or 409 before the job is
+        stored). Admission later checks only whether the stored plan fits in the free capacity."""
         body_hash = request_hash(spec)
         if idempotency_key:
             # A retry returns the job it created even if the cluster changed since (no re-planning), and
@@ -99,10 +107,11 @@ class Supervisor:
             if existing is not None:
                 return existing, False
         request = self.data_access.admit(request)  # a data source the service may not read is a 422
-        plan = self.plan(request)  # reject what can never fit before anything is stored
+        job_id = new_job_id()
+        resolved = self.resolve(request, job_id)  # reject what can never fit or never run before anything is stored
         status = JobStatus(JobState.QUEUED, "Admitting", "waiting for the scheduler")
         record, created = self.store.create_job(request, spec, status=status, idempotency_key=idempotency_key,
-                                                request_hash=body_hash, plan=plan.to_dict())
+                                                request_hash=body_hash, resolved=resolved, job_id=job_id)
         if created:
             self._wake.set()
         return self.store.get_job(record.id), created
@@ -196,36 +205,48 @@ class Supervisor:
                     self._set(job.id, JobStatus(JobState.QUEUED, "WaitingForPlacement", why), expect={JobState.QUEUED})
             return
         for job in self.store.queued_in_order():
-            try:
-                plan = self.plan(job.request, topo)
-            except Exception as e:  # noqa: BLE001 - the cluster shrank below what the job can ever use
-                # Not a capacity wait: this job cannot run on the cluster as it is at all, so jobs behind it
-                # that can are not held back by it (FIFO holds among jobs waiting for capacity).
+            resolved = self._resolved(job, topo)
+            if resolved is None:
+                continue  # failed: it cannot run at all
+            never = admission(resolved.plan, topo.with_everything_free())
+            if never is not None:
+                # Not a capacity wait: the cluster as it is cannot hold this job's plan even when idle (a node or
+                # datacenter it was planned on is gone), so jobs behind it that fit are not held back by it (FIFO
+                # holds among jobs waiting for capacity).
                 self._set(job.id, JobStatus(JobState.QUEUED, "Unschedulable",
-                                            f"{e} (the job stays queued until the cluster can hold it; jobs "
-                                            "behind it that fit are admitted meanwhile)"), expect={JobState.QUEUED})
+                                            f"the cluster cannot hold the plan this job was given at submit: {never} "
+                                            "(it stays queued until the cluster can hold it, and jobs behind it "
+                                            "that fit are admitted meanwhile; cancel and resubmit it to plan it "
+                                            "for the cluster as it is now)"), expect={JobState.QUEUED})
                 continue
-            wait = admission(plan, topo)
+            wait = admission(resolved.plan, topo)
             if wait is not None:
                 self._set(job.id, JobStatus(JobState.QUEUED, "WaitingForCapacity", wait), expect={JobState.QUEUED})
                 return  # FIFO: nothing overtakes the head of the queue
-            self._launch(job, plan)
+            self._launch(job, resolved)
             return  # one admission per tick (see above)
 
-    def _launch(self, job: JobRecord, plan: Plan) -> None:
-        keep = job.request.checkpoint_every or job.request.keep_final
-        ckpt_dir = os.path.join(self.checkpoint_root, job.id) if keep else ""
+    def _resolved(self, job: JobRecord, topo: ClusterTopology) -> ResolvedJob | None:
+        """The plan and config the job was given at submit. A job stored by an older service, which kept neither,
+        is resolved now, once, and stored so; ``None`` if that fails (the job is then failed or left queued with
+        the reason)."""
+        if job.resolved is not None:
+            return job.resolved
         try:
-            config = build_train_config(job.id, job.request, plan, ckpt_dir)
-        except ValueError as e:
-            # The plan and the request's options do not make a valid training config: this job's fault, so it
-            # fails with the reason (raised here, it failed every tick, and no other job was admitted or followed).
-            self._set(job.id, JobStatus(JobState.FAILED, "InvalidConfig",
-                                        f"the plan chosen for this job ({plan.sync_strategy.value} sync) and its "
-                                        f"options do not make a valid training config: {e}; change the option "
-                                        "named and resubmit"), expect={JobState.QUEUED})
-            return
-        self.store.update_fields(job.id, plan=plan.to_dict())
+            resolved = self.resolve(job.request, job.id, topo)
+        except InvalidJob as e:
+            self._set(job.id, JobStatus(JobState.FAILED, "InvalidConfig", str(e)), expect={JobState.QUEUED})
+            return None
+        except Exception as e:  # noqa: BLE001 - the cluster cannot hold it now: say so, and try again next tick
+            self._set(job.id, JobStatus(JobState.QUEUED, "Unschedulable",
+                                        f"{e} (the job stays queued until the cluster can hold it; jobs "
+                                        "behind it that fit are admitted meanwhile)"), expect={JobState.QUEUED})
+            return None
+        self.store.update_fields(job.id, resolved=resolved, plan=resolved.plan.to_dict())
+        return resolved
+
+    def _launch(self, job: JobRecord, resolved: ResolvedJob) -> None:
+        plan, config = resolved.plan, resolved.config
         where = ", ".join(f"{plan.workers_in(dc)} in {dc}" for dc in plan.datacenters)
         try:
             # Compare-and-set: a cancel that landed since the queue was read wins, and nothing is launched.
