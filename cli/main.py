@@ -24,6 +24,7 @@ from meridian.cli.data import run as run_data
 from meridian.cli.errors import CliError, local_problem, report
 from meridian.cli.lab import add_lab_parser
 from meridian.cli.lab import run as run_lab
+from meridian.workers.contracts.events import EventKind
 
 
 def default_token_file() -> str:
@@ -108,7 +109,7 @@ def summary(client: Client, job: dict[str, Any], wall_s: float | None = None) ->
         page = client.events(job["id"], after=after)["events"]
         if not page:
             break
-        decided += [e["message"] for e in page if e["kind"] == "sync_decided"]
+        decided += [e["message"] for e in page if e["kind"] == EventKind.SYNC_DECIDED]
         after = page[-1]["id"]
     return render.summary(job, wall_s=wall_s, sync_decisions=tuple(decided))
 

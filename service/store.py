@@ -22,6 +22,7 @@ from sqlalchemy.pool import StaticPool
 from meridian.service.errors import IdempotencyConflict, InvalidTransition, JobNotFound
 from meridian.service.jobs import JobRequest, JobState, JobStatus, transition
 from meridian.service.resolved import ResolvedJob
+from meridian.workers.contracts.events import EventKind, JobEvent, StateChanged
 
 CAS_ATTEMPTS = 20
 """How often :meth:`JobStore.set_status` re-reads a status that a concurrent writer changed under it."""
@@ -131,6 +132,9 @@ class JobRecord:
 
 @dataclass(frozen=True)
 class Event:
+    """A stored event as read back: its kind as stored (a kind of an older version may not be in
+    :class:`~meridian.workers.contracts.events.EventKind`) and its payload's JSON form."""
+
     id: int
     job_id: str
     time: float
@@ -147,6 +151,12 @@ def request_hash(spec: dict[str, Any]) -> str:
 def new_job_id() -> str:
     """A fresh job id (12 hex digits)."""
     return uuid.uuid4().hex[:12]
+
+
+def _event_row(job_id: str, event: JobEvent) -> dict[str, Any]:
+    """The events table's row of a typed event: strings and JSON from here on."""
+    return dict(job_id=job_id, time=event.time, kind=event.kind.value, message=event.message,
+                data=json.dumps(event.data))
 
 
 def _loads(text: str | None) -> Any:
@@ -295,10 +305,9 @@ class JobStore:
                 plan=json.dumps(resolved.plan.to_dict()) if resolved is not None else None,
                 resolved=resolved.to_json() if resolved is not None else None,
             ))
-            self._insert_events(conn, [dict(
-                job_id=job_id, time=now, kind="state", message=f"job submitted: {status.state.value}",
-                data=json.dumps({"state": status.state.value, "reason": status.reason, "message": status.message}),
-            )])
+            self._insert_events(conn, [_event_row(job_id, JobEvent(
+                kind=EventKind.STATE, message=f"job submitted: {status.state.value}", time=now,
+                payload=StateChanged(state=status.state.value, reason=status.reason, message=status.message)))])
             row = conn.execute(sa.select(jobs_table).where(jobs_table.c.id == job_id)).one()
         self._jobs_changed()
         return _record(row)
@@ -386,12 +395,11 @@ class JobStore:
                 if conn.execute(jobs_table.update().where(guard).values(**values)).rowcount != 1:
                     continue  # another writer changed the status since we read it: read again
                 if (new.state, new.reason, new.message) != (current.state, current.reason, current.message):
-                    self._insert_events(conn, [dict(
-                        job_id=job_id, time=now, kind="state",
+                    self._insert_events(conn, [_event_row(job_id, JobEvent(
+                        kind=EventKind.STATE, time=now,
                         message=f"{new.state.value}" + (f": {new.message}" if new.message else ""),
-                        data=json.dumps({"state": new.state.value, "reason": new.reason, "message": new.message,
-                                         "previous": current.state.value}),
-                    )])
+                        payload=StateChanged(state=new.state.value, reason=new.reason, message=new.message,
+                                             previous=current.state.value)))])
                 row = conn.execute(sa.select(jobs_table).where(jobs_table.c.id == job_id)).one()
             self._jobs_changed()
             return _record(row)
@@ -406,7 +414,7 @@ class JobStore:
         self._jobs_changed()
 
     def record_poll(
-        self, job_id: str, *, records: list[dict[str, Any]], events: list[dict[str, Any]], **fields: Any,
+        self, job_id: str, *, records: list[dict[str, Any]], events: list[JobEvent], **fields: Any,
     ) -> None:
         """Store one poll of a runner — its metric records, its events and the job fields (``progress``
         with the runner cursor) — in one transaction. A service killed mid-poll therefore either stored
@@ -421,10 +429,7 @@ class JobStore:
                     {"job_id": job_id, "step": int(r["step"]), "time": float(r.get("time", now)), "data": json.dumps(r)}
                     for r in records
                 ])
-            self._insert_events(conn, [dict(
-                job_id=job_id, time=ev.get("time") or now, kind=ev["kind"], message=ev["message"],
-                data=json.dumps(ev.get("data") or {}),
-            ) for ev in events])
+            self._insert_events(conn, [_event_row(job_id, ev) for ev in events])
         self._jobs_changed()
 
     @staticmethod
@@ -442,12 +447,9 @@ class JobStore:
         return values
 
     # -- events -----------------------------------------------------------------------------------------
-    def add_event(self, job_id: str, kind: str, message: str, data: dict[str, Any] | None = None,
-                  *, at: float | None = None) -> int:
+    def add_event(self, job_id: str, event: JobEvent) -> int:
         with self.engine.begin() as conn:
-            return self._insert_events(conn, [dict(
-                job_id=job_id, time=at or time.time(), kind=kind, message=message, data=json.dumps(data or {}),
-            )])[0]
+            return self._insert_events(conn, [_event_row(job_id, event)])[0]
 
     def list_events(self, job_id: str, *, after: int = 0, limit: int = 1000, newest: bool = False) -> list[Event]:
         """The job's events with an id above ``after``, oldest first: the first ``limit`` of them, or with

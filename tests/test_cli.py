@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 
 import pytest
-from fakes import FakeService, spec
+from fakes import FakeService, raw_event, spec
 
 from meridian.api.auth import AuthSettings, create_token
 from meridian.api.server import serve_in_thread
 from meridian.cli.main import main
+from meridian.workers.contracts.events import EventKind, JobEvent
 from meridian.workers.contracts.model_config import model_preset
 
 
@@ -150,9 +151,9 @@ def test_get_prints_what_an_armed_look_ahead_decided(served, capsys, tmp_path, s
     job_id = json.loads(out)["id"]
     decided = "Sync at epoch 1: exact sync kept: exact sync left 1.0 ms a step waiting for the sync (1% of 100.0 ms)"
     # past the first page of events (a re-formed epoch decides again, long after the job began)
-    filler = [{"kind": "note", "message": f"event {i}", "time": 1.0} for i in range(1500)]
+    filler = [JobEvent(kind=EventKind.WAITING, message=f"event {i}", time=1.0) for i in range(1500)]
     store.record_poll(job_id, records=[], events=filler)
-    store.add_event(job_id, "sync_decided", decided, {"lookahead": False})
+    raw_event(store, job_id, "sync_decided", decided, {"lookahead": False})
     code, out, _ = run(capsys, "get", job_id)
     assert code == 0 and f"  sync decided    {decided}" in out.splitlines()
     code, out, _ = run(capsys, "get", job_id, "--json")

@@ -282,12 +282,12 @@ def test_an_error_following_one_job_is_recorded_on_it_and_the_others_are_still_f
     supervisor.tick()
     supervisor.tick()
     runners[good.id].state = "running"
-    runners[bad.id].push("event", {"message": "an event without a kind"})  # reconcile raises on it
+    runners[bad.id].push("record", step_record(1, 3, 5.0, step_s=None))  # reconcile raises folding it
     runners[good.id].push("record", step_record(1, 3, 5.0))
     supervisor.tick()
     assert store.get_job(good.id).progress["step"] == 1
     errors = [e for e in store.list_events(bad.id) if e.kind == "supervisor_error"]
-    assert len(errors) == 1 and "KeyError" in errors[0].message
+    assert len(errors) == 1 and "TypeError" in errors[0].message
     supervisor.tick()  # the same error is not recorded twice
     assert len([e for e in store.list_events(bad.id) if e.kind == "supervisor_error"]) == 1
     health = fake_client.get("/healthz").json()
@@ -335,21 +335,22 @@ def test_a_different_body_with_the_same_key_is_refused_with_a_clear_message(supe
 
 
 def test_a_stall_named_before_a_restart_is_not_recorded_again(supervisor, store, cluster_view, tmp_path):
-    from meridian.service.supervision.stall import StallPolicy
+    # The runner names a stall once (its StallWatch lives as long as the job) and the poll's cursor stores it once:
+    # a restarted service reads nothing back to avoid naming it again.
+    from meridian.service.runner.stall import stall_event
     from meridian.service.supervision.supervisor import Supervisor
+    from meridian.workers.contracts.events import StallSeen
 
     job, _ = supervisor.submit(req(), {})
     supervisor.tick()
     runner = supervisor.launcher.runners[job.id]
     runner.state = "running"
-    runner.observe = {"heartbeats": {0: {"step": 5, "computed": 5, "time": 100.0},
-                                     1: {"step": 4, "computed": 4, "time": 90.0}},
-                      "recent_step_s": (1.0, 1.0, 1.0), "now": 101.0}
-    supervisor.stall_policy = StallPolicy(factor=3, floor_s=1.0)
+    stall = StallSeen(rank=1, step=4, silent_s=11.0, threshold_s=3.0, median_step_s=1.0, node_id="n1", datacenter="dc-b")
+    runner.push("event", stall_event(stall, 101.0))
+    runner.stalls = (stall,)
     supervisor.tick()
     supervisor.tick()
     assert len([e for e in store.list_events(job.id) if e.kind == "stall"]) == 1
     again = Supervisor(store, supervisor.launcher, cluster_view, checkpoint_root=str(tmp_path))  # the service restarted
-    again.stall_policy = StallPolicy(factor=3, floor_s=1.0)
     again.tick()
     assert len([e for e in store.list_events(job.id) if e.kind == "stall"]) == 1

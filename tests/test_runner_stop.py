@@ -68,7 +68,7 @@ def started(runner, controller, worker_id="train-worker-1"):
 
 
 def killed_events(runner):
-    return [e for e in runner.poll(0).events if e["kind"] == "train_controller_killed"]
+    return [e for e in runner.poll(0).events if e.kind == "train_controller_killed"]
 
 
 def test_a_controller_that_answers_is_asked_to_abort_and_not_killed(runner):
@@ -89,9 +89,9 @@ def test_a_held_controller_is_killed_after_the_short_wait_without_an_abort(runne
     assert c.calls == ["get_state"] and runner.killed == [c]
     assert runner.waits == [("get_state", actor.ANSWER_WAIT_S)]
     (event,) = killed_events(runner)
-    assert "did not answer within" in event["message"] and event["data"]["waited_s"] == actor.ANSWER_WAIT_S
+    assert "did not answer within" in event.message and event.data["waited_s"] == actor.ANSWER_WAIT_S
     # the placement groups it made are removed (those its workers run in, if Ray Train's cleaner has not yet)
-    assert runner.pg_cleanups == ["c0ffee"] and event["data"]["placement_groups_removed"] == ["pg1"]
+    assert runner.pg_cleanups == ["c0ffee"] and event.data["placement_groups_removed"] == ["pg1"]
 
 
 def test_a_controller_that_answers_but_never_gets_to_its_abort_is_killed_after_the_wait(runner):
@@ -100,7 +100,7 @@ def test_a_controller_that_answers_but_never_gets_to_its_abort_is_killed_after_t
     runner.cancel()
     assert runner.waits[-1] == ("abort", actor.ABORT_WAIT_S) and runner.killed == [c]
     (event,) = killed_events(runner)
-    assert "did not abort within" in event["message"] and runner.pg_cleanups == ["c0ffee"]
+    assert "did not abort within" in event.message and runner.pg_cleanups == ["c0ffee"]
 
 
 def test_a_repeated_cancel_does_not_wait_again(runner):
@@ -127,7 +127,7 @@ def test_a_controller_placing_its_workers_is_asked_to_abort_however_busy(runner)
     runner.cancel()
     assert c.calls == ["abort"] and runner.waits == [("abort", actor.ABORT_WAIT_S)] and runner.killed[0] is c
     (event,) = killed_events(runner)
-    assert "did not abort within" in event["message"] and runner.pg_cleanups == ["c0ffee"]
+    assert "did not abort within" in event.message and runner.pg_cleanups == ["c0ffee"]
 
 
 def test_a_sweep_that_raises_does_not_keep_the_job_from_its_outcome(monkeypatch):
@@ -153,7 +153,7 @@ def test_a_sweep_that_raises_does_not_keep_the_job_from_its_outcome(monkeypatch)
     r._run()
     poll = r.poll(0)
     assert r._done.is_set() and poll.state is RunnerState.SUCCEEDED
-    assert "snapshots_not_swept" in [e["kind"] for e in poll.events]
+    assert "snapshots_not_swept" in [e.kind for e in poll.events]
 
 
 def test_no_replacement_worker_is_started_once_the_job_is_cancelled(monkeypatch):
@@ -183,7 +183,7 @@ def test_no_replacement_worker_is_started_once_the_job_is_cancelled(monkeypatch)
     r.cancel()  # the coordinator closes, the controller is stopped; fit() has not returned, so the job is not done
     r._replace_lost_workers(topo)  # the watch's next tick: dc-a has room again
     # Before: a worker was started after cancel's kill loop had run, held its CPU, and no one killed it.
-    assert started == [] and "worker_replacing" not in [e["kind"] for e in r.poll(0).events]
+    assert started == [] and "worker_replacing" not in [e.kind for e in r.poll(0).events]
 
 
 def test_a_replacement_whose_start_a_cancel_overtook_is_killed(monkeypatch):

@@ -67,8 +67,8 @@ def test_a_controller_failure_is_followed_by_a_new_run(runner):
 
     assert _runs(runner, [_controller_error(), the_new_run_trains_to_the_end]) == [1, 2]
     assert runner._state is RunnerState.SUCCEEDED and runner.probed == 1
-    events = [e for e in runner.poll(0).events if e["kind"] == "train_run_restarted"]
-    assert len(events) == 1 and "starting Train run 2" in events[0]["message"]
+    events = [e for e in runner.poll(0).events if e.kind == "train_run_restarted"]
+    assert len(events) == 1 and "starting Train run 2" in events[0].message
 
 
 def test_runs_stop_after_the_limit_and_the_job_fails_with_the_last_error(runner):

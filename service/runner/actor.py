@@ -39,9 +39,12 @@ from meridian.service.runner.backoff import Backoff
 from meridian.service.runner.buffer import AckedBuffer
 from meridian.service.runner.coordinator import Coordinator
 from meridian.service.runner.metrics import JobMetricsState, RayJobMetrics
+from meridian.service.runner.placement import PlacementTracker
 from meridian.service.runner.poll import RunnerPoll, RunnerState
 from meridian.service.runner.replacement import replacement_datacenter
+from meridian.service.runner.stall import StallWatch, stall_event
 from meridian.service.runner.train_controller import ANSWER_WAIT_S, loop_held, remove_placement_groups_of
+from meridian.workers.contracts.events import EventKind, JobEvent
 from meridian.workers.contracts.records import StepRecord
 from meridian.workers.contracts.rendezvous import JoinReply, JoinRequest
 
@@ -172,6 +175,8 @@ class JobRunner:
         self._done = threading.Event()
         self._thread: threading.Thread | None = None
         self._metrics = JobMetricsState(job_id)
+        self._placement = PlacementTracker()
+        self._stalls = StallWatch(self._metrics.policy)
         self._records_epoch = 0
         """The epoch of the newest step record (0: none yet)."""
         self._last_recorded_step = 0
@@ -212,12 +217,16 @@ class JobRunner:
         membership = self.coordinator.status()
         with self._lock:
             heartbeats, recent_step_s, now = self._observe()
+            where = {p.rank: {"node_id": p.node_id, "datacenter": p.datacenter} for p in self._placement.ranks}
+            idle = bool(membership.get("wait_reason")) or bool(membership.get("finished"))
+            for stall in self._stalls.check(heartbeats, recent_step_s, now, where, idle=idle):
+                self._add(stall_event(stall, now))
             records, events = self._outbox.since(after)
             return RunnerPoll(
                 state=self._state, error=self._error, result=self._result, records=records, events=events,
                 cursor=self._outbox.seq, wait_reason=membership.get("wait_reason", ""),
-                finished=bool(membership.get("finished")),
-                heartbeats=heartbeats, recent_step_s=tuple(recent_step_s), now=now,
+                finished=bool(membership.get("finished")), placement=self._placement.ranks,
+                stalls=self._stalls.current,
             )
 
     def cancel(self) -> None:
@@ -238,7 +247,7 @@ class JobRunner:
             for r in records:
                 self._name_unrecorded_steps(r)
                 if r.sync_decision is not None:  # an armed look-ahead decided, on the steps it measured
-                    self._add_event("sync_decided", f"Sync at epoch {r.epoch}: {r.sync_decision['reason']}.",
+                    self._add_event(EventKind.SYNC_DECIDED, f"Sync at epoch {r.epoch}: {r.sync_decision['reason']}.",
                                     {**r.sync_decision, "epoch": r.epoch})
                 self._outbox.add_record(r)
                 self._metrics.on_record(r)
@@ -246,12 +255,17 @@ class JobRunner:
                 self._export()
 
     def push_event(self, kind: str, message: str, data: dict[str, Any] | None = None) -> None:
+        """An event from a worker or the coordinator, in its wire form (typed here against the registry)."""
         with self._lock:
             self._add_event(kind, message, data or {})
 
     def _add_event(self, kind: str, message: str, data: dict[str, Any]) -> None:
-        self._outbox.add_event({"kind": kind, "message": message, "data": data, "time": time.time()})
-        self._metrics.on_event(kind, data)
+        self._add(JobEvent.parsed_or_malformed(kind, message, data))
+
+    def _add(self, event: JobEvent) -> None:
+        self._outbox.add_event(event)
+        self._metrics.on_event(event)
+        self._placement.observe(event)
 
     def _name_unrecorded_steps(self, r: StepRecord) -> None:
         """Rank 0 learns each step's loss a window of steps after the step (its sum over the ranks is read late:
@@ -263,7 +277,7 @@ class JobRunner:
         if self._records_epoch and r.epoch > self._records_epoch and r.step - 1 > self._last_recorded_step:
             first, last = self._last_recorded_step + 1, r.step - 1
             steps = f"step {first}" if first == last else f"steps {first}–{last}"
-            self._add_event("steps_unrecorded", f"{steps} trained and kept before epoch {r.epoch} formed "
+            self._add_event(EventKind.STEPS_UNRECORDED, f"{steps} trained and kept before epoch {r.epoch} formed "
                             f"{'has' if first == last else 'have'} no record: the loss was still being summed over "
                             "the ranks when the epoch broke",
                             {"from_step": first, "to_step": last, "epoch": r.epoch})  # fmt: skip
@@ -280,7 +294,7 @@ class JobRunner:
 
     # -- metrics ------------------------------------------------------------------------------------------
     def _observe(self) -> tuple[dict[int, dict[str, Any]], list[float], float]:
-        """What the supervisor's stall detector needs — heartbeats, recent step times and this actor's clock
+        """What the stall watch needs — heartbeats, recent step times and this actor's clock
         (call with the lock held); also refreshes gauges."""
         now = time.time()
         self._metrics.refresh_live(now)
@@ -337,7 +351,7 @@ class JobRunner:
                 self._asking.unchanged("watch")
                 if str(e) != said:  # once per distinct error, not every tick
                     said = str(e)
-                    self.push_event("watch_error", f"watching the cluster failed: {e} (retrying, less often "
+                    self.push_event(EventKind.WATCH_ERROR, f"watching the cluster failed: {e} (retrying, less often "
                                     f"while it fails: next in {self._asking.delay('watch'):.0f} s)")
             else:
                 self._asking.changed("watch")
@@ -348,11 +362,11 @@ class JobRunner:
         nodes = {n.node_id: n.datacenter or "" for n in topo.alive_nodes}
         for node, dc in self._nodes.items():
             if node not in nodes:
-                self.push_event("node_lost", f"node {node[:12]} in {dc or 'no datacenter'} is no longer alive",
+                self.push_event(EventKind.NODE_LOST, f"node {node[:12]} in {dc or 'no datacenter'} is no longer alive",
                                 {"node_id": node, "datacenter": dc})
         for node, dc in nodes.items():
             if self._nodes and node not in self._nodes:
-                self.push_event("node_joined", f"node {node[:12]} joined {dc or 'no datacenter'}",
+                self.push_event(EventKind.NODE_JOINED, f"node {node[:12]} joined {dc or 'no datacenter'}",
                                 {"node_id": node, "datacenter": dc})
         self._nodes = nodes
         self.coordinator.tick(set(nodes))
@@ -397,7 +411,7 @@ class JobRunner:
             with contextlib.suppress(Exception):
                 ray.kill(actor, no_restart=True)
             return
-        self.push_event("worker_replacing", f"capacity returned in {dc}: starting a worker there", {"datacenter": dc})
+        self.push_event(EventKind.WORKER_REPLACING, f"capacity returned in {dc}: starting a worker there", {"datacenter": dc})
 
     def _still_starting(self, key: str, handle: tuple[str, Any]) -> bool:
         """Whether a replacement that has not joined yet still lives. Looked up at once, then ever less
@@ -422,7 +436,7 @@ class JobRunner:
         try:
             sweep_snapshots(self.job_id)
         except Exception as e:  # noqa: BLE001 - the outcome must reach the service whatever the sweep did
-            self.push_event("snapshots_not_swept", f"removing the job's in-memory snapshot folders failed ({e}); "
+            self.push_event(EventKind.SNAPSHOTS_NOT_SWEPT, f"removing the job's in-memory snapshot folders failed ({e}); "
                             "they stay in RAM on the nodes until the host reboots or a later sweep", {})
         with self._lock:
             self._state, self._error = state, error
@@ -464,7 +478,7 @@ class JobRunner:
         removed: list[str] = []
         with contextlib.suppress(Exception):  # best effort: the GCS may be busy; Ray Train's cleaner may do it
             removed = remove_placement_groups_of(controller._actor_id.hex())
-        self.push_event("train_controller_killed",
+        self.push_event(EventKind.TRAIN_CONTROLLER_KILLED,
                         f"Ray Train's controller {why} (its event loop is held, e.g. by its replacement of a worker "
                         "on a dead node): killed it, and its workers with it"
                         + (f"; removed the placement group it left ({len(removed)})" if removed else ""),
@@ -490,7 +504,7 @@ class JobRunner:
                 # first ends its control loop with an error it does not retry) and shut its workers down; their
                 # nodes live, and so do the snapshots in their RAM folders. A new run's workers take those over.
                 gone = self.coordinator.probe_members()
-                self.push_event("train_run_restarted", f"Ray Train's controller failed ({_describe_failure(error)}) "
+                self.push_event(EventKind.TRAIN_RUN_RESTARTED, f"Ray Train's controller failed ({_describe_failure(error)}) "
                                 f"and ended its workers ({len(gone)} found gone); starting Train run {attempt + 1} of "
                                 f"at most {MAX_TRAIN_RUNS}: its workers resume from the snapshots the ended ones left "
                                 "on their nodes", {"attempt": attempt + 1, "gone": sorted(gone)})  # fmt: skip

@@ -26,6 +26,7 @@ from typing import Any
 
 from meridian.service.runner.liveness import LivenessTracker
 from meridian.service.runner.membership import Epoch, Form, Member, MembershipState, Wait, decide
+from meridian.workers.contracts.events import EventKind
 from meridian.workers.contracts.rendezvous import Assignment, Finished, JoinReply, JoinRequest, Waiting
 
 REPROBE_S = 0.02
@@ -227,7 +228,7 @@ class Coordinator:
             for w in found:
                 m = self.state.waiting.pop(w, None)
                 if m is not None:
-                    self.on_event("worker_gone", f"the waiting worker in {m.datacenter} on node {m.node_id[:12]} is gone "
+                    self.on_event(EventKind.WORKER_GONE, f"the waiting worker in {m.datacenter} on node {m.node_id[:12]} is gone "
                                   "(it stopped calling and its process no longer answers): not waited for",
                                   {"worker_id": w})  # fmt: skip
             self._decide_locked()
@@ -262,14 +263,14 @@ class Coordinator:
             with self._cond:
                 for m in self.state.epoch.members if self.state.epoch else ():
                     if m.worker_id in found:
-                        self.on_event("worker_gone", f"the worker in {m.datacenter} on node {m.node_id[:12]} is gone "
+                        self.on_event(EventKind.WORKER_GONE, f"the worker in {m.datacenter} on node {m.node_id[:12]} is gone "
                                       "(its process no longer answers): re-forming without it", {"worker_id": m.worker_id})
                 self._decide_locked()
         if since >= self.abort_after_s or waited >= NEWCOMERS_ABORT_AFTER_S:
             why = (f"had not rejoined {since:.0f} s after its peers (stuck in a collective with a peer that left)"
                    if since >= self.abort_after_s else
                    f"had reached no step boundary while new workers waited {waited:.0f} s (stuck)")
-            self._stop(e, suspects, "worker_stuck", f"answers but {why}")
+            self._stop(e, suspects, EventKind.WORKER_STUCK, f"answers but {why}")
 
     def _stop(self, e: Epoch, members: list[tuple[str, str, int]], kind: str, why: str) -> None:
         """Tell ``members`` (worker id, address, probe port) to stop their training process of epoch ``e`` (each
@@ -301,7 +302,7 @@ class Coordinator:
                 return
             stranded = [(m.worker_id, m.address, m.probe_port) for m in e.members if m.node_id in alive]
             where = ", ".join(sorted({f"node {m.node_id[:12]} in {m.datacenter}" for m in dead}))
-        self._stop(e, stranded, "worker_stranded",
+        self._stop(e, stranded, EventKind.WORKER_STRANDED,
                    f"had not left epoch {e.number} {STRANDED_AFTER_S:.0f} s after Ray reported {where} dead (its "
                    "collectives wait on a host that closes nothing: power or network lost)")
 
@@ -330,7 +331,7 @@ class Coordinator:
         if isinstance(decision, Wait):
             if decision.reason != self.wait_reason:
                 self.wait_reason = decision.reason
-                self.on_event("waiting", decision.reason, {})
+                self.on_event(EventKind.WAITING, decision.reason, {})
             return
         if isinstance(decision, Form):
             e = decision.epoch
@@ -340,7 +341,7 @@ class Coordinator:
             self.state.first_rejoin_at = None
             self.wait_reason = ""
             for m in decision.lost:
-                self.on_event("worker_lost", f"lost the worker in {m.datacenter} on node {m.node_id[:12]}",
+                self.on_event(EventKind.WORKER_LOST, f"lost the worker in {m.datacenter} on node {m.node_id[:12]}",
                               {"worker_id": m.worker_id, "datacenter": m.datacenter, "node_id": m.node_id})
             per_dc: dict[str, int] = {}
             for dc in e.datacenters:
@@ -348,7 +349,7 @@ class Coordinator:
             layout = ", ".join(f"{n} in {dc}" for dc, n in per_dc.items())
             how = "from the latest checkpoint" if e.from_checkpoint else f"at step {e.resume_step}"
             self.on_event(
-                "epoch_formed",
+                EventKind.EPOCH_FORMED,
                 f"epoch {e.number}: {len(e.members)} worker(s) ({layout}), resuming {how}"
                 + (f"; {len(e.newcomers)} joined" if e.number > 1 and e.newcomers else ""),
                 {"epoch": e.number, "datacenters": list(e.datacenters), "resume_step": e.resume_step,

@@ -3,8 +3,10 @@
 :func:`reconcile` takes the job as stored and what its runner answered (a
 :class:`~meridian.service.runner.poll.RunnerPoll`, or :class:`~meridian.service.runner.poll.RunnerLost`) and
 returns a :class:`Decision`: the status to set before and after storing the poll, the records, events and
-job fields to store, the stalls to name, and whether to resume, release or forget the runner. The
-supervisor (:mod:`meridian.service.supervision.supervisor`) carries a decision out.
+job fields to store, and whether to resume, release or forget the runner. The supervisor
+(:mod:`meridian.service.supervision.supervisor`) carries a decision out. Everything it needs is in the job and
+the poll (typed events, the ranks' placement, stalls already named by the runner): it never reads the job's
+stored events back.
 
 Pure: no store, no Ray, no clock (the caller passes ``now``), so every rule is tested by asserting on the
 decision (tests/test_reconcile.py). Must never write anything or call the launcher.
@@ -20,7 +22,8 @@ from typing import Any
 from meridian.service.jobs import JobState, JobStatus
 from meridian.service.runner.poll import RunnerLost, RunnerPoll, RunnerState
 from meridian.service.store import JobRecord
-from meridian.service.supervision.stall import Stall, StallPolicy, find_stalls
+from meridian.workers.contracts.events import EventKind, JobEvent, ProgressReport, Reattached
+from meridian.workers.contracts.fields import to_plain
 from meridian.workers.contracts.records import StepRecord
 
 PROGRESS_FIELDS = ("step", "total_steps", "loss", "tokens_per_s", "lr", "inter_dc_bytes", "eta_s")
@@ -31,7 +34,6 @@ RUNNER_OUTCOME = {
 }
 TRAINING = JobStatus(JobState.RUNNING, "Training", "training steps are running")
 WAITING_FOR_WORKERS = "WaitingForWorkers"
-DEFAULT_STALL_POLICY = StallPolicy()
 
 
 @dataclass(frozen=True)
@@ -56,15 +58,12 @@ class Decision:
     resume: bool = False
     """Start a found runner that never started (a service killed between creating and starting it); if
     that fails, nothing else of this decision is done and the next tick decides again."""
-    stalls: tuple[Stall, ...] = ()
-    """Ranks newly found stalled, each to be recorded once as a ``stall`` event at ``observed_at``."""
-    observed_at: float = 0.0
     status: JobStatus | None = None
     """Set before the poll is stored, so the event log reads "running" before the first progress."""
     store: bool = True
     """Store the poll (``records``, ``events``, ``fields``) in one transaction; ``False``: nothing to store."""
     records: tuple[StepRecord, ...] = ()
-    events: tuple[Mapping[str, Any], ...] = ()
+    events: tuple[JobEvent, ...] = ()
     fields: Mapping[str, Any] = field(default_factory=dict)
     """Job fields to store with the poll: ``progress`` (with the cursor), ``placement``, ``result``."""
     outcome: JobStatus | None = None
@@ -80,50 +79,46 @@ class Decision:
 
     @property
     def emits_progress(self) -> bool:
-        return any(ev["kind"] == "progress" for ev in self.events)
+        return any(ev.kind is EventKind.PROGRESS for ev in self.events)
 
 
 def reconcile(
     job: JobRecord, poll: RunnerPoll | RunnerLost, *, now: float = 0.0, first_sight: bool = False,
-    progress_due: bool = True, started: Mapping[str, Mapping[str, Any]] | None = None,
-    stalls_named: frozenset[tuple[int, int]] | set[tuple[int, int]] = frozenset(),
-    stall_policy: StallPolicy = DEFAULT_STALL_POLICY, deadlines: Deadlines = DEFAULT_DEADLINES,
+    progress_due: bool = True, deadlines: Deadlines = DEFAULT_DEADLINES,
 ) -> Decision:
     """The decision for ``job`` after its runner answered ``poll``.
 
     ``first_sight``: this supervisor has not followed the job before (the service restarted while it was
     active). ``progress_due``: a ``progress`` event may be added (they are rate-limited by the caller).
-    ``started``: worker id → data of the job's stored ``worker_started`` events, needed only when the poll
-    has an ``epoch_formed`` event (see :func:`needs_started_workers`). ``stalls_named``: (rank, step) pairs
-    already recorded as stalls. ``now``: wall-clock time, for the events this decision adds and the
-    ``deadlines``.
+    ``now``: wall-clock time, for the events this decision adds and the ``deadlines``.
     """
     if isinstance(poll, RunnerLost):
         return _lost(job, poll)
     overdue = _overdue(job, poll.state, now, deadlines)
     if overdue is not None:
         return Decision(store=False, outcome=overdue, release=True, forget=True, sweep_snapshots=True)
-    events: list[Mapping[str, Any]] = list(poll.events)
+    events: list[JobEvent] = list(poll.events)
     cursor = int((job.progress or {}).get("cursor", 0))
     resume = False
     if first_sight:
         resume = poll.state is RunnerState.STARTING and not job.cancel_requested
-        events.insert(0, {"kind": "reattached", "time": now,
-                          "data": {"cursor": cursor, "runner_state": poll.state.value},
-                          "message": f"service restarted; reattached to {job.runner or 'the runner'} "
-                                     f"({poll.state.value}), resuming after record {cursor}"})
-    placement = _placement(job.placement or [], events, started or {})
+        events.insert(0, JobEvent(kind=EventKind.REATTACHED, time=now,
+                                  payload=Reattached(cursor=cursor, runner_state=poll.state.value),
+                                  message=f"service restarted; reattached to {job.runner or 'the runner'} "
+                                          f"({poll.state.value}), resuming after record {cursor}"))
     progress = fold_progress(job.progress, poll.records, poll.cursor)
     if poll.records and progress_due:
         # Live progress for event streams (rate-limited by the caller so a long job does not fill the event table).
         loss = progress.get("loss")
         loss_text = f"{loss:.4f}" if isinstance(loss, (int, float)) else "-"
-        events.append({"kind": "progress", "time": progress.get("updated_at"),
-                       "message": f"step {progress['step']}/{progress['total_steps']} loss {loss_text}",
-                       "data": {k: progress[k] for k in PROGRESS_FIELDS if k in progress}})
+        events.append(JobEvent(
+            kind=EventKind.PROGRESS, time=progress.get("updated_at") or now,
+            message=f"step {progress['step']}/{progress['total_steps']} loss {loss_text}",
+            payload=ProgressReport(**{k: progress[k] for k in PROGRESS_FIELDS if k in progress})))
     fields: dict[str, Any] = {"progress": progress}
-    if placement != (job.placement or []):
-        fields["placement"] = sorted(placement, key=lambda p: p["rank"])
+    placement = [to_plain(p) for p in poll.placement]
+    if placement and placement != (job.placement or []):
+        fields["placement"] = placement
     if poll.result is not None:
         fields["result"] = job_losses(dict(poll.result), progress)
     outcome = None
@@ -131,16 +126,10 @@ def reconcile(
         outcome = RUNNER_OUTCOME.get(poll.state) or JobStatus(
             JobState.FAILED, "TrainingError", poll.error or "training failed")
     return Decision(
-        cancel=job.cancel_requested and outcome is None, resume=resume, stalls=_new_stalls(poll, placement, stalls_named, stall_policy), observed_at=poll.now,
+        cancel=job.cancel_requested and outcome is None, resume=resume,
         status=_running_status(job, poll), records=poll.records, events=tuple(events), fields=fields,
         outcome=outcome, release=outcome is not None, forget=outcome is not None,
     )
-
-
-def needs_started_workers(poll: RunnerPoll) -> bool:
-    """Whether :func:`reconcile` needs the job's stored ``worker_started`` events for this poll (reading
-    them costs a query of every event of the job, so only when a new epoch names its ranks)."""
-    return any(ev["kind"] == "epoch_formed" for ev in poll.events)
 
 
 def job_losses(result: dict[str, Any], progress: Mapping[str, Any]) -> dict[str, Any]:
@@ -223,30 +212,3 @@ def _running_status(job: JobRecord, poll: RunnerPoll) -> JobStatus | None:
     if job.status.state is JobState.PLACING or job.status.reason == WAITING_FOR_WORKERS:
         return TRAINING
     return None
-
-
-def _placement(current: list[dict[str, Any]], events: Sequence[Mapping[str, Any]],
-               started: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """The ranks after this batch of events: an ``epoch_formed`` names the ranks of a new membership (each
-    with what its worker said when it started: host, pid, device); a ``worker_started`` with a rank comes
-    from a runner that ranks workers itself."""
-    placement = list(current)
-    for ev in events:
-        if ev["kind"] == "epoch_formed":
-            known = {**started, **{e["data"].get("worker_id"): e["data"] for e in events
-                                   if e["kind"] == "worker_started"}}
-            placement = [{**known.get(m["worker_id"], {}), **m} for m in ev["data"]["placement"]]
-        elif ev["kind"] == "worker_started" and "rank" in ev["data"]:
-            placement = [p for p in placement if p["rank"] != ev["data"]["rank"]] + [ev["data"]]
-    return placement
-
-
-def _new_stalls(poll: RunnerPoll, placement: list[dict[str, Any]], named: frozenset[tuple[int, int]] | set[tuple[int, int]],
-                policy: StallPolicy) -> tuple[Stall, ...]:
-    """Ranks that stopped finishing steps, not named before. Not while the membership waits (for workers,
-    or for a re-formation) or after the last step: ranks are idle then by design, and the events say why."""
-    if not poll.heartbeats or poll.wait_reason or poll.finished:
-        return ()
-    where = {p["rank"]: p for p in placement}
-    return tuple(s for s in find_stalls(poll.heartbeats, poll.recent_step_s, poll.now, where, policy)
-                 if (s.rank, s.step) not in named)

@@ -35,11 +35,10 @@ from meridian.service.supervision.reconcile import (
     DEFAULT_DEADLINES,
     Deadlines,
     Decision,
-    needs_started_workers,
     reconcile,
     unanswered,
 )
-from meridian.service.supervision.stall import StallPolicy
+from meridian.workers.contracts.events import ErrorText, EventKind, JobEvent
 
 log = logging.getLogger(__name__)
 
@@ -78,8 +77,6 @@ class Supervisor:
         self.job_errors: dict[str, str] = {}  # job → why following it failed on the last tick (for /healthz)
         self._last_progress_event: dict[str, float] = {}
         self._followed: set[str] = set()  # jobs this instance launched or already reattached to
-        self.stall_policy = StallPolicy()
-        self._stalls_named: dict[str, set[tuple[int, int]]] = {}  # job → (rank, step) already in its events
 
     # -- API-facing actions -------------------------------------------------------------------------------
     def plan(self, request: JobRequest, topo: ClusterTopology | None = None) -> Plan:
@@ -187,9 +184,9 @@ class Supervisor:
         log.exception("following job %s failed", job_id)
         self.job_errors[job_id] = message
         try:
-            self.store.add_event(job_id, "supervisor_error",
-                                 f"the service could not follow this job on its last tick ({message}); "
-                                 "it retries every tick", {"error": message})
+            self.store.add_event(job_id, JobEvent(
+                kind=EventKind.SUPERVISOR_ERROR, payload=ErrorText(error=message),
+                message=f"the service could not follow this job on its last tick ({message}); it retries every tick"))
         except Exception:  # noqa: BLE001 - the store itself failing is reported by /healthz
             log.exception("recording the error of job %s failed", job_id)
 
@@ -293,14 +290,9 @@ class Supervisor:
             self._carry_out(job, decision)
             return
         self._check_lease()  # the poll took a while: is this service still the one that stores it?
-        if job.id not in self._stalls_named:  # first sight in this process: stalls stored before a restart count
-            self._stalls_named[job.id] = {(e.data.get("rank"), e.data.get("step"))
-                                          for e in self.store.list_events(job.id, limit=100_000) if e.kind == "stall"}
-        started = self._started_workers(job.id) if isinstance(poll, RunnerPoll) and needs_started_workers(poll) else {}
         decision = reconcile(
-            job, poll, now=time.time(), first_sight=job.id not in self._followed, started=started,
+            job, poll, now=time.time(), first_sight=job.id not in self._followed,
             progress_due=time.monotonic() - self._last_progress_event.get(job.id, -1e9) >= PROGRESS_EVENT_EVERY_S,
-            stalls_named=self._stalls_named.get(job.id, set()), stall_policy=self.stall_policy,
             deadlines=self.deadlines,
         )
         self._carry_out(job, decision)
@@ -318,10 +310,6 @@ class Supervisor:
             self.launcher.cancel(job_id)  # idempotent: repeated each tick until the runner stops
         if d.store:
             self._followed.add(job_id)
-        named = self._stalls_named.setdefault(job_id, set())
-        for stall in d.stalls:
-            named.add((stall.rank, stall.step))
-            self.store.add_event(job_id, "stall", stall.message(), stall.to_dict(), at=d.observed_at)
         if d.emits_progress:
             self._last_progress_event[job_id] = time.monotonic()
         if d.status is not None:
@@ -329,8 +317,7 @@ class Supervisor:
             self._set(job_id, d.status, expect={job.status.state}, unless_cancel_requested=True)
         if d.store:
             # The store and the API speak JSON: records become dicts here and nowhere earlier.
-            self.store.record_poll(job_id, records=[r.to_dict() for r in d.records],
-                                   events=[dict(ev) for ev in d.events], **d.fields)
+            self.store.record_poll(job_id, records=[r.to_dict() for r in d.records], events=list(d.events), **d.fields)
         if d.outcome is not None:
             self._set(job_id, d.outcome)
         if d.release:
@@ -344,12 +331,6 @@ class Supervisor:
     def _forget(self, job_id: str) -> None:
         self._followed.discard(job_id)
         self._last_progress_event.pop(job_id, None)
-        self._stalls_named.pop(job_id, None)
-
-    def _started_workers(self, job_id: str) -> dict[str, dict[str, Any]]:
-        """What each worker of the job said when it started (host, pid, device), by worker id."""
-        return {e.data.get("worker_id"): e.data for e in self.store.list_events(job_id, limit=100_000)
-                if e.kind == "worker_started"}
 
     def _set(self, job_id: str, status: JobStatus, *, expect: set[JobState] | None = None,
              unless_cancel_requested: bool = False) -> None:
