@@ -15,8 +15,9 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from meridian.service.cluster.connect import NAMESPACE
 from meridian.service.planning.plan import Plan
-from meridian.service.runner.actor import NAMESPACE, JobRunner, runner_name, sweep_snapshots
+from meridian.service.runner.actor import JobRunner, runner_name, sweep_snapshots
 from meridian.service.runner.poll import RunnerLost, RunnerPoll
 from meridian.workers.contracts.config import TrainConfig
 

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from meridian.service.cluster.connect import NAMESPACE
 from meridian.service.cluster.topology import ClusterTopology, read_topology
 from meridian.service.planning.placement import pin_ranks_to_nodes
 from meridian.service.planning.plan import Plan
@@ -51,7 +52,6 @@ from meridian.workers.contracts.rendezvous import JoinReply, JoinRequest
 if TYPE_CHECKING:
     from meridian.workers.contracts.config import TrainConfig
 
-NAMESPACE = "meridian"
 NODE_ID_LABEL = "ray.io/node-id"
 TICK_S = 0.5
 EXPORT_EVERY_S = 0.5
