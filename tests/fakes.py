@@ -222,5 +222,5 @@ def job_runner(exporter: Any) -> Any:
 
     plan = type("P", (), {"rank_datacenters": ("dc-a", "dc-b")})()
     r = JobRunner("j1", {}, plan, "/tmp/unused")
-    r._exporter = exporter
+    r._reports._exporter = exporter
     return r

@@ -74,16 +74,16 @@ class _Clock:
 def _runner_with_two_ranks(monkeypatch, clock):
     from fakes import job_runner
 
-    import meridian.service.runner.actor as actor_module
+    import meridian.service.runner.reports as reports_module
     from meridian.service.runner.stall import StallWatch
 
     class NoExport:
         def export(self, _state):
             pass
 
-    monkeypatch.setattr(actor_module, "time", clock)
+    monkeypatch.setattr(reports_module, "time", clock)
     r = job_runner(NoExport())
-    r._stalls = StallWatch(StallPolicy(factor=5, floor_s=2.0))
+    r._reports.stalls = StallWatch(StallPolicy(factor=5, floor_s=2.0))
     for rank, dc in ((0, "dc-a"), (1, "dc-b")):
         r.push_event("worker_started", "", {"rank": rank, "node_id": f"node-{dc}", "datacenter": dc})
     return r

@@ -36,12 +36,12 @@ def test_acknowledged_records_are_trimmed_and_unacknowledged_ones_survive_a_retr
     assert [x.step for x in again.records] == [1, 2, 3]
     r.push_progress([step_record(4, 10, 1.0)])
     assert [x.step for x in r.poll(first.cursor).records] == [4]
-    assert len(r._outbox) == 1  # 1–3 were acknowledged by the cursor and trimmed
+    assert len(r._reports.outbox) == 1  # 1–3 were acknowledged by the cursor and trimmed
 
 
 def test_a_loss_beyond_the_unacknowledged_limit_is_a_gap_event_stored_with_the_job(store):
     r = runner()
-    r._outbox.max_unacked = 5
+    r._reports.outbox.max_unacked = 5
     r.push_event("worker_started", "rank 0", {"rank": 0, "node_id": "n0", "datacenter": "dc-a"})
     r.push_progress([step_record(s, 10, 1.0) for s in range(1, 8)])  # 8 entries, room for 5
     poll = r.poll(0)
