@@ -55,6 +55,7 @@ from meridian.service.runner.train_controller import loop_held
 from meridian.service.runner.train_run import (
     RunStopper,
     describe_failure,
+    failure_with_traceback,
     fit_run,
     train_controller_failed,
 )
@@ -198,9 +199,9 @@ class JobRunner:
                 self._reports.result = result
 
     def fail(self, message: str) -> None:
-        """A worker hit an error that restarting cannot fix: stop the others, then fail the job with it (the
-        controller's order: see :func:`~meridian.service.runner.controller.decide.decide`)."""
-        self._observe(WorkerFailed(error=describe_failure(message)))
+        """A worker hit an error that restarting cannot fix: stop the others, then fail the job with it and its
+        traceback (the controller's order: see :func:`~meridian.service.runner.controller.decide.decide`)."""
+        self._observe(WorkerFailed(error=failure_with_traceback(message)))
 
     # The rendezvous, called by the workers (see meridian.workers.elastic.rendezvous).
     def rdzv_join(self, request: JoinRequest, known_epoch: int) -> JoinReply:

@@ -101,6 +101,21 @@ def describe_failure(error: BaseException | str) -> str:
     return text.strip().splitlines()[-1][:2000] if text.strip() else type(error).__name__
 
 
+TRACEBACK_CHARS = 4000
+"""A worker's failure is told with the last this many characters of its traceback."""
+
+
+def failure_with_traceback(message: str) -> str:
+    """A worker's failure as the job's error: its root cause first (:func:`describe_failure`), then the end of the
+    traceback it came with, so a job that fails with an error Meridian does not know carries where it arose."""
+    cause = describe_failure(message)
+    trace = message.strip()
+    if trace == cause or "\n" not in trace:
+        return cause
+    tail = trace[-TRACEBACK_CHARS:]
+    return f"{cause}\n\n{'…' if len(trace) > TRACEBACK_CHARS else ''}{tail}"
+
+
 def train_loop_config(runner_name_: str, train_config: TrainConfig) -> dict[str, Any]:
     """Ray Train's ``train_loop_config``: the frozen config itself (pickled), read as is by the workers."""
     return {"config": train_config, "runner_name": runner_name_, "namespace": NAMESPACE}

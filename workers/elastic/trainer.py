@@ -40,8 +40,9 @@ from meridian.workers.contracts.config import TrainConfig
 from meridian.workers.contracts.model_config import ModelFamily
 from meridian.workers.contracts.rendezvous import Assignment
 from meridian.workers.elastic.durable import Checkpointer, restore_latest
+from meridian.workers.elastic.failures import FailureJudge, FailureKind, OwnFailure, is_peer_failure
 from meridian.workers.elastic.protocol import KEEP_SNAPSHOTS, RESTART_EXIT_CODE
-from meridian.workers.elastic.rendezvous import JobFinished, Rendezvous, StoreNotHosted
+from meridian.workers.elastic.rendezvous import JobFinished, Rendezvous
 from meridian.workers.elastic.sockets import shut_down_tcp_sockets
 from meridian.workers.elastic.state_exchange import rebuild_state
 from meridian.workers.loop.replica import Membership, Replica
@@ -52,30 +53,9 @@ from meridian.workers.state.replica_state import IncompleteState, LocalShard
 from meridian.workers.state.snapshots import SnapshotStore
 from meridian.workers.sync.build import GradientSync
 
+__all__ = ["ElasticTrainer", "is_peer_failure"]  # is_peer_failure: the type-based test, re-exported
+
 EventFn = Callable[[str, str, dict[str, Any]], None]
-
-
-_PEER_FAILURE_MARKERS = (
-    "Connection closed by peer",
-    "Connection reset by peer",
-    "Broken pipe",
-    "Connection refused",
-    "Socket Timeout",
-    "Timed out",
-    "timed out",
-    "NCCL",
-    "gloo",
-    "Gloo",
-    "process group",
-)
-
-
-def is_peer_failure(error: BaseException) -> bool:
-    """A collective failed because a peer went away (as opposed to a bug in this rank's own work), or the
-    epoch cannot form around this rank: either way it joins again."""
-    if isinstance(error, (StoreNotHosted, getattr(dist, "DistError", ()))):
-        return True
-    return isinstance(error, RuntimeError) and any(m in str(error) for m in _PEER_FAILURE_MARKERS)
 
 
 class PendingChangeWatch:
@@ -152,6 +132,9 @@ class ElasticTrainer:
         self.on_peer_failure = on_peer_failure
         self._garbage = False
         """An epoch of this process ended: :meth:`collect_last_epoch` has its cycles to free."""
+        self.failures = FailureJudge()
+        """Tells a lost peer from this job's own error, by type (:mod:`meridian.workers.elastic.failures`)."""
+        self._assignment: Assignment | None = None
         self._frozen = False
         """What lived before this process's first epoch is frozen (:meth:`collect_last_epoch`)."""
         self.on_recovery = on_recovery or (lambda: None)
@@ -181,8 +164,13 @@ class ElasticTrainer:
                 outcome = self._run_epoch(a)
                 self.checkpoints.wait()  # a save in flight needs this epoch's groups, torn down next
             except Exception as e:
-                if not is_peer_failure(e):
+                kind = self._judge(e)
+                if kind is FailureKind.OWN:
                     raise
+                if kind is FailureKind.REPEATED:
+                    raise OwnFailure(f"{type(e).__name__}: {e} — it ended epoch {a.epoch} at step {self.snapshots.last_step} "
+                                     "again after a re-formation that changed nothing (no peer left or joined): this "
+                                     "job's own error, not a lost peer's") from e
                 Rendezvous.teardown()
                 self._garbage = True
                 self.on_recovery()
@@ -213,9 +201,14 @@ class ElasticTrainer:
             self._garbage = False
             gc.collect()
 
+    def _judge(self, error: BaseException) -> FailureKind:
+        a = self._assignment
+        membership = (a.world_size, tuple(a.datacenters)) if a is not None else ()
+        return self.failures.judge(error, step=self.snapshots.last_step, membership=membership)
+
     def _on_failure(self, error: Exception) -> None:
-        if not is_peer_failure(error):
-            return
+        if self._judge(error) in (FailureKind.OWN, FailureKind.REPEATED):
+            return  # the job fails with it: this process neither rejoins nor restarts
         if self.on_peer_failure is OnPeerFailure.SHUT_SOCKETS_AND_REJOIN:
             # This rank re-forms in its own process: its TCP connections go now, so peers blocked on it and its
             # own threads still inside a collective (the engine's communication thread) fail at once, and the
@@ -234,6 +227,7 @@ class ElasticTrainer:
     # -- one epoch ----------------------------------------------------------------------------------------
     def _run_epoch(self, a: Assignment) -> EpochOutcome:
         watch = None
+        self._assignment = a
         try:
             self._formed_at = time.monotonic()
             if not self._frozen:
