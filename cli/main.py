@@ -67,33 +67,59 @@ def emit(args: argparse.Namespace, data: Any, text: str) -> None:
 
 
 def watch(client: Client, job_id: str, *, as_json: bool, timeout_s: float, interval_s: float = 0.5) -> dict[str, Any]:
-    """Follow a job until it ends, printing a progress bar (or one JSON object per update)."""
+    """Follow a job until it ends, printing a progress bar (or one JSON object per update): over the job's event
+    stream (its ``state`` and ``progress`` events, resumed after the last one seen), reading the job itself only at
+    the start, at the end, and every ``interval_s`` while the stream is down."""
     deadline = time.monotonic() + timeout_s
     tty = sys.stdout.isatty() and not as_json
-    last_line, last_print = "", 0.0
-    while True:
-        job = client.job(job_id)
+    shown = {"line": "", "at": 0.0}
+
+    def show(job: dict[str, Any]) -> None:
         line = render.progress_line(job)
         if as_json:
-            if line != last_line:
+            line += job["state"]  # a state that changes alone is an update too (the bar reads the same at the end)
+            if line != shown["line"]:
                 print(json.dumps({"id": job["id"], "state": job["state"], "progress": job["progress"]}), flush=True)
         elif tty:
             print("\r" + line.ljust(100)[:160], end="", flush=True)
-        elif line != last_line and (time.monotonic() - last_print > 2 or job["state"] in TERMINAL):
+        elif line != shown["line"] and (time.monotonic() - shown["at"] > 2 or job["state"] in TERMINAL):
             print(line, flush=True)
-            last_print = time.monotonic()
-        last_line = line
+            shown["at"] = time.monotonic()
+        shown["line"] = line
+
+    def timed_out(job: dict[str, Any]) -> ApiError:
+        if tty:
+            print()
+        return ApiError(0, f"job {job_id} still {job['state']} after {timeout_s:.0f} s ({job['message']}); it keeps "
+                           f"running — follow it with `meridian watch {job_id}`", kind="watch-timeout")
+
+    job = client.job(job_id)
+    newest = client.events(job_id, newest=1)["events"]
+    after = newest[-1]["id"] if newest else 0
+    while True:
+        show(job)
         if job["state"] in TERMINAL:
             if tty:
                 print()
             return job
         if time.monotonic() > deadline:
-            if tty:
-                print()
-            raise ApiError(0, f"job {job_id} still {job['state']} after {timeout_s:.0f} s "
-                              f"({job['message']}); it keeps running — follow it with `meridian watch {job_id}`",
-                           kind="watch-timeout")
-        time.sleep(interval_s)
+            raise timed_out(job)
+        try:
+            for e in client.stream_events(job_id, after=after, reconnects=0):
+                after = e["id"]
+                if e["kind"] == EventKind.PROGRESS:
+                    job = {**job, "progress": {**job["progress"], **e["data"]}}
+                elif e["kind"] == EventKind.STATE:
+                    job = {**job, "state": e["data"]["state"], "reason": e["data"]["reason"],
+                           "message": e["data"]["message"]}
+                show(job)
+                if time.monotonic() > deadline:
+                    raise timed_out(job)
+        except ApiError as e:
+            if e.status or e.problem.get("type", "").endswith("watch-timeout"):
+                raise  # the service refused (or the wait is over): not a dropped stream
+            time.sleep(interval_s)  # the stream dropped: read the job meanwhile, then resume after `after`
+        job = client.job(job_id)  # the stream ended (the job did) or dropped: the job as stored
 
 
 SUMMARY_EVENT_PAGES = 50

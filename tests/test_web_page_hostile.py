@@ -18,6 +18,7 @@ import pytest
 from fakes import FakeService, raw_event, submit
 
 from meridian.api.server import serve_in_thread
+from meridian.workers.contracts.events import EventKind, JobEvent, ProgressReport
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 playwright_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install -e '.[test]')")
@@ -125,8 +126,10 @@ def test_a_job_longer_than_one_page_of_metrics_is_charted_to_its_last_step(servi
         page, errors = open_page(browser, url)
         page.locator("#chart-loss text", has_text=f"step {steps}").wait_for(timeout=15_000)
         page.locator("#chart-tps text", has_text=f"step {steps}").wait_for(timeout=15_000)
-        # New steps keep coming: only they are read (from the cursor), and drawn.
+        # New steps keep coming, and the job's event stream says so: only they are read (from the cursor), and drawn.
         store.add_metrics(job, [{"step": steps + 1, "loss": 3.0, "tokens_per_s": 5.0}])
+        store.add_event(job, JobEvent(kind=EventKind.PROGRESS, message=f"step {steps + 1}",
+                                      payload=ProgressReport(step=steps + 1, total_steps=20_000)))
         page.locator("#chart-loss text", has_text=f"step {steps + 1}").wait_for(timeout=15_000)
         drawn = int(page.locator("#chart-loss polyline").get_attribute("data-points"))
         assert 1_000 <= drawn <= 5_000  # thinned to a few thousand points, not 12,346

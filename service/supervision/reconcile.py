@@ -26,7 +26,8 @@ from meridian.workers.contracts.events import EventKind, JobEvent, ProgressRepor
 from meridian.workers.contracts.fields import to_plain
 from meridian.workers.contracts.records import StepRecord
 
-PROGRESS_FIELDS = ("step", "total_steps", "loss", "tokens_per_s", "lr", "inter_dc_bytes", "eta_s")
+PROGRESS_FIELDS = ("step", "total_steps", "loss", "tokens_per_s", "lr", "inter_dc_bytes", "eta_s", "step_s", "data_s",
+                   "compute_s", "mfu")
 RUNNER_OUTCOME = {
     RunnerState.SUCCEEDED: JobStatus(JobState.SUCCEEDED, "Completed", "training finished"),
     RunnerState.CANCELLED: JobStatus(JobState.CANCELLED, "Cancelled",

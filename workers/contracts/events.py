@@ -42,6 +42,10 @@ class ProgressReport:
     lr: float | None = None
     inter_dc_bytes: float | None = None
     eta_s: float | None = None
+    step_s: float | None = None
+    data_s: float | None = None
+    compute_s: float | None = None
+    mfu: float | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
