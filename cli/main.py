@@ -24,12 +24,9 @@ from meridian.cli.data import run as run_data
 from meridian.cli.errors import CliError, local_problem, report
 from meridian.cli.lab import add_lab_parser
 from meridian.cli.lab import run as run_lab
+from meridian.cli.quota import add_quota_parser
+from meridian.cli.tokens import add_token_parser, default_token_file
 from meridian.workers.contracts.events import EventKind
-
-
-def default_token_file() -> str:
-    # Same default as meridian.api.auth, without importing the server side into every CLI call.
-    return os.environ.get("MERIDIAN_TOKEN_FILE") or os.path.expanduser("~/.meridian/tokens.json")
 
 
 def _spec_error(detail: str) -> CliError:
@@ -192,16 +189,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
             server.run()
     finally:
         service.stop()
-    return 0
-
-
-def cmd_token_create(args: argparse.Namespace) -> int:
-    from meridian.api.auth import create_token
-
-    token = create_token(args.token_file, args.owner)
-    data = {"owner": args.owner, "token": token, "token_file": args.token_file}
-    emit(args, data, f"{token}\n(owner {args.owner}; only its hash is stored in {args.token_file}. It is shown once: "
-                     "keep it in MERIDIAN_TOKEN. A running service reads new tokens when it restarts.)")
     return 0
 
 
@@ -438,13 +425,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "or ~/.meridian/tokens.json)")
     s.set_defaults(run=cmd_serve)
 
-    t = sub.add_parser("token", help="manage API tokens", description="manage API tokens")
-    tsub = t.add_subparsers(dest="token_verb", required=True, metavar="ACTION")
-    tc = tsub.add_parser("create", help="print a new bearer token for an owner; store only its hash")
-    tc.add_argument("--json", action="store_true", help="machine-readable output")
-    tc.add_argument("--owner", required=True, help="who the token acts for (jobs are owned by this name)")
-    tc.add_argument("--token-file", default=default_token_file())
-    tc.set_defaults(run=cmd_token_create)
+    add_token_parser(sub)
 
     d = verb("demo", "start a local 2-datacenter cluster, submit the example job over REST, watch it", remote=False)
     d.add_argument("--datacenters", default="dc-a:2,dc-b:2", metavar="DC:N,...")
@@ -514,6 +495,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_lab_parser(sub)
     add_data_parser(sub)
+    add_quota_parser(sub)
 
     b = sub.add_parser("bench", help="benchmarks (sync, scaling, …); see `meridian bench -h`", add_help=False)
     b.add_argument("rest", nargs=argparse.REMAINDER)

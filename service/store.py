@@ -21,6 +21,7 @@ from sqlalchemy.pool import StaticPool
 
 from meridian.service.errors import IdempotencyConflict, InvalidTransition, JobNotFound
 from meridian.service.jobs import JobRequest, JobState, JobStatus, transition
+from meridian.service.quotas import Quota
 from meridian.service.resolved import ResolvedJob
 from meridian.workers.contracts.events import EventKind, JobEvent, StateChanged
 
@@ -80,6 +81,15 @@ event_order_table = sa.Table(
     "event_order", metadata,
     sa.Column("id", sa.Integer, primary_key=True),  # always 1
     sa.Column("transactions", sa.BigInteger, nullable=False, default=0),  # event-writing commits so far
+)
+
+quotas_table = sa.Table(
+    "quotas", metadata,
+    sa.Column("owner", sa.String(200), primary_key=True),
+    sa.Column("cpus", sa.Float),  # NULL: no limit
+    sa.Column("gpus", sa.Float),
+    sa.Column("jobs", sa.Integer),
+    sa.Column("updated_at", sa.Float, nullable=False),
 )
 
 metrics_table = sa.Table(
@@ -468,6 +478,22 @@ class JobStore:
             q = q.where(events_table.c.id < before)
         with self.engine.connect() as conn:
             return int(conn.execute(q).scalar_one())
+
+    # -- quotas -----------------------------------------------------------------------------------------
+    def set_quota(self, quota: Quota) -> Quota:
+        """Store ``quota`` for its owner (replacing the one before); admission uses it from its next tick."""
+        row = {"owner": quota.owner, "cpus": quota.cpus, "gpus": quota.gpus, "jobs": quota.jobs, "updated_at": time.time()}
+        with self.engine.begin() as conn:
+            if conn.execute(quotas_table.update().where(quotas_table.c.owner == quota.owner).values(**row)).rowcount == 0:
+                conn.execute(quotas_table.insert().values(**row))
+        self._jobs_changed()
+        return quota
+
+    def quotas(self) -> dict[str, Quota]:
+        """Every owner's quota, by owner (an owner without one has no limit)."""
+        with self.engine.connect() as conn:
+            return {r.owner: Quota(owner=r.owner, cpus=r.cpus, gpus=r.gpus, jobs=r.jobs)
+                    for r in conn.execute(sa.select(quotas_table))}
 
     # -- metrics ----------------------------------------------------------------------------------------
     def add_metrics(self, job_id: str, records: list[dict[str, Any]]) -> None:

@@ -28,6 +28,7 @@ from meridian.service.planning.figures import figures_for
 from meridian.service.planning.placement import admission
 from meridian.service.planning.plan import Plan
 from meridian.service.planning.planner import plan_job
+from meridian.service.quotas import Held, Quota, over_quota
 from meridian.service.resolved import ResolvedJob, resolve
 from meridian.service.runner.poll import RunnerLost, RunnerPoll
 from meridian.service.store import JobRecord, JobStore, new_job_id, request_hash
@@ -45,6 +46,7 @@ log = logging.getLogger(__name__)
 ACTIVE = {JobState.PLACING, JobState.RUNNING}
 BUILTIN_DATA_ONLY = DataAccess()
 PROGRESS_EVENT_EVERY_S = 1.0
+QUOTA_EXCEEDED = "QuotaExceeded"
 RELEASED_WORKERS_GONE_S = 10.0
 """A killed runner's workers die with it, but not at once (Ray ends the actors it owned): the sweep of their
 snapshot folders waits this long, so that no worker still writing leaves a folder behind."""
@@ -137,6 +139,12 @@ class Supervisor:
             return job
         raise InvalidTransition(f"job {job_id} kept changing state; try the cancel again")
 
+    def set_quota(self, quota: Quota) -> Quota:
+        """Store an owner's quota; the queue is looked at again at once (a raised quota admits its jobs)."""
+        self.store.set_quota(quota)
+        self._wake.set()
+        return quota
+
     # -- the loop -----------------------------------------------------------------------------------------
     def tick(self) -> None:
         self._check_lease()
@@ -198,13 +206,24 @@ class Supervisor:
             why = (f"waiting for job {placing[0].id} to finish placing its workers (placing fails after "
                    f"{self.deadlines.placing_s:.0f} s)")
             for job in self.store.queued_in_order():
-                if job.status.message != why:
+                # A job held by its owner's quota keeps saying so: that, not the placement, is what it waits for.
+                if job.status.message != why and job.status.reason != QUOTA_EXCEEDED:
                     self._set(job.id, JobStatus(JobState.QUEUED, "WaitingForPlacement", why), expect={JobState.QUEUED})
             return
+        quotas = self.store.quotas()
+        held: dict[str, list[Held]] = {}
+        for active in self.store.list_jobs(states=ACTIVE, limit=10_000):
+            if active.resolved is not None:
+                held.setdefault(active.owner, []).append(Held.of(active.resolved.plan))
         for job in self.store.queued_in_order():
             resolved = self._resolved(job, topo)
             if resolved is None:
                 continue  # failed: it cannot run at all
+            over = over_quota(quotas.get(job.owner), held.get(job.owner, ()), Held.of(resolved.plan))
+            if over is not None:
+                # The owner's limit, not the cluster's: other owners' jobs behind it are not held back.
+                self._set(job.id, JobStatus(JobState.QUEUED, QUOTA_EXCEEDED, over), expect={JobState.QUEUED})
+                continue
             never = admission(resolved.plan, topo.with_everything_free())
             if never is not None:
                 # Not a capacity wait: the cluster as it is cannot hold this job's plan even when idle (a node or
