@@ -52,6 +52,9 @@ jobs_table = sa.Table(
     # has not answered yet.
     sa.Column("cancel_requested", sa.Boolean, nullable=False, default=False, server_default=sa.false()),
     sa.Column("cancel_requested_at", sa.Float),  # when the cancel was asked for (its deadline counts from here)
+    # A suspension (preemption) was asked for and the runner has not written its checkpoint yet.
+    sa.Column("suspend_requested", sa.Boolean, nullable=False, default=False, server_default=sa.false()),
+    sa.Column("suspend_requested_at", sa.Float),  # its deadline counts from here
     sa.Column("state_since", sa.Float),  # when ``state`` last changed (the placing deadline counts from here)
     sa.Column("idempotency_key", sa.String(200)),
     sa.Column("request_hash", sa.String(64)),  # of the submitted body, so a reused key with another body is refused
@@ -128,6 +131,9 @@ class JobRecord:
     """When the job entered its current state (``created_at`` for a job stored before this was kept)."""
     request_hash: str | None = None
     resolved_json: str | None = field(default=None, repr=False)
+    suspend_requested: bool = False
+    """The job is being preempted: the supervisor asks its runner to checkpoint and stop until it has."""
+    suspend_requested_at: float | None = None
 
     @cached_property
     def request(self) -> JobRequest:
@@ -184,7 +190,8 @@ def _record(row: sa.Row) -> JobRecord:
         created_at=m["created_at"], updated_at=m["updated_at"],
         started_at=m["started_at"], finished_at=m["finished_at"], cancel_requested=bool(m["cancel_requested"]),
         cancel_requested_at=m["cancel_requested_at"], state_since=m["state_since"] or m["created_at"],
-        request_hash=m["request_hash"], resolved_json=m["resolved"],
+        request_hash=m["request_hash"], resolved_json=m["resolved"], suspend_requested=bool(m["suspend_requested"]),
+        suspend_requested_at=m["suspend_requested_at"],
     )
 
 
@@ -216,7 +223,8 @@ class JobStore:
         """Columns added after a database was created (``create_all`` makes missing tables, not columns)."""
         have = {c["name"] for c in sa.inspect(self.engine).get_columns("jobs")}
         added = {"cancel_requested": "BOOLEAN NOT NULL DEFAULT FALSE", "cancel_requested_at": "FLOAT",
-                 "state_since": "FLOAT", "request_hash": "VARCHAR(64)", "resolved": "TEXT"}
+                 "state_since": "FLOAT", "request_hash": "VARCHAR(64)", "resolved": "TEXT",
+                 "suspend_requested": "BOOLEAN NOT NULL DEFAULT FALSE", "suspend_requested_at": "FLOAT"}
         for name, ddl in added.items():
             if name not in have:
                 with self.engine.begin() as conn:
@@ -362,9 +370,11 @@ class JobStore:
     def set_status(
         self, job_id: str, status: JobStatus, *, expect: set[JobState] | None = None,
         cancel_requested: bool | None = None, unless_cancel_requested: bool = False,
+        suspend_requested: bool | None = None,
     ) -> JobRecord:
         """Move a job to ``status`` (validated by :func:`transition`) and record the change as an event;
-        ``cancel_requested=True`` marks a cancel request in the same transaction.
+        ``cancel_requested=True`` marks a cancel request in the same transaction, ``suspend_requested`` a
+        preemption's.
 
         Compare-and-set in the database: the row is updated only where it still holds the status that was
         read (``UPDATE … WHERE state = … AND reason = …``), so a writer that read a stale status re-reads and
@@ -395,13 +405,17 @@ class JobStore:
                     values["started_at"] = now
                 if new.state.is_terminal:
                     values["finished_at"] = now
+                if suspend_requested is not None:
+                    values["suspend_requested"] = suspend_requested
+                    values["suspend_requested_at"] = now if suspend_requested else None
                 if cancel_requested is not None:
                     values["cancel_requested"] = cancel_requested
                     if cancel_requested and not m["cancel_requested"]:
                         values["cancel_requested_at"] = now
                 c = jobs_table.c
                 guard = sa.and_(c.id == job_id, c.state == m["state"], c.reason == m["reason"],
-                                c.message == m["message"], c.cancel_requested == m["cancel_requested"])
+                                c.message == m["message"], c.cancel_requested == m["cancel_requested"],
+                                c.suspend_requested == m["suspend_requested"])
                 if conn.execute(jobs_table.update().where(guard).values(**values)).rowcount != 1:
                     continue  # another writer changed the status since we read it: read again
                 if (new.state, new.reason, new.message) != (current.state, current.reason, current.message):

@@ -40,6 +40,8 @@ class FakeRunner:
     result: dict[str, Any] | None = None
     items: list[tuple[int, str, Any]] = field(default_factory=list)  # (seq, "record"|"event", StepRecord|dict)
     cancelled: bool = False
+    suspending: bool = False
+    suspended_step: int | None = None
     wait_reason: str = ""
     finished: bool = False
 
@@ -63,6 +65,7 @@ class FakeLauncher:
         self.released: list[str] = []
         self.resumed: list[str] = []
         self.cancels: list[str] = []  # every cancel asked for, delivered or not
+        self.suspends: list[str] = []  # every suspension asked for
         self.swept: list[str] = []  # jobs whose snapshot folders were to be removed on every node
         self.on_launch: Any = None  # called with the job id before the runner exists (to step a race)
         self.launch_error: Exception | None = None  # raised after the runner was created (a start timeout)
@@ -91,7 +94,7 @@ class FakeLauncher:
             records=tuple(d for s, k, d in r.items if k == "record" and s > after),
             events=tuple(d for s, k, d in r.items if k == "event" and s > after),
             cursor=len(r.items), wait_reason=r.wait_reason, finished=r.finished,
-            placement=r.placement.ranks, stalls=tuple(r.stalls),
+            placement=r.placement.ranks, stalls=tuple(r.stalls), suspended_step=r.suspended_step,
         )
 
     def resume(self, job_id: str) -> None:
@@ -103,6 +106,11 @@ class FakeLauncher:
         self.cancels.append(job_id)
         if job_id in self.runners:
             self.runners[job_id].cancelled = True
+
+    def suspend(self, job_id: str) -> None:
+        self.suspends.append(job_id)
+        if job_id in self.runners:
+            self.runners[job_id].suspending = True
 
     def release(self, job_id: str) -> None:
         self.released.append(job_id)

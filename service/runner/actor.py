@@ -25,6 +25,7 @@ from __future__ import annotations
 import threading
 import time
 import traceback
+import uuid
 from typing import TYPE_CHECKING, Any
 
 from meridian.service.cluster.topology import read_topology
@@ -42,10 +43,19 @@ from meridian.service.runner.controller.decide import (
     StartRun,
     Stepped,
     StopTraining,
+    Suspend,
+    SuspendAsked,
+    SuspendWritten,
     WorkerFailed,
     decide,
 )
-from meridian.service.runner.controller.state import ControllerState, Training, error_of, runner_state
+from meridian.service.runner.controller.state import (
+    ControllerState,
+    Training,
+    error_of,
+    runner_state,
+    suspended_step,
+)
 from meridian.service.runner.coordinator import Coordinator
 from meridian.service.runner.poll import RunnerPoll
 from meridian.service.runner.replacements import Replacements
@@ -88,6 +98,8 @@ class JobRunner:
         self.train_config = train_config
         self.plan = plan
         self.storage_path = storage_path
+        self._run_name = f"meridian-{job_id}-{uuid.uuid4().hex[:6]}"
+        """Ray Train's name of this runner's runs (a preempted job is launched again by a new runner)."""
         self._lock = threading.Lock()
         self._state: ControllerState = Training()
         self._done = threading.Event()
@@ -114,6 +126,8 @@ class JobRunner:
         for action in actions:
             if isinstance(action, StopTraining):
                 self._stop_training()
+            elif isinstance(action, Suspend):
+                self.coordinator.suspend()
             elif isinstance(action, Finish):
                 self._finish(action)
         return actions
@@ -166,10 +180,16 @@ class JobRunner:
                 records=records, events=events,
                 cursor=r.outbox.seq, wait_reason=membership.get("wait_reason", ""),
                 finished=bool(membership.get("finished")), placement=r.placement.ranks, stalls=r.stalls.current,
+                suspended_step=suspended_step(self._state, told=told),
             )
 
     def cancel(self) -> None:
         self._observe(CancelAsked())
+
+    def suspend(self) -> None:
+        """Preempt the job: its members write a durable checkpoint at their next step boundary and stop; the poll
+        then says ``suspended`` (asked again by the service until it does; the same each time)."""
+        self._observe(SuspendAsked())
 
     # -- called by the workers and the Train controller ----------------------------------------------------------
     def set_controller(self, controller: Any) -> None:
@@ -215,6 +235,9 @@ class JobRunner:
     def rdzv_finish(self, worker_id: str) -> None:
         self.coordinator.finish(worker_id)
 
+    def rdzv_suspended(self, worker_id: str, step: int) -> None:
+        self.coordinator.suspended(worker_id, step)  # the watch's next tick ends the run (not in the worker's call)
+
     # -- the cluster watch ---------------------------------------------------------------------------------------
     def _tick_loop(self) -> None:
         said = ""
@@ -246,6 +269,10 @@ class JobRunner:
                                 {"node_id": node, "datacenter": dc})
         self._nodes = nodes
         self.coordinator.tick(set(nodes))
+        suspended_at = self.coordinator.suspended_at
+        if suspended_at is not None:
+            self._observe(SuspendWritten(step=suspended_at))
+            return
         if self.coordinator.job_finished and self._reports.result is not None:
             # Normally every Train worker returns and fit() ends by itself. After a loss, Ray Train may still be
             # trying to re-place the lost worker (it cannot while its node is gone): the controller ends the run.
@@ -265,7 +292,8 @@ class JobRunner:
                 error = self._fit(attempt)
                 ended = RunEnded(attempt=attempt, error=describe_failure(error) if error is not None else "",
                                  controller_failed=error is not None and train_controller_failed(error),
-                                 job_finished=self.coordinator.job_finished)
+                                 job_finished=self.coordinator.job_finished,
+                                 suspended_at=self.coordinator.suspended_at)
             except BaseException as e:  # noqa: BLE001 - every outcome must reach the service
                 ended = RunEnded(attempt=attempt, error=describe_failure(e) or traceback.format_exc(limit=3))
             actions = self._observe(ended)
@@ -283,6 +311,6 @@ class JobRunner:
             attempt = start.attempt
 
     def _fit(self, attempt: int) -> BaseException | None:
-        return fit_run(self.job_id, self.name, self.train_config, self.plan, self.storage_path, attempt,
+        return fit_run(self._run_name, self.name, self.train_config, self.plan, self.storage_path, attempt,
                        cancelled=lambda: not isinstance(self._state, Training),
                        expect_run=self.coordinator.expect_run)

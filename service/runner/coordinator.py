@@ -22,6 +22,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from meridian.service.runner.liveness import LivenessTracker
@@ -80,6 +81,10 @@ class Coordinator:
         """How long after the first rejoin a member that answers but has not rejoined is told to stop."""
         self.closed = False
         """The job is ending (cancelled, failed, or its run stopped): no epoch forms, and joins are told to end."""
+        self.suspending = False
+        """The job is being suspended: its members leave at the next step boundary, and the epoch they form then
+        writes a durable checkpoint and stops (:attr:`~meridian.workers.contracts.rendezvous.Assignment.suspend`)."""
+        self._suspended: dict[str, int] = {}  # member of the suspend epoch → the step its checkpoint part holds
 
     # -- called by workers ------------------------------------------------------------------------------
     def join(self, request: JoinRequest, known_epoch: int = 0, poll_s: float = 2.0) -> JoinReply:
@@ -132,10 +137,32 @@ class Coordinator:
                     self._cond.acquire()
 
     def pending_change(self, epoch: int) -> bool:
-        """Should the members of ``epoch`` re-form at their next step boundary (a newcomer waits)?"""
+        """Should the members of ``epoch`` re-form at their next step boundary (a newcomer waits, or the job is
+        being suspended)?"""
         with self._cond:
             return (self.state.epoch is not None and self.state.epoch.number == epoch
-                    and self.state.newcomers_waiting(self._alive_nodes))
+                    and (self.suspending or self.state.newcomers_waiting(self._alive_nodes)))
+
+    def suspend(self) -> None:
+        """Suspend the job: its members leave at their next step boundary and re-form in an epoch that writes a
+        durable checkpoint and stops."""
+        with self._cond:
+            self.suspending = True
+            self._cond.notify_all()
+
+    def suspended(self, worker_id: str, step: int) -> None:
+        """A member of the suspend epoch wrote its part of the checkpoint of ``step``."""
+        with self._cond:
+            self._suspended[worker_id] = step
+            self._cond.notify_all()
+
+    @property
+    def suspended_at(self) -> int | None:
+        """The step of the checkpoint once every member of the suspend epoch wrote its part, else ``None``."""
+        e = self.state.epoch
+        if e is None or not e.suspend or not all(m.worker_id in self._suspended for m in e.members):
+            return None
+        return min(self._suspended[m.worker_id] for m in e.members)
 
     def finish(self, worker_id: str) -> None:
         """A member trained the job's last step."""
@@ -318,7 +345,7 @@ class Coordinator:
             epoch=e.number, rank=rank, world_size=len(e.members), datacenters=e.datacenters,
             master_addr=master.address, master_port=self._ports[master.worker_id], resume_step=e.resume_step,
             from_checkpoint=e.from_checkpoint, newcomer_ranks=tuple(e.rank_of(w) for w in e.newcomers),
-            snapshot_every=max(m.snapshot_every for m in e.members),
+            snapshot_every=max(m.snapshot_every for m in e.members), suspend=e.suspend,
         )
 
     def _decide_locked(self) -> None:
@@ -334,7 +361,7 @@ class Coordinator:
                 self.on_event(EventKind.WAITING, decision.reason, {})
             return
         if isinstance(decision, Form):
-            e = decision.epoch
+            e = replace(decision.epoch, suspend=True) if self.suspending else decision.epoch
             self.state.epoch = e
             for m in e.members:
                 self.state.waiting.pop(m.worker_id, None)

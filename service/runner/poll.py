@@ -24,17 +24,18 @@ class RunnerLost(RuntimeError):
 
 
 class RunnerState(str, enum.Enum):
-    """Where the runner's training is: starting → running → succeeded | failed | cancelled."""
+    """Where the runner's training is: starting → running → succeeded | failed | cancelled | suspended."""
 
     STARTING = "starting"  # fit() launched, no step record yet
     RUNNING = "running"  # the first step record arrived
     SUCCEEDED = "succeeded"
     FAILED = "failed"
     CANCELLED = "cancelled"
+    SUSPENDED = "suspended"  # preempted: the job's checkpoint is written, it goes back to the queue
 
     @property
     def is_terminal(self) -> bool:
-        return self in (RunnerState.SUCCEEDED, RunnerState.FAILED, RunnerState.CANCELLED)
+        return self in (RunnerState.SUCCEEDED, RunnerState.FAILED, RunnerState.CANCELLED, RunnerState.SUSPENDED)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,6 +61,8 @@ class RunnerPoll:
     """Where each rank of the current membership runs, in rank order."""
     stalls: tuple[StallSeen, ...] = ()
     """Ranks that have stopped finishing steps, as the runner judges them now."""
+    suspended_step: int | None = None
+    """With ``state`` ``SUSPENDED``: the step of the checkpoint the job resumes from."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.state, RunnerState):

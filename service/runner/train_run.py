@@ -141,11 +141,12 @@ def train_controller_failed(error: BaseException) -> bool:
 
 
 
-def fit_run(job_id: str, runner_name: str, train_config: TrainConfig, plan: Plan, storage_path: str, attempt: int,
+def fit_run(run_name: str, runner_name: str, train_config: TrainConfig, plan: Plan, storage_path: str, attempt: int,
             *, cancelled: Callable[[], bool], expect_run: Callable[[int], None]) -> BaseException | None:
     """One Ray Train run of the job's workers; the error it ended with (``None``: it ended cleanly). A new run
     after the first asks only for the workers the cluster can place now (the runner replaces the rest when
-    their datacenters have room, as after any loss)."""
+    their datacenters have room, as after any loss). ``run_name``: unique to the runner (a preempted job's next
+    runner starts runs of its own)."""
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
     from ray.train.v2.api.exceptions import TrainingFailedError
@@ -172,7 +173,7 @@ def fit_run(job_id: str, runner_name: str, train_config: TrainConfig, plan: Plan
             resources_per_worker=dict(plan.resources_per_worker),
         ),
         run_config=RunConfig(
-            name=f"meridian-{job_id}" if attempt == 1 else f"meridian-{job_id}-run{attempt}",
+            name=run_name if attempt == 1 else f"{run_name}-run{attempt}",
             storage_path=storage_path,
             # Never give up on a lost worker: the survivors carry on and the runner decides the outcome.
             failure_config=FailureConfig(max_failures=-1),

@@ -45,6 +45,9 @@ class Deadlines:
     """From entering ``placing`` to the first training step (workers scheduled, started and joined)."""
     cancel_s: float = 120.0
     """From a cancel request to the runner saying it stopped; then the runner is killed."""
+    suspend_s: float = 300.0
+    """From a preemption to the runner saying its checkpoint is written; then it is killed, and the job is queued
+    to resume from its newest durable checkpoint."""
 
 
 DEFAULT_DEADLINES = Deadlines()
@@ -56,6 +59,8 @@ class Decision:
 
     cancel: bool = False
     """Tell the runner to stop (again): the job has a cancel request and its runner still runs."""
+    suspend: bool = False
+    """Tell the runner to checkpoint and stop (again): the job is being preempted."""
     resume: bool = False
     """Start a found runner that never started (a service killed between creating and starting it); if
     that fails, nothing else of this decision is done and the next tick decides again."""
@@ -97,7 +102,7 @@ def reconcile(
         return _lost(job, poll)
     overdue = _overdue(job, poll.state, now, deadlines)
     if overdue is not None:
-        return Decision(store=False, outcome=overdue, release=True, forget=True, sweep_snapshots=True)
+        return _ended_overdue(job, overdue)
     events: list[JobEvent] = list(poll.events)
     cursor = int((job.progress or {}).get("cursor", 0))
     resume = False
@@ -123,11 +128,17 @@ def reconcile(
     if poll.result is not None:
         fields["result"] = job_losses(dict(poll.result), progress)
     outcome = None
-    if poll.state.is_terminal:
+    if poll.state is RunnerState.SUSPENDED:
+        outcome = preempted(f"its workers wrote a checkpoint of step {poll.suspended_step} and stopped")
+        # The next runner numbers what it reports from 0, and places its ranks anew.
+        fields["progress"] = {**progress, "cursor": 0}
+        fields["placement"] = []
+    elif poll.state.is_terminal:
         outcome = RUNNER_OUTCOME.get(poll.state) or JobStatus(
             JobState.FAILED, "TrainingError", poll.error or "training failed")
     return Decision(
         cancel=job.cancel_requested and outcome is None, resume=resume,
+        suspend=job.suspend_requested and not job.cancel_requested and outcome is None,
         status=_running_status(job, poll), records=poll.records, events=tuple(events), fields=fields,
         outcome=outcome, release=outcome is not None, forget=outcome is not None,
     )
@@ -164,6 +175,15 @@ def fold_progress(previous: Mapping[str, Any] | None, records: Sequence[StepReco
     return p
 
 
+PREEMPTED = "Preempted"
+
+
+def preempted(how: str) -> JobStatus:
+    """The queued status of a job suspended for one of higher priority."""
+    return JobStatus(JobState.QUEUED, PREEMPTED, f"suspended for a job of higher priority: {how}; it resumes from "
+                     "its newest checkpoint when capacity returns")
+
+
 def _lost(job: JobRecord, lost: RunnerLost) -> Decision:
     if job.cancel_requested:  # the runner went away while stopping: that is the cancel done
         return Decision(store=False, outcome=RUNNER_OUTCOME[RunnerState.CANCELLED], forget=True, sweep_snapshots=True)
@@ -180,7 +200,16 @@ def unanswered(job: JobRecord, *, now: float, deadlines: Deadlines = DEFAULT_DEA
     overdue = _overdue(job, None, now, deadlines)
     if overdue is None:
         return None
-    return Decision(store=False, outcome=overdue, release=True, forget=True, sweep_snapshots=True)
+    return _ended_overdue(job, overdue)
+
+
+def _ended_overdue(job: JobRecord, outcome: JobStatus) -> Decision:
+    """A missed deadline: the runner is killed and the job ends with ``outcome`` (a preempted one goes back to the
+    queue, its next runner reporting from cursor 0)."""
+    if outcome.state is JobState.QUEUED:
+        return Decision(outcome=outcome, release=True, forget=True, sweep_snapshots=True,
+                        fields={"progress": {**(job.progress or {}), "cursor": 0}, "placement": []})
+    return Decision(store=False, outcome=outcome, release=True, forget=True, sweep_snapshots=True)
 
 
 def _overdue(job: JobRecord, state: RunnerState | None, now: float, deadlines: Deadlines) -> JobStatus | None:
@@ -188,6 +217,10 @@ def _overdue(job: JobRecord, state: RunnerState | None, now: float, deadlines: D
     what the runner answered, ``None`` when it did not answer."""
     if state is not None and state.is_terminal:
         return None
+    if (job.suspend_requested and not job.cancel_requested
+            and now - (job.suspend_requested_at or now) > deadlines.suspend_s):
+        return preempted(f"its runner did not write the checkpoint within {deadlines.suspend_s:.0f} s and was "
+                         "killed with its workers")
     if job.cancel_requested and now - (job.cancel_requested_at or now) > deadlines.cancel_s:
         return JobStatus(JobState.CANCELLED, "CancelTimedOut",
                          f"the runner did not stop within {deadlines.cancel_s:.0f} s of the cancel request; "

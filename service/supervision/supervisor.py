@@ -32,6 +32,7 @@ from meridian.service.quotas import Held, Quota, over_quota
 from meridian.service.resolved import ResolvedJob, resolve
 from meridian.service.runner.poll import RunnerLost, RunnerPoll
 from meridian.service.store import JobRecord, JobStore, new_job_id, request_hash
+from meridian.service.supervision.preemption import Running, victims
 from meridian.service.supervision.reconcile import (
     DEFAULT_DEADLINES,
     Deadlines,
@@ -39,7 +40,7 @@ from meridian.service.supervision.reconcile import (
     reconcile,
     unanswered,
 )
-from meridian.workers.contracts.events import ErrorText, EventKind, JobEvent
+from meridian.workers.contracts.events import ErrorText, EventKind, JobEvent, Preempted
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,16 @@ QUOTA_EXCEEDED = "QuotaExceeded"
 RELEASED_WORKERS_GONE_S = 10.0
 """A killed runner's workers die with it, but not at once (Ray ends the actors it owned): the sweep of their
 snapshot folders waits this long, so that no worker still writing leaves a folder behind."""
+
+
+def _suspendable(job: JobRecord) -> bool:
+    """Whether a running job can be suspended and resume where it stopped: it keeps durable checkpoints, is
+    data-parallel only (an epoch of tensor/pipeline parallelism has no step boundary to leave at), and its ranks
+    are all placed (their nodes are what its suspension frees)."""
+    r = job.resolved
+    return (r is not None and bool(r.config.checkpoint_dir) and r.config.parallel.model_parallel == 1
+            and job.status.state is JobState.RUNNING and not job.cancel_requested
+            and len(job.placement or ()) == r.plan.num_workers)
 
 
 class Supervisor:
@@ -237,10 +248,40 @@ class Supervisor:
                 continue
             wait = admission(resolved.plan, topo)
             if wait is not None:
+                wait += self._preempt_for(job, resolved.plan, topo)
                 self._set(job.id, JobStatus(JobState.QUEUED, "WaitingForCapacity", wait), expect={JobState.QUEUED})
                 return  # FIFO: nothing overtakes the head of the queue
             self._launch(job, resolved)
             return  # one admission per tick (see above)
+
+    def _preempt_for(self, head: JobRecord, plan: Plan, topo: ClusterTopology) -> str:
+        """Suspend running jobs of lower priority if that makes room for ``head`` (each writes a checkpoint and
+        goes back to the queue, to resume from it); what the head's waiting message adds."""
+        running = [Running(job_id=j.id, priority=j.priority, seq=j.seq, plan=j.resolved.plan,
+                           nodes=tuple(p["node_id"] for p in j.placement or ()),
+                           suspendable=_suspendable(j), suspending=j.suspend_requested)
+                   for j in self.store.list_jobs(states=ACTIVE, limit=10_000) if j.resolved is not None]
+        chosen = victims(plan, head.priority, running, topo)
+        if chosen is None:
+            return ""
+        for v in chosen:
+            try:
+                job = self.store.set_status(v.job_id, JobStatus(JobState.RUNNING, "Preempting",
+                                            f"suspending for job {head.id} (priority {head.priority}): its workers "
+                                            "write a checkpoint at their next step boundary and stop; it resumes "
+                                            "from it when capacity returns"),
+                                            expect={JobState.RUNNING}, unless_cancel_requested=True,
+                                            suspend_requested=True)
+            except InvalidTransition as e:
+                log.info("job %s not suspended: %s", v.job_id, e)
+                continue
+            self.store.add_event(job.id, JobEvent(
+                kind=EventKind.PREEMPTED, payload=Preempted(by_job=head.id, by_priority=head.priority),
+                message=f"preempted by job {head.id} (priority {head.priority} > {job.priority}): checkpointing and "
+                        "stopping at the next step boundary"))
+            self.launcher.suspend(job.id)
+        names = ", ".join(j.job_id for j in [*[r for r in running if r.suspending], *chosen])
+        return f"; suspending lower-priority job(s) {names} to make room"
 
     def _resolved(self, job: JobRecord, topo: ClusterTopology) -> ResolvedJob | None:
         """The plan and config the job was given at submit. A job stored by an older service, which kept neither,
@@ -327,6 +368,8 @@ class Supervisor:
                 return
         if d.cancel:
             self.launcher.cancel(job_id)  # idempotent: repeated each tick until the runner stops
+        if d.suspend:
+            self.launcher.suspend(job_id)  # idempotent: repeated each tick until the checkpoint is written
         if d.store:
             self._followed.add(job_id)
         if d.emits_progress:
@@ -338,7 +381,8 @@ class Supervisor:
             # The store and the API speak JSON: records become dicts here and nowhere earlier.
             self.store.record_poll(job_id, records=[r.to_dict() for r in d.records], events=list(d.events), **d.fields)
         if d.outcome is not None:
-            self._set(job_id, d.outcome)
+            # A preempted job goes back to the queue: its suspension is over.
+            self._set(job_id, d.outcome, suspend_requested=False if d.outcome.state is JobState.QUEUED else None)
         if d.release:
             self.launcher.release(job_id)
         if d.forget:
@@ -352,9 +396,10 @@ class Supervisor:
         self._last_progress_event.pop(job_id, None)
 
     def _set(self, job_id: str, status: JobStatus, *, expect: set[JobState] | None = None,
-             unless_cancel_requested: bool = False) -> None:
+             unless_cancel_requested: bool = False, suspend_requested: bool | None = None) -> None:
         try:
-            self.store.set_status(job_id, status, expect=expect, unless_cancel_requested=unless_cancel_requested)
+            self.store.set_status(job_id, status, expect=expect, unless_cancel_requested=unless_cancel_requested,
+                                  suspend_requested=suspend_requested)
         except InvalidTransition as e:  # e.g. a cancel raced a finish: the first terminal state wins
             log.info("job %s: %s", job_id, e)
 

@@ -223,11 +223,10 @@ class ProcessKilled:
 
 @dataclass(frozen=True, kw_only=True)
 class Preempted:
-    """The job was suspended for a job of higher priority; it resumes from ``checkpoint_step``."""
+    """The job is being suspended for a job of higher priority, which it makes room for."""
 
     by_job: str
     by_priority: int
-    checkpoint_step: int
 
 
 class EventKind(str, enum.Enum):
@@ -263,7 +262,7 @@ class EventKind(str, enum.Enum):
     CHECKPOINT_LOADED = "checkpoint_loaded", CheckpointLoaded, "the job resumed from its durable checkpoint"
     SNAPSHOTS_ADOPTED = "snapshots_adopted", SnapshotsAdopted, "a worker took over a gone worker's snapshots"
     TRAINING_PROCESS_KILLED = "training_process_killed", ProcessKilled, "a training process was killed; restarting"
-    PREEMPTED = "preempted", Preempted, "suspended for a job of higher priority; resumes from its checkpoint"
+    PREEMPTED = "preempted", Preempted, "being suspended for a job of higher priority (it checkpoints and requeues)"
     MALFORMED = "malformed_event", ErrorText, "an event that does not match this registry (a bug to report)"
 
     payload: type

@@ -93,6 +93,14 @@ def fingerprint(cfg: TrainConfig) -> dict[str, Any]:
     return fp
 
 
+class Suspended(Exception):  # noqa: N818 - not an error: the epoch's way out when the job is suspended
+    """This rank wrote its part of the checkpoint of ``step`` for a suspended job: it leaves the job."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__(f"suspended after writing the checkpoint of step {step}")
+        self.step = step
+
+
 class ModelParallelNotElastic(RuntimeError):
     """A tensor/pipeline-parallel job lost a worker: it cannot re-form (yet)."""
 
@@ -151,7 +159,8 @@ class ElasticTrainer:
         self.checkpoints = Checkpointer(cfg.checkpoint_dir, fingerprint(cfg))
 
     def run(self) -> TrainResult | None:
-        """Train to the last step; ``None`` when the job finished without this worker (it joined too late)."""
+        """Train to the last step; ``None`` when the job finished without this worker (it joined too late) or was
+        suspended (this rank wrote its part of the checkpoint it resumes from)."""
         while True:
             last = self.snapshots.last_step
             self.snapshots.read_ahead(last)  # while the join waits for the others: the step it most likely resumes
@@ -163,6 +172,10 @@ class ElasticTrainer:
             try:
                 outcome = self._run_epoch(a)
                 self.checkpoints.wait()  # a save in flight needs this epoch's groups, torn down next
+            except Suspended as s:
+                Rendezvous.teardown()
+                self.rdzv.suspended(s.step)
+                return None  # the job goes on later, from the checkpoint, in other processes
             except Exception as e:
                 kind = self._judge(e)
                 if kind is FailureKind.OWN:
@@ -207,6 +220,8 @@ class ElasticTrainer:
         return self.failures.judge(error, step=self.snapshots.last_step, membership=membership)
 
     def _on_failure(self, error: Exception) -> None:
+        if isinstance(error, Suspended):
+            return
         if self._judge(error) in (FailureKind.OWN, FailureKind.REPEATED):
             return  # the job fails with it: this process neither rejoins nor restarts
         if self.on_peer_failure is OnPeerFailure.SHUT_SOCKETS_AND_REJOIN:
@@ -309,6 +324,11 @@ class ElasticState:
         start = self._load_state(replica.model, replica.engine)
         self.snapshots.discard_after(start)
         self.keep(replica.engine.local_shard(start))
+        if self.a.suspend and self.cfg.checkpoint_dir:
+            # Preempted: the state every rank just restored becomes the durable checkpoint the job resumes from.
+            self._checkpoint(replica, start, fresh=True)
+            self.checkpoints.wait()
+            raise Suspended(start)
         if self.a.rank == 0 and self.a.epoch > 1:  # where a re-formation's time goes (the bench reads it)
             self.on_event("epoch_restored", f"epoch {self.a.epoch}: process group and model ready in "
                           f"{began - self.formed_at:.1f} s, state restored in {time.monotonic() - began:.1f} s",

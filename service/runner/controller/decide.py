@@ -11,6 +11,8 @@ Rules:
 - After the last step the run may take :data:`FIT_GRACE_S` to end by itself; a run whose controller does not
   answer cannot, and is ended at once.
 - The outcome is told only after the job's in-memory snapshots were swept (the service kills the runner then).
+- A suspension (preemption) ends the job's run once every member wrote its part of the checkpoint; a cancel or a
+  failure before that wins as usual, and a job that finishes meanwhile succeeds.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from meridian.service.runner.controller.state import (
     Failed,
     Outcome,
     Succeeded,
+    Suspended,
     Training,
 )
 
@@ -47,6 +50,18 @@ class CancelAsked:
 
 
 @dataclass(frozen=True)
+class SuspendAsked:
+    """Preempt the job: checkpoint at the next step boundary and stop."""
+
+
+@dataclass(frozen=True)
+class SuspendWritten:
+    """Every member of the suspend epoch wrote its part of the checkpoint of ``step``."""
+
+    step: int
+
+
+@dataclass(frozen=True)
 class WorkerFailed:
     """A worker hit an error that restarting cannot fix (:meth:`JobRunner.fail`)."""
 
@@ -63,6 +78,8 @@ class RunEnded:
     """It ended because Ray Train's control loop raised an error it does not retry (by type: ``ControllerError``)."""
     job_finished: bool = False
     """A member of the current epoch trained the last step."""
+    suspended_at: int | None = None
+    """The members wrote the suspend checkpoint of this step (its workers end cleanly then)."""
 
 
 @dataclass(frozen=True)
@@ -79,13 +96,19 @@ class ControllerStarted:
     """A Train run's controller handed the runner its handle."""
 
 
-Observation = Stepped | CancelAsked | WorkerFailed | RunEnded | LastStepSeen | ControllerStarted
+Observation = (Stepped | CancelAsked | WorkerFailed | RunEnded | LastStepSeen | ControllerStarted | SuspendAsked
+               | SuspendWritten)
 
 
 # -- actions ----------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class StopTraining:
     """End the Train run and the replacement workers (idempotent per run); no epoch forms after."""
+
+
+@dataclass(frozen=True)
+class Suspend:
+    """Tell the coordinator: members leave at their next step boundary, checkpoint and stop."""
 
 
 @dataclass(frozen=True)
@@ -103,7 +126,7 @@ class Finish:
     outcome: Outcome
 
 
-Action = StopTraining | StartRun | Finish
+Action = StopTraining | StartRun | Finish | Suspend
 
 
 def decide(state: ControllerState, obs: Observation) -> tuple[ControllerState, tuple[Action, ...]]:
@@ -128,6 +151,13 @@ def _training(state: Training, obs: Observation) -> tuple[ControllerState, tuple
         return Ended(outcome=outcome, stepped=state.stepped), (StopTraining(), Finish(outcome))
     if isinstance(obs, ControllerStarted):
         return state, ()
+    if isinstance(obs, SuspendAsked):
+        return (replace(state, suspending=True), (Suspend(),)) if not state.suspending else (state, ())
+    if isinstance(obs, SuspendWritten):
+        if not state.suspending:
+            return state, ()
+        outcome = Suspended(step=obs.step)
+        return Ended(outcome=outcome, stepped=state.stepped), (StopTraining(), Finish(outcome))
     if isinstance(obs, LastStepSeen):
         if state.last_step_at is None:
             state = replace(state, last_step_at=obs.now, run_cannot_end=not obs.run_answers)
@@ -142,6 +172,8 @@ def _training(state: Training, obs: Observation) -> tuple[ControllerState, tuple
     outcome: Outcome
     if obs.error:
         outcome = Failed(error=obs.error)
+    elif state.suspending and obs.suspended_at is not None:
+        outcome = Suspended(step=obs.suspended_at)
     elif obs.job_finished:
         outcome = Succeeded()
     else:

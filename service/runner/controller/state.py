@@ -26,7 +26,14 @@ class Cancelled:
     """Stopped by request."""
 
 
-Outcome = Succeeded | Failed | Cancelled
+@dataclass(frozen=True, kw_only=True)
+class Suspended:
+    """Preempted: every member wrote its part of the durable checkpoint of ``step`` and stopped."""
+
+    step: int
+
+
+Outcome = Succeeded | Failed | Cancelled | Suspended
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -41,6 +48,8 @@ class Training:
     """When the runner first saw the job's last step done (the run is then given a grace to end by itself)."""
     run_cannot_end: bool = False
     """Ray Train's controller did not answer at the last step: its run cannot end by itself."""
+    suspending: bool = False
+    """A suspension was asked for: the members write a checkpoint at their next step boundary and stop."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,9 +77,14 @@ def runner_state(state: ControllerState, *, told: bool) -> RunnerState:
     if isinstance(state, Ended) and told:
         o = state.outcome
         return (RunnerState.SUCCEEDED if isinstance(o, Succeeded) else
-                RunnerState.CANCELLED if isinstance(o, Cancelled) else RunnerState.FAILED)
+                RunnerState.CANCELLED if isinstance(o, Cancelled) else
+                RunnerState.SUSPENDED if isinstance(o, Suspended) else RunnerState.FAILED)
     return RunnerState.RUNNING if state.stepped else RunnerState.STARTING
 
 
 def error_of(state: ControllerState, *, told: bool) -> str:
     return state.outcome.error if told and isinstance(state, Ended) and isinstance(state.outcome, Failed) else ""
+
+
+def suspended_step(state: ControllerState, *, told: bool) -> int | None:
+    return state.outcome.step if told and isinstance(state, Ended) and isinstance(state.outcome, Suspended) else None
