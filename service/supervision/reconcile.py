@@ -236,8 +236,8 @@ def _overdue(job: JobRecord, state: RunnerState | None, now: float, deadlines: D
 
 def _running_status(job: JobRecord, poll: RunnerPoll) -> JobStatus | None:
     """Training, or waiting for workers, while the runner runs (``None``: the status stays as it is)."""
-    if poll.state is not RunnerState.RUNNING or job.cancel_requested:
-        return None  # a job being cancelled keeps saying so until its runner stops
+    if poll.state is not RunnerState.RUNNING or job.cancel_requested or job.suspend_requested:
+        return None  # a job being cancelled or suspended keeps saying so until its runner stops
     if poll.wait_reason and job.status.state is JobState.RUNNING:
         # e.g. after losing nodes: below min_workers the job waits for capacity instead of failing
         if job.status.message != poll.wait_reason:
