@@ -33,6 +33,7 @@ def test_an_unknown_error_gets_one_re_formation_and_fails_the_job_if_nothing_cha
     first = RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer")
     assert judge.judge(first, step=7, membership=FOUR) is FailureKind.UNKNOWN
     assert judge.judge(first, step=7, membership=FOUR) is FailureKind.UNKNOWN  # the same error, asked twice
+    judge.handled()
     # A misuse of gloo in this job's own step: the next epoch (the same four ranks) fails at the same step again.
     assert judge.judge(RuntimeError("gloo: mismatched sizes"), step=7, membership=FOUR) is FailureKind.REPEATED
 

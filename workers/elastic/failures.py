@@ -44,13 +44,15 @@ class FailureJudge:
     """Judges each failure of a rank's epochs, remembering the last unknown one (``(step, membership)``)."""
 
     last_unknown: tuple[int, tuple[object, ...]] | None = None
-    _judged: tuple[BaseException, FailureKind] | None = None
+    _judged: tuple[int, type, FailureKind] | None = None
+    """The error being handled (its id and type, never the error itself: its traceback holds the failed epoch's
+    groups and engine, which must be collected) and how it was judged."""
 
     def judge(self, error: BaseException, *, step: int, membership: tuple[object, ...]) -> FailureKind:
         """The kind of ``error``, which ended an epoch of ``membership`` with this rank at ``step`` (its last
         completed step). The same error object is judged once (the loop and the epoch's caller both ask)."""
-        if self._judged is not None and self._judged[0] is error:
-            return self._judged[1]
+        if self._judged is not None and self._judged[:2] == (id(error), type(error)):
+            return self._judged[2]
         if is_peer_failure(error):
             kind = FailureKind.PEER
         elif type(error) is not RuntimeError:
@@ -60,5 +62,9 @@ class FailureJudge:
         else:
             kind = FailureKind.UNKNOWN
             self.last_unknown = (step, membership)
-        self._judged = (error, kind)  # only the error being handled is asked about again
+        self._judged = (id(error), type(error), kind)  # only the error being handled is asked about again
         return kind
+
+    def handled(self) -> None:
+        """The error judged last has been dealt with: a later one, even at the same address, is judged anew."""
+        self._judged = None

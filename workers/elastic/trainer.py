@@ -178,6 +178,7 @@ class ElasticTrainer:
                 return None  # the job goes on later, from the checkpoint, in other processes
             except Exception as e:
                 kind = self._judge(e)
+                self.failures.handled()
                 if kind is FailureKind.OWN:
                     raise
                 if kind is FailureKind.REPEATED:
