@@ -126,6 +126,8 @@ def test_a_higher_priority_job_suspends_a_lower_one_which_resumes_with_its_own_c
     cluster_view.topo = topology(dc_a=2, dc_b=2)  # its workers are gone
     supervisor.tick()
     assert store.get_job(high).status.state is JobState.PLACING  # the higher priority goes first
+    supervisor.tick()
+    assert store.get_job(low).status.reason == "Preempted"  # while it waits it still says where it resumes from
     launcher.runners[high].state = "succeeded"
     supervisor.tick()
     supervisor.tick()

@@ -60,8 +60,10 @@ def test_a_priority_10_job_preempts_a_priority_0_one_which_resumes_from_its_chec
     assert "checkpoint of step" in suspended["message"], suspended["message"]
     step = int(suspended["message"].split("checkpoint of step ")[1].split(" ")[0])
     assert 15 <= step < STEPS
+    running_high = wait(api, high["id"], lambda j: j["state"] in ("running", "succeeded"), 300, "the high job running")
+    assert api.get(f"/v1/jobs/{low['id']}").json()["reason"] == "Preempted"  # it says so while it waits
     done = wait(api, high["id"], lambda j: j["state"] == "succeeded", 400, "the high job's end")
-    assert done["result"]["steps"] == 10
+    assert running_high and done["result"]["steps"] == 10
 
     finished = wait(api, low["id"], lambda j: j["state"] in ("succeeded",), 600, "the low job's end")
     events = api.get(f"/v1/jobs/{low['id']}/events?limit=10000").json()["events"]

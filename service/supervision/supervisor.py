@@ -35,6 +35,7 @@ from meridian.service.store import JobRecord, JobStore, new_job_id, request_hash
 from meridian.service.supervision.preemption import Running, victims
 from meridian.service.supervision.reconcile import (
     DEFAULT_DEADLINES,
+    PREEMPTED,
     Deadlines,
     Decision,
     reconcile,
@@ -217,8 +218,9 @@ class Supervisor:
             why = (f"waiting for job {placing[0].id} to finish placing its workers (placing fails after "
                    f"{self.deadlines.placing_s:.0f} s)")
             for job in self.store.queued_in_order():
-                # A job held by its owner's quota keeps saying so: that, not the placement, is what it waits for.
-                if job.status.message != why and job.status.reason != QUOTA_EXCEEDED:
+                # A job held by its owner's quota keeps saying so: that, not the placement, is what it waits for;
+                # a preempted one keeps saying where it resumes from.
+                if job.status.message != why and job.status.reason not in (QUOTA_EXCEEDED, PREEMPTED):
                     self._set(job.id, JobStatus(JobState.QUEUED, "WaitingForPlacement", why), expect={JobState.QUEUED})
             return
         quotas = self.store.quotas()
@@ -249,7 +251,8 @@ class Supervisor:
             wait = admission(resolved.plan, topo)
             if wait is not None:
                 wait += self._preempt_for(job, resolved.plan, topo)
-                self._set(job.id, JobStatus(JobState.QUEUED, "WaitingForCapacity", wait), expect={JobState.QUEUED})
+                if job.status.reason != PREEMPTED:  # (it says where it resumes from, and that it waits for room)
+                    self._set(job.id, JobStatus(JobState.QUEUED, "WaitingForCapacity", wait), expect={JobState.QUEUED})
                 return  # FIFO: nothing overtakes the head of the queue
             self._launch(job, resolved)
             return  # one admission per tick (see above)
