@@ -26,11 +26,9 @@ from meridian.cli.lab import add_lab_parser
 from meridian.cli.lab import run as run_lab
 from meridian.cli.plan import add_plan_parser
 from meridian.cli.profile import add_profile_parser
-
-
-def default_token_file() -> str:
-    # Same default as meridian.api.auth, without importing the server side into every CLI call.
-    return os.environ.get("MERIDIAN_TOKEN_FILE") or os.path.expanduser("~/.meridian/tokens.json")
+from meridian.cli.quota import add_quota_parser
+from meridian.cli.tokens import add_token_parser, default_token_file
+from meridian.workers.contracts.events import EventKind
 
 
 def _spec_error(detail: str) -> CliError:
@@ -69,34 +67,63 @@ def emit(args: argparse.Namespace, data: Any, text: str) -> None:
 
 def watch(client: Client, job_id: str, *, as_json: bool, timeout_s: float | None,
           interval_s: float = 0.5) -> dict[str, Any]:
-    """Follow a job until it ends, printing a progress bar (or one JSON object per update); with ``timeout_s``,
-    give up after that many seconds (the job keeps running), else follow it however long it runs."""
+    """Follow a job until it ends, printing a progress bar (or one JSON object per update): over the job's event
+    stream (its ``state`` and ``progress`` events, resumed after the last one seen), reading the job itself only at
+    the start, at the end, and every ``interval_s`` while the stream is down. With ``timeout_s``, give up after that
+    many seconds (the job keeps running), else follow it however long it runs."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
+
+    def expired() -> bool:
+        return deadline is not None and time.monotonic() > deadline
     tty = sys.stdout.isatty() and not as_json
-    last_line, last_print = "", 0.0
-    while True:
-        job = client.job(job_id)
+    shown = {"line": "", "at": 0.0}
+
+    def show(job: dict[str, Any]) -> None:
         line = render.progress_line(job)
         if as_json:
-            if line != last_line:
+            line += job["state"]  # a state that changes alone is an update too (the bar reads the same at the end)
+            if line != shown["line"]:
                 print(json.dumps({"id": job["id"], "state": job["state"], "progress": job["progress"]}), flush=True)
         elif tty:
             print("\r" + line.ljust(100)[:160], end="", flush=True)
-        elif line != last_line and (time.monotonic() - last_print > 2 or job["state"] in TERMINAL):
+        elif line != shown["line"] and (time.monotonic() - shown["at"] > 2 or job["state"] in TERMINAL):
             print(line, flush=True)
-            last_print = time.monotonic()
-        last_line = line
+            shown["at"] = time.monotonic()
+        shown["line"] = line
+
+    def timed_out(job: dict[str, Any]) -> ApiError:
+        if tty:
+            print()
+        return ApiError(0, f"job {job_id} still {job['state']} after {timeout_s:.0f} s ({job['message']}); it keeps "
+                           f"running — follow it with `meridian watch {job_id}`", kind="watch-timeout")
+
+    job = client.job(job_id)
+    newest = client.events(job_id, newest=1)["events"]
+    after = newest[-1]["id"] if newest else 0
+    while True:
+        show(job)
         if job["state"] in TERMINAL:
             if tty:
                 print()
             return job
-        if deadline is not None and time.monotonic() > deadline:
-            if tty:
-                print()
-            raise ApiError(0, f"job {job_id} still {job['state']} after {timeout_s:.0f} s "
-                              f"({job['message']}); it keeps running — follow it with `meridian watch {job_id}`",
-                           kind="watch-timeout")
-        time.sleep(interval_s)
+        if expired():
+            raise timed_out(job)
+        try:
+            for e in client.stream_events(job_id, after=after, reconnects=0):
+                after = e["id"]
+                if e["kind"] == EventKind.PROGRESS:
+                    job = {**job, "progress": {**job["progress"], **e["data"]}}
+                elif e["kind"] == EventKind.STATE:
+                    job = {**job, "state": e["data"]["state"], "reason": e["data"]["reason"],
+                           "message": e["data"]["message"]}
+                show(job)
+                if expired():
+                    raise timed_out(job)
+        except ApiError as e:
+            if e.status or e.problem.get("type", "").endswith("watch-timeout"):
+                raise  # the service refused (or the wait is over): not a dropped stream
+            time.sleep(interval_s)  # the stream dropped: read the job meanwhile, then resume after `after`
+        job = client.job(job_id)  # the stream ended (the job did) or dropped: the job as stored
 
 
 SUMMARY_EVENT_PAGES = 50
@@ -112,7 +139,7 @@ def summary(client: Client, job: dict[str, Any], wall_s: float | None = None) ->
         page = client.events(job["id"], after=after)["events"]
         if not page:
             break
-        decided += [e["message"] for e in page if e["kind"] == "sync_decided"]
+        decided += [e["message"] for e in page if e["kind"] == EventKind.SYNC_DECIDED]
         after = page[-1]["id"]
     return render.summary(job, wall_s=wall_s, sync_decisions=tuple(decided))
 
@@ -170,16 +197,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
             server.run()
     finally:
         service.stop()
-    return 0
-
-
-def cmd_token_create(args: argparse.Namespace) -> int:
-    from meridian.api.auth import create_token
-
-    token = create_token(args.token_file, args.owner)
-    data = {"owner": args.owner, "token": token, "token_file": args.token_file}
-    emit(args, data, f"{token}\n(owner {args.owner}; only its hash is stored in {args.token_file}. It is shown once: "
-                     "keep it in MERIDIAN_TOKEN. A running service reads new tokens when it restarts.)")
     return 0
 
 
@@ -415,13 +432,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "or ~/.meridian/tokens.json)")
     s.set_defaults(run=cmd_serve)
 
-    t = sub.add_parser("token", help="manage API tokens", description="manage API tokens")
-    tsub = t.add_subparsers(dest="token_verb", required=True, metavar="ACTION")
-    tc = tsub.add_parser("create", help="print a new bearer token for an owner; store only its hash")
-    tc.add_argument("--json", action="store_true", help="machine-readable output")
-    tc.add_argument("--owner", required=True, help="who the token acts for (jobs are owned by this name)")
-    tc.add_argument("--token-file", default=default_token_file())
-    tc.set_defaults(run=cmd_token_create)
+    add_token_parser(sub)
 
     d = verb("demo", "start a local 2-datacenter cluster, submit the example job over REST, watch it", remote=False)
     d.add_argument("--datacenters", default="dc-a:2,dc-b:2", metavar="DC:N,...")
@@ -493,6 +504,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_lab_parser(sub)
     add_data_parser(sub)
     add_profile_parser(sub)
+    add_quota_parser(sub)
 
     b = sub.add_parser("bench", help="benchmarks (sync, scaling, …); see `meridian bench -h`", add_help=False)
     b.add_argument("rest", nargs=argparse.REMAINDER)

@@ -21,6 +21,7 @@ from meridian.service.errors import MeridianError
 from meridian.service.jobs import JobRequest, JobState
 from meridian.service.launcher import Launcher
 from meridian.service.lease import DatabaseOwned, Lease
+from meridian.service.planning.placement import worker_slots
 from meridian.service.store import JobStore
 from meridian.service.supervision.supervisor import Supervisor
 from meridian.workers.contracts.fields import to_plain
@@ -181,7 +182,8 @@ class MeridianService:
         datacenters it may use, all at once (as training runs); plans of that shape use the figure from now on."""
         topo = read_topology()
         use_gpu = topo.has_gpus(tuple(request.topology.datacenters or topo.datacenters))
-        entry = run_compute_probe(topo, to_plain(request.model), request.micro_batch, use_gpu=use_gpu,
+        slots = {n.node_id: worker_slots(n, use_gpu=use_gpu) for n in topo.alive_nodes}
+        entry = run_compute_probe(topo, to_plain(request.model), request.micro_batch, slots=slots, use_gpu=use_gpu,
                                   precision=training_precision(request.precision.value, use_gpu))
         self.probe_cache.store_compute(entry)  # type: ignore[union-attr]
         return entry

@@ -498,6 +498,13 @@ class TrainConfig:
             )
         if self.datacenters:
             self.parallel.check(self.model, len(self.datacenters))
+        if self.sync.local_lookahead and self.parallel.model_parallel > 1:
+            # The look-ahead steers a whole replica's parameters from its DC's gradients; the engine refuses it
+            # with model parallelism, which would fail the job only once its workers built their engines.
+            raise ValueError(
+                f"sync.local_lookahead applies to data parallelism only, not parallelism.tp={self.parallel.tp}, "
+                f"pp={self.parallel.pp}; set sync.local_lookahead=false or parallelism.tp and pp to 1"
+            )
         if self.parallel.pp > 1 and self.sync.strategy is SyncStrategy.FLAT:
             # DDP decides in each forward whether the next backward syncs; a pipeline schedule runs several
             # forwards before their backwards, which DDP cannot follow.
