@@ -134,7 +134,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         local = parse_datacenters(args.local_datacenters) if args.local_datacenters else None
         config = ServiceConfig(data_dir=args.data_dir, database_url=args.database_url, ray_address=args.address,
                                local_datacenters=local, cpus_per_node=args.cpus_per_node,
-                               data_roots=tuple(args.data_root or ()), storage=args.storage)
+                               data_roots=tuple(args.data_root or ()), storage=args.storage,
+                               model_modules=tuple(args.model_module or ()))
         if args.max_streams_per_owner is not None and args.max_streams_per_owner < 1:
             raise ValueError(f"--max-streams-per-owner must be at least 1, got {args.max_streams_per_owner}")
     except (UnsafeDeployment, ValueError) as e:
@@ -397,6 +398,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--database-url", default="", help="SQLAlchemy URL of the job store (default: SQLite in --data-dir)")
     s.add_argument("--data-root", action="append", metavar="PATH",
                    help="a folder whose files jobs may train on (data.source); repeatable (default: DATA_DIR/data)")
+    s.add_argument("--model-module", action="append", metavar="PKG",
+                   help="a module whose factories jobs may name as model.factory (module:function); repeatable")
     s.add_argument("--storage", default="", metavar="PATH_OR_URL",
                    help="where checkpoints and final weights go: a path every node and the service can read and "
                         "write (a shared filesystem), or an fsspec URL such as s3://bucket/prefix, credentials "

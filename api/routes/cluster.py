@@ -19,6 +19,7 @@ def get_cluster(service: ServiceDep) -> dict[str, Any]:
 
 
 @router.post("/v1/plans", responses={409: {"model": ErrorBody}, 422: {"model": ErrorBody}})
-def dry_run_plan(spec: JobSpec, supervisor: SupervisorDep) -> dict[str, Any]:
+def dry_run_plan(spec: JobSpec, supervisor: SupervisorDep, service: ServiceDep) -> dict[str, Any]:
     """The plan a job spec would get on the cluster right now, without submitting it."""
-    return supervisor.plan(admitted_request(spec, "", supervisor.data_access.admit_checkpoint)).to_dict()
+    return supervisor.plan(admitted_request(spec, "", supervisor.data_access.admit_checkpoint,
+                                            service.config.model_access().admit_factory)).to_dict()
