@@ -224,8 +224,7 @@ class ModelSpec(Strict):
         (raising if it may not), before anything there is read; ``None`` reads it as given (local use, tests).
         ``admit_factory``: resolves and describes ``factory`` (``None``: a factory is refused)."""
         sizes = self._sizes()
-        if self.source is not None:
-            self.check_source()
+        self.check_source()
         if self.factory is not None:
             if admit_factory is None:
                 raise ValueError("model.factory: only a service resolves factories (the operator's allowed modules "
