@@ -243,3 +243,12 @@ def _dataset(root) -> str:
             PrepareOptions(tokenizer=str(root.parent / "bytes.json"), val_fraction=0.1), progress=False)
     return str(root / "ds")
 
+
+
+def test_admitting_a_model_loads_neither_torch_nor_transformers_in_the_service():
+    import subprocess
+
+    code = ("import sys; import meridian.api.schemas, meridian.service.model_access, meridian.service.core; "
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
