@@ -294,3 +294,23 @@ def test_a_tp_plan_is_checked_against_the_module_and_a_model_without_one_is_refu
     assert "'lm_head': style 'diagonal' is none of" in str(e.value)
     with pytest.raises(ValueError, match="parallelism.tp=2: GPT declares no tensor-parallel plan"):
         check_tp_plan(build_model(model_preset("nano")), 2)
+
+
+def test_the_blocks_stay_the_blocks_once_wrapped_and_are_not_registered_twice(tmp_path):
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    from meridian.workers.model.causal_lm import alias_groups
+
+    save_random(tmp_path, "llama3", shard=None)
+    lm = build_model(hf_model_config(str(tmp_path), weights=True))
+    blocks = lm.transformer_blocks()
+    assert all(not n.startswith("_blocks") for n, _ in lm.named_modules())
+    assert alias_groups(lm) == [["model.embed_tokens.weight", "lm_head.weight"]]  # the tied head only
+    x = _tokens()
+    with torch.no_grad():
+        before = lm(x)
+    for i, block in enumerate(blocks):  # what activation checkpointing per block does
+        blocks[i] = checkpoint_wrapper(block)
+    assert lm.transformer_blocks() is blocks and type(blocks[0]).__name__ == "CheckpointWrapper"
+    with torch.no_grad():
+        assert torch.equal(lm(x), before)

@@ -36,7 +36,9 @@ class FactoryCausalLM(CausalLM):
         object.__setattr__(self, "_inner", inner)  # not a child: its children are this module's
         self.vocab_size = vocab_size
         names = {block} if block else set(getattr(inner, "_no_split_modules", None) or ())
-        self._blocks = find_blocks(self, names)
+        # The list itself, kept unregistered (it is already a child under its own name): wrapping its items later
+        # (activation checkpointing, compile) leaves it the list of blocks.
+        object.__setattr__(self, "_blocks", find_blocks(self, names))
         self._split = callable(getattr(inner, "hidden_states", None)) and callable(getattr(inner, "output_head", None))
 
     def train(self, mode: bool = True) -> FactoryCausalLM:

@@ -41,7 +41,10 @@ class HFCausalLM(CausalLM):
         self.vocab_size = hf.config.vocab_size
         self._base_name = hf.base_model_prefix
         self._head_name = next(n for n, c in hf.named_children() if c is head)
-        self._block_classes = frozenset(getattr(hf, "_no_split_modules", None) or ())
+        # The list itself, kept unregistered (it is already a child of the base model): wrapping its items later
+        # (activation checkpointing, compile) leaves it the list of blocks.
+        object.__setattr__(self, "_blocks", find_blocks(getattr(self, self._base_name),
+                                                        frozenset(getattr(hf, "_no_split_modules", None) or ())))
         plan = getattr(hf, "_tp_plan", None) or {}
         self._tp_plan = dict(plan) if getattr(hf.config, "base_model_tp_plan", None) else None
         self._renames = _renames(hf)
@@ -54,7 +57,7 @@ class HFCausalLM(CausalLM):
         return getattr(self, self._head_name)
 
     def transformer_blocks(self) -> nn.ModuleList:
-        return find_blocks(getattr(self, self._base_name), self._block_classes)
+        return self._blocks
 
     @property
     def tp_plan(self) -> dict[str, str] | None:
