@@ -89,9 +89,19 @@ def _renames(hf: nn.Module) -> tuple[list[Any], list[Any]]:
     return load, [t.reverse_transform() for t in save]
 
 
+def _transformers() -> Any:
+    try:
+        import transformers
+    except ImportError:
+        raise ImportError("a Hugging Face model (model.init_from, model.config) is built by transformers, which is "
+                          "not installed here: pip install 'meridian[hf]' on every worker node and where export "
+                          "runs") from None
+    return transformers
+
+
 def hf_config_object(cfg: ModelConfig) -> Any:
     """transformers' config object of ``cfg.hf_config``."""
-    from transformers import AutoConfig
+    AutoConfig = _transformers().AutoConfig  # noqa: N806
 
     body = json.loads(cfg.hf_config)
     return AutoConfig.for_model(body.pop("model_type"), **body)
@@ -101,7 +111,7 @@ def build_hf(cfg: ModelConfig, *, meta: bool = False) -> HFCausalLM:
     """The module of ``cfg`` (family ``hf``) in fp32: from ``init_from``'s weights (built on the meta device,
     then filled shard by shard), or with transformers' own initialisation from the current torch seed; with
     ``meta``, left on the meta device (shapes only)."""
-    from transformers import AutoModelForCausalLM
+    AutoModelForCausalLM = _transformers().AutoModelForCausalLM  # noqa: N806
 
     config = hf_config_object(cfg)
     if meta or cfg.init_from:
