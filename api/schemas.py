@@ -143,7 +143,8 @@ class ModelSpec(Strict):
     module (``factory``)."""
 
     preset: Literal[tuple(MODEL_PRESETS)] | None = "tiny"  # type: ignore[valid-type]
-    family: ModelFamily | None = Field(None, description="gpt or llama; omitted: the preset's family (a family "
+    family: ModelFamily | None = Field(None, description="gpt or llama (hf and factory are what model.init_from, "
+                                       "model.config and model.factory build); omitted: the preset's family (a family "
                                        "without a preset picks '<family>-tiny', or 'tiny' for gpt). With init_from: "
                                        "omitted or 'hf' builds the checkpoint's own transformers family; 'llama' "
                                        "loads a Llama checkpoint into Meridian's llama (whose tensor and pipeline "
@@ -213,10 +214,6 @@ class ModelSpec(Strict):
         if sizes - {"seq_len"}:
             raise ValueError(f"model.{source} fixes the shape; only model.seq_len may be given with it, not "
                              f"model.{', model.'.join(sorted(sizes - {'seq_len'}))}")
-
-    def check_init_from(self) -> None:
-        """What can be said of an ``init_from`` spec without reading the checkpoint (:meth:`check_source`)."""
-        self.check_source()
 
     def to_config(self, admit_checkpoint: CheckpointGate | None = None,
                   admit_factory: FactoryGate | None = None) -> ModelConfig:
