@@ -162,9 +162,12 @@ def model_config_from_hf(directory: str, **overrides: Any) -> ModelConfig:
         tie_embeddings=c.flag("tie_word_embeddings", False), init_from=str(Path(directory).resolve()),
     )
     try:
-        return ModelConfig(**{**kwargs, **overrides})
+        cfg = ModelConfig(**{**kwargs, **overrides})
     except ValueError as e:  # what only the whole shape shows (RoPE needs an even head size, ...)
         raise ValueError(f"model.init_from: {c.path} describes a model Meridian cannot build: {e}") from None
+    check_checkpoint_holds(directory, hf)
+    return cfg
+
 
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3", "proportional")
 """RoPE variants transformers computes (its ``ROPE_INIT_FUNCTIONS``, and ``default``): an hf model's
