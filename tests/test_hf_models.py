@@ -109,6 +109,10 @@ def test_a_qwen2_config_renamed_to_llama_is_refused_naming_the_biases_not_loaded
     with pytest.raises(ValueError, match="holds 102,976 weights .* describes a LlamaForCausalLM of 102,720 "
                                          "parameters: these are not that model's weights"):  # 256 biases apart
         hf_model_config(str(tmp_path / "qwen2"), weights=True)
+    from meridian.workers.contracts.hf_config import model_config_from_hf
+
+    with pytest.raises(ValueError, match="not that model's weights"):  # nor as Meridian's own llama
+        model_config_from_hf(str(tmp_path / "qwen2"))
     # And the worker's loader, handed them anyway, names every tensor the model would not consume.
     llama = build_hf(hf_model_config(str(tmp_path / "qwen2"), weights=False), meta=True)
     with pytest.raises(ValueError) as e:
