@@ -252,3 +252,19 @@ def test_admitting_a_model_loads_neither_torch_nor_transformers_in_the_service()
             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_the_tutorial_s_factory_is_one_the_service_admits(tmp_path, monkeypatch):
+    """docs/tutorials/your-model.md's module, as written there, is described and admitted."""
+    from pathlib import Path
+
+    page = (Path(__file__).parents[1] / "docs" / "tutorials" / "your-model.md").read_text()
+    code = page.split("```python\n", 1)[1].split("```", 1)[0]
+    (tmp_path / "mymodels").mkdir()
+    (tmp_path / "mymodels" / "__init__.py").write_text("")
+    (tmp_path / "mymodels" / "tiny.py").write_text(code)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    model = ModelAccess(("mymodels",)).admit_factory(factory="mymodels.tiny:build", args={"vocab": 512, "d": 64,
+                                                                                         "layers": 4},
+                                                    block="", seq_len=256, vocab_size=None)
+    assert (model.block, model.n_layers, model.vocab_size, model.d_model) == ("Block", 4, 512, 64)
