@@ -22,6 +22,7 @@ from meridian.cli import render
 from meridian.cli.data import add_data_parser
 from meridian.cli.data import run as run_data
 from meridian.cli.errors import CliError, local_problem, report
+from meridian.cli.export import add_export_parser
 from meridian.cli.lab import add_lab_parser
 from meridian.cli.lab import run as run_lab
 from meridian.cli.plan import add_plan_parser
@@ -166,7 +167,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         config = ServiceConfig(data_dir=args.data_dir, database_url=args.database_url, ray_address=args.address,
                                local_datacenters=local, cpus_per_node=args.cpus_per_node,
                                data_roots=tuple(args.data_root or ()), storage=args.storage,
-                               tracking_roots=tuple(args.tracking_root or ()))
+                               tracking_roots=tuple(args.tracking_root or ()),
+                               model_modules=tuple(args.model_module or ()))
         if args.max_streams_per_owner is not None and args.max_streams_per_owner < 1:
             raise ValueError(f"--max-streams-per-owner must be at least 1, got {args.max_streams_per_owner}")
     except (UnsafeDeployment, ValueError) as e:
@@ -333,63 +335,6 @@ def cmd_logs(args: argparse.Namespace, client: Client) -> int:
     return 0
 
 
-def _check_readable_here(info: dict) -> None:
-    """A local path: the service says whether it is readable (this runs where it is mounted); a URL: this
-    process reads it with its own environment's credentials."""
-    from meridian.workers.state import storage
-
-    latest = info["latest"]
-    if not storage.is_url(latest):
-        if not info["readable_here"]:
-            raise CliError("checkpoint-unreadable", "Checkpoint unreadable here",
-                           f"{latest} is not readable from this machine: run `meridian export` where the "
-                           "service's storage is mounted")
-        return
-    try:
-        storage.check_url(latest)
-        if not any(storage.exists(storage.join(latest, marker)) for marker in storage.MARKERS):
-            raise FileNotFoundError(f"{latest} holds no complete checkpoint")
-    except Exception as e:  # the filesystem library's own errors (credentials, endpoint) too
-        raise CliError("checkpoint-unreadable", "Checkpoint unreadable here",
-                       f"cannot read {latest} from here ({type(e).__name__}: {e}); set the credentials and endpoint "
-                       "in this shell's environment (for S3: AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, "
-                       "AWS_ENDPOINT_URL)") from e
-
-
-def cmd_export(args: argparse.Namespace, client: Client) -> int:
-    """Convert a job's final (or latest) checkpoint into a Hugging Face directory. The checkpoint is read from
-    the path or URL the artifacts endpoint gives, so this runs where the service's storage is readable (its
-    machine, or a node sharing it; for a URL, wherever its credentials are)."""
-    info = client.artifacts(args.id)
-    if info["latest"] is None:
-        why = "it opted out (checkpoint.keep_final: false)" if not info["keep_final"] else "it has not finished yet"
-        raise CliError("no-checkpoint", "No checkpoint", f"job {args.id} has no checkpoint in {info['storage']}: {why}")
-    _check_readable_here(info)
-    from meridian.workers.model.export import export_job  # torch: only this verb needs it
-
-    latest = next(a for a in info["artifacts"] if a["path"] == info["latest"])
-    try:
-        done = export_job(info["latest"], info["model"], info["data"], args.out)
-    except Exception as e:
-        if type(e) is not Exception:  # only `tokenizers`' own (a bare Exception): any other is a bug to show
-            raise
-        raise CliError("tokenizer-unreadable", "Tokenizer unreadable",
-                       f"the weights are in {args.out}, but its tokenizer.json, copied from job {args.id}'s dataset, "
-                       f"is not one the tokenizers library can read ({e}); delete it from {args.out} (the dataset's "
-                       "tokenizer.json was damaged since it was prepared: prepare the text again to get one)") from None
-    out, tokenizer = done["out"], done["tokenizer"]
-    note = "" if latest["final"] else " (not the final step: the job has not finished)"
-    if args.json:
-        print(json.dumps({"out": out, "step": latest["step"], "final": latest["final"], "tokenizer": tokenizer}))
-    else:
-        print(f"wrote {out} from step {latest['step']}{note}; load it with "
-              f"transformers.AutoModelForCausalLM.from_pretrained({out!r})")
-        print(f"tokenizer: {', '.join(tokenizer['files'])} from {tokenizer['source']}; load it with "
-              f"transformers.AutoTokenizer.from_pretrained({out!r})" if tokenizer["written"]
-              else f"no tokenizer written: {tokenizer['reason']}")
-    return 0
-
-
 # -- parser ----------------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="meridian", description=__doc__.splitlines()[0])
@@ -418,6 +363,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--tracking-root", action="append", metavar="PATH_OR_URL",
                    help="a folder where jobs may keep an MLflow store (tracking.mlflow.uri file:... or sqlite:...), "
                         "or an https:// MLflow server they may log to; repeatable (default: DATA_DIR/tracking)")
+    s.add_argument("--model-module", action="append", metavar="PKG",
+                   help="a module whose factories jobs may name as model.factory (module:function); repeatable")
     s.add_argument("--storage", default="", metavar="PATH_OR_URL",
                    help="where checkpoints and final weights go: a path every node and the service can read and "
                         "write (a shared filesystem), or an fsspec URL such as s3://bucket/prefix, credentials "
@@ -485,11 +432,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     verb("cluster", "show datacenters, nodes and resources").set_defaults(run=cmd_cluster)
 
-    s = verb("export", "write a job's final weights and its dataset's tokenizer as a Hugging Face directory")
-    s.add_argument("id")
-    s.add_argument("--out", required=True, help="directory to write")
-    s.add_argument("--format", choices=["hf"], default="hf", help="hf: what AutoModelForCausalLM loads")
-    s.set_defaults(run=cmd_export)
+    add_export_parser(verb)
 
     s = verb("probe", "measure the cluster's links with collectives (10-60 s); later plans use the figures")
     s.add_argument("--tiers", nargs="+", choices=["intra_node", "intra_dc", "inter_dc"], default=None,

@@ -23,10 +23,11 @@ def get_cluster(service: ServiceDep) -> dict[str, Any]:
 
 
 @router.post("/v1/plans", responses={409: {"model": ErrorBody}, 422: {"model": ErrorBody}})
-def dry_run_plan(spec: JobSpec, supervisor: SupervisorDep) -> dict[str, Any]:
+def dry_run_plan(spec: JobSpec, supervisor: SupervisorDep, service: ServiceDep) -> dict[str, Any]:
     """The plan a job spec would get on the cluster right now, without submitting it; a 422 where submitting it
     would be one (its options and the plan make no valid training config)."""
-    request = admitted_request(spec, "", supervisor.data_access.admit_checkpoint)
+    request = admitted_request(spec, "", supervisor.data_access.admit_checkpoint,
+                               service.config.model_access().admit_factory)
     return supervisor.resolve(request, "dry-run").plan.to_dict()
 
 

@@ -86,6 +86,8 @@ def fingerprint(cfg: TrainConfig) -> dict[str, Any]:
     shape = [m.n_layers, m.d_model, m.n_heads, m.seq_len, m.vocab_size]
     if m.family is not ModelFamily.GPT:  # (gpt's fingerprint stays as before: older checkpoints still load)
         shape += [m.family.value, m.kv_heads, m.mlp_width, m.tie_embeddings]
+    if m.architecture_key:  # an hf model's config.json, a factory and its arguments
+        shape.append(m.architecture_key)
     fp = {"model": shape, "global_batch": cfg.global_batch,
           "seed": cfg.seed, "data": [list(d) for d in cfg.data.datasets] or cfg.data.source}  # fmt: skip
     if cfg.data.pins:  # (a job admitted before pins existed keeps its fingerprint: its checkpoints still load)
