@@ -20,7 +20,7 @@ from meridian.api.errors import UnexpectedErrors, install_error_handlers
 from meridian.api.limits import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
 from meridian.api.prometheus import install_metrics
 from meridian.api.request_id import RequestId
-from meridian.api.routes import cluster, diagnostics, jobs, profiles
+from meridian.api.routes import cluster, diagnostics, jobs, profiles, quotas
 from meridian.api.streams import DEFAULT_MAX_STREAMS_PER_OWNER, StreamSlots
 from meridian.service.core import MeridianService, ServiceConfig
 
@@ -86,7 +86,7 @@ def create_app(
     install_metrics(app, lambda: service.store.count_by_state() if service.store is not None else None)
     app.add_middleware(UnexpectedErrors)  # an unhandled exception: a 500 with the id, counted by the metrics
     app.add_middleware(RequestId)  # outermost: every answer, a refusal, a 413 or a 500 too, carries the id
-    for router in (jobs.router, profiles.router, cluster.router, diagnostics.router):
+    for router in (jobs.router, profiles.router, cluster.router, diagnostics.router, quotas.router):
         app.include_router(router, dependencies=[Depends(get_caller)])
 
     @app.get("/healthz", tags=["health"])

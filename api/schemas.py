@@ -15,6 +15,7 @@ from __future__ import annotations
 import ast
 import functools
 import inspect
+import json
 import textwrap
 import typing
 from collections.abc import Callable
@@ -48,7 +49,7 @@ from meridian.workers.contracts.config import (
     WanConfig,
 )
 from meridian.workers.contracts.fields import bounds_of, default_of
-from meridian.workers.contracts.hf_config import model_config_from_hf
+from meridian.workers.contracts.hf_config import hf_model_config, model_config_from_hf
 from meridian.workers.contracts.model_config import MODEL_PRESETS, ModelConfig, ModelFamily
 from meridian.workers.contracts.tracking import MlflowTracking, TrackingConfig, WandbTracking
 
@@ -125,18 +126,42 @@ def _or_auto(value: Any) -> Any:
 
 # -- the job spec ----------------------------------------------------------------------------------------
 CheckpointGate = Callable[[str], str]
-"""A user's ``model.init_from`` → the real directory the service may read, or an error (a 4xx) if none."""
+"""A user's ``model.init_from`` (or ``model.config``) → the real directory the service may read, or an error (a
+4xx) if none."""
+FactoryGate = Callable[..., ModelConfig]
+"""A job's ``model.factory`` (with its ``args``, ``block``, ``seq_len``, ``vocab_size``) → the
+:class:`ModelConfig` of the module it builds, or an error (a 4xx) naming what is allowed
+(:meth:`meridian.service.model_access.ModelAccess.admit_factory`)."""
+
+FACTORY_ARGS_MAX_BYTES = 64 * 1024
+"""A factory's arguments are a handful of sizes and names; more than 64 KiB of them is not one."""
 
 
 class ModelSpec(Strict):
     """A preset, optionally with sizes overridden; or all sizes given explicitly (``preset: null``); or a local
-    Hugging Face checkpoint (``init_from``) whose shape and weights the job starts from."""
+    Hugging Face checkpoint (``init_from``) whose shape and weights the job starts from; or a Hugging Face
+    ``config.json`` alone (``config``), its model randomly initialised; or an operator-allowed factory of your own
+    module (``factory``)."""
 
     preset: Literal[tuple(MODEL_PRESETS)] | None = "tiny"  # type: ignore[valid-type]
-    family: ModelFamily | None = Field(None, description="gpt or llama; omitted: the preset's family (a "
-                                       "family without a preset picks '<family>-tiny', or 'tiny' for gpt)")
-    init_from: str | None = Field(None, min_length=1, max_length=4096, description=_attribute_docs(ModelConfig)
-                                  .get("init_from"))
+    family: ModelFamily | None = Field(None, description="gpt or llama (hf and factory are what model.init_from, "
+                                       "model.config and model.factory build); omitted: the preset's family (a family "
+                                       "without a preset picks '<family>-tiny', or 'tiny' for gpt). With init_from: "
+                                       "omitted or 'hf' builds the checkpoint's own transformers family; 'llama' "
+                                       "loads a Llama checkpoint into Meridian's llama (whose tensor and pipeline "
+                                       "parallelism is hand-written)")
+    init_from: str | None = Field(None, min_length=1, max_length=4096, description="A local Hugging Face checkpoint "
+                                  "directory (config.json + *.safetensors, sharded with an index or not) under the "
+                                  "service's data roots, whose model and weights the job starts from")
+    config: str | None = Field(None, min_length=1, max_length=4096, description="A directory under the service's "
+                               "data roots holding a Hugging Face config.json: that model, randomly initialised from "
+                               "the job's seed")
+    factory: str | None = Field(None, min_length=1, max_length=300, description="Your own nn.Module: an entry point "
+                                "name of the meridian.models group, or module:function under a module the service "
+                                "allows (meridian serve --model-module PKG)")
+    args: dict[str, Any] | None = Field(None, description="The factory's keyword arguments (plain JSON values)")
+    block: str | None = Field(None, min_length=1, max_length=200, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+                              description="The factory module's repeated block class; omitted: found")
     n_layers: int | None = config_field(ModelConfig, "n_layers", default=None)
     d_model: int | None = config_field(ModelConfig, "d_model", default=None)
     n_heads: int | None = config_field(ModelConfig, "n_heads", default=None)
@@ -148,26 +173,74 @@ class ModelSpec(Strict):
     norm_eps: float | None = config_field(ModelConfig, "norm_eps", default=None)
     tie_embeddings: bool | None = config_field(ModelConfig, "tie_embeddings", default=None)
 
-    def check_init_from(self) -> None:
-        """What can be said of an ``init_from`` spec without reading the checkpoint."""
-        sizes = self.model_dump(exclude={"preset", "family", "init_from"}, exclude_none=True)
-        if "preset" in self.model_fields_set and self.preset is not None:
-            raise ValueError("model.preset and model.init_from exclude each other: the checkpoint has a shape")
-        if self.family not in (None, ModelFamily.LLAMA):
-            raise ValueError(f"model.init_from loads llama checkpoints; model.family is {self.family.value!r}")
-        if set(sizes) - {"seq_len"}:
-            raise ValueError(f"model.init_from fixes the shape; only model.seq_len may be given with it, not "
-                             f"model.{', model.'.join(sorted(set(sizes) - {'seq_len'}))}")
+    def _sizes(self) -> dict[str, Any]:
+        return self.model_dump(exclude={"preset", "family", "init_from", "config", "factory", "args", "block"},
+                               exclude_none=True)
 
-    def to_config(self, admit_checkpoint: CheckpointGate | None = None) -> ModelConfig:
-        """``admit_checkpoint``: maps ``init_from`` to the directory the service allows it to read (raising if it
-        may not), before anything there is read; ``None`` reads ``init_from`` as given (local use, tests)."""
-        sizes = self.model_dump(exclude={"preset", "family", "init_from"}, exclude_none=True)
-        if self.init_from is not None:
-            self.check_init_from()
-            directory = admit_checkpoint(self.init_from) if admit_checkpoint is not None else self.init_from
-            return model_config_from_hf(directory, **sizes)
+    @property
+    def source(self) -> str | None:
+        """The field naming where the model comes from (``init_from``, ``config``, ``factory``), if any."""
+        return next((name for name in ("init_from", "config", "factory") if getattr(self, name) is not None), None)
+
+    def check_source(self) -> None:
+        """What can be said of a checkpoint, config or factory spec without reading or running anything."""
+        given = [n for n in ("init_from", "config", "factory") if getattr(self, n) is not None]
+        if len(given) > 1:
+            raise ValueError(f"model.{' and model.'.join(given)} exclude each other: name one source of the model")
+        if (self.args is not None or self.block is not None) and self.factory is None:
+            raise ValueError("model.args and model.block apply to model.factory only")
+        source = self.source
+        if source is None:
+            return
+        if "preset" in self.model_fields_set and self.preset is not None:
+            raise ValueError(f"model.preset and model.{source} exclude each other: the {source} gives the shape")
+        sizes = set(self._sizes())
+        if source == "factory":
+            if self.family not in (None, ModelFamily.FACTORY):
+                raise ValueError(f"model.factory builds your own module; model.family is {self.family.value!r}")
+            if "seq_len" not in sizes:
+                raise ValueError("model.factory needs model.seq_len: the tokens of each training sample")
+            if sizes - {"seq_len", "vocab_size"}:
+                raise ValueError("model.factory's module has its own shape; only model.seq_len (and model.vocab_size, "
+                                 "checked against its embedding) may be given with it, not model."
+                                 + ", model.".join(sorted(sizes - {"seq_len", "vocab_size"})))
+            if self.args is not None:
+                _check_factory_args(self.args)
+            return
+        allowed = (None, ModelFamily.HF, ModelFamily.LLAMA) if source == "init_from" else (None, ModelFamily.HF)
+        if self.family not in allowed:
+            raise ValueError(f"model.{source} loads Hugging Face models (family 'hf'"
+                             + (", or 'llama' for Meridian's own llama" if source == "init_from" else "")
+                             + f"); model.family is {self.family.value!r}")
+        if sizes - {"seq_len"}:
+            raise ValueError(f"model.{source} fixes the shape; only model.seq_len may be given with it, not "
+                             f"model.{', model.'.join(sorted(sizes - {'seq_len'}))}")
+
+    def to_config(self, admit_checkpoint: CheckpointGate | None = None,
+                  admit_factory: FactoryGate | None = None) -> ModelConfig:
+        """``admit_checkpoint``: maps ``init_from`` / ``config`` to the directory the service allows it to read
+        (raising if it may not), before anything there is read; ``None`` reads it as given (local use, tests).
+        ``admit_factory``: resolves and describes ``factory`` (``None``: a factory is refused)."""
+        sizes = self._sizes()
+        self.check_source()
+        if self.factory is not None:
+            if admit_factory is None:
+                raise ValueError("model.factory: only a service resolves factories (the operator's allowed modules "
+                                 "and entry points); submit the job to one")
+            return admit_factory(factory=self.factory, args=self.args or {}, block=self.block or "",
+                                 seq_len=sizes["seq_len"], vocab_size=sizes.get("vocab_size"))
+        for source in ("init_from", "config"):
+            path = getattr(self, source)
+            if path is None:
+                continue
+            directory = admit_checkpoint(path) if admit_checkpoint is not None else path
+            if source == "init_from" and self.family is ModelFamily.LLAMA:
+                return model_config_from_hf(directory, **sizes)
+            return hf_model_config(directory, weights=source == "init_from", **sizes)
         preset = self.preset
+        if self.family in (ModelFamily.HF, ModelFamily.FACTORY):
+            raise ValueError(f"model.family {self.family.value!r} needs "
+                             + ("model.init_from or model.config" if self.family is ModelFamily.HF else "model.factory"))
         if self.family is not None and "preset" not in self.model_fields_set:
             preset = "tiny" if self.family is ModelFamily.GPT else f"{self.family.value}-tiny"
         if preset is None:
@@ -180,6 +253,15 @@ class ModelSpec(Strict):
             raise ValueError(f"model.family is {self.family.value!r} but model.preset {preset!r} is a "
                              f"{base.family.value!r} model")
         return replace(base, **sizes)
+
+
+def _check_factory_args(args: dict[str, Any]) -> None:
+    bad = [k for k in args if not k.isidentifier()]
+    if bad:
+        raise ValueError(f"model.args: {bad[:3]} are not keyword argument names")
+    if len(json.dumps(args)) > FACTORY_ARGS_MAX_BYTES:
+        raise ValueError(f"model.args is over {FACTORY_ARGS_MAX_BYTES} bytes of JSON; a factory takes a few sizes "
+                         "and names")
 
 
 class _DataChecks(ConfigModel):
@@ -352,20 +434,27 @@ class JobSpec(Strict):
                 f"'auto', which then keeps them 1): a tensor/pipeline-parallel job (tp={par.tp}, pp={par.pp}) writes "
                 "only its final weights, no checkpoint it could resume from; set checkpoint.interval_steps to 0 to "
                 "run it so")
-        if self.model.init_from is None:
+        if self.model.source is None:
             self.to_request()
         else:
-            self.model.check_init_from()
+            self.model.check_source()
         return self
 
-    def to_request(self, owner: str = "", *, admit_checkpoint: CheckpointGate | None = None) -> JobRequest:
+    def to_request(self, owner: str = "", *, admit_checkpoint: CheckpointGate | None = None,
+                   admit_factory: FactoryGate | None = None) -> JobRequest:
         """The one conversion at the edge; every check beyond a single field's bounds is the request's own.
-        ``admit_checkpoint``: see :meth:`ModelSpec.to_config` (the service's routes always pass it)."""
+        ``admit_checkpoint``, ``admit_factory``: see :meth:`ModelSpec.to_config` (the service's routes always pass
+        them). A Hugging Face or factory model's ``auto`` tensor/pipeline sizes are 1: Meridian's own tensor and
+        pipeline parallelism splits its builtin families only."""
         t = self.training
+        model = self.model.to_config(admit_checkpoint, admit_factory)
+        parallelism = self.parallelism.to_request()
+        if not model.family.is_builtin:
+            parallelism = replace(parallelism, tp=parallelism.tp or 1, pp=parallelism.pp or 1)
         return JobRequest(
-            name=self.name, model=self.model.to_config(admit_checkpoint), data=self.data.to_config(), optim=t.optim(),
+            name=self.name, model=model, data=self.data.to_config(), optim=t.optim(),
             steps=t.steps, global_batch=t.global_batch, micro_batch=t.micro_batch, seed=t.seed, precision=t.precision,
-            topology=self.topology.to_request(), parallelism=self.parallelism.to_request(),
+            topology=self.topology.to_request(), parallelism=parallelism,
             links=tuple(link.to_request() for link in self.topology.links), sync=self.sync.to_config(),
             wan=None if self.wan is None else self.wan.to_config(),
             checkpoint_every=self.checkpoint.interval_steps, keep_final=self.checkpoint.keep_final,
@@ -376,11 +465,13 @@ class JobSpec(Strict):
         )
 
 
-def admitted_request(spec: JobSpec, owner: str, admit_checkpoint: CheckpointGate) -> JobRequest:
-    """``spec`` as the service's routes convert it: ``init_from`` admitted before it is read, and what the
-    checkpoint's shape then makes invalid (e.g. tp not dividing its heads) a 422 like any other spec error."""
+def admitted_request(spec: JobSpec, owner: str, admit_checkpoint: CheckpointGate,
+                     admit_factory: FactoryGate | None = None) -> JobRequest:
+    """``spec`` as the service's routes convert it: ``init_from`` / ``config`` admitted before they are read, a
+    factory only from what the operator allowed, and what the model's shape then makes invalid (e.g. tp not
+    dividing its heads) a 422 like any other spec error."""
     try:
-        return spec.to_request(owner, admit_checkpoint=admit_checkpoint)
+        return spec.to_request(owner, admit_checkpoint=admit_checkpoint, admit_factory=admit_factory)
     except ValueError as e:
         raise InvalidJob(str(e)) from None
 

@@ -22,6 +22,7 @@ from starlette.concurrency import run_in_threadpool
 from meridian.api.errors import TooManyStreams
 from meridian.api.schemas import EventPublic
 from meridian.service.store import JobStore
+from meridian.workers.contracts.events import EventKind
 
 POLL_S = 0.25
 KEEPALIVE_S = 15.0
@@ -92,8 +93,10 @@ _UNICODE_LINE_ENDS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2
 
 
 def sse_message(event: EventPublic) -> str:
-    # Event kinds are identifiers, but a newline in one would end the SSE field early: keep it on one line.
-    kind = "".join(ch for ch in event.kind if ch.isprintable()) or "message"
+    """One SSE message: its ``id``, its kind as the ``event`` name (a kind not in the registry, stored by an older
+    version, goes as a plain ``message``: a browser's EventSource listens by name, to the registry's names), the
+    event as JSON in ``data``."""
+    kind = event.kind if EventKind.known(event.kind) is not None else "message"
     return f"id: {event.id}\nevent: {kind}\ndata: {event.model_dump_json().translate(_UNICODE_LINE_ENDS)}\n\n"
 
 

@@ -35,6 +35,7 @@ from typing import Any
 
 from meridian.bench.recovery_cluster import CLUSTERS, dc_name, make_cluster
 from meridian.bench.recovery_measure import WINDOW_S, Phases, recovery_metrics
+from meridian.workers.contracts.events import EventKind
 
 NAME = "recovery"
 HELP = "node kill → next step, steps lost, throughput after, scale-up: Meridian vs torchft vs Ray Train elastic"
@@ -207,9 +208,9 @@ class _MeridianLog:
         for e in self.api.get(f"/v1/jobs/{self.job_id}/events", params={"after": self._event_cursor}).json()["events"]:
             self._event_cursor = max(self._event_cursor, e["id"])
             self.events.append((e["kind"], e["time"]))
-            if e["kind"] == "epoch_formed":
+            if e["kind"] == EventKind.EPOCH_FORMED:
                 self.epochs.append(e["data"])
-            if e["kind"] == "epoch_restored":
+            if e["kind"] == EventKind.EPOCH_RESTORED:
                 self.restored.append(e["data"])
         size = {e["epoch"]: len(e["datacenters"]) for e in self.epochs}
         # (a record's time is the wall clock of the rank that reported it; so is the kill's: one host)

@@ -22,15 +22,14 @@ from meridian.cli import render
 from meridian.cli.data import add_data_parser
 from meridian.cli.data import run as run_data
 from meridian.cli.errors import CliError, local_problem, report
+from meridian.cli.export import add_export_parser
 from meridian.cli.lab import add_lab_parser
 from meridian.cli.lab import run as run_lab
 from meridian.cli.plan import add_plan_parser
 from meridian.cli.profile import add_profile_parser
-
-
-def default_token_file() -> str:
-    # Same default as meridian.api.auth, without importing the server side into every CLI call.
-    return os.environ.get("MERIDIAN_TOKEN_FILE") or os.path.expanduser("~/.meridian/tokens.json")
+from meridian.cli.quota import add_quota_parser
+from meridian.cli.tokens import add_token_parser, default_token_file
+from meridian.workers.contracts.events import EventKind
 
 
 def _spec_error(detail: str) -> CliError:
@@ -69,34 +68,63 @@ def emit(args: argparse.Namespace, data: Any, text: str) -> None:
 
 def watch(client: Client, job_id: str, *, as_json: bool, timeout_s: float | None,
           interval_s: float = 0.5) -> dict[str, Any]:
-    """Follow a job until it ends, printing a progress bar (or one JSON object per update); with ``timeout_s``,
-    give up after that many seconds (the job keeps running), else follow it however long it runs."""
+    """Follow a job until it ends, printing a progress bar (or one JSON object per update): over the job's event
+    stream (its ``state`` and ``progress`` events, resumed after the last one seen), reading the job itself only at
+    the start, at the end, and every ``interval_s`` while the stream is down. With ``timeout_s``, give up after that
+    many seconds (the job keeps running), else follow it however long it runs."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
+
+    def expired() -> bool:
+        return deadline is not None and time.monotonic() > deadline
     tty = sys.stdout.isatty() and not as_json
-    last_line, last_print = "", 0.0
-    while True:
-        job = client.job(job_id)
+    shown = {"line": "", "at": 0.0}
+
+    def show(job: dict[str, Any]) -> None:
         line = render.progress_line(job)
         if as_json:
-            if line != last_line:
+            line += job["state"]  # a state that changes alone is an update too (the bar reads the same at the end)
+            if line != shown["line"]:
                 print(json.dumps({"id": job["id"], "state": job["state"], "progress": job["progress"]}), flush=True)
         elif tty:
             print("\r" + line.ljust(100)[:160], end="", flush=True)
-        elif line != last_line and (time.monotonic() - last_print > 2 or job["state"] in TERMINAL):
+        elif line != shown["line"] and (time.monotonic() - shown["at"] > 2 or job["state"] in TERMINAL):
             print(line, flush=True)
-            last_print = time.monotonic()
-        last_line = line
+            shown["at"] = time.monotonic()
+        shown["line"] = line
+
+    def timed_out(job: dict[str, Any]) -> ApiError:
+        if tty:
+            print()
+        return ApiError(0, f"job {job_id} still {job['state']} after {timeout_s:.0f} s ({job['message']}); it keeps "
+                           f"running — follow it with `meridian watch {job_id}`", kind="watch-timeout")
+
+    job = client.job(job_id)
+    newest = client.events(job_id, newest=1)["events"]
+    after = newest[-1]["id"] if newest else 0
+    while True:
+        show(job)
         if job["state"] in TERMINAL:
             if tty:
                 print()
             return job
-        if deadline is not None and time.monotonic() > deadline:
-            if tty:
-                print()
-            raise ApiError(0, f"job {job_id} still {job['state']} after {timeout_s:.0f} s "
-                              f"({job['message']}); it keeps running — follow it with `meridian watch {job_id}`",
-                           kind="watch-timeout")
-        time.sleep(interval_s)
+        if expired():
+            raise timed_out(job)
+        try:
+            for e in client.stream_events(job_id, after=after, reconnects=0):
+                after = e["id"]
+                if e["kind"] == EventKind.PROGRESS:
+                    job = {**job, "progress": {**job["progress"], **e["data"]}}
+                elif e["kind"] == EventKind.STATE:
+                    job = {**job, "state": e["data"]["state"], "reason": e["data"]["reason"],
+                           "message": e["data"]["message"]}
+                show(job)
+                if expired():
+                    raise timed_out(job)
+        except ApiError as e:
+            if e.status or e.problem.get("type", "").endswith("watch-timeout"):
+                raise  # the service refused (or the wait is over): not a dropped stream
+            time.sleep(interval_s)  # the stream dropped: read the job meanwhile, then resume after `after`
+        job = client.job(job_id)  # the stream ended (the job did) or dropped: the job as stored
 
 
 SUMMARY_EVENT_PAGES = 50
@@ -112,7 +140,7 @@ def summary(client: Client, job: dict[str, Any], wall_s: float | None = None) ->
         page = client.events(job["id"], after=after)["events"]
         if not page:
             break
-        decided += [e["message"] for e in page if e["kind"] == "sync_decided"]
+        decided += [e["message"] for e in page if e["kind"] == EventKind.SYNC_DECIDED]
         after = page[-1]["id"]
     return render.summary(job, wall_s=wall_s, sync_decisions=tuple(decided))
 
@@ -139,7 +167,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         config = ServiceConfig(data_dir=args.data_dir, database_url=args.database_url, ray_address=args.address,
                                local_datacenters=local, cpus_per_node=args.cpus_per_node,
                                data_roots=tuple(args.data_root or ()), storage=args.storage,
-                               tracking_roots=tuple(args.tracking_root or ()))
+                               tracking_roots=tuple(args.tracking_root or ()),
+                               model_modules=tuple(args.model_module or ()))
         if args.max_streams_per_owner is not None and args.max_streams_per_owner < 1:
             raise ValueError(f"--max-streams-per-owner must be at least 1, got {args.max_streams_per_owner}")
     except (UnsafeDeployment, ValueError) as e:
@@ -170,16 +199,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
             server.run()
     finally:
         service.stop()
-    return 0
-
-
-def cmd_token_create(args: argparse.Namespace) -> int:
-    from meridian.api.auth import create_token
-
-    token = create_token(args.token_file, args.owner)
-    data = {"owner": args.owner, "token": token, "token_file": args.token_file}
-    emit(args, data, f"{token}\n(owner {args.owner}; only its hash is stored in {args.token_file}. It is shown once: "
-                     "keep it in MERIDIAN_TOKEN. A running service reads new tokens when it restarts.)")
     return 0
 
 
@@ -316,63 +335,6 @@ def cmd_logs(args: argparse.Namespace, client: Client) -> int:
     return 0
 
 
-def _check_readable_here(info: dict) -> None:
-    """A local path: the service says whether it is readable (this runs where it is mounted); a URL: this
-    process reads it with its own environment's credentials."""
-    from meridian.workers.state import storage
-
-    latest = info["latest"]
-    if not storage.is_url(latest):
-        if not info["readable_here"]:
-            raise CliError("checkpoint-unreadable", "Checkpoint unreadable here",
-                           f"{latest} is not readable from this machine: run `meridian export` where the "
-                           "service's storage is mounted")
-        return
-    try:
-        storage.check_url(latest)
-        if not any(storage.exists(storage.join(latest, marker)) for marker in storage.MARKERS):
-            raise FileNotFoundError(f"{latest} holds no complete checkpoint")
-    except Exception as e:  # the filesystem library's own errors (credentials, endpoint) too
-        raise CliError("checkpoint-unreadable", "Checkpoint unreadable here",
-                       f"cannot read {latest} from here ({type(e).__name__}: {e}); set the credentials and endpoint "
-                       "in this shell's environment (for S3: AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, "
-                       "AWS_ENDPOINT_URL)") from e
-
-
-def cmd_export(args: argparse.Namespace, client: Client) -> int:
-    """Convert a job's final (or latest) checkpoint into a Hugging Face directory. The checkpoint is read from
-    the path or URL the artifacts endpoint gives, so this runs where the service's storage is readable (its
-    machine, or a node sharing it; for a URL, wherever its credentials are)."""
-    info = client.artifacts(args.id)
-    if info["latest"] is None:
-        why = "it opted out (checkpoint.keep_final: false)" if not info["keep_final"] else "it has not finished yet"
-        raise CliError("no-checkpoint", "No checkpoint", f"job {args.id} has no checkpoint in {info['storage']}: {why}")
-    _check_readable_here(info)
-    from meridian.workers.model.export import export_job  # torch: only this verb needs it
-
-    latest = next(a for a in info["artifacts"] if a["path"] == info["latest"])
-    try:
-        done = export_job(info["latest"], info["model"], info["data"], args.out)
-    except Exception as e:
-        if type(e) is not Exception:  # only `tokenizers`' own (a bare Exception): any other is a bug to show
-            raise
-        raise CliError("tokenizer-unreadable", "Tokenizer unreadable",
-                       f"the weights are in {args.out}, but its tokenizer.json, copied from job {args.id}'s dataset, "
-                       f"is not one the tokenizers library can read ({e}); delete it from {args.out} (the dataset's "
-                       "tokenizer.json was damaged since it was prepared: prepare the text again to get one)") from None
-    out, tokenizer = done["out"], done["tokenizer"]
-    note = "" if latest["final"] else " (not the final step: the job has not finished)"
-    if args.json:
-        print(json.dumps({"out": out, "step": latest["step"], "final": latest["final"], "tokenizer": tokenizer}))
-    else:
-        print(f"wrote {out} from step {latest['step']}{note}; load it with "
-              f"transformers.AutoModelForCausalLM.from_pretrained({out!r})")
-        print(f"tokenizer: {', '.join(tokenizer['files'])} from {tokenizer['source']}; load it with "
-              f"transformers.AutoTokenizer.from_pretrained({out!r})" if tokenizer["written"]
-              else f"no tokenizer written: {tokenizer['reason']}")
-    return 0
-
-
 # -- parser ----------------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="meridian", description=__doc__.splitlines()[0])
@@ -401,6 +363,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--tracking-root", action="append", metavar="PATH_OR_URL",
                    help="a folder where jobs may keep an MLflow store (tracking.mlflow.uri file:... or sqlite:...), "
                         "or an https:// MLflow server they may log to; repeatable (default: DATA_DIR/tracking)")
+    s.add_argument("--model-module", action="append", metavar="PKG",
+                   help="a module whose factories jobs may name as model.factory (module:function); repeatable")
     s.add_argument("--storage", default="", metavar="PATH_OR_URL",
                    help="where checkpoints and final weights go: a path every node and the service can read and "
                         "write (a shared filesystem), or an fsspec URL such as s3://bucket/prefix, credentials "
@@ -415,13 +379,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "or ~/.meridian/tokens.json)")
     s.set_defaults(run=cmd_serve)
 
-    t = sub.add_parser("token", help="manage API tokens", description="manage API tokens")
-    tsub = t.add_subparsers(dest="token_verb", required=True, metavar="ACTION")
-    tc = tsub.add_parser("create", help="print a new bearer token for an owner; store only its hash")
-    tc.add_argument("--json", action="store_true", help="machine-readable output")
-    tc.add_argument("--owner", required=True, help="who the token acts for (jobs are owned by this name)")
-    tc.add_argument("--token-file", default=default_token_file())
-    tc.set_defaults(run=cmd_token_create)
+    add_token_parser(sub)
 
     d = verb("demo", "start a local 2-datacenter cluster, submit the example job over REST, watch it", remote=False)
     d.add_argument("--datacenters", default="dc-a:2,dc-b:2", metavar="DC:N,...")
@@ -474,11 +432,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     verb("cluster", "show datacenters, nodes and resources").set_defaults(run=cmd_cluster)
 
-    s = verb("export", "write a job's final weights and its dataset's tokenizer as a Hugging Face directory")
-    s.add_argument("id")
-    s.add_argument("--out", required=True, help="directory to write")
-    s.add_argument("--format", choices=["hf"], default="hf", help="hf: what AutoModelForCausalLM loads")
-    s.set_defaults(run=cmd_export)
+    add_export_parser(verb)
 
     s = verb("probe", "measure the cluster's links with collectives (10-60 s); later plans use the figures")
     s.add_argument("--tiers", nargs="+", choices=["intra_node", "intra_dc", "inter_dc"], default=None,
@@ -493,6 +447,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_lab_parser(sub)
     add_data_parser(sub)
     add_profile_parser(sub)
+    add_quota_parser(sub)
 
     b = sub.add_parser("bench", help="benchmarks (sync, scaling, …); see `meridian bench -h`", add_help=False)
     b.add_argument("rest", nargs=argparse.REMAINDER)

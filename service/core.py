@@ -21,6 +21,8 @@ from meridian.service.errors import MeridianError
 from meridian.service.jobs import JobRequest, JobState
 from meridian.service.launcher import Launcher
 from meridian.service.lease import DatabaseOwned, Lease
+from meridian.service.model_access import ModelAccess
+from meridian.service.planning.placement import worker_slots
 from meridian.service.store import JobStore
 from meridian.service.supervision.supervisor import Supervisor
 from meridian.workers.contracts.fields import to_plain
@@ -59,8 +61,11 @@ class ServiceConfig:
     service can read and write, e.g. a shared filesystem's mount, or an fsspec URL (``s3://bucket/prefix``;
     credentials from the environment); empty: ``<data_dir>/checkpoints``, which on one machine every node
     shares."""
+    model_modules: tuple[str, ...] = ()
+    """Modules whose factories jobs may name as ``model.factory`` (``--model-module``; :mod:`.model_access`)."""
 
     def __post_init__(self) -> None:
+        ModelAccess(self.model_modules)  # a module name that is not one is refused at start
         if self.poll_interval_s <= 0:
             raise ValueError(f"poll_interval_s must be > 0, got {self.poll_interval_s}")
         if self.cpus_per_node < 1:
@@ -86,6 +91,9 @@ class ServiceConfig:
         return DataAccess.for_roots(self.effective_data_roots, max_bytes=self.data_max_bytes,
                                     tracking_roots=self.tracking_roots or (str(Path(self.data_dir) / "tracking"),),
                                     storage_root=self.checkpoint_root)
+
+    def model_access(self) -> ModelAccess:
+        return ModelAccess(self.model_modules)
 
     def check_storage(self) -> None:
         """Make the storage folder and prove this process can write there, or raise :class:`StorageUnusable`
@@ -181,7 +189,8 @@ class MeridianService:
         datacenters it may use, all at once (as training runs); plans of that shape use the figure from now on."""
         topo = read_topology()
         use_gpu = topo.has_gpus(tuple(request.topology.datacenters or topo.datacenters))
-        entry = run_compute_probe(topo, to_plain(request.model), request.micro_batch, use_gpu=use_gpu,
+        slots = {n.node_id: worker_slots(n, use_gpu=use_gpu) for n in topo.alive_nodes}
+        entry = run_compute_probe(topo, to_plain(request.model), request.micro_batch, slots=slots, use_gpu=use_gpu,
                                   precision=training_precision(request.precision.value, use_gpu))
         self.probe_cache.store_compute(entry)  # type: ignore[union-attr]
         return entry

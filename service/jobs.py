@@ -60,7 +60,8 @@ _ALLOWED: dict[JobState, set[JobState]] = {
     # A placement that loses its capacity goes back to the queue; a running job whose groups are being
     # re-formed after a node loss goes back to placing.
     JobState.PLACING: {JobState.RUNNING, JobState.QUEUED, JobState.FAILED, JobState.CANCELLED, JobState.SUCCEEDED},
-    JobState.RUNNING: {JobState.PLACING, JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED},
+    # A running job preempted by one of higher priority goes back to the queue, from its checkpoint.
+    JobState.RUNNING: {JobState.PLACING, JobState.QUEUED, JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED},
     JobState.SUCCEEDED: set(),
     JobState.FAILED: set(),
     JobState.CANCELLED: set(),

@@ -15,13 +15,16 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from meridian.service.cluster.connect import NAMESPACE
 from meridian.service.planning.plan import Plan
-from meridian.service.runner.actor import NAMESPACE, JobRunner, runner_name, sweep_snapshots
+from meridian.service.runner.actor import JobRunner, runner_name, sweep_snapshots
 from meridian.service.runner.poll import RunnerLost, RunnerPoll
 from meridian.workers.contracts.config import TrainConfig
 
 CALL_TIMEOUT_S = 10.0
 LAUNCH_TIMEOUT_S = 60.0
+NAME_FREE_WAIT_S = 10.0
+"""A runner killed by its release keeps its name until Ray has ended it: a job launched again waits this long."""
 
 
 
@@ -41,6 +44,7 @@ class Launcher:
 
     def launch(self, job_id: str, config: TrainConfig, plan: Plan, *, min_workers: int = 1) -> str:
         name = runner_name(job_id)
+        self._wait_name_free(job_id)  # a preempted job's last runner was killed: its name goes with it
         actor = self._actor_cls.options(
             name=name, namespace=NAMESPACE, lifetime="detached", num_cpus=0, max_concurrency=64,
             max_restarts=0,
@@ -57,6 +61,11 @@ class Launcher:
                 ray.kill(actor, no_restart=True)
             raise
         return name
+
+    def _wait_name_free(self, job_id: str, timeout_s: float = NAME_FREE_WAIT_S) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self.exists(job_id) and time.monotonic() < deadline:
+            time.sleep(0.2)
 
     def _actor(self, job_id: str) -> Any:
         try:
@@ -92,6 +101,12 @@ class Launcher:
             return ray.get(self._actor(job_id).profile.remote(request_id, steps, ranks), timeout=CALL_TIMEOUT_S)
         except ray.exceptions.RayActorError as e:
             raise RunnerLost(str(e)) from e
+
+    def suspend(self, job_id: str) -> None:
+        """Ask the runner to have its workers checkpoint at their next step boundary and stop (returns once the
+        request is delivered)."""
+        with contextlib.suppress(RunnerLost):
+            self._actor(job_id).suspend.remote()
 
     def release(self, job_id: str) -> None:
         """Kill the runner (and with it anything it still owns) once its job is over."""

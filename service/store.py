@@ -21,6 +21,9 @@ from sqlalchemy.pool import StaticPool
 
 from meridian.service.errors import IdempotencyConflict, InvalidTransition, JobNotFound
 from meridian.service.jobs import JobRequest, JobState, JobStatus, transition
+from meridian.service.quotas import Quota
+from meridian.service.resolved import ResolvedJob
+from meridian.workers.contracts.events import EventKind, JobEvent, StateChanged
 
 CAS_ATTEMPTS = 20
 """How often :meth:`JobStore.set_status` re-reads a status that a concurrent writer changed under it."""
@@ -40,6 +43,7 @@ jobs_table = sa.Table(
     sa.Column("request", sa.Text, nullable=False),
     sa.Column("spec", sa.Text, nullable=False),
     sa.Column("plan", sa.Text),
+    sa.Column("resolved", sa.Text),  # the plan and training config fixed at submit (ResolvedJob.to_json)
     sa.Column("placement", sa.Text),
     sa.Column("progress", sa.Text),
     sa.Column("result", sa.Text),
@@ -48,6 +52,9 @@ jobs_table = sa.Table(
     # has not answered yet.
     sa.Column("cancel_requested", sa.Boolean, nullable=False, default=False, server_default=sa.false()),
     sa.Column("cancel_requested_at", sa.Float),  # when the cancel was asked for (its deadline counts from here)
+    # A suspension (preemption) was asked for and the runner has not written its checkpoint yet.
+    sa.Column("suspend_requested", sa.Boolean, nullable=False, default=False, server_default=sa.false()),
+    sa.Column("suspend_requested_at", sa.Float),  # its deadline counts from here
     sa.Column("state_since", sa.Float),  # when ``state`` last changed (the placing deadline counts from here)
     sa.Column("idempotency_key", sa.String(200)),
     sa.Column("request_hash", sa.String(64)),  # of the submitted body, so a reused key with another body is refused
@@ -77,6 +84,15 @@ event_order_table = sa.Table(
     "event_order", metadata,
     sa.Column("id", sa.Integer, primary_key=True),  # always 1
     sa.Column("transactions", sa.BigInteger, nullable=False, default=0),  # event-writing commits so far
+)
+
+quotas_table = sa.Table(
+    "quotas", metadata,
+    sa.Column("owner", sa.String(200), primary_key=True),
+    sa.Column("cpus", sa.Float),  # NULL: no limit
+    sa.Column("gpus", sa.Float),
+    sa.Column("jobs", sa.Integer),
+    sa.Column("updated_at", sa.Float, nullable=False),
 )
 
 metrics_table = sa.Table(
@@ -114,15 +130,27 @@ class JobRecord:
     state_since: float | None = None
     """When the job entered its current state (``created_at`` for a job stored before this was kept)."""
     request_hash: str | None = None
+    resolved_json: str | None = field(default=None, repr=False)
+    suspend_requested: bool = False
+    """The job is being preempted: the supervisor asks its runner to checkpoint and stop until it has."""
+    suspend_requested_at: float | None = None
 
     @cached_property
     def request(self) -> JobRequest:
         # Parsed on first use: listing jobs for the API never needs it, and it is the costliest column.
         return JobRequest.from_dict(json.loads(self.request_json))
 
+    @cached_property
+    def resolved(self) -> ResolvedJob | None:
+        """The plan and training config fixed at submit; ``None`` for a job stored by a service older than them."""
+        return ResolvedJob.from_json(self.resolved_json) if self.resolved_json else None
+
 
 @dataclass(frozen=True)
 class Event:
+    """A stored event as read back: its kind as stored (a kind of an older version may not be in
+    :class:`~meridian.workers.contracts.events.EventKind`) and its payload's JSON form."""
+
     id: int
     job_id: str
     time: float
@@ -134,6 +162,17 @@ class Event:
 def request_hash(spec: dict[str, Any]) -> str:
     """A stable hash of a submitted body (its JSON form), stored with an idempotency key."""
     return hashlib.sha256(json.dumps(spec, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def new_job_id() -> str:
+    """A fresh job id (12 hex digits)."""
+    return uuid.uuid4().hex[:12]
+
+
+def _event_row(job_id: str, event: JobEvent) -> dict[str, Any]:
+    """The events table's row of a typed event: strings and JSON from here on."""
+    return dict(job_id=job_id, time=event.time, kind=event.kind.value, message=event.message,
+                data=json.dumps(event.data))
 
 
 def _loads(text: str | None) -> Any:
@@ -151,7 +190,8 @@ def _record(row: sa.Row) -> JobRecord:
         created_at=m["created_at"], updated_at=m["updated_at"],
         started_at=m["started_at"], finished_at=m["finished_at"], cancel_requested=bool(m["cancel_requested"]),
         cancel_requested_at=m["cancel_requested_at"], state_since=m["state_since"] or m["created_at"],
-        request_hash=m["request_hash"],
+        request_hash=m["request_hash"], resolved_json=m["resolved"], suspend_requested=bool(m["suspend_requested"]),
+        suspend_requested_at=m["suspend_requested_at"],
     )
 
 
@@ -183,7 +223,8 @@ class JobStore:
         """Columns added after a database was created (``create_all`` makes missing tables, not columns)."""
         have = {c["name"] for c in sa.inspect(self.engine).get_columns("jobs")}
         added = {"cancel_requested": "BOOLEAN NOT NULL DEFAULT FALSE", "cancel_requested_at": "FLOAT",
-                 "state_since": "FLOAT", "request_hash": "VARCHAR(64)"}
+                 "state_since": "FLOAT", "request_hash": "VARCHAR(64)", "resolved": "TEXT",
+                 "suspend_requested": "BOOLEAN NOT NULL DEFAULT FALSE", "suspend_requested_at": "FLOAT"}
         for name, ddl in added.items():
             if name not in have:
                 with self.engine.begin() as conn:
@@ -230,19 +271,19 @@ class JobStore:
 
     def create_job(
         self, request: JobRequest, spec: dict[str, Any], *, status: JobStatus, idempotency_key: str | None = None,
-        request_hash: str | None = None, plan: dict[str, Any] | None = None,
+        request_hash: str | None = None, resolved: ResolvedJob | None = None, job_id: str | None = None,
     ) -> tuple[JobRecord, bool]:
         """Insert a job; returns (record, created). With an idempotency key already used by this owner,
         returns the existing job and ``created=False`` instead of a duplicate, or raises
         :class:`IdempotencyConflict` when the stored job was submitted with another body (``request_hash``).
-        ``plan``: the submit-time plan, in the same insert (written after it, it could replace the plan the
-        scheduler admitted the job with in between)."""
+        ``resolved``: the plan and training config fixed at submit, in the same insert (the scheduler may admit
+        the job as soon as it is committed); ``job_id``: the id they were built for (default: a new one)."""
         if idempotency_key:
             existing = self.find_by_idempotency_key(request.owner, idempotency_key, request_hash)
             if existing is not None:
                 return existing, False
         try:
-            return self._insert_job(request, spec, status, idempotency_key, request_hash, plan), True
+            return self._insert_job(request, spec, status, idempotency_key, request_hash, resolved, job_id), True
         except sa.exc.IntegrityError:
             # A concurrent request with the same key won the race: answer with its job.
             existing = self.find_by_idempotency_key(request.owner, idempotency_key or "", request_hash)
@@ -269,22 +310,22 @@ class JobStore:
 
     def _insert_job(
         self, request: JobRequest, spec: dict[str, Any], status: JobStatus, idempotency_key: str | None,
-        request_hash: str | None, plan: dict[str, Any] | None,
+        request_hash: str | None, resolved: ResolvedJob | None, job_id: str | None,
     ) -> JobRecord:
         now = time.time()
-        job_id = uuid.uuid4().hex[:12]
+        job_id = job_id or new_job_id()
         with self.engine.begin() as conn:
             conn.execute(jobs_table.insert().values(
                 id=job_id, name=request.name, owner=request.owner, priority=request.priority,
                 state=status.state.value, reason=status.reason, message=status.message,
                 request=json.dumps(request.to_dict()), spec=json.dumps(spec), idempotency_key=idempotency_key,
                 request_hash=request_hash, created_at=now, updated_at=now, state_since=now,
-                plan=json.dumps(plan) if plan is not None else None,
+                plan=json.dumps(resolved.plan.to_dict()) if resolved is not None else None,
+                resolved=resolved.to_json() if resolved is not None else None,
             ))
-            self._insert_events(conn, [dict(
-                job_id=job_id, time=now, kind="state", message=f"job submitted: {status.state.value}",
-                data=json.dumps({"state": status.state.value, "reason": status.reason, "message": status.message}),
-            )])
+            self._insert_events(conn, [_event_row(job_id, JobEvent(
+                kind=EventKind.STATE, message=f"job submitted: {status.state.value}", time=now,
+                payload=StateChanged(state=status.state.value, reason=status.reason, message=status.message)))])
             row = conn.execute(sa.select(jobs_table).where(jobs_table.c.id == job_id)).one()
         self._jobs_changed()
         return _record(row)
@@ -329,9 +370,11 @@ class JobStore:
     def set_status(
         self, job_id: str, status: JobStatus, *, expect: set[JobState] | None = None,
         cancel_requested: bool | None = None, unless_cancel_requested: bool = False,
+        suspend_requested: bool | None = None,
     ) -> JobRecord:
         """Move a job to ``status`` (validated by :func:`transition`) and record the change as an event;
-        ``cancel_requested=True`` marks a cancel request in the same transaction.
+        ``cancel_requested=True`` marks a cancel request in the same transaction, ``suspend_requested`` a
+        preemption's.
 
         Compare-and-set in the database: the row is updated only where it still holds the status that was
         read (``UPDATE … WHERE state = … AND reason = …``), so a writer that read a stale status re-reads and
@@ -362,29 +405,32 @@ class JobStore:
                     values["started_at"] = now
                 if new.state.is_terminal:
                     values["finished_at"] = now
+                if suspend_requested is not None:
+                    values["suspend_requested"] = suspend_requested
+                    values["suspend_requested_at"] = now if suspend_requested else None
                 if cancel_requested is not None:
                     values["cancel_requested"] = cancel_requested
                     if cancel_requested and not m["cancel_requested"]:
                         values["cancel_requested_at"] = now
                 c = jobs_table.c
                 guard = sa.and_(c.id == job_id, c.state == m["state"], c.reason == m["reason"],
-                                c.message == m["message"], c.cancel_requested == m["cancel_requested"])
+                                c.message == m["message"], c.cancel_requested == m["cancel_requested"],
+                                c.suspend_requested == m["suspend_requested"])
                 if conn.execute(jobs_table.update().where(guard).values(**values)).rowcount != 1:
                     continue  # another writer changed the status since we read it: read again
                 if (new.state, new.reason, new.message) != (current.state, current.reason, current.message):
-                    self._insert_events(conn, [dict(
-                        job_id=job_id, time=now, kind="state",
+                    self._insert_events(conn, [_event_row(job_id, JobEvent(
+                        kind=EventKind.STATE, time=now,
                         message=f"{new.state.value}" + (f": {new.message}" if new.message else ""),
-                        data=json.dumps({"state": new.state.value, "reason": new.reason, "message": new.message,
-                                         "previous": current.state.value}),
-                    )])
+                        payload=StateChanged(state=new.state.value, reason=new.reason, message=new.message,
+                                             previous=current.state.value)))])
                 row = conn.execute(sa.select(jobs_table).where(jobs_table.c.id == job_id)).one()
             self._jobs_changed()
             return _record(row)
         raise InvalidTransition(f"job {job_id} kept changing while being set to {status.state.value}; try again")
 
     def update_fields(self, job_id: str, **fields: Any) -> None:
-        """Set JSON fields (plan, placement, progress, result) and plain ones (runner)."""
+        """Set JSON fields (plan, placement, progress, result), plain ones (runner) and ``resolved``."""
         values = self._field_values(fields, time.time())
         with self.engine.begin() as conn:
             if conn.execute(jobs_table.update().where(jobs_table.c.id == job_id).values(**values)).rowcount == 0:
@@ -392,7 +438,7 @@ class JobStore:
         self._jobs_changed()
 
     def record_poll(
-        self, job_id: str, *, records: list[dict[str, Any]], events: list[dict[str, Any]], **fields: Any,
+        self, job_id: str, *, records: list[dict[str, Any]], events: list[JobEvent], **fields: Any,
     ) -> None:
         """Store one poll of a runner — its metric records, its events and the job fields (``progress``
         with the runner cursor) — in one transaction. A service killed mid-poll therefore either stored
@@ -407,10 +453,7 @@ class JobStore:
                     {"job_id": job_id, "step": int(r["step"]), "time": float(r.get("time", now)), "data": json.dumps(r)}
                     for r in records
                 ])
-            self._insert_events(conn, [dict(
-                job_id=job_id, time=ev.get("time") or now, kind=ev["kind"], message=ev["message"],
-                data=json.dumps(ev.get("data") or {}),
-            ) for ev in events])
+            self._insert_events(conn, [_event_row(job_id, ev) for ev in events])
         self._jobs_changed()
 
     @staticmethod
@@ -421,17 +464,16 @@ class JobStore:
                 values[key] = json.dumps(value) if value is not None else None
             elif key == "runner":
                 values[key] = value
+            elif key == "resolved":
+                values[key] = value.to_json() if value is not None else None
             else:
                 raise KeyError(f"unknown job field {key!r}")
         return values
 
     # -- events -----------------------------------------------------------------------------------------
-    def add_event(self, job_id: str, kind: str, message: str, data: dict[str, Any] | None = None,
-                  *, at: float | None = None) -> int:
+    def add_event(self, job_id: str, event: JobEvent) -> int:
         with self.engine.begin() as conn:
-            return self._insert_events(conn, [dict(
-                job_id=job_id, time=at or time.time(), kind=kind, message=message, data=json.dumps(data or {}),
-            )])[0]
+            return self._insert_events(conn, [_event_row(job_id, event)])[0]
 
     def list_events(self, job_id: str, *, after: int = 0, limit: int = 1000, newest: bool = False) -> list[Event]:
         """The job's events with an id above ``after``, oldest first: the first ``limit`` of them, or with
@@ -450,6 +492,22 @@ class JobStore:
             q = q.where(events_table.c.id < before)
         with self.engine.connect() as conn:
             return int(conn.execute(q).scalar_one())
+
+    # -- quotas -----------------------------------------------------------------------------------------
+    def set_quota(self, quota: Quota) -> Quota:
+        """Store ``quota`` for its owner (replacing the one before); admission uses it from its next tick."""
+        row = {"owner": quota.owner, "cpus": quota.cpus, "gpus": quota.gpus, "jobs": quota.jobs, "updated_at": time.time()}
+        with self.engine.begin() as conn:
+            if conn.execute(quotas_table.update().where(quotas_table.c.owner == quota.owner).values(**row)).rowcount == 0:
+                conn.execute(quotas_table.insert().values(**row))
+        self._jobs_changed()
+        return quota
+
+    def quotas(self) -> dict[str, Quota]:
+        """Every owner's quota, by owner (an owner without one has no limit)."""
+        with self.engine.connect() as conn:
+            return {r.owner: Quota(owner=r.owner, cpus=r.cpus, gpus=r.gpus, jobs=r.jobs)
+                    for r in conn.execute(sa.select(quotas_table))}
 
     # -- metrics ----------------------------------------------------------------------------------------
     def add_metrics(self, job_id: str, records: list[dict[str, Any]]) -> None:

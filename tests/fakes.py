@@ -7,7 +7,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from meridian.service.cluster.topology import ClusterTopology, NodeInfo
+from meridian.service.runner.placement import PlacementTracker
 from meridian.service.runner.poll import RunnerLost, RunnerPoll, RunnerState
+from meridian.workers.contracts.events import JobEvent
 from meridian.workers.contracts.records import StepRecord
 from meridian.workers.contracts.rendezvous import Assignment
 
@@ -38,11 +40,21 @@ class FakeRunner:
     result: dict[str, Any] | None = None
     items: list[tuple[int, str, Any]] = field(default_factory=list)  # (seq, "record"|"event", StepRecord|dict)
     cancelled: bool = False
-    observe: dict[str, Any] = field(default_factory=dict)  # heartbeats/recent_step_s/now, as JobRunner.poll
+    suspending: bool = False
+    suspended_step: int | None = None
     wait_reason: str = ""
     finished: bool = False
 
+    stalls: tuple[Any, ...] = ()  # StallSeen, as JobRunner.poll judges them now
+    placement: PlacementTracker = field(default_factory=PlacementTracker)
+
     def push(self, kind: str, data: Any) -> None:
+        """``("record", StepRecord)``, or ``("event", {"kind", "message", "data", "time"})`` in the wire form a
+        worker sends (typed here, as ``JobRunner.push_event`` does), or ``("event", JobEvent)``."""
+        if kind == "event" and not isinstance(data, JobEvent):
+            data = JobEvent.of(data["kind"], data.get("message", ""), data.get("data"), at=data.get("time"))
+        if kind == "event":
+            self.placement.observe(data)
         self.items.append((len(self.items) + 1, kind, data))
 
 
@@ -53,6 +65,7 @@ class FakeLauncher:
         self.released: list[str] = []
         self.resumed: list[str] = []
         self.cancels: list[str] = []  # every cancel asked for, delivered or not
+        self.suspends: list[str] = []  # every suspension asked for
         self.swept: list[str] = []  # jobs whose snapshot folders were to be removed on every node
         self.on_launch: Any = None  # called with the job id before the runner exists (to step a race)
         self.launch_error: Exception | None = None  # raised after the runner was created (a start timeout)
@@ -81,8 +94,7 @@ class FakeLauncher:
             records=tuple(d for s, k, d in r.items if k == "record" and s > after),
             events=tuple(d for s, k, d in r.items if k == "event" and s > after),
             cursor=len(r.items), wait_reason=r.wait_reason, finished=r.finished,
-            heartbeats=r.observe.get("heartbeats", {}), recent_step_s=tuple(r.observe.get("recent_step_s", ())),
-            now=r.observe.get("now", 0.0),
+            placement=r.placement.ranks, stalls=tuple(r.stalls), suspended_step=r.suspended_step,
         )
 
     def resume(self, job_id: str) -> None:
@@ -95,12 +107,30 @@ class FakeLauncher:
         if job_id in self.runners:
             self.runners[job_id].cancelled = True
 
+    def suspend(self, job_id: str) -> None:
+        self.suspends.append(job_id)
+        if job_id in self.runners:
+            self.runners[job_id].suspending = True
+
     def release(self, job_id: str) -> None:
         self.released.append(job_id)
         self.runners.pop(job_id, None)
 
     def exists(self, job_id: str) -> bool:
         return job_id in self.runners
+
+
+def raw_event(store: Any, job_id: str, kind: str, message: str, data: dict[str, Any] | None = None) -> int:
+    """An event row written as an older version of the service could have (any kind, any data), straight into
+    the table: what readers of stored events must still handle."""
+    import json
+    import time
+
+    from meridian.service.store import JobStore
+
+    with store.engine.begin() as conn:
+        return JobStore._insert_events(conn, [dict(job_id=job_id, time=time.time(), kind=kind, message=message,
+                                                   data=json.dumps(data or {}))])[0]
 
 
 def step_record(step: int, total: int, loss: float, **fields: Any) -> StepRecord:
@@ -200,5 +230,5 @@ def job_runner(exporter: Any) -> Any:
 
     plan = type("P", (), {"rank_datacenters": ("dc-a", "dc-b")})()
     r = JobRunner("j1", {}, plan, "/tmp/unused")
-    r._exporter = exporter
+    r._reports._exporter = exporter
     return r

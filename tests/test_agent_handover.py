@@ -97,7 +97,7 @@ OSError: [Errno 28] No space left on device
 
 
 def test_a_training_failure_names_the_exception_first_and_the_job_says_it(tmp_path):
-    from meridian.service.runner.actor import _describe_failure
+    from meridian.service.runner.train_run import describe_failure as _describe_failure
     from meridian.workers.elastic.agent import raised
 
     ctx = mp.get_context("fork")

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
-from fakes import FakeService, spec
+from fakes import FakeService, raw_event, spec, submit
 
 from meridian.api.auth import AuthSettings, create_token
 from meridian.api.server import serve_in_thread
 from meridian.cli.main import main
+from meridian.workers.contracts.events import EventKind, JobEvent
 from meridian.workers.contracts.model_config import model_preset
 
 
@@ -150,10 +152,46 @@ def test_get_prints_what_an_armed_look_ahead_decided(served, capsys, tmp_path, s
     job_id = json.loads(out)["id"]
     decided = "Sync at epoch 1: exact sync kept: exact sync left 1.0 ms a step waiting for the sync (1% of 100.0 ms)"
     # past the first page of events (a re-formed epoch decides again, long after the job began)
-    filler = [{"kind": "note", "message": f"event {i}", "time": 1.0} for i in range(1500)]
+    filler = [JobEvent(kind=EventKind.WAITING, message=f"event {i}", time=1.0) for i in range(1500)]
     store.record_poll(job_id, records=[], events=filler)
-    store.add_event(job_id, "sync_decided", decided, {"lookahead": False})
+    raw_event(store, job_id, "sync_decided", decided, {"lookahead": False})
     code, out, _ = run(capsys, "get", job_id)
     assert code == 0 and f"  sync decided    {decided}" in out.splitlines()
     code, out, _ = run(capsys, "get", job_id, "--json")
     assert "sync decided" not in out and json.loads(out)["id"] == job_id  # --json prints the job as it is
+
+
+def test_watch_follows_the_job_over_its_event_stream_and_reads_the_job_only_at_its_ends(served, capsys, monkeypatch):
+    import threading
+
+    from fakes import step_record
+
+    from meridian.api.client import Client
+
+    supervisor = served.supervisor
+    job = submit(supervisor, owner="dana", training={"steps": 3})  # straight to the supervisor, no HTTP
+    supervisor.tick()
+    runner = supervisor.launcher.runners[job]
+    reads = []
+    real_job = Client.job
+    monkeypatch.setattr(Client, "job", lambda self, job_id: reads.append(job_id) or real_job(self, job_id))
+    monkeypatch.setattr("meridian.service.supervision.supervisor.PROGRESS_EVENT_EVERY_S", 0.0)  # every poll's
+
+    def train():
+        time.sleep(1.0)  # the watch is following by now
+        runner.state = "running"
+        for step in (1, 2, 3):
+            runner.push("record", step_record(step, 3, 5.0 - step))
+            supervisor.tick()
+            time.sleep(0.6)
+        runner.state = "succeeded"
+        supervisor.tick()
+
+    trainer = threading.Thread(target=train)
+    trainer.start()
+    code, out, _ = run(capsys, "watch", job, "--json", "--timeout", "60")
+    trainer.join()
+    updates = [json.loads(line) for line in out.splitlines()]
+    assert code == 0 and updates[-1]["state"] == "succeeded"
+    assert [u["progress"]["step"] for u in updates if u["state"] == "running" and u["progress"].get("step")] == [1, 2, 3]
+    assert len(reads) == 2, f"the watch read the job {len(reads)} times: at its start and its end only"

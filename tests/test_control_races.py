@@ -34,34 +34,42 @@ def fake_client(store, supervisor, cluster_view):
 
 def test_a_cancel_while_the_supervisor_admits_the_job_wins_and_nothing_is_launched(supervisor, store):
     job, _ = supervisor.submit(req(), {})
-    plan = supervisor.plan
+    queued_in_order = store.queued_in_order
 
-    def plan_then_cancel(request, topo=None):  # the DELETE lands after the queue was read, before PLACING
+    def read_queue_then_cancel():  # the DELETE lands after the queue was read, before PLACING
+        queue = queued_in_order()
         supervisor.cancel(job.id)
-        return plan(request, topo)
+        return queue
 
-    supervisor.plan = plan_then_cancel
+    store.queued_in_order = read_queue_then_cancel
     supervisor.tick()
     assert store.get_job(job.id).status.state is JobState.CANCELLED
     assert supervisor.launcher.launched == []
 
 
-def test_the_plan_stored_is_the_plan_the_job_was_launched_with_when_the_scheduler_admits_it_mid_submit(
+def test_the_plan_and_config_fixed_at_submit_are_what_the_runner_gets_though_the_cluster_changed(
         supervisor, store, cluster_view):
-    create = store.create_job
-
-    def create_then_admit(*args, **kwargs):  # the loop's tick runs between the insert and the rest of submit
-        record = create(*args, **kwargs)
-        cluster_view.topo = topology(dc_a=2, dc_b=1)  # a node left: the scheduler plans 3 workers, not 4
-        supervisor.tick()
-        return record
-
-    store.create_job = create_then_admit
     job, created = supervisor.submit(req(), {})
-    launched = supervisor.launcher.launched[0][2]
-    # The submit-time plan (4 workers) was written in a second transaction, over the one the runner was given.
-    assert created and launched.num_workers == 3
-    assert store.get_job(job.id).plan == launched.to_dict() and job.plan == launched.to_dict()
+    stored = store.get_job(job.id).resolved
+    assert created and stored is not None and stored.plan.num_workers == 4
+    cluster_view.topo = topology(dc_a=3, dc_b=3)  # more room now: a new plan would differ; the job keeps its own
+    supervisor.tick()
+    _, config, plan = supervisor.launcher.launched[0]
+    assert plan == stored.plan and config == stored.config and config.job_id == job.id
+    assert store.get_job(job.id).plan == stored.plan.to_dict() == job.plan
+
+
+def test_a_job_whose_stored_plan_the_cluster_cannot_hold_any_more_is_unschedulable_and_others_pass(
+        supervisor, store, cluster_view):
+    job, _ = supervisor.submit(req(), {})  # planned on 2 + 2 nodes
+    cluster_view.topo = topology(dc_a=2, dc_b=1)  # a node left: the plan cannot be held however long it waits
+    fits, _ = supervisor.submit(req("fits", workers=1, datacenters=("dc-a",)), {})
+    supervisor.tick()
+    head = store.get_job(job.id)
+    assert head.status.reason == "Unschedulable" and "resubmit" in head.status.message
+    assert "dc-b" in head.status.message
+    assert store.get_job(fits.id).status.state is JobState.PLACING
+    assert [j for j, _, _ in supervisor.launcher.launched] == [fits.id]
 
 
 def test_a_cancel_while_placing_before_the_runner_exists_reaches_the_runner_and_ends_cancelled(supervisor, store):
@@ -200,32 +208,42 @@ def test_the_deadlines_hold_when_the_runner_does_not_answer_and_the_failure_is_r
     assert supervisor.launcher.released == [stuck.id, behind.id]
 
 
-def test_a_job_whose_training_config_cannot_be_built_fails_alone_and_the_others_are_followed(
-        supervisor, store, monkeypatch):
+def test_a_job_stored_before_submits_resolved_it_whose_config_cannot_be_built_fails_alone(supervisor, store):
+    """A job a service older than submit-time resolution stored (no plan and config with it) is resolved once at
+    admission; if its options make no valid config it fails alone (before: raised every tick, and no other job
+    was admitted or followed), and the running job's records are still stored."""
+    from dataclasses import replace
+
     from fakes import step_record
 
-    import meridian.service.supervision.supervisor as supervisor_module
+    from meridian.service.jobs import ParallelismRequest
+    from meridian.workers.contracts.config import SyncConfig, SyncStrategy
 
     running, _ = supervisor.submit(req("running", workers=1), {})
     supervisor.tick()
     runner = supervisor.launcher.runners[running.id]
     runner.state = "running"
     supervisor.tick()  # running: the next job may be admitted
-    bad, _ = supervisor.submit(req("bad", workers=1), {})
-    build = supervisor_module.build_train_config
-
-    def refuse_bad(job_id, *args, **kwargs):  # as SyncConfig refused an option the chosen strategy does not use
-        if job_id == bad.id:
-            raise ValueError("sync.lookahead_after applies with sync.local_lookahead=true")
-        return build(job_id, *args, **kwargs)
-
-    monkeypatch.setattr(supervisor_module, "build_train_config", refuse_bad)
+    looking_ahead = SyncConfig(strategy=SyncStrategy.HIERARCHICAL, delay_one_step=True, local_lookahead=True)
+    old = replace(req("bad", workers=1), sync=looking_ahead, parallelism=ParallelismRequest(pp=2))
+    bad, _ = store.create_job(old, {}, status=JobStatus(JobState.QUEUED, "Admitting"))
+    assert bad.resolved is None
     runner.push("record", step_record(1, 3, 5.0))
-    supervisor.tick()  # before: raised here, every tick, and the running job's records were never stored again
+    supervisor.tick()
     job = store.get_job(bad.id)
     assert (job.status.state, job.status.reason) == (JobState.FAILED, "InvalidConfig")
-    assert "lookahead_after" in job.status.message and "resubmit" in job.status.message
+    assert "sync.local_lookahead" in job.status.message and "submit again" in job.status.message
     assert [m["step"] for m in store.list_metrics(running.id)] == [1]
+    assert [j for j, _, _ in supervisor.launcher.launched] == [running.id]
+
+
+def test_a_job_stored_before_submits_resolved_it_is_resolved_once_and_launched_with_that(supervisor, store):
+    old, _ = store.create_job(req("old", workers=1), {}, status=JobStatus(JobState.QUEUED, "Admitting"))
+    supervisor.tick()
+    stored = store.get_job(old.id)
+    assert stored.resolved is not None and stored.status.state is JobState.PLACING
+    _, config, plan = supervisor.launcher.launched[0]
+    assert (config, plan) == (stored.resolved.config, stored.resolved.plan) and config.job_id == old.id
 
 
 def test_an_admission_that_raises_still_lets_the_running_jobs_be_followed(supervisor, store, monkeypatch):
@@ -264,12 +282,12 @@ def test_an_error_following_one_job_is_recorded_on_it_and_the_others_are_still_f
     supervisor.tick()
     supervisor.tick()
     runners[good.id].state = "running"
-    runners[bad.id].push("event", {"message": "an event without a kind"})  # reconcile raises on it
+    runners[bad.id].push("record", step_record(1, 3, 5.0, step_s=None))  # reconcile raises folding it
     runners[good.id].push("record", step_record(1, 3, 5.0))
     supervisor.tick()
     assert store.get_job(good.id).progress["step"] == 1
     errors = [e for e in store.list_events(bad.id) if e.kind == "supervisor_error"]
-    assert len(errors) == 1 and "KeyError" in errors[0].message
+    assert len(errors) == 1 and "TypeError" in errors[0].message
     supervisor.tick()  # the same error is not recorded twice
     assert len([e for e in store.list_events(bad.id) if e.kind == "supervisor_error"]) == 1
     health = fake_client.get("/healthz").json()
@@ -317,21 +335,22 @@ def test_a_different_body_with_the_same_key_is_refused_with_a_clear_message(supe
 
 
 def test_a_stall_named_before_a_restart_is_not_recorded_again(supervisor, store, cluster_view, tmp_path):
-    from meridian.service.supervision.stall import StallPolicy
+    # The runner names a stall once (its StallWatch lives as long as the job) and the poll's cursor stores it once:
+    # a restarted service reads nothing back to avoid naming it again.
+    from meridian.service.runner.stall import stall_event
     from meridian.service.supervision.supervisor import Supervisor
+    from meridian.workers.contracts.events import StallSeen
 
     job, _ = supervisor.submit(req(), {})
     supervisor.tick()
     runner = supervisor.launcher.runners[job.id]
     runner.state = "running"
-    runner.observe = {"heartbeats": {0: {"step": 5, "computed": 5, "time": 100.0},
-                                     1: {"step": 4, "computed": 4, "time": 90.0}},
-                      "recent_step_s": (1.0, 1.0, 1.0), "now": 101.0}
-    supervisor.stall_policy = StallPolicy(factor=3, floor_s=1.0)
+    stall = StallSeen(rank=1, step=4, silent_s=11.0, threshold_s=3.0, median_step_s=1.0, node_id="n1", datacenter="dc-b")
+    runner.push("event", stall_event(stall, 101.0))
+    runner.stalls = (stall,)
     supervisor.tick()
     supervisor.tick()
     assert len([e for e in store.list_events(job.id) if e.kind == "stall"]) == 1
     again = Supervisor(store, supervisor.launcher, cluster_view, checkpoint_root=str(tmp_path))  # the service restarted
-    again.stall_policy = StallPolicy(factor=3, floor_s=1.0)
     again.tick()
     assert len([e for e in store.list_events(job.id) if e.kind == "stall"]) == 1

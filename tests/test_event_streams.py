@@ -8,7 +8,7 @@ import socket
 import threading
 import time
 
-from fakes import submit
+from fakes import raw_event, submit
 from fastapi.testclient import TestClient
 
 from meridian.api import streams
@@ -156,7 +156,7 @@ def test_a_message_holding_unicode_line_ends_stays_on_its_data_line(service, sto
 
     job = submit(supervisor)
     odd = "before\u2028after\u2029then\x85end \x1c\r\n"
-    store.add_event(job, "note", odd, {"text": odd, odd: 1})
+    raw_event(store, job, "note", odd, {"text": odd, odd: 1})
     supervisor.cancel(job)
     with serve_in_thread(service) as url:
         events = list(Client(url).stream_events(job))

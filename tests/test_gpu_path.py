@@ -262,7 +262,7 @@ def test_gpu_workers_of_a_node_see_its_gpus_and_each_picks_the_one_ray_gave_it(m
     # then loses peer-to-peer transfers (and hits NCCL bugs on NVSwitch hosts). Its torch backend shares them.
     import ray
 
-    from meridian.service.runner.actor import _meridian_torch_config
+    from meridian.service.runner.train_run import _meridian_torch_config
     from meridian.workers import entry
 
     assert _meridian_torch_config(True).backend_cls.share_cuda_visible_devices is True

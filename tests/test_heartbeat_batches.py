@@ -149,22 +149,22 @@ def test_the_runner_takes_a_rank_s_batch_and_stamps_it_with_its_own_clock():
     r.push_heartbeats([{"rank": 1, "phase": "computed", "step": 7, "time": 5.0},
                        {"rank": 1, "phase": "done", "step": 7, "step_s": 0.05, "data_s": 0.0, "compute_s": 0.04,
                         "sync_wait_s": 0.01, "time": 5.1}])  # fmt: skip
-    view = r._metrics.stall_view()[1]
+    view = r._reports.metrics.stall_view()[1]
     assert view["step"] == 7 and view["computed"] == 7 and view["time"] >= before
-    assert r._metrics.recent_step_s() == [0.05]
+    assert r._reports.metrics.recent_step_s() == [0.05]
 
 
 def test_step_records_push_the_metrics_at_most_every_half_second():
     from fakes import step_record
 
-    from meridian.service.runner.actor import EXPORT_EVERY_S
+    from meridian.service.runner.reports import EXPORT_EVERY_S
 
     r = _runner()
     for s in range(1, 21):  # 20 records of 50 ms steps, arriving at once
         r.push_progress([step_record(s, 10, 0.05)])
-    assert r._exporter.exports == 1
+    assert r._reports._exporter.exports == 1
     time.sleep(EXPORT_EVERY_S)
     r.push_progress([step_record(21, 10, 0.05)])
-    assert r._exporter.exports == 2
+    assert r._reports._exporter.exports == 2
     r.poll(0)  # the service's poll exports whatever is newer
-    assert r._exporter.exports == 3
+    assert r._reports._exporter.exports == 3

@@ -51,7 +51,10 @@ HOSTILE = {
     "kv-not-dividing": ({**LLAMA, "num_key_value_heads": 3}, "num_attention_heads=4: it must be a multiple of "
                                                              "num_key_value_heads (3)"),
     "unknown-model-type": ({**LLAMA, "architectures": ["MambaForCausalLM"], "model_type": "mamba"},
-                           "names architecture 'MambaForCausalLM', 'mamba'; only LlamaForCausalLM"),
+                           "names architecture 'MambaForCausalLM', 'mamba'; Meridian builds these Hugging Face "
+                           "families: LlamaForCausalLM (llama)"),
+    "two-families": ({**LLAMA, "architectures": ["Qwen2ForCausalLM"]},
+                     "names architecture 'Qwen2ForCausalLM', 'llama'; Meridian builds"),
     "no-architecture": (_without("architectures") | {"model_type": None}, "names architecture (none"),
     "architectures-a-string": ({**LLAMA, "architectures": "LlamaForCausalLM"}, "it must be a list of class names"),
     "rope-scaling-a-string": ({**LLAMA, "rope_scaling": "linear"}, "rope_scaling='linear': it must be an object"),
@@ -61,13 +64,27 @@ HOSTILE = {
 }
 
 
+def llama_weights(path, config: dict) -> None:
+    """The safetensors file of a random Llama of ``config`` (transformers builds it)."""
+    import transformers
+    from safetensors.torch import save_file
+
+    body = {k: v for k, v in config.items() if k != "architectures"}
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**body))
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path))
+
+
 def _fine_tune(init_from) -> dict:
     return {**spec(), "model": {"init_from": str(init_from)}}
 
 
 def _checkpoint(directory, content) -> None:
     directory.mkdir(parents=True)
-    (directory / "model.safetensors").write_bytes(b"")  # admission only checks that weights are there
+    # Admission reads a config before the weights' headers; only the sound config needs weights of its model.
+    if content is LLAMA:
+        llama_weights(directory / "model.safetensors", LLAMA)
+    else:
+        (directory / "model.safetensors").write_bytes(b"")
     config = directory / "config.json"
     if callable(content):
         content(str(config))

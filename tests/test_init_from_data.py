@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from test_init_from_and_blend_hostile import llama_weights
 
 from meridian.api.schemas import JobSpec
 from meridian.service.data_access import DataAccess
@@ -34,7 +35,7 @@ def root(tmp_path_factory):
             "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
             "max_position_embeddings": 64, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": False,
             "hidden_act": "silu"}))
-        (root / name / "model.safetensors").write_bytes(b"")  # admission only checks that weights are there
+        llama_weights(root / name / "model.safetensors", json.loads((root / name / "config.json").read_text()))
         tok = json.loads(train_bpe([str(root / text)], VOCAB, "text").to_str())
         (root / name / "tokenizer.json").write_text(json.dumps(tok, separators=(",", ":")))
     (root / "bare").mkdir()  # a checkpoint without a tokenizer

@@ -15,7 +15,7 @@ from meridian.workers.contracts.model_config import ModelConfig, ModelFamily, mo
 from meridian.workers.distributed.multiproc import run_processes
 from meridian.workers.loop.train import ListSink, train
 from meridian.workers.model.build import build_model
-from meridian.workers.model.hf import save_hf
+from meridian.workers.model.export import save_hf
 from meridian.workers.parallel.tensor_parallel import GPTStage, assemble
 
 transformers = pytest.importorskip("transformers")

@@ -343,6 +343,10 @@ def test_no_request_the_planner_arms_makes_an_invalid_train_config_or_one_the_en
             (ParallelismRequest(), ParallelismRequest(tp=1, pp=2))):
         request = _request(sync, parallelism=par)
         plan = plan_job(request, topo, _figures(topo, kind))
+        if sync.local_lookahead and plan.pp > 1:  # asked for by the job, which the engine cannot run: a 422 at submit
+            with pytest.raises(ValueError, match="sync.local_lookahead applies to data parallelism only"):
+                build_train_config("j", request, plan, "")
+            continue
         config = build_train_config("j", request, plan, "")  # raises where the config is invalid
         s = config.sync
         if s.lookahead_when_exposed is not None and sync.strategy is None:

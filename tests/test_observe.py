@@ -10,7 +10,8 @@ from fastapi.testclient import TestClient
 from meridian.api.app import create_app
 from meridian.service.jobs import JobState
 from meridian.service.runner.metrics import JobMetricsState, _key
-from meridian.service.supervision.stall import StallPolicy, find_stalls
+from meridian.service.runner.stall import StallPolicy, find_stalls, stall_message
+from meridian.workers.contracts.events import EventKind, JobEvent
 from meridian.workers.contracts.model_config import model_preset
 from meridian.workers.loop.observe import DevicePeak, StepTimes, measure_peak_flops, mfu
 
@@ -31,7 +32,7 @@ def test_a_rank_silent_for_more_than_n_medians_is_named_with_node_and_dc():
     assert [s.rank for s in stalls] == [1]
     s = stalls[0]
     assert (s.step, s.silent_s, s.threshold_s, s.median_step_s, s.datacenter) == (7, 7.0, 5.0, 1.0, "dc-b")
-    assert "rank 1 in dc-b on node n-dc-b-01111" in s.message() and "step 7" in s.message()
+    assert "rank 1 in dc-b on node n-dc-b-01111" in stall_message(s) and "step 7" in stall_message(s)
 
 
 def test_the_rank_behind_is_named_not_the_ranks_waiting_for_it_in_the_sync():
@@ -57,22 +58,64 @@ def test_stall_policy_rejects_nonsense():
         StallPolicy(factor=1)
 
 
-def test_supervisor_records_one_stall_event_per_rank_and_step(store, supervisor):
+class _Clock:
+    """``time`` for the runner module: a wall clock the test moves."""
+
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def time(self) -> float:
+        return self.now
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+def _runner_with_two_ranks(monkeypatch, clock):
+    from fakes import job_runner
+
+    import meridian.service.runner.reports as reports_module
+    from meridian.service.runner.stall import StallWatch
+
+    class NoExport:
+        def export(self, _state):
+            pass
+
+    monkeypatch.setattr(reports_module, "time", clock)
+    r = job_runner(NoExport())
+    r._reports.stalls = StallWatch(StallPolicy(factor=5, floor_s=2.0))
+    for rank, dc in ((0, "dc-a"), (1, "dc-b")):
+        r.push_event("worker_started", "", {"rank": rank, "node_id": f"node-{dc}", "datacenter": dc})
+    return r
+
+
+def test_the_runner_names_one_stall_per_rank_and_step_and_the_supervisor_stores_it(store, supervisor, monkeypatch):
+    clock = _Clock(80.0)
+    r = _runner_with_two_ranks(monkeypatch, clock)
+    r.push_heartbeats([beat(0, 2, 0.0), beat(1, 2, 0.0)])  # stamped 80.0 on arrival
+    clock.now = 100.0
+    r.push_heartbeats([beat(0, 5, 0.0)])  # rank 0 goes on; rank 1 last finished step 2 at 80.0
+    clock.now = 100.5
+    first = r.poll(0)
+    stalls = [e for e in first.events if e.kind is EventKind.STALL]
+    assert [(e.payload.rank, e.payload.step, e.payload.node_id, e.payload.datacenter) for e in stalls] == [
+        (1, 2, "node-dc-b", "dc-b")]
+    assert stalls[0].payload.silent_s == pytest.approx(20.5) and stalls[0].time == 100.5
+    assert [s.rank for s in first.stalls] == [1]
+    clock.now = 101.0
+    again = r.poll(first.cursor)
+    assert not [e for e in again.events if e.kind is EventKind.STALL] and [s.rank for s in again.stalls] == [1]
+
+    # The supervisor stores what the poll brings: the one stall event, once.
     job, _ = supervisor.submit(*_request())
     supervisor.tick()
-    runner = supervisor.launcher.runners[job.id]
-    runner.state = "running"
-    for rank, dc in ((0, "dc-a"), (1, "dc-b")):
-        runner.push("event", {"kind": "worker_started", "message": "", "time": 1.0,
-                              "data": {"rank": rank, "node_id": f"node-{dc}", "datacenter": dc}})
-    runner.observe = {"heartbeats": {0: {"step": 5, "time": 100.0}, 1: {"step": 2, "time": 80.0}},
-                      "recent_step_s": [1.0] * 10, "now": 100.5}
+    fake = supervisor.launcher.runners[job.id]
+    fake.state = "running"
+    fake.push("event", stalls[0])
     supervisor.tick()
-    supervisor.tick()  # the same stall is not repeated
-    stalls = [e for e in store.list_events(job.id) if e.kind == "stall"]
-    assert len(stalls) == 1
-    assert stalls[0].data["rank"] == 1 and stalls[0].data["node_id"] == "node-dc-b"
-    assert stalls[0].data["datacenter"] == "dc-b" and stalls[0].data["silent_s"] == pytest.approx(20.5)
+    supervisor.tick()
+    stored = [e for e in store.list_events(job.id) if e.kind == "stall"]
+    assert len(stored) == 1 and stored[0].data["rank"] == 1 and stored[0].data["silent_s"] == pytest.approx(20.5)
 
 
 def _request():
@@ -86,7 +129,7 @@ def _request():
 def test_metric_state_tags_job_and_datacenter_and_splits_step_time():
     m = JobMetricsState("j1", policy=StallPolicy(factor=3, floor_s=0.5))
     for rank, dc in ((0, "dc-a"), (1, "dc-a"), (2, "dc-b")):
-        m.on_event("worker_started", {"rank": rank, "datacenter": dc})
+        m.on_event(JobEvent.of("worker_started", "", {"rank": rank, "datacenter": dc, "node_id": f"n{rank}"}))
     rec = step_record(1, 10, 2.5, step_s=0.5, inter_dc_bytes=1000, data_s=0.05, compute_s=0.3, comm_s=0.2,
                       mfu=0.25, overlap_fraction=0.4, comm_intra_dc_s=0.05, comm_inter_dc_s=0.15)
     m.on_record(rec)
@@ -95,7 +138,7 @@ def test_metric_state_tags_job_and_datacenter_and_splits_step_time():
     m.on_heartbeat({"rank": 2, "phase": "computed", "step": 2, "time": 11.0})
     m.on_heartbeat(beat(1, 1, 10.0, step_s=2.0, data_s=0.3))
     m.on_heartbeat(beat(2, 1, 10.0, step_s=4.0, data_s=0.5, sync=0.5))
-    m.on_event("worker_lost", {"datacenter": "dc-b"})
+    m.on_event(JobEvent.of("worker_lost", "", {"worker_id": "w2", "datacenter": "dc-b", "node_id": "n2"}))
     m.refresh_live(now=10.0 + 3 * 2.0 + 0.1)  # median step 2 s → 6 s threshold; all silent 6.1 s
     gauges, counts, obs = m.drain()
     assert gauges[_key("meridian_job_loss", job_id="j1", datacenter="all")] == 2.5
@@ -237,18 +280,17 @@ def test_hierarchical_records_split_sync_time_by_tier():
 
 
 @pytest.mark.parametrize("idle", ["waiting", "finished"])
-def test_no_stall_is_named_while_the_job_waits_or_after_its_last_step(store, supervisor, idle):
+def test_no_stall_is_named_while_the_job_waits_or_after_its_last_step(monkeypatch, idle):
     # Ranks are idle by design then: below min_workers, mid re-formation, or done and shutting down.
-    job, _ = supervisor.submit(*_request())
-    supervisor.tick()
-    runner = supervisor.launcher.runners[job.id]
-    runner.state = "running"
-    runner.push("event", {"kind": "worker_started", "message": "", "time": 1.0,
-                          "data": {"rank": 0, "node_id": "node-dc-a", "datacenter": "dc-a"}})
+    clock = _Clock(80.0)
+    r = _runner_with_two_ranks(monkeypatch, clock)
+    r.push_heartbeats([beat(0, 5, 0.0)])
+    status = {"waiting": [], "wait_reason": "", "finished": False}
     if idle == "waiting":
-        runner.wait_reason = "2 worker(s) left after losing 1; the job needs at least 3 (topology.min_workers)"
+        status["wait_reason"] = "2 worker(s) left after losing 1; the job needs at least 3 (topology.min_workers)"
     else:
-        runner.finished = True
-    runner.observe = {"heartbeats": {0: {"step": 5, "time": 80.0}}, "recent_step_s": [1.0] * 10, "now": 100.5}
-    supervisor.tick()
-    assert not [e for e in store.list_events(job.id) if e.kind == "stall"]
+        status["finished"] = True
+    monkeypatch.setattr(r.coordinator, "status", lambda: status)
+    clock.now = 100.5
+    poll = r.poll(0)
+    assert not [e for e in poll.events if e.kind is EventKind.STALL] and poll.stalls == ()

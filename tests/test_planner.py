@@ -149,7 +149,7 @@ def test_plan_with_tp_pins_each_tensor_parallel_group_to_one_node():
     assert plan.rank_nodes == ("n-a", "n-a", "n-b", "n-b")
     assert plan.to_dict()["parallelism"]["tp"] == 2
     # The runner asks Ray Train for each rank on its node, not just its datacenter.
-    from meridian.service.runner.actor import worker_label_selectors
+    from meridian.service.runner.train_run import worker_label_selectors
 
     assert worker_label_selectors(plan) == [
         {"datacenter": "dc-a", "ray.io/node-id": "n-a"}, {"datacenter": "dc-a", "ray.io/node-id": "n-a"},
@@ -162,7 +162,7 @@ def test_plan_with_tp_pins_each_tensor_parallel_group_to_one_node():
 
 def test_at_launch_every_rank_is_pinned_to_a_node_with_room_now_most_free_first():
     from meridian.service.planning.placement import pin_ranks_to_nodes
-    from meridian.service.runner.actor import worker_label_selectors
+    from meridian.service.runner.train_run import worker_label_selectors
 
     planned = ClusterTopology((node("a0", "dc-a", cpus=2), node("a1", "dc-a", cpus=2), node("b0", "dc-b", cpus=2)))
     plan = plan_job(req(workers=(("dc-a", 3), ("dc-b", 2)), global_batch=10), planned)

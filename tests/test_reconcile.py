@@ -7,10 +7,12 @@ from __future__ import annotations
 from fakes import step_record
 
 from meridian.service.jobs import JobState, JobStatus
+from meridian.service.runner.placement import PlacedRank, PlacementTracker
 from meridian.service.runner.poll import RunnerLost, RunnerPoll, RunnerState
+from meridian.service.runner.stall import StallPolicy, StallWatch
 from meridian.service.store import JobRecord
-from meridian.service.supervision.reconcile import needs_started_workers, reconcile
-from meridian.service.supervision.stall import StallPolicy
+from meridian.service.supervision.reconcile import reconcile
+from meridian.workers.contracts.events import EventKind, JobEvent
 
 
 def job(state: JobState = JobState.RUNNING, reason: str = "Training", message: str = "", *,
@@ -92,8 +94,8 @@ def test_records_fold_into_progress_with_a_progress_event_only_when_due():
     p = d.fields["progress"]
     assert (p["step"], p["total_steps"], p["loss"], p["first_loss"], p["cursor"]) == (2, 3, 4.0, 5.0, 2)
     assert p["eta_s"] > 0
-    assert [ev["kind"] for ev in d.events] == ["progress"] and d.emits_progress
-    assert d.events[0]["message"] == "step 2/3 loss 4.0000"
+    assert [ev.kind for ev in d.events] == [EventKind.PROGRESS] and d.emits_progress
+    assert d.events[0].message == "step 2/3 loss 4.0000" and d.events[0].payload.step == 2
     assert not reconcile(job(), poll(records=recs, cursor=2), progress_due=False).events
 
 
@@ -101,8 +103,8 @@ def test_a_restarted_service_resumes_a_runner_that_never_started_unless_it_was_c
     d = reconcile(job(JobState.PLACING, "Placing", progress={"cursor": 4}), poll(RunnerState.STARTING, cursor=4),
                   first_sight=True, now=123.0)
     assert d.resume
-    assert d.events[0]["kind"] == "reattached" and d.events[0]["time"] == 123.0
-    assert d.events[0]["data"] == {"cursor": 4, "runner_state": "starting"}
+    assert d.events[0].kind is EventKind.REATTACHED and d.events[0].time == 123.0
+    assert d.events[0].data == {"cursor": 4, "runner_state": "starting"}
     assert not reconcile(job(JobState.PLACING, "Cancelling", cancel_requested=True), poll(RunnerState.STARTING),
                          first_sight=True).resume
     assert not reconcile(job(), poll(), first_sight=True).resume  # running already
@@ -110,29 +112,32 @@ def test_a_restarted_service_resumes_a_runner_that_never_started_unless_it_was_c
 
 
 def test_an_epoch_names_the_ranks_with_what_each_worker_said_when_it_started():
-    started = {"w0": {"worker_id": "w0", "pid": 10, "host": "a"}}
-    events = ({"kind": "worker_started", "message": "", "time": 1.0, "data": {"worker_id": "w1", "pid": 11}},
-              {"kind": "epoch_formed", "message": "epoch 1", "time": 1.0, "data": {"placement": [
-                  {"rank": 1, "worker_id": "w1", "datacenter": "dc-b"},
-                  {"rank": 0, "worker_id": "w0", "datacenter": "dc-a"}]}})
-    p = poll(events=events)
-    assert needs_started_workers(p) and not needs_started_workers(poll())
-    d = reconcile(job(placement=[]), p, started=started)
-    assert d.fields["placement"] == [{"worker_id": "w0", "pid": 10, "host": "a", "rank": 0, "datacenter": "dc-a"},
-                                     {"worker_id": "w1", "pid": 11, "rank": 1, "datacenter": "dc-b"}]
-    assert "placement" not in reconcile(job(placement=[]), poll()).fields  # unchanged: not stored again
+    tracker = PlacementTracker()  # the runner's: it keeps what workers said when they started, for the job's life
+    for wid, pid, node, dc in (("w0", 10, "n0", "dc-a"), ("w1", 11, "n1", "dc-b")):
+        tracker.observe(JobEvent.of("worker_started", "", {"worker_id": wid, "pid": pid, "node_id": node,
+                                                            "datacenter": dc, "hostname": f"h-{wid}"}))
+    assert tracker.ranks == ()  # no epoch yet: no ranks
+    tracker.observe(JobEvent.of("epoch_formed", "epoch 1", {"epoch": 1, "datacenters": ["dc-a", "dc-b"],
+                                                            "resume_step": 0, "placement": [
+        {"rank": 0, "worker_id": "w0", "node_id": "n0", "datacenter": "dc-a"},
+        {"rank": 1, "worker_id": "w1", "node_id": "n1", "datacenter": "dc-b"}]}))
+    assert tracker.ranks == (PlacedRank(rank=0, worker_id="w0", node_id="n0", datacenter="dc-a", hostname="h-w0", pid=10),
+                             PlacedRank(rank=1, worker_id="w1", node_id="n1", datacenter="dc-b", hostname="h-w1", pid=11))
+    d = reconcile(job(placement=[]), poll(placement=tracker.ranks))
+    assert [(p["rank"], p["pid"], p["datacenter"]) for p in d.fields["placement"]] == [(0, 10, "dc-a"), (1, 11, "dc-b")]
+    stored = job(placement=d.fields["placement"])
+    assert "placement" not in reconcile(stored, poll(placement=tracker.ranks)).fields  # unchanged: not stored again
 
 
-def test_stalls_are_named_once_and_not_while_the_membership_waits():
-    placement = [{"rank": 0, "node_id": "n0", "datacenter": "dc-a"}, {"rank": 1, "node_id": "n1", "datacenter": "dc-b"}]
+def test_the_runner_names_each_stall_once_and_not_while_the_membership_waits():
+    where = {0: {"node_id": "n0", "datacenter": "dc-a"}, 1: {"node_id": "n1", "datacenter": "dc-b"}}
     beats = {0: {"step": 5, "computed": 5, "time": 100.0}, 1: {"step": 4, "computed": 4, "time": 90.0}}
-    p = poll(heartbeats=beats, recent_step_s=(1.0, 1.0, 1.0), now=101.0)
-    policy = StallPolicy(factor=3, floor_s=1.0)
-    d = reconcile(job(placement=placement), p, stall_policy=policy)
-    assert [(s.rank, s.step, s.datacenter) for s in d.stalls] == [(1, 4, "dc-b")] and d.observed_at == 101.0
-    assert reconcile(job(placement=placement), p, stall_policy=policy, stalls_named={(1, 4)}).stalls == ()
-    waiting = poll(heartbeats=beats, recent_step_s=(1.0,), now=101.0, wait_reason="re-forming")
-    assert reconcile(job(placement=placement), waiting, stall_policy=policy).stalls == ()
+    watch = StallWatch(StallPolicy(factor=3, floor_s=1.0))
+    new = watch.check(beats, (1.0, 1.0, 1.0), 101.0, where, idle=False)
+    assert [(s.rank, s.step, s.datacenter) for s in new] == [(1, 4, "dc-b")] and watch.current == tuple(new)
+    assert watch.check(beats, (1.0, 1.0, 1.0), 102.0, where, idle=False) == []  # named already
+    assert watch.current and watch.current[0].silent_s == 12.0  # still stalled, now for longer
+    assert watch.check(beats, (1.0,), 103.0, where, idle=True) == [] and watch.current == ()
 
 
 def test_the_result_s_losses_are_the_job_s_first_and_last_steps_not_its_last_epoch_s():

@@ -25,7 +25,7 @@ def test_records_a_slow_service_has_not_acknowledged_are_kept_beyond_twenty_thou
     r.push_progress([step_record(s, 30_000, 1.0) for s in range(1, 25_001)])
     poll = r.poll(0)  # the service was away: it has stored nothing yet
     assert len(poll.records) == 25_000 and poll.records[0].step == 1
-    assert not [e for e in poll.events if e["kind"] == "gap"]
+    assert not [e for e in poll.events if e.kind == "gap"]
 
 
 def test_acknowledged_records_are_trimmed_and_unacknowledged_ones_survive_a_retried_poll():
@@ -36,24 +36,24 @@ def test_acknowledged_records_are_trimmed_and_unacknowledged_ones_survive_a_retr
     assert [x.step for x in again.records] == [1, 2, 3]
     r.push_progress([step_record(4, 10, 1.0)])
     assert [x.step for x in r.poll(first.cursor).records] == [4]
-    assert len(r._outbox) == 1  # 1–3 were acknowledged by the cursor and trimmed
+    assert len(r._reports.outbox) == 1  # 1–3 were acknowledged by the cursor and trimmed
 
 
 def test_a_loss_beyond_the_unacknowledged_limit_is_a_gap_event_stored_with_the_job(store):
     r = runner()
-    r._outbox.max_unacked = 5
-    r.push_event("worker_started", "rank 0", {"rank": 0})
+    r._reports.outbox.max_unacked = 5
+    r.push_event("worker_started", "rank 0", {"rank": 0, "node_id": "n0", "datacenter": "dc-a"})
     r.push_progress([step_record(s, 10, 1.0) for s in range(1, 8)])  # 8 entries, room for 5
     poll = r.poll(0)
     assert [x.step for x in poll.records] == [3, 4, 5, 6, 7]
     gap = poll.events[0]
-    assert gap["kind"] == "gap" and gap["data"] == {"after": 0, "through": 3, "lost": 3}
+    assert gap.kind == "gap" and gap.data == {"after": 0, "through": 3, "lost": 3}
     job, _ = store.create_job(JobRequest(name="j", model=model_preset("nano"), steps=3, global_batch=4,
                                          micro_batch=2), {}, status=JobStatus(JobState.QUEUED))
     d = reconcile(store.get_job(job.id), poll)
     store.record_poll(job.id, records=[x.to_dict() for x in d.records], events=list(d.events), **d.fields)
     assert "gap" in [e.kind for e in store.list_events(job.id)]
-    assert not [e for e in r.poll(poll.cursor).events if e["kind"] == "gap"]  # said once the service stored it
+    assert not [e for e in r.poll(poll.cursor).events if e.kind == "gap"]  # said once the service stored it
 
 
 def test_steps_trained_but_never_recorded_before_a_break_are_named_by_the_next_epochs_first_record():
@@ -64,14 +64,14 @@ def test_steps_trained_but_never_recorded_before_a_break_are_named_by_the_next_e
     r.push_progress([step_record(s, 40, 1.0, epoch=2) for s in range(13, 16)])  # resumed after step 12
     r.push_progress([step_record(s, 40, 1.0, epoch=3) for s in range(15, 18)])  # after 14: 15 trained again
     r.push_progress([step_record(s, 40, 1.0, epoch=4) for s in range(19, 20)])  # after 18: one step unrecorded
-    unrecorded = [e for e in r.poll(0).events if e["kind"] == "steps_unrecorded"]
-    assert [e["data"] for e in unrecorded] == [{"from_step": 11, "to_step": 12, "epoch": 2},
+    unrecorded = [e for e in r.poll(0).events if e.kind == "steps_unrecorded"]
+    assert [e.data for e in unrecorded] == [{"from_step": 11, "to_step": 12, "epoch": 2},
                                                {"from_step": 18, "to_step": 18, "epoch": 4}]  # fmt: skip
-    assert unrecorded[0]["message"].startswith("steps 11–12 trained and kept before epoch 2 formed have no record")
-    assert unrecorded[1]["message"].startswith("step 18 trained and kept before epoch 4 formed has no record")
+    assert unrecorded[0].message.startswith("steps 11–12 trained and kept before epoch 2 formed have no record")
+    assert unrecorded[1].message.startswith("step 18 trained and kept before epoch 4 formed has no record")
 
 
 def test_a_first_epoch_that_starts_from_a_checkpoint_names_no_steps():
     r = runner()
     r.push_progress([step_record(s, 900, 1.0, epoch=1) for s in range(501, 504)])  # resumed a checkpoint of step 500
-    assert not [e for e in r.poll(0).events if e["kind"] == "steps_unrecorded"]
+    assert not [e for e in r.poll(0).events if e.kind == "steps_unrecorded"]

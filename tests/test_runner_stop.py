@@ -12,7 +12,7 @@ import pytest
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
-from meridian.service.runner import actor
+from meridian.service.runner import actor, replacements, train_run
 from meridian.service.runner.actor import JobRunner
 from meridian.workers.contracts.rendezvous import JoinRequest
 
@@ -56,7 +56,7 @@ def runner(monkeypatch):
     monkeypatch.setattr(r, "_members_gone", lambda: True)
     monkeypatch.setattr(r.coordinator, "join", lambda request, known_epoch: None)
     r.pg_cleanups = []
-    monkeypatch.setattr(actor, "remove_placement_groups_of", lambda actor_id: r.pg_cleanups.append(actor_id) or ["pg1"])
+    monkeypatch.setattr(train_run, "remove_placement_groups_of", lambda actor_id: r.pg_cleanups.append(actor_id) or ["pg1"])
     return r
 
 
@@ -68,7 +68,7 @@ def started(runner, controller, worker_id="train-worker-1"):
 
 
 def killed_events(runner):
-    return [e for e in runner.poll(0).events if e["kind"] == "train_controller_killed"]
+    return [e for e in runner.poll(0).events if e.kind == "train_controller_killed"]
 
 
 def test_a_controller_that_answers_is_asked_to_abort_and_not_killed(runner):
@@ -76,7 +76,7 @@ def test_a_controller_that_answers_is_asked_to_abort_and_not_killed(runner):
     started(runner, c)
     runner.cancel()
     assert c.calls == ["get_state", "abort"] and runner.killed == []
-    assert runner.waits == [("get_state", actor.ANSWER_WAIT_S), ("abort", actor.ABORT_WAIT_S)]
+    assert runner.waits == [("get_state", train_run.ANSWER_WAIT_S), ("abort", train_run.ABORT_WAIT_S)]
     assert not killed_events(runner)
 
 
@@ -87,20 +87,20 @@ def test_a_held_controller_is_killed_after_the_short_wait_without_an_abort(runne
     started(runner, c)
     runner.cancel()
     assert c.calls == ["get_state"] and runner.killed == [c]
-    assert runner.waits == [("get_state", actor.ANSWER_WAIT_S)]
+    assert runner.waits == [("get_state", train_run.ANSWER_WAIT_S)]
     (event,) = killed_events(runner)
-    assert "did not answer within" in event["message"] and event["data"]["waited_s"] == actor.ANSWER_WAIT_S
+    assert "did not answer within" in event.message and event.data["waited_s"] == train_run.ANSWER_WAIT_S
     # the placement groups it made are removed (those its workers run in, if Ray Train's cleaner has not yet)
-    assert runner.pg_cleanups == ["c0ffee"] and event["data"]["placement_groups_removed"] == ["pg1"]
+    assert runner.pg_cleanups == ["c0ffee"] and event.data["placement_groups_removed"] == ["pg1"]
 
 
 def test_a_controller_that_answers_but_never_gets_to_its_abort_is_killed_after_the_wait(runner):
     c = Controller(abort_hangs=True)
     started(runner, c)
     runner.cancel()
-    assert runner.waits[-1] == ("abort", actor.ABORT_WAIT_S) and runner.killed == [c]
+    assert runner.waits[-1] == ("abort", train_run.ABORT_WAIT_S) and runner.killed == [c]
     (event,) = killed_events(runner)
-    assert "did not abort within" in event["message"] and runner.pg_cleanups == ["c0ffee"]
+    assert "did not abort within" in event.message and runner.pg_cleanups == ["c0ffee"]
 
 
 def test_a_repeated_cancel_does_not_wait_again(runner):
@@ -121,13 +121,13 @@ def test_a_controller_placing_its_workers_is_asked_to_abort_however_busy(runner)
     # runner started itself (a replacement) does not count as the run's.
     c = Controller(held=True)
     runner.set_controller(c)
-    runner._replacements["replacement-1"] = ("dc-a", object())
+    runner._replacements._started["replacement-1"] = ("dc-a", object())
     runner.rdzv_join(JoinRequest(worker_id="replacement-1", datacenter="dc-a", node_id="n2", address="127.0.0.1",
                                  port=29501), 0)
     runner.cancel()
-    assert c.calls == ["abort"] and runner.waits == [("abort", actor.ABORT_WAIT_S)] and runner.killed[0] is c
+    assert c.calls == ["abort"] and runner.waits == [("abort", train_run.ABORT_WAIT_S)] and runner.killed[0] is c
     (event,) = killed_events(runner)
-    assert "did not abort within" in event["message"] and runner.pg_cleanups == ["c0ffee"]
+    assert "did not abort within" in event.message and runner.pg_cleanups == ["c0ffee"]
 
 
 def test_a_sweep_that_raises_does_not_keep_the_job_from_its_outcome(monkeypatch):
@@ -153,7 +153,7 @@ def test_a_sweep_that_raises_does_not_keep_the_job_from_its_outcome(monkeypatch)
     r._run()
     poll = r.poll(0)
     assert r._done.is_set() and poll.state is RunnerState.SUCCEEDED
-    assert "snapshots_not_swept" in [e["kind"] for e in poll.events]
+    assert "snapshots_not_swept" in [e.kind for e in poll.events]
 
 
 def test_no_replacement_worker_is_started_once_the_job_is_cancelled(monkeypatch):
@@ -170,20 +170,20 @@ def test_no_replacement_worker_is_started_once_the_job_is_cancelled(monkeypatch)
         started.append(FakeActor(len(started)))
         return dc, started[-1]
 
-    monkeypatch.setattr(actor, "_start_replacement", start)
+    monkeypatch.setattr(replacements, "_start_replacement", start)
     monkeypatch.setattr(ray, "kill", lambda handle, no_restart=True: killed.append(handle))
     plan = type("P", (), {"rank_datacenters": ("dc-a", "dc-a"), "resources_per_worker": {"CPU": 1.0}})()
     r = JobRunner("j1", {}, plan, "/tmp/unused")
-    monkeypatch.setattr(r, "_abort", lambda controller: None)
+    monkeypatch.setattr(r._stopper, "stop", lambda controller: None)
     m = Member.from_request(JoinRequest(worker_id="w0", datacenter="dc-a", node_id="n1", address="127.0.0.1", port=1),
                             joined_at=0.0)
     r.coordinator.state.epoch = Epoch(2, (m,), resume_step=10)  # dc-a lost its second worker earlier
     node = NodeInfo("n1", "dc-a", True, "", False, 2.0, 0.0, 0.0, available_cpus=1.0, available_gpus=0.0, labels={})
     topo = ClusterTopology((node,))
     r.cancel()  # the coordinator closes, the controller is stopped; fit() has not returned, so the job is not done
-    r._replace_lost_workers(topo)  # the watch's next tick: dc-a has room again
+    r._replacements.replace_lost(topo, r.coordinator)  # the watch's next tick: dc-a has room again
     # Before: a worker was started after cancel's kill loop had run, held its CPU, and no one killed it.
-    assert started == [] and "worker_replacing" not in [e["kind"] for e in r.poll(0).events]
+    assert started == [] and "worker_replacing" not in [e.kind for e in r.poll(0).events]
 
 
 def test_a_replacement_whose_start_a_cancel_overtook_is_killed(monkeypatch):
@@ -193,18 +193,18 @@ def test_a_replacement_whose_start_a_cancel_overtook_is_killed(monkeypatch):
     killed = []
     plan = type("P", (), {"rank_datacenters": ("dc-a", "dc-a"), "resources_per_worker": {"CPU": 1.0}})()
     r = JobRunner("j1", {}, plan, "/tmp/unused")
-    monkeypatch.setattr(r, "_abort", lambda controller: None)
+    monkeypatch.setattr(r._stopper, "stop", lambda controller: None)
     handle = type("A", (), {"_actor_id": b"\x07"})()
 
     def start(name, cfg, dc, plan):
         r.cancel()  # lands while Ray starts the worker: cancel's kill loop runs before the runner knows of it
         return dc, handle
 
-    monkeypatch.setattr(actor, "_start_replacement", start)
+    monkeypatch.setattr(replacements, "_start_replacement", start)
     monkeypatch.setattr(ray, "kill", lambda h, no_restart=True: killed.append(h))
     m = Member.from_request(JoinRequest(worker_id="w0", datacenter="dc-a", node_id="n1", address="127.0.0.1", port=1),
                             joined_at=0.0)
     r.coordinator.state.epoch = Epoch(2, (m,), resume_step=10)
     node = NodeInfo("n1", "dc-a", True, "", False, 2.0, 0.0, 0.0, available_cpus=1.0, available_gpus=0.0, labels={})
-    r._replace_lost_workers(ClusterTopology((node,)))
+    r._replacements.replace_lost(ClusterTopology((node,)), r.coordinator)
     assert killed == [handle]

@@ -113,7 +113,7 @@ def test_the_end_of_a_run_sweeps_snapshot_folders_from_here_and_on_other_hosts_b
     import os
     import uuid
 
-    from meridian.service.runner import actor
+    from meridian.service.runner import snapshots
     from meridian.workers.state.snapshot_paths import snapshot_dir, snapshot_dirs
 
     job_id = f"sweep-{uuid.uuid4().hex[:8]}"
@@ -122,9 +122,9 @@ def test_the_end_of_a_run_sweeps_snapshot_folders_from_here_and_on_other_hosts_b
     if runner_host == "another host":
         monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "203.0.113.1")  # TEST-NET-3: no node's
     tasks_to = []
-    pin = actor.NodeAffinitySchedulingStrategy
-    monkeypatch.setattr(actor, "NodeAffinitySchedulingStrategy", lambda node, soft: tasks_to.append(node) or pin(node, soft))
-    removed = actor.sweep_snapshots(job_id)
+    pin = snapshots.NodeAffinitySchedulingStrategy
+    monkeypatch.setattr(snapshots, "NodeAffinitySchedulingStrategy", lambda node, soft: tasks_to.append(node) or pin(node, soft))
+    removed = snapshots.sweep_snapshots(job_id)
     assert sorted(removed) == sorted(snapshot_dir(job_id, w) for w in ("w1", "w2")) and not snapshot_dirs(job_id)
     # One address here (every node of this cluster runs on this host): a task to it only from "elsewhere".
     assert len(tasks_to) == (1 if runner_host == "another host" else 0), tasks_to

@@ -96,7 +96,7 @@ JOINER_START = """
 import os
 import sys
 import ray
-from meridian.service.runner.actor import _ReplacementWorker  # what a replacement actor's process unpickles
+from meridian.service.runner.replacements import _ReplacementWorker  # what a replacement actor's process unpickles
 from meridian.workers import entry
 from meridian.workers.elastic.agent import Agent
 from meridian.workers.distributed.devices import backend_for
@@ -153,7 +153,7 @@ def test_an_agent_unpickles_what_it_is_sent_without_importing_torch(use_gpu, bac
     from fakes import step_record
     from ray import cloudpickle
 
-    from meridian.service.runner.actor import _meridian_torch_config
+    from meridian.service.runner.train_run import _meridian_torch_config
     from meridian.workers.contracts.records import DevicePeak, TrainResult
 
     messages = [("peak", DevicePeak(flops=1e12, source="measured")), ("progress", step_record(3, 4, 2.5)),

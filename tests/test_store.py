@@ -7,10 +7,12 @@ import threading
 import time
 
 import pytest
+from fakes import raw_event
 
 from meridian.service.errors import InvalidTransition, JobNotFound
 from meridian.service.jobs import JobRequest, JobState, JobStatus
 from meridian.service.store import JobStore
+from meridian.workers.contracts.events import EventKind, JobEvent
 from meridian.workers.contracts.model_config import model_preset
 
 QUEUED = JobStatus(JobState.QUEUED, "Admitting", "")
@@ -101,7 +103,7 @@ def test_concurrent_submissions_lose_nothing(store):
 
 def test_events_page_by_id(store):
     job, _ = store.create_job(request(), {}, status=QUEUED)
-    ids = [store.add_event(job.id, "note", f"n{i}") for i in range(5)]
+    ids = [raw_event(store, job.id, "note", f"n{i}") for i in range(5)]
     assert [e.message for e in store.list_events(job.id, after=ids[2])] == ["n3", "n4"]
 
 
@@ -121,8 +123,10 @@ def test_an_event_stream_never_skips_an_event_whose_writer_commits_late(store):
             release_a.wait(30)
 
     sa.event.listen(store.engine, "commit", hold_writer_a_at_commit)
-    a = threading.Thread(target=store.add_event, args=(job.id, "note", "a"), name="writer-a")
-    b = threading.Thread(target=store.add_event, args=(job.id, "note", "b"), name="writer-b")
+    a = threading.Thread(target=store.add_event, args=(job.id, JobEvent(kind=EventKind.WAITING, message="a")),
+                         name="writer-a")
+    b = threading.Thread(target=store.add_event, args=(job.id, JobEvent(kind=EventKind.WAITING, message="b")),
+                         name="writer-b")
     a.start()
     assert a_in_commit.wait(10), "writer A never reached its commit"
     b.start()

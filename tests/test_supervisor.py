@@ -27,7 +27,8 @@ def test_job_runs_from_queue_to_success_with_progress_placement_and_result(super
     runner = supervisor.launcher.runners[job.id]
     runner.push("event", {"kind": "worker_started", "message": "started", "time": 1.0,
                           "data": {"worker_id": "w1", "node_id": "n-dc-a-1", "datacenter": "dc-a", "pid": 11}})
-    runner.push("event", {"kind": "epoch_formed", "message": "epoch 1", "time": 1.0, "data": {"placement": [
+    runner.push("event", {"kind": "epoch_formed", "message": "epoch 1", "time": 1.0, "data": {
+        "epoch": 1, "datacenters": ["dc-a", "dc-a"], "resume_step": 0, "placement": [
         {"rank": 0, "worker_id": "w0", "node_id": "n-dc-a-0", "datacenter": "dc-a"},
         {"rank": 1, "worker_id": "w1", "node_id": "n-dc-a-1", "datacenter": "dc-a"}]}})
     runner.state = "running"

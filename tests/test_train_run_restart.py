@@ -66,21 +66,22 @@ def test_a_controller_failure_is_followed_by_a_new_run(runner):
         return None
 
     assert _runs(runner, [_controller_error(), the_new_run_trains_to_the_end]) == [1, 2]
-    assert runner._state is RunnerState.SUCCEEDED and runner.probed == 1
-    events = [e for e in runner.poll(0).events if e["kind"] == "train_run_restarted"]
-    assert len(events) == 1 and "starting Train run 2" in events[0]["message"]
+    assert runner.poll(0).state is RunnerState.SUCCEEDED and runner.probed == 1
+    events = [e for e in runner.poll(0).events if e.kind == "train_run_restarted"]
+    assert len(events) == 1 and "starting Train run 2" in events[0].message
 
 
 def test_runs_stop_after_the_limit_and_the_job_fails_with_the_last_error(runner):
     assert _runs(runner, [_controller_error()] * MAX_TRAIN_RUNS) == list(range(1, MAX_TRAIN_RUNS + 1))
-    assert runner._state is RunnerState.FAILED and "actor died" in runner._error
+    poll = runner.poll(0)
+    assert poll.state is RunnerState.FAILED and "actor died" in poll.error
 
 
 @pytest.mark.parametrize("why", ["cancelled", "training failed", "process died"])
 def test_other_ends_are_not_rerun(runner, why):
     error = _controller_error()
     if why == "cancelled":
-        runner._cancel.set()
+        runner.cancel()
     elif why == "training failed":
         runner.fail("RuntimeError: training failed: OSError: disk full")  # a worker's own error ends the job
     else:

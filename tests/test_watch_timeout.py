@@ -12,7 +12,8 @@ from meridian.cli import main as cli
 
 
 class SlowJobClient:
-    """A job that stays running for ``polls`` reads, then succeeds; the clock moves an hour per read."""
+    """A job that stays running for ``polls`` reads, then succeeds; the clock moves an hour per read. Its event
+    stream ends at once each time (as a dropped stream does), so the watch reads the job between streams."""
 
     def __init__(self, polls: int, clock: list[float]) -> None:
         self.polls, self.reads, self.clock = polls, 0, clock
@@ -23,6 +24,12 @@ class SlowJobClient:
         state = "running" if self.reads <= self.polls else "succeeded"
         return {"id": job_id, "state": state, "message": "", "name": "long", "progress": {"step": self.reads,
                 "total_steps": self.polls + 1}}
+
+    def events(self, job_id: str, **params) -> dict:
+        return {"events": []}
+
+    def stream_events(self, job_id: str, after: int = 0, *, reconnects: int = 5):
+        return iter(())
 
 
 @pytest.fixture

@@ -20,6 +20,7 @@ from meridian.api.server import serve_in_thread
 from meridian.service.cluster.link_probe import ProbeCache
 from meridian.service.cluster.topology import ClusterTopology
 from meridian.service.core import ServiceConfig
+from meridian.workers.contracts.events import EventKind, JobEvent
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 playwright_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install -e '.[test]')")
@@ -48,6 +49,26 @@ def live_service(store, supervisor, cluster_view, tmp_path):
             yield svc, url
     finally:
         supervisor.stop()
+
+
+COUNT_EVENTSOURCE = """
+window.__sse = { opened: [], messages: 0, kinds: [] };
+const RealEventSource = window.EventSource;
+window.EventSource = class extends RealEventSource {
+  constructor(url, options) {
+    super(url, options);
+    window.__sse.opened.push(this.url);
+  }
+  addEventListener(type, listener, options) {
+    super.addEventListener(type, (m) => {
+      window.__sse.messages += 1;
+      if (!window.__sse.kinds.includes(type)) window.__sse.kinds.push(type);
+      listener(m);
+    }, options);
+  }
+};
+"""
+"""Counts what the page's EventSource opens and delivers (the page runs unchanged)."""
 
 
 def _wait(predicate, timeout_s, what):
@@ -80,8 +101,12 @@ def test_page_shows_job_map_and_live_chart(live_service):
         try:
             page = browser.new_page(bypass_csp=True)  # wait_for_function evaluates strings
             errors: list[str] = []
+            requests: list[str] = []
             page.on("pageerror", lambda e: errors.append(str(e)))
-            page.on("requestfailed", lambda r: errors.append(f"request failed: {r.url}"))
+            page.on("requestfailed", lambda r: errors.append(f"request failed: {r.url}")
+                    if "text/event-stream" not in (r.headers.get("accept") or "") else None)
+            page.on("request", lambda r: requests.append(r.url.removeprefix(url)))
+            page.add_init_script(COUNT_EVENTSOURCE)
             page.goto(url + "/")
             row = page.locator(f'#jobs tr[data-job="{job["id"]}"]')
             row.locator("td.state", has_text="running").wait_for(timeout=15_000)
@@ -105,6 +130,20 @@ def test_page_shows_job_map_and_live_chart(live_service):
             assert page.locator("#chart-tps polyline").get_attribute("data-points") == "8"
             row.locator("td.progress", has_text="8/20").wait_for(timeout=15_000)
             assert loss_line.get_attribute("points").count(",") == 8
+
+            # The job was followed over its event stream: one EventSource, from after the events the page read
+            # first, whose messages brought the steps; no poll of the job or of its events while it ran.
+            sse = page.evaluate("window.__sse")
+            job_path = f"/v1/jobs/{job['id']}"
+            assert [u.split("?")[0] for u in sse["opened"]] == [f"{url}{job_path}/events"], sse
+            after = int(sse["opened"][0].split("after=")[1])  # the newest event of the page's first read
+            streamed = [e for e in svc.store.list_events(job["id"], after=after) if e.kind == "progress"]
+            assert streamed and sse["messages"] >= len(streamed), (sse, len(streamed))
+            assert "progress" in sse["kinds"]
+            assert job_path not in requests, "the page polled the job"
+            polled = [u for u in requests if u.startswith(f"{job_path}/events?") and "newest=" not in u
+                      and url + u not in sse["opened"]]  # the stream's own request is not a poll
+            assert polled == [], f"the page polled the job's events while its stream was open: {polled}"
 
             # A node is lost: the map shows it red, the others stay alive.
             lost = next(n for n in nodes if n.datacenter == "dc-b")
@@ -161,6 +200,14 @@ def test_with_auth_on_the_page_asks_for_a_token_and_keeps_it_for_the_session(sto
                 assert page.locator("#token-form").is_hidden()
                 assert page.evaluate("sessionStorage.getItem('meridian.token')") == token
                 assert page.evaluate("localStorage.length") == 0  # never persisted beyond the session
+                # An EventSource cannot send the token: the page reads the job's stream with fetch, live.
+                requests: list[str] = []
+                page.on("request", lambda r: requests.append(r.url))
+                page.locator("#events li", has_text="job submitted").wait_for(timeout=15_000)
+                page.wait_for_timeout(1_500)  # the stream is open by now
+                store.add_event(job["id"], JobEvent(kind=EventKind.WAITING, message="pushed over the stream"))
+                page.locator("#events li", has_text="pushed over the stream").wait_for(timeout=15_000)
+                assert not [u for u in requests if "/events?after=" in u and "limit=" in u], requests
                 page.reload()  # the same tab keeps it
                 row.wait_for(timeout=15_000)
                 page.click("#token-forget")

@@ -15,9 +15,10 @@ import time
 from pathlib import Path
 
 import pytest
-from fakes import FakeService, submit
+from fakes import FakeService, raw_event, submit
 
 from meridian.api.server import serve_in_thread
+from meridian.workers.contracts.events import EventKind, JobEvent, ProgressReport
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 playwright_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install -e '.[test]')")
@@ -72,7 +73,7 @@ def test_overlapping_polls_never_show_an_event_twice(service, store, supervisor,
     for the events after the same id, and each event was listed twice."""
     job = submit(supervisor, name="slow")
     for i in range(3):
-        store.add_event(job, "note", f"note {i}")
+        raw_event(store, job, "note", f"note {i}")
     slow = slow_event_reads(store, 1.6)
     slow.set()
     with serve_in_thread(service) as url:
@@ -80,7 +81,7 @@ def test_overlapping_polls_never_show_an_event_twice(service, store, supervisor,
         page.locator("#events li", has_text="note 2").wait_for(timeout=15_000)
         page.wait_for_timeout(4_000)  # several more overlapping polls
         slow.clear()
-        store.add_event(job, "note", "note 3")
+        raw_event(store, job, "note", "note 3")
         page.locator("#events li", has_text="note 3").first.wait_for(timeout=15_000)
         page.wait_for_timeout(1_500)
         texts = event_texts(page)
@@ -94,16 +95,16 @@ def test_clicking_another_job_during_a_poll_shows_only_that_jobs_events(service,
     """The click cleared the list, then the poll in flight for the job shown before wrote that job's events
     into it (under the new job's title) and moved the cursor past the new job's own first events."""
     first = submit(supervisor, name="first")
-    store.add_event(first, "note", "event of the first job")
+    raw_event(store, first, "note", "event of the first job")
     second = submit(supervisor, name="second")  # newest: listed first, shown at start
-    store.add_event(second, "note", "event of the second job")
+    raw_event(store, second, "note", "event of the second job")
     slow_job = slow_event_reads(store, 2.0, of_job=second)
     with serve_in_thread(service) as url:
         page, errors = open_page(browser, url)
         page.locator("#events li", has_text="event of the second job").wait_for(timeout=15_000)
         slow_job.set()
         page.wait_for_timeout(1_200)  # a poll of the second job's events is now in flight
-        store.add_event(second, "note", "late event of the second job")  # what that poll will bring
+        raw_event(store, second, "note", "late event of the second job")  # what that poll will bring
         page.click(f'#jobs tr[data-job="{first}"]')
         page.locator("#events li", has_text="event of the first job").wait_for(timeout=15_000)
         page.wait_for_timeout(3_000)  # the slow poll has answered by now
@@ -125,8 +126,10 @@ def test_a_job_longer_than_one_page_of_metrics_is_charted_to_its_last_step(servi
         page, errors = open_page(browser, url)
         page.locator("#chart-loss text", has_text=f"step {steps}").wait_for(timeout=15_000)
         page.locator("#chart-tps text", has_text=f"step {steps}").wait_for(timeout=15_000)
-        # New steps keep coming: only they are read (from the cursor), and drawn.
+        # New steps keep coming, and the job's event stream says so: only they are read (from the cursor), and drawn.
         store.add_metrics(job, [{"step": steps + 1, "loss": 3.0, "tokens_per_s": 5.0}])
+        store.add_event(job, JobEvent(kind=EventKind.PROGRESS, message=f"step {steps + 1}",
+                                      payload=ProgressReport(step=steps + 1, total_steps=20_000)))
         page.locator("#chart-loss text", has_text=f"step {steps + 1}").wait_for(timeout=15_000)
         drawn = int(page.locator("#chart-loss polyline").get_attribute("data-points"))
         assert 1_000 <= drawn <= 5_000  # thinned to a few thousand points, not 12,346
@@ -223,7 +226,7 @@ def test_strings_from_the_service_are_drawn_as_text_never_as_markup(service, sto
     from meridian.service.cluster.topology import ClusterTopology
 
     job = submit(supervisor, name="hostile")
-    store.add_event(job, "note" + HOSTILE, HOSTILE)
+    raw_event(store, job, "note" + HOSTILE, HOSTILE)
     cluster_view.topo = ClusterTopology(tuple(
         replace(n, datacenter=(n.datacenter + HOSTILE) if n.datacenter else None,
                 node_id=n.node_id + HOSTILE, address=HOSTILE) for n in cluster_view.topo.nodes))

@@ -36,7 +36,8 @@ def run_compute(spec: JobSpec, service: ServiceDep, supervisor: SupervisorDep) -
     training runs (a few seconds per slot, after the actors start). The figure is kept and feeds every later
     plan of that model shape and micro-batch: ``auto`` then weighs the link against the step this cluster
     really computes, not a default guess. Returns what was measured (``flops`` per slot, median)."""
-    return service.probe_compute(admitted_request(spec, "", supervisor.data_access.admit_checkpoint))
+    return service.probe_compute(admitted_request(spec, "", supervisor.data_access.admit_checkpoint,
+                                                  service.config.model_access().admit_factory))
 
 
 class NoProbeYet(JobNotFound):

@@ -57,12 +57,13 @@ ERRORS: dict[int | str, dict[str, Any]] = {
 
 @router.post("", status_code=status.HTTP_201_CREATED, response_model=JobPublic, responses=ERRORS)
 def submit_job(
-    spec: JobSpec, supervisor: SupervisorDep, caller: CallerDep,
+    spec: JobSpec, supervisor: SupervisorDep, service: ServiceDep, caller: CallerDep,
     idempotency_key: Annotated[str | None, Header(min_length=1, max_length=200, pattern=r"\S")] = None,
 ) -> Response:
     """Validate, plan against the live cluster (rejecting what can never fit), store and queue a job.
     Repeating a request with the same ``Idempotency-Key`` returns the first job (200) instead of a copy."""
-    request = admitted_request(spec, caller.owner, supervisor.data_access.admit_checkpoint)
+    request = admitted_request(spec, caller.owner, supervisor.data_access.admit_checkpoint,
+                               service.config.model_access().admit_factory)
     job, created = supervisor.submit(request, spec.model_dump(mode="json"),
                                      idempotency_key=idempotency_key)
     return json_body(JobPublic.from_record(job), status.HTTP_201_CREATED if created else status.HTTP_200_OK,

@@ -1,8 +1,11 @@
-// Meridian's live page: polls the service's JSON endpoints and draws with plain SVG. No framework and
-// no CDN, so it works on an air-gapped cluster. Every id used here is also what the browser test reads.
+// Meridian's live page: follows the selected job over its event stream (Server-Sent Events, resumed with
+// Last-Event-ID), reads the job list, the cluster and the link probe every second, and draws with plain SVG.
+// The job's events are polled only while its stream is down. No framework and no CDN, so it works on an
+// air-gapped cluster. Every id used here is also what the browser test reads.
 "use strict";
 
 const POLL_MS = 1000;
+const RESTREAM_MS = 2000;     // a stream opened with fetch (a token must be sent) is opened again this long after it drops
 const SVG = "http://www.w3.org/2000/svg";
 const MAX_EVENTS = 1000;      // events kept on the page (the oldest go first); the API has them all
 const MAX_POINTS = 4000;      // chart points kept per series; past it every other one is dropped
@@ -15,7 +18,20 @@ let selected = null;          // job id shown in detail
 let detail = newDetail(null);
 
 function newDetail(jobId) {
-  return { jobId, lastEventId: 0, shown: 0, dropped: 0, points: [], cursor: null, tailRead: false };
+  return { jobId, lastEventId: 0, shown: 0, dropped: 0, points: [], cursor: null, tailRead: false,
+           stream: null, streaming: false, ended: false, metricsDue: true };
+}
+
+// The event kinds the service sends, from its registry (GET /v1/event-kinds): an EventSource delivers a named
+// event only to a listener of that name. A kind the service does not know comes as a plain "message".
+let eventKinds = null;
+
+async function readEventKinds() {
+  if (eventKinds === null) {
+    const r = await getJSON("/v1/event-kinds");
+    eventKinds = r ? r.kinds.map((k) => k.kind) : [];
+  }
+  return eventKinds;
 }
 
 const $ = (id) => document.getElementById(id);
@@ -179,6 +195,7 @@ function renderMap(cluster, job, probe) {
 function select(jobId) {
   if (jobId === selected) return;
   selected = jobId;
+  closeStream(detail);
   detail = newDetail(jobId);
   $("events").replaceChildren();
   $("events").start = 1;
@@ -252,8 +269,75 @@ function renderEvents(d, { events, skipped }) {
   list.start = d.dropped + 1;
 }
 
-// The selected job's events and metrics after what the page holds, a few pages at a time. The first read of a
-// job asks for its newest events only (and how many come before them): a long job's history is never fetched.
+// -- the event stream ----------------------------------------------------------------------------------------
+// One per selected job, from the newest event the page holds. Without a token an EventSource, which resumes by
+// itself (sending Last-Event-ID); with one, a fetch whose body is read as the same stream (an EventSource cannot
+// send an Authorization header), opened again after it drops. While it is down the page polls the events.
+function openStream(d, kinds) {
+  const url = `/v1/jobs/${encodeURIComponent(d.jobId)}/events`;
+  const token = sessionStorage.getItem(TOKEN_KEY);
+  const onEvent = (data) => streamed(d, data);
+  const onEnd = () => { d.ended = true; closeStream(d); tick(); };
+  if (!token) {
+    const es = new EventSource(`${url}?after=${d.lastEventId}`);
+    es.onopen = () => { d.streaming = true; };
+    es.onerror = () => { d.streaming = false; };  // it reconnects by itself; the page polls meanwhile
+    for (const kind of [...kinds, "message"]) es.addEventListener(kind, (m) => onEvent(m.data));
+    es.addEventListener("end", onEnd);
+    d.stream = { close: () => es.close() };
+    return;
+  }
+  const ctrl = new AbortController();
+  d.stream = { close: () => ctrl.abort() };
+  fetch(url, { headers: { Accept: "text/event-stream", "Last-Event-ID": String(d.lastEventId), ...authHeaders() },
+               signal: ctrl.signal })
+    .then(async (r) => {
+      if (!r.ok || !r.body) throw new Error(`HTTP ${r.status}`);
+      d.streaming = true;
+      const reader = r.body.pipeThrough(new TextDecoderStream()).getReader();
+      let buf = "";
+      for (;;) {
+        const { value, done } = await reader.read();
+        if (done) break;
+        buf += value;
+        let cut;
+        while ((cut = buf.indexOf("\n\n")) >= 0) {
+          const block = buf.slice(0, cut);
+          buf = buf.slice(cut + 2);
+          const kind = (block.match(/^event: (.*)$/m) || [])[1];
+          const data = block.split("\n").filter((l) => l.startsWith("data: ")).map((l) => l.slice(6)).join("\n");
+          if (kind === "end") { onEnd(); return; }
+          if (data) onEvent(data);
+        }
+      }
+      throw new Error("the stream dropped");
+    })
+    .catch(() => {
+      d.streaming = false;
+      if (d.stream && d === detail && !d.ended) setTimeout(() => { if (d === detail && !d.ended) openStream(d, kinds); }, RESTREAM_MS);
+    });
+}
+
+function closeStream(d) {
+  if (d.stream) d.stream.close();
+  d.stream = null;
+  d.streaming = false;
+}
+
+function streamed(d, data) {
+  if (d !== detail) return;  // a stream of the job shown before: nothing of it is drawn
+  const e = JSON.parse(data);
+  renderEvents(d, { events: [e], skipped: 0 });
+  if (e.kind === "progress" || e.kind === "state") {
+    d.metricsDue = true;  // new steps (or the job's end): read the metrics after the page's cursor
+    if (e.kind === "state") $("detail-state").textContent = e.data.state;
+    tick();
+  }
+}
+
+// The selected job's events after what the page holds, a few pages at a time, while its stream is down. The
+// first read of a job asks for its newest events only (and how many come before them): a long job's history
+// is never fetched.
 async function readEvents(d) {
   let events = [], skipped = 0, after = d.lastEventId;
   if (!d.tailRead) {
@@ -279,14 +363,23 @@ async function readEvents(d) {
 // Each page is kept as it comes, with the cursor to the next (a page that fails is asked again next time);
 // a ``d`` no longer selected is simply dropped afterwards.
 async function readMetrics(d) {
+  if (!d.metricsDue) return;
+  d.metricsDue = false;
   for (let i = 0; i < PAGES_PER_TICK; i++) {
     const c = d.cursor, at = c ? `&after_step=${c.after_step}&after_id=${c.after_id}` : "";
-    const page = await getJSON(`/v1/jobs/${encodeURIComponent(d.jobId)}/metrics?limit=${PAGE_POINTS}${at}`);
+    let page;
+    try {
+      page = await getJSON(`/v1/jobs/${encodeURIComponent(d.jobId)}/metrics?limit=${PAGE_POINTS}${at}`);
+    } catch (err) {
+      d.metricsDue = true;  // asked again next time
+      throw err;
+    }
     if (!page) return;
     keepPoints(d, page.points);
     d.cursor = page.next || d.cursor;
     if (page.points.length < PAGE_POINTS) return;
   }
+  d.metricsDue = true;  // more pages: the next tick reads on
 }
 
 // -- loop -------------------------------------------------------------------------------------------------
@@ -307,10 +400,15 @@ async function refresh() {
       $("detail-state").textContent = job.state;
       $("detail-state").className = `state state-${job.state}`;
       const d = detail;
-      const [, events] = await Promise.all([readMetrics(d), readEvents(d)]);
+      // Polled only before the stream opens and while it is down; a finished job's stream has ended.
+      const polling = !d.tailRead || (!d.streaming && !d.ended);
+      if (job.state !== d.lastState) d.metricsDue = true;  // e.g. it ended: its last steps
+      d.lastState = job.state;
+      const [, events] = await Promise.all([readMetrics(d), polling ? readEvents(d) : { events: [], skipped: 0 }]);
       if (d !== detail) return;  // another job was selected meanwhile: the next poll draws that one
       renderCharts(d.points);
       renderEvents(d, events);
+      if (d.tailRead && !d.stream && !d.ended) openStream(d, await readEventKinds());
     }
     $("status").textContent = `updated ${new Date().toLocaleTimeString()}`;
   } catch (err) {

@@ -27,7 +27,6 @@ from dataclasses import dataclass
 import ray
 
 from meridian.service.cluster import watchdog
-from meridian.service.runner.actor import NAMESPACE
 from meridian.workers.state.snapshot_paths import OWNER_FILE, every_snapshot_pattern
 
 log = logging.getLogger(__name__)
@@ -40,6 +39,9 @@ FAST_FAILURE_DETECTION = {
     "health_check_timeout_ms": 1000,
     "health_check_initial_delay_ms": 1000,
 }
+
+NAMESPACE = "meridian"
+"""The Ray namespace the service connects in; each job's runner actor is named there."""
 
 
 def parse_datacenters(text: str) -> dict[str, int]:

@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 from meridian.service.cluster.topology import ClusterTopology, NodeInfo
-from meridian.service.planning.placement import worker_slots
 from meridian.workers.contracts.link_perf import PerfRow, message_sizes, summarise
 
 NODE_ID_LABEL = "ray.io/node-id"
@@ -119,10 +118,11 @@ def training_precision(precision: str, use_gpu: bool) -> str:
     return precision
 
 
-def run_compute_probe(topo: ClusterTopology, model: dict[str, Any], micro_batch: int, *,
+def run_compute_probe(topo: ClusterTopology, model: dict[str, Any], micro_batch: int, *, slots: dict[str, int],
                       use_gpu: bool = False, min_seconds: float = 3.0, precision: str = "fp32") -> dict[str, Any]:
     """Forward + backward throughput of ``model`` on every worker slot at once (as training runs), in
-    ``precision`` (``fp32`` or ``bf16``: what the job computes in, :func:`training_precision`)."""
+    ``precision`` (``fp32`` or ``bf16``: what the job computes in, :func:`training_precision`). ``slots``: node id →
+    the workers it holds (the planner's count: a GPU worker takes a CPU too)."""
     import statistics
 
     import ray
@@ -133,9 +133,8 @@ def run_compute_probe(topo: ClusterTopology, model: dict[str, Any], micro_batch:
     actors = []
     for dc in topo.datacenters:
         for n in topo.nodes_in(dc):
-            slots = worker_slots(n, use_gpu=use_gpu)  # the planner's: a GPU worker takes a CPU too
             actors += [actor_cls.options(label_selector={NODE_ID_LABEL: n.node_id}, num_gpus=1 if use_gpu else 0).remote()
-                       for _ in range(slots)]
+                       for _ in range(slots.get(n.node_id, 0))]
     if not actors:
         raise ValueError("no worker slot to measure: no labelled live node has CPUs/GPUs")
     try:

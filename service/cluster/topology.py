@@ -7,7 +7,7 @@ deciding what to do with them is the planner's job.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 DATACENTER_LABEL = "datacenter"
@@ -55,6 +55,11 @@ class ClusterTopology:
 
     def node(self, node_id: str) -> NodeInfo | None:
         return next((n for n in self.nodes if n.node_id == node_id), None)
+
+    def with_everything_free(self) -> ClusterTopology:
+        """This cluster with none of its resources in use: what an admission check against it refuses, the
+        cluster can never hold as it is, however long a job waits."""
+        return ClusterTopology(tuple(replace(n, available_cpus=n.cpus, available_gpus=n.gpus) for n in self.nodes))
 
     def has_gpus(self, dcs: tuple[str, ...]) -> bool:
         """Whether a job in ``dcs`` trains on GPUs: every one of them has a live node with a GPU. A node without

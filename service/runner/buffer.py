@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import Any
 
+from meridian.workers.contracts.events import EventKind, Gap, JobEvent
 from meridian.workers.contracts.records import StepRecord
 
 MAX_UNACKED = 200_000
@@ -27,7 +27,7 @@ class AckedBuffer:
         self.max_unacked = max_unacked
         self.seq = 0
         self._records: deque[tuple[int, StepRecord]] = deque()
-        self._events: deque[tuple[int, dict[str, Any]]] = deque()
+        self._events: deque[tuple[int, JobEvent]] = deque()
         self.dropped_through = 0
         """Every entry with a sequence number up to this one that was not acknowledged is lost."""
 
@@ -36,7 +36,7 @@ class AckedBuffer:
         self._records.append((self.seq, record))
         self._bound()
 
-    def add_event(self, event: dict[str, Any]) -> None:
+    def add_event(self, event: JobEvent) -> None:
         self.seq += 1
         self._events.append((self.seq, event))
         self._bound()
@@ -44,7 +44,7 @@ class AckedBuffer:
     def __len__(self) -> int:
         return len(self._records) + len(self._events)
 
-    def since(self, after: int) -> tuple[tuple[StepRecord, ...], tuple[dict[str, Any], ...]]:
+    def since(self, after: int) -> tuple[tuple[StepRecord, ...], tuple[JobEvent, ...]]:
         """Acknowledge everything up to ``after`` (trim it) and return what follows, oldest first; a
         ``gap`` event leads the events if some of what follows ``after`` was dropped unacknowledged."""
         for q in (self._records, self._events):
@@ -53,10 +53,11 @@ class AckedBuffer:
         events = tuple(e for _, e in self._events)
         if self.dropped_through > after:
             lost = self.dropped_through - after
-            events = ({"kind": "gap", "time": time.time(),
-                       "message": f"{lost} record(s)/event(s) after cursor {after} were dropped by the runner: the "
-                                  f"service did not collect them before {self.max_unacked} were waiting",
-                       "data": {"after": after, "through": self.dropped_through, "lost": lost}}, *events)
+            gap = JobEvent(kind=EventKind.GAP, time=time.time(),
+                           message=f"{lost} record(s)/event(s) after cursor {after} were dropped by the runner: the "
+                                   f"service did not collect them before {self.max_unacked} were waiting",
+                           payload=Gap(after=after, through=self.dropped_through, lost=lost))
+            events = (gap, *events)
         return tuple(r for _, r in self._records), events
 
     def _bound(self) -> None:

@@ -22,10 +22,12 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from meridian.service.runner.liveness import LivenessTracker
 from meridian.service.runner.membership import Epoch, Form, Member, MembershipState, Wait, decide
+from meridian.workers.contracts.events import EventKind
 from meridian.workers.contracts.rendezvous import Assignment, Finished, JoinReply, JoinRequest, Waiting
 
 REPROBE_S = 0.02
@@ -79,6 +81,10 @@ class Coordinator:
         """How long after the first rejoin a member that answers but has not rejoined is told to stop."""
         self.closed = False
         """The job is ending (cancelled, failed, or its run stopped): no epoch forms, and joins are told to end."""
+        self.suspending = False
+        """The job is being suspended: its members leave at the next step boundary, and the epoch they form then
+        writes a durable checkpoint and stops (:attr:`~meridian.workers.contracts.rendezvous.Assignment.suspend`)."""
+        self._suspended: dict[str, int] = {}  # member of the suspend epoch → the step its checkpoint part holds
 
     # -- called by workers ------------------------------------------------------------------------------
     def join(self, request: JoinRequest, known_epoch: int = 0, poll_s: float = 2.0) -> JoinReply:
@@ -131,10 +137,32 @@ class Coordinator:
                     self._cond.acquire()
 
     def pending_change(self, epoch: int) -> bool:
-        """Should the members of ``epoch`` re-form at their next step boundary (a newcomer waits)?"""
+        """Should the members of ``epoch`` re-form at their next step boundary (a newcomer waits, or the job is
+        being suspended)?"""
         with self._cond:
             return (self.state.epoch is not None and self.state.epoch.number == epoch
-                    and self.state.newcomers_waiting(self._alive_nodes))
+                    and (self.suspending or self.state.newcomers_waiting(self._alive_nodes)))
+
+    def suspend(self) -> None:
+        """Suspend the job: its members leave at their next step boundary and re-form in an epoch that writes a
+        durable checkpoint and stops."""
+        with self._cond:
+            self.suspending = True
+            self._cond.notify_all()
+
+    def suspended(self, worker_id: str, step: int) -> None:
+        """A member of the suspend epoch wrote its part of the checkpoint of ``step``."""
+        with self._cond:
+            self._suspended[worker_id] = step
+            self._cond.notify_all()
+
+    @property
+    def suspended_at(self) -> int | None:
+        """The step of the checkpoint once every member of the suspend epoch wrote its part, else ``None``."""
+        e = self.state.epoch
+        if e is None or not e.suspend or not all(m.worker_id in self._suspended for m in e.members):
+            return None
+        return min(self._suspended[m.worker_id] for m in e.members)
 
     def finish(self, worker_id: str) -> None:
         """A member trained the job's last step."""
@@ -227,7 +255,7 @@ class Coordinator:
             for w in found:
                 m = self.state.waiting.pop(w, None)
                 if m is not None:
-                    self.on_event("worker_gone", f"the waiting worker in {m.datacenter} on node {m.node_id[:12]} is gone "
+                    self.on_event(EventKind.WORKER_GONE, f"the waiting worker in {m.datacenter} on node {m.node_id[:12]} is gone "
                                   "(it stopped calling and its process no longer answers): not waited for",
                                   {"worker_id": w})  # fmt: skip
             self._decide_locked()
@@ -262,14 +290,14 @@ class Coordinator:
             with self._cond:
                 for m in self.state.epoch.members if self.state.epoch else ():
                     if m.worker_id in found:
-                        self.on_event("worker_gone", f"the worker in {m.datacenter} on node {m.node_id[:12]} is gone "
+                        self.on_event(EventKind.WORKER_GONE, f"the worker in {m.datacenter} on node {m.node_id[:12]} is gone "
                                       "(its process no longer answers): re-forming without it", {"worker_id": m.worker_id})
                 self._decide_locked()
         if since >= self.abort_after_s or waited >= NEWCOMERS_ABORT_AFTER_S:
             why = (f"had not rejoined {since:.0f} s after its peers (stuck in a collective with a peer that left)"
                    if since >= self.abort_after_s else
                    f"had reached no step boundary while new workers waited {waited:.0f} s (stuck)")
-            self._stop(e, suspects, "worker_stuck", f"answers but {why}")
+            self._stop(e, suspects, EventKind.WORKER_STUCK, f"answers but {why}")
 
     def _stop(self, e: Epoch, members: list[tuple[str, str, int]], kind: str, why: str) -> None:
         """Tell ``members`` (worker id, address, probe port) to stop their training process of epoch ``e`` (each
@@ -301,7 +329,7 @@ class Coordinator:
                 return
             stranded = [(m.worker_id, m.address, m.probe_port) for m in e.members if m.node_id in alive]
             where = ", ".join(sorted({f"node {m.node_id[:12]} in {m.datacenter}" for m in dead}))
-        self._stop(e, stranded, "worker_stranded",
+        self._stop(e, stranded, EventKind.WORKER_STRANDED,
                    f"had not left epoch {e.number} {STRANDED_AFTER_S:.0f} s after Ray reported {where} dead (its "
                    "collectives wait on a host that closes nothing: power or network lost)")
 
@@ -317,7 +345,7 @@ class Coordinator:
             epoch=e.number, rank=rank, world_size=len(e.members), datacenters=e.datacenters,
             master_addr=master.address, master_port=self._ports[master.worker_id], resume_step=e.resume_step,
             from_checkpoint=e.from_checkpoint, newcomer_ranks=tuple(e.rank_of(w) for w in e.newcomers),
-            snapshot_every=max(m.snapshot_every for m in e.members),
+            snapshot_every=max(m.snapshot_every for m in e.members), suspend=e.suspend,
         )
 
     def _decide_locked(self) -> None:
@@ -330,17 +358,17 @@ class Coordinator:
         if isinstance(decision, Wait):
             if decision.reason != self.wait_reason:
                 self.wait_reason = decision.reason
-                self.on_event("waiting", decision.reason, {})
+                self.on_event(EventKind.WAITING, decision.reason, {})
             return
         if isinstance(decision, Form):
-            e = decision.epoch
+            e = replace(decision.epoch, suspend=True) if self.suspending else decision.epoch
             self.state.epoch = e
             for m in e.members:
                 self.state.waiting.pop(m.worker_id, None)
             self.state.first_rejoin_at = None
             self.wait_reason = ""
             for m in decision.lost:
-                self.on_event("worker_lost", f"lost the worker in {m.datacenter} on node {m.node_id[:12]}",
+                self.on_event(EventKind.WORKER_LOST, f"lost the worker in {m.datacenter} on node {m.node_id[:12]}",
                               {"worker_id": m.worker_id, "datacenter": m.datacenter, "node_id": m.node_id})
             per_dc: dict[str, int] = {}
             for dc in e.datacenters:
@@ -348,7 +376,7 @@ class Coordinator:
             layout = ", ".join(f"{n} in {dc}" for dc, n in per_dc.items())
             how = "from the latest checkpoint" if e.from_checkpoint else f"at step {e.resume_step}"
             self.on_event(
-                "epoch_formed",
+                EventKind.EPOCH_FORMED,
                 f"epoch {e.number}: {len(e.members)} worker(s) ({layout}), resuming {how}"
                 + (f"; {len(e.newcomers)} joined" if e.number > 1 and e.newcomers else ""),
                 {"epoch": e.number, "datacenters": list(e.datacenters), "resume_step": e.resume_step,

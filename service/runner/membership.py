@@ -60,6 +60,8 @@ class Epoch:
     """Members without state: they receive it from the others."""
     from_checkpoint: bool = False
     """No member holds the state in memory: everyone loads the latest durable checkpoint."""
+    suspend: bool = False
+    """The job is being suspended: members restore, write a durable checkpoint and stop."""
 
     @property
     def datacenters(self) -> tuple[str, ...]:

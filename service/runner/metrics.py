@@ -17,7 +17,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from meridian.service.supervision.stall import StallPolicy
+from meridian.service.runner.stall import StallPolicy
+from meridian.workers.contracts.events import EventKind, JobEvent
 from meridian.workers.contracts.records import StepRecord
 
 ALL_DCS = "all"
@@ -112,17 +113,18 @@ class JobMetricsState:
             self.gauges[_key("meridian_job_comm_seconds", **t, tier=tier)] = float(value)
         self._count("meridian_job_steps_total", 1, **t)
 
-    def on_event(self, kind: str, data: dict[str, Any]) -> None:
-        if kind == "worker_started" and "rank" in data:
-            self.rank_dc[int(data["rank"])] = str(data.get("datacenter", ALL_DCS))
-        elif kind == "worker_lost":
-            self._count("meridian_job_recoveries_total", 1, **self.tags(str(data.get("datacenter", ALL_DCS))))
-        elif kind == "epoch_formed":
-            if data.get("placement"):  # the ranks of the new membership; old ranks' beats no longer apply
-                self.rank_dc = {int(p["rank"]): str(p["datacenter"]) for p in data["placement"]}
+    def on_event(self, event: JobEvent) -> None:
+        p = event.payload
+        if event.kind is EventKind.WORKER_STARTED and p.rank is not None:
+            self.rank_dc[p.rank] = p.datacenter
+        elif event.kind is EventKind.WORKER_LOST:
+            self._count("meridian_job_recoveries_total", 1, **self.tags(p.datacenter))
+        elif event.kind is EventKind.EPOCH_FORMED:
+            if p.placement:  # the ranks of the new membership; old ranks' beats no longer apply
+                self.rank_dc = {s.rank: s.datacenter for s in p.placement}
                 self.last_beat.clear()
                 self.computed.clear()
-            if int(data.get("epoch", 1)) > 1:
+            if p.epoch > 1:
                 self._count("meridian_job_recoveries_total", 1, **self.tags())
 
     def on_heartbeat(self, beat: dict[str, Any]) -> None:

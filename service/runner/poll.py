@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
+from meridian.service.runner.placement import PlacedRank
+from meridian.workers.contracts.events import JobEvent, StallSeen
 from meridian.workers.contracts.records import StepRecord
 
 
@@ -22,22 +24,23 @@ class RunnerLost(RuntimeError):
 
 
 class RunnerState(str, enum.Enum):
-    """Where the runner's training is: starting → running → succeeded | failed | cancelled."""
+    """Where the runner's training is: starting → running → succeeded | failed | cancelled | suspended."""
 
     STARTING = "starting"  # fit() launched, no step record yet
     RUNNING = "running"  # the first step record arrived
     SUCCEEDED = "succeeded"
     FAILED = "failed"
     CANCELLED = "cancelled"
+    SUSPENDED = "suspended"  # preempted: the job's checkpoint is written, it goes back to the queue
 
     @property
     def is_terminal(self) -> bool:
-        return self in (RunnerState.SUCCEEDED, RunnerState.FAILED, RunnerState.CANCELLED)
+        return self in (RunnerState.SUCCEEDED, RunnerState.FAILED, RunnerState.CANCELLED, RunnerState.SUSPENDED)
 
 
 @dataclass(frozen=True, kw_only=True)
 class RunnerPoll:
-    """Everything the runner buffered after a cursor, plus its state and what stall detection needs."""
+    """Everything the runner buffered after a cursor, plus its state, its ranks' placement and their stalls."""
 
     state: RunnerState
     error: str = ""
@@ -46,19 +49,20 @@ class RunnerPoll:
     """What the workers returned once training finished."""
     records: tuple[StepRecord, ...] = ()
     """Per-step records after the cursor, oldest first."""
-    events: tuple[Mapping[str, Any], ...] = ()
-    """Events after the cursor, oldest first: ``{"kind", "message", "data", "time"}`` (stored as they are)."""
+    events: tuple[JobEvent, ...] = ()
+    """Events after the cursor, oldest first (the stall of a rank among them, named once)."""
     cursor: int = 0
     """The runner's sequence number after this poll: the next poll asks for what comes after it."""
     wait_reason: str = ""
     """Why the elastic membership waits (for workers, for a re-formation); empty while it trains."""
     finished: bool = False
     """The membership saw the last step: ranks are idle by design from here on."""
-    heartbeats: Mapping[int, Mapping[str, Any]] = field(default_factory=dict)
-    """Per rank: ``{"step", "computed", "time"}`` of its last heartbeat (the runner's clock)."""
-    recent_step_s: tuple[float, ...] = ()
-    now: float = 0.0
-    """The runner's clock when it answered: stall detection compares heartbeats with this, not ours."""
+    placement: tuple[PlacedRank, ...] = ()
+    """Where each rank of the current membership runs, in rank order."""
+    stalls: tuple[StallSeen, ...] = ()
+    """Ranks that have stopped finishing steps, as the runner judges them now."""
+    suspended_step: int | None = None
+    """With ``state`` ``SUSPENDED``: the step of the checkpoint the job resumes from."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.state, RunnerState):

@@ -3,8 +3,10 @@
 :func:`reconcile` takes the job as stored and what its runner answered (a
 :class:`~meridian.service.runner.poll.RunnerPoll`, or :class:`~meridian.service.runner.poll.RunnerLost`) and
 returns a :class:`Decision`: the status to set before and after storing the poll, the records, events and
-job fields to store, the stalls to name, and whether to resume, release or forget the runner. The
-supervisor (:mod:`meridian.service.supervision.supervisor`) carries a decision out.
+job fields to store, and whether to resume, release or forget the runner. The supervisor
+(:mod:`meridian.service.supervision.supervisor`) carries a decision out. Everything it needs is in the job and
+the poll (typed events, the ranks' placement, stalls already named by the runner): it never reads the job's
+stored events back.
 
 Pure: no store, no Ray, no clock (the caller passes ``now``), so every rule is tested by asserting on the
 decision (tests/test_reconcile.py). Must never write anything or call the launcher.
@@ -20,10 +22,12 @@ from typing import Any
 from meridian.service.jobs import JobState, JobStatus
 from meridian.service.runner.poll import RunnerLost, RunnerPoll, RunnerState
 from meridian.service.store import JobRecord
-from meridian.service.supervision.stall import Stall, StallPolicy, find_stalls
+from meridian.workers.contracts.events import EventKind, JobEvent, ProgressReport, Reattached
+from meridian.workers.contracts.fields import to_plain
 from meridian.workers.contracts.records import StepRecord
 
-PROGRESS_FIELDS = ("step", "total_steps", "loss", "tokens_per_s", "lr", "inter_dc_bytes", "eta_s")
+PROGRESS_FIELDS = ("step", "total_steps", "loss", "tokens_per_s", "lr", "inter_dc_bytes", "eta_s", "step_s", "data_s",
+                   "compute_s", "mfu")
 RUNNER_OUTCOME = {
     RunnerState.SUCCEEDED: JobStatus(JobState.SUCCEEDED, "Completed", "training finished"),
     RunnerState.CANCELLED: JobStatus(JobState.CANCELLED, "Cancelled",
@@ -31,7 +35,6 @@ RUNNER_OUTCOME = {
 }
 TRAINING = JobStatus(JobState.RUNNING, "Training", "training steps are running")
 WAITING_FOR_WORKERS = "WaitingForWorkers"
-DEFAULT_STALL_POLICY = StallPolicy()
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,9 @@ class Deadlines:
     """From entering ``placing`` to the first training step (workers scheduled, started and joined)."""
     cancel_s: float = 120.0
     """From a cancel request to the runner saying it stopped; then the runner is killed."""
+    suspend_s: float = 300.0
+    """From a preemption to the runner saying its checkpoint is written; then it is killed, and the job is queued
+    to resume from its newest durable checkpoint."""
 
 
 DEFAULT_DEADLINES = Deadlines()
@@ -53,18 +59,17 @@ class Decision:
 
     cancel: bool = False
     """Tell the runner to stop (again): the job has a cancel request and its runner still runs."""
+    suspend: bool = False
+    """Tell the runner to checkpoint and stop (again): the job is being preempted."""
     resume: bool = False
     """Start a found runner that never started (a service killed between creating and starting it); if
     that fails, nothing else of this decision is done and the next tick decides again."""
-    stalls: tuple[Stall, ...] = ()
-    """Ranks newly found stalled, each to be recorded once as a ``stall`` event at ``observed_at``."""
-    observed_at: float = 0.0
     status: JobStatus | None = None
     """Set before the poll is stored, so the event log reads "running" before the first progress."""
     store: bool = True
     """Store the poll (``records``, ``events``, ``fields``) in one transaction; ``False``: nothing to store."""
     records: tuple[StepRecord, ...] = ()
-    events: tuple[Mapping[str, Any], ...] = ()
+    events: tuple[JobEvent, ...] = ()
     fields: Mapping[str, Any] = field(default_factory=dict)
     """Job fields to store with the poll: ``progress`` (with the cursor), ``placement``, ``result``."""
     outcome: JobStatus | None = None
@@ -80,67 +85,63 @@ class Decision:
 
     @property
     def emits_progress(self) -> bool:
-        return any(ev["kind"] == "progress" for ev in self.events)
+        return any(ev.kind is EventKind.PROGRESS for ev in self.events)
 
 
 def reconcile(
     job: JobRecord, poll: RunnerPoll | RunnerLost, *, now: float = 0.0, first_sight: bool = False,
-    progress_due: bool = True, started: Mapping[str, Mapping[str, Any]] | None = None,
-    stalls_named: frozenset[tuple[int, int]] | set[tuple[int, int]] = frozenset(),
-    stall_policy: StallPolicy = DEFAULT_STALL_POLICY, deadlines: Deadlines = DEFAULT_DEADLINES,
+    progress_due: bool = True, deadlines: Deadlines = DEFAULT_DEADLINES,
 ) -> Decision:
     """The decision for ``job`` after its runner answered ``poll``.
 
     ``first_sight``: this supervisor has not followed the job before (the service restarted while it was
     active). ``progress_due``: a ``progress`` event may be added (they are rate-limited by the caller).
-    ``started``: worker id → data of the job's stored ``worker_started`` events, needed only when the poll
-    has an ``epoch_formed`` event (see :func:`needs_started_workers`). ``stalls_named``: (rank, step) pairs
-    already recorded as stalls. ``now``: wall-clock time, for the events this decision adds and the
-    ``deadlines``.
+    ``now``: wall-clock time, for the events this decision adds and the ``deadlines``.
     """
     if isinstance(poll, RunnerLost):
         return _lost(job, poll)
     overdue = _overdue(job, poll.state, now, deadlines)
     if overdue is not None:
-        return Decision(store=False, outcome=overdue, release=True, forget=True, sweep_snapshots=True)
-    events: list[Mapping[str, Any]] = list(poll.events)
+        return _ended_overdue(job, overdue)
+    events: list[JobEvent] = list(poll.events)
     cursor = int((job.progress or {}).get("cursor", 0))
     resume = False
     if first_sight:
         resume = poll.state is RunnerState.STARTING and not job.cancel_requested
-        events.insert(0, {"kind": "reattached", "time": now,
-                          "data": {"cursor": cursor, "runner_state": poll.state.value},
-                          "message": f"service restarted; reattached to {job.runner or 'the runner'} "
-                                     f"({poll.state.value}), resuming after record {cursor}"})
-    placement = _placement(job.placement or [], events, started or {})
+        events.insert(0, JobEvent(kind=EventKind.REATTACHED, time=now,
+                                  payload=Reattached(cursor=cursor, runner_state=poll.state.value),
+                                  message=f"service restarted; reattached to {job.runner or 'the runner'} "
+                                          f"({poll.state.value}), resuming after record {cursor}"))
     progress = fold_progress(job.progress, poll.records, poll.cursor)
     if poll.records and progress_due:
         # Live progress for event streams (rate-limited by the caller so a long job does not fill the event table).
         loss = progress.get("loss")
         loss_text = f"{loss:.4f}" if isinstance(loss, (int, float)) else "-"
-        events.append({"kind": "progress", "time": progress.get("updated_at"),
-                       "message": f"step {progress['step']}/{progress['total_steps']} loss {loss_text}",
-                       "data": {k: progress[k] for k in PROGRESS_FIELDS if k in progress}})
+        events.append(JobEvent(
+            kind=EventKind.PROGRESS, time=progress.get("updated_at") or now,
+            message=f"step {progress['step']}/{progress['total_steps']} loss {loss_text}",
+            payload=ProgressReport(**{k: progress[k] for k in PROGRESS_FIELDS if k in progress})))
     fields: dict[str, Any] = {"progress": progress}
-    if placement != (job.placement or []):
-        fields["placement"] = sorted(placement, key=lambda p: p["rank"])
+    placement = [to_plain(p) for p in poll.placement]
+    if placement and placement != (job.placement or []):
+        fields["placement"] = placement
     if poll.result is not None:
         fields["result"] = job_losses(dict(poll.result), progress)
     outcome = None
-    if poll.state.is_terminal:
+    if poll.state is RunnerState.SUSPENDED:
+        outcome = preempted(f"its workers wrote a checkpoint of step {poll.suspended_step} and stopped")
+        # The next runner numbers what it reports from 0, and places its ranks anew.
+        fields["progress"] = {**progress, "cursor": 0}
+        fields["placement"] = []
+    elif poll.state.is_terminal:
         outcome = RUNNER_OUTCOME.get(poll.state) or JobStatus(
             JobState.FAILED, "TrainingError", poll.error or "training failed")
     return Decision(
-        cancel=job.cancel_requested and outcome is None, resume=resume, stalls=_new_stalls(poll, placement, stalls_named, stall_policy), observed_at=poll.now,
+        cancel=job.cancel_requested and outcome is None, resume=resume,
+        suspend=job.suspend_requested and not job.cancel_requested and outcome is None,
         status=_running_status(job, poll), records=poll.records, events=tuple(events), fields=fields,
         outcome=outcome, release=outcome is not None, forget=outcome is not None,
     )
-
-
-def needs_started_workers(poll: RunnerPoll) -> bool:
-    """Whether :func:`reconcile` needs the job's stored ``worker_started`` events for this poll (reading
-    them costs a query of every event of the job, so only when a new epoch names its ranks)."""
-    return any(ev["kind"] == "epoch_formed" for ev in poll.events)
 
 
 def job_losses(result: dict[str, Any], progress: Mapping[str, Any]) -> dict[str, Any]:
@@ -174,6 +175,15 @@ def fold_progress(previous: Mapping[str, Any] | None, records: Sequence[StepReco
     return p
 
 
+PREEMPTED = "Preempted"
+
+
+def preempted(how: str) -> JobStatus:
+    """The queued status of a job suspended for one of higher priority."""
+    return JobStatus(JobState.QUEUED, PREEMPTED, f"suspended for a job of higher priority: {how}; it resumes from "
+                     "its newest checkpoint when capacity returns")
+
+
 def _lost(job: JobRecord, lost: RunnerLost) -> Decision:
     if job.cancel_requested:  # the runner went away while stopping: that is the cancel done
         return Decision(store=False, outcome=RUNNER_OUTCOME[RunnerState.CANCELLED], forget=True, sweep_snapshots=True)
@@ -190,7 +200,16 @@ def unanswered(job: JobRecord, *, now: float, deadlines: Deadlines = DEFAULT_DEA
     overdue = _overdue(job, None, now, deadlines)
     if overdue is None:
         return None
-    return Decision(store=False, outcome=overdue, release=True, forget=True, sweep_snapshots=True)
+    return _ended_overdue(job, overdue)
+
+
+def _ended_overdue(job: JobRecord, outcome: JobStatus) -> Decision:
+    """A missed deadline: the runner is killed and the job ends with ``outcome`` (a preempted one goes back to the
+    queue, its next runner reporting from cursor 0)."""
+    if outcome.state is JobState.QUEUED:
+        return Decision(outcome=outcome, release=True, forget=True, sweep_snapshots=True,
+                        fields={"progress": {**(job.progress or {}), "cursor": 0}, "placement": []})
+    return Decision(store=False, outcome=outcome, release=True, forget=True, sweep_snapshots=True)
 
 
 def _overdue(job: JobRecord, state: RunnerState | None, now: float, deadlines: Deadlines) -> JobStatus | None:
@@ -198,6 +217,10 @@ def _overdue(job: JobRecord, state: RunnerState | None, now: float, deadlines: D
     what the runner answered, ``None`` when it did not answer."""
     if state is not None and state.is_terminal:
         return None
+    if (job.suspend_requested and not job.cancel_requested
+            and now - (job.suspend_requested_at or now) > deadlines.suspend_s):
+        return preempted(f"its runner did not write the checkpoint within {deadlines.suspend_s:.0f} s and was "
+                         "killed with its workers")
     if job.cancel_requested and now - (job.cancel_requested_at or now) > deadlines.cancel_s:
         return JobStatus(JobState.CANCELLED, "CancelTimedOut",
                          f"the runner did not stop within {deadlines.cancel_s:.0f} s of the cancel request; "
@@ -213,8 +236,8 @@ def _overdue(job: JobRecord, state: RunnerState | None, now: float, deadlines: D
 
 def _running_status(job: JobRecord, poll: RunnerPoll) -> JobStatus | None:
     """Training, or waiting for workers, while the runner runs (``None``: the status stays as it is)."""
-    if poll.state is not RunnerState.RUNNING or job.cancel_requested:
-        return None  # a job being cancelled keeps saying so until its runner stops
+    if poll.state is not RunnerState.RUNNING or job.cancel_requested or job.suspend_requested:
+        return None  # a job being cancelled or suspended keeps saying so until its runner stops
     if poll.wait_reason and job.status.state is JobState.RUNNING:
         # e.g. after losing nodes: below min_workers the job waits for capacity instead of failing
         if job.status.message != poll.wait_reason:
@@ -223,30 +246,3 @@ def _running_status(job: JobRecord, poll: RunnerPoll) -> JobStatus | None:
     if job.status.state is JobState.PLACING or job.status.reason == WAITING_FOR_WORKERS:
         return TRAINING
     return None
-
-
-def _placement(current: list[dict[str, Any]], events: Sequence[Mapping[str, Any]],
-               started: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """The ranks after this batch of events: an ``epoch_formed`` names the ranks of a new membership (each
-    with what its worker said when it started: host, pid, device); a ``worker_started`` with a rank comes
-    from a runner that ranks workers itself."""
-    placement = list(current)
-    for ev in events:
-        if ev["kind"] == "epoch_formed":
-            known = {**started, **{e["data"].get("worker_id"): e["data"] for e in events
-                                   if e["kind"] == "worker_started"}}
-            placement = [{**known.get(m["worker_id"], {}), **m} for m in ev["data"]["placement"]]
-        elif ev["kind"] == "worker_started" and "rank" in ev["data"]:
-            placement = [p for p in placement if p["rank"] != ev["data"]["rank"]] + [ev["data"]]
-    return placement
-
-
-def _new_stalls(poll: RunnerPoll, placement: list[dict[str, Any]], named: frozenset[tuple[int, int]] | set[tuple[int, int]],
-                policy: StallPolicy) -> tuple[Stall, ...]:
-    """Ranks that stopped finishing steps, not named before. Not while the membership waits (for workers,
-    or for a re-formation) or after the last step: ranks are idle then by design, and the events say why."""
-    if not poll.heartbeats or poll.wait_reason or poll.finished:
-        return ()
-    where = {p["rank"]: p for p in placement}
-    return tuple(s for s in find_stalls(poll.heartbeats, poll.recent_step_s, poll.now, where, policy)
-                 if (s.rank, s.step) not in named)

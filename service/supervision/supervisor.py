@@ -12,7 +12,6 @@ a time against fakes. It must never branch on a status ``reason`` meant for peop
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -21,7 +20,7 @@ from typing import Any
 
 from meridian.service.cluster.topology import ClusterTopology
 from meridian.service.data_access import DataAccess
-from meridian.service.errors import InvalidTransition
+from meridian.service.errors import InvalidJob, InvalidTransition
 from meridian.service.jobs import JobRequest, JobState, JobStatus
 from meridian.service.launcher import Launcher
 from meridian.service.lease import Lease, LeaseLost
@@ -29,29 +28,40 @@ from meridian.service.planning.figures import figures_for
 from meridian.service.planning.placement import admission
 from meridian.service.planning.plan import Plan
 from meridian.service.planning.planner import plan_job
-from meridian.service.planning.train_config import build_train_config
+from meridian.service.quotas import Held, Quota, over_quota
+from meridian.service.resolved import ResolvedJob, resolve
 from meridian.service.runner.poll import RunnerLost, RunnerPoll
-from meridian.service.store import JobRecord, JobStore, request_hash
+from meridian.service.store import JobRecord, JobStore, new_job_id, request_hash
+from meridian.service.supervision.preemption import Running, victims
 from meridian.service.supervision.reconcile import (
     DEFAULT_DEADLINES,
+    PREEMPTED,
     Deadlines,
     Decision,
-    needs_started_workers,
     reconcile,
     unanswered,
 )
-from meridian.service.supervision.stall import StallPolicy
-from meridian.service.tracking import with_job_dir
-from meridian.workers.state import storage
+from meridian.workers.contracts.events import ErrorText, EventKind, JobEvent, Preempted
 
 log = logging.getLogger(__name__)
 
 ACTIVE = {JobState.PLACING, JobState.RUNNING}
 BUILTIN_DATA_ONLY = DataAccess()
 PROGRESS_EVENT_EVERY_S = 1.0
+QUOTA_EXCEEDED = "QuotaExceeded"
 RELEASED_WORKERS_GONE_S = 10.0
 """A killed runner's workers die with it, but not at once (Ray ends the actors it owned): the sweep of their
 snapshot folders waits this long, so that no worker still writing leaves a folder behind."""
+
+
+def _suspendable(job: JobRecord) -> bool:
+    """Whether a running job can be suspended and resume where it stopped: it keeps durable checkpoints, is
+    data-parallel only (an epoch of tensor/pipeline parallelism has no step boundary to leave at), and its ranks
+    are all placed (their nodes are what its suspension frees)."""
+    r = job.resolved
+    return (r is not None and bool(r.config.checkpoint_dir) and r.config.parallel.model_parallel == 1
+            and job.status.state is JobState.RUNNING and not job.cancel_requested
+            and len(job.placement or ()) == r.plan.num_workers)
 
 
 class Supervisor:
@@ -85,8 +95,6 @@ class Supervisor:
         self.job_errors: dict[str, str] = {}  # job → why following it failed on the last tick (for /healthz)
         self._last_progress_event: dict[str, float] = {}
         self._followed: set[str] = set()  # jobs this instance launched or already reattached to
-        self.stall_policy = StallPolicy()
-        self._stalls_named: dict[str, set[tuple[int, int]]] = {}  # job → (rank, step) already in its events
 
     # -- API-facing actions -------------------------------------------------------------------------------
     def plan(self, request: JobRequest, topo: ClusterTopology | None = None) -> Plan:
@@ -96,7 +104,16 @@ class Supervisor:
         plan = plan_job(request, topo, figures)
         return replace(plan, explanation=f"{plan.explanation} Figures from: {', '.join(sources)}.")
 
+    def resolve(self, request: JobRequest, job_id: str, topo: ClusterTopology | None = None) -> ResolvedJob:
+        """What ``request`` would run as job ``job_id`` on the cluster now: its plan and training config (raises
+        :class:`Unschedulable` if the cluster can never hold it, :class:`InvalidJob` if the plan makes an option
+        invalid)."""
+        return resolve(job_id, request, self.plan(request, topo), checkpoint_root=self.checkpoint_root)
+
     def submit(self, request: JobRequest, spec: dict[str, Any], *, idempotency_key: str | None = None) -> tuple[JobRecord, bool]:
+        """Admit the data, plan the job and build its training config, then store it queued: the one time a job
+        is planned and validated (anything that would fail at launch raises here, a 422 or 409 before the job is
+        stored). Admission later checks only whether the stored plan fits in the free capacity."""
         body_hash = request_hash(spec)
         if idempotency_key:
             # A retry returns the job it created even if the cluster changed since (no re-planning), and
@@ -105,12 +122,13 @@ class Supervisor:
             if existing is not None:
                 return existing, False
         request = self.data_access.admit(request)  # a data source the service may not read is a 422
+        job_id = new_job_id()
         topo = self.read_topology()
-        plan = self.plan(request, topo)  # reject what can never fit before anything is stored
-        self.storage_check(plan.datacenters, topo)  # and a job whose nodes do not share the storage (a 409)
+        resolved = self.resolve(request, job_id, topo)  # reject what can never fit or never run before anything is stored
+        self.storage_check(resolved.plan.datacenters, topo)  # and a job whose nodes do not share the storage (a 409)
         status = JobStatus(JobState.QUEUED, "Admitting", "waiting for the scheduler")
         record, created = self.store.create_job(request, spec, status=status, idempotency_key=idempotency_key,
-                                                request_hash=body_hash, plan=plan.to_dict())
+                                                request_hash=body_hash, resolved=resolved, job_id=job_id)
         if created:
             self._wake.set()
         return self.store.get_job(record.id), created
@@ -138,6 +156,12 @@ class Supervisor:
             self._wake.set()
             return job
         raise InvalidTransition(f"job {job_id} kept changing state; try the cancel again")
+
+    def set_quota(self, quota: Quota) -> Quota:
+        """Store an owner's quota; the queue is looked at again at once (a raised quota admits its jobs)."""
+        self.store.set_quota(quota)
+        self._wake.set()
+        return quota
 
     # -- the loop -----------------------------------------------------------------------------------------
     def tick(self) -> None:
@@ -186,9 +210,9 @@ class Supervisor:
         log.exception("following job %s failed", job_id)
         self.job_errors[job_id] = message
         try:
-            self.store.add_event(job_id, "supervisor_error",
-                                 f"the service could not follow this job on its last tick ({message}); "
-                                 "it retries every tick", {"error": message})
+            self.store.add_event(job_id, JobEvent(
+                kind=EventKind.SUPERVISOR_ERROR, payload=ErrorText(error=message),
+                message=f"the service could not follow this job on its last tick ({message}); it retries every tick"))
         except Exception:  # noqa: BLE001 - the store itself failing is reported by /healthz
             log.exception("recording the error of job %s failed", job_id)
 
@@ -200,42 +224,95 @@ class Supervisor:
             why = (f"waiting for job {placing[0].id} to finish placing its workers (placing fails after "
                    f"{self.deadlines.placing_s:.0f} s)")
             for job in self.store.queued_in_order():
-                if job.status.message != why:
+                # A job held by its owner's quota keeps saying so: that, not the placement, is what it waits for;
+                # a preempted one keeps saying where it resumes from.
+                if job.status.message != why and job.status.reason not in (QUOTA_EXCEEDED, PREEMPTED):
                     self._set(job.id, JobStatus(JobState.QUEUED, "WaitingForPlacement", why), expect={JobState.QUEUED})
             return
+        quotas = self.store.quotas()
+        held: dict[str, list[Held]] = {}
+        for active in self.store.list_jobs(states=ACTIVE, limit=10_000):
+            if active.resolved is not None:
+                held.setdefault(active.owner, []).append(Held.of(active.resolved.plan))
         for job in self.store.queued_in_order():
-            try:
-                plan = self.plan(job.request, topo)
-            except Exception as e:  # noqa: BLE001 - the cluster shrank below what the job can ever use
-                # Not a capacity wait: this job cannot run on the cluster as it is at all, so jobs behind it
-                # that can are not held back by it (FIFO holds among jobs waiting for capacity).
-                self._set(job.id, JobStatus(JobState.QUEUED, "Unschedulable",
-                                            f"{e} (the job stays queued until the cluster can hold it; jobs "
-                                            "behind it that fit are admitted meanwhile)"), expect={JobState.QUEUED})
+            resolved = self._resolved(job, topo)
+            if resolved is None:
+                continue  # failed: it cannot run at all
+            over = over_quota(quotas.get(job.owner), held.get(job.owner, ()), Held.of(resolved.plan))
+            if over is not None:
+                # The owner's limit, not the cluster's: other owners' jobs behind it are not held back.
+                self._set(job.id, JobStatus(JobState.QUEUED, QUOTA_EXCEEDED, over), expect={JobState.QUEUED})
                 continue
-            wait = admission(plan, topo)
+            never = admission(resolved.plan, topo.with_everything_free())
+            if never is not None:
+                # Not a capacity wait: the cluster as it is cannot hold this job's plan even when idle (a node or
+                # datacenter it was planned on is gone), so jobs behind it that fit are not held back by it (FIFO
+                # holds among jobs waiting for capacity).
+                self._set(job.id, JobStatus(JobState.QUEUED, "Unschedulable",
+                                            f"the cluster cannot hold the plan this job was given at submit: {never} "
+                                            "(it stays queued until the cluster can hold it, and jobs behind it "
+                                            "that fit are admitted meanwhile; cancel and resubmit it to plan it "
+                                            "for the cluster as it is now)"), expect={JobState.QUEUED})
+                continue
+            wait = admission(resolved.plan, topo)
             if wait is not None:
-                self._set(job.id, JobStatus(JobState.QUEUED, "WaitingForCapacity", wait), expect={JobState.QUEUED})
+                wait += self._preempt_for(job, resolved.plan, topo)
+                if job.status.reason != PREEMPTED:  # (it says where it resumes from, and that it waits for room)
+                    self._set(job.id, JobStatus(JobState.QUEUED, "WaitingForCapacity", wait), expect={JobState.QUEUED})
                 return  # FIFO: nothing overtakes the head of the queue
-            self._launch(job, plan)
+            self._launch(job, resolved)
             return  # one admission per tick (see above)
 
-    def _launch(self, job: JobRecord, plan: Plan) -> None:
-        keep = job.request.checkpoint_every or job.request.keep_final
-        ckpt_dir = os.path.join(self.checkpoint_root, job.id) if keep else ""
+    def _preempt_for(self, head: JobRecord, plan: Plan, topo: ClusterTopology) -> str:
+        """Suspend running jobs of lower priority if that makes room for ``head`` (each writes a checkpoint and
+        goes back to the queue, to resume from it); what the head's waiting message adds."""
+        running = [Running(job_id=j.id, priority=j.priority, seq=j.seq, plan=j.resolved.plan,
+                           nodes=tuple(p["node_id"] for p in j.placement or ()),
+                           suspendable=_suspendable(j), suspending=j.suspend_requested)
+                   for j in self.store.list_jobs(states=ACTIVE, limit=10_000) if j.resolved is not None]
+        chosen = victims(plan, head.priority, running, topo)
+        if chosen is None:
+            return ""
+        for v in chosen:
+            try:
+                job = self.store.set_status(v.job_id, JobStatus(JobState.RUNNING, "Preempting",
+                                            f"suspending for job {head.id} (priority {head.priority}): its workers "
+                                            "write a checkpoint at their next step boundary and stop; it resumes "
+                                            "from it when capacity returns"),
+                                            expect={JobState.RUNNING}, unless_cancel_requested=True,
+                                            suspend_requested=True)
+            except InvalidTransition as e:
+                log.info("job %s not suspended: %s", v.job_id, e)
+                continue
+            self.store.add_event(job.id, JobEvent(
+                kind=EventKind.PREEMPTED, payload=Preempted(by_job=head.id, by_priority=head.priority),
+                message=f"preempted by job {head.id} (priority {head.priority} > {job.priority}): checkpointing and "
+                        "stopping at the next step boundary"))
+            self.launcher.suspend(job.id)
+        names = ", ".join(j.job_id for j in [*[r for r in running if r.suspending], *chosen])
+        return f"; suspending lower-priority job(s) {names} to make room"
+
+    def _resolved(self, job: JobRecord, topo: ClusterTopology) -> ResolvedJob | None:
+        """The plan and config the job was given at submit. A job stored by an older service, which kept neither,
+        is resolved now, once, and stored so; ``None`` if that fails (the job is then failed or left queued with
+        the reason)."""
+        if job.resolved is not None:
+            return job.resolved
         try:
-            config = with_job_dir(build_train_config(job.id, job.request, plan, ckpt_dir),
-                                  storage.join(self.checkpoint_root, job.id), plan.to_dict(),
-                                  tracking=job.request.tracking)
-        except ValueError as e:
-            # The plan and the request's options do not make a valid training config: this job's fault, so it
-            # fails with the reason (raised here, it failed every tick, and no other job was admitted or followed).
-            self._set(job.id, JobStatus(JobState.FAILED, "InvalidConfig",
-                                        f"the plan chosen for this job ({plan.sync_strategy.value} sync) and its "
-                                        f"options do not make a valid training config: {e}; change the option "
-                                        "named and resubmit"), expect={JobState.QUEUED})
-            return
-        self.store.update_fields(job.id, plan=plan.to_dict())
+            resolved = self.resolve(job.request, job.id, topo)
+        except InvalidJob as e:
+            self._set(job.id, JobStatus(JobState.FAILED, "InvalidConfig", str(e)), expect={JobState.QUEUED})
+            return None
+        except Exception as e:  # noqa: BLE001 - the cluster cannot hold it now: say so, and try again next tick
+            self._set(job.id, JobStatus(JobState.QUEUED, "Unschedulable",
+                                        f"{e} (the job stays queued until the cluster can hold it; jobs "
+                                        "behind it that fit are admitted meanwhile)"), expect={JobState.QUEUED})
+            return None
+        self.store.update_fields(job.id, resolved=resolved, plan=resolved.plan.to_dict())
+        return resolved
+
+    def _launch(self, job: JobRecord, resolved: ResolvedJob) -> None:
+        plan, config = resolved.plan, resolved.config
         where = ", ".join(f"{plan.workers_in(dc)} in {dc}" for dc in plan.datacenters)
         try:
             # Compare-and-set: a cancel that landed since the queue was read wins, and nothing is launched.
@@ -282,14 +359,9 @@ class Supervisor:
             self._carry_out(job, decision)
             return
         self._check_lease()  # the poll took a while: is this service still the one that stores it?
-        if job.id not in self._stalls_named:  # first sight in this process: stalls stored before a restart count
-            self._stalls_named[job.id] = {(e.data.get("rank"), e.data.get("step"))
-                                          for e in self.store.list_events(job.id, limit=100_000) if e.kind == "stall"}
-        started = self._started_workers(job.id) if isinstance(poll, RunnerPoll) and needs_started_workers(poll) else {}
         decision = reconcile(
-            job, poll, now=time.time(), first_sight=job.id not in self._followed, started=started,
+            job, poll, now=time.time(), first_sight=job.id not in self._followed,
             progress_due=time.monotonic() - self._last_progress_event.get(job.id, -1e9) >= PROGRESS_EVENT_EVERY_S,
-            stalls_named=self._stalls_named.get(job.id, set()), stall_policy=self.stall_policy,
             deadlines=self.deadlines,
         )
         self._carry_out(job, decision)
@@ -305,12 +377,10 @@ class Supervisor:
                 return
         if d.cancel:
             self.launcher.cancel(job_id)  # idempotent: repeated each tick until the runner stops
+        if d.suspend:
+            self.launcher.suspend(job_id)  # idempotent: repeated each tick until the checkpoint is written
         if d.store:
             self._followed.add(job_id)
-        named = self._stalls_named.setdefault(job_id, set())
-        for stall in d.stalls:
-            named.add((stall.rank, stall.step))
-            self.store.add_event(job_id, "stall", stall.message(), stall.to_dict(), at=d.observed_at)
         if d.emits_progress:
             self._last_progress_event[job_id] = time.monotonic()
         if d.status is not None:
@@ -318,10 +388,10 @@ class Supervisor:
             self._set(job_id, d.status, expect={job.status.state}, unless_cancel_requested=True)
         if d.store:
             # The store and the API speak JSON: records become dicts here and nowhere earlier.
-            self.store.record_poll(job_id, records=[r.to_dict() for r in d.records],
-                                   events=[dict(ev) for ev in d.events], **d.fields)
+            self.store.record_poll(job_id, records=[r.to_dict() for r in d.records], events=list(d.events), **d.fields)
         if d.outcome is not None:
-            self._set(job_id, d.outcome)
+            # A preempted job goes back to the queue: its suspension is over.
+            self._set(job_id, d.outcome, suspend_requested=False if d.outcome.state is JobState.QUEUED else None)
         if d.release:
             self.launcher.release(job_id)
         if d.forget:
@@ -333,17 +403,12 @@ class Supervisor:
     def _forget(self, job_id: str) -> None:
         self._followed.discard(job_id)
         self._last_progress_event.pop(job_id, None)
-        self._stalls_named.pop(job_id, None)
-
-    def _started_workers(self, job_id: str) -> dict[str, dict[str, Any]]:
-        """What each worker of the job said when it started (host, pid, device), by worker id."""
-        return {e.data.get("worker_id"): e.data for e in self.store.list_events(job_id, limit=100_000)
-                if e.kind == "worker_started"}
 
     def _set(self, job_id: str, status: JobStatus, *, expect: set[JobState] | None = None,
-             unless_cancel_requested: bool = False) -> None:
+             unless_cancel_requested: bool = False, suspend_requested: bool | None = None) -> None:
         try:
-            self.store.set_status(job_id, status, expect=expect, unless_cancel_requested=unless_cancel_requested)
+            self.store.set_status(job_id, status, expect=expect, unless_cancel_requested=unless_cancel_requested,
+                                  suspend_requested=suspend_requested)
         except InvalidTransition as e:  # e.g. a cancel raced a finish: the first terminal state wins
             log.info("job %s: %s", job_id, e)
 

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from meridian.workers.contracts.fields import check_bounds, knob
-from meridian.workers.contracts.model_config import ModelConfig
+from meridian.workers.contracts.hf_shape import FAMILIES, shape_of_json
+from meridian.workers.contracts.model_config import ModelConfig, ModelFamily
 from meridian.workers.contracts.tracking import TrackingConfig
 
 
@@ -424,6 +425,8 @@ class ParallelConfig:
 
     def check_model(self, model: ModelConfig) -> None:
         """Raise ``ValueError`` naming the field when ``model`` cannot be split into these slices and stages."""
+        if not model.family.is_builtin and self.model_parallel > 1:
+            raise ValueError(model_parallel_refusal(model, self.tp, self.pp))
         if model.n_heads % self.tp:
             raise ValueError(f"parallelism.tp ({self.tp}) must divide model.n_heads ({model.n_heads})")
         if model.kv_heads % self.tp:
@@ -435,6 +438,21 @@ class ParallelConfig:
                              "stages would both hold the shared weight")
         if self.pp > model.n_layers:
             raise ValueError(f"parallelism.pp ({self.pp}) must be <= model.n_layers ({model.n_layers})")
+
+
+def model_parallel_refusal(model: ModelConfig, tp: int, pp: int) -> str:
+    """Why a Hugging Face or factory model cannot be split ``tp`` × ``pp`` ways (yet), naming the fields."""
+    if model.family is ModelFamily.HF:
+        shape = shape_of_json(model.hf_config)
+        plan = (f"transformers declares a tensor-parallel plan for {shape.architecture} (base_model_tp_plan)"
+                if FAMILIES[shape.model_type].declares_tp_plan else
+                f"transformers declares no tensor-parallel plan for {shape.architecture}, so tp > 1 is refused anyway")
+    else:
+        plan = "a factory's module declares its tensor-parallel plan as a tp_plan attribute"
+    fields = [f"parallelism.tp={tp}"] * (tp > 1) + [f"parallelism.pp={pp}"] * (pp > 1)
+    return (f"{' and '.join(fields)}: a {model.family.value} model trains data-parallel only here: Meridian's "
+            f"tensor and pipeline parallelism are hand-written for its builtin gpt and llama families ({plan}; "
+            "applying it waits on the DTensor core); set parallelism.tp and parallelism.pp to 1 (or 'auto')")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -498,6 +516,13 @@ class TrainConfig:
             )
         if self.datacenters:
             self.parallel.check(self.model, len(self.datacenters))
+        if self.sync.local_lookahead and self.parallel.model_parallel > 1:
+            # The look-ahead steers a whole replica's parameters from its DC's gradients; the engine refuses it
+            # with model parallelism, which would fail the job only once its workers built their engines.
+            raise ValueError(
+                f"sync.local_lookahead applies to data parallelism only, not parallelism.tp={self.parallel.tp}, "
+                f"pp={self.parallel.pp}; set sync.local_lookahead=false or parallelism.tp and pp to 1"
+            )
         if self.parallel.pp > 1 and self.sync.strategy is SyncStrategy.FLAT:
             # DDP decides in each forward whether the next backward syncs; a pipeline schedule runs several
             # forwards before their backwards, which DDP cannot follow.

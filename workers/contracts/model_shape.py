@@ -12,9 +12,11 @@ from __future__ import annotations
 import enum
 import reprlib
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from meridian.workers.contracts.model_config import ModelConfig, ModelFamily
+if TYPE_CHECKING:
+    from meridian.workers.contracts.model_config import ModelConfig
+
 
 
 class MlpKind(str, enum.Enum):
@@ -75,6 +77,11 @@ class ModelShape:
     """The MLP's projections have biases."""
     learned_positions: int = 0
     """Rows of a learned position embedding (GPT-2); 0 for rotary positions."""
+    qk_norm: bool = False
+    """A per-head RMSNorm on queries and on keys (Qwen3)."""
+    counted_params: int = 0
+    """The parameters counted on the module itself, for a module whose structure the fields above only approximate
+    (a user's factory); 0: counted from the fields."""
     name: str = ""
     """What the shape came from (a preset, a ``model_type``), for the plan's words."""
 
@@ -115,7 +122,7 @@ class ModelShape:
         biases = ((q + 2 * kv) if self.qkv_bias else 0) + (self.hidden if self.out_bias else 0)
         if self.mlp_bias:
             biases += (2 if self.mlp.gated else 1) * f + self.hidden
-        return self.layer_matmul_params + biases + 2 * self.norm_params
+        return self.layer_matmul_params + biases + 2 * self.norm_params + (2 * self.head_dim if self.qk_norm else 0)
 
     @property
     def embedding_params(self) -> int:
@@ -130,6 +137,8 @@ class ModelShape:
     @property
     def num_params(self) -> int:
         """Every parameter of the model (a tied head counted once)."""
+        if self.counted_params:
+            return self.counted_params
         return self.embedding_params + self.n_layers * self.layer_params + self.head_params
 
     # -- FLOPs --------------------------------------------------------------------------------------------
@@ -161,18 +170,8 @@ class ModelShape:
     # -- builders -----------------------------------------------------------------------------------------
     @classmethod
     def of(cls, cfg: ModelConfig) -> ModelShape:
-        """The shape of a model Meridian trains (:mod:`meridian.workers.model`)."""
-        if cfg.family is ModelFamily.LLAMA:
-            return cls(n_layers=cfg.n_layers, hidden=cfg.d_model, n_heads=cfg.n_heads, kv_heads=cfg.kv_heads,
-                       head_dim=cfg.head_dim, ffn_hidden=cfg.mlp_width, mlp=MlpKind.SWIGLU, norm=NormKind.RMSNORM,
-                       vocab_size=cfg.vocab_size, tie_embeddings=cfg.tie_embeddings, seq_len=cfg.seq_len,
-                       name="llama")
-        if cfg.family is ModelFamily.GPT:
-            return cls(n_layers=cfg.n_layers, hidden=cfg.d_model, n_heads=cfg.n_heads, kv_heads=cfg.n_heads,
-                       head_dim=cfg.head_dim, ffn_hidden=cfg.mlp_width, mlp=MlpKind.GELU, norm=NormKind.LAYERNORM,
-                       vocab_size=cfg.vocab_size, tie_embeddings=False, seq_len=cfg.seq_len, qkv_bias=True,
-                       out_bias=True, mlp_bias=True, learned_positions=cfg.seq_len, name="gpt")
-        raise ValueError(f"model.family {cfg.family.value!r} has no shape the planner knows")
+        """The shape of a model Meridian trains (:attr:`ModelConfig.shape`)."""
+        return cfg.shape
 
     @classmethod
     def from_hf_config(cls, hf: dict[str, Any], *, seq_len: int | None = None, where: str = "model.hf_config") -> ModelShape:
@@ -216,6 +215,11 @@ class ModelShape:
             return cls(**common, kv_heads=kv, mlp=MlpKind.SQUARED_RELU, norm=NormKind.LAYERNORM,
                        tie_embeddings=read.flag("tie_word_embeddings", False), qkv_bias=bias, out_bias=bias,
                        mlp_bias=read.flag("mlp_bias", False))
+        if model_type == "qwen3":  # a norm on each head's queries and keys; head_dim 128 unless given
+            bias = read.flag("attention_bias", False)
+            return cls(**{**common, "head_dim": read.whole("head_dim", 128)}, kv_heads=kv, mlp=MlpKind.SWIGLU,
+                       norm=NormKind.RMSNORM, tie_embeddings=read.flag("tie_word_embeddings", False), qkv_bias=bias,
+                       out_bias=bias, qk_norm=True)
         if model_type == "qwen2":  # q, k and v have biases, the output projection none
             return cls(**common, kv_heads=kv, mlp=MlpKind.SWIGLU, norm=NormKind.RMSNORM,
                        tie_embeddings=read.flag("tie_word_embeddings", False), qkv_bias=True)
@@ -225,7 +229,7 @@ class ModelShape:
                    mlp_bias=read.flag("mlp_bias", False) if model_type == "llama" else False)
 
 
-HF_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "gpt_neox", "gpt2", "nemotron"})
+HF_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gpt_neox", "gpt2", "nemotron"})
 """The ``model_type`` values :meth:`ModelShape.from_hf_config` reads."""
 
 

@@ -53,6 +53,9 @@ class Assignment:
     snapshot_every: int = 1
     """The snapshot cadence every rank starts this epoch with: the widest any member had agreed (a re-formed
     epoch's snapshots cost about what the last one's did; an adaptive job widens it further as measured)."""
+    suspend: bool = False
+    """The job is being suspended (preempted): restore this epoch's state, write it as a durable checkpoint, tell
+    the coordinator, and stop; the job resumes from that checkpoint when it is admitted again."""
 
     @property
     def is_newcomer(self) -> bool:

@@ -1,8 +1,8 @@
 """The tokenizer half of ``meridian export``: the files ``transformers.AutoTokenizer.from_pretrained`` reads.
 
 A job trained on a prepared dataset (:mod:`meridian.workers.data.manifest`) carries its tokenizer: the export
-copies that ``tokenizer.json`` and writes a ``tokenizer_config.json`` (class ``PreTrainedTokenizerFast``, the
-end-of-text token, the model's context length) and a ``special_tokens_map.json``. A blend exports the
+copies that ``tokenizer.json`` and writes a ``tokenizer_config.json`` (class ``PreTrainedTokenizerFast``, its
+special tokens, the model's context length) and a ``special_tokens_map.json``. A blend exports the
 tokenizer only when every dataset of it was made with the same one (same file hash); otherwise none, and the
 export says why. A job trained on raw text (``data.source``: token id = byte value) gets the exact byte
 tokenizer: 256 tokens, id = UTF-8 byte, no merges (GPT-2's byte-to-character table, so ``tokenizers``'
@@ -34,7 +34,7 @@ def export_tokenizer(data: DataConfig, out: str, *, model_max_length: int) -> di
         _write_json(os.path.join(out, CONFIG_FILE), config)
         _write_json(os.path.join(out, SPECIALS_FILE), {})
         return {"written": True, "files": ["tokenizer.json", CONFIG_FILE, SPECIALS_FILE],
-                "source": f"UTF-8 bytes of {data.source} (token id = byte value)", "eos_token_id": None, "reason": ""}
+                "source": f"UTF-8 bytes of {data.source} (token id = byte value)", **_NO_SPECIALS, "reason": ""}
     try:
         manifests = [(d, read_manifest(d)) for d, _ in data.datasets]
     except ValueError as e:
@@ -56,13 +56,13 @@ def export_tokenizer(data: DataConfig, out: str, *, model_max_length: int) -> di
     os.makedirs(out, exist_ok=True)
     with os.fdopen(fd, "rb") as f, open(os.path.join(out, "tokenizer.json"), "wb") as dst:
         shutil.copyfileobj(f, dst)
-    specials = _special_tokens(os.path.join(out, "tokenizer.json"), manifest.eos_id)  # the copy just made
+    specials, ids = _special_tokens(os.path.join(out, "tokenizer.json"), manifest.eos_id)  # the copy just made
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": model_max_length,
               "clean_up_tokenization_spaces": False, **specials}
     _write_json(os.path.join(out, CONFIG_FILE), config)
     _write_json(os.path.join(out, SPECIALS_FILE), specials)
-    return {"written": True, "files": ["tokenizer.json", CONFIG_FILE, SPECIALS_FILE], "source": src,
-            "eos_token_id": manifest.eos_id, "reason": ""}
+    return {"written": True, "files": ["tokenizer.json", CONFIG_FILE, SPECIALS_FILE], "source": src, **ids,
+            "reason": ""}
 
 
 def _byte_to_char() -> dict[int, str]:
@@ -82,18 +82,47 @@ def byte_tokenizer():
     return tok
 
 
-def _special_tokens(tokenizer_json: str, eos_id: int | None) -> dict[str, str]:
-    """The end-of-text token (the one the dataset put after every document) as ``eos_token``."""
+_NO_SPECIALS: dict[str, Any] = {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
+
+
+def _special_tokens(tokenizer_json: str, eos_id: int | None) -> tuple[dict[str, str], dict[str, Any]]:
+    """The special tokens by name (``tokenizer_config.json``'s) and by id (``config.json``'s): the end-of-text
+    token the dataset put after every document as ``eos``; as ``bos`` the token the tokenizer's post-processor
+    puts first (Llama 3's ``<|begin_of_text|>``), else that same end-of-text token (GPT-2's convention: every
+    document of the training data followed one); as ``pad`` the tokenizer's padding token, else none in the
+    tokenizer and the end-of-text id in the model's configs (what generation pads with)."""
     if eos_id is None:
-        return {}
+        return {}, dict(_NO_SPECIALS)
     from tokenizers import Tokenizer
 
-    name = Tokenizer.from_file(tokenizer_json).id_to_token(eos_id)
-    return {"eos_token": name} if name else {}
+    tok = Tokenizer.from_file(tokenizer_json)
+    eos = tok.id_to_token(eos_id)
+    if not eos:
+        return {}, dict(_NO_SPECIALS)
+    bos_id = _leading_special(tokenizer_json, tok)
+    bos_id = eos_id if bos_id is None else bos_id
+    pad_id = tok.padding["pad_id"] if tok.padding else None
+    names = {"bos_token": tok.id_to_token(bos_id), "eos_token": eos,
+             **({"pad_token": tok.id_to_token(pad_id)} if pad_id is not None else {})}
+    return names, {"bos_token_id": bos_id, "eos_token_id": eos_id, "pad_token_id": eos_id if pad_id is None else pad_id}
+
+
+def _leading_special(tokenizer_json: str, tok: Any) -> int | None:
+    """The id of the special token the post-processor's single-sequence template starts with, if any."""
+    with open(tokenizer_json, encoding="utf-8") as f:
+        post = json.load(f).get("post_processor") or {}
+    processors = post.get("processors", [post]) if isinstance(post, dict) else []
+    for proc in processors:
+        single = proc.get("single") if isinstance(proc, dict) and proc.get("type") == "TemplateProcessing" else None
+        first = single[0] if isinstance(single, list) and single else {}
+        name = first.get("SpecialToken", {}).get("id") if isinstance(first, dict) else None
+        if isinstance(name, str) and tok.token_to_id(name) is not None:
+            return tok.token_to_id(name)
+    return None
 
 
 def _not_written(reason: str) -> dict[str, Any]:
-    return {"written": False, "files": [], "source": "", "eos_token_id": None, "reason": reason}
+    return {"written": False, "files": [], "source": "", **_NO_SPECIALS, "reason": reason}
 
 
 def _write_json(path: str, body: dict[str, Any]) -> None:

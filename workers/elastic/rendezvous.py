@@ -146,6 +146,10 @@ class Rendezvous:
     def finish(self) -> None:
         self.call("finish", self.worker_id)
 
+    def suspended(self, step: int) -> None:
+        """This rank wrote its part of the suspended job's checkpoint of ``step``."""
+        self.call("suspended", self.worker_id, step)
+
     def pending_change(self) -> bool:
         return bool(self.call("pending_change", self.epoch))
 

@@ -40,8 +40,9 @@ from meridian.workers.contracts.config import TrainConfig
 from meridian.workers.contracts.model_config import ModelFamily
 from meridian.workers.contracts.rendezvous import Assignment
 from meridian.workers.elastic.durable import Checkpointer, restore_latest
+from meridian.workers.elastic.failures import FailureJudge, FailureKind, OwnFailure, is_peer_failure
 from meridian.workers.elastic.protocol import KEEP_SNAPSHOTS, RESTART_EXIT_CODE
-from meridian.workers.elastic.rendezvous import JobFinished, Rendezvous, StoreNotHosted
+from meridian.workers.elastic.rendezvous import JobFinished, Rendezvous
 from meridian.workers.elastic.sockets import shut_down_tcp_sockets
 from meridian.workers.elastic.state_exchange import rebuild_state
 from meridian.workers.loop.prepared import freeze_long_lived
@@ -53,30 +54,9 @@ from meridian.workers.state.replica_state import IncompleteState, LocalShard
 from meridian.workers.state.snapshots import SnapshotStore
 from meridian.workers.sync.build import GradientSync
 
+__all__ = ["ElasticTrainer", "is_peer_failure"]  # is_peer_failure: the type-based test, re-exported
+
 EventFn = Callable[[str, str, dict[str, Any]], None]
-
-
-_PEER_FAILURE_MARKERS = (
-    "Connection closed by peer",
-    "Connection reset by peer",
-    "Broken pipe",
-    "Connection refused",
-    "Socket Timeout",
-    "Timed out",
-    "timed out",
-    "NCCL",
-    "gloo",
-    "Gloo",
-    "process group",
-)
-
-
-def is_peer_failure(error: BaseException) -> bool:
-    """A collective failed because a peer went away (as opposed to a bug in this rank's own work), or the
-    epoch cannot form around this rank: either way it joins again."""
-    if isinstance(error, (StoreNotHosted, getattr(dist, "DistError", ()))):
-        return True
-    return isinstance(error, RuntimeError) and any(m in str(error) for m in _PEER_FAILURE_MARKERS)
 
 
 class PendingChangeWatch:
@@ -107,11 +87,21 @@ def fingerprint(cfg: TrainConfig) -> dict[str, Any]:
     shape = [m.n_layers, m.d_model, m.n_heads, m.seq_len, m.vocab_size]
     if m.family is not ModelFamily.GPT:  # (gpt's fingerprint stays as before: older checkpoints still load)
         shape += [m.family.value, m.kv_heads, m.mlp_width, m.tie_embeddings]
+    if m.architecture_key:  # an hf model's config.json, a factory and its arguments
+        shape.append(m.architecture_key)
     fp = {"model": shape, "global_batch": cfg.global_batch,
           "seed": cfg.seed, "data": [list(d) for d in cfg.data.datasets] or cfg.data.source}  # fmt: skip
     if cfg.data.pins:  # (a job admitted before pins existed keeps its fingerprint: its checkpoints still load)
         fp["data_pins"] = [[p.path, p.manifest_key, p.tokenizer_sha256, p.sha256] for p in cfg.data.pins]
     return fp
+
+
+class Suspended(Exception):  # noqa: N818 - not an error: the epoch's way out when the job is suspended
+    """This rank wrote its part of the checkpoint of ``step`` for a suspended job: it leaves the job."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__(f"suspended after writing the checkpoint of step {step}")
+        self.step = step
 
 
 class ModelParallelNotElastic(RuntimeError):
@@ -153,6 +143,9 @@ class ElasticTrainer:
         self.on_peer_failure = on_peer_failure
         self._garbage = False
         """An epoch of this process ended: :meth:`collect_last_epoch` has its cycles to free."""
+        self.failures = FailureJudge()
+        """Tells a lost peer from this job's own error, by type (:mod:`meridian.workers.elastic.failures`)."""
+        self._assignment: Assignment | None = None
         self.on_recovery = on_recovery or (lambda: None)
         """Called when this process joins again after a peer's failure (its agent counts the job's recoveries)."""
         self.before_exit = before_exit or (lambda: None)
@@ -167,7 +160,8 @@ class ElasticTrainer:
         self.checkpoints = Checkpointer(cfg.checkpoint_dir, fingerprint(cfg))
 
     def run(self) -> TrainResult | None:
-        """Train to the last step; ``None`` when the job finished without this worker (it joined too late)."""
+        """Train to the last step; ``None`` when the job finished without this worker (it joined too late) or was
+        suspended (this rank wrote its part of the checkpoint it resumes from)."""
         while True:
             last = self.snapshots.last_step
             self.snapshots.read_ahead(last)  # while the join waits for the others: the step it most likely resumes
@@ -179,9 +173,19 @@ class ElasticTrainer:
             try:
                 outcome = self._run_epoch(a)
                 self.checkpoints.wait()  # a save in flight needs this epoch's groups, torn down next
+            except Suspended as s:
+                Rendezvous.teardown()
+                self.rdzv.suspended(s.step)
+                return None  # the job goes on later, from the checkpoint, in other processes
             except Exception as e:
-                if not is_peer_failure(e):
+                kind = self._judge(e)
+                self.failures.handled()
+                if kind is FailureKind.OWN:
                     raise
+                if kind is FailureKind.REPEATED:
+                    raise OwnFailure(f"{type(e).__name__}: {e} — it ended epoch {a.epoch} at step {self.snapshots.last_step} "
+                                     "again after a re-formation that changed nothing (no peer left or joined): this "
+                                     "job's own error, not a lost peer's") from e
                 Rendezvous.teardown()
                 self._garbage = True
                 self.on_recovery()
@@ -212,9 +216,16 @@ class ElasticTrainer:
             self._garbage = False
             gc.collect()
 
+    def _judge(self, error: BaseException) -> FailureKind:
+        a = self._assignment
+        membership = (a.world_size, tuple(a.datacenters)) if a is not None else ()
+        return self.failures.judge(error, step=self.snapshots.last_step, membership=membership)
+
     def _on_failure(self, error: Exception) -> None:
-        if not is_peer_failure(error):
+        if isinstance(error, Suspended):
             return
+        if self._judge(error) in (FailureKind.OWN, FailureKind.REPEATED):
+            return  # the job fails with it: this process neither rejoins nor restarts
         if self.on_peer_failure is OnPeerFailure.SHUT_SOCKETS_AND_REJOIN:
             # This rank re-forms in its own process: its TCP connections go now, so peers blocked on it and its
             # own threads still inside a collective (the engine's communication thread) fail at once, and the
@@ -233,6 +244,7 @@ class ElasticTrainer:
     # -- one epoch ----------------------------------------------------------------------------------------
     def _run_epoch(self, a: Assignment) -> EpochOutcome:
         watch = None
+        self._assignment = a
         try:
             self._formed_at = time.monotonic()
             # What lives before the first epoch (torch, the training stack, the datasets) lives as long as the
@@ -312,6 +324,11 @@ class ElasticState:
         start = self._load_state(replica.model, replica.engine)
         self.snapshots.discard_after(start)
         self.keep(replica.engine.local_shard(start))
+        if self.a.suspend and self.cfg.checkpoint_dir:
+            # Preempted: the state every rank just restored becomes the durable checkpoint the job resumes from.
+            self._checkpoint(replica, start, fresh=True)
+            self.checkpoints.wait()
+            raise Suspended(start)
         if self.a.rank == 0 and self.a.epoch > 1:  # where a re-formation's time goes (the bench reads it)
             self.on_event("epoch_restored", f"epoch {self.a.epoch}: process group and model ready in "
                           f"{began - self.formed_at:.1f} s, state restored in {time.monotonic() - began:.1f} s",

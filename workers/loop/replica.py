@@ -33,7 +33,6 @@ from meridian.workers.data.shards import Dataset
 from meridian.workers.distributed.layout import DCGroups, DCLayout
 from meridian.workers.loop.precision import autocast_context
 from meridian.workers.loop.prepared import initial_model
-from meridian.workers.model.gpt import per_sample_loss
 from meridian.workers.sync.build import GradientSync, build_sync, runs_on_fsdp
 from meridian.workers.wan.collectives import WanEmulator, agree_key, cleanup
 from meridian.workers.wan.file_names import job_key_prefix
@@ -175,7 +174,7 @@ class DataParallelReplica(Replica):
             last = i == len(batches) - 1
             with engine.micro_batch(last_micro_batch=last):
                 with autocast_context(cfg.precision, device):
-                    losses = per_sample_loss(engine.model(x.to(device)), y.to(device))
+                    losses = engine.model(x.to(device), y.to(device))  # each sample's mean loss (CausalLM)
                 share = losses.sum() / cfg.global_batch
                 engine.backward(share, last_micro_batch=last)
             loss_sum += share.detach()
@@ -202,6 +201,6 @@ def evaluate(
     losses = []
     for x, y in validation_batches(data, cfg.micro_batch, batches):
         with autocast_context(cfg.precision, device):
-            losses.append(per_sample_loss(model(x.to(device)), y.to(device)).mean().item())
+            losses.append(model(x.to(device), y.to(device)).mean().item())
     model.train()
     return sum(losses) / len(losses)

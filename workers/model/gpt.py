@@ -1,8 +1,9 @@
 """A small GPT: the model every Meridian job trains.
 
 GPT-2 shape (pre-LayerNorm blocks, GELU MLP, learned positions, untied output head) so parameter counts
-and FLOPs follow the usual formulas (:class:`meridian.workers.contracts.config.ModelConfig`). Plain ``nn.Module``
-with no distributed code: the sync engine wraps it from outside.
+and FLOPs follow the usual formulas (:class:`meridian.workers.contracts.config.ModelConfig`). A
+:class:`~meridian.workers.model.causal_lm.CausalLM` with no distributed code: the sync engine wraps it from
+outside.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from meridian.workers.contracts.model_config import ModelConfig
+from meridian.workers.model.causal_lm import CausalLM, per_sample_loss
 
 
 class CausalSelfAttention(nn.Module):
@@ -53,10 +55,10 @@ class Block(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
-class GPT(nn.Module):
+class GPT(CausalLM):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.vocab_size = cfg, cfg.vocab_size
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
@@ -86,19 +88,25 @@ class GPT(nn.Module):
         pos = torch.arange(t, device=idx.device)
         return self.tok_emb(idx) + self.pos_emb(pos)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        """(batch, time) token ids → (batch, time, vocab) logits."""
+    def hidden_states(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.embed(idx)
         for block in self.blocks:
             x = block(x)
-        return self.head(self.ln_f(x))
+        return self.ln_f(x)
+
+    def output_head(self) -> nn.Module:
+        return self.head
+
+    def transformer_blocks(self) -> nn.ModuleList:
+        return self.blocks
+
+    def export_name(self, name: str) -> str:
+        from meridian.workers.model.hf import hf_name
+
+        return hf_name(self.cfg, name)
 
 
-def per_sample_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy of each sample: (batch, time, vocab), (batch, time) → (batch,)."""
-    b, t, v = logits.shape
-    loss = F.cross_entropy(logits.float().reshape(b * t, v), targets.reshape(b * t), reduction="none")
-    return loss.view(b, t).mean(dim=1)
+__all__ = ["GPT", "decay_mask", "per_sample_loss"]
 
 
 def decay_mask(model: nn.Module) -> dict[str, bool]:

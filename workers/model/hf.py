@@ -1,21 +1,17 @@
-"""Hugging Face weights in and out: Meridian parameter names ↔ ``LlamaForCausalLM`` / ``GPT2LMHeadModel``.
+"""Hugging Face names of Meridian's own families: parameter names ↔ ``LlamaForCausalLM`` / ``GPT2LMHeadModel``.
 
 Llama maps one to one (same shapes; RoPE already uses HF's half-rotation). GPT-2's ``Conv1D`` layers store
 weights as (in, out), so Meridian's ``nn.Linear`` weights are transposed on the way out. The config side is
-torch-free: :mod:`meridian.workers.contracts.hf_config`.
+torch-free: :mod:`meridian.workers.contracts.hf_config`; the files: :mod:`meridian.workers.model.weights`.
 """
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import torch
-from safetensors.torch import load_file, save_file
 from torch import nn
 
-from meridian.workers.contracts.hf_config import hf_config_of
 from meridian.workers.contracts.model_config import ModelConfig, ModelFamily
+from meridian.workers.model.weights import load_checkpoint
 
 # (Meridian name, HF name, transposed): ``{i}`` is the block index.
 _LLAMA = [
@@ -75,46 +71,21 @@ def to_hf(cfg: ModelConfig, params: dict[str, torch.Tensor]) -> dict[str, torch.
     return out
 
 
-def from_hf(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Meridian-named tensors of an HF checkpoint's ``tensors``; a missing one is an error naming it."""
-    out = {}
-    for ours, theirs, t in _table(cfg):
-        if theirs not in tensors:
-            raise ValueError(f"model.init_from: the checkpoint has no tensor {theirs!r}")
-        w = tensors[theirs]
-        out[ours] = w.t() if t else w
-    return out
-
-
-def read_safetensors(directory: str) -> dict[str, torch.Tensor]:
-    tensors: dict[str, torch.Tensor] = {}
-    for path in sorted(Path(directory).glob("*.safetensors")):
-        tensors.update(load_file(str(path)))
-    return tensors
+def hf_name(cfg: ModelConfig, name: str) -> str:
+    """The Hugging Face name of Meridian's parameter ``name``."""
+    return {ours: theirs for ours, theirs, _ in _table(cfg)}.get(name, name)
 
 
 @torch.no_grad()
 def load_into(model: nn.Module, directory: str) -> None:
-    """Copy the HF checkpoint in ``directory`` into ``model`` (a full model of the same shape)."""
+    """Copy the ``LlamaForCausalLM`` checkpoint in ``directory`` into ``model`` (a full builtin llama of the same
+    shape), tensor by tensor (:func:`~meridian.workers.model.weights.load_checkpoint`)."""
     cfg: ModelConfig = model.cfg  # type: ignore[assignment]
-    weights = from_hf(cfg, read_safetensors(directory))
-    params = dict(model.named_parameters())
-    for name, p in params.items():
-        w = weights[name]
-        if tuple(w.shape) != tuple(p.shape):
-            raise ValueError(f"model.init_from: {name} has shape {tuple(w.shape)} in {directory!r}, the model "
-                             f"expects {tuple(p.shape)}")
-        p.copy_(w.to(p.dtype))
+    ours = {theirs: mine for mine, theirs, _ in _table(cfg)}
+    if cfg.tie_embeddings:
+        ours["lm_head.weight"] = "head.weight"  # a checkpoint that stores the tied head too
+    load_checkpoint(model, directory, rename=lambda key: ours.get(key, f"(not a Llama tensor) {key}"),
+                    describe=f"the Llama its config.json describes ({cfg.n_layers} layers, d_model {cfg.d_model})")
 
 
-def save_hf(directory: str, cfg: ModelConfig, params: dict[str, torch.Tensor]) -> Path:
-    """Write ``config.json`` and ``model.safetensors`` that ``AutoModelForCausalLM.from_pretrained`` loads."""
-    out = Path(directory)
-    out.mkdir(parents=True, exist_ok=True)
-    tensors = to_hf(cfg, params)
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(hf_config_of(cfg), indent=2) + "\n")
-    return out
-
-
-__all__ = ["from_hf", "load_into", "read_safetensors", "save_hf", "to_hf"]
+__all__ = ["hf_name", "load_into", "to_hf"]

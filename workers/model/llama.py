@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from meridian.workers.contracts.model_config import ModelConfig
+from meridian.workers.model.causal_lm import CausalLM
 
 
 class RMSNorm(nn.Module):
@@ -65,6 +66,7 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.heads, self.kv_heads, self.theta = cfg.n_heads, cfg.kv_heads, cfg.rope_theta
+        self.head_dim = cfg.head_dim
         kv = cfg.kv_heads * cfg.head_dim
         self.q = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
         self.k = nn.Linear(cfg.d_model, kv, bias=False)
@@ -72,7 +74,11 @@ class Attention(nn.Module):
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(attend(self.q(x), self.k(x), self.v(x), self.heads, self.kv_heads, self.theta))
+        q, k, v = self.q(x), self.k(x), self.v(x)
+        # Heads from the projections' widths, not the config: under a tensor-parallel plan (:attr:`Llama.tp_plan`)
+        # q/k/v hold this rank's heads only.
+        heads, kv_heads = q.shape[-1] // self.head_dim, k.shape[-1] // self.head_dim
+        return self.proj(attend(q, k, v, heads, kv_heads, self.theta))
 
 
 class SwiGLU(nn.Module):
@@ -99,10 +105,19 @@ class LlamaBlock(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
-class Llama(nn.Module):
+TP_PLAN = {
+    "blocks.*.attn.q": "colwise", "blocks.*.attn.k": "colwise", "blocks.*.attn.v": "colwise",
+    "blocks.*.attn.proj": "rowwise", "blocks.*.mlp.gate": "colwise", "blocks.*.mlp.up": "colwise",
+    "blocks.*.mlp.proj": "rowwise",
+}
+"""Megatron's split of a Llama block (heads and MLP width column-wise, their output projections row-wise), as
+transformers declares it for ``LlamaForCausalLM``."""
+
+
+class Llama(CausalLM):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.vocab_size = cfg, cfg.vocab_size
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.blocks = nn.ModuleList(LlamaBlock(cfg) for _ in range(cfg.n_layers))
         self.ln_f = RMSNorm(cfg.d_model, cfg.norm_eps)
@@ -122,9 +137,23 @@ class Llama(nn.Module):
             raise ValueError(f"sequence of {idx.shape[1]} tokens is longer than model.seq_len={self.cfg.seq_len}")
         return self.tok_emb(idx)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        """(batch, time) token ids → (batch, time, vocab) logits."""
+    def hidden_states(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.embed(idx)
         for block in self.blocks:
             x = block(x)
-        return self.head(self.ln_f(x))
+        return self.ln_f(x)
+
+    def output_head(self) -> nn.Module:
+        return self.head
+
+    def transformer_blocks(self) -> nn.ModuleList:
+        return self.blocks
+
+    @property
+    def tp_plan(self) -> dict[str, str]:
+        return dict(TP_PLAN)
+
+    def export_name(self, name: str) -> str:
+        from meridian.workers.model.hf import hf_name
+
+        return hf_name(self.cfg, name)

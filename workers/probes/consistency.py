@@ -21,7 +21,6 @@ import torch.distributed as dist
 from meridian.workers.contracts.config import TrainConfig
 from meridian.workers.data.shards import make_dataset
 from meridian.workers.model.build import build_model
-from meridian.workers.model.gpt import per_sample_loss
 
 
 @dataclass(frozen=True)
@@ -82,7 +81,7 @@ def check_consistency(
     if perturb is not None:
         perturb(model)
     x, y = make_dataset(cfg.data, cfg.model.seq_len, cfg.seed).batch(0, cfg.micro_batch)
-    loss = per_sample_loss(model(x.to(device)), y.to(device)).mean()
+    loss = model(x.to(device), y.to(device)).mean()  # each sample's loss, as the loop asks for it
     loss.backward()
     params, grads = _checksums(model)
     grad_norm = torch.sqrt(grads[1::2].sum())

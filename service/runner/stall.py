@@ -7,7 +7,7 @@ heartbeat is older than ``factor`` × the median recent step time (never less th
 of the silent ranks, those that computed fewer steps than the most advanced rank are the ones holding the
 others up (the others sit in the gradient sync waiting for them). If every silent rank is equally far,
 they are all named: the collective itself hangs (a link, not a rank). Pure: the
-supervisor calls :func:`find_stalls` with what the job's runner reported and records the result as events.
+runner calls :func:`find_stalls` with its ranks' heartbeats and names each stall once, as a ``stall`` event.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ import statistics
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from meridian.workers.contracts.events import EventKind, JobEvent, StallSeen
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,31 +34,20 @@ class StallPolicy:
             raise ValueError(f"floor_s must be >= 0, got {self.floor_s}")
 
 
-@dataclass(frozen=True)
-class Stall:
-    rank: int
-    step: int
-    """Steps this rank had finished when it went quiet."""
-    silent_s: float
-    threshold_s: float
-    median_step_s: float
-    node_id: str
-    datacenter: str
+def stall_message(s: StallSeen) -> str:
+    return (f"rank {s.rank} in {s.datacenter} on node {s.node_id[:12]} has not finished a step for "
+            f"{s.silent_s:.1f} s (> {s.threshold_s:.1f} s = threshold from a median step of "
+            f"{s.median_step_s:.2f} s); it last finished step {s.step}")
 
-    def message(self) -> str:
-        return (f"rank {self.rank} in {self.datacenter} on node {self.node_id[:12]} has not finished a step for "
-                f"{self.silent_s:.1f} s (> {self.threshold_s:.1f} s = threshold from a median step of "
-                f"{self.median_step_s:.2f} s); it last finished step {self.step}")
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"rank": self.rank, "step": self.step, "silent_s": self.silent_s, "threshold_s": self.threshold_s,
-                "median_step_s": self.median_step_s, "node_id": self.node_id, "datacenter": self.datacenter}
+def stall_event(s: StallSeen, at: float) -> JobEvent:
+    return JobEvent(kind=EventKind.STALL, message=stall_message(s), payload=s, time=at)
 
 
 def find_stalls(
     last_beats: Mapping[int, Mapping[str, Any]], recent_step_s: Iterable[float], now: float,
     placement: Mapping[int, Mapping[str, Any]], policy: StallPolicy = StallPolicy(),
-) -> list[Stall]:
+) -> list[StallSeen]:
     """Ranks that went silent (see the module docstring) at time ``now``.
 
     ``last_beats`` maps rank → ``{"step": steps done, "computed": steps computed (default: step), "time":
@@ -74,7 +65,7 @@ def find_stalls(
     stalls = []
     for rank in behind or silent_ranks:
         beat, where = last_beats[rank], placement.get(rank, {})
-        stalls.append(Stall(rank=rank, step=int(beat["step"]), silent_s=now - float(beat["time"]),
+        stalls.append(StallSeen(rank=rank, step=int(beat["step"]), silent_s=now - float(beat["time"]),
                             threshold_s=threshold, median_step_s=median, node_id=str(where.get("node_id", "unknown")),
                             datacenter=str(where.get("datacenter", "unknown"))))
     return stalls
@@ -82,3 +73,23 @@ def find_stalls(
 
 def _computed(beat: Mapping[str, Any]) -> int:
     return int(beat.get("computed", beat["step"]))
+
+
+class StallWatch:
+    """Names each stall once: a ``(rank, step)`` pair reported before is not reported again. The runner keeps
+    it for the job's life (a restarted service does not name a stall twice). Not while the membership waits or
+    after the last step: ranks are idle then by design, and the events say why."""
+
+    def __init__(self, policy: StallPolicy | None = None) -> None:
+        self.policy = policy or StallPolicy()
+        self.named: set[tuple[int, int]] = set()
+        self.current: tuple[StallSeen, ...] = ()
+
+    def check(self, last_beats: Mapping[int, Mapping[str, Any]], recent_step_s: Iterable[float], now: float,
+              placement: Mapping[int, Mapping[str, Any]], *, idle: bool) -> list[StallSeen]:
+        """The stalls found now that were not named before (``idle``: the ranks are idle by design)."""
+        self.current = () if idle or not last_beats else tuple(
+            find_stalls(last_beats, recent_step_s, now, placement, self.policy))
+        new = [s for s in self.current if (s.rank, s.step) not in self.named]
+        self.named |= {(s.rank, s.step) for s in new}
+        return new
