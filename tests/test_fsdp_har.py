@@ -138,3 +138,34 @@ def test_bf16_inter_dc_step_stays_close_with_error_feedback(reference):
     assert losses == pytest.approx(reference[0], rel=1e-3)
     params = sum(w.numel() for w in reference[1].values())
     assert sent[0] == 2 * params  # bf16 on the wire
+
+
+def _units_of(rank, world, model_cfg):
+    from meridian.workers.model.build import build_model
+
+    groups = DCGroups(DCLayout(("a",) * world), rank, segment_groups=False)
+    engine = FSDPHierarchicalSync(build_model(model_cfg), groups, SyncConfig(), OPTIM)
+    sizes = [len(u.params) for u in engine.units]
+    groups.destroy()
+    return sizes
+
+
+@pytest.mark.parametrize("family", ["builtin", "hf"])
+def test_every_transformer_block_is_its_own_fsdp_unit(family, tmp_path):
+    """One unit per block (its parameters gathered and reduced on their own), the rest (embeddings, norm, head) in
+    the root's: a Hugging Face model's blocks come from the model interface, not from a name."""
+    if family == "hf":
+        pytest.importorskip("transformers")
+        from test_hf_models import save_random
+
+        from meridian.workers.contracts.hf_config import hf_model_config
+
+        save_random(tmp_path, "llama3")
+        cfg = hf_model_config(str(tmp_path), weights=True, seq_len=32)
+    else:
+        from meridian.workers.contracts.model_config import model_preset
+
+        cfg = model_preset("llama-tiny")
+    sizes = run_processes(_units_of, 2, cfg, timeout_s=240)[0]
+    assert len(sizes) == cfg.n_layers + 1
+    assert len(set(sizes[:-1])) == 1  # the blocks alike

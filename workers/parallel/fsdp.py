@@ -8,6 +8,7 @@ loss is its share of the global-batch mean, so the sum over ranks is the single-
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Sequence
 
@@ -21,16 +22,23 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 # default implementation in a private module.
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
 
+_meshes = itertools.count()
+
 
 def dc_mesh(group: dist.ProcessGroup, device: torch.device) -> DeviceMesh:
-    """A one-dimensional mesh over the ranks of ``group`` (this rank's datacenter), on ``device``'s type."""
-    return DeviceMesh.from_group(group, device.type)
+    """A one-dimensional mesh over the ranks of ``group`` (this rank's datacenter), on ``device``'s type.
+
+    Each mesh gets a dimension name of its own: torch compares meshes by their ranks and names, not by their
+    process groups, and DTensor caches what its operations return by mesh, so a re-formed epoch's mesh over the
+    same ranks would be served the last epoch's (its destroyed group: "Could not resolve the process group")."""
+    return DeviceMesh.from_group(group, device.type, mesh_dim_names=(f"dc{next(_meshes)}",))
 
 
 def transformer_blocks(model: nn.Module) -> Sequence[nn.Module]:
-    """The model's repeated blocks (its ``blocks`` ModuleList), each its own FSDP unit; none: the model is one
-    unit."""
-    blocks = getattr(model, "blocks", None)
+    """The model's repeated blocks, each its own FSDP unit: a :class:`~meridian.workers.model.causal_lm.CausalLM`'s
+    own, or a plain module's ``blocks`` ModuleList; none: the model is one unit."""
+    own = getattr(model, "transformer_blocks", None)
+    blocks = own() if callable(own) else getattr(model, "blocks", None)
     return list(blocks) if isinstance(blocks, nn.ModuleList) else []
 
 

@@ -16,9 +16,8 @@ from torch import nn
 
 from meridian.workers.contracts.config import OptimConfig, SyncConfig, SyncStrategy
 from meridian.workers.distributed.layout import DCGroups
-from meridian.workers.optim.adamw import build_adamw
 from meridian.workers.sync.diloco import DiLoCoSync
-from meridian.workers.sync.engine import GradientSync, StepStats, broadcast_parameters
+from meridian.workers.sync.engine import GradientSync
 from meridian.workers.sync.flat import FlatSync
 from meridian.workers.sync.fsdp_har import FSDPHierarchicalSync
 from meridian.workers.sync.hierarchical import HierarchicalSync
@@ -49,22 +48,8 @@ def build_sync(
 
 
 def runs_on_fsdp(sync: SyncConfig, groups: DCGroups | None = None) -> bool:
-    """Whether ``sync`` trains on FSDP2 (:class:`FSDPHierarchicalSync`): exact hierarchical sync of a data-parallel
-    replica. One step late, the look-ahead and a replicated optimizer still run on the flat-bucket engine, as do
+    """Whether ``sync`` trains on FSDP2 (:class:`FSDPHierarchicalSync`): hierarchical sync of a data-parallel replica
+    (exact, one step late, the look-ahead). A replicated optimizer still runs on the flat-bucket engine, as do
     tensor/pipeline-parallel replicas (``groups.mp_norm``)."""
-    return (sync.strategy is SyncStrategy.HIERARCHICAL and sync.shard_optimizer and not sync.delay_one_step
-            and not sync.local_lookahead and (groups is None or groups.mp_norm is None))
-
-
-__all__ = [
-    "DiLoCoSync",
-    "FlatSync",
-    "GradientSync",
-    "FSDPHierarchicalSync",
-    "HierarchicalSync",
-    "StepStats",
-    "broadcast_parameters",
-    "build_adamw",
-    "build_sync",
-    "runs_on_fsdp",
-]
+    return (sync.strategy is SyncStrategy.HIERARCHICAL and sync.shard_optimizer
+            and (groups is None or groups.mp_norm is None))

@@ -295,9 +295,31 @@ class FSDPHierarchicalSync(GradientSync):
         each check). A trial that lost commits the sum in flight, and the next step is exact again."""
         assert self.chooser is not None
         decision = self.chooser.after_step(self.steps, exposed_s, self.groups.world, self.params[0].local.device)
-        if decision is not None and not decision.lookahead and self._in_flight is not None:
-            self._commit_in_flight()
+        if decision is not None and not decision.lookahead:
+            if self._in_flight is not None:
+                self._commit_in_flight()
+            self._drop_committed_copies()
         return decision
+
+    def _drop_committed_copies(self) -> None:
+        """A lost trial: the job syncs exactly from here, so the optimizer steps the shards' own rows again (equal
+        to the committed ones now) and the copies go."""
+        for i, (p, t) in enumerate(zip(self.params, self.tensors, strict=True)):
+            if t is p.local:
+                continue
+            state = self.optimizer.state.pop(t, None)
+            if state is not None:
+                self.optimizer.state[p.local] = state
+            for group in self.optimizer.param_groups:
+                group["params"] = [p.local if q is t else q for q in group["params"]]
+            self._decay[id(p.local)] = self._decay.pop(id(t))
+            self.tensors[i] = p.local
+        self.lookahead = False
+
+    @property
+    def lookahead_copies(self) -> int:
+        """The look-ahead's committed copies of this rank's rows that the engine holds (none once a trial lost)."""
+        return sum(t is not p.local for p, t in zip(self.params, self.tensors, strict=True))
 
     def _commit_in_flight(self) -> None:
         """Look-ahead: land the sum in flight and commit it; the parameters become the committed ones."""
@@ -350,25 +372,39 @@ class FSDPHierarchicalSync(GradientSync):
         self._load_feedback(shard.feedback)
 
     def optimizer_state(self) -> dict[str, Any]:
-        """The whole state, gathered inside the DC (every rank of the DC must call it)."""
-        mine = {p.name: (p.start, {m: host_copy(st[m]) for m in MOMENTS})
-                for p, t in zip(self.params, self.tensors, strict=True) if (st := self.optimizer.state.get(t))}  # fmt: skip
+        """The whole state, gathered inside the DC (every rank of the DC must call it); with the look-ahead's
+        committed copies, their values as ``master`` (the parameters are the look-ahead's)."""
+        masters = self.lookahead_copies > 0
+        mine = {p.name: (p.start, {m: host_copy(st[m]) for m in MOMENTS}, host_copy(t) if masters else None)
+                for p, t in zip(self.params, self.tensors, strict=True)
+                if (st := self.optimizer.state.get(t)) or masters}  # fmt: skip
         gathered: list[Any] = [mine]
         if self.groups.dc_size > 1:
             gathered = [None] * self.groups.dc_size
             dist.all_gather_object(gathered, mine, group=self.groups.intra_dc)
         shapes = {p.name: p.param.shape for p in self.params}
         params: dict[str, dict[str, torch.Tensor]] = {}
+        master: dict[str, torch.Tensor] = {}
         for part in gathered:
-            for name, (start, moments) in part.items():
-                full = params.setdefault(name, {m: torch.zeros(math.prod(shapes[name])) for m in MOMENTS})
-                for m in MOMENTS:
-                    full[m][start : start + moments[m].numel()] = moments[m]
-        params = {n: {m: t.view(shapes[n]) for m, t in ms.items()} for n, ms in params.items()}
-        return {"format": FULL_STATE_FORMAT, "step": self.steps, "params": params}
+            for name, (start, moments, value) in part.items():
+                numel = math.prod(shapes[name])
+                if moments:
+                    full = params.setdefault(name, {m: torch.zeros(numel) for m in MOMENTS})
+                    for m in MOMENTS:
+                        full[m][start : start + moments[m].numel()] = moments[m]
+                if value is not None:
+                    master.setdefault(name, torch.zeros(numel))[start : start + value.numel()] = value
+        state: dict[str, Any] = {"format": FULL_STATE_FORMAT, "step": self.steps,
+                                 "params": {n: {m: t.view(shapes[n]) for m, t in ms.items()} for n, ms in params.items()}}
+        if master:
+            state["master"] = {n: t.view(shapes[n]) for n, t in master.items()}
+        return state
 
     def load_optimizer_state(self, state: dict[str, Any]) -> None:
+        """Take a whole state (every rank passes the same); its ``master`` values, if any, are the weights."""
         check_full_state(state, [p.name for p in self.params])
+        if state.get("master"):
+            self.load_weights(self.model, state["master"])
         whole = tuple(StatePiece(n, 0, ms[MOMENTS[0]].numel(), torch.empty(0), {m: ms[m].reshape(-1) for m in MOMENTS})
                       for n, ms in state["params"].items())  # fmt: skip
         self.load_local_shard(LocalShard(0, int(state["step"]), whole))
