@@ -214,12 +214,13 @@ class FSDPHierarchicalSync(GradientSync):
         norm = torch.zeros((), device=self.params[0].local.device)
         if apply is not None:
             started = apply.started_at if apply.started_at is not None else t0
-            w0 = time.perf_counter()
             self._land(apply)
             done = time.perf_counter()
-            exposed_s = done - w0
+            exposed_s = done - t0  # what this step waited for the sum, its start without overlap included
             comm_s = done - started if self.groups.num_dcs > 1 else 0.0
             norm = self._commit(commit_lr, write_params=not (self.lookahead and late))
+        # the in-DC reduce-scatters held the training thread during backward (on CPU; a GPU's run on FSDP2's stream)
+        exposed_s += intra_dc_s
         shard = self.local_shard(snapshot_as) if snapshot_as is not None else None
         if self.lookahead and late:
             self._look_ahead(lr, current)
