@@ -70,6 +70,7 @@ from meridian.workers.state.replica_state import (
     LocalShard,
     StatePiece,
     cut,
+    feedback_of_full_state,
     host_copy,
     piece_of,
 )
@@ -221,12 +222,12 @@ class FSDPHierarchicalSync(GradientSync):
             norm = self._commit(commit_lr, write_params=not (self.lookahead and late))
         # the in-DC reduce-scatters held the training thread during backward (on CPU; a GPU's run on FSDP2's stream)
         exposed_s += intra_dc_s
-        shard = self.local_shard(snapshot_as) if snapshot_as is not None else None
+        shard = self._shard(snapshot_as, feedback=False) if snapshot_as is not None else None
         if self.lookahead and late:
             self._look_ahead(lr, current)
         decision = self._decide(exposed_s) if deciding else None
         if decision is not None and not decision.lookahead and late and snapshot_as is not None:
-            shard = self.local_shard(snapshot_as)  # the lost trial just committed its sum in flight: include it
+            shard = self._shard(snapshot_as, feedback=False)  # the lost trial just committed its sum in flight
         for p in self.params:
             p.param.grad = None
         return StepStats(grad_norm=norm, inter_dc_bytes=self.comm.take_bytes(), sync_wait_s=exposed_s,
@@ -343,10 +344,13 @@ class FSDPHierarchicalSync(GradientSync):
     def local_shard(self, step: int) -> LocalShard:
         """Copies of this rank's rows (the committed ones, with the look-ahead) and their moments; the
         error-feedback residuals unless a sum is in flight (it is changing them)."""
+        return self._shard(step, feedback=self._in_flight is None)
+
+    def _shard(self, step: int, *, feedback: bool) -> LocalShard:
+        """What :meth:`local_shard` copies; a step's snapshot leaves the residuals out (:attr:`feedback_held`)."""
         pieces_ = tuple(piece_of(p.name, p.start, p.stop, t, self.optimizer.state.get(t))
                         for p, t in zip(self.params, self.tensors, strict=True) if p.stop > p.start)  # fmt: skip
-        feedback = self._feedback() if self._in_flight is None else ()
-        return LocalShard(step, self.steps, pieces_, feedback=feedback)
+        return LocalShard(step, self.steps, pieces_, feedback=self._feedback() if feedback else ())
 
     def load_weights(self, model: nn.Module, params: dict[str, torch.Tensor]) -> None:
         with torch.no_grad():
@@ -408,7 +412,7 @@ class FSDPHierarchicalSync(GradientSync):
             self.load_weights(self.model, state["master"])
         whole = tuple(StatePiece(n, 0, ms[MOMENTS[0]].numel(), torch.empty(0), {m: ms[m].reshape(-1) for m in MOMENTS})
                       for n, ms in state["params"].items())  # fmt: skip
-        self.load_local_shard(LocalShard(0, int(state["step"]), whole))
+        self.load_local_shard(LocalShard(0, int(state["step"]), whole, feedback=feedback_of_full_state(state)))
 
     def optimizer_state_nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for st in self.optimizer.state.values()
