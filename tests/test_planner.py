@@ -485,7 +485,7 @@ def test_uneven_pipeline_stages_count_the_activations_of_the_deepest_stage():
     # 5 layers on 4 stages run 2, 1, 1, 1 (workers/parallel/pipeline.py): the first stage holds two layers'
     # activations per micro-batch in flight; the estimate counted 5 // 4 = 1.
     from meridian.service.planning.cost_model import activation_bytes, memory_per_device
-    from meridian.workers.parallel.tensor_parallel import stage_layers
+    from meridian.workers.parallel.pipeline import stage_layers
 
     model = replace(model_preset("gpt2-124m"), n_layers=5)
     deepest = max(len(stage_layers(5, 4, s)) for s in range(4))

@@ -45,7 +45,7 @@ def attend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, kv_heads: int, theta: float
 ) -> torch.Tensor:
     """Causal attention of projected (b, t, heads·hd) queries and (b, t, kv_heads·hd) keys and values, with
-    RoPE; returns (b, t, heads·hd). Also the tensor-parallel path's, with this rank's heads."""
+    RoPE; returns (b, t, heads·hd)."""
     b, t, _ = q.shape
     q = q.view(b, t, heads, -1).transpose(1, 2)
     k = k.view(b, t, kv_heads, -1).transpose(1, 2)
@@ -64,7 +64,7 @@ def attend(
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.heads, self.kv_heads, self.theta = cfg.n_heads, cfg.kv_heads, cfg.rope_theta
+        self.head_dim, self.theta = cfg.head_dim, cfg.rope_theta
         kv = cfg.kv_heads * cfg.head_dim
         self.q = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
         self.k = nn.Linear(cfg.d_model, kv, bias=False)
@@ -72,7 +72,9 @@ class Attention(nn.Module):
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(attend(self.q(x), self.k(x), self.v(x), self.heads, self.kv_heads, self.theta))
+        q, k, v = self.q(x), self.k(x), self.v(x)  # the heads this module holds (a tensor-parallel rank's share)
+        hd = self.head_dim
+        return self.proj(attend(q, k, v, q.shape[-1] // hd, k.shape[-1] // hd, self.theta))
 
 
 class SwiGLU(nn.Module):
