@@ -217,9 +217,10 @@ def estimate(model: ModelConfig, lay: Layout, fig: Figures, global_batch: int) -
 
 def runs_hierarchical(lay: Layout) -> bool:
     """Whether the workers run ``lay`` with the hierarchical engine when the planner picks the strategy:
-    across DCs when asked, always under pipeline stages (DDP cannot follow a pipeline schedule), and whenever the
-    job sets an inter-DC encoding (:attr:`Layout.encoded`)."""
-    return (lay.hierarchical and (lay.num_dcs > 1 or lay.encoded) and not lay.pp_spans_dcs) or lay.pp > 1
+    across DCs when asked, always under tensor or pipeline parallelism (they run on FSDP2 under the hierarchical
+    engine only), and whenever the job sets an inter-DC encoding (:attr:`Layout.encoded`)."""
+    return (lay.hierarchical and (lay.num_dcs > 1 or lay.encoded) and not lay.pp_spans_dcs) or lay.pp > 1 \
+        or lay.tp > 1
 
 
 def _dp_comm(lay: Layout, fig: Figures, grads: float) -> tuple[float, float]:

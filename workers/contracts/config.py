@@ -419,6 +419,7 @@ class ParallelConfig:
     all-reduces become reduce-scatter + all-gather, activations between layers ``tp`` times smaller)."""
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "schedule", PipelineSchedule(self.schedule))  # "1f1b" from a plain value too
         check_bounds(self, "parallelism.")
         if self.virtual_stages > 1 and not self.schedule.is_interleaved:
             raise ValueError(f"parallelism.virtual_stages ({self.virtual_stages}) needs parallelism.schedule "
@@ -566,10 +567,11 @@ class TrainConfig:
 def check_model_parallel_sync(parallel: ParallelConfig, sync: SyncConfig) -> None:
     """Tensor and pipeline parallelism run on FSDP2 and DTensor (:mod:`meridian.workers.loop.parallel`), under the
     hierarchical engine with its optimizer sharded (:class:`~meridian.workers.sync.fsdp_har.FSDPHierarchicalSync`):
-    a ``ValueError`` naming the field for a sync that does not run there."""
-    if parallel.model_parallel == 1 or sync.strategy is None:
+    a ``ValueError`` naming the field for a sync that does not run there (``auto``, ``strategy=None``: the planner
+    picks hierarchical sync for such a layout, and arms no look-ahead)."""
+    if parallel.model_parallel == 1:
         return
-    if sync.strategy is not SyncStrategy.HIERARCHICAL:
+    if sync.strategy is not None and sync.strategy is not SyncStrategy.HIERARCHICAL:
         raise ValueError(
             f"sync.strategy {sync.strategy.value!r} cannot run with parallelism.tp = {parallel.tp}, pp = {parallel.pp}: "
             "tensor and pipeline parallelism train on FSDP2 under 'hierarchical' sync only (DDP cannot follow a "
@@ -578,7 +580,7 @@ def check_model_parallel_sync(parallel: ParallelConfig, sync: SyncConfig) -> Non
     if not sync.shard_optimizer:
         raise ValueError("sync.shard_optimizer=false cannot run with parallelism.tp or pp > 1: FSDP2 shards the "
                          "optimizer state of a tensor/pipeline-parallel job inside each datacenter; set it to true")
-    if sync.lookahead_when_exposed is not None:
+    if sync.lookahead_when_exposed is not None and sync.strategy is not None:
         raise ValueError("sync.lookahead_when_exposed cannot run with parallelism.tp or pp > 1 yet: each stage and "
                          "tensor-parallel rank would decide on its own group's figures; set sync.local_lookahead "
                          "without it, or leave the look-ahead off")

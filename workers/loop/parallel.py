@@ -60,6 +60,7 @@ class ModelParallelReplica(Replica):
         self.data_rank, self.data_world = c.replica, dims.dp
         torch.manual_seed(cfg.seed)
         full = build_model(cfg.model)  # the single-process initial weights, on every rank
+        self._shapes = {n: p.shape for n, p in full.named_parameters()}
         self.stage_ids = rank_stages(par, c.stage)
         self.model = model = StageModel(full, self.stage_ids, par.stages).to(device)
         del full
@@ -123,10 +124,15 @@ class ModelParallelReplica(Replica):
             s.cross_dc_bytes = 0
         return sent
 
+    def parameters(self) -> dict[str, torch.Tensor]:
+        assert isinstance(self.model, StageModel)
+        for chunk in self.model.chunks:  # the FSDP2 roots, not submodules of the model: their own reshard
+            chunk.reshard()
+        return super().parameters()
+
     def full_shapes(self) -> dict[str, torch.Size]:
         """Every parameter of the whole model (not only this rank's stages) and its shape."""
-        with torch.device("meta"):
-            return {n: p.shape for n, p in build_model(self.cfg.model).named_parameters()}
+        return dict(self._shapes)
 
     def evaluate(self, data: Dataset, batches: int = 4) -> float:
         """Held-out loss as :func:`meridian.workers.loop.replica.evaluate` computes it, through the pipeline."""

@@ -26,6 +26,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from meridian.workers.contracts.config import TrainConfig
@@ -117,6 +118,9 @@ class Replica(ABC):
         """CPU copies of this rank's parameters, whole where they are sharded (synchronize the engine first;
         collective inside the DC then: every rank calls it)."""
         assert self.model is not None
+        for module in self.model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()  # a unit still gathered since its forward (the root) shows its compute-dtype copy
         return {name: _whole(p).detach().cpu().clone() for name, p in self.model.named_parameters()}
 
     def close(self, *, ok: bool) -> None:

@@ -57,8 +57,9 @@ def build_sync(
 
 def runs_on_fsdp(sync: SyncConfig, groups: DCGroups | None = None) -> bool:
     """Whether ``sync`` trains on FSDP2 (:class:`FSDPHierarchicalSync`): exact hierarchical sync of a data-parallel
-    replica. One step late, the look-ahead and a replicated optimizer still run on the flat-bucket engine, as do
-    tensor/pipeline-parallel replicas (``groups.mp_norm``)."""
+    replica. One step late, the look-ahead and a replicated optimizer still run on the flat-bucket engine.
+    Tensor/pipeline-parallel replicas (``groups.mp_norm``) always train on FSDP2 and build their engine themselves
+    (:mod:`meridian.workers.loop.parallel`)."""
     return (sync.strategy is SyncStrategy.HIERARCHICAL and sync.shard_optimizer and not sync.delay_one_step
             and not sync.local_lookahead and (groups is None or groups.mp_norm is None))
 
