@@ -18,8 +18,8 @@ from meridian.workers.contracts.config import Compression, DiLoCoConfig, OptimCo
 from meridian.workers.distributed.layout import DCGroups, DCLayout
 from meridian.workers.distributed.multiproc import run_processes
 from meridian.workers.state.replica_state import FEEDBACK_KEY, assemble
-from meridian.workers.sync.diloco import DiLoCoSync
 from meridian.workers.sync.build import build_sync
+from meridian.workers.sync.diloco import DiLoCoSync
 
 OPTIM = OptimConfig(lr=0.05, grad_clip=0.5, warmup_steps=0)
 

@@ -144,11 +144,31 @@ class DCGroups:
     def num_dcs(self) -> int:
         return self.layout.num_dcs
 
+    @property
+    def has_siblings(self) -> bool:
+        """This layout is one data-parallel group among several (tensor/pipeline parallelism): the others' ranks
+        make their own groups at the same time."""
+        return self.world_ranks != tuple(range(dist.get_world_size()))
+
     def owner_groups(self, owner_tuples: list[tuple[int, ...]]) -> dict[tuple[int, ...], dist.ProcessGroup]:
         """Groups for the holder tuples an engine's inter-DC pieces name (:func:`make_owner_groups`), made now
-        and destroyed with the others. Every rank calls it with the same tuples in the same order."""
+        and destroyed with the others. Every rank of the layout calls it with the same tuples in the same order;
+        with siblings every rank of the default group calls it (collective: the siblings' tuples differ, as their
+        parameters do, and every rank makes every group)."""
+        if self.has_siblings:
+            return self._owner_groups_with_siblings(owner_tuples)
         made = make_owner_groups(owner_tuples, self.world_ranks)
         mine = {owners: g for owners, g in made.items() if self.rank in owners}
+        self._owner_groups.extend(mine.values())
+        return mine
+
+    def _owner_groups_with_siblings(self, owner_tuples: list[tuple[int, ...]]) -> dict[tuple[int, ...], dist.ProcessGroup]:
+        as_world = {tuple(self.world_ranks[r] for r in owners): owners for owners in owner_tuples}
+        everyone: list[object] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, sorted(as_world))
+        union = sorted({tuple(t) for part in everyone for t in part})  # type: ignore[union-attr]
+        made = {t: new_group(list(t)) for t in union}
+        mine = {as_world[t]: g for t, g in made.items() if t in as_world and self.rank in as_world[t]}
         self._owner_groups.extend(mine.values())
         return mine
 

@@ -36,9 +36,12 @@ def dc_mesh(group: dist.ProcessGroup, device: torch.device) -> DeviceMesh:
 
 def transformer_blocks(model: nn.Module) -> Sequence[nn.Module]:
     """The model's repeated blocks, each its own FSDP unit: a :class:`~meridian.workers.model.causal_lm.CausalLM`'s
-    own, or a plain module's ``blocks`` ModuleList; none: the model is one unit."""
+    own, a plain module's ``blocks`` ModuleList, or a pipeline stage's ModuleDict of them; none: the model is one
+    unit."""
     own = getattr(model, "transformer_blocks", None)
     blocks = own() if callable(own) else getattr(model, "blocks", None)
+    if isinstance(blocks, nn.ModuleDict):
+        return list(blocks.values())
     return list(blocks) if isinstance(blocks, nn.ModuleList) else []
 
 
@@ -63,16 +66,20 @@ class TimedReduceScatter(DefaultReduceScatter):
 def apply_fsdp(
     model: nn.Module, mesh: DeviceMesh, *, reshard_after_forward: bool = True,
     mp_policy: MixedPrecisionPolicy | None = None, reduce_scatter: TimedReduceScatter | None = None,
+    roots: Sequence[nn.Module] | None = None,
 ) -> list[FSDPModule]:
     """Shard ``model`` in place over ``mesh``: each block, then the root (what is left: embeddings, final norm,
-    head). Returns the FSDP units in backward order's reverse (blocks first, the root last)."""
+    head). ``roots``: the modules that hold the blocks and the rest, one FSDP root each (a pipeline rank's model
+    chunks), instead of ``model`` itself. Returns the FSDP units in backward order's reverse (blocks first, the
+    roots last)."""
     policy = mp_policy or MixedPrecisionPolicy()
     units: list[FSDPModule] = []
     for block in transformer_blocks(model):
         units.append(fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy))
     # The root's parameters are used first in forward and last in backward: kept unsharded after forward
     # (FSDP2's own default for the root), they are not gathered twice.
-    units.append(fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=policy))
+    for root in roots or [model]:
+        units.append(fully_shard(root, mesh=mesh, reshard_after_forward=False, mp_policy=policy))
     for unit in units:
         unit.set_force_sum_reduction_for_comms(True)  # SUM, not AVG: gloo has no PREMUL_SUM, and we sum
         unit.set_gradient_divide_factor(1.0)

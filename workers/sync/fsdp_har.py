@@ -45,12 +45,14 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from meridian.workers.contracts.config import Compression, OptimConfig, SyncConfig, lookahead_start
 from meridian.workers.distributed.layout import DCGroups
@@ -113,6 +115,7 @@ class FSDPHierarchicalSync(GradientSync):
         broadcast_params: bool = True,
         grad_scale: float = 1.0,
         reshard_after_forward: bool = True,
+        shard: Callable[..., list[FSDPModule]] | None = None,
     ) -> None:
         self.groups, self.optim_cfg = groups, optim
         self.grad_scale = grad_scale
@@ -125,13 +128,16 @@ class FSDPHierarchicalSync(GradientSync):
         if broadcast_params:  # every replica starts from the same weights (whole, before sharding)
             broadcast_parameters(model, src=groups.world_ranks[0], group=groups.world)
         self.reduce_scatter = TimedReduceScatter()
-        fsdp_units = apply_fsdp(model, dc_mesh(groups.intra_dc, device), reshard_after_forward=reshard_after_forward,
-                                reduce_scatter=self.reduce_scatter)
+        # FSDP2 inside the DC; ``shard`` does it for a job that parallelises more (tensor/pipeline parallelism,
+        # compile, activation checkpointing: :mod:`meridian.workers.parallel.parallelize`), returning the units
+        fsdp_units = shard(model, reduce_scatter=self.reduce_scatter) if shard is not None else apply_fsdp(
+            model, dc_mesh(groups.intra_dc, device), reshard_after_forward=reshard_after_forward,
+            reduce_scatter=self.reduce_scatter)
         self.model = model
         self.root = fsdp_units[-1]
         self.comm = InterDCComm(sync.compression, emulator=emulator)
         self.units: list[Unit] = describe_units(model, fsdp_units, groups)
-        if groups.num_dcs > 1:
+        if groups.num_dcs > 1 or groups.has_siblings:  # (siblings make their groups together: collective)
             plan_exchanges(self.units, groups)
         self.norms = NormPlan(self.units, groups)
         for unit in self.units:
@@ -339,7 +345,7 @@ class FSDPHierarchicalSync(GradientSync):
     # -- state -------------------------------------------------------------------------------------------
 
     def owned_ranges(self) -> list[tuple[str, int, int]]:
-        return [(p.name, p.start, p.stop) for p in self.params if p.stop > p.start]
+        return [(p.name, a, b) for p in self.params for a, b in p.ranges]
 
     def local_shard(self, step: int) -> LocalShard:
         """Copies of this rank's rows (the committed ones, with the look-ahead) and their moments; the
@@ -348,14 +354,14 @@ class FSDPHierarchicalSync(GradientSync):
 
     def _shard(self, step: int, *, feedback: bool) -> LocalShard:
         """What :meth:`local_shard` copies; a step's snapshot leaves the residuals out (:attr:`feedback_held`)."""
-        pieces_ = tuple(piece_of(p.name, p.start, p.stop, t, self.optimizer.state.get(t))
-                        for p, t in zip(self.params, self.tensors, strict=True) if p.stop > p.start)  # fmt: skip
+        pieces_ = tuple(piece for p, t in zip(self.params, self.tensors, strict=True)
+                        for piece in _pieces(p, t, self.optimizer.state.get(t)))  # fmt: skip
         return LocalShard(step, self.steps, pieces_, feedback=self._feedback() if feedback else ())
 
     def load_weights(self, model: nn.Module, params: dict[str, torch.Tensor]) -> None:
         with torch.no_grad():
             for p, t in zip(self.params, self.tensors, strict=True):
-                rows = params[p.name].reshape(-1)[p.start : p.stop].view_as(p.local)
+                rows = p.take(params[p.name])
                 p.local.copy_(rows)
                 if t is not p.local:
                     t.copy_(rows)
@@ -365,22 +371,25 @@ class FSDPHierarchicalSync(GradientSync):
         self.optimizer.state.clear()
         self.clip_coef = None
         for p, t in zip(self.params, self.tensors, strict=True):
-            if p.stop == p.start or not self.steps:
+            if not p.ranges or not self.steps:
                 continue
-            saved = cut(shard.pieces, p.name, p.start, p.stop)
-            if not saved.moments:
+            saved = [cut(shard.pieces, p.name, a, b) for a, b in p.ranges]
+            if not all(piece.moments for piece in saved):
                 raise ValueError(f"the state of step {shard.step} has no AdamW moments for {p.name!r}")
             self.optimizer.state[t] = {
                 "step": step_counter(self.optimizer, self.steps, t),
-                **{m: saved.moments[m].to(device=t.device, dtype=t.dtype).reshape(t.shape).clone() for m in MOMENTS},
+                **{m: torch.cat([piece.moments[m].reshape(-1) for piece in saved]).to(device=t.device, dtype=t.dtype)
+                   .reshape(t.shape) for m in MOMENTS},
             }  # fmt: skip
         self._load_feedback(shard.feedback)
 
     def optimizer_state(self) -> dict[str, Any]:
         """The whole state, gathered inside the DC (every rank of the DC must call it); with the look-ahead's
-        committed copies, their values as ``master`` (the parameters are the look-ahead's)."""
+        committed copies, their values as ``master`` (the parameters are the look-ahead's). With tensor/pipeline
+        parallelism: of this rank's stage, its tensor-parallel slices (the other slices' elements zero)."""
         masters = self.lookahead_copies > 0
-        mine = {p.name: (p.start, {m: host_copy(st[m]) for m in MOMENTS}, host_copy(t) if masters else None)
+        mine = {p.name: (p.ranges, {m: host_copy(st[m]) for m in MOMENTS} if st else {},
+                         host_copy(t) if masters else None)
                 for p, t in zip(self.params, self.tensors, strict=True)
                 if (st := self.optimizer.state.get(t)) or masters}  # fmt: skip
         gathered: list[Any] = [mine]
@@ -391,14 +400,18 @@ class FSDPHierarchicalSync(GradientSync):
         params: dict[str, dict[str, torch.Tensor]] = {}
         master: dict[str, torch.Tensor] = {}
         for part in gathered:
-            for name, (start, moments, value) in part.items():
+            for name, (ranges, moments, value) in part.items():
                 numel = math.prod(shapes[name])
-                if moments:
-                    full = params.setdefault(name, {m: torch.zeros(numel) for m in MOMENTS})
-                    for m in MOMENTS:
-                        full[m][start : start + moments[m].numel()] = moments[m]
-                if value is not None:
-                    master.setdefault(name, torch.zeros(numel))[start : start + value.numel()] = value
+                full = params.setdefault(name, {m: torch.zeros(numel) for m in MOMENTS}) if moments else None
+                whole = master.setdefault(name, torch.zeros(numel)) if value is not None else None
+                at = 0
+                for a, b in ranges:
+                    if full is not None:
+                        for m in MOMENTS:
+                            full[m][a:b] = moments[m][at : at + b - a]
+                    if whole is not None:
+                        whole[a:b] = value.reshape(-1)[at : at + b - a]
+                    at += b - a
         state: dict[str, Any] = {"format": FULL_STATE_FORMAT, "step": self.steps,
                                  "params": {n: {m: t.view(shapes[n]) for m, t in ms.items()} for n, ms in params.items()}}
         if master:
@@ -477,3 +490,21 @@ class FSDPHierarchicalSync(GradientSync):
 
 def _no_hook(reduced: torch.Tensor) -> None:
     """The all-reduce hook of a closed engine's units: nothing more to sum."""
+
+
+def _pieces(p: ShardParam, t: torch.Tensor, state: dict[str, Any] | None) -> list[StatePiece]:
+    """Host copies of what this rank holds of ``p`` (``t``: its values, the optimizer's tensor, with ``state``'s
+    moments): one piece per range of the whole parameter it covers (:attr:`ShardParam.ranges`), each a view of one
+    copy of the local rows."""
+    if not p.ranges:
+        return []
+    if len(p.ranges) == 1:
+        (a, b), = p.ranges
+        return [piece_of(p.name, a, b, t, state)]
+    whole = piece_of(p.name, 0, t.numel(), t, state)
+    out, at = [], 0
+    for a, b in p.ranges:
+        out.append(StatePiece(p.name, a, b, whole.value[at : at + b - a],
+                              {m: v[at : at + b - a] for m, v in whole.moments.items()}))
+        at += b - a
+    return out

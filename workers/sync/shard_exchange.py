@@ -24,6 +24,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from meridian.workers.distributed.layout import DCGroups, Segment
 from meridian.workers.distributed.shard_rows import chunk_rows, pieces, rows_of
+from meridian.workers.parallel.placement import TPPlacement, full_ranges, placement_of
 from meridian.workers.sync.har import chunk_views
 from meridian.workers.sync.inter_dc import CommHandle, InterDCComm
 
@@ -46,15 +47,29 @@ class ShardParam:
     row_numel: int
     offset: int
     """First element of this parameter's (padded) rows in the unit's reduce-scatter output."""
+    tp: TPPlacement = field(default_factory=TPPlacement)
+    """How tensor parallelism cuts the whole parameter (``rows``, ``n0`` and ``row_numel`` are of this rank's
+    tensor-parallel piece, which FSDP2 shards; without tensor parallelism the piece is the whole parameter)."""
+    ranges: tuple[tuple[int, int], ...] = ()
+    """Element ranges of the flattened whole parameter that :attr:`local` holds, in its order
+    (:func:`~meridian.workers.parallel.placement.full_ranges`): one range, or (a row-parallel weight's column
+    slice) one per row."""
 
-    @property
-    def start(self) -> int:
-        """First element of the flattened parameter this rank holds."""
-        return self.rows[0] * self.row_numel
+    def full_parts(self, lo: int, n: int) -> list[tuple[int, int]]:
+        """``(first element of the whole parameter, elements)`` of :attr:`local`'s elements ``[lo, lo + n)``."""
+        out, at = [], 0
+        for a, b in self.ranges:
+            x, y = max(lo, at), min(lo + n, at + b - a)
+            if x < y:
+                out.append((a + x - at, y - x))
+            at += b - a
+        return out
 
-    @property
-    def stop(self) -> int:
-        return self.rows[1] * self.row_numel
+    def take(self, whole: torch.Tensor) -> torch.Tensor:
+        """This rank's elements of the whole parameter ``whole``, shaped like :attr:`local`."""
+        flat = whole.reshape(-1)
+        return torch.cat([flat[a:b] for a, b in self.ranges]).view_as(self.local) if self.ranges else \
+            flat[:0].view_as(self.local)  # fmt: skip
 
     def in_reduced(self, reduced: torch.Tensor) -> torch.Tensor:
         """This parameter's rows in a reduce-scatter output of its unit, shaped like :attr:`local`."""
@@ -109,7 +124,7 @@ class Exchange:
             for p in params:
                 lo, hi = max(a, p.offset), min(b, p.offset + p.local.numel())
                 if lo < hi:
-                    flat.append((p, p.start + lo - p.offset, hi - lo))
+                    flat += [(p, start, n) for start, n in p.full_parts(lo - p.offset, hi - lo)]
         total = sum(n for _, _, n in flat)
         out = []
         for at in range(0, total, max(1, chunk_elems)):
@@ -150,7 +165,9 @@ def describe_units(model: nn.Module, fsdp_units: list[FSDPModule], groups: DCGro
             if local.numel() != (rows[1] - rows[0]) * row_numel:
                 raise AssertionError(f"{names[id(param)]}: FSDP holds {local.numel()} elements here, rows {rows} of "
                                      f"{tuple(size)} would be {(rows[1] - rows[0]) * row_numel}")
-            params.append(ShardParam(names[id(param)], i, param, local, rows, n0, row_numel, offset))
+            tp = placement_of(param)  # (size is this rank's tensor-parallel piece; param.shape the whole's)
+            ranges = full_ranges(param.shape, tp, rows)
+            params.append(ShardParam(names[id(param)], i, param, local, rows, n0, row_numel, offset, tp, ranges))
             offset += chunk_rows(n0, n) * row_numel
         if params:
             units.append(Unit(i, module, params))
@@ -170,7 +187,7 @@ def plan_exchanges(units: list[Unit], groups: DCGroups) -> None:
     sizes, me, holders_of = _dc_sizes(groups)
     mine: dict[int, dict[tuple[int, ...], list[tuple[int, int]]]] = {}
     every: set[tuple[int, ...]] = set()
-    for unit in units:
+    for unit in units if groups.num_dcs > 1 else ():  # one datacenter: nothing to sum (a sibling's groups only)
         for p in unit.params:
             for piece in pieces(p.n0, sizes):
                 owners = tuple(holders_of[d][h] for d, h in enumerate(piece.holders))
@@ -200,11 +217,14 @@ class NormPlan:
         self.groups = groups
         self.entries: list[tuple[int, ShardParam, int, int]] = []
         """``(entry index, parameter, first local element, last)`` of the entries this rank fills."""
+        mp = groups.mp_norm
         count = 0
         for unit in units:
             for p in unit.params:
+                # a tensor-parallel job: a parameter every TP rank holds whole counts on TP rank 0 only
+                counted = mp is None or p.tp.tp > 1 or mp.tp_rank == 0
                 for piece in pieces(p.n0, sizes):
-                    if piece.holders[me] == groups.dc_rank:
+                    if counted and piece.holders[me] == groups.dc_rank:
                         lo = (piece.lo - p.rows[0]) * p.row_numel
                         self.entries.append((count, p, lo, lo + (piece.hi - piece.lo) * p.row_numel))
                     count += 1
@@ -218,7 +238,10 @@ class NormPlan:
             sumsq[i] = grad_of(p).reshape(-1)[lo:hi].double().square().sum()
         if self.groups.dc_size > 1:
             dist.all_reduce(sumsq, group=self.groups.intra_dc)
-        return sumsq.sum().sqrt().float()
+        total = sumsq.sum()
+        if self.groups.mp_norm is not None:  # the other stages' and tensor-parallel ranks' parts of the replica
+            total = self.groups.mp_norm.total(total)
+        return total.sqrt().float()
 
 
 def _window(flat: list[tuple[ShardParam, int, int]], lo: int, hi: int) -> list[tuple[ShardParam, int, int]]:
