@@ -42,7 +42,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
@@ -50,7 +50,7 @@ from torch import nn
 
 from meridian.workers.contracts.config import Compression, OptimConfig, OuterMerge, SyncConfig, SyncStrategy
 from meridian.workers.distributed.flat_collectives import all_gather_single
-from meridian.workers.distributed.layout import DCGroups
+from meridian.workers.distributed.layout import DCGroups, Segment
 from meridian.workers.state.replica_state import (
     DILOCO_STATE_FORMAT,
     FeedbackShard,
@@ -65,12 +65,14 @@ from meridian.workers.sync.engine import GradientSync, StepStats
 from meridian.workers.sync.feedback_state import feedback_of_full_state, feedback_shard, load_feedback
 from meridian.workers.sync.har import (
     all_gather_in_dc,
+    chunks_across_dcs,
     post_receives_across_dcs,
     shard_range,
     start_all_reduce_across_dcs,
 )
 from meridian.workers.sync.hierarchical import HierarchicalSync
 from meridian.workers.sync.inter_dc import CommHandle, InterDCComm
+from meridian.workers.sync.sparse_codec import sparse_codec_of
 from meridian.workers.wan.emulator import WanEmulator
 
 
@@ -118,7 +120,8 @@ class DiLoCoSync(GradientSync):
         self.buffer.flatten_params()  # the outer step writes this rank's shard of the flat parameters
         self.fragments = split_fragments([b.padded_numel for b in self.buffer.buckets], cfg.fragments)
         self.schedule = FragmentSchedule(cfg.inner_steps, cfg.fragments, cfg.overlap_steps, cfg.warmup_steps)
-        self.comm = InterDCComm(sync.compression, emulator=emulator)  # the only inter-DC traffic
+        self.comm = InterDCComm(sync.compression, emulator=emulator, sparse=sparse_codec_of(cfg),
+                                feedback_decay=cfg.sparse_error_decay)  # the only inter-DC traffic
         self.chunk_bytes = sync.inter_dc_chunk_mb * 2**20
         self.bounds = [shard_range(b.data, groups) for b in self.buffer.buckets]
         # Outer state of this rank's shard, fp32 (the papers keep the outer parameters in full precision).
@@ -129,6 +132,12 @@ class DiLoCoSync(GradientSync):
         self.started = [torch.empty_like(a) for a in self.anchor] if self.keep_progress else []
         """keep-progress: this rank's shard of each bucket as it was when its fragment's sync started."""
         self.in_flight: dict[int, list[CommHandle]] = {}
+        self.settled: dict[int, dict[tuple[Segment, Hashable], torch.Tensor | None]] = {}
+        """Per fragment in flight: each chunk's error-feedback residual from before that sync encoded it. A restore
+        drops a sync in flight and the next one measures its delta again from the same anchor, so the state to
+        save (and to go back to) is this one, not the residual of a delta that was never applied."""
+        self._feedback_copy: tuple[FeedbackShard, ...] | None = None
+        """Host copy of the settled residuals, taken once per landing (they change only then), for the snapshots."""
         self.done = 0
         """Inner steps completed: the schedule's clock, saved with the state."""
         # Every exchange's first receive, posted now (in bucket order, the same on every owner): a fragment's
@@ -172,7 +181,7 @@ class DiLoCoSync(GradientSync):
             for p in landing:
                 waited += self._land(p)
             self._gather_params()
-        shard = self._local_shard(snapshot_as, feedback=False) if snapshot_as is not None else None
+        shard = self._local_shard(snapshot_as) if snapshot_as is not None else None
         return StepStats(
             grad_norm=inner.grad_norm,
             inter_dc_bytes=self.comm.take_bytes(),
@@ -184,9 +193,13 @@ class DiLoCoSync(GradientSync):
 
     def _start(self, fragment: int) -> None:
         handles = []
+        settled = self.settled.setdefault(fragment, {}) if self.feedback_held else None
         for b in self.fragments[fragment]:
             lo, hi = self.bounds[b]
             delta = self.scratch[b]
+            if settled is not None:  # the residuals this sync's encoding replaces (self.settled)
+                for seg, _, c, _ in chunks_across_dcs(delta, self.groups, self.chunk_bytes):
+                    settled[(seg, (b, c))] = self.comm.residual(seg, (b, c))
             torch.sub(self.anchor[b], self._theta(b).float(), out=delta[lo:hi])  # 1) delta of the shard
             if self.keep_progress:
                 self.started[b].copy_(self._theta(b))
@@ -203,6 +216,8 @@ class DiLoCoSync(GradientSync):
         for h in self.in_flight.pop(fragment):
             h.wait()
         waited = time.perf_counter() - t0
+        if self.settled.pop(fragment, None):
+            self._feedback_copy = None  # this fragment's residuals are now those its sync left
         mu, k = self.cfg.outer_momentum, self.groups.num_dcs
         for b in self.fragments[fragment]:
             lo, hi = self.bounds[b]
@@ -245,27 +260,36 @@ class DiLoCoSync(GradientSync):
                     pieces.append(StatePiece(s.name, start - s.offset, stop - s.offset, value, {"momentum": mom}))
         return tuple(pieces)
 
-    def _local_shard(self, step: int, *, feedback: bool = True) -> LocalShard:
-        """``feedback``: with the residuals of the compressed outer deltas (not in :meth:`step`'s snapshots, which
-        would pay for a host copy every step and not keep it; nor while an outer all-reduce is in flight, which is
-        changing them: a resume then restarts them at zero)."""
+    def _local_shard(self, step: int) -> LocalShard:
+        """The inner shard, the outer one and, for compressed or sparse outer deltas, the settled error-feedback
+        residuals (:attr:`settled`), in :meth:`step`'s snapshots too: they are the datacenter's unsent share of the
+        outer update (for the sparse update most of it), which a re-formation from memory keeps for a datacenter
+        whose ranks all survive (:func:`~meridian.workers.state.replica_state.assemble`)."""
         if self.inner.sharded is not None:
             inner = self.inner.sharded.local_shard(step)  # this rank's shard is final; no gather needed
         else:
             assert self.inner.optimizer is not None
             inner = replicated_shard(self.inner.optimizer, self.inner._named(), step)
         outer = OuterShard(self.groups.dc, self.done, self._outer_pieces())
-        if not feedback or self.in_flight:
-            return dataclasses.replace(inner, outer=outer)
-        # compressed outer deltas: their error feedback (the inner sync never compresses)
-        held = feedback_shard(self.comm, self.buffer.buckets, self.scratch, self.groups, self.chunk_bytes)
-        return dataclasses.replace(inner, outer=outer, feedback=held)
+        return dataclasses.replace(inner, outer=outer, feedback=self._settled_feedback())
+
+    def _settled_feedback(self) -> tuple[FeedbackShard, ...]:
+        """This rank's settled residuals as host copies by parameter element; ``()`` without any."""
+        if not self.feedback_held:
+            return ()
+        if self._feedback_copy is None:
+            settled = {key: r for chunks in self.settled.values() for key, r in chunks.items()}
+            self._feedback_copy = feedback_shard(self.comm, self.buffer.buckets, self.scratch, self.groups,
+                                                 self.chunk_bytes, settled=settled)  # fmt: skip
+        return self._feedback_copy
 
     @property
     def feedback_held(self) -> bool:
-        return self.comm.compression is not Compression.NONE and bool(self.groups.inter_dc)
+        """Whether the outer deltas carry error feedback (compressed or sparse, across datacenters)."""
+        return self.comm.feedback_encoding is not None and bool(self.groups.inter_dc)
 
     def _load_feedback(self, held: tuple[FeedbackShard, ...]) -> None:
+        self._feedback_copy = None
         load_feedback(self.comm, self.buffer.buckets, self.scratch, self.groups, self.chunk_bytes, held)
 
     def local_shard(self, step: int) -> LocalShard:
@@ -371,6 +395,14 @@ class DiLoCoSync(GradientSync):
             for h in handles:
                 h.wait()
         self.in_flight.clear()
+        for chunks in self.settled.values():  # the residuals go back to what they were before those syncs
+            for (seg, key), residual in chunks.items():
+                if residual is not None:
+                    self.comm.set_residual(seg, key, residual)
+                else:
+                    self.comm.drop_residual(seg, key)
+        self.settled.clear()
+        self._feedback_copy = None
         for s in self.scratch:
             s.zero_()
 
