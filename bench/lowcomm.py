@@ -44,7 +44,7 @@ computing ÷ wall: each rank's steps' time less what they waited for inter-DC sy
 walls; time a loop spends between steps, or waiting for a slower datacenter, counts against it; each rank's in
 ``compute_utilisation_per_rank``) and ``not_blocked_in_sync`` (rank 0: 1 − what its steps waited for their sync
 ÷ ``wall_s``). ``auto_choice`` is what the planner
-(:func:`meridian.service.planning.sync_choice.choose_sync`) picks for the link and the measured compute time
+(:func:`meridian.service.planning.lowcomm_choice.choose_lowcomm`) picks for the link and the measured compute time
 of a step, with its reason. ``link`` says whether the link was the lab's or the application's emulator.
 """
 
@@ -363,12 +363,12 @@ def auto_choice(args: argparse.Namespace, params: int, per_rank: dict[str, Any],
     """The planner's pick for the link and the compute time of a step measured here (the median over the
     first DiLoCo run's steps of step time minus blocked time: pure compute, data and optimizer)."""
     from meridian.bench.sync import micro_batches_per_rank
-    from meridian.service.planning.sync_choice import choose_sync
+    from meridian.service.planning.lowcomm_choice import choose_lowcomm
 
     ref = next((s.name for s in chosen if s.sync is not None and s.sync.strategy.is_diloco), "har")
     got = per_rank[ref]
     compute_s = statistics.median(a - b for a, b in zip(got["step_s"], got["blocked_s"], strict=True))
-    c = choose_sync(rtt_ms=args.rtt_ms, gbps=args.inter_dc_gbps, num_params=params, compute_s=compute_s,
+    c = choose_lowcomm(rtt_ms=args.rtt_ms, gbps=args.inter_dc_gbps, num_params=params, compute_s=compute_s,
                     num_dcs=args.dcs, bucket_mb=args.bucket_mb, steps=args.steps,
                     micro_batches=micro_batches_per_rank(args.global_batch, args.dcs, args.micro_batch))  # fmt: skip
     d = c.diloco
@@ -376,7 +376,8 @@ def auto_choice(args: argparse.Namespace, params: int, per_rank: dict[str, Any],
         "link": {"rtt_ms": args.rtt_ms, "gbps": args.inter_dc_gbps}, "compute_s_measured": round(compute_s, 5),
         "strategy": c.strategy.value, "compression": c.compression.value,
         "inner_steps": d.inner_steps if d else None, "fragments": d.fragments if d else None,
-        "overlap_steps": d.overlap_steps if d else None, "reason": c.explanation,
+        "overlap_steps": d.overlap_steps if d else None, "sparse_density": d.sparse_density if d else None,
+        "reason": c.explanation,
     }  # fmt: skip
 
 
