@@ -23,6 +23,7 @@ average before and after.
   update (SparseLoCo, arXiv:2508.15706; :mod:`meridian.workers.sync.sparse_codec`): top-k of each 4,096-element
   block of the outer delta at ``--sparse-density``, values in ``--sparse-value-bits`` bits, error feedback decayed by
   ``--sparse-error-decay``, outer step ``--sparse-outer-lr`` / ``--sparse-outer-momentum``; plain and streaming;
+  ``+keep`` after the kind: each datacenter keeps its unsent residual in its weights (``--sparse-unsent keep``);
 - ``torchft-diloco/H<h>``, ``torchft-streaming-diloco/H<h>``: torchft's ``DiLoCo``
   (:mod:`meridian.bench.lowcomm_torchft`), same fragments and delay, with torchft's merge (the paper's, local
   weight ``--mix-alpha``).
@@ -52,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import os
 import statistics
 import sys
@@ -126,14 +128,15 @@ def strategies(args: argparse.Namespace) -> list[Strategy]:
             for c in args.compression:
                 sync = SyncConfig(strategy=strategy, diloco=cfg, compression=Compression(c), **common)
                 out.append(Strategy(f"{kind}+{c}/H{h}", sync, by_default=not args.sweep))
-            for density in args.sparse_density:
-                for bits in args.sparse_value_bits:
-                    sparse = dataclasses.replace(
-                        cfg, outer_lr=args.sparse_outer_lr, outer_momentum=args.sparse_outer_momentum,
-                        sparse_density=density, sparse_value_bits=bits, sparse_block=args.sparse_block,
-                        sparse_error_decay=args.sparse_error_decay)  # fmt: skip
-                    sync = SyncConfig(strategy=strategy, diloco=sparse, **common)
-                    out.append(Strategy(sparse_name(f"sparse-{kind}", bits, density, h), sync))
+            for density, bits, unsent in itertools.product(args.sparse_density, args.sparse_value_bits,
+                                                           args.sparse_unsent):  # fmt: skip
+                sparse = dataclasses.replace(
+                    cfg, outer_lr=args.sparse_outer_lr, outer_momentum=args.sparse_outer_momentum,
+                    sparse_density=density, sparse_value_bits=bits, sparse_block=args.sparse_block,
+                    sparse_error_decay=args.sparse_error_decay, sparse_keep_unsent=unsent == "keep")  # fmt: skip
+                sync = SyncConfig(strategy=strategy, diloco=sparse, **common)
+                label = f"sparse-{kind}" + ("+keep" if unsent == "keep" else "")
+                out.append(Strategy(sparse_name(label, bits, density, h), sync))
         ft = {"outer_lr": args.outer_lr, "outer_momentum": args.outer_momentum}
         out.append(Strategy(f"torchft-diloco/H{h}", torchft=TorchftOuter(h, **ft)))
         out.append(Strategy(f"torchft-streaming-diloco/H{h}", torchft=TorchftOuter(
@@ -304,7 +307,8 @@ def summarise(name: str, s: Strategy, got: dict[str, Any], steps: int) -> dict[s
                    warmup_steps=o.warmup_steps, merge=o.merge.value if o.overlap_steps else None)  # fmt: skip
         if o.sparse_density is not None:
             row.update(compression="sparse", sparse_density=o.sparse_density, sparse_value_bits=o.sparse_value_bits,
-                       sparse_block=o.sparse_block, sparse_error_decay=o.sparse_error_decay)  # fmt: skip
+                       sparse_block=o.sparse_block, sparse_error_decay=o.sparse_error_decay,
+                       sparse_keep_unsent=o.sparse_keep_unsent)  # fmt: skip
     elif s.torchft is not None:
         t = s.torchft
         row.update(inner_steps=t.inner_steps, fragments=t.fragments, overlap_steps=t.sync_delay, compression="none",
@@ -455,6 +459,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sparse-block", type=int, default=4096, help="sparse rows: elements per top-k block (default 4096)")
     p.add_argument("--sparse-error-decay", type=float, default=1.0,
                    help="sparse rows: what is left of the residual at each sync (default 1: plain error feedback)")
+    p.add_argument("--sparse-unsent", nargs="+", default=["restart"], choices=["restart", "keep"],
+                   help="sparse rows: what a datacenter's weights become when a sync lands: the outer weights "
+                        "(restart, SparseLoCo's) or those plus its own unsent residual (keep: rows named '+keep'; "
+                        "sync.diloco.sparse_keep_unsent)")
     p.add_argument("--sparse-outer-lr", type=float, default=0.7, help="sparse rows: outer learning rate (default 0.7)")
     p.add_argument("--sparse-outer-momentum", type=float, default=0.9,
                    help="sparse rows: outer Nesterov momentum (default 0.9)")

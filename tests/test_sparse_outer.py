@@ -11,7 +11,9 @@ DiLoCo with it matches a single-process reference of the same algorithm.
   step runs on the full parameters: each datacenter's delta cut into the same chunks as the wire (the bucket, its
   segments, the chunks), each chunk top-k'd with that datacenter's own residual, the decoded payloads summed in
   datacenter order. Weights checked at rtol 1e-5 / atol 1e-6 (the inner AdamW's rounding, as in the dense tests),
-  the datacenters' residuals too, by parameter element.
+  the datacenters' residuals too, by parameter element. The same with ``sparse_keep_unsent`` (1 + 2 ranks plain, 1 + 1 + 2
+  streaming with keep-progress): each datacenter's weights become the outer ones minus its decayed
+  residual, and its next delta is not topped up again.
 - Recovery: a snapshot taken while a sparse sync is in flight holds the residuals from before that sync (it is
   dropped on a restore and measured again from the same anchor), the packed form carries them, and rebuilding
   the state after one node of a datacenter is lost keeps the other, whole datacenter's residuals exactly and
@@ -133,6 +135,8 @@ def test_sparse_knobs_are_checked_and_name_their_field():
         DiLoCoConfig(sparse_density=0.6)
     with pytest.raises(ValueError, match="sync.diloco.sparse_block applies to the sparse outer update only"):
         DiLoCoConfig(sparse_block=1024)
+    with pytest.raises(ValueError, match="sync.diloco.sparse_keep_unsent applies to the sparse outer update only"):
+        DiLoCoConfig(sparse_keep_unsent=True)
     with pytest.raises(ValueError, match="sync.compression 'int4' and sync.diloco.sparse_density exclude each other"):
         SyncConfig(strategy=SyncStrategy.DILOCO, compression=Compression.INT4, diloco=DiLoCoConfig(sparse_density=0.02))
     assert sparse_codec_of(DiLoCoConfig()) is None
@@ -147,6 +151,11 @@ CHUNK_MB = 40 / 2**20  # 10 elements per inter-DC chunk: segments split into chu
 BLOCK = 16  # ... and chunks of 10 into one short block each, a bucket segment of 16 + into several
 PLAIN = dict(inner_steps=3, outer_lr=0.7, outer_momentum=0.9, sparse_density=0.25, sparse_value_bits=2,
              sparse_block=BLOCK)  # fmt: skip
+KEEP_UNSENT = dict(inner_steps=3, outer_lr=1.0, outer_momentum=0.0, sparse_density=0.25, sparse_block=BLOCK,
+                   sparse_keep_unsent=True, sparse_error_decay=0.8)  # fmt: skip
+KEEP_UNSENT_STREAMING = dict(inner_steps=4, fragments=2, overlap_steps=1, merge=OuterMerge.KEEP_PROGRESS,
+                             outer_lr=0.7, outer_momentum=0.9, sparse_density=0.25, sparse_block=BLOCK,
+                             sparse_keep_unsent=True)  # fmt: skip
 STREAMING = dict(inner_steps=4, fragments=2, overlap_steps=1, merge=OuterMerge.MIX, outer_lr=0.8, outer_momentum=0.5,
                  sparse_density=0.3, sparse_value_bits=4, sparse_block=BLOCK, sparse_error_decay=0.9)  # fmt: skip
 
@@ -189,6 +198,8 @@ class SparseReference:
         self.residual: dict[tuple[str, int, int], torch.Tensor] = {}
         """(datacenter, bucket, first element of the chunk) → what that datacenter has not yet sent of it."""
         self.mean: dict[int, list[torch.Tensor]] = {}
+        self.started: dict[tuple[str, int], torch.Tensor] = {}
+        """(datacenter, bucket) → its weights when the bucket's last sync started (the keep-progress merge)."""
         self.before: dict[int, dict[tuple[str, int, int], torch.Tensor]] = {}
         """Per fragment in flight: its residuals from before its sync encoded them (what a snapshot saves)."""
 
@@ -227,12 +238,14 @@ class SparseReference:
             self.opts[dc].zero_grad()
 
     def _start(self, b: int) -> torch.Tensor:
+        for dc in self.layout.dcs:
+            self.started[(dc, b)] = self._flat(dc, b)
         total = torch.zeros_like(self.anchor[b])
         deltas = {dc: self.anchor[b] - self._flat(dc, b) for dc in self.layout.dcs}
         for lo, hi in self._chunks(b):
             for i, dc in enumerate(self.layout.dcs):  # decoded and added in datacenter order, as every owner does
                 x = deltas[dc][lo:hi]
-                held = self.residual.get((dc, b, lo))
+                held = None if self.cfg.sparse_keep_unsent else self.residual.get((dc, b, lo))  # (in the weights)
                 corrected = x if held is None else x + (held if self.cfg.sparse_error_decay == 1 else
                                                         held * self.cfg.sparse_error_decay)  # fmt: skip
                 sent = self.codec.decode(self.codec.encode(corrected))
@@ -245,8 +258,19 @@ class SparseReference:
         self.momentum[b].mul_(mu).add_(mean)
         self.anchor[b].sub_(mean.add(self.momentum[b], alpha=mu), alpha=lr)
         for dc in self.layout.dcs:
-            a = self.cfg.mix_alpha
-            merged = self._flat(dc, b).mul(a).add_(self.anchor[b], alpha=1 - a) if self.cfg.overlap_steps else self.anchor[b]
+            joined = self.anchor[b]
+            if self.cfg.sparse_keep_unsent:  # the datacenter keeps what it did not send: anchor - decay x residual
+                unsent = torch.zeros_like(joined)
+                for lo, hi in self._chunks(b):
+                    unsent[lo:hi] = self.residual[(dc, b, lo)]
+                joined = joined - unsent * self.cfg.sparse_error_decay
+            theta = self._flat(dc, b)
+            if not self.cfg.overlap_steps:
+                merged = joined
+            elif self.cfg.merge is OuterMerge.KEEP_PROGRESS:
+                merged = theta - self.started[(dc, b)] + joined
+            else:
+                merged = theta.mul(self.cfg.mix_alpha).add_(joined, alpha=1 - self.cfg.mix_alpha)
             self._write(dc, b, merged)
 
     def run(self, steps: int) -> None:
@@ -296,7 +320,9 @@ class SparseReference:
 @pytest.mark.parametrize("dcs, strategy, knobs, steps", [
     (("a", "a", "b"), SyncStrategy.DILOCO, PLAIN, 7),                  # 2 DCs, 2 + 1 ranks: two outer steps, then one
     (("a", "a", "b", "c"), SyncStrategy.STREAMING_DILOCO, STREAMING, 10),  # 3 DCs, 2 + 1 + 1: fragments land late
-], ids=["2dc-uneven-plain", "3dc-uneven-streaming"])  # fmt: skip
+    (("a", "b", "b"), SyncStrategy.DILOCO, KEEP_UNSENT, 7),  # the residual in the weights
+    (("a", "b", "c", "c"), SyncStrategy.STREAMING_DILOCO, KEEP_UNSENT_STREAMING, 9),
+], ids=["2dc-uneven-plain", "3dc-uneven-streaming", "2dc-uneven-keep-unsent", "3dc-uneven-keep-unsent-streaming"])  # fmt: skip
 def test_sparse_diloco_matches_a_single_process_reference(dcs, strategy, knobs, steps):
     sync = _sync(strategy, knobs)
     out = run_processes(_run, len(dcs), dcs, sync, steps)
@@ -308,6 +334,11 @@ def test_sparse_diloco_matches_a_single_process_reference(dcs, strategy, knobs, 
                                        rtol=1e-5, atol=1e-6)  # fmt: skip
     shapes = {n: t.shape for n, t in out[0][0].items()}
     _, optimizer = assemble([shard for _, shard, _ in out], shapes)
+    for rank, (_, _, sent) in enumerate(out):  # on the wire: each rank's chunks of the fragments that started,
+        assert sent == ref.bytes_sent(rank, steps)  # each one payload to every other datacenter
+    if sync.outer.sparse_keep_unsent:  # the weights hold the residuals: nothing else to save
+        assert FEEDBACK_KEY not in optimizer
+        return
     held = optimizer[FEEDBACK_KEY]
     assert held["compression"] == "sparse" and sorted(held["residuals"]) == sorted(set(dcs))
     for dc in set(dcs):
@@ -315,9 +346,6 @@ def test_sparse_diloco_matches_a_single_process_reference(dcs, strategy, knobs, 
         assert any(float(t.abs().max()) > 0 for t in expected.values())  # something was held back
         for name, t in held["residuals"][dc].items():
             torch.testing.assert_close(t, expected[name], rtol=1e-5, atol=1e-6)
-    # on the wire: each rank's chunks of the fragments that started, each one payload to every other datacenter
-    for rank, (_, _, sent) in enumerate(out):
-        assert sent == ref.bytes_sent(rank, steps)
 
 
 # -- recovery: the residual of the datacenter that is still whole ---------------------------------------------

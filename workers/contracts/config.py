@@ -239,13 +239,19 @@ class DiLoCoConfig:
     sparse_error_decay: float = knob(1.0, gt=0, le=1)
     """With ``sparse_density``: what is left of the residual at the next sync before the new delta is added (the
     paper's beta; 1: plain error feedback, nothing fades)."""
+    sparse_keep_unsent: bool = False
+    """With ``sparse_density``: when a sync lands, each datacenter's weights become the new outer weights *plus what
+    it has not sent yet* (its residual, times ``sparse_error_decay``), instead of the outer weights alone, so no
+    datacenter drops its own unsent progress; the next delta, measured from the outer weights, then carries the
+    residual itself (CHOCO-SGD's consensus step at the outer level, Koloskova et al. 2019, arXiv:1902.00340). False:
+    SparseLoCo's, every datacenter restarts from the outer weights and the residual waits in error feedback."""
 
     def __post_init__(self) -> None:
         check_bounds(self, "sync.diloco.")
         if self.sparse_value_bits not in (2, 4, 8):
             raise ValueError(f"sync.diloco.sparse_value_bits must be 2, 4 or 8, got {self.sparse_value_bits!r}")
         if self.sparse_density is None:
-            for name in ("sparse_value_bits", "sparse_block", "sparse_error_decay"):
+            for name in ("sparse_value_bits", "sparse_block", "sparse_error_decay", "sparse_keep_unsent"):
                 if getattr(self, name) != default_of(DiLoCoConfig, name):
                     raise ValueError(f"sync.diloco.{name} applies to the sparse outer update only: set "
                                      "sync.diloco.sparse_density (e.g. 0.02), or drop it")

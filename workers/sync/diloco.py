@@ -120,8 +120,11 @@ class DiLoCoSync(GradientSync):
         self.buffer.flatten_params()  # the outer step writes this rank's shard of the flat parameters
         self.fragments = split_fragments([b.padded_numel for b in self.buffer.buckets], cfg.fragments)
         self.schedule = FragmentSchedule(cfg.inner_steps, cfg.fragments, cfg.overlap_steps, cfg.warmup_steps)
+        self.keep_unsent = cfg.sparse_keep_unsent
+        """The sparse residual lives in the weights (``sparse_keep_unsent``): the comm keeps each sync's residual
+        only until it lands, and never adds it to the next delta, which already holds it."""
         self.comm = InterDCComm(sync.compression, emulator=emulator, sparse=sparse_codec_of(cfg),
-                                feedback_decay=cfg.sparse_error_decay)  # the only inter-DC traffic
+                                feedback_decay=0.0 if self.keep_unsent else cfg.sparse_error_decay)  # the only inter-DC traffic
         self.chunk_bytes = sync.inter_dc_chunk_mb * 2**20
         self.bounds = [shard_range(b.data, groups) for b in self.buffer.buckets]
         # Outer state of this rank's shard, fp32 (the papers keep the outer parameters in full precision).
@@ -228,15 +231,31 @@ class DiLoCoSync(GradientSync):
             else:
                 update = mean
             self.anchor[b].sub_(update, alpha=self.cfg.outer_lr)
+            # what this datacenter's weights join: the outer weights, or with keep_unsent those plus its own unsent
+            # progress (the residual is anchor - theta's part that did not go out: theta = anchor - residual)
+            joined = self.anchor[b] if not self.keep_unsent else \
+                self.anchor[b] - self._unsent(b).mul_(self.cfg.sparse_error_decay)  # fmt: skip
             if self.keep_progress:  # 4) the outer result plus what this replica trained since the sync started
-                self._set_theta(b, torch.sub(self._theta(b).float(), self.started[b]).add_(self.anchor[b]))
+                self._set_theta(b, torch.sub(self._theta(b).float(), self.started[b]).add_(joined))
             elif self.cfg.overlap_steps:  # 4) the paper's merge of what trained meanwhile with the outer result
                 a = self.cfg.mix_alpha
-                self._set_theta(b, self._theta(b).float().mul(a).add_(self.anchor[b], alpha=1 - a))
+                self._set_theta(b, self._theta(b).float().mul(a).add_(joined, alpha=1 - a))
             else:
-                self._set_theta(b, self.anchor[b])
+                self._set_theta(b, joined)
             self.scratch[b].zero_()
         return waited
+
+    def _unsent(self, b: int) -> torch.Tensor:
+        """This rank's residual of bucket ``b``'s last sync over its shard (zeros where a chunk has none)."""
+        lo, _ = self.bounds[b]
+        out = torch.zeros_like(self.anchor[b])
+        base = self.scratch[b].storage_offset() + lo
+        for seg, _, c, chunk in chunks_across_dcs(self.scratch[b], self.groups, self.chunk_bytes):
+            residual = self.comm.residual(seg, (b, c))
+            if residual is not None:
+                at = chunk.storage_offset() - base
+                out[at : at + chunk.numel()] = residual
+        return out
 
     def _gather_params(self) -> None:
         # 4) every rank of the DC gets the new values (for simplicity every bucket, once per landing step)
@@ -285,8 +304,9 @@ class DiLoCoSync(GradientSync):
 
     @property
     def feedback_held(self) -> bool:
-        """Whether the outer deltas carry error feedback (compressed or sparse, across datacenters)."""
-        return self.comm.feedback_encoding is not None and bool(self.groups.inter_dc)
+        """Whether the outer deltas carry error feedback (compressed or sparse, across datacenters) outside the
+        weights (with ``sparse_keep_unsent`` the weights hold it)."""
+        return self.comm.feedback_encoding is not None and bool(self.groups.inter_dc) and not self.keep_unsent
 
     def _load_feedback(self, held: tuple[FeedbackShard, ...]) -> None:
         self._feedback_copy = None
