@@ -22,8 +22,10 @@ average before and after.
 - ``sparse-diloco/<b>bit/d<density>/H<h>``, ``sparse-streaming-diloco/<b>bit/d<density>/H<h>``: the sparse outer
   update (SparseLoCo, arXiv:2508.15706; :mod:`meridian.workers.sync.sparse_codec`): top-k of each 4,096-element
   block of the outer delta at ``--sparse-density``, values in ``--sparse-value-bits`` bits, error feedback decayed by
-  ``--sparse-error-decay``, outer step ``--sparse-outer-lr`` / ``--sparse-outer-momentum``; plain and streaming;
-  ``+keep`` after the kind: each datacenter keeps its unsent residual in its weights (``--sparse-unsent keep``);
+  ``--sparse-error-decay``, outer step ``--sparse-outer-lr`` / ``--sparse-outer-momentum``, streaming merge
+  ``--sparse-merge``; plain and streaming; ``+keep`` after the kind: each datacenter keeps its unsent residual in
+  its weights (``--sparse-unsent keep``, the default; ``restart`` is SparseLoCo's, every datacenter restarting from
+  the outer weights);
 - ``torchft-diloco/H<h>``, ``torchft-streaming-diloco/H<h>``: torchft's ``DiLoCo``
   (:mod:`meridian.bench.lowcomm_torchft`), same fragments and delay, with torchft's merge (the paper's, local
   weight ``--mix-alpha``).
@@ -132,6 +134,7 @@ def strategies(args: argparse.Namespace) -> list[Strategy]:
                                                            args.sparse_unsent):  # fmt: skip
                 sparse = dataclasses.replace(
                     cfg, outer_lr=args.sparse_outer_lr, outer_momentum=args.sparse_outer_momentum,
+                    merge=OuterMerge(args.sparse_merge),
                     sparse_density=density, sparse_value_bits=bits, sparse_block=args.sparse_block,
                     sparse_error_decay=args.sparse_error_decay, sparse_keep_unsent=unsent == "keep")  # fmt: skip
                 sync = SyncConfig(strategy=strategy, diloco=sparse, **common)
@@ -459,13 +462,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sparse-block", type=int, default=4096, help="sparse rows: elements per top-k block (default 4096)")
     p.add_argument("--sparse-error-decay", type=float, default=1.0,
                    help="sparse rows: what is left of the residual at each sync (default 1: plain error feedback)")
-    p.add_argument("--sparse-unsent", nargs="+", default=["restart"], choices=["restart", "keep"],
+    p.add_argument("--sparse-unsent", nargs="+", default=["keep"], choices=["restart", "keep"],
                    help="sparse rows: what a datacenter's weights become when a sync lands: the outer weights "
-                        "(restart, SparseLoCo's) or those plus its own unsent residual (keep: rows named '+keep'; "
-                        "sync.diloco.sparse_keep_unsent)")
-    p.add_argument("--sparse-outer-lr", type=float, default=0.7, help="sparse rows: outer learning rate (default 0.7)")
-    p.add_argument("--sparse-outer-momentum", type=float, default=0.9,
-                   help="sparse rows: outer Nesterov momentum (default 0.9)")
+                        "(restart, SparseLoCo's) or those plus its own unsent residual (keep, the default: rows named "
+                        "'+keep'; sync.diloco.sparse_keep_unsent)")
+    p.add_argument("--sparse-outer-lr", type=float, default=2.0,
+                   help="sparse rows: outer learning rate (default 2: each of the 2 datacenters' sent progress counts "
+                        "whole)")
+    p.add_argument("--sparse-outer-momentum", type=float, default=0.0,
+                   help="sparse rows: outer Nesterov momentum (default 0)")
+    p.add_argument("--sparse-merge", default=OuterMerge.KEEP_PROGRESS.value, choices=[m.value for m in OuterMerge],
+                   help="sparse streaming rows: what a fragment becomes when its sync lands (default keep-progress)")
     p.add_argument("--sweep", action="store_true",
                    help="run only the sparse rows of every --inner-steps x --sparse-density x --sparse-value-bits "
                         "(beside har and torchft's rows) and add their table (sweep)")

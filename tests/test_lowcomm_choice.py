@@ -61,6 +61,7 @@ def test_a_link_too_slow_for_int4_streaming_picks_the_sparse_update_and_says_why
     cfg = c.diloco
     assert c.strategy is SyncStrategy.STREAMING_DILOCO and c.compression is Compression.NONE
     assert cfg.sparse_density == 0.02 and cfg.sparse_value_bits == 2 and cfg.sparse_block == 4096
+    assert cfg.sparse_keep_unsent and (cfg.outer_lr, cfg.outer_momentum, cfg.merge.value) == (2.0, 0.0, "keep-progress")
     int4 = choose_sync(num_params=params, steps=100_000, **SLOW)  # what it replaces
     assert choose_lowcomm(num_params=params, steps=100_000, sparse=False, **SLOW) == int4
     assert int4.compression is Compression.INT4 and int4.diloco.inner_steps == 500

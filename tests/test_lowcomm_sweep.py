@@ -15,13 +15,16 @@ def _args(*argv: str):
 def test_default_rows_add_plain_and_streaming_sparse_beside_the_dense_ones():
     names = [s.name for s in strategies(_args())]
     assert names[0] == "har" and "diloco+int4/H32" in names and "torchft-streaming-diloco/H32" in names
-    assert sparse_name("sparse-diloco", 2, 0.02, 32) == "sparse-diloco/2bit/d0.02/H32" in names
-    assert "sparse-streaming-diloco/2bit/d0.02/H32" in names
-    s = next(s for s in strategies(_args("--sparse-error-decay", "0.9", "--sparse-outer-lr", "1", "--sparse-outer-momentum",
-                                         "0")) if s.name == "sparse-streaming-diloco/2bit/d0.02/H32")  # fmt: skip
+    assert sparse_name("sparse-diloco+keep", 2, 0.02, 32) == "sparse-diloco+keep/2bit/d0.02/H32" in names
+    assert "sparse-streaming-diloco+keep/2bit/d0.02/H32" in names
+    o = next(s for s in strategies(_args()) if s.name == "sparse-streaming-diloco+keep/2bit/d0.02/H32").sync.outer
+    assert (o.sparse_keep_unsent, o.outer_lr, o.outer_momentum, o.merge.value) == (True, 2.0, 0.0, "keep-progress")
+    s = next(s for s in strategies(_args("--sparse-error-decay", "0.9", "--sparse-outer-lr", "1", "--sparse-unsent",
+                                         "restart")) if s.name == "sparse-streaming-diloco/2bit/d0.02/H32")  # fmt: skip
     o = s.sync.outer
     assert (o.sparse_density, o.sparse_value_bits, o.sparse_block, o.sparse_error_decay) == (0.02, 2, 4096, 0.9)
     assert (o.outer_lr, o.outer_momentum, o.fragments, o.overlap_steps) == (1.0, 0.0, 4, 3)
+    assert not o.sparse_keep_unsent
     assert s.sync.compression.value == "none"
     assert not any(n.startswith("sparse") for n in (s.name for s in strategies(_args("--sparse-density"))))
 
@@ -32,7 +35,8 @@ def test_the_sweep_runs_every_combination_of_h_density_and_bits_and_no_dense_mer
     names = [s.name for s in strategies(args)]
     sparse = [n for n in names if n.startswith("sparse")]
     assert len(sparse) == 2 * 2 * 2 * 2  # plain and streaming × H × density × bits
-    assert {sparse_name("sparse-streaming-diloco", b, d, h) for b in (2, 4) for d in (0.01, 0.03) for h in (16, 32)} <= set(names)
+    assert {sparse_name("sparse-streaming-diloco+keep", b, d, h) for b in (2, 4) for d in (0.01, 0.03)
+            for h in (16, 32)} <= set(names)  # fmt: skip
     assert not any("+int" in n for n in names) and "har" in names
     assert {"torchft-diloco/H16", "torchft-streaming-diloco/H32"} <= set(names)
 

@@ -39,7 +39,7 @@ from meridian.service.planning.sync_choice import (
     max_overlap_steps,
     overlap_steps_for,
 )
-from meridian.workers.contracts.config import Compression, DiLoCoConfig, SyncStrategy
+from meridian.workers.contracts.config import Compression, DiLoCoConfig, OuterMerge, SyncStrategy
 from meridian.workers.contracts.wire_format import sparse_bytes_per_element
 from meridian.workers.sync.diloco_schedule import warmup_cycle
 
@@ -50,6 +50,11 @@ PER_STEP_LIMIT: float = inspect.signature(choose_sync).parameters["per_step_limi
 SPARSE_DENSITY = 0.02
 SPARSE_VALUE_BITS = 2
 SPARSE_BLOCK = 4096
+SPARSE_EVIDENCE = ("meridian bench lowcomm, nano, 2 datacenters, H 32, 4,096 steps of 64 samples: held-out loss -0.16% "
+                   "of per-step sync's at 3,398x fewer bytes (plain DiLoCo, 2-bit), with each datacenter keeping its "
+                   "unsent residual and an outer lr of 2 without momentum; SparseLoCo's restart from the outer "
+                   "weights was +9% to +15% at 2,048 steps")
+"""What the sparse setting ``auto`` picks measured; the plan's explanation quotes it."""
 SPARSE_BYTES_PER_PARAM = sparse_bytes_per_element(SPARSE_DENSITY, SPARSE_VALUE_BITS, SPARSE_BLOCK)
 """What the sparse outer update puts on the wire per parameter (kept values, their positions, the blocks' scales)."""
 
@@ -109,8 +114,11 @@ def sparse_instead(dense: DiLoCoConfig, *, rtt_ms: float, gbps: float, num_param
     else:  # plain DiLoCo's sync blocks: H amortises it to the utilisation it must keep
         overlap, warmup, cycle = 0, 0, 0
         h = min(MAX_H, max(MIN_INNER_STEPS, math.ceil(outer_s / ((1 / target - 1) * compute_s))))
+    # each datacenter keeps what it has not sent, and the outer step adds every datacenter's sent progress whole
+    # (outer lr = the number of datacenters, no momentum; measured with 2: SPARSE_EVIDENCE)
     cfg = replace(dense, inner_steps=h, overlap_steps=overlap, warmup_steps=warmup, sparse_density=SPARSE_DENSITY,
-                  sparse_value_bits=SPARSE_VALUE_BITS, sparse_block=SPARSE_BLOCK)  # fmt: skip
+                  sparse_value_bits=SPARSE_VALUE_BITS, sparse_block=SPARSE_BLOCK, sparse_keep_unsent=True,
+                  outer_lr=float(num_dcs), outer_momentum=0.0, merge=OuterMerge.KEEP_PROGRESS)  # fmt: skip
     u = streaming_utilisation(cfg, wire_bytes=wire, compute_s=compute_s, **link)
     int4_frag_s = cross_dc_time(int4_wire / fragments, **link)
     kind = "streaming DiLoCo" if streaming else "DiLoCo"
@@ -122,8 +130,8 @@ def sparse_instead(dense: DiLoCoConfig, *, rtt_ms: float, gbps: float, num_param
            f"sparse outer update: each sync sends the top {SPARSE_DENSITY:.0%} of every {SPARSE_BLOCK:,}-element "
            f"block in {SPARSE_VALUE_BITS} bits with error feedback ({SPARSE_BYTES_PER_PARAM:.4f} bytes per parameter, "
            f"{wire / fragments / 1e6:.3g} MB, {frag_s * 1e3:.0f} ms{' per fragment' if streaming else ''}) over H={h} "
-           f"steps{behind}: about {u:.1%} computing, {BYTES_FP32 * h / SPARSE_BYTES_PER_PARAM:.0f}x fewer inter-DC "
-           "bytes than per-step sync")
+           f"steps{behind}, each datacenter keeping what it has not sent: about {u:.1%} computing, "
+           f"{BYTES_FP32 * h / SPARSE_BYTES_PER_PARAM:.0f}x fewer inter-DC bytes than per-step sync ({SPARSE_EVIDENCE})")
     if warmup:
         assert steps is not None
         ratio = BYTES_FP32 * steps / (SPARSE_BYTES_PER_PARAM * (warmup / cycle + (steps - warmup) / h))

@@ -25,6 +25,13 @@ Per step, on every rank::
         #    "keep-progress": theta = anchor + theta - theta_start, what trained since the sync started kept);
         #    all-gather theta in the DC
 
+Sparse outer update (``sync.diloco.sparse_density``; SparseLoCo, Sarfi et al. 2025, arXiv:2508.15706): step 2
+sends, of every chunk of the rank's shard, only the top-k of each block in 2-8 bits
+(:mod:`meridian.workers.sync.sparse_codec`); what was not sent stays in the rank's error-feedback residual for the
+chunk's next sync (the residuals of a sync in flight are saved as they were before it: a restore drops that sync and
+measures its delta again), or with ``sparse_keep_unsent`` in the weights step 4 writes: ``anchor - residual`` in
+place of ``anchor``. Each rank sparsifies its own shard; nothing is gathered to one rank.
+
 Only step 2 crosses DCs, carrying 1/N of the fragment per rank (N = ranks in the DC), once per H/P steps.
 The outer state (anchor, momentum) is sharded like the inner AdamW state, so it costs 2/N of the model per
 rank; one scratch buffer the size of the model holds deltas in flight. Inner gradients are the DC's sum of
