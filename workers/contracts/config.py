@@ -13,7 +13,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from meridian.workers.contracts.fields import check_bounds, knob
+from meridian.workers.contracts.fields import check_bounds, default_of, knob
 from meridian.workers.contracts.hf_shape import FAMILIES, shape_of_json
 from meridian.workers.contracts.model_config import ModelConfig, ModelFamily
 from meridian.workers.contracts.tracking import TrackingConfig
@@ -232,9 +232,35 @@ class DiLoCoConfig:
     """Inner steps at the start synced on a short cycle, ``max(fragments × (overlap_steps + 1), H // 4)``
     steps, before H takes over (a multiple of that cycle); 0: none. ``bench lowcomm`` measured it helping
     streaming DiLoCo (cycle 20 instead of 32) and hurting plain DiLoCo (cycle H/4 with outer momentum 0.9)."""
+    sparse_density: float | None = knob(None, gt=0, le=0.5)
+    """SparseLoCo (Sarfi et al. 2025, arXiv:2508.15706): send only this share of each block of the outer delta (the
+    largest magnitudes, top-k per ``sparse_block`` elements), each value in ``sparse_value_bits`` bits, and keep what
+    was not sent in each rank's error-feedback residual for the next sync (:mod:`meridian.workers.sync.sparse_codec`);
+    with ``sync.compression`` "none". 0.01–0.03 is the paper's range. ``None``: the whole delta is sent."""
+    sparse_value_bits: int = knob(2, ge=2, le=8)
+    """With ``sparse_density``: bits per value sent (2, 4 or 8): a sign bit and a magnitude level between the least and
+    the largest magnitude kept in the block."""
+    sparse_block: int = knob(4096, ge=16, le=65536)
+    """With ``sparse_density``: elements per top-k block; a kept value's position takes ceil(log2(block)) bits."""
+    sparse_error_decay: float = knob(1.0, gt=0, le=1)
+    """With ``sparse_density``: what is left of the residual at the next sync before the new delta is added (the
+    paper's beta; 1: plain error feedback, nothing fades)."""
+    sparse_keep_unsent: bool = False
+    """With ``sparse_density``: when a sync lands, each datacenter's weights become the new outer weights *plus what
+    it has not sent yet* (its residual, times ``sparse_error_decay``), instead of the outer weights alone, so no
+    datacenter drops its own unsent progress; the next delta, measured from the outer weights, then carries the
+    residual itself (CHOCO-SGD's consensus step at the outer level, Koloskova et al. 2019, arXiv:1902.00340). False:
+    SparseLoCo's, every datacenter restarts from the outer weights and the residual waits in error feedback."""
 
     def __post_init__(self) -> None:
         check_bounds(self, "sync.diloco.")
+        if self.sparse_value_bits not in (2, 4, 8):
+            raise ValueError(f"sync.diloco.sparse_value_bits must be 2, 4 or 8, got {self.sparse_value_bits!r}")
+        if self.sparse_density is None:
+            for name in ("sparse_value_bits", "sparse_block", "sparse_error_decay", "sparse_keep_unsent"):
+                if getattr(self, name) != default_of(DiLoCoConfig, name):
+                    raise ValueError(f"sync.diloco.{name} applies to the sparse outer update only: set "
+                                     "sync.diloco.sparse_density (e.g. 0.02), or drop it")
         if self.fragments > self.inner_steps:
             raise ValueError(
                 f"sync.diloco.fragments ({self.fragments}) must be <= inner_steps ({self.inner_steps}): each "
@@ -367,6 +393,12 @@ class SyncConfig:
             raise ValueError(
                 "sync.diloco.fragments > 1 or overlap_steps > 0 is streaming DiLoCo: set sync.strategy to "
                 "'streaming-diloco'"
+            )
+        if self.diloco is not None and self.diloco.sparse_density is not None and self.compression is not Compression.NONE:
+            raise ValueError(
+                f"sync.compression {self.compression.value!r} and sync.diloco.sparse_density exclude each other: the "
+                "sparse outer update encodes its own values (sync.diloco.sparse_value_bits); set sync.compression to "
+                "'none'"
             )
         if self.diloco is not None and (self.strategy is None or not self.strategy.is_diloco):
             raise ValueError(
