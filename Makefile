@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.meridian-installed
 export RAY_USAGE_STATS_ENABLED := 0
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint docs bench clean
 
 $(STAMP): pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -41,5 +41,9 @@ test: $(STAMP) $(CHROMIUM) $(POSTGRES)
 lint: $(STAMP)
 	$(BIN)/ruff check api service workers bench cli lab tests
 
+# The documentation site into site/ (open site/index.html; no server or network needed). make test builds it too.
+docs: $(STAMP)
+	$(BIN)/mkdocs build --strict
+
 clean:
-	rm -rf $(VENV) .meridian .pytest_cache
+	rm -rf $(VENV) .meridian .pytest_cache site

@@ -104,7 +104,7 @@ def _meridian_torch_config(use_gpu: bool) -> Any:
     ``train_func_context`` would set a CUDA device in the worker, and its ``framework`` makes Ray Train import
     torch in every worker to record its version. The Train worker is Meridian's agent, which trains in a child
     process that imports torch itself (:mod:`meridian.workers.elastic.agent`); torch in the agent cost every
-    worker an import at every job start (measured in the README's "How a job runs"). ``backend`` is what
+    worker an import at every job start (docs/benchmarks/history.md, "How a job runs"). ``backend`` is what
     ``TorchTrainer`` reads; the training processes pick their own from their device.
     """
     from ray.train.backend import Backend, BackendConfig
