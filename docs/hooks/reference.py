@@ -228,6 +228,8 @@ def routes() -> list[tuple[str, str, dict[str, Any]]]:
 
 
 def _schema_name(schema: dict[str, Any]) -> str:
+    if not schema:
+        return "any"
     if "$ref" in schema:
         name = schema["$ref"].rsplit("/", 1)[1]
         return "[`JobSpec`](job-spec.md)" if name == "JobSpec" else f"`{name}`"
@@ -264,7 +266,8 @@ def rest_page() -> str:
             out += [f"Request body ({media}): {_schema_name(content.get('schema', {}))}.", ""]
         responses = []
         for status, resp in op.get("responses", {}).items():
-            media = ", ".join(resp.get("content", {})) or "—"
+            media = ", ".join(f"{m}" + (f" ({_schema_name(c['schema'])})" if c.get("schema") else "")
+                              for m, c in resp.get("content", {}).items()) or "—"
             responses.append([code(status), prose(resp.get("description")), media])
         out += [table(["status", "meaning", "content"], responses), ""]
     return "\n".join(out)
@@ -288,7 +291,11 @@ def command_parsers() -> list[tuple[str, argparse.ArgumentParser]]:
 
     def walk(name: str, parser: argparse.ArgumentParser) -> None:
         found.append((name, parser))
+        helps = {a.dest: a.help for action in parser._actions if isinstance(action, argparse._SubParsersAction)
+                 for a in action._choices_actions}
         for sub_name, sub in _subcommands(parser).items():
+            if sub.description is None and helps.get(sub_name):  # a verb declared with a help line only
+                sub.description = helps[sub_name]
             if f"{name} {sub_name}" == "meridian bench":
                 walk("meridian bench", bench_parser())
             else:
@@ -301,6 +308,8 @@ def command_parsers() -> list[tuple[str, argparse.ArgumentParser]]:
 def _default_text(value: Any) -> str:
     if value is None or value is argparse.SUPPRESS or value is False:
         return "—"
+    if value == "":
+        return '`""`'
     text = str(value)
     home = os.path.expanduser("~")
     package = str(ROOT)
