@@ -63,3 +63,11 @@ def test_the_built_site_loads_nothing_from_another_host(site):
     for css in site.rglob("*.css"):
         text = css.read_text(encoding="utf-8", errors="replace")
         assert not re.search(r"@import\s+url\(['\"]?https?:|url\(['\"]?https?://", text), css
+
+
+def test_the_readme_stays_a_front_door():
+    lines = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
+    assert len(lines) <= 150, f"README.md has {len(lines)} lines; put the rest in a docs/ page"
+    text = "\n".join(lines)
+    for must in ("make demo", "make test", "ray start --head", "--storage", "meridian-train", "What is proven where"):
+        assert must in text, must
