@@ -6,6 +6,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.meridian-installed
 export RAY_USAGE_STATS_ENABLED := 0
+# Material for MkDocs prints an end-of-life banner on every build otherwise.
+export NO_MKDOCS_2_WARNING := 1
 
 .PHONY: demo test lint docs bench clean
 
