@@ -179,7 +179,7 @@ def test_page_commands_run_as_written(page, tmp_path):
         "DOCS_TEST_RAY_TMP": ray_tmp, "DOCS_TEST_PYTHON": sys.executable, "RAY_USAGE_STATS_ENABLED": "0",
         "NO_MKDOCS_2_WARNING": "1",
     }  # fmt: skip
-    if "ray start" in script:  # `meridian serve --address auto` finds the page's own head, not another one
+    if any("ray start" in b.text for b in run):  # `meridian serve --address auto` finds the page's own head
         from ray._private.services import get_node_ip_address
 
         env["RAY_ADDRESS"] = f"{get_node_ip_address()}:{ray_port}"
