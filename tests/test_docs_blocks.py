@@ -184,6 +184,7 @@ def test_page_commands_run_as_written(page, tmp_path):
 
         env["RAY_ADDRESS"] = f"{get_node_ip_address()}:{ray_port}"
     log_path = tmp_path / "page.log"
+    before = _worktree_changes()
     proc = None
     try:
         with open(log_path, "w") as log:
@@ -204,3 +205,11 @@ def test_page_commands_run_as_written(page, tmp_path):
     output = log_path.read_text(errors="replace")
     assert code is not None, f"{page.name} did not finish within {PAGE_TIMEOUT_S} s:\n{output[-6000:]}"
     assert code == 0, f"{page.name} failed (exit {code}):\n{output[-6000:]}"
+    left = sorted(_worktree_changes() - before)
+    assert not left, f"{page.name}'s commands left files in the repository (write them under ~ instead): {left}"
+
+
+def _worktree_changes() -> set[str]:
+    """Files the repository's ``git status`` reports (ignored ones are not: ``.meridian/``, ``dist/``, ``build/``)."""
+    out = subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    return set(out.stdout.splitlines()) if out.returncode == 0 else set()
