@@ -46,11 +46,8 @@ class OuterMerge(str, enum.Enum):
 
     KEEP_PROGRESS = "keep-progress"
     """The new outer weights plus what this replica trained while the sync was in flight:
-    ``theta <- outer + (theta - theta_at_start)``, plain DiLoCo applied late. ``bench lowcomm`` (nano, 4,096 steps
-    of 16 samples, H 32, 4 fragments, overlap 7): held-out loss at equal tokens +0.7% / +1.3% of per-step sync's
-    with int8 deltas (seeds 0 / 1), +0.4% / +1.2% with int4, where ``mix`` gave +1.9% / +3.3% and +2.6% / +2.3%.
-    But with fewer, larger steps it trails: nano, 1,024 steps of 64 samples, overlap 3, int8: +13.0% where ``mix``
-    gave +3.9%; ``tiny``, 1,024 steps, overlap 2: +28.8% where ``mix`` gave +14.8%. Opt-in."""
+    ``theta <- outer + (theta - theta_at_start)``, plain DiLoCo applied late. Opt-in: how its loss compares with
+    ``mix`` depends on the steps and their size (``docs/benchmarks/history.md``, the DiLoCo runs)."""
     MIX = "mix"
     """Streaming DiLoCo's merge (Douillard et al. 2025, arXiv:2501.18512), the default: ``theta <- alpha * theta +
     (1 - alpha) * outer`` with ``alpha = mix_alpha``."""
@@ -230,8 +227,7 @@ class DiLoCoConfig:
     (the paper's merge); ignored by "keep-progress" and when ``overlap_steps`` is 0."""
     warmup_steps: int = knob(0, ge=0, le=10_000_000)
     """Inner steps at the start synced on a short cycle, ``max(fragments × (overlap_steps + 1), H // 4)``
-    steps, before H takes over (a multiple of that cycle); 0: none. ``bench lowcomm`` measured it helping
-    streaming DiLoCo (cycle 20 instead of 32) and hurting plain DiLoCo (cycle H/4 with outer momentum 0.9)."""
+    steps, before H takes over (a multiple of that cycle); 0: none."""
     sparse_density: float | None = knob(None, gt=0, le=0.5)
     """SparseLoCo (Sarfi et al. 2025, arXiv:2508.15706): send only this share of each block of the outer delta (the
     largest magnitudes, top-k per ``sparse_block`` elements), each value in ``sparse_value_bits`` bits, and keep what
@@ -286,9 +282,9 @@ class DiLoCoConfig:
 
 
 LOOKAHEAD_AFTER_MIN = 20
-"""Exact steps before the look-ahead takes over, at least: the demo job (tiny, 60 steps, lr warm-up 5) ended
-+7.0% above exact sync's held-out loss looking ahead from step 0, +2.7% from step 10 and +1.0% from step 20, in a
-one-process replay of the look-ahead's maths (a throwaway script, not in the repository)."""
+"""Exact steps before the look-ahead takes over, at least: while AdamW's moments are young an update is mostly the
+newest gradient, and a look-ahead strays furthest from the exact update (the replay that set this figure:
+``docs/benchmarks/history.md``)."""
 
 
 LOOKAHEAD_DECISION_SKIP = 2
@@ -338,8 +334,7 @@ class SyncConfig:
     the whole next step (forward included) instead of behind backward alone. Every replica still applies the
     exact global-batch gradient, in the same order; the update simply uses gradients one step stale (the
     first step applies none, and the gradient in flight at a checkpoint or re-formation is not kept). Staleness
-    costs loss: ``meridian bench lowcomm``'s ``har-delayed`` row measures how much, and ``auto`` sets it only
-    together with ``local_lookahead``, which recovers most of it."""
+    costs loss (``docs/benchmarks/sync.md``), so ``auto`` sets it only together with ``local_lookahead``."""
     local_lookahead: bool = False
     """With ``delay_one_step`` (and ``shard_optimizer``): while step t's exact sync is in flight, step t+1
     computes at parameters that already took step t's update from *this datacenter's* gradients (scaled to the
@@ -349,8 +344,7 @@ class SyncConfig:
     update, instead of by a whole step as with ``delay_one_step`` alone. The engine's ``synchronize`` (evaluation, the
     end of the job, leaving an epoch at a step boundary) lands the sync in flight and commits it, so nothing is
     dropped there; a snapshot taken inside a step (the elastic run's every ``snapshot_every`` steps) holds the
-    committed state without the sync still in flight.
-    ``meridian bench lowcomm``'s ``har-lookahead`` row measures its loss against per-step sync."""
+    committed state without the sync still in flight. Its loss against per-step sync: ``docs/benchmarks/sync.md``."""
     lookahead_after: int | None = knob(None, ge=0, le=10_000_000)
     """With ``local_lookahead``: the steps synced exactly (not late) first, while AdamW's moments are young and
     a look-ahead's error is largest; ``None``: the learning-rate warm-up's steps, at least
@@ -505,6 +499,8 @@ class TrainConfig:
     micro_batch: int = knob(ge=1, le=65_536)
     """Samples per forward/backward on one rank; more samples per rank are accumulated."""
     seed: int = knob(0, ge=0, le=2**31 - 1)
+    """Seeds the model's initialisation and the sample order (a pure function of the seed, the step and the global
+    batch)."""
     precision: Precision = Precision.FP32
     checkpoint_every: int = knob(0, ge=0, le=10_000_000, name="checkpoint.interval_steps")
     """Write a durable checkpoint every N steps (0: only at the end)."""
