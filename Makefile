@@ -6,8 +6,10 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.meridian-installed
 export RAY_USAGE_STATS_ENABLED := 0
+# Material for MkDocs prints an end-of-life banner on every build otherwise.
+export NO_MKDOCS_2_WARNING := 1
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint docs bench clean
 
 $(STAMP): pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -41,5 +43,9 @@ test: $(STAMP) $(CHROMIUM) $(POSTGRES)
 lint: $(STAMP)
 	$(BIN)/ruff check api service workers bench cli lab tests
 
+# The documentation site into site/ (open site/index.html; no server or network needed). make test builds it too.
+docs: $(STAMP)
+	$(BIN)/mkdocs build --strict
+
 clean:
-	rm -rf $(VENV) .meridian .pytest_cache
+	rm -rf $(VENV) .meridian .pytest_cache site

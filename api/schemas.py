@@ -293,6 +293,8 @@ DiLoCoSpec = config_model(DiLoCoConfig, "DiLoCoSpec")
 
 
 class TrainingSpec(Strict):
+    """How long and how to train: steps, batch sizes, AdamW's schedule, the seed and the precision."""
+
     steps: int = config_field(TrainConfig, "steps")
     global_batch: int = config_field(TrainConfig, "global_batch")
     micro_batch: int = config_field(TrainConfig, "micro_batch")
@@ -314,9 +316,9 @@ class TrainingSpec(Strict):
 class LinkSpec(Strict):
     """Declared figures of the link between two datacenters (used when no probe was run)."""
 
-    between: list[DCName] = Field(..., min_length=2, max_length=2)
-    rtt_ms: float = config_field(DeclaredLink, "rtt_ms")
-    gbps: float = config_field(DeclaredLink, "gbps")
+    between: list[DCName] = Field(..., min_length=2, max_length=2, description="The two datacenters it joins.")
+    rtt_ms: float = config_field(DeclaredLink, "rtt_ms", description="Round-trip time between them, in ms.")
+    gbps: float = config_field(DeclaredLink, "gbps", description="Bandwidth per direction, in Gbit/s.")
 
     def to_request(self) -> DeclaredLink:
         return DeclaredLink(a=self.between[0], b=self.between[1], rtt_ms=self.rtt_ms, gbps=self.gbps)
@@ -326,10 +328,17 @@ WorkersPerDC = Annotated[int, Field(**WORKERS_PER_DC.as_kwargs())]
 
 
 class TopologySpec(Strict):
-    datacenters: list[DCName] | Literal["auto"] = Field(AUTO, max_length=64)
-    workers_per_datacenter: WorkersPerDC | dict[DCName, WorkersPerDC] | Literal["auto"] = AUTO
+    """Where the job runs: which datacenters, how many workers in each, and what the links between them are."""
+
+    datacenters: list[DCName] | Literal["auto"] = Field(
+        AUTO, max_length=64, description="Datacenters to run in, by their nodes' `datacenter` label, in order; "
+        "'auto': every datacenter with live nodes.")
+    workers_per_datacenter: WorkersPerDC | dict[DCName, WorkersPerDC] | Literal["auto"] = Field(
+        AUTO, description="Workers in each datacenter: one number for all, or a number per datacenter; 'auto': as "
+        "many as fit.")
     min_workers: int = config_field(TopologyRequest, "min_workers")
-    links: list[LinkSpec] = Field(default_factory=list, max_length=256)
+    links: list[LinkSpec] = Field(default_factory=list, max_length=256, description="Declared figures of the links "
+                                  "between datacenters, for the planner where no probe has measured them.")
 
     def to_request(self) -> TopologyRequest:
         workers = self.workers_per_datacenter
@@ -341,12 +350,20 @@ class TopologySpec(Strict):
 
 
 class ParallelismSpec(Strict):
-    tp: bounded(ParallelConfig, "tp") | Literal["auto"] = AUTO  # type: ignore[valid-type]
-    pp: bounded(ParallelConfig, "pp") | Literal["auto"] = AUTO  # type: ignore[valid-type]
+    """Model parallelism inside each data-parallel replica; 'auto' leaves a size to the planner."""
+
+    tp: bounded(ParallelConfig, "tp") | Literal["auto"] = Field(  # type: ignore[valid-type]
+        AUTO, description="Tensor-parallel size: ranks of one node that split every layer; 'auto': the planner "
+        "chooses.")
+    pp: bounded(ParallelConfig, "pp") | Literal["auto"] = Field(  # type: ignore[valid-type]
+        AUTO, description="Pipeline stages: consecutive groups of layers, micro-batches flowing between them; "
+        "'auto': the planner chooses.")
     schedule: PipelineSchedule = config_field(ParallelismRequest, "schedule")
     virtual_stages: int = config_field(ParallelConfig, "virtual_stages")
     sequence_parallel: bool = config_field(ParallelConfig, "sequence_parallel")
-    stages_span_datacenters: bool | Literal["auto"] = AUTO
+    stages_span_datacenters: bool | Literal["auto"] = Field(
+        AUTO, description="true: pipeline stages may sit in different datacenters; false: each replica stays "
+        "inside one; 'auto': the planner decides.")
 
     def to_request(self) -> ParallelismRequest:
         return ParallelismRequest(tp=_or_auto(self.tp), pp=_or_auto(self.pp), schedule=self.schedule,
@@ -358,9 +375,13 @@ _REQUEST_SYNC: SyncConfig = default_of(JobRequest, "sync")
 
 
 class SyncSpec(Strict):
-    strategy: Literal[(AUTO, *(s.value for s in SyncStrategy))] = (  # type: ignore[valid-type]
-        _REQUEST_SYNC.strategy.value if _REQUEST_SYNC.strategy else AUTO
-    )
+    """How gradients (or, for DiLoCo, parameters) travel between the datacenters' replicas."""
+
+    strategy: Literal[(AUTO, *(s.value for s in SyncStrategy))] = Field(  # type: ignore[valid-type]
+        _REQUEST_SYNC.strategy.value if _REQUEST_SYNC.strategy else AUTO,
+        description="flat: one all-reduce over every rank, as DDP; hierarchical: reduce-scatter in each datacenter, "
+        "all-reduce of the shards across, all-gather; diloco and streaming-diloco: each datacenter trains on its own "
+        "between outer steps; 'auto': the planner chooses and the plan's explanation says why.")
     bucket_mb: float | None = config_field(
         SyncConfig, "bucket_mb", default=_REQUEST_SYNC.bucket_mb,
         description="Gradients are reduced in buckets of about this many MiB (fp32); omitted or null: the planner "
@@ -374,7 +395,8 @@ class SyncSpec(Strict):
     local_lookahead: bool = config_field(SyncConfig, "local_lookahead")
     lookahead_after: int | None = config_field(SyncConfig, "lookahead_after")
     lookahead_when_exposed: float | None = config_field(SyncConfig, "lookahead_when_exposed")
-    diloco: DiLoCoSpec | None = None  # type: ignore[valid-type]
+    diloco: DiLoCoSpec | None = Field(None, description="Knobs of the diloco and streaming-diloco strategies; "  # type: ignore[valid-type]
+                                      "null: their defaults (with 'auto', the planner's choice).")
 
     def to_config(self) -> SyncConfig:
         """``auto`` is ``strategy=None``: the planner chooses (and picks the DiLoCo knobs itself)."""
@@ -389,6 +411,8 @@ class SyncSpec(Strict):
 
 
 class CheckpointSpec(Strict):
+    """Durable checkpoints in the job's storage, and the in-memory snapshots recovery resumes from."""
+
     interval_steps: int = config_field(TrainConfig, "checkpoint_every", description="0: no periodic checkpoints")
     keep_final: bool = config_field(JobRequest, "keep_final")
     snapshot_every: bounded(TrainConfig, "snapshot_every") | Literal["auto"] = Field(  # type: ignore[valid-type]
@@ -403,7 +427,7 @@ WandbSpec = config_model(WandbTracking, "WandbSpec")
 
 class TrackingSpec(Strict):
     """Experiment trackers rank 0 logs every step to, with the config and plan as hyperparameters (each needs its
-    library installed where the job runs: ``pip install 'meridian[tracking]'``)."""
+    library installed where the job runs: ``pip install 'meridian-train[tracking]'``)."""
 
     tensorboard: bool = config_field(TrackingConfig, "tensorboard")
     mlflow: MlflowSpec | None = None  # type: ignore[valid-type]
@@ -416,17 +440,23 @@ class TrackingSpec(Strict):
 
 
 class JobSpec(Strict):
-    name: str = Field(..., min_length=1, max_length=100, pattern=r"^[A-Za-z0-9][A-Za-z0-9 _.:-]*$")
+    """A training job: what to train (model, data), how (training, sync, parallelism) and where (topology)."""
+
+    name: str = Field(..., min_length=1, max_length=100, pattern=r"^[A-Za-z0-9][A-Za-z0-9 _.:-]*$",
+                      description="A name for people, shown in listings, events and the summary; need not be unique.")
     model: ModelSpec = ModelSpec()
     data: DataSpec = DataSpec()  # type: ignore[valid-type]
     training: TrainingSpec
     topology: TopologySpec = TopologySpec()
     parallelism: ParallelismSpec = ParallelismSpec()
     sync: SyncSpec = SyncSpec()
-    wan: WanSpec | None = None  # type: ignore[valid-type]
+    wan: WanSpec | None = Field(None, description="Emulate the link between datacenters inside the application, "  # type: ignore[valid-type]
+                                "for tests and benchmarks on one host; null: the links as they are.")
     checkpoint: CheckpointSpec = CheckpointSpec()
-    validation: ValidationSpec | None = None  # type: ignore[valid-type]
-    tracking: TrackingSpec | None = None
+    validation: ValidationSpec | None = Field(None, description="Evaluate on the held-out split while "  # type: ignore[valid-type]
+                                              "training; null: only the final evaluation.")
+    tracking: TrackingSpec | None = Field(None, description="Experiment trackers rank 0 logs to (TensorBoard, "
+                                          "MLflow, W&B); null: none.")
     priority: int = config_field(JobRequest, "priority")
 
     @model_validator(mode="after")

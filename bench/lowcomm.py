@@ -19,9 +19,20 @@ average before and after.
 - ``streaming-diloco+int8|int4/H<h>``: the same with ``--fragments`` fragments, each in flight behind
   ``--overlap-steps`` inner steps and merged as ``--merge`` says when it lands (default: the paper's mix, as a
   job's; :class:`~meridian.workers.contracts.config.OuterMerge`);
+- ``sparse-diloco/<b>bit/d<density>/H<h>``, ``sparse-streaming-diloco/<b>bit/d<density>/H<h>``: the sparse outer
+  update (SparseLoCo, arXiv:2508.15706; :mod:`meridian.workers.sync.sparse_codec`): top-k of each 4,096-element
+  block of the outer delta at ``--sparse-density``, values in ``--sparse-value-bits`` bits, error feedback decayed by
+  ``--sparse-error-decay``, outer step ``--sparse-outer-lr`` / ``--sparse-outer-momentum``, streaming merge
+  ``--sparse-merge``; plain and streaming; ``+keep`` after the kind: each datacenter keeps its unsent residual in
+  its weights (``--sparse-unsent keep``, the default; ``restart`` is SparseLoCo's, every datacenter restarting from
+  the outer weights);
 - ``torchft-diloco/H<h>``, ``torchft-streaming-diloco/H<h>``: torchft's ``DiLoCo``
   (:mod:`meridian.bench.lowcomm_torchft`), same fragments and delay, with torchft's merge (the paper's, local
   weight ``--mix-alpha``).
+
+``--sweep`` runs the sparse rows of every ``--inner-steps`` × ``--sparse-density`` × ``--sparse-value-bits``
+combination (beside ``har`` and torchft's rows at each H, nothing else) and adds one table of them, ``sweep``
+(also written as Markdown to ``--sweep-table``).
 
 With ``--lab`` (root) Meridian's strategies run as processes inside ``meridian lab``'s datacenter namespaces,
 their inter-DC traffic real TCP through the lab's delay line and ``tbf`` at ``--rtt-ms`` / ``--inter-dc-gbps``
@@ -36,7 +47,7 @@ computing ÷ wall: each rank's steps' time less what they waited for inter-DC sy
 walls; time a loop spends between steps, or waiting for a slower datacenter, counts against it; each rank's in
 ``compute_utilisation_per_rank``) and ``not_blocked_in_sync`` (rank 0: 1 − what its steps waited for their sync
 ÷ ``wall_s``). ``auto_choice`` is what the planner
-(:func:`meridian.service.planning.sync_choice.choose_sync`) picks for the link and the measured compute time
+(:func:`meridian.service.planning.lowcomm_choice.choose_lowcomm`) picks for the link and the measured compute time
 of a step, with its reason. ``link`` says whether the link was the lab's or the application's emulator.
 """
 
@@ -44,6 +55,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import os
 import statistics
 import sys
@@ -92,6 +104,10 @@ class Strategy:
     """Run without ``--strategies``; the per-step variants are opt-in (each takes minutes on the slow link)."""
 
 
+def sparse_name(kind: str, bits: int, density: float, h: int) -> str:
+    return f"{kind}/{bits}bit/d{density:g}/H{h}"
+
+
 def strategies(args: argparse.Namespace) -> list[Strategy]:
     common = {"bucket_mb": args.bucket_mb, "inter_dc_chunk_mb": args.chunk_mb}
     out = [Strategy("har", SyncConfig(strategy=SyncStrategy.HIERARCHICAL, overlap=True, **common)),
@@ -113,7 +129,17 @@ def strategies(args: argparse.Namespace) -> list[Strategy]:
                                     ("streaming-diloco", SyncStrategy.STREAMING_DILOCO, streaming)):  # fmt: skip
             for c in args.compression:
                 sync = SyncConfig(strategy=strategy, diloco=cfg, compression=Compression(c), **common)
-                out.append(Strategy(f"{kind}+{c}/H{h}", sync))
+                out.append(Strategy(f"{kind}+{c}/H{h}", sync, by_default=not args.sweep))
+            for density, bits, unsent in itertools.product(args.sparse_density, args.sparse_value_bits,
+                                                           args.sparse_unsent):  # fmt: skip
+                sparse = dataclasses.replace(
+                    cfg, outer_lr=args.sparse_outer_lr, outer_momentum=args.sparse_outer_momentum,
+                    merge=OuterMerge(args.sparse_merge),
+                    sparse_density=density, sparse_value_bits=bits, sparse_block=args.sparse_block,
+                    sparse_error_decay=args.sparse_error_decay, sparse_keep_unsent=unsent == "keep")  # fmt: skip
+                sync = SyncConfig(strategy=strategy, diloco=sparse, **common)
+                label = f"sparse-{kind}" + ("+keep" if unsent == "keep" else "")
+                out.append(Strategy(sparse_name(label, bits, density, h), sync))
         ft = {"outer_lr": args.outer_lr, "outer_momentum": args.outer_momentum}
         out.append(Strategy(f"torchft-diloco/H{h}", torchft=TorchftOuter(h, **ft)))
         out.append(Strategy(f"torchft-streaming-diloco/H{h}", torchft=TorchftOuter(
@@ -149,7 +175,7 @@ def overlap_rule(args: argparse.Namespace, params: int) -> dict[str, Any]:
     probe = dataclasses.replace(job_config(args, sync, emulated=False), steps=PROBE_STEPS, validation=None)
     ranks = run_processes(_meridian, args.dcs, probe, timeout_s=args.timeout_s)
     compute_s = statistics.median(a - b for r in ranks for a, b in zip(r["step_s"][8:], r["blocked_s"][8:], strict=True))
-    frag_bytes = max(payload_nbytes(Compression(c), -(-params // args.fragments)) for c in args.compression)
+    frag_bytes = max(payload_nbytes(Compression(c), -(-params // args.fragments)) for c in args.compression or ["none"])
     frag_s = cross_dc_time(frag_bytes, rtt_ms=args.rtt_ms, gbps=args.inter_dc_gbps, num_dcs=args.dcs)
     return {"compute_s_probe": round(compute_s, 5), "fragment_sync_s": round(frag_s, 5),
             "overlap_steps": overlap_steps_for(frag_s, compute_s),
@@ -282,6 +308,10 @@ def summarise(name: str, s: Strategy, got: dict[str, Any], steps: int) -> dict[s
         row.update(inner_steps=o.inner_steps, fragments=o.fragments, overlap_steps=o.overlap_steps,
                    compression=s.sync.compression.value, outer_lr=o.outer_lr, outer_momentum=o.outer_momentum,
                    warmup_steps=o.warmup_steps, merge=o.merge.value if o.overlap_steps else None)  # fmt: skip
+        if o.sparse_density is not None:
+            row.update(compression="sparse", sparse_density=o.sparse_density, sparse_value_bits=o.sparse_value_bits,
+                       sparse_block=o.sparse_block, sparse_error_decay=o.sparse_error_decay,
+                       sparse_keep_unsent=o.sparse_keep_unsent)  # fmt: skip
     elif s.torchft is not None:
         t = s.torchft
         row.update(inner_steps=t.inner_steps, fragments=t.fragments, overlap_steps=t.sync_delay, compression="none",
@@ -301,8 +331,8 @@ def compare(report: dict[str, dict[str, Any]]) -> None:
         if r["engine"] != "meridian" or r is har:
             continue
         r["goals"] = {
-            "bytes_100x": r["bytes_reduction_vs_har"] >= 100,
-            "loss_within_2pct": r["loss_gap_vs_har"] <= 0.02,
+            "bytes_2000x": r["bytes_reduction_vs_har"] >= 2000,
+            "loss_within_1pct": r["loss_gap_vs_har"] <= 0.01,
             "utilisation_97pct": r["compute_utilisation"] >= 0.97,
             # None: no torchft row ran to compare with
             "bytes_le_torchft": all(r["inter_dc_bytes_per_step"] <= f["inter_dc_bytes_per_step"] for f in ft) if ft else None,
@@ -310,16 +340,42 @@ def compare(report: dict[str, dict[str, Any]]) -> None:
         }  # fmt: skip
 
 
+SWEEP_COLUMNS = ("strategy", "inner_steps", "sparse_density", "sparse_value_bits", "bytes_reduction_vs_har",
+                 "loss_gap_vs_har", "final_val_loss", "compute_utilisation")
+
+
+def sweep_table(report: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """The sparse rows of a ``--sweep`` run, one per (kind, H, density, bits), with torchft's best row at each H
+    and per-step sync's for reference: what the sweep's table shows."""
+    rows = [{"strategy": name, **{c: r.get(c) for c in SWEEP_COLUMNS[1:]}}
+            for name, r in report.items() if r.get("compression") == "sparse" or name == "har"]  # fmt: skip
+    for h in sorted({r["inner_steps"] for r in report.values() if r["engine"] == "torchft"}):
+        ft = [(n, r) for n, r in report.items() if r["engine"] == "torchft" and r["inner_steps"] == h]
+        name, best = min(ft, key=lambda nr: nr[1]["final_val_loss"])
+        rows.append({"strategy": f"{name} (torchft's best at H={h})", **{c: best.get(c) for c in SWEEP_COLUMNS[1:]}})
+    return rows
+
+
+def markdown_table(rows: list[dict[str, Any]]) -> str:
+    """``rows`` as one Markdown table (the sweep's)."""
+    def cell(v: Any) -> str:
+        return "—" if v is None else f"{v:g}" if isinstance(v, float) else str(v)
+
+    out = ["| " + " | ".join(SWEEP_COLUMNS) + " |", "|" + "---|" * len(SWEEP_COLUMNS)]
+    out += ["| " + " | ".join(cell(r.get(c)) for c in SWEEP_COLUMNS) + " |" for r in rows]
+    return "\n".join(out) + "\n"
+
+
 def auto_choice(args: argparse.Namespace, params: int, per_rank: dict[str, Any], chosen: list[Strategy]) -> dict:
     """The planner's pick for the link and the compute time of a step measured here (the median over the
     first DiLoCo run's steps of step time minus blocked time: pure compute, data and optimizer)."""
     from meridian.bench.sync import micro_batches_per_rank
-    from meridian.service.planning.sync_choice import choose_sync
+    from meridian.service.planning.lowcomm_choice import choose_lowcomm
 
     ref = next((s.name for s in chosen if s.sync is not None and s.sync.strategy.is_diloco), "har")
     got = per_rank[ref]
     compute_s = statistics.median(a - b for a, b in zip(got["step_s"], got["blocked_s"], strict=True))
-    c = choose_sync(rtt_ms=args.rtt_ms, gbps=args.inter_dc_gbps, num_params=params, compute_s=compute_s,
+    c = choose_lowcomm(rtt_ms=args.rtt_ms, gbps=args.inter_dc_gbps, num_params=params, compute_s=compute_s,
                     num_dcs=args.dcs, bucket_mb=args.bucket_mb, steps=args.steps,
                     micro_batches=micro_batches_per_rank(args.global_batch, args.dcs, args.micro_batch))  # fmt: skip
     d = c.diloco
@@ -327,7 +383,8 @@ def auto_choice(args: argparse.Namespace, params: int, per_rank: dict[str, Any],
         "link": {"rtt_ms": args.rtt_ms, "gbps": args.inter_dc_gbps}, "compute_s_measured": round(compute_s, 5),
         "strategy": c.strategy.value, "compression": c.compression.value,
         "inner_steps": d.inner_steps if d else None, "fragments": d.fragments if d else None,
-        "overlap_steps": d.overlap_steps if d else None, "reason": c.explanation,
+        "overlap_steps": d.overlap_steps if d else None, "sparse_density": d.sparse_density if d else None,
+        "reason": c.explanation,
     }  # fmt: skip
 
 
@@ -358,6 +415,9 @@ def run(args: argparse.Namespace) -> dict:
     total_s = time.perf_counter() - t0
     report = {s.name: summarise(s.name, s, per_rank[s.name], args.steps) for s in chosen}
     compare(report)
+    sweep = sweep_table(report) if args.sweep else None
+    if sweep is not None and args.sweep_table:
+        Path(args.sweep_table).write_text(markdown_table(sweep))
     return {
         "command": "meridian bench lowcomm " + " ".join(sys.argv[3:] if sys.argv[1:3] == ["bench", NAME] else sys.argv[1:]),
         "model": args.model, "params": params, "datacenters": args.dcs, "ranks_per_dc": 1, "steps": args.steps,
@@ -372,6 +432,7 @@ def run(args: argparse.Namespace) -> dict:
          "note": "the application's WAN emulator (workers/wan) for Meridian; the same α–β model in "
                  "bench/lowcomm_torchft.py for torchft; the lab's real link was not used (--lab uses it)"},
         "strategies": report,
+        "sweep": sweep,
         "overlap_rule": getattr(args, "overlap_rule", None),
         "auto_choice": auto_choice(args, params, per_rank, chosen),
         "total_s": round(total_s, 1), "loadavg_before": load_before, "loadavg_after": loadavg(), "cpus": os.cpu_count(),
@@ -393,6 +454,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--inner-steps", type=int, nargs="+", default=[32], help="DiLoCo H values (default 32)")
     p.add_argument("--compression", nargs="+", default=["int8", "int4"], choices=["none", "bf16", "int8", "int4"],
                    help="outer-delta encodings for Meridian's DiLoCo (default int8 int4)")  # fmt: skip
+    p.add_argument("--sparse-density", type=float, nargs="*", default=[0.02],
+                   help="sparse rows: share of each block's outer delta sent, one row pair per value (default 0.02; "
+                        "none: no sparse rows)")
+    p.add_argument("--sparse-value-bits", type=int, nargs="+", default=[2], choices=[2, 4, 8],
+                   help="sparse rows: bits per value sent (default 2)")
+    p.add_argument("--sparse-block", type=int, default=4096, help="sparse rows: elements per top-k block (default 4096)")
+    p.add_argument("--sparse-error-decay", type=float, default=1.0,
+                   help="sparse rows: what is left of the residual at each sync (default 1: plain error feedback)")
+    p.add_argument("--sparse-unsent", nargs="+", default=["keep"], choices=["restart", "keep"],
+                   help="sparse rows: what a datacenter's weights become when a sync lands: the outer weights "
+                        "(restart, SparseLoCo's) or those plus its own unsent residual (keep, the default: rows named "
+                        "'+keep'; sync.diloco.sparse_keep_unsent)")
+    p.add_argument("--sparse-outer-lr", type=float, default=2.0,
+                   help="sparse rows: outer learning rate (default 2: each of the 2 datacenters' sent progress counts "
+                        "whole)")
+    p.add_argument("--sparse-outer-momentum", type=float, default=0.0,
+                   help="sparse rows: outer Nesterov momentum (default 0)")
+    p.add_argument("--sparse-merge", default=OuterMerge.KEEP_PROGRESS.value, choices=[m.value for m in OuterMerge],
+                   help="sparse streaming rows: what a fragment becomes when its sync lands (default keep-progress)")
+    p.add_argument("--sweep", action="store_true",
+                   help="run only the sparse rows of every --inner-steps x --sparse-density x --sparse-value-bits "
+                        "(beside har and torchft's rows) and add their table (sweep)")
+    p.add_argument("--sweep-table", default=None, help="with --sweep: also write the table as Markdown to this file")
     p.add_argument("--fragments", type=int, default=4, help="streaming fragments (default 4)")
     p.add_argument("--overlap-steps", type=int, default=None,
                    help="streaming: steps a sync is in flight (default: what auto picks for the link and a step "
@@ -428,4 +512,6 @@ def render(result: dict) -> str:
                     f"{r['final_val_loss']:>10.4f}{r['loss_gap_vs_har']:>8.2%}{r['wall_s']:>9.1f}{r['compute_utilisation']:>7.1%}")
     a = result["auto_choice"]
     rows.append(f"auto: {a['strategy']} H={a['inner_steps']} {a['compression']} — {a['reason']}")
+    if result.get("sweep"):
+        rows.append(markdown_table(result["sweep"]))
     return "\n".join(rows)  # fmt: skip

@@ -41,7 +41,7 @@ BENCHMARKS: dict[str, str] = {
 MAY_BE_ZERO = frozenset({
     "rtt_ms", "lab_rtt_ms", "warmup", "warmup_steps", "diloco_warmup_steps", "overlap_steps",
     "steady_from", "kill_at_step", "kill_after_s", "back_after_s", "settle_s", "linger_s", "die_after_s",
-    "outer_momentum", "mix_alpha", "perturb_rank", "perturb_eps",
+    "outer_momentum", "sparse_outer_momentum", "mix_alpha", "perturb_rank", "perturb_eps",
 })  # fmt: skip
 """Numeric options that mean something at 0 (no delay, no warm-up, kill at once); every other one counts or bounds
 something, so 0 is as wrong as a negative number, unless 0 is the option's own default ("pick for me", as

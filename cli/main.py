@@ -95,8 +95,8 @@ def watch(client: Client, job_id: str, *, as_json: bool, timeout_s: float | None
     def timed_out(job: dict[str, Any]) -> ApiError:
         if tty:
             print()
-        return ApiError(0, f"job {job_id} still {job['state']} after {timeout_s:.0f} s ({job['message']}); it keeps "
-                           f"running — follow it with `meridian watch {job_id}`", kind="watch-timeout")
+        return ApiError(0, f"job {job_id} still {job['state']} after {timeout_s:.0f} s ({job['message']}); "
+                           f"it keeps running — follow it with `meridian watch {job_id}`", kind="watch-timeout")
 
     job = client.job(job_id)
     newest = client.events(job_id, newest=1)["events"]

@@ -47,7 +47,7 @@ def cmd_plan(args: argparse.Namespace, client: Client, *, load_spec: SpecLoader,
     spec = load_spec(args.file)
     if not args.cluster:
         if args.compare_one_dc:
-            raise CliError("invalid-arguments", "Invalid arguments", "--compare-one-dc needs --cluster", exit_code=2)
+            raise CliError("invalid-input", "Invalid input", "--compare-one-dc needs --cluster", exit_code=2)
         plan = client.plan(spec)
         emit(args, plan, render.plan_view(plan, explain=args.explain))
         return 0

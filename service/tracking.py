@@ -58,7 +58,7 @@ def admit_tracking(tracking: TrackingConfig | None, access: TrackingAccess, stor
     package = missing_package(tracking)
     if package is not None:
         raise InvalidJob(f"tracking asks for {package}, which is not installed where this service runs: install it "
-                         f"(`pip install {package}`, or `pip install 'meridian[tracking]'` for every tracker) on the "
+                         f"(`pip install {package}`, or `pip install 'meridian-train[tracking]'` for every tracker) on the "
                          "service's machine and every node, or drop it from tracking")
     mlflow = tracking.mlflow
     if mlflow is not None:

@@ -1,5 +1,5 @@
 """``meridian bench gpu`` off a GPU: its spec is one the API takes, its plain loop trains, and it refuses to run
-without CUDA rather than measure a CPU (the GPU run itself: README, "The GPU workstation path")."""
+without CUDA rather than measure a CPU (the GPU runs themselves: docs/benchmarks/gpu.md)."""
 
 from __future__ import annotations
 

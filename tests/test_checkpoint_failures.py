@@ -30,7 +30,7 @@ def _save(root: str, step: int) -> None:
 
 
 def _job(job_id: str, steps: int) -> SimpleNamespace:
-    request = SimpleNamespace(steps=steps, keep_final=True, model={}, data={})
+    request = SimpleNamespace(steps=steps, keep_final=True, model={}, data={}, tracking=None)
     return SimpleNamespace(id=job_id, request=request)
 
 

@@ -2,7 +2,7 @@
 
 No GPU here: these tests pin the decisions (backend per device type, the bound device, the communication
 stream, pinned prefetch, fused AdamW, snapshot cadence, refusing a WAN emulator
-across hosts); running them on CUDA tensors is a GPU check (README, GPU section).
+across hosts); running them on CUDA tensors is a GPU check (docs/benchmarks/gpu.md).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Found on an H200: a GPU job restored from its snapshot failed its first step with "state_steps is on cpu,
 different from other tensors on cuda:0" (the fused CUDA AdamW reads its step counters on the device; the
-loaders made them on the CPU). The CUDA case runs where there is a GPU (README, GPU section).
+loaders made them on the CPU). The CUDA case runs where there is a GPU (docs/benchmarks/gpu.md).
 """
 
 from __future__ import annotations

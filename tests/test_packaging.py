@@ -16,6 +16,8 @@ FOLDERS = {"meridian": "meridian", "api": "meridian/api", "service": "meridian/s
            "workers": "meridian/workers", "bench": "meridian/bench", "cli": "meridian/cli", "lab": "meridian/lab",
            "examples": "meridian/examples"}  # fmt: skip
 SPEC_SUFFIXES = (".json", ".yaml")
+DISTRIBUTION = "meridian_train"
+"""The wheel's name for the distribution ``meridian-train`` (``meridian`` on PyPI is another project's)."""
 
 
 def _source_files() -> set[str]:
@@ -36,14 +38,15 @@ def _source_files() -> set[str]:
 def test_wheel_ships_every_module_of_the_source_tree(tmp_path):
     # Built from a copy: setuptools reuses a build/ folder, which keeps modules deleted since.
     src = tmp_path / "src"
-    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".git", ".venv", "build", "*.egg-info", ".meridian",
-                                                             "__pycache__", ".pytest_cache", ".ruff_cache"))  # fmt: skip
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".git", ".venv", "build", "dist", "site", "*.egg-info",
+                                                             ".meridian", "__pycache__", ".pytest_cache",
+                                                             ".ruff_cache"))  # fmt: skip
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", str(src), "-w", str(tmp_path)],
         check=True, capture_output=True, cwd=tmp_path,
     )  # fmt: skip
-    (wheel,) = tmp_path.glob("meridian-*.whl")
-    in_wheel = {n for n in zipfile.ZipFile(wheel).namelist() if not n.startswith("meridian-")}
+    (wheel,) = tmp_path.glob(f"{DISTRIBUTION}-*.whl")
+    in_wheel = {n for n in zipfile.ZipFile(wheel).namelist() if not n.startswith(f"{DISTRIBUTION}-")}
     expected = _source_files()
     assert "meridian/api/routes/jobs.py" in expected and "meridian/api/static/index.html" in expected
     assert "meridian/examples/demo.json" in expected

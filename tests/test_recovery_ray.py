@@ -96,7 +96,7 @@ def test_job_survives_node_losses_waits_below_min_workers_and_scales_back_up(env
     #    Two workers are left, below the job's min_workers=3: it waits for capacity and says why.
     until(api, job_id, lambda j, _: (j["progress"]["step"] or 0) >= second["resume_step"] + 5, 120, "training in epoch 2")
     # Ray Train replaces the killed worker once Ray has declared its node dead. A drain before that (the job now
-    # re-forms in ~0.3 s) met Ray Train 2.60's controller failure twice in a row (README, "When a node dies":
+    # re-forms in ~0.3 s) met Ray Train 2.60's controller failure twice in a row (docs/concepts/recovery.md:
     # a worker dying during another's replacement), which is not what this test is about.
     until(api, job_id, lambda j, ev: any(e["kind"] == "node_lost" for e in ev), 120, "the killed node declared dead")
     rank0 = next(p for p in api.get(f"/v1/jobs/{job_id}").json()["placement"] if p["rank"] == 0)
@@ -115,7 +115,7 @@ def test_job_survives_node_losses_waits_below_min_workers_and_scales_back_up(env
                   240, "a worker joining in dc-a")
     # Ray Train 2.60's controller can fail under the drain (it asks the survivors to clear their result queues
     # while replacing the killed worker, and one of them is the drained one: a ControllerError it does not retry).
-    # Seen in 3 fresh clones' runs of this test in stops 38-42. The job lives through it (README, "When Ray
+    # Seen in 3 fresh clones' runs of this test in stops 38-42. The job lives through it (docs/concepts/recovery.md, "When Ray
     # Train's own run fails under the job"): a new Train run's workers take over the ended ones' snapshots, so
     # every member of the grown epoch is new and the three of epoch 2 are lost with it. Either way the state
     # comes from memory and the job ends where the uninterrupted one does (asserted below).

@@ -5,7 +5,7 @@ With ``--torchft-kill-phase between-steps`` the victim kills itself right after 
 for the next quorum. No survivor is then blocked in a collective with it: all three ask, three of the four groups
 the lighthouse still counts alive is a majority, and the quorum forms after the join timeout, not the heartbeat
 timeout. (Killed at whatever point of a step, the usual outcome leaves one survivor blocked and the others waiting
-for the dead group's heartbeat to expire: ``bench recovery``'s rounds in the README.)
+for the dead group's heartbeat to expire: docs/benchmarks/recovery.md.)
 
 With ``--cluster ray-start`` torchft's side crosses the same lab link as Meridian's, each replica group in its
 datacenter's namespace on a lab node's address (on loopback it would not pay the link).

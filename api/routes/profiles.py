@@ -25,6 +25,7 @@ from meridian.api.routes.jobs import ERRORS
 from meridian.service.errors import ClusterUnavailable, InvalidTransition
 from meridian.service.jobs import JobState
 from meridian.service.runner.poll import RunnerLost
+from meridian.workers.contracts.events import EventKind, JobEvent
 from meridian.workers.elastic.liveness import MAX_PROFILE_STEPS
 from meridian.workers.state import storage
 
@@ -81,11 +82,12 @@ def request_profile(job_id: str, body: ProfileRequest, store: StoreDep, supervis
         raise ClusterUnavailable(f"the job's runner did not take the request ({type(e).__name__}); retry") from e
     if isinstance(delivery, str):  # the epoch running now is smaller than the plan (a worker was lost)
         raise _rank_error(delivery)
-    store.add_event(job_id, "profile_requested", f"profile {request_id} of {body.steps} steps asked of ranks "
-                    f"{list(delivery.told)}" + (f"; ranks {list(delivery.unreachable)} did not answer"
-                                               if delivery.unreachable else ""),
-                    {"id": request_id, "steps": body.steps, "told": list(delivery.told),
-                     "unreachable": list(delivery.unreachable)})
+    told, unreachable = list(delivery.told), list(delivery.unreachable)
+    message = f"profile {request_id} of {body.steps} steps asked of ranks {told}"
+    if unreachable:
+        message += f"; ranks {unreachable} did not answer"
+    store.add_event(job_id, JobEvent.of(EventKind.PROFILE_REQUESTED, message, {
+        "id": request_id, "steps": body.steps, "told": told, "unreachable": unreachable}))
     return ProfileAccepted(id=request_id, job_id=job_id, steps=body.steps, ranks=sorted(set(body.ranks)),
                            told=list(delivery.told), unreachable=list(delivery.unreachable))
 

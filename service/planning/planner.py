@@ -52,6 +52,7 @@ from meridian.service.planning.explain import (
     sync_why,
     too_few_workers_reason,
 )
+from meridian.service.planning.lowcomm_choice import choose_lowcomm
 from meridian.service.planning.placement import (
     choose_datacenters,
     devices_per_dc,
@@ -63,7 +64,7 @@ from meridian.service.planning.placement import (
 from meridian.service.planning.plan import Plan
 from meridian.service.planning.request import PlanRequest, plan_request
 from meridian.service.planning.runtime_support import EVERYTHING, RuntimeSupport, missing_words
-from meridian.service.planning.sync_choice import MAX_SLOWDOWN, SyncChoice, choose_sync
+from meridian.service.planning.sync_choice import MAX_SLOWDOWN, SyncChoice
 from meridian.workers.contracts.config import (
     LOOKAHEAD_DECISION_STEPS,
     Compression,
@@ -194,13 +195,14 @@ def _diloco_override(request: PlanRequest, feasible: list[Candidate],
         return best, None
     dp = data_parallel[0]
     room = lookahead_fits(request, dp, figures)
-    choice = choose_sync(rtt_ms=figures.inter_dc.latency_s * 2000, gbps=figures.inter_dc.bytes_per_s * 8 / 1e9,
+    choice = choose_lowcomm(rtt_ms=figures.inter_dc.latency_s * 2000, gbps=figures.inter_dc.bytes_per_s * 8 / 1e9,
                          num_params=request.shape.num_params, compute_s=dp.estimate.compute_s,
                          num_dcs=dp.layout.num_dcs, overlap=request.sync.overlap, bucket_mb=dp.layout.bucket_bytes / 2**20,
                          steps=request.steps, lookahead=request.sync.shard_optimizer and room,
                          lookahead_after=lookahead_start(request.sync.lookahead_after, request.warmup_steps),
                          optimizer_step_s=figures.step_overhead_s * optimizer_share(dp.layout),
-                         micro_batches=dp.layout.micro_batches)
+                         micro_batches=dp.layout.micro_batches,
+                         sparse=request.sync.compression is Compression.NONE)
     if choice.strategy.is_diloco:
         # DiLoCo hides the link behind H inner steps: it beats any per-step layout (a stage-spanning
         # pipeline included) when its compute plus the amortised outer sync is shorter.

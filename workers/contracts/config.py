@@ -13,7 +13,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from meridian.workers.contracts.fields import check_bounds, knob
+from meridian.workers.contracts.fields import check_bounds, default_of, knob
 from meridian.workers.contracts.hf_shape import FAMILIES, shape_of_json
 from meridian.workers.contracts.model_config import ModelConfig, ModelFamily
 from meridian.workers.contracts.tracking import TrackingConfig
@@ -46,11 +46,8 @@ class OuterMerge(str, enum.Enum):
 
     KEEP_PROGRESS = "keep-progress"
     """The new outer weights plus what this replica trained while the sync was in flight:
-    ``theta <- outer + (theta - theta_at_start)``, plain DiLoCo applied late. ``bench lowcomm`` (nano, 4,096 steps
-    of 16 samples, H 32, 4 fragments, overlap 7): held-out loss at equal tokens +0.7% / +1.3% of per-step sync's
-    with int8 deltas (seeds 0 / 1), +0.4% / +1.2% with int4, where ``mix`` gave +1.9% / +3.3% and +2.6% / +2.3%.
-    But with fewer, larger steps it trails: nano, 1,024 steps of 64 samples, overlap 3, int8: +13.0% where ``mix``
-    gave +3.9%; ``tiny``, 1,024 steps, overlap 2: +28.8% where ``mix`` gave +14.8%. Opt-in."""
+    ``theta <- outer + (theta - theta_at_start)``, plain DiLoCo applied late. Opt-in: how its loss compares with
+    ``mix`` depends on the steps and their size (``docs/benchmarks/history.md``, the DiLoCo runs)."""
     MIX = "mix"
     """Streaming DiLoCo's merge (Douillard et al. 2025, arXiv:2501.18512), the default: ``theta <- alpha * theta +
     (1 - alpha) * outer`` with ``alpha = mix_alpha``."""
@@ -230,11 +227,36 @@ class DiLoCoConfig:
     (the paper's merge); ignored by "keep-progress" and when ``overlap_steps`` is 0."""
     warmup_steps: int = knob(0, ge=0, le=10_000_000)
     """Inner steps at the start synced on a short cycle, ``max(fragments × (overlap_steps + 1), H // 4)``
-    steps, before H takes over (a multiple of that cycle); 0: none. ``bench lowcomm`` measured it helping
-    streaming DiLoCo (cycle 20 instead of 32) and hurting plain DiLoCo (cycle H/4 with outer momentum 0.9)."""
+    steps, before H takes over (a multiple of that cycle); 0: none."""
+    sparse_density: float | None = knob(None, gt=0, le=0.5)
+    """SparseLoCo (Sarfi et al. 2025, arXiv:2508.15706): send only this share of each block of the outer delta (the
+    largest magnitudes, top-k per ``sparse_block`` elements), each value in ``sparse_value_bits`` bits, and keep what
+    was not sent in each rank's error-feedback residual for the next sync (:mod:`meridian.workers.sync.sparse_codec`);
+    with ``sync.compression`` "none". 0.01–0.03 is the paper's range. ``None``: the whole delta is sent."""
+    sparse_value_bits: int = knob(2, ge=2, le=8)
+    """With ``sparse_density``: bits per value sent (2, 4 or 8): a sign bit and a magnitude level between the least and
+    the largest magnitude kept in the block."""
+    sparse_block: int = knob(4096, ge=16, le=65536)
+    """With ``sparse_density``: elements per top-k block; a kept value's position takes ceil(log2(block)) bits."""
+    sparse_error_decay: float = knob(1.0, gt=0, le=1)
+    """With ``sparse_density``: what is left of the residual at the next sync before the new delta is added (the
+    paper's beta; 1: plain error feedback, nothing fades)."""
+    sparse_keep_unsent: bool = False
+    """With ``sparse_density``: when a sync lands, each datacenter's weights become the new outer weights *plus what
+    it has not sent yet* (its residual, times ``sparse_error_decay``), instead of the outer weights alone, so no
+    datacenter drops its own unsent progress; the next delta, measured from the outer weights, then carries the
+    residual itself (CHOCO-SGD's consensus step at the outer level, Koloskova et al. 2019, arXiv:1902.00340). False:
+    SparseLoCo's, every datacenter restarts from the outer weights and the residual waits in error feedback."""
 
     def __post_init__(self) -> None:
         check_bounds(self, "sync.diloco.")
+        if self.sparse_value_bits not in (2, 4, 8):
+            raise ValueError(f"sync.diloco.sparse_value_bits must be 2, 4 or 8, got {self.sparse_value_bits!r}")
+        if self.sparse_density is None:
+            for name in ("sparse_value_bits", "sparse_block", "sparse_error_decay", "sparse_keep_unsent"):
+                if getattr(self, name) != default_of(DiLoCoConfig, name):
+                    raise ValueError(f"sync.diloco.{name} applies to the sparse outer update only: set "
+                                     "sync.diloco.sparse_density (e.g. 0.02), or drop it")
         if self.fragments > self.inner_steps:
             raise ValueError(
                 f"sync.diloco.fragments ({self.fragments}) must be <= inner_steps ({self.inner_steps}): each "
@@ -260,9 +282,9 @@ class DiLoCoConfig:
 
 
 LOOKAHEAD_AFTER_MIN = 20
-"""Exact steps before the look-ahead takes over, at least: the demo job (tiny, 60 steps, lr warm-up 5) ended
-+7.0% above exact sync's held-out loss looking ahead from step 0, +2.7% from step 10 and +1.0% from step 20, in a
-one-process replay of the look-ahead's maths (a throwaway script, not in the repository)."""
+"""Exact steps before the look-ahead takes over, at least: while AdamW's moments are young an update is mostly the
+newest gradient, and a look-ahead strays furthest from the exact update (the replay that set this figure:
+``docs/benchmarks/history.md``)."""
 
 
 LOOKAHEAD_DECISION_SKIP = 2
@@ -312,8 +334,7 @@ class SyncConfig:
     the whole next step (forward included) instead of behind backward alone. Every replica still applies the
     exact global-batch gradient, in the same order; the update simply uses gradients one step stale (the
     first step applies none, and the gradient in flight at a checkpoint or re-formation is not kept). Staleness
-    costs loss: ``meridian bench lowcomm``'s ``har-delayed`` row measures how much, and ``auto`` sets it only
-    together with ``local_lookahead``, which recovers most of it."""
+    costs loss (``docs/benchmarks/sync.md``), so ``auto`` sets it only together with ``local_lookahead``."""
     local_lookahead: bool = False
     """With ``delay_one_step`` (and ``shard_optimizer``): while step t's exact sync is in flight, step t+1
     computes at parameters that already took step t's update from *this datacenter's* gradients (scaled to the
@@ -323,8 +344,7 @@ class SyncConfig:
     update, instead of by a whole step as with ``delay_one_step`` alone. The engine's ``synchronize`` (evaluation, the
     end of the job, leaving an epoch at a step boundary) lands the sync in flight and commits it, so nothing is
     dropped there; a snapshot taken inside a step (the elastic run's every ``snapshot_every`` steps) holds the
-    committed state without the sync still in flight.
-    ``meridian bench lowcomm``'s ``har-lookahead`` row measures its loss against per-step sync."""
+    committed state without the sync still in flight. Its loss against per-step sync: ``docs/benchmarks/sync.md``."""
     lookahead_after: int | None = knob(None, ge=0, le=10_000_000)
     """With ``local_lookahead``: the steps synced exactly (not late) first, while AdamW's moments are young and
     a look-ahead's error is largest; ``None``: the learning-rate warm-up's steps, at least
@@ -367,6 +387,12 @@ class SyncConfig:
             raise ValueError(
                 "sync.diloco.fragments > 1 or overlap_steps > 0 is streaming DiLoCo: set sync.strategy to "
                 "'streaming-diloco'"
+            )
+        if self.diloco is not None and self.diloco.sparse_density is not None and self.compression is not Compression.NONE:
+            raise ValueError(
+                f"sync.compression {self.compression.value!r} and sync.diloco.sparse_density exclude each other: the "
+                "sparse outer update encodes its own values (sync.diloco.sparse_value_bits); set sync.compression to "
+                "'none'"
             )
         if self.diloco is not None and (self.strategy is None or not self.strategy.is_diloco):
             raise ValueError(
@@ -534,6 +560,8 @@ class TrainConfig:
     micro_batch: int = knob(ge=1, le=65_536)
     """Samples per forward/backward on one rank; more samples per rank are accumulated."""
     seed: int = knob(0, ge=0, le=2**31 - 1)
+    """Seeds the model's initialisation and the sample order (a pure function of the seed, the step and the global
+    batch)."""
     precision: Precision = Precision.FP32
     checkpoint_every: int = knob(0, ge=0, le=10_000_000, name="checkpoint.interval_steps")
     """Write a durable checkpoint every N steps (0: only at the end)."""

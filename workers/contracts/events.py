@@ -251,6 +251,17 @@ class TrackingFailed:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ProfileRequested:
+    id: str
+    """The profile request's id."""
+    steps: int
+    told: list[int] = field(default_factory=list)
+    """The ranks the request reached."""
+    unreachable: list[int] = field(default_factory=list)
+    """The ranks that did not answer it."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class ProfileRef:
     id: str
     """The profile request's id."""
@@ -299,6 +310,7 @@ class EventKind(str, enum.Enum):
     PREEMPTED = "preempted", Preempted, "being suspended for a job of higher priority (it checkpoints and requeues)"
     DATASET_CACHED = "dataset_cached", DatasetCached, "a worker copied a dataset given by URL into its node's cache"
     TRACKING_FAILED = "tracking_failed", TrackingFailed, "an experiment tracker failed; the job trains on without it"
+    PROFILE_REQUESTED = "profile_requested", ProfileRequested, "a person asked ranks for a profiler trace"
     PROFILE_STARTED = "profile_started", ProfileRef, "a rank started recording a profiler trace"
     PROFILE_CAPTURED = "profile_captured", ProfileRef, "a rank wrote a profiler trace"
     PROFILE_FAILED = "profile_failed", ProfileRef, "a rank could not record or keep a profiler trace"

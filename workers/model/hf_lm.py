@@ -94,7 +94,7 @@ def _transformers() -> Any:
         import transformers
     except ImportError:
         raise ImportError("a Hugging Face model (model.init_from, model.config) is built by transformers, which is "
-                          "not installed here: pip install 'meridian[hf]' on every worker node and where export "
+                          "not installed here: pip install 'meridian-train[hf]' on every worker node and where export "
                           "runs") from None
     return transformers
 

@@ -90,8 +90,9 @@ class LocalShard:
     feedback: tuple[FeedbackShard, ...] = ()
     """Error-feedback residuals of a compressed inter-DC sync: the rank's own DC's in what an engine takes;
     every stored DC's in what a checkpoint read returns (the engine keeps its DC's). Durable checkpoints carry
-    them; :func:`pack` (in-memory snapshots, the survivors' state exchange) does not, so a re-formation
-    from memory restarts them at zero."""
+    them, and so does :func:`pack` (in-memory snapshots, the survivors' state exchange) where the engine's
+    snapshots hold them (DiLoCo's outer deltas), so a re-formation from memory keeps the residuals of every
+    datacenter whose ranks all survived."""
 
     @property
     def nbytes(self) -> int:
@@ -124,6 +125,9 @@ def pack_parts(shard: LocalShard) -> tuple[dict[str, Any], list[torch.Tensor]]:
     if shard.outer is not None:
         desc["outer"] = {"dc": shard.outer.dc, "inner_steps_done": shard.outer.inner_steps_done,
                          "pieces": describe(shard.outer.pieces)}  # fmt: skip
+    if shard.feedback:
+        desc["feedback"] = [{"dc": f.dc, "compression": f.compression, "pieces": describe(f.pieces)}
+                            for f in shard.feedback]  # fmt: skip
     tensors = [t.float() for t in tensors]
     desc["numel"] = sum(t.numel() for t in tensors)
     return desc, tensors
@@ -147,8 +151,9 @@ def unpack(desc: dict[str, Any], flat: torch.Tensor) -> LocalShard:
 
     own = pieces(desc["pieces"])
     outer = desc["outer"]
-    return LocalShard(desc["step"], desc["adam_step"], own, None if outer is None else
-                      OuterShard(outer["dc"], outer["inner_steps_done"], pieces(outer["pieces"])))  # fmt: skip
+    outer_shard = None if outer is None else OuterShard(outer["dc"], outer["inner_steps_done"], pieces(outer["pieces"]))
+    feedback = tuple(FeedbackShard(f["dc"], f["compression"], pieces(f["pieces"])) for f in desc.get("feedback", ()))
+    return LocalShard(desc["step"], desc["adam_step"], own, outer_shard, feedback)
 
 
 def host_copy(t: torch.Tensor) -> torch.Tensor:

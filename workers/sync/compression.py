@@ -167,17 +167,26 @@ def decode_sum(codec: Codec, gathered: torch.Tensor) -> torch.Tensor:
 
 
 class ErrorFeedback:
-    """Per-chunk residuals of one rank: ``encode(key, x)`` sends ``x + residual[key]`` and keeps what it lost."""
+    """Per-chunk residuals of one rank: ``encode(key, x)`` sends ``x + decay × residual[key]`` and keeps what it lost.
 
-    def __init__(self, codec: Codec) -> None:
+    ``decay`` < 1 is SparseLoCo's accumulator (arXiv:2508.15706: ``e ← β e + Δ``, send top-k of ``e``, keep the
+    rest): what was not sent fades instead of waiting whole for its turn, and the accumulator then stands in for
+    the outer momentum. 1 keeps the plain error feedback, under which what was sent adds up to what should have
+    been, less one residual. 0 keeps each residual without adding it to the next value: for a caller that carries
+    it itself (DiLoCo's ``sparse_keep_unsent`` puts it in the weights, so the next delta holds it)."""
+
+    def __init__(self, codec: Codec, *, decay: float = 1.0) -> None:
+        if not 0 <= decay <= 1:
+            raise ValueError(f"error-feedback decay must be in [0, 1], got {decay!r}")
         self.codec = codec
+        self.decay = decay
         self.residuals: dict[Hashable, torch.Tensor] = {}
 
     def encode(self, key: Hashable, x: torch.Tensor) -> torch.Tensor:
         corrected = x.float()
         residual = self.residuals.get(key)
-        if residual is not None:
-            corrected = corrected + residual
+        if residual is not None and self.decay:
+            corrected = corrected + (residual if self.decay == 1 else residual * self.decay)
         payload = self.codec.encode(corrected)
         self.residuals[key] = corrected - self.codec.decode(payload)
         return payload

@@ -25,6 +25,13 @@ Per step, on every rank::
         #    "keep-progress": theta = anchor + theta - theta_start, what trained since the sync started kept);
         #    all-gather theta in the DC
 
+Sparse outer update (``sync.diloco.sparse_density``; SparseLoCo, Sarfi et al. 2025, arXiv:2508.15706): step 2
+sends, of every chunk of the rank's shard, only the top-k of each block in 2-8 bits
+(:mod:`meridian.workers.sync.sparse_codec`); what was not sent stays in the rank's error-feedback residual for the
+chunk's next sync (the residuals of a sync in flight are saved as they were before it: a restore drops that sync and
+measures its delta again), or with ``sparse_keep_unsent`` in the weights step 4 writes: ``anchor - residual`` in
+place of ``anchor``. Each rank sparsifies its own shard; nothing is gathered to one rank.
+
 Only step 2 crosses DCs, carrying 1/N of the fragment per rank (N = ranks in the DC), once per H/P steps.
 The outer state (anchor, momentum) is sharded like the inner AdamW state, so it costs 2/N of the model per
 rank; one scratch buffer the size of the model holds deltas in flight. Inner gradients are the DC's sum of
@@ -42,7 +49,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
@@ -50,7 +57,7 @@ from torch import nn
 
 from meridian.workers.contracts.config import Compression, OptimConfig, OuterMerge, SyncConfig, SyncStrategy
 from meridian.workers.distributed.flat_collectives import all_gather_single
-from meridian.workers.distributed.layout import DCGroups
+from meridian.workers.distributed.layout import DCGroups, Segment
 from meridian.workers.state.replica_state import (
     DILOCO_STATE_FORMAT,
     FeedbackShard,
@@ -66,12 +73,14 @@ from meridian.workers.sync.engine import GradientSync, StepStats
 from meridian.workers.sync.feedback_state import feedback_shard, load_feedback
 from meridian.workers.sync.har import (
     all_gather_in_dc,
+    chunks_across_dcs,
     post_receives_across_dcs,
     shard_range,
     start_all_reduce_across_dcs,
 )
 from meridian.workers.sync.hierarchical import HierarchicalSync
 from meridian.workers.sync.inter_dc import CommHandle, InterDCComm
+from meridian.workers.sync.sparse_codec import sparse_codec_of
 from meridian.workers.wan.emulator import WanEmulator
 
 
@@ -119,7 +128,11 @@ class DiLoCoSync(GradientSync):
         self.buffer.flatten_params()  # the outer step writes this rank's shard of the flat parameters
         self.fragments = split_fragments([b.padded_numel for b in self.buffer.buckets], cfg.fragments)
         self.schedule = FragmentSchedule(cfg.inner_steps, cfg.fragments, cfg.overlap_steps, cfg.warmup_steps)
-        self.comm = InterDCComm(sync.compression, emulator=emulator)  # the only inter-DC traffic
+        self.keep_unsent = cfg.sparse_keep_unsent
+        """The sparse residual lives in the weights (``sparse_keep_unsent``): the comm keeps each sync's residual
+        only until it lands, and never adds it to the next delta, which already holds it."""
+        self.comm = InterDCComm(sync.compression, emulator=emulator, sparse=sparse_codec_of(cfg),
+                                feedback_decay=0.0 if self.keep_unsent else cfg.sparse_error_decay)  # the only inter-DC traffic
         self.chunk_bytes = sync.inter_dc_chunk_mb * 2**20
         self.bounds = [shard_range(b.data, groups) for b in self.buffer.buckets]
         # Outer state of this rank's shard, fp32 (the papers keep the outer parameters in full precision).
@@ -130,6 +143,12 @@ class DiLoCoSync(GradientSync):
         self.started = [torch.empty_like(a) for a in self.anchor] if self.keep_progress else []
         """keep-progress: this rank's shard of each bucket as it was when its fragment's sync started."""
         self.in_flight: dict[int, list[CommHandle]] = {}
+        self.settled: dict[int, dict[tuple[Segment, Hashable], torch.Tensor | None]] = {}
+        """Per fragment in flight: each chunk's error-feedback residual from before that sync encoded it. A restore
+        drops a sync in flight and the next one measures its delta again from the same anchor, so the state to
+        save (and to go back to) is this one, not the residual of a delta that was never applied."""
+        self._feedback_copy: tuple[FeedbackShard, ...] | None = None
+        """Host copy of the settled residuals, taken once per landing (they change only then), for the snapshots."""
         self.done = 0
         """Inner steps completed: the schedule's clock, saved with the state."""
         # Every exchange's first receive, posted now (in bucket order, the same on every owner): a fragment's
@@ -173,7 +192,7 @@ class DiLoCoSync(GradientSync):
             for p in landing:
                 waited += self._land(p)
             self._gather_params()
-        shard = self._local_shard(snapshot_as, feedback=False) if snapshot_as is not None else None
+        shard = self._local_shard(snapshot_as) if snapshot_as is not None else None
         return StepStats(
             grad_norm=inner.grad_norm,
             inter_dc_bytes=self.comm.take_bytes(),
@@ -185,9 +204,13 @@ class DiLoCoSync(GradientSync):
 
     def _start(self, fragment: int) -> None:
         handles = []
+        settled = self.settled.setdefault(fragment, {}) if self.feedback_held else None
         for b in self.fragments[fragment]:
             lo, hi = self.bounds[b]
             delta = self.scratch[b]
+            if settled is not None:  # the residuals this sync's encoding replaces (self.settled)
+                for seg, _, c, _ in chunks_across_dcs(delta, self.groups, self.chunk_bytes):
+                    settled[(seg, (b, c))] = self.comm.residual(seg, (b, c))
             torch.sub(self.anchor[b], self._theta(b).float(), out=delta[lo:hi])  # 1) delta of the shard
             if self.keep_progress:
                 self.started[b].copy_(self._theta(b))
@@ -204,6 +227,8 @@ class DiLoCoSync(GradientSync):
         for h in self.in_flight.pop(fragment):
             h.wait()
         waited = time.perf_counter() - t0
+        if self.settled.pop(fragment, None):
+            self._feedback_copy = None  # this fragment's residuals are now those its sync left
         mu, k = self.cfg.outer_momentum, self.groups.num_dcs
         for b in self.fragments[fragment]:
             lo, hi = self.bounds[b]
@@ -214,15 +239,31 @@ class DiLoCoSync(GradientSync):
             else:
                 update = mean
             self.anchor[b].sub_(update, alpha=self.cfg.outer_lr)
+            # what this datacenter's weights join: the outer weights, or with keep_unsent those plus its own unsent
+            # progress (the residual is anchor - theta's part that did not go out: theta = anchor - residual)
+            joined = self.anchor[b] if not self.keep_unsent else \
+                self.anchor[b] - self._unsent(b).mul_(self.cfg.sparse_error_decay)  # fmt: skip
             if self.keep_progress:  # 4) the outer result plus what this replica trained since the sync started
-                self._set_theta(b, torch.sub(self._theta(b).float(), self.started[b]).add_(self.anchor[b]))
+                self._set_theta(b, torch.sub(self._theta(b).float(), self.started[b]).add_(joined))
             elif self.cfg.overlap_steps:  # 4) the paper's merge of what trained meanwhile with the outer result
                 a = self.cfg.mix_alpha
-                self._set_theta(b, self._theta(b).float().mul(a).add_(self.anchor[b], alpha=1 - a))
+                self._set_theta(b, self._theta(b).float().mul(a).add_(joined, alpha=1 - a))
             else:
-                self._set_theta(b, self.anchor[b])
+                self._set_theta(b, joined)
             self.scratch[b].zero_()
         return waited
+
+    def _unsent(self, b: int) -> torch.Tensor:
+        """This rank's residual of bucket ``b``'s last sync over its shard (zeros where a chunk has none)."""
+        lo, _ = self.bounds[b]
+        out = torch.zeros_like(self.anchor[b])
+        base = self.scratch[b].storage_offset() + lo
+        for seg, _, c, chunk in chunks_across_dcs(self.scratch[b], self.groups, self.chunk_bytes):
+            residual = self.comm.residual(seg, (b, c))
+            if residual is not None:
+                at = chunk.storage_offset() - base
+                out[at : at + chunk.numel()] = residual
+        return out
 
     def _gather_params(self) -> None:
         # 4) every rank of the DC gets the new values (for simplicity every bucket, once per landing step)
@@ -246,27 +287,37 @@ class DiLoCoSync(GradientSync):
                     pieces.append(StatePiece(s.name, start - s.offset, stop - s.offset, value, {"momentum": mom}))
         return tuple(pieces)
 
-    def _local_shard(self, step: int, *, feedback: bool = True) -> LocalShard:
-        """``feedback``: with the residuals of the compressed outer deltas (not in :meth:`step`'s snapshots, which
-        would pay for a host copy every step and not keep it; nor while an outer all-reduce is in flight, which is
-        changing them: a resume then restarts them at zero)."""
+    def _local_shard(self, step: int) -> LocalShard:
+        """The inner shard, the outer one and, for compressed or sparse outer deltas, the settled error-feedback
+        residuals (:attr:`settled`), in :meth:`step`'s snapshots too: they are the datacenter's unsent share of the
+        outer update (for the sparse update most of it), which a re-formation from memory keeps for a datacenter
+        whose ranks all survive (:func:`~meridian.workers.state.replica_state.assemble`)."""
         if self.inner.sharded is not None:
             inner = self.inner.sharded.local_shard(step)  # this rank's shard is final; no gather needed
         else:
             assert self.inner.optimizer is not None
             inner = replicated_shard(self.inner.optimizer, self.inner._named(), step)
         outer = OuterShard(self.groups.dc, self.done, self._outer_pieces())
-        if not feedback or self.in_flight:
-            return dataclasses.replace(inner, outer=outer)
-        # compressed outer deltas: their error feedback (the inner sync never compresses)
-        held = feedback_shard(self.comm, self.buffer.buckets, self.scratch, self.groups, self.chunk_bytes)
-        return dataclasses.replace(inner, outer=outer, feedback=held)
+        return dataclasses.replace(inner, outer=outer, feedback=self._settled_feedback())
+
+    def _settled_feedback(self) -> tuple[FeedbackShard, ...]:
+        """This rank's settled residuals as host copies by parameter element; ``()`` without any."""
+        if not self.feedback_held:
+            return ()
+        if self._feedback_copy is None:
+            settled = {key: r for chunks in self.settled.values() for key, r in chunks.items()}
+            self._feedback_copy = feedback_shard(self.comm, self.buffer.buckets, self.scratch, self.groups,
+                                                 self.chunk_bytes, settled=settled)  # fmt: skip
+        return self._feedback_copy
 
     @property
     def feedback_held(self) -> bool:
-        return self.comm.compression is not Compression.NONE and bool(self.groups.inter_dc)
+        """Whether the outer deltas carry error feedback (compressed or sparse, across datacenters) outside the
+        weights (with ``sparse_keep_unsent`` the weights hold it)."""
+        return self.comm.feedback_encoding is not None and bool(self.groups.inter_dc) and not self.keep_unsent
 
     def _load_feedback(self, held: tuple[FeedbackShard, ...]) -> None:
+        self._feedback_copy = None
         load_feedback(self.comm, self.buffer.buckets, self.scratch, self.groups, self.chunk_bytes, held)
 
     def local_shard(self, step: int) -> LocalShard:
@@ -372,6 +423,14 @@ class DiLoCoSync(GradientSync):
             for h in handles:
                 h.wait()
         self.in_flight.clear()
+        for chunks in self.settled.values():  # the residuals go back to what they were before those syncs
+            for (seg, key), residual in chunks.items():
+                if residual is not None:
+                    self.comm.set_residual(seg, key, residual)
+                else:
+                    self.comm.drop_residual(seg, key)
+        self.settled.clear()
+        self._feedback_copy = None
         for s in self.scratch:
             s.zero_()
 

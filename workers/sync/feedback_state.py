@@ -11,23 +11,19 @@ contribution to the sum has not yet sent.
 A resume puts back its own datacenter's residuals of the elements its shard holds, cut into its chunks: with
 the layout unchanged, exactly the state the run had. From a durable checkpoint of another layout a datacenter's
 ranks take what it owed per element into their new chunks; a datacenter, encoding or element the saved state
-lacks starts at zero. In-memory snapshots do not carry residuals
-(:func:`~meridian.workers.state.replica_state.pack`), so a re-formation from them restarts at zero. This module
-never communicates.
+lacks starts at zero. In-memory snapshots carry them only where the engine's snapshots hold them (DiLoCo's outer
+deltas, :func:`~meridian.workers.state.replica_state.pack`); a re-formation from the hierarchical engine's snapshots
+restarts them at zero. This module never communicates.
 """
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Mapping
+
 import torch
 
-from meridian.workers.contracts.config import Compression
-from meridian.workers.distributed.layout import DCGroups
-from meridian.workers.state.replica_state import (
-    FeedbackShard,
-    StatePiece,
-    cut,
-    host_copy,
-)
+from meridian.workers.distributed.layout import DCGroups, Segment
+from meridian.workers.state.replica_state import FeedbackShard, StatePiece, cut, host_copy
 from meridian.workers.sync.grad_buffer import Bucket
 from meridian.workers.sync.har import chunks_across_dcs, shard_range
 from meridian.workers.sync.inter_dc import InterDCComm
@@ -41,25 +37,30 @@ def _chunks(buf: torch.Tensor, groups: DCGroups, chunk_bytes: float | None):
 
 
 def feedback_shard(
-    comm: InterDCComm, buckets: list[Bucket], bufs: list[torch.Tensor], groups: DCGroups, chunk_bytes: float | None
+    comm: InterDCComm, buckets: list[Bucket], bufs: list[torch.Tensor], groups: DCGroups, chunk_bytes: float | None,
+    *, settled: Mapping[tuple[Segment, Hashable], torch.Tensor | None] | None = None,
 ) -> tuple[FeedbackShard, ...]:
     """This rank's residuals as host copies by parameter element (zeros for a chunk not yet sent); ``()``
-    without compression. ``bufs[b]``: the tensor step 2 runs on for bucket ``b`` (its dtype sets the chunks)."""
-    if comm.compression is Compression.NONE or not groups.inter_dc:
+    without compression. ``bufs[b]``: the tensor step 2 runs on for bucket ``b`` (its dtype sets the chunks).
+    ``settled[(segment, (b, c))]``: the residual to save instead of the one the comm holds (an engine's chunk whose
+    sync is in flight: what it held before that sync's encoding; ``None``: zero)."""
+    if comm.feedback_encoding is None or not groups.inter_dc:
         return ()
+    settled = settled or {}
     pieces = []
     for b, (bucket, buf) in enumerate(zip(buckets, bufs, strict=True)):
         lo, hi = shard_range(buf, groups)
         shard = torch.zeros(hi - lo, dtype=torch.float32, device=buf.device)
         for seg, c, at, n in _chunks(buf, groups, chunk_bytes):
-            residual = comm.residual(seg, (b, c))
+            key = (seg, (b, c))
+            residual = settled[key] if key in settled else comm.residual(seg, (b, c))
             if residual is not None:
                 shard[at : at + n] = residual
         for s in bucket.slots:
             start, stop = max(lo, s.offset), min(hi, s.stop)
             if start < stop:
                 pieces.append(StatePiece(s.name, start - s.offset, stop - s.offset, host_copy(shard[start - lo : stop - lo])))
-    return (FeedbackShard(groups.dc, comm.compression.value, tuple(pieces)),)
+    return (FeedbackShard(groups.dc, comm.feedback_encoding, tuple(pieces)),)
 
 
 def load_feedback(
@@ -69,8 +70,8 @@ def load_feedback(
     """Replace this rank's residuals with its datacenter's in ``held`` (saved ones, any layout's), cut into
     this layout's chunks; everything ``held`` lacks restarts at zero."""
     comm.clear_residuals()
-    mine = next((f for f in held if f.dc == groups.dc and f.compression == comm.compression.value), None)
-    if mine is None or comm.compression is Compression.NONE:
+    mine = next((f for f in held if f.dc == groups.dc and f.compression == comm.feedback_encoding), None)
+    if mine is None or comm.feedback_encoding is None:
         return
     for b, (bucket, buf) in enumerate(zip(buckets, bufs, strict=True)):
         lo, hi = shard_range(buf, groups)

@@ -20,14 +20,18 @@ Encodings (``SyncConfig.compression``):
   in datacenter order, so all owners get bit-identical results. With two datacenters the all-gather is an
   exchange of payloads (as ``none``'s, its receive posted ahead).
 - ``int4``: as int8, with 4-bit values and one fp32 scale per 128 elements (0.53 bytes per element).
+- sparse (``sparse=``, DiLoCo's outer deltas only): as int8, with the top-k payload of
+  :mod:`meridian.workers.sync.sparse_codec` (a few per cent of each block's values in 2–8 bits, their positions
+  packed), its error feedback decayed by ``feedback_decay``.
 
 Error-feedback state (the residuals, per rank and per chunk) is part of the rank's saved state: a durable
 checkpoint stores it by parameter element, per datacenter, and a resume puts it back
 (:mod:`meridian.workers.sync.feedback_state`), so a compressed run resumed from a checkpoint with the layout
 unchanged matches the uninterrupted run exactly (int8 hierarchical, nano, step 8: 4.417744 both ways; without
-the residuals the resumed run gave 4.418003). A re-formation from the survivors' in-memory snapshots restarts
-the residuals at zero (those snapshots do not carry them), as does a datacenter or encoding the checkpoint
-does not hold.
+the residuals the resumed run gave 4.418003). A re-formation from the survivors' in-memory snapshots keeps
+DiLoCo's residuals of every datacenter whose ranks all survived (its snapshots carry them) and restarts the
+hierarchical engine's at zero (its snapshots do not), as does a datacenter or encoding the saved state does not
+hold.
 
 Byte accounting: ``bytes_sent`` counts what this rank puts on the wire (:mod:`meridian.workers.wan.wire`), from
 the payload it passes (the compressed size: 2 bytes/element for bf16, 1 + 4/chunk for int8, ~0.53 for int4) and the ring the
@@ -51,6 +55,7 @@ from meridian.workers.contracts.config import Compression
 from meridian.workers.distributed.flat_collectives import all_gather_single
 from meridian.workers.distributed.layout import Segment
 from meridian.workers.sync.compression import Bf16Codec, ErrorFeedback, Int4Codec, Int8Codec
+from meridian.workers.sync.sparse_codec import SparseCodec
 from meridian.workers.wan import collectives as wan
 from meridian.workers.wan import wire
 from meridian.workers.wan.emulator import WanEmulator
@@ -100,20 +105,33 @@ class InterDCComm:
     """This rank's inter-DC all-reduce: encoding, error-feedback state, byte counter."""
 
     def __init__(
-        self, compression: Compression = Compression.NONE, *, emulator: WanEmulator | None = None
+        self, compression: Compression = Compression.NONE, *, emulator: WanEmulator | None = None,
+        sparse: SparseCodec | None = None, feedback_decay: float = 1.0,
     ) -> None:
+        if sparse is not None and compression is not Compression.NONE:
+            raise ValueError(f"a sparse encoding replaces compression {compression.value!r}: pass one of them")
         self.compression = compression
+        self.sparse = sparse
         self.emulator = emulator
         self.bytes_sent = 0.0
         self.calls = 0
-        # int8 / int4 payloads are gathered, then decoded and summed by every owner
-        self._gathered: Int8Codec | Int4Codec | None = {Compression.INT8: Int8Codec(), Compression.INT4: Int4Codec()}.get(compression)
+        # int8 / int4 / sparse payloads are gathered, then decoded and summed by every owner
+        self._gathered: Int8Codec | Int4Codec | SparseCodec | None = sparse or {
+            Compression.INT8: Int8Codec(), Compression.INT4: Int4Codec()}.get(compression)  # fmt: skip
         self._receives = PostedReceives()
         """Each named chunk's next receive, posted once its exchange is summed (two datacenters)."""
         self._feedback: ErrorFeedback | None = (
             ErrorFeedback(Bf16Codec()) if compression is Compression.BF16
-            else ErrorFeedback(self._gathered) if self._gathered is not None else None
+            else ErrorFeedback(self._gathered, decay=feedback_decay) if self._gathered is not None else None
         )  # fmt: skip
+
+    @property
+    def feedback_encoding(self) -> str | None:
+        """The name saved error-feedback state carries (a ``Compression`` value, or the sparse codec's); ``None``
+        where nothing is encoded, so nothing is fed back."""
+        if self._feedback is None:
+            return None
+        return self.sparse.name if self.sparse is not None else self.compression.value
 
     def all_reduce_async(
         self, tensor: torch.Tensor, group: dist.ProcessGroup, segment: Segment, *, key: Hashable = None
@@ -158,13 +176,12 @@ class InterDCComm:
         if len(segment.owners) != 2 or not _posts_ahead(group):
             return
         n = tensor.numel()
-        if self.compression is Compression.NONE:
-            like = torch.empty_like(tensor)
+        if self._gathered is not None:
+            like = torch.empty(self._gathered.payload_bytes(n), dtype=torch.uint8, device=tensor.device)
         elif self.compression is Compression.BF16:
             like = torch.empty(n, dtype=torch.bfloat16, device=tensor.device)
         else:
-            assert self._gathered is not None
-            like = torch.empty(self._gathered.payload_bytes(n), dtype=torch.uint8, device=tensor.device)
+            like = torch.empty_like(tensor)
         peer = dist.get_global_rank(group, 1 - dist.get_rank(group))
         self._receives.post((segment, key), like, peer, group)
 
@@ -222,6 +239,11 @@ class InterDCComm:
     def set_residual(self, segment: Segment, key: Hashable, value: torch.Tensor) -> None:
         assert self._feedback is not None, "no error feedback without compression"
         self._feedback.residuals[(segment, key)] = value
+
+    def drop_residual(self, segment: Segment, key: Hashable) -> None:
+        """Forget chunk ``key``'s residual: its next encoding adds none."""
+        if self._feedback is not None:
+            self._feedback.residuals.pop((segment, key), None)
 
     def clear_residuals(self) -> None:
         if self._feedback is not None:
