@@ -34,6 +34,7 @@ from meridian.service.jobs import (
 )
 from meridian.service.store import Event, JobRecord
 from meridian.workers.contracts.config import (
+    ActivationCheckpointing,
     BlendEntry,
     Compression,
     DataConfig,
@@ -304,6 +305,8 @@ class TrainingSpec(Strict):
     grad_clip: float = config_field(OptimConfig, "grad_clip")
     seed: int = config_field(TrainConfig, "seed")
     precision: Precision = config_field(JobRequest, "precision")
+    compile: bool = config_field(TrainConfig, "compile")
+    activation_checkpointing: ActivationCheckpointing = config_field(TrainConfig, "activation_checkpointing")
 
     def optim(self) -> OptimConfig:
         return OptimConfig(lr=self.lr, min_lr_ratio=self.min_lr_ratio, warmup_steps=self.warmup_steps,
@@ -356,12 +359,15 @@ class ParallelismSpec(Strict):
         AUTO, description="Pipeline stages: consecutive groups of layers, micro-batches flowing between them; "
         "'auto': the planner chooses.")
     schedule: PipelineSchedule = config_field(ParallelismRequest, "schedule")
+    virtual_stages: int = config_field(ParallelConfig, "virtual_stages")
+    sequence_parallel: bool = config_field(ParallelConfig, "sequence_parallel")
     stages_span_datacenters: bool | Literal["auto"] = Field(
         AUTO, description="true: pipeline stages may sit in different datacenters; false: each replica stays "
         "inside one; 'auto': the planner decides.")
 
     def to_request(self) -> ParallelismRequest:
         return ParallelismRequest(tp=_or_auto(self.tp), pp=_or_auto(self.pp), schedule=self.schedule,
+                                  virtual_stages=self.virtual_stages, sequence_parallel=self.sequence_parallel,
                                   stages_span_dcs=_or_auto(self.stages_span_datacenters))
 
 
@@ -457,13 +463,6 @@ class JobSpec(Strict):
     def _check(self) -> JobSpec:
         # Any ValueError here becomes a 422 naming the field. A checkpoint (init_from) is not read here: the
         # service reads it only once its path is admitted (the routes' to_request), which checks the rest.
-        par = self.parallelism
-        if self.checkpoint.interval_steps and any(isinstance(n, int) and n > 1 for n in (par.tp, par.pp)):
-            raise ValueError(
-                f"checkpoint.interval_steps={self.checkpoint.interval_steps} needs parallelism.tp and .pp of 1 (or "
-                f"'auto', which then keeps them 1): a tensor/pipeline-parallel job (tp={par.tp}, pp={par.pp}) writes "
-                "only its final weights, no checkpoint it could resume from; set checkpoint.interval_steps to 0 to "
-                "run it so")
         if self.model.source is None:
             self.to_request()
         else:
@@ -484,6 +483,7 @@ class JobSpec(Strict):
         return JobRequest(
             name=self.name, model=model, data=self.data.to_config(), optim=t.optim(),
             steps=t.steps, global_batch=t.global_batch, micro_batch=t.micro_batch, seed=t.seed, precision=t.precision,
+            compile=t.compile, activation_checkpointing=t.activation_checkpointing,
             topology=self.topology.to_request(), parallelism=parallelism,
             links=tuple(link.to_request() for link in self.topology.links), sync=self.sync.to_config(),
             wan=None if self.wan is None else self.wan.to_config(),

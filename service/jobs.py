@@ -18,6 +18,7 @@ from typing import Any
 
 from meridian.service.errors import InvalidTransition
 from meridian.workers.contracts.config import (
+    ActivationCheckpointing,
     DataConfig,
     OptimConfig,
     ParallelConfig,
@@ -28,6 +29,7 @@ from meridian.workers.contracts.config import (
     ValidationConfig,
     WanConfig,
     check_batches,
+    check_model_parallel_sync,
 )
 from meridian.workers.contracts.fields import (
     Bounds,
@@ -127,7 +129,11 @@ class ParallelismRequest:
     pp: int | None = None
     """Pipeline stages (groups of layers, may span datacenters)."""
     schedule: PipelineSchedule = like(ParallelConfig, "schedule")
-    """Pipeline schedule: ``1f1b`` or ``gpipe``."""
+    """Pipeline schedule: ``1f1b``, ``gpipe`` or ``interleaved-1f1b``."""
+    virtual_stages: int = like(ParallelConfig, "virtual_stages")
+    """Model chunks per pipeline rank (``interleaved-1f1b``)."""
+    sequence_parallel: bool = like(ParallelConfig, "sequence_parallel")
+    """With tensor parallelism: norms and the residual stream sharded along the sequence."""
     stages_span_dcs: bool | None = None
     """Put pipeline stages in different datacenters (``True``), keep whole replicas inside one (``False``),
     or let the planner decide (``None``)."""
@@ -175,6 +181,8 @@ class JobRequest:
     seed: int = like(TrainConfig, "seed")
     precision: Precision = Precision.AUTO
     """``auto`` (bf16 where the device supports it, else fp32), ``fp32`` or ``bf16``."""
+    compile: bool = like(TrainConfig, "compile")
+    activation_checkpointing: ActivationCheckpointing = like(TrainConfig, "activation_checkpointing")
     topology: TopologyRequest = field(default_factory=TopologyRequest)
     parallelism: ParallelismRequest = field(default_factory=ParallelismRequest)
     links: tuple[DeclaredLink, ...] = ()
@@ -201,7 +209,12 @@ class JobRequest:
     def __post_init__(self) -> None:
         check_batches(self)
         par = self.parallelism
-        ParallelConfig(tp=par.tp or 1, pp=par.pp or 1).check_model(self.model)
+        # "auto" sizes (None) are checked as 1, and what only a larger size allows is left to the plan
+        fixed = ParallelConfig(tp=par.tp or 1, pp=par.pp or 1, schedule=par.schedule,
+                               virtual_stages=par.virtual_stages if par.pp is not None else 1,
+                               sequence_parallel=par.sequence_parallel and par.tp is not None)  # fmt: skip
+        fixed.check_model(self.model)
+        check_model_parallel_sync(fixed, self.sync)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready (the store keeps this)."""

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from meridian.workers.contracts.config import OptimConfig
-from meridian.workers.data.text import rank_slice
+from meridian.workers.data.text import micro_batch_sizes, rank_slice
 from meridian.workers.optim.adamw import build_adamw, make_adamw, param_groups
 from meridian.workers.sync.engine import GradientSync
 
@@ -54,10 +54,13 @@ def share_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tens
 
 
 def micro_batches(step: int, rank: int, world: int, micro: int, dtype: torch.dtype = torch.float32):
+    """This rank's micro-batches of step ``step``: as many on every rank (:func:`micro_batch_sizes`)."""
     share = rank_slice(GLOBAL_BATCH, rank, world)
-    return [
-        toy_batch(step, a, min(a + micro, share.stop), dtype) for a in range(share.start, share.stop, micro)
-    ]
+    out, at = [], share.start
+    for n in micro_batch_sizes(len(share), GLOBAL_BATCH, micro, world):
+        out.append(toy_batch(step, at, at + n, dtype))
+        at += n
+    return out
 
 
 def lr_of(step: int) -> float:
@@ -204,7 +207,10 @@ def reference_schedule_params(
 
 
 def params_of(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
+    """The model's parameters, whole (a sharded one is gathered: every rank of its mesh must call this)."""
+    from torch.distributed.tensor import DTensor
+
+    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in model.named_parameters()}
 
 
 def max_rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:

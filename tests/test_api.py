@@ -75,8 +75,10 @@ def test_submit_read_list_and_plan(client):
                                                            "warmup_steps": 12}}), "sync.diloco.warmup_steps"),
     (spec(topology={"datacenters": ["bad name!"]}), "topology.datacenters"),
     ({"name": "x"}, "training"),
-    # a tensor/pipeline-parallel job writes no checkpoint it could resume from: interval_steps had no effect
-    (spec(parallelism={"tp": 2, "pp": 1}, checkpoint={"interval_steps": 5}), "checkpoint.interval_steps"),
+    (spec(parallelism={"tp": 1, "sequence_parallel": True}), "parallelism.sequence_parallel"),
+    (spec(parallelism={"pp": 2, "virtual_stages": 2}), "parallelism.virtual_stages"),
+    (spec(parallelism={"tp": 2}, sync={"strategy": "diloco"}), "sync.strategy"),
+    (spec(training={"activation_checkpointing": "some"}), "training.activation_checkpointing"),
 ])
 def test_bad_specs_are_422_naming_the_field(client, body, field):
     r = client.post("/v1/jobs", json=body)

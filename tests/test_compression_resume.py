@@ -136,11 +136,11 @@ def test_diloco_outer_residuals_come_back_from_a_checkpoint(tmp_path, dcs, shard
 def _snapshot_and_checkpoint_shards(rank, world, dcs):
     from sync_helpers import lr_of, micro_batches, share_loss
 
-    from meridian.workers.sync.hierarchical import HierarchicalSync
+    from meridian.workers.sync.build import build_sync
 
     sync = SyncConfig(strategy=SyncStrategy.HIERARCHICAL, compression=Compression.INT8, bucket_mb=64 / 2**20)
     groups = DCGroups(DCLayout(dcs), rank)
-    engine = HierarchicalSync(toy_model(0), groups, sync, OptimConfig(lr=0.05, warmup_steps=0))
+    engine = build_sync(toy_model(0), groups, sync, OptimConfig(lr=0.05, warmup_steps=0))
     batches = micro_batches(0, rank, world, 64)
     for i, (x, y) in enumerate(batches):
         last = i == len(batches) - 1

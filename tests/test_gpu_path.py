@@ -1,7 +1,7 @@
 """The GPU workstation path, checked on CPU: what a CUDA rank would call, with CUDA mocked.
 
 No GPU here: these tests pin the decisions (backend per device type, the bound device, the communication
-stream, pinned prefetch, fused AdamW, snapshot cadence, batched pipeline messages, refusing a WAN emulator
+stream, pinned prefetch, fused AdamW, snapshot cadence, refusing a WAN emulator
 across hosts); running them on CUDA tensors is a GPU check (docs/benchmarks/gpu.md).
 """
 
@@ -66,46 +66,6 @@ def test_adamw_is_fused_on_cuda_and_single_tensor_on_cpu():
     assert adamw_impl(torch.device("cpu")) == {"foreach": False}  # the bit-equality with the reference
     opt = make_adamw([{"params": [torch.nn.Parameter(torch.ones(3))], "weight_decay": 0.0}], OptimConfig())
     assert opt.defaults["foreach"] is False and not opt.defaults["fused"]
-
-
-def _pipeline_rank(rank, world, cfg):
-    from meridian.workers.loop.train import ListSink, train
-
-    calls = {"batches": 0, "inside": False, "loose": 0}
-    batch, isend = dist.batch_isend_irecv, dist.isend
-
-    def batch_isend_irecv(ops):
-        calls["batches"] += 1
-        calls["inside"] = True
-        try:
-            return batch(ops)
-        finally:
-            calls["inside"] = False
-
-    def counted_isend(*a, **kw):
-        calls["loose"] += not calls["inside"]
-        return isend(*a, **kw)
-
-    def blocking_recv(*a, **kw):
-        raise AssertionError("a blocking recv in the pipeline")
-
-    c10d = torch.distributed.distributed_c10d  # P2POp checks its op against this module's isend
-    dist.batch_isend_irecv, dist.isend, c10d.isend, dist.recv = batch_isend_irecv, counted_isend, counted_isend, blocking_recv
-    train(cfg, sink=ListSink())
-    return calls["batches"], calls["loose"]
-
-
-def test_1f1b_sends_and_receives_as_one_batch_per_tick():
-    from meridian.workers.contracts.config import ParallelConfig, PipelineSchedule, TrainConfig
-    from meridian.workers.contracts.model_config import model_preset
-    from meridian.workers.distributed.multiproc import run_processes
-
-    cfg = TrainConfig(job_id="t", model=model_preset("nano"), steps=2, global_batch=8, micro_batch=2,
-                      datacenters=("a", "a"), parallel=ParallelConfig(pp=2, schedule=PipelineSchedule.ONE_F_ONE_B))
-    out = run_processes(_pipeline_rank, 2, cfg, timeout_s=180)
-    for batches, loose in out:
-        assert loose == 0  # no isend outside a batch
-        assert batches >= 2 * 4  # one exchange per micro-batch and direction, each step
 
 
 def _wan_key_rank(rank, world):

@@ -16,7 +16,8 @@ from meridian.workers.distributed.multiproc import run_processes
 from meridian.workers.loop.train import ListSink, train
 from meridian.workers.model.build import build_model
 from meridian.workers.model.export import save_hf
-from meridian.workers.parallel.tensor_parallel import GPTStage, assemble
+from meridian.workers.parallel.parallelize import present
+from meridian.workers.parallel.tp_plan import TPOptions, tp_plan
 
 transformers = pytest.importorskip("transformers")
 
@@ -80,13 +81,14 @@ def test_init_from_a_transformers_llama_gives_its_logits(tmp_path, tie):
 
 
 def _tp_logits(rank, world, cfg, x):
-    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
 
-    model = build_model(cfg)
-    group = dist.new_group(list(range(world)))
-    stage = GPTStage(model, stage=0, pp=1, tp_rank=rank, tp=world, tp_group=group).eval()
+    model = build_model(cfg).eval()
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    parallelize_module(model, mesh, present(model, tp_plan(cfg.family, TPOptions(tied_embeddings=cfg.tie_embeddings))))
     with torch.no_grad():
-        return stage(x)
+        return model(x)
 
 
 def test_init_from_with_tp2_gives_the_same_logits(tmp_path):
@@ -140,7 +142,7 @@ def test_llama_trains_with_tp_and_pp_like_one_process():
     for dcs, tp, pp in ((("a", "a"), 2, 1), (("a", "b"), 1, 2)):
         out = run_processes(_train, len(dcs), _cfg(dcs, tp=tp, pp=pp), timeout_s=180)
         assert out[0][1] == pytest.approx(ref_losses, rel=1e-4), (tp, pp)
-        full = assemble({(r // tp if pp > 1 else 0, r % tp): res.final_params for r, (res, _) in enumerate(out)})
+        full = {n: p for res, _ in out for n, p in res.final_params.items()}  # each stage's own parameters
         worst = max((full[n] - ref.final_params[n]).abs().max().item() for n in full)
         assert worst < 1e-4, (tp, pp, worst)
 
@@ -271,7 +273,7 @@ def _elastic(rank, world, cfg):
     return ParallelDims(cfg.parallel.tp, cfg.parallel.pp, cfg.datacenters).coords(rank), result.final_params
 
 
-def test_a_tensor_and_pipeline_parallel_job_writes_its_final_weights_from_every_rank_for_export(tmp_path):
+def test_a_tensor_and_pipeline_parallel_job_writes_its_final_state_from_every_rank_for_export(tmp_path):
     from meridian.workers.contracts.fields import to_plain
     from meridian.workers.model.export import export_checkpoint
     from meridian.workers.state.sharded_checkpoint import load_full, open_checkpoint
@@ -282,10 +284,10 @@ def test_a_tensor_and_pipeline_parallel_job_writes_its_final_weights_from_every_
     assert (tmp_path / "ckpt" / "latest").read_text() == path.name
     assert len(list(path.glob("*.distcp"))) == 4  # every rank wrote its own slices: nothing was gathered
     ck = open_checkpoint(str(path))
-    assert ck.step == cfg.steps and ck.adam_step == 0  # weights only
-    weights, _ = load_full(ck)
-    held = assemble({(c.stage, c.tp_rank): params for c, params in out if c.replica == 0})
-    assert sorted(weights) == sorted(held)
+    assert ck.step == cfg.steps and ck.adam_step == cfg.steps  # the whole state: a job of any layout resumes it
+    weights, optimizer = load_full(ck)
+    held = {n: p for c, params in out if c.replica == 0 for n, p in params.items()}
+    assert sorted(weights) == sorted(held) == sorted(optimizer["params"])
     for name, t in held.items():  # the full model, every slice in its place
         assert torch.equal(weights[name], t.float()), name
     ours = build_model(cfg.model).eval()
@@ -407,7 +409,7 @@ def test_llama_survives_losing_a_rank_and_matches_an_uninterrupted_run(tmp_path)
         # A survivor that re-joins after the others finished returns None (it trained in no later epoch);
         # every rank that finished holds the same replica.
         finished = [o["result"] for o in out.values() if o["result"] is not None]
-        assert finished
+        assert finished, "\n".join(map(repr, [out, *events]))
         assert all(el._max_rel(r.final_params, reference) < 1e-4 for r in finished)
     finally:
         run.close()

@@ -478,9 +478,12 @@ def test_a_named_datacenter_that_cannot_hold_a_worker_is_refused_not_dropped():
     assert auto.datacenters == ("dc-a",) and "No worker in dc-b: no live node there can hold one" in auto.explanation
 
 
+def test_flat_sync_with_tensor_or_pipeline_parallelism_is_refused_at_submission():
+    with pytest.raises(ValueError, match="sync.strategy 'flat' cannot run with parallelism.tp = 1, pp = 2"):
+        replace(req(strategy=SyncStrategy.FLAT), parallelism=ParallelismRequest(pp=2))
+
+
 @pytest.mark.parametrize("request_, topo, reason", [
-    (replace(req(strategy=SyncStrategy.FLAT), parallelism=ParallelismRequest(pp=2)), topology(dc_a=4),
-     "parallelism.pp=2 and sync.strategy 'flat' do not go together"),
     (replace(req(), parallelism=ParallelismRequest(pp=2, stages_span_dcs=True)), topology(dc_a=4),
      "stages_span_dcs=true puts pipeline stages in different datacenters, but the job's workers can only be in dc-a"),
     (replace(req(workers=(("dc-a", 3), ("dc-b", 1))), parallelism=ParallelismRequest(pp=2, stages_span_dcs=True)),
@@ -503,7 +506,7 @@ def test_uneven_pipeline_stages_count_the_activations_of_the_deepest_stage():
         stage_params,
     )
     from meridian.workers.contracts.model_shape import ModelShape
-    from meridian.workers.parallel.tensor_parallel import stage_layers
+    from meridian.workers.parallel.pipeline import stage_layers
 
     model = replace(model_preset("gpt2-124m"), n_layers=5)
     deepest = max(len(stage_layers(5, 4, s)) for s in range(4))

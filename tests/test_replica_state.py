@@ -56,9 +56,7 @@ def _snapshot_run(rank, world, dcs, strategy):
 
 def _resume_run(rank, world, dcs, params, optimizer):
     engine = _engine(rank, dcs)
-    with torch.no_grad():
-        for name, p in engine.model.named_parameters():
-            p.copy_(params[name])
+    engine.load_weights(engine.model, params)
     engine.load_optimizer_state(optimizer)
     train_steps(engine, rank, world, STEPS, MICRO, first_step=STEPS)
     engine.synchronize()

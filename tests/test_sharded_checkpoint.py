@@ -166,7 +166,8 @@ def test_each_rank_of_another_layout_reads_the_weights_and_only_its_own_optimize
                 assert torch.equal(restored["params"][name][m], full["params"][name][m]), (rank, name, m)
     assert sum(resumed[r][1] for r in (0, 1, 2)) == numel  # DC a's three ranks own it all, once
     assert resumed[3][0].bytes_read == resumed[3][0].bytes_stored  # DC b's single rank holds everything
-    assert all(resumed[r][0].bytes_read < 0.6 * resumed[r][0].bytes_stored for r in (0, 1, 2))
+    # (FSDP2 cuts each parameter's rows: on this toy's 1- to 7-row parameters DC a's first rank owns 45%)
+    assert all(resumed[r][0].bytes_read < 0.75 * resumed[r][0].bytes_stored for r in (0, 1, 2))
     ref = reference_params(2 * STEPS, OPTIM)
     for *_, out in resumed:
         assert max_rel_diff(out, ref) < FP32_TOL
@@ -240,7 +241,7 @@ def _load_final(rank, world, cfg):
                               torch.device("cpu"))
     rep.build()
     done = restore_latest(cfg.checkpoint_dir, fingerprint(cfg), rep.model, rep.engine)
-    loaded = {n: p.detach().clone() for n, p in rep.model.named_parameters()}
+    loaded = rep.parameters()
     rep.close(ok=True)
     return done.step, loaded
 

@@ -1,8 +1,8 @@
 """The engine end to end: overlap changes no bit, accumulation talks once, overlap is measured, and every
 engine configuration trains the GPT like one process does.
 
-All runs use real gloo groups on CPU; uneven layouts (2 + 1) with ranks that have different numbers of
-micro-batches are the default, because that is where a sync engine deadlocks or double-counts.
+All runs use real gloo groups on CPU; uneven layouts (2 + 1) are the default, because that is where a sync engine
+deadlocks or double-counts.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from meridian.workers.contracts.model_config import model_preset
 from meridian.workers.distributed.layout import DCGroups, DCLayout
 from meridian.workers.distributed.multiproc import run_processes
 from meridian.workers.loop.train import ListSink, train
-from meridian.workers.sync.hierarchical import HierarchicalSync
+from meridian.workers.sync.build import build_sync
 from meridian.workers.wan.collectives import Algorithm, WanEmulator, cleanup, collective_cost, shm_dir
 from meridian.workers.wan.link import FILE_PREFIX
 
@@ -50,7 +50,7 @@ SMALL_BUCKETS = 64 / 2**20  # 16 fp32 elements: the toy model spreads over 5 buc
 
 def _engine(rank, dcs, optim=OPTIM, **sync):
     sync = SyncConfig(**{"bucket_mb": SMALL_BUCKETS, "inter_dc_chunk_mb": 40 / 2**20, **sync})
-    return HierarchicalSync(toy_model(0), DCGroups(DCLayout(dcs), rank), sync, optim)
+    return build_sync(toy_model(0), DCGroups(DCLayout(dcs), rank), sync, optim)
 
 
 def _close(engine):
@@ -66,25 +66,23 @@ def _close(engine):
 
 def _overlap_vs_not(rank, world):
     out = {}
-    for shard in (False, True):
-        for overlap in (False, True):
-            e = _engine(rank, UNEVEN, shard_optimizer=shard, overlap=overlap)
-            stats = train_steps(e, rank, world, steps=3, micro=3)  # 2, 1, 1 micro-batches on the 3 ranks
-            out[shard, overlap] = (_close(e), stats)
+    for overlap in (False, True):
+        e = _engine(rank, UNEVEN, overlap=overlap)
+        stats = train_steps(e, rank, world, steps=3, micro=3)  # 2 micro-batches on every rank (one is empty)
+        out[overlap] = (_close(e), stats)
     return out
 
 
 def test_overlapped_sync_gives_the_same_parameters_bit_for_bit():
     for out in run_processes(_overlap_vs_not, 3):
-        for shard in (False, True):
-            plain, overlapped = out[shard, False][0], out[shard, True][0]
-            for name in plain:
-                assert torch.equal(plain[name], overlapped[name]), (shard, name)
-            for stats in out[shard, False][1]:  # inline sync hides nothing
-                assert stats.overlap_fraction == 0.0 and stats.comm_s > 0
-            for stats in out[shard, True][1]:
-                assert 0.0 <= stats.overlap_fraction <= 1.0 and stats.comm_s > 0
-                assert stats.inter_dc_bytes == out[shard, False][1][0].inter_dc_bytes
+        plain, overlapped = out[False][0], out[True][0]
+        for name in plain:
+            assert torch.equal(plain[name], overlapped[name]), name
+        for stats in out[False][1]:  # inline sync hides nothing
+            assert stats.overlap_fraction == 0.0 and stats.comm_s > 0
+        for stats in out[True][1]:
+            assert 0.0 <= stats.overlap_fraction <= 1.0 and stats.comm_s > 0
+            assert stats.inter_dc_bytes == out[False][1][0].inter_dc_bytes
 
 
 # -- one step late, exactly -----------------------------------------------------------------------------------
@@ -92,11 +90,10 @@ def test_overlapped_sync_gives_the_same_parameters_bit_for_bit():
 
 def _delayed(rank, world):
     out = {}
-    for shard in (False, True):
-        for compression in (Compression.NONE, Compression.INT8):
-            e = _engine(rank, UNEVEN, shard_optimizer=shard, delay_one_step=True, compression=compression)
-            stats = train_steps(e, rank, world, steps=5, micro=3)
-            out[shard, compression] = (_close(e), stats)
+    for compression in (Compression.NONE, Compression.INT8):
+        e = _engine(rank, UNEVEN, delay_one_step=True, compression=compression)
+        stats = train_steps(e, rank, world, steps=5, micro=3)
+        out[compression] = (_close(e), stats)
     return out
 
 
@@ -104,10 +101,10 @@ def test_delayed_sync_applies_each_steps_gradients_one_step_late():
     delayed, exact = reference_params(5, OPTIM, delayed=True), reference_params(5, OPTIM)
     assert max_rel_diff(delayed, exact) > 1e-2  # the two references really differ
     for out in run_processes(_delayed, 3):
-        for (shard, compression), (params, stats) in out.items():
+        for compression, (params, stats) in out.items():
             # int8 on the wire rounds the gradients (error feedback carries the rest to later steps)
             tolerance = 1e-5 if compression is Compression.NONE else 0.05
-            assert max_rel_diff(params, delayed) < tolerance, (shard, compression)
+            assert max_rel_diff(params, delayed) < tolerance, compression
             assert float(stats[0].grad_norm) == 0.0 and float(stats[1].grad_norm) > 0.0  # step 0 applies nothing
             assert all(s.inter_dc_bytes == stats[0].inter_dc_bytes > 0 for s in stats)  # one sync per step
 
@@ -196,15 +193,16 @@ def test_lookahead_needs_the_delayed_sharded_engine():
 
 # -- accumulation communicates once per step ---------------------------------------------------------------
 
-COLLECTIVES = (  # both names of the flat collectives: a torch before 2.13 has only the second of each
-    "all_reduce", "reduce_scatter_single", "reduce_scatter_tensor", "all_gather_single", "all_gather_into_tensor",
-    "broadcast", "batch_isend_irecv", "isend", "irecv",
+REDUCTIONS = (  # what sums gradients: the in-DC reduce-scatter (both names), the inter-DC sum and the norm
+    "all_reduce", "reduce_scatter_single", "reduce_scatter_tensor", "batch_isend_irecv", "isend", "irecv",
 )
+"""(The parameters' all-gathers inside a datacenter run every micro-batch: FSDP2 gathers a block's parameters for
+each forward and, resharded after it, for each backward.)"""
 
 
 def _count_collectives(rank, world, micro):
     counts = {"now": 0}
-    for name in (n for n in COLLECTIVES if hasattr(dist, n)):
+    for name in (n for n in REDUCTIONS if hasattr(dist, n)):
         real = getattr(dist, name)
 
         def counted(*args, _real=real, **kwargs):
@@ -212,7 +210,7 @@ def _count_collectives(rank, world, micro):
             return _real(*args, **kwargs)
 
         setattr(dist, name, counted)
-    e = _engine(rank, UNEVEN, shard_optimizer=True, overlap=True)
+    e = _engine(rank, UNEVEN, overlap=True)
     per_step = []
     for step in range(2):
         batches = micro_batches(step, rank, world, micro)
@@ -222,7 +220,7 @@ def _count_collectives(rank, world, micro):
             before = counts["now"]
             e.backward(share_loss(e.model, x, y), last_micro_batch=last)
             if not last:
-                assert counts["now"] == before, "a non-last micro-batch communicated"
+                assert counts["now"] == before, "a non-last micro-batch reduced gradients"
         stats = e.step(0.01)
         e.synchronize()
         per_step.append((len(batches), counts["now"], stats.inter_dc_bytes))
@@ -232,10 +230,10 @@ def _count_collectives(rank, world, micro):
 
 def test_accumulation_communicates_only_on_the_last_micro_batch():
     one = run_processes(_count_collectives, 3, 10)  # one micro-batch per rank
-    many = run_processes(_count_collectives, 3, 1)  # 4, 3, 3 micro-batches
+    many = run_processes(_count_collectives, 3, 1)  # 4 micro-batches on every rank (the shorter shares' last empty)
     for rank in range(3):
         for (n1, calls1, bytes1), (n_many, calls_many, bytes_many) in zip(one[rank], many[rank], strict=True):
-            assert n1 == 1 and n_many == (4 if rank == 0 else 3)
+            assert n1 == 1 and n_many == 4
             assert calls_many == calls1 > 0 and bytes_many == bytes1 > 0
 
 
@@ -266,12 +264,14 @@ class SleepInBackward(torch.autograd.Function):
 
 
 class Layers(nn.Module):
+    """Four blocks, each its own FSDP unit: its gradients summed across DCs as soon as its backward is done."""
+
     def __init__(self) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
 
     def forward(self, x):
-        for layer in self.layers:
+        for layer in self.blocks:
             x = SleepInBackward.apply(layer(x))
         return x
 
@@ -290,9 +290,8 @@ def _measure_overlap(rank, world, key):
     out = {}
     for name, sync in OVERLAP_RUNS.items():
         torch.manual_seed(0)
-        sync = dataclasses.replace(sync, bucket_mb=300 / 2**20)  # one bucket per layer
-        e = HierarchicalSync(Layers(), DCGroups(layout, rank), sync, OPTIM, emulator=emulator)
-        assert len(e.buffer.buckets) == 4
+        e = build_sync(Layers(), DCGroups(layout, rank), sync, OPTIM, emulator=emulator)
+        assert len(e.units) == 4
         stats = []
         for step in range(3):
             x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step * 10 + rank))
@@ -340,8 +339,6 @@ def test_overlap_fraction_under_the_wan_emulator():
 
 ENGINES = {
     "flat": SyncConfig(strategy=SyncStrategy.FLAT),
-    "har replicated": SyncConfig(shard_optimizer=False, overlap=False),
-    "har replicated overlap": SyncConfig(shard_optimizer=False, overlap=True, bucket_mb=0.05),
     "har sharded": SyncConfig(shard_optimizer=True, overlap=False),
     "har sharded overlap": SyncConfig(
         shard_optimizer=True, overlap=True, bucket_mb=0.05, inter_dc_chunk_mb=0.01
@@ -414,16 +411,16 @@ def test_every_engine_trains_like_one_process(single_process):
 
 
 def _alone_trains(rank, world, configs):
-    from meridian.workers.sync.hierarchical import HierarchicalSync
+    from meridian.workers.sync.shard_exchange import Exchange
 
-    def no_bucket(self, bucket):
-        raise AssertionError("a rank alone in its datacenter started a bucket's sync")
+    def no_exchange(self, *args):
+        raise AssertionError("a rank alone in its datacenter started an inter-DC sum")
 
-    HierarchicalSync._start_bucket = no_bucket  # this process only
+    Exchange.start = no_exchange  # this process only
     return _train_all(rank, world, configs)
 
 
-def test_a_rank_alone_starts_no_bucket_and_trains_like_flat(single_process):
+def test_a_rank_alone_starts_no_exchange_and_trains_like_flat(single_process):
     # One rank, no inter-DC step (DiLoCo's inner sync with one rank per DC): its gradients are already the sum.
     configs = {name: _config(("a",), sync) for name, sync in ENGINES.items() if name != "flat"}
     (out,) = run_processes(_alone_trains, 1, configs)
@@ -441,32 +438,21 @@ def test_two_plus_two_trains_like_one_process(single_process):
 
 
 def _built(rank, world):
-    from meridian.workers.sync.build import build_sync
-
     out = {}
     for name, sync in ENGINES.items():
         engine = build_sync(toy_model(0), DCGroups(DCLayout(("a",) * world), rank), sync, OPTIM)
-        out[name] = (
-            type(engine).__name__,
-            getattr(engine, "sharded", None) is not None,
-            engine.pipeline.overlap if hasattr(engine, "pipeline") else None,
-        )
+        out[name] = (type(engine).__name__, getattr(engine, "overlap", None))
         engine.close()
         engine.groups.destroy()
     return out
 
 
 def test_build_sync_picks_the_engine_from_sync_config():
-    (alone,) = run_processes(_built, 1)
     out, _ = run_processes(_built, 2)  # two ranks in one datacenter
-    # a rank with no one to talk to has nothing to overlap: no comm thread
-    assert [overlap for _, _, overlap in alone.values()] == [None, False, False, False, False]
     assert out == {
-        "flat": ("FlatSync", False, None),
-        "har replicated": ("HierarchicalSync", False, False),
-        "har replicated overlap": ("HierarchicalSync", False, True),
-        "har sharded": ("HierarchicalSync", True, False),
-        "har sharded overlap": ("HierarchicalSync", True, True),
+        "flat": ("FlatSync", None),
+        "har sharded": ("FSDPHierarchicalSync", False),
+        "har sharded overlap": ("FSDPHierarchicalSync", True),
     }
 
 

@@ -24,7 +24,13 @@ from meridian.service.planning.cost_model import (
 )
 from meridian.service.planning.request import PlanRequest
 from meridian.service.planning.runtime_support import RuntimeSupport, current_runtime, missing
-from meridian.workers.contracts.config import Compression, Precision, SyncStrategy
+from meridian.workers.contracts.config import (
+    Compression,
+    ParallelConfig,
+    Precision,
+    SyncStrategy,
+    check_model_parallel_sync,
+)
 
 TP_SIZES = (1, 2, 4, 8)
 MICRO_BATCHES = (1, 2, 4, 8)
@@ -84,8 +90,8 @@ def enumerate_candidates(request: PlanRequest, dcs: tuple[str, ...], devices: di
     one_node = all(len(devices[dc]) == 1 for dc in used)
     out: list[Candidate] = []
     for tp, pp, across in itertools.product(tps, pps, spans):
-        if pp > 1 and request.sync.strategy is SyncStrategy.FLAT:
-            continue  # DDP (flat) cannot follow a pipeline schedule; the workers refuse that combination
+        if not _sync_runs_with(request, tp, pp):
+            continue  # the workers refuse it (tensor/pipeline parallelism runs on FSDP2 under hierarchical sync)
         groups = {dc: sum(s // tp for s in devices[dc]) for dc in used}  # TP groups that fit per DC
         if not any(groups.values()):
             continue
@@ -93,7 +99,7 @@ def enumerate_candidates(request: PlanRequest, dcs: tuple[str, ...], devices: di
         if shape is None:
             continue
         dcs_here, replicas, dp = shape
-        for hierarchical in _sync_options(request, across=across, num_dcs=len(dcs_here), pp=pp):
+        for hierarchical in _sync_options(request, across=across, num_dcs=len(dcs_here), pp=pp, tp=tp):
             base = _layout(request, figures, runtime, tp=tp, pp=pp, dp=dp, across=across, dcs=dcs_here,
                            replicas=replicas, hierarchical=hierarchical, dp_in_node=one_node)
             for lay in _variants(request, runtime, base):
@@ -135,13 +141,24 @@ def _replicas(groups: dict[str, int], used: tuple[str, ...], pp: int, across: bo
     return dcs_here, replicas, dp
 
 
-def _sync_options(request: PlanRequest, *, across: bool, num_dcs: int, pp: int) -> list[bool]:
+def _sync_runs_with(request: PlanRequest, tp: int, pp: int) -> bool:
+    """Whether the request's sync knobs can run with ``tp`` × ``pp`` (:func:`check_model_parallel_sync`)."""
+    try:
+        check_model_parallel_sync(ParallelConfig(tp=tp, pp=pp), request.sync)
+    except ValueError:
+        return False
+    return True
+
+
+def _sync_options(request: PlanRequest, *, across: bool, num_dcs: int, pp: int, tp: int = 1) -> list[bool]:
     """Hierarchical (``True``) and/or flat (``False``) data-parallel sync for a layout."""
     if request.sync.strategy is not None and not across and num_dcs > 1:
         return [request.sync.strategy is SyncStrategy.HIERARCHICAL]
-    # pp > 1 runs the hierarchical engine only (DDP cannot follow a pipeline schedule), and so does a job with an
-    # inter-DC encoding: flat sync has no inter-DC step to encode, and its config refuses sync.compression
-    only_hierarchical = across or num_dcs == 1 or pp > 1 or request.sync.compression is not Compression.NONE
+    # tp or pp > 1 runs the hierarchical engine only (on FSDP2; DDP cannot follow a pipeline schedule), and so does
+    # a job with an inter-DC encoding: flat sync has no inter-DC step to encode, and its config refuses
+    # sync.compression
+    only_hierarchical = (across or num_dcs == 1 or pp > 1 or tp > 1
+                         or request.sync.compression is not Compression.NONE)
     return [True] if only_hierarchical else [True, False]
 
 

@@ -430,10 +430,11 @@ def estimate(model: ModelShape | ModelConfig, lay: Layout, fig: Figures, global_
 
 def runs_hierarchical(lay: Layout) -> bool:
     """Whether the workers run ``lay`` with the hierarchical engine when the planner picks the strategy:
-    across DCs when asked, always under pipeline stages (DDP cannot follow a pipeline schedule), and whenever the
-    job sets an inter-DC encoding (:attr:`Layout.encoded`), and under FSDP, whose reduce-scatter inside the DC is
-    the hierarchical engine's first step."""
-    return (lay.hierarchical and (lay.num_dcs > 1 or lay.encoded) and not lay.pp_spans_dcs) or lay.pp > 1 or lay.fsdp
+    across DCs when asked, always under tensor or pipeline parallelism (they run on FSDP2 under the hierarchical
+    engine only), whenever the job sets an inter-DC encoding (:attr:`Layout.encoded`), and under FSDP, whose
+    reduce-scatter inside the DC is the hierarchical engine's first step."""
+    return (lay.hierarchical and (lay.num_dcs > 1 or lay.encoded) and not lay.pp_spans_dcs) or lay.pp > 1 \
+        or lay.tp > 1 or lay.fsdp
 
 
 def _fsdp_exposed(shape: ModelShape, lay: Layout, fig: Figures, busy_s: float, m: int) -> float:

@@ -412,34 +412,68 @@ class SyncConfig:
 
 
 class PipelineSchedule(str, enum.Enum):
-    """Order of micro-batch forwards and backwards on a pipeline stage."""
+    """Order of micro-batch forwards and backwards on the pipeline stages (``torch.distributed.pipelining``)."""
 
-    GPIPE = "gpipe"  # every forward, then every backward: pp micro-batches' worth of bubble, m activations kept
-    ONE_F_ONE_B = "1f1b"  # warm-up forwards, then one forward / one backward: same bubble, <= pp activations
+    GPIPE = "gpipe"  # every forward, then every backward: m micro-batches' activations kept
+    ONE_F_ONE_B = "1f1b"  # warm-up forwards, then one forward / one backward: <= pp micro-batches' activations
+    INTERLEAVED_1F1B = "interleaved-1f1b"  # 1F1B over virtual_stages chunks per rank: a bubble virtual_stages× smaller
+
+    @property
+    def is_interleaved(self) -> bool:
+        return self is PipelineSchedule.INTERLEAVED_1F1B
+
+
+class ActivationCheckpointing(str, enum.Enum):
+    """What each transformer block keeps of its forward for the backward (:mod:`meridian.workers.parallel.checkpointing`)."""
+
+    NONE = "none"  # every activation kept
+    SELECTIVE = "selective"  # matmul and attention outputs kept, the cheap element-wise ops recomputed
+    FULL = "full"  # only the block's input kept, the whole block recomputed in backward
 
 
 @dataclass(frozen=True, kw_only=True)
 class ParallelConfig:
-    """Model parallelism of every replica (:mod:`meridian.workers.parallel.dims` turns it into process groups).
-
-    World ranks are ordered (pipeline stage, data-parallel replica, tensor-parallel rank), tensor-parallel
-    fastest, the order the planner places them in."""
+    """Model parallelism of every replica (:mod:`meridian.workers.parallel.dims` turns it into process groups
+    and device meshes). World ranks are ordered (pipeline stage, data-parallel replica, tensor-parallel rank),
+    tensor-parallel fastest, the order the planner places them in."""
 
     tp: int = knob(1, ge=1, le=64)
-    """Tensor-parallel size: ranks of one node that split every attention and MLP layer (Megatron-style)."""
+    """Tensor-parallel size: ranks of one node that split every attention and MLP layer (DTensor)."""
     pp: int = knob(1, ge=1, le=128)
     """Pipeline stages: consecutive groups of transformer blocks, micro-batches flowing between them."""
     schedule: PipelineSchedule = PipelineSchedule.ONE_F_ONE_B
     """Pipeline schedule (ignored with ``pp=1``)."""
+    virtual_stages: int = knob(1, ge=1, le=64, name="parallelism.virtual_stages")
+    """Model chunks per pipeline rank (``interleaved-1f1b`` only): ``pp × virtual_stages`` stages, rank ``s``
+    holding stages ``s, s + pp, …``."""
+    sequence_parallel: bool = False
+    """With ``tp > 1``: norms and residual stream sharded along the sequence across the TP ranks (their
+    all-reduces become reduce-scatter + all-gather, activations between layers ``tp`` times smaller)."""
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "schedule", PipelineSchedule(self.schedule))  # "1f1b" from a plain value too
         check_bounds(self, "parallelism.")
+        if self.virtual_stages > 1 and not self.schedule.is_interleaved:
+            raise ValueError(f"parallelism.virtual_stages ({self.virtual_stages}) needs parallelism.schedule "
+                             f"'interleaved-1f1b' (got {self.schedule.value!r}); set virtual_stages to 1 or change "
+                             "the schedule")
+        if self.schedule.is_interleaved and self.pp > 1 and self.virtual_stages < 2:
+            raise ValueError("parallelism.schedule 'interleaved-1f1b' needs parallelism.virtual_stages >= 2 (the "
+                             "chunks each rank interleaves); use '1f1b' for one stage per rank")
+        if self.sequence_parallel and self.tp == 1:
+            raise ValueError("parallelism.sequence_parallel shards along the sequence across the tensor-parallel "
+                             "ranks: it needs parallelism.tp > 1")
 
     @property
     def model_parallel(self) -> int:
         """Model-parallel size: the ranks holding one replica of the model (tp × pp); 1 is pure data
         parallelism. The only meaning of "model_parallel" in Meridian."""
         return self.tp * self.pp
+
+    @property
+    def stages(self) -> int:
+        """Pipeline stages of a replica (``pp × virtual_stages``)."""
+        return self.pp * (self.virtual_stages if self.schedule.is_interleaved else 1)
 
     def check(self, model: ModelConfig, world: int) -> None:
         """Raise ``ValueError`` naming the field when ``model`` cannot be split this way over ``world`` ranks."""
@@ -459,11 +493,38 @@ class ParallelConfig:
             raise ValueError(f"parallelism.tp ({self.tp}) must divide model.n_kv_heads ({model.kv_heads})")
         if model.mlp_width % self.tp:
             raise ValueError(f"parallelism.tp ({self.tp}) must divide the MLP width ({model.mlp_width})")
+        if self.sequence_parallel and model.seq_len % self.tp:
+            raise ValueError(f"parallelism.sequence_parallel needs parallelism.tp ({self.tp}) to divide "
+                             f"model.seq_len ({model.seq_len})")
         if model.tie_embeddings and self.pp > 1:
             raise ValueError(f"model.tie_embeddings needs parallelism.pp = 1 (got {self.pp}): the first and last "
                              "stages would both hold the shared weight")
-        if self.pp > model.n_layers:
-            raise ValueError(f"parallelism.pp ({self.pp}) must be <= model.n_layers ({model.n_layers})")
+        if self.stages > model.n_layers:
+            what = f"parallelism.pp × virtual_stages ({self.pp} × {self.virtual_stages})" if self.virtual_stages > 1 \
+                else f"parallelism.pp ({self.pp})"  # fmt: skip
+            raise ValueError(f"{what} must be <= model.n_layers ({model.n_layers}): every stage needs a block")
+
+    def check_batches(self, global_batch: int, micro_batch: int, replicas: int) -> None:
+        """Raise ``ValueError`` naming the field when a pipeline cannot cut each replica's samples of a step into
+        equal micro-batches its schedule can run (``torch.distributed.pipelining`` sends fixed shapes)."""
+        if self.pp == 1:
+            return
+        per_replica, rest = divmod(global_batch, replicas)
+        if rest or per_replica % micro_batch:
+            raise ValueError(
+                f"training.micro_batch ({micro_batch}) must divide each pipeline replica's samples per step "
+                f"(training.global_batch {global_batch} / {replicas} replicas): the stages exchange micro-batches of "
+                "one shape; choose a global_batch that is a multiple of micro_batch × replicas"
+            )
+        n = per_replica // micro_batch
+        if self.schedule is PipelineSchedule.ONE_F_ONE_B and n < self.pp:
+            raise ValueError(f"parallelism.schedule '1f1b' needs at least pp ({self.pp}) micro-batches per step, each "
+                             f"replica has {n} (training.global_batch / replicas / training.micro_batch); lower "
+                             "micro_batch or use 'gpipe'")
+        if self.schedule.is_interleaved and n % max(1, n // self.pp):
+            raise ValueError(f"parallelism.schedule 'interleaved-1f1b' runs micro-batches in rounds of pp ({self.pp}): "
+                             f"{n} micro-batches per replica and step is not a multiple of {max(1, n // self.pp)} "
+                             "rounds; change training.micro_batch or training.global_batch")
 
 
 def model_parallel_refusal(model: ModelConfig, tp: int, pp: int) -> str:
@@ -527,6 +588,13 @@ class TrainConfig:
     job_dir: str = ""
     """The job's folder in the service's storage (a path or URL): tracker logs and profiler traces go there;
     empty: neither is written."""
+    compile: bool = knob(False, name="training.compile")
+    """Compile every transformer block with ``torch.compile`` (once per block, after tensor parallelism and
+    activation checkpointing, before FSDP2): the first steps pay the compilation."""
+    activation_checkpointing: ActivationCheckpointing = knob(ActivationCheckpointing.NONE,
+                                                             name="training.activation_checkpointing")
+    """Per transformer block: ``none``, ``selective`` (matmul and attention outputs kept) or ``full``
+    (the block recomputed in backward)."""
 
     def __post_init__(self) -> None:
         check_batches(self)
@@ -544,21 +612,34 @@ class TrainConfig:
             )
         if self.datacenters:
             self.parallel.check(self.model, len(self.datacenters))
-        if self.sync.local_lookahead and self.parallel.model_parallel > 1:
-            # The look-ahead steers a whole replica's parameters from its DC's gradients; the engine refuses it
-            # with model parallelism, which would fail the job only once its workers built their engines.
-            raise ValueError(
-                f"sync.local_lookahead applies to data parallelism only, not parallelism.tp={self.parallel.tp}, "
-                f"pp={self.parallel.pp}; set sync.local_lookahead=false or parallelism.tp and pp to 1"
-            )
-        if self.parallel.pp > 1 and self.sync.strategy is SyncStrategy.FLAT:
-            # DDP decides in each forward whether the next backward syncs; a pipeline schedule runs several
-            # forwards before their backwards, which DDP cannot follow.
-            raise ValueError("sync.strategy 'flat' cannot run with parallelism.pp > 1; use 'hierarchical'")
+            self.parallel.check_batches(self.global_batch, self.micro_batch, replicas)
+        check_model_parallel_sync(self.parallel, self.sync)
 
     @property
     def tokens_per_step(self) -> int:
         return self.global_batch * self.model.seq_len
+
+
+def check_model_parallel_sync(parallel: ParallelConfig, sync: SyncConfig) -> None:
+    """Tensor and pipeline parallelism run on FSDP2 and DTensor (:mod:`meridian.workers.loop.parallel`), under the
+    hierarchical engine with its optimizer sharded (:class:`~meridian.workers.sync.fsdp_har.FSDPHierarchicalSync`):
+    a ``ValueError`` naming the field for a sync that does not run there (``auto``, ``strategy=None``: the planner
+    picks hierarchical sync for such a layout, and arms no look-ahead)."""
+    if parallel.model_parallel == 1:
+        return
+    if sync.strategy is not None and sync.strategy is not SyncStrategy.HIERARCHICAL:
+        raise ValueError(
+            f"sync.strategy {sync.strategy.value!r} cannot run with parallelism.tp = {parallel.tp}, pp = {parallel.pp}: "
+            "tensor and pipeline parallelism train on FSDP2 under 'hierarchical' sync only (DDP cannot follow a "
+            "pipeline schedule, and DiLoCo's engine flattens plain parameters, not DTensor shards); use "
+            "'hierarchical', or tp = pp = 1")
+    if not sync.shard_optimizer:
+        raise ValueError("sync.shard_optimizer=false cannot run with parallelism.tp or pp > 1: FSDP2 shards the "
+                         "optimizer state of a tensor/pipeline-parallel job inside each datacenter; set it to true")
+    if sync.lookahead_when_exposed is not None and sync.strategy is not None:
+        raise ValueError("sync.lookahead_when_exposed cannot run with parallelism.tp or pp > 1 yet: each stage and "
+                         "tensor-parallel rank would decide on its own group's figures; set sync.local_lookahead "
+                         "without it, or leave the look-ahead off")
 
 
 def check_batches(config: Any) -> None:
@@ -571,6 +652,7 @@ def check_batches(config: Any) -> None:
 
 
 __all__ = [
+    "ActivationCheckpointing",
     "BlendEntry",
     "Compression",
     "DataConfig",
@@ -585,4 +667,5 @@ __all__ = [
     "ValidationConfig",
     "WanConfig",
     "check_batches",
+    "check_model_parallel_sync",
 ]

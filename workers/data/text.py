@@ -13,6 +13,7 @@ never which samples a step sees, so no sample is skipped or repeated because of 
 from __future__ import annotations
 
 import functools
+import math
 import os
 from dataclasses import dataclass
 
@@ -72,6 +73,17 @@ def rank_slice(global_batch: int, dp_rank: int, dp_size: int) -> Slice:
     return Slice(start, start + base + (1 if dp_rank < extra else 0))
 
 
+def micro_batch_sizes(share: int, global_batch: int, micro_batch: int, dp_size: int) -> list[int]:
+    """A share of ``share`` samples cut into micro-batches of at most ``micro_batch``, as many on every rank: the
+    largest share's count (sharded parameters are gathered and reduced inside a datacenter once per micro-batch,
+    so every rank must run the same number). A smaller share's last ones are shorter, or empty."""
+    largest = math.ceil(global_batch / dp_size)
+    count = math.ceil(largest / micro_batch)
+    sizes = [min(micro_batch, max(0, share - i * micro_batch)) for i in range(count)]
+    assert sum(sizes) == share
+    return sizes
+
+
 class StepSampled:
     """A dataset whose global sample ``g`` is fixed by (seed, g): a step's batch is samples
     ``step * global_batch ..``, each rank reading its slice, so any resize reads the same samples."""
@@ -80,14 +92,20 @@ class StepSampled:
         raise NotImplementedError
 
     def step_batches(
-        self, step: int, global_batch: int, micro_batch: int, dp_rank: int, dp_size: int
+        self, step: int, global_batch: int, micro_batch: int, dp_rank: int, dp_size: int, *, uniform: bool = False
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """This rank's micro-batches for optimizer step ``step`` (an empty list if its share is empty)."""
+        """This rank's micro-batches for optimizer step ``step``: its share cut into micro-batches of at most
+        ``micro_batch`` samples (none for an empty share); with ``uniform``, as many as every other rank has
+        (:func:`micro_batch_sizes`)."""
         share = rank_slice(global_batch, dp_rank, dp_size)
         first = step * global_batch + share.start
-        return [
-            self.batch(first + off, min(micro_batch, len(share) - off)) for off in range(0, len(share), micro_batch)
-        ]
+        sizes = (micro_batch_sizes(len(share), global_batch, micro_batch, dp_size) if uniform
+                 else [min(micro_batch, len(share) - off) for off in range(0, len(share), micro_batch)])
+        out, at = [], first
+        for n in sizes:
+            out.append(self.batch(at, n))
+            at += n
+        return out
 
 
 class TextDataset(StepSampled):
@@ -121,7 +139,7 @@ class TextDataset(StepSampled):
 
     def batch(self, first: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Inputs and next-token targets for global samples ``first .. first + count - 1``: (count, seq_len)."""
-        starts = torch.tensor(self.sample_ids(first, count)) * self.seq_len
+        starts = torch.tensor(self.sample_ids(first, count), dtype=torch.long) * self.seq_len
         offsets = torch.arange(self.seq_len + 1)
         windows = self.tokens[starts[:, None] + offsets[None, :]]
         return windows[:, :-1], windows[:, 1:]

@@ -108,7 +108,7 @@ class DCGroups:
 
     def __init__(
         self, layout: DCLayout, rank: int, *, backend: str | None = None,
-        world_ranks: tuple[int, ...] | None = None,
+        world_ranks: tuple[int, ...] | None = None, segment_groups: bool = True,
     ) -> None:
         if world_ranks is None:
             if dist.get_world_size() != layout.world_size:
@@ -121,7 +121,8 @@ class DCGroups:
         self.rank = rank
         self.world_ranks = world_ranks or tuple(range(layout.world_size))
         self.mp_norm: ModelParallelNorm | None = None
-        self.world, intra, inter = make_groups(layout, self.world_ranks, backend=backend)
+        self._owner_groups: list[dist.ProcessGroup] = []
+        self.world, intra, inter = make_groups(layout, self.world_ranks, backend=backend, segments=segment_groups)
         self.intra_dc = intra[layout.dc_of(rank)]
         self.inter_dc: dict[Segment, dist.ProcessGroup] = {
             seg: group for seg, group in inter.items() if rank in seg.owners
@@ -143,24 +144,69 @@ class DCGroups:
     def num_dcs(self) -> int:
         return self.layout.num_dcs
 
+    @property
+    def has_siblings(self) -> bool:
+        """This layout is one data-parallel group among several (tensor/pipeline parallelism): the others' ranks
+        make their own groups at the same time."""
+        return self.world_ranks != tuple(range(dist.get_world_size()))
+
+    def owner_groups(self, owner_tuples: list[tuple[int, ...]]) -> dict[tuple[int, ...], dist.ProcessGroup]:
+        """Groups for the holder tuples an engine's inter-DC pieces name (:func:`make_owner_groups`), made now
+        and destroyed with the others. Every rank of the layout calls it with the same tuples in the same order;
+        with siblings every rank of the default group calls it (collective: the siblings' tuples differ, as their
+        parameters do, and every rank makes every group)."""
+        if self.has_siblings:
+            return self._owner_groups_with_siblings(owner_tuples)
+        made = make_owner_groups(owner_tuples, self.world_ranks)
+        mine = {owners: g for owners, g in made.items() if self.rank in owners}
+        self._owner_groups.extend(mine.values())
+        return mine
+
+    def _owner_groups_with_siblings(self, owner_tuples: list[tuple[int, ...]]) -> dict[tuple[int, ...], dist.ProcessGroup]:
+        as_world = {tuple(self.world_ranks[r] for r in owners): owners for owners in owner_tuples}
+        everyone: list[object] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, sorted(as_world))
+        union = sorted({tuple(t) for part in everyone for t in part})  # type: ignore[union-attr]
+        made = {t: new_group(list(t)) for t in union}
+        mine = {as_world[t]: g for t, g in made.items() if t in as_world and self.rank in as_world[t]}
+        self._owner_groups.extend(mine.values())
+        return mine
+
     def destroy(self) -> None:
-        for group in {self.world, self.intra_dc, *self.inter_dc.values()}:
-            if group is not None and group is not dist.group.WORLD:
-                dist.destroy_process_group(group)
+        """Destroy every group this rank made, in one order on every rank (NCCL needs the communicators of a
+        node destroyed in the same order by all its processes: a set's order differs per process)."""
+        ordered = [*self.inter_dc.values(), *self._owner_groups, self.intra_dc, self.world]
+        seen: set[int] = set()
+        for group in ordered:
+            if group is None or group is dist.group.WORLD or id(group) in seen:
+                continue
+            seen.add(id(group))
+            dist.destroy_process_group(group)
+        self._owner_groups = []
 
 
 def make_groups(
-    layout: DCLayout, world_ranks: tuple[int, ...], *, backend: str | None = None
+    layout: DCLayout, world_ranks: tuple[int, ...], *, backend: str | None = None, segments: bool = True
 ) -> tuple[dist.ProcessGroup, dict[str, dist.ProcessGroup], dict[Segment, dist.ProcessGroup]]:
-    """(all ranks, per-DC, per-segment) groups of ``layout``. Every rank of the default group must call this
-    for every layout, in the same order, even for layouts it is not in (torch.distributed's rule)."""
+    """(all ranks, per-DC, per-segment) groups of ``layout``; ``segments=False``: no per-segment groups (an
+    engine whose inter-DC pieces are not the layout's segments makes its own, :func:`make_owner_groups`). Every
+    rank of the default group must call this for every layout, in the same order, even for layouts it is not in
+    (torch.distributed's rule)."""
     whole = world_ranks == tuple(range(dist.get_world_size()))
     world = dist.group.WORLD if whole else new_group(world_ranks, backend=backend)
     intra = {
         dc: new_group([world_ranks[r] for r in layout.ranks_in(dc)], backend=backend) for dc in layout.dcs
     }
     inter: dict[Segment, dist.ProcessGroup] = {}
-    if layout.num_dcs > 1:
+    if layout.num_dcs > 1 and segments:
         for seg in layout.segments:
             inter[seg] = new_group([world_ranks[r] for r in seg.owners], backend=backend)
     return world, intra, inter
+
+
+def make_owner_groups(
+    owner_tuples: list[tuple[int, ...]], world_ranks: tuple[int, ...], *, backend: str | None = None
+) -> dict[tuple[int, ...], dist.ProcessGroup]:
+    """One group per tuple of layout ranks (one per datacenter) that sum a piece of a parameter together. Every
+    rank of the default group calls this with the same tuples in the same order."""
+    return {owners: new_group([world_ranks[r] for r in owners], backend=backend) for owners in owner_tuples}

@@ -184,6 +184,4 @@ def restore_latest(directory: str, expected: dict[str, Any], model: nn.Module, e
 def load_weights(model: nn.Module, engine: GradientSync, params: dict[str, torch.Tensor]) -> None:
     """Copy whole parameters into ``model`` once the engine's communication in flight has finished."""
     engine.synchronize()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(params[name].reshape(p.shape))
+    engine.load_weights(model, params)

@@ -30,11 +30,9 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from meridian.workers.contracts.config import TrainConfig
 from meridian.workers.contracts.model_config import ModelFamily
@@ -45,13 +43,11 @@ from meridian.workers.elastic.protocol import KEEP_SNAPSHOTS, RESTART_EXIT_CODE
 from meridian.workers.elastic.rendezvous import JobFinished, Rendezvous
 from meridian.workers.elastic.sockets import shut_down_tcp_sockets
 from meridian.workers.elastic.state_exchange import rebuild_state
+from meridian.workers.loop.prepared import freeze_long_lived
 from meridian.workers.loop.replica import Membership, Replica
 from meridian.workers.loop.train import EpochOutcome, ProgressSink, TrainingLoop, TrainResult
-from meridian.workers.parallel.dims import ParallelDims
-from meridian.workers.state.model_parallel_weights import save_model_parallel_weights
 from meridian.workers.state.replica_state import IncompleteState, LocalShard
 from meridian.workers.state.snapshots import SnapshotStore
-from meridian.workers.sync.build import GradientSync
 
 __all__ = ["ElasticTrainer", "is_peer_failure"]  # is_peer_failure: the type-based test, re-exported
 
@@ -103,10 +99,6 @@ class Suspended(Exception):  # noqa: N818 - not an error: the epoch's way out wh
         self.step = step
 
 
-class ModelParallelNotElastic(RuntimeError):
-    """A tensor/pipeline-parallel job lost a worker: it cannot re-form (yet)."""
-
-
 class OnPeerFailure(enum.Enum):
     """What a rank does when a peer's failure ends its epoch."""
 
@@ -145,8 +137,6 @@ class ElasticTrainer:
         self.failures = FailureJudge()
         """Tells a lost peer from this job's own error, by type (:mod:`meridian.workers.elastic.failures`)."""
         self._assignment: Assignment | None = None
-        self._frozen = False
-        """What lived before this process's first epoch is frozen (:meth:`collect_last_epoch`)."""
         self.on_recovery = on_recovery or (lambda: None)
         """Called when this process joins again after a peer's failure (its agent counts the job's recoveries)."""
         self.before_exit = before_exit or (lambda: None)
@@ -248,26 +238,12 @@ class ElasticTrainer:
         self._assignment = a
         try:
             self._formed_at = time.monotonic()
-            if not self._frozen:
-                # What lives before the first epoch (torch, the training stack, the datasets) lives as long as the
-                # process: the collections after a re-formation (:meth:`collect_last_epoch`) need not walk it.
-                gc.freeze()
-                self._frozen = True
+            # What lives before the first epoch (torch, the training stack, the datasets) lives as long as the
+            # process: the collections after a re-formation (:meth:`collect_last_epoch`) need not walk it.
+            freeze_long_lived()
             self.rdzv.form(a)
             m = Membership(epoch=a.epoch, rank=a.rank, world_size=a.world_size, datacenters=a.datacenters,
                            snapshot_every=a.snapshot_every)
-            if self.cfg.parallel.model_parallel > 1:
-                # Tensor/pipeline-parallel jobs train in one epoch: their in-memory state is not pooled across a
-                # re-formation yet, so after a loss they stop with a reason instead of resuming wrongly. They
-                # neither snapshot nor watch for newcomers (a newcomer waits for the job's end).
-                if a.epoch > 1 or a.resume_step > 0:
-                    raise ModelParallelNotElastic(
-                        f"a job with tensor/pipeline parallelism (tp={self.cfg.parallel.tp}, pp={self.cfg.parallel.pp}) "
-                        "cannot resume after losing a worker yet, and writes no checkpoint to resume from (only its "
-                        "final weights): resubmit it, or run it with tp=1, pp=1 to make it elastic and to let "
-                        "checkpoint.interval_steps keep its progress"
-                    )
-                return self._run_model_parallel_epoch(m)
             watch = PendingChangeWatch(self.rdzv) if a.rank == 0 else None
             return self.loop.run_epoch(m, ElasticState(self, a, watch, self._formed_at))
         except Exception as e:
@@ -277,30 +253,6 @@ class ElasticTrainer:
         finally:
             if watch is not None:
                 watch.close()
-
-
-    def _run_model_parallel_epoch(self, m: Membership) -> EpochOutcome:
-        """One epoch of a tensor/pipeline-parallel job; with a checkpoint dir, replica 0's ranks write their
-        slices after the last step into one checkpoint (:mod:`meridian.workers.state.model_parallel_weights`:
-        weights only, such a job does not resume from it), so its final weights export like a data-parallel
-        job's."""
-        keep = self.loop.keep_params
-        self.loop.keep_params = keep or bool(self.cfg.checkpoint_dir)
-        try:
-            outcome = self.loop.run_epoch(m)
-        finally:
-            self.loop.keep_params = keep
-        if not (outcome.finished and self.cfg.checkpoint_dir):
-            return outcome
-        assert outcome.result is not None
-        coords = ParallelDims(self.cfg.parallel.tp, self.cfg.parallel.pp, m.datacenters).coords(m.rank)
-        save_model_parallel_weights(self.cfg.checkpoint_dir, outcome.result.final_params, rank=m.rank,
-                                    replica=coords.replica, stage=coords.stage, tp_rank=coords.tp_rank,
-                                    tp=self.cfg.parallel.tp, step=self.cfg.steps, fingerprint=fingerprint(self.cfg))
-        dist.barrier()  # rank 0 publishes the folder after the others wrote: none finishes before (job_finished)
-        if not keep:
-            outcome = EpochOutcome(finished=True, result=replace(outcome.result, final_params=None))
-        return outcome
 
 
 class ElasticState:
@@ -324,7 +276,7 @@ class ElasticState:
         its own shard of that step, so a failure before the next step still resumes from memory."""
         assert replica.model is not None and replica.engine is not None
         began = time.monotonic()
-        start = self._load_state(replica.model, replica.engine)
+        start = self._load_state(replica)
         self.snapshots.discard_after(start)
         self.keep(replica.engine.local_shard(start))
         if self.a.suspend and self.cfg.checkpoint_dir:
@@ -399,13 +351,14 @@ class ElasticState:
         else:
             shard = replica.engine.local_shard(step)
             ready = self._copies_done()
-        shapes = {n: p.shape for n, p in replica.model.named_parameters()}
+        shapes = replica.full_shapes()
         self.checkpoints.save(shard, rank=self.a.rank, datacenter=self.a.datacenters[self.a.rank], shapes=shapes,
                               ready=ready)
 
-    def _load_state(self, model: torch.nn.Module, engine: GradientSync) -> int:
-        a = self.a
-        shapes = {n: p.shape for n, p in model.named_parameters()}
+    def _load_state(self, replica: Replica) -> int:
+        a, model, engine = self.a, replica.model, replica.engine
+        assert model is not None and engine is not None
+        shapes = replica.full_shapes()  # the whole model's, on every rank: every rank plans the same exchange
         if a.epoch > 1 and not a.from_checkpoint:
             try:  # every rank pools the same offers → the same decision
                 state = rebuild_state(self.snapshots.get_packed(a.resume_step), dc=a.datacenters[a.rank],

@@ -5,6 +5,7 @@ from __future__ import annotations
 from contextlib import AbstractContextManager, nullcontext
 
 import torch
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from meridian.workers.contracts.config import Precision
 
@@ -24,3 +25,12 @@ def autocast_context(precision: Precision, device: torch.device) -> AbstractCont
     if resolve_precision(precision, device) is Precision.BF16:
         return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
     return nullcontext()
+
+
+def mixed_precision(precision: Precision, device: torch.device) -> MixedPrecisionPolicy:
+    """FSDP2's policy for ``precision`` on ``device``: for bf16, parameters cast to bf16 for forward and backward,
+    gradients reduced in fp32 into the fp32 shards the optimizer steps (no autocast then); fp32 throughout
+    otherwise."""
+    if resolve_precision(precision, device) is Precision.BF16:
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()

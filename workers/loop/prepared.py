@@ -10,6 +10,8 @@ weights and torch's generators as ``torch.manual_seed(seed); build_model(cfg)`` 
 
 from __future__ import annotations
 
+import gc
+
 import torch
 from torch import nn
 
@@ -47,6 +49,20 @@ def initial_model(cfg: ModelConfig, seed: int) -> nn.Module:
     return build_model(cfg)
 
 
+_frozen = False
+
+
+def freeze_long_lived() -> None:
+    """Move what lives now into the collector's permanent generation (:func:`gc.freeze`), once per process: torch,
+    the training stack and the datasets live as long as the process, so the collections after a re-formation need
+    not walk them. An epoch's model must not be among them: what it holds in cycles (FSDP2's state, its meshes and
+    their process groups) would never be freed."""
+    global _frozen
+    if not _frozen:
+        gc.freeze()
+        _frozen = True
+
+
 def prepare(cfg: TrainConfig) -> None:
     """Make the job's datasets and (a data-parallel job's, up to :data:`PREBUILD_MAX_BYTES`) its initial model
     now, for the epochs this process will train."""
@@ -54,6 +70,7 @@ def prepare(cfg: TrainConfig) -> None:
     for split in ("train", "eval") if cfg.validation is not None else ("train",):
         _datasets[(cfg.data, cfg.model.seq_len, cfg.seed, split)] = make_dataset(cfg.data, cfg.model.seq_len, cfg.seed,
                                                                                   split=split)
+    freeze_long_lived()  # before the model: it is the first epoch's, not the process's
     if cfg.parallel.model_parallel > 1 or 4 * cfg.model.num_params > PREBUILD_MAX_BYTES:
         return  # a tensor/pipeline-parallel rank builds its slice of the model, not the whole
     torch.manual_seed(cfg.seed)

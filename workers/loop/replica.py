@@ -26,13 +26,17 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 from meridian.workers.contracts.config import TrainConfig
 from meridian.workers.data.shards import Dataset
 from meridian.workers.distributed.layout import DCGroups, DCLayout
-from meridian.workers.loop.precision import autocast_context
+from meridian.workers.loop.precision import autocast_context, mixed_precision
 from meridian.workers.loop.prepared import initial_model
-from meridian.workers.sync.build import GradientSync, build_sync
+from meridian.workers.parallel.fsdp import dc_mesh
+from meridian.workers.parallel.parallelize import Parallelize, prepare_blocks
+from meridian.workers.sync.build import GradientSync, build_sync, runs_on_fsdp
 from meridian.workers.wan.collectives import WanEmulator, agree_key, cleanup
 from meridian.workers.wan.file_names import job_key_prefix
 
@@ -70,6 +74,9 @@ class Replica(ABC):
     """This rank's part of the model and everything that trains it, for one epoch."""
 
     reports_loss: bool = True
+    uniform_micro_batches: bool = False
+    """Every rank runs as many micro-batches a step (some shorter, or empty): sharded parameters are gathered
+    and reduced inside a datacenter once per micro-batch (FSDP2)."""
 
     def __init__(self, cfg: TrainConfig, membership: Membership, device: torch.device) -> None:
         self.cfg, self.m, self.device = cfg, membership, device
@@ -103,10 +110,20 @@ class Replica(ABC):
         """Inter-DC bytes of the last step that the engine's stats do not count (pipeline traffic)."""
         return 0
 
-    def parameters(self) -> dict[str, torch.Tensor]:
-        """CPU copies of this rank's parameters (synchronize the engine first)."""
+    def full_shapes(self) -> dict[str, torch.Size]:
+        """Every parameter of the whole model and its shape (what snapshots and checkpoints cover), the same on
+        every rank."""
         assert self.model is not None
-        return {name: p.detach().cpu().clone() for name, p in self.model.named_parameters()}
+        return {name: p.shape for name, p in self.model.named_parameters()}
+
+    def parameters(self) -> dict[str, torch.Tensor]:
+        """CPU copies of this rank's parameters, whole where they are sharded (synchronize the engine first;
+        collective inside the DC then: every rank calls it)."""
+        assert self.model is not None
+        for module in self.model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()  # a unit still gathered since its forward (the root) shows its compute-dtype copy
+        return {name: _whole(p).detach().cpu().clone() for name, p in self.model.named_parameters()}
 
     def close(self, *, ok: bool) -> None:
         """The one clean-up path: after the last step (``ok``) or after a failure, whatever was built so far."""
@@ -134,13 +151,21 @@ class Replica(ABC):
             cleanup(self.key)
 
 
+def _whole(p: torch.Tensor) -> torch.Tensor:
+    """``p`` itself, or the whole tensor of a sharded (DTensor) parameter."""
+    return p.full_tensor() if isinstance(p, DTensor) else p
+
+
 class DataParallelReplica(Replica):
     """The whole model on every rank; the engine syncs gradients over all of them (:mod:`meridian.workers.sync`)."""
 
     def build(self) -> None:
         cfg, m = self.cfg, self.m
         layout = DCLayout(m.datacenters)
-        self.groups = groups = DCGroups(layout, m.rank)
+        # FSDP2's inter-DC pieces are its own (per parameter row): it makes the groups for them
+        fsdp = runs_on_fsdp(cfg.sync)
+        self.uniform_micro_batches = fsdp
+        self.groups = groups = DCGroups(layout, m.rank, segment_groups=not fsdp)
         self.model = initial_model(cfg.model, cfg.seed).to(self.device)  # built ahead by a standby, or now
         emulator = None
         if cfg.wan is not None and layout.num_dcs > 1:  # every inter-DC collective waits for the emulated link
@@ -150,8 +175,17 @@ class DataParallelReplica(Replica):
         # A re-formed epoch's restore sets every rank's weights (the survivors' shards or the checkpoint; failing
         # both, every rank restarts from the same seeded build): rank 0's broadcast would only cost a round of the
         # whole job, across the inter-DC link too (a 1B model: 4 GB through it).
+        # Activation checkpointing and compile per block, then FSDP2 with the job's mixed precision
+        # (:mod:`meridian.workers.parallel.parallelize`); the engines not on FSDP2 take the blocks as prepared here
+        shard = None
+        if runs_on_fsdp(cfg.sync, groups):
+            shard = Parallelize(dp_mesh=dc_mesh(groups.intra_dc, self.device), compile=cfg.compile,
+                                activation_checkpointing=cfg.activation_checkpointing,
+                                mp_policy=mixed_precision(cfg.precision, self.device))  # fmt: skip
+        else:
+            prepare_blocks(self.model, cfg.activation_checkpointing, cfg.compile)
         self.engine = build_sync(self.model, groups, cfg.sync, cfg.optim, emulator=emulator,
-                                 broadcast_params=m.epoch <= 1)
+                                 broadcast_params=m.epoch <= 1, shard=shard)
 
     def forward_backward(self, batches: Batches) -> torch.Tensor:
         cfg, device, engine = self.cfg, self.device, self.engine

@@ -19,17 +19,19 @@ from meridian.workers.model.causal_lm import CausalLM, per_sample_loss
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.n_heads = cfg.n_heads
+        self.head_dim = cfg.head_dim
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape  # (batch, time, d_model)
-        q, k, v = self.qkv(x).split(d, dim=2)
-        # (b, t, d) → (b, heads, t, d/heads)
-        q, k, v = (z.view(b, t, self.n_heads, d // self.n_heads).transpose(1, 2) for z in (q, k, v))
+        b, t = x.shape[:2]  # (batch, time, d_model)
+        # the heads this module holds (all of them; a tensor-parallel rank's share): q, k, v each (b, t, h·hd)
+        q, k, v = self.qkv(x).chunk(3, dim=2)
+        # (b, t, h·hd) → (b, h, t, hd)
+        heads = q.shape[-1] // self.head_dim  # from the width, not -1: an empty micro-batch has none to infer
+        q, k, v = (z.reshape(b, t, heads, self.head_dim).transpose(1, 2) for z in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(b, t, d))
+        return self.proj(y.transpose(1, 2).reshape(b, t, heads * self.head_dim))
 
 
 class MLP(nn.Module):

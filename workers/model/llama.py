@@ -46,11 +46,12 @@ def attend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, kv_heads: int, theta: float
 ) -> torch.Tensor:
     """Causal attention of projected (b, t, heads·hd) queries and (b, t, kv_heads·hd) keys and values, with
-    RoPE; returns (b, t, heads·hd). Also the tensor-parallel path's, with this rank's heads."""
-    b, t, _ = q.shape
-    q = q.view(b, t, heads, -1).transpose(1, 2)
-    k = k.view(b, t, kv_heads, -1).transpose(1, 2)
-    v = v.view(b, t, kv_heads, -1).transpose(1, 2)
+    RoPE; returns (b, t, heads·hd)."""
+    b, t, width = q.shape
+    hd = width // heads  # explicit, not -1: an empty micro-batch (b = 0) has no size to infer it from
+    q = q.view(b, t, heads, hd).transpose(1, 2)
+    k = k.view(b, t, kv_heads, hd).transpose(1, 2)
+    v = v.view(b, t, kv_heads, hd).transpose(1, 2)
     cos, sin = rope_tables(t, q.shape[-1], theta, q.device)
     cos, sin = cos.to(q.dtype), sin.to(q.dtype)
     q = q * cos + _rotate_half(q) * sin
@@ -59,7 +60,7 @@ def attend(
         k = k.repeat_interleave(heads // kv_heads, dim=1)
         v = v.repeat_interleave(heads // kv_heads, dim=1)
     y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    return y.transpose(1, 2).reshape(b, t, -1)
+    return y.transpose(1, 2).reshape(b, t, heads * hd)
 
 
 class Attention(nn.Module):

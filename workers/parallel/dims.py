@@ -3,24 +3,29 @@
 :class:`ParallelDims` is pure data (no torch.distributed), checked once, in the spirit of torchtitan's
 ``ParallelDims``: world ranks are ordered (pipeline stage, data-parallel replica, tensor-parallel rank) with
 the tensor-parallel rank fastest — the order the planner places ranks in — so a TP group is consecutive
-ranks on one node, and a replica's stages may sit in different datacenters.
+ranks on one node, and a replica's stages may sit in different datacenters. Replicas are numbered in
+datacenter order, so the layout reads pp × dc × dp × tp, outermost first.
 
-:class:`ParallelGroups` builds the process groups one rank needs: its TP group, its *model-parallel* group
-(every rank of its replica, for the gradient norm), and the :class:`DCGroups` of its *data-parallel* group —
-the ranks holding the same (stage, TP rank) coordinates in every replica, whose gradients the hierarchical
-sync reduces within and across datacenters exactly as it does without model parallelism.
+:class:`ParallelGroups` builds the process groups one rank needs: its TP group, its pipeline group (the
+stages of its replica with its TP rank, whose boundaries exchange activations), its *model-parallel* group
+(every rank of its replica, for the gradient norm), the :class:`DCGroups` of its *data-parallel* group —
+the ranks holding the same (stage, TP rank) coordinates in every replica, which FSDP2 shards over inside a
+datacenter and the hierarchical sync sums across datacenters — and the device meshes FSDP2 and DTensor run
+on: ``dp`` (this datacenter's replicas) and ``tp``, two dimensions of one mesh.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from meridian.workers.distributed.groups import new_group
 from meridian.workers.distributed.layout import DCGroups, DCLayout, make_groups
 from meridian.workers.distributed.mp_norm import ModelParallelNorm
-from meridian.workers.parallel.tensor_parallel import tp_split
+from meridian.workers.parallel.fsdp import dc_mesh
 
 
 @dataclass(frozen=True)
@@ -91,61 +96,67 @@ class ParallelDims:
     def dp_layout(self, stage: int, tp_rank: int) -> DCLayout:
         return DCLayout(tuple(self.datacenters[r] for r in self.dp_ranks(stage, tp_rank)))
 
-    def stage_neighbours(self, rank: int) -> tuple[int | None, int | None]:
-        """World ranks of the previous and next pipeline stage of ``rank`` (same replica and TP rank)."""
-        c = self.coords(rank)
-        prev = self.rank_of(c.stage - 1, c.replica, c.tp_rank) if c.stage > 0 else None
-        nxt = self.rank_of(c.stage + 1, c.replica, c.tp_rank) if c.stage < self.pp - 1 else None
-        return prev, nxt
+    def stage_ranks(self, replica: int, tp_rank: int) -> tuple[int, ...]:
+        """The ranks of every pipeline stage of ``replica`` with TP rank ``tp_rank``, in stage order."""
+        return tuple(self.rank_of(s, replica, tp_rank) for s in range(self.pp))
 
 
 class ParallelGroups:
-    """The process groups of one rank. Every rank builds every group in the same order (torch's rule)."""
+    """The process groups and device meshes of one rank. Every rank builds every group in the same order (torch's
+    rule), the groups of the (stage, TP rank) positions it is not in included."""
 
-    def __init__(self, dims: ParallelDims, rank: int, *, backend: str | None = None) -> None:
+    def __init__(self, dims: ParallelDims, rank: int, *, device: torch.device, backend: str | None = None) -> None:
         if dist.get_world_size() != dims.world_size:
             raise ValueError(f"layout has {dims.world_size} ranks but the process group has {dist.get_world_size()}")
         self.dims = dims
         self.rank = rank
-        self.coords = dims.coords(rank)
-        c = self.coords
+        self.coords = c = dims.coords(rank)
+        # 1) tensor parallelism: the ranks of one (stage, replica), on one node
         self.tp_group: dist.ProcessGroup | None = None
         for stage in range(dims.pp):
             for replica in range(dims.dp):
                 g = new_group(dims.tp_ranks(stage, replica), backend=backend) if dims.tp_enabled else None
                 if (stage, replica) == (c.stage, c.replica):
                     self.tp_group = g
+        # 2) pipeline parallelism: the stages of one (replica, TP rank), in stage order
+        self.pp_group: dist.ProcessGroup | None = None
+        for replica in range(dims.dp):
+            for tp_rank in range(dims.tp):
+                g = new_group(dims.stage_ranks(replica, tp_rank), backend=backend) if dims.pp > 1 else None
+                if (replica, tp_rank) == (c.replica, c.tp_rank):
+                    self.pp_group = g
+        # 3) the whole replica (the gradient norm's last sum), one rank per (stage, TP rank)
         mp_group = None
         for replica in range(dims.dp):
             g = new_group(dims.replica_ranks(replica), backend=backend)
             if replica == c.replica:
                 mp_group = g
-        self._extra = [g for g in (self.tp_group, mp_group) if g is not None]
+        assert mp_group is not None
+        self._extra = [g for g in (self.tp_group, self.pp_group, mp_group) if g is not None]
+        # 4) data parallelism: the ranks holding the same (stage, TP rank) in every replica, by datacenter
         self.dp: DCGroups | None = None
         for stage in range(dims.pp):
             for tp_rank in range(dims.tp):
                 ranks = dims.dp_ranks(stage, tp_rank)
                 if (stage, tp_rank) == (c.stage, c.tp_rank):
-                    self.dp = DCGroups(dims.dp_layout(stage, tp_rank), c.replica, backend=backend, world_ranks=ranks)
-                else:
-                    # Not ours, but every rank must take part in creating it.
-                    make_groups(dims.dp_layout(stage, tp_rank), ranks, backend=backend)
-        assert self.dp is not None and mp_group is not None
-        tp_rank = c.tp_rank
-        # A parameter sliced across TP ranks counts everywhere; a replicated one on TP rank 0 only.
-        self.dp.mp_norm = ModelParallelNorm(
-            mp_group, lambda name: tp_rank == 0 or tp_split(name) is not None
-        )
-
-
-    @property
-    def is_last_stage(self) -> bool:
-        return self.coords.stage == self.dims.pp - 1
-
-    @property
-    def reports_loss(self) -> bool:
-        """One rank per replica adds its loss to the step's global loss: TP rank 0 of the last stage."""
-        return self.is_last_stage and self.coords.tp_rank == 0
+                    self.dp = DCGroups(dims.dp_layout(stage, tp_rank), c.replica, backend=backend, world_ranks=ranks,
+                                       segment_groups=False)  # fmt: skip
+                else:  # not ours, but every rank must take part in creating it
+                    make_groups(dims.dp_layout(stage, tp_rank), ranks, backend=backend, segments=False)
+        assert self.dp is not None
+        self.dp.mp_norm = ModelParallelNorm(mp_group, tp_rank=c.tp_rank)
+        # 5) meshes: FSDP2 over this datacenter's replicas, tensor parallelism over the TP ranks (one 2-D mesh, as
+        # FSDP2 and DTensor compose only on the dimensions of one mesh)
+        self.tp_mesh: DeviceMesh | None = None
+        if dims.tp_enabled:
+            assert self.tp_group is not None
+            replicas = self.dp.layout.ranks_in(self.dp.dc)  # this datacenter's replicas, in order
+            mesh = torch.tensor([list(dims.tp_ranks(c.stage, d)) for d in replicas])
+            both = DeviceMesh.from_group([self.dp.intra_dc, self.tp_group], device.type, mesh=mesh,
+                                         mesh_dim_names=("dp", "tp"))  # fmt: skip
+            self.dp_mesh, self.tp_mesh = both["dp"], both["tp"]
+        else:
+            self.dp_mesh = dc_mesh(self.dp.intra_dc, device)
 
     def destroy(self) -> None:
         assert self.dp is not None

@@ -1,208 +1,166 @@
-"""Pipeline parallelism: micro-batches through the stages of one replica, GPipe or 1F1B, over send/recv.
+"""Pipeline parallelism with ``torch.distributed.pipelining``: this rank's model chunks and the schedule that runs
+a step's micro-batches through every replica's stages.
 
-One optimizer step on stage ``s`` of ``pp`` with ``m`` micro-batches::
+A replica's blocks are cut into ``stages = pp × virtual_stages`` consecutive stages (:func:`stage_layers`); stage
+``g`` runs on pipeline rank ``g mod pp`` (torch's looped placement), so with virtual stages rank ``s`` holds the
+chunks ``s, s + pp, …`` and interleaved 1F1B runs them. One optimizer step::
 
-    gpipe: F0 F1 … F(m-1)  B0 B1 … B(m-1)
-    1f1b:  F0 … F(w-1)  then F(w) B0, F(w+1) B1, …  then the remaining B      (w = min(pp - s - 1, m))
+    schedule.step      every micro-batch: forward through the stages, the last one's loss (its share of the
+                       global-batch mean: gradients are summed, never scaled by the schedule), backward; the
+                       schedule keeps FSDP2 from reducing until the last micro-batch's backward, then reduces
+                       each chunk's gradients (FSDP2's reduce-scatter inside the datacenter, whose hook starts the
+                       engine's inter-DC sum: :mod:`meridian.workers.sync.fsdp_har`)
 
-F(i): receive micro-batch i's hidden states from stage s-1 (the first stage embeds tokens), run this
-stage, send the output to stage s+1 (the last stage computes the loss). B(i): receive the gradient of that
-output from stage s+1, backward, send the input's gradient to stage s-1. Both schedules have the same
-bubble, (pp - 1) / (m + pp - 1) of the step; 1F1B keeps at most pp - s micro-batches of activations instead
-of m (Narayanan et al. 2021, "Efficient large-scale language model training on GPU clusters", §2.2).
-Backwards run in micro-batch order in both schedules, so B(m-1) is the last one and the sync engine's
-``last_micro_batch`` (which starts the data-parallel gradient sync) means the same everywhere.
+Stage boundaries exchange hidden states forward and their gradients backward, point to point between the ranks of
+one replica with the same tensor-parallel rank (with sequence parallelism each sends its shard of the sequence).
+When the two ranks sit in different datacenters these messages cross the inter-DC link: :class:`CountingStage`
+counts the bytes of every tensor it sends across one. The schedules own the backward call; FSDP2's hooks are what
+the hierarchical sync needs of it, so nothing of Meridian's runs inside them.
 
-Messages go out as one ``batch_isend_irecv`` per pipeline tick: a send is queued and issued together with
-the stage's next receive (or at the end of the step), and only the receives are waited for. Before a stage
-blocks, every send it has produced is therefore in flight, so no stage can wait on a peer that waits on it;
-on NCCL the tick's sends and receives form one group, as NCCL requires of paired point-to-point calls in
-both directions (unbatched ``isend`` and blocking ``recv`` can deadlock there). Each device type gets its own
-batch (the WAN emulator's arrival times are CPU tensors, for gloo, beside CUDA activations for NCCL). Why hand-written rather than ``torch.distributed.pipelining``:
-its schedules own the backward call, and the hierarchical sync needs to wrap the last micro-batch's
-backward (:meth:`GradientSync.backward`) to overlap the inter-DC sync with it. Across datacenters each
-message goes through the WAN emulator (arrival time booked on the shared link, sent ahead of the data).
+:class:`StageModel` holds this rank's chunks with the whole model's parameter names (``blocks.<i>`` of its own
+blocks, ``tok_emb`` on the first stage, ``ln_f`` and ``head`` on the last), so optimizer state, snapshots and
+checkpoints name parameters as a one-process job does.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
-from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-from meridian.workers.contracts.config import PipelineSchedule
-from meridian.workers.model.gpt import per_sample_loss
-from meridian.workers.sync.engine import GradientSync
-from meridian.workers.wan.emulator import WanEmulator, p2p_cost, sleep_until
-
-
-@dataclass
-class _InFlight:
-    inp: torch.Tensor
-    out: torch.Tensor  # hidden states (or this micro-batch's loss share on the last stage)
+from meridian.workers.contracts.config import ParallelConfig, PipelineSchedule
+from meridian.workers.model.causal_lm import per_sample_loss
 
 
-class StageRunner:
-    """Runs this rank's pipeline stage for one step at a time."""
+def stage_layers(n_layers: int, stages: int, stage: int) -> range:
+    """Blocks of pipeline stage ``stage`` of ``stages``: contiguous, counts differing by at most one, extras first."""
+    base, extra = divmod(n_layers, stages)
+    start = stage * base + min(stage, extra)
+    return range(start, start + base + (1 if stage < extra else 0))
 
-    def __init__(
-        self,
-        stage: nn.Module,
-        *,
-        prev: int | None,
-        next: int | None,  # noqa: A002 - the stage after this one
-        schedule: PipelineSchedule,
-        pp: int,
-        stage_index: int,
-        d_model: int,
-        autocast: Callable[[], AbstractContextManager[object]],
-        emulator: WanEmulator | None = None,
-    ) -> None:
-        self.stage = stage
-        self.prev, self.next = prev, next
-        self.schedule = schedule
-        self.pp, self.stage_index = pp, stage_index
-        self.d_model = d_model
-        self.autocast = autocast
-        self.emulator = emulator if emulator is not None and emulator.enabled else None
-        self._sends: list[tuple[dist.Work, object]] = []  # with the tensors they send, kept alive
-        self._queued: list[dist.P2POp] = []
-        """Sends produced since the last tick, issued with its next receives (:meth:`_exchange`)."""
 
-    # -- point to point, through the WAN emulator across datacenters ----------------------------------------------
+def rank_stages(parallel: ParallelConfig, pp_rank: int) -> list[int]:
+    """The stages pipeline rank ``pp_rank`` holds, in order: ``pp_rank, pp_rank + pp, …``."""
+    return list(range(pp_rank, parallel.stages, parallel.pp))
 
-    def _crosses(self, peer: int) -> bool:
-        emu = self.emulator
-        return emu is not None and emu.layout.dc_of(peer) != emu.layout.dc_of(emu.rank)
 
-    def _send(self, tensor: torch.Tensor, dst: int) -> None:
-        tensor = tensor.detach().contiguous()
-        if self._crosses(dst):
-            emu = self.emulator
-            assert emu is not None
-            nbytes = tensor.numel() * tensor.element_size()
-            cost = p2p_cost(emu.rank, dst, emu.layout, nbytes)
-            emu.counter.add(nbytes, cost.bytes_of(emu.rank))
-            arrival = torch.tensor([emu.book(cost, time.monotonic())], dtype=torch.float64)
-            self._queued.append(dist.P2POp(dist.isend, arrival, dst))
-        self._queued.append(dist.P2POp(dist.isend, tensor, dst))
+class Chunk(nn.Module):
+    """One pipeline stage of a model of the builtin families: its blocks, the embeddings on the first stage, the
+    final norm and head on the last. Holds the whole model's modules (shared, not copied)."""
 
-    def _recv(self, shape: tuple[int, ...], src: int, device: torch.device) -> torch.Tensor:
-        arrival = None
-        recvs = []
-        if self._crosses(src):
-            arrival = torch.empty(1, dtype=torch.float64)
-            recvs.append(dist.P2POp(dist.irecv, arrival, src))
-        buf = torch.empty(shape, dtype=torch.float32, device=device)
-        recvs.append(dist.P2POp(dist.irecv, buf, src))
-        self._exchange(recvs)
-        if arrival is not None:
-            sleep_until(float(arrival.item()))
-        return buf
+    def __init__(self, full: nn.Module, layers: range, *, first: bool, last: bool) -> None:
+        super().__init__()
+        self.cfg = full.cfg
+        self.first, self.last = first, last
+        self._embed = type(full).embed  # reads the embeddings below by the full model's attribute names
+        if first:
+            self.tok_emb = full.tok_emb
+            if hasattr(full, "pos_emb"):
+                self.pos_emb = full.pos_emb
+        self.blocks = nn.ModuleDict({str(i): full.blocks[i] for i in layers})
+        if last:
+            self.ln_f, self.head = full.ln_f, full.head
 
-    def _exchange(self, recvs: list[dist.P2POp]) -> None:
-        """One tick: the queued sends and ``recvs`` as one ``batch_isend_irecv`` per device type; returns
-        when the receives are done (the sends complete by the end of the step)."""
-        ops, self._queued = self._queued + recvs, []
-        by_type: dict[str, list[dist.P2POp]] = {}
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """First stage: (batch, time) token ids; later stages: hidden states. Returns hidden states, or
+        (batch, time, vocab) logits on the last stage."""
+        if self.first:
+            x = self._embed(self, x)
+        for block in self.blocks.values():
+            x = block(x)
+        return self.head(self.ln_f(x)) if self.last else x
+
+
+
+class StageModel(nn.Module):
+    """This rank's chunks of the model, its parameters named as in the whole model. ``chunks`` are not registered
+    as submodules (their modules are this module's own), so the names carry no chunk prefix."""
+
+    def __init__(self, full: nn.Module, stages: Sequence[int], n_stages: int) -> None:
+        super().__init__()
+        n_layers = len(full.blocks)
+        chunks = [Chunk(full, stage_layers(n_layers, n_stages, g), first=g == 0, last=g == n_stages - 1)
+                  for g in stages]  # fmt: skip
+        self.stage_ids = list(stages)
+        for name in ("tok_emb", "pos_emb", "ln_f", "head"):
+            held = [getattr(c, name) for c in chunks if hasattr(c, name)]
+            if held:
+                setattr(self, name, held[0])
+        self.blocks = nn.ModuleDict({k: b for c in chunks for k, b in c.blocks.items()})
+        self.chunks: list[Chunk] = chunks
+
+    @property
+    def has_last(self) -> bool:
+        return self.chunks[-1].last
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """The whole model, when this rank holds every stage (no pipeline): logits, or with ``targets`` each
+        sample's mean loss, as a :class:`~meridian.workers.model.causal_lm.CausalLM` answers."""
+        for chunk in self.chunks:
+            x = chunk(x)
+        return x if targets is None else per_sample_loss(x, targets)
+
+
+class CountingStage(PipelineStage):
+    """A pipeline stage that counts the bytes of the activations and gradients it sends to a rank in another
+    datacenter (``datacenters``: every world rank's)."""
+
+    def __init__(self, *args, datacenters: Sequence[str], **kwargs) -> None:  # noqa: ANN002, ANN003
+        super().__init__(*args, **kwargs)
+        self.datacenters = tuple(datacenters)
+        self.mine = self.datacenters[dist.get_rank()]
+        self.cross_dc_bytes = 0
+
+    def _count(self, ops: list[dist.P2POp]) -> list[dist.P2POp]:
         for op in ops:
-            by_type.setdefault(op.tensor.device.type, []).append(op)
-        for batch in by_type.values():
-            works = dist.batch_isend_irecv(batch)
-            if len(works) == len(batch):  # one work per operation (gloo): wait for the receives only
-                pairs = list(zip(batch, works, strict=True))
-                waits = [w for op, w in pairs if op.op is dist.irecv]
-                self._sends += [(w, op.tensor) for op, w in pairs if op.op is not dist.irecv]
-            elif any(op.op is dist.irecv for op in batch):  # one work for the coalesced group (NCCL)
-                waits = works
-            else:
-                waits = []
-                self._sends += [(w, [op.tensor for op in batch]) for w in works]
-            for w in waits:
-                w.wait()
+            if self.datacenters[op.peer] != self.mine:
+                self.cross_dc_bytes += op.tensor.numel() * op.tensor.element_size()
+        return ops
 
-    def _flush(self) -> None:
-        self._exchange([])
-        for work, _ in self._sends:
-            work.wait()
-        self._sends.clear()
+    def get_fwd_send_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
+        return self._count(super().get_fwd_send_ops(fwd_chunk_id))
 
-    # -- one step -------------------------------------------------------------------------------------------------
+    def get_bwd_send_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
+        return self._count(super().get_bwd_send_ops(bwd_chunk_id))
 
-    def _forward(self, x: torch.Tensor, y: torch.Tensor, global_batch: int, device: torch.device) -> _InFlight:
-        b, t = x.shape
-        if self.prev is None:
-            inp = x.to(device)
-        else:
-            inp = self._recv((b, t, self.d_model), self.prev, device).requires_grad_()
-        with self.autocast():
-            out = self.stage(inp)
-            if self.next is None:  # this micro-batch's share of the global-batch mean loss
-                out = per_sample_loss(out, y.to(device)).sum() / global_batch
-        if self.next is not None:
-            self._send(out.float(), self.next)
-        return _InFlight(inp, out)
 
-    def _backward(self, f: _InFlight, engine: GradientSync, last: bool) -> None:
-        if self.next is None:
-            engine.backward(f.out, last_micro_batch=last)
-        else:
-            grad = self._recv(tuple(f.out.shape), self.next, f.out.device)
-            # d(sum(out · grad))/dθ is the vector-Jacobian product out.backward(grad), through the engine.
-            engine.backward((f.out.float() * grad).sum(), last_micro_batch=last)
-        if self.prev is not None:
-            assert f.inp.grad is not None
-            self._send(f.inp.grad, self.prev)
+def build_schedule(
+    stages: list[CountingStage], parallel: ParallelConfig, n_microbatches: int,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+):  # noqa: ANN201 - torch's schedule classes share no public base
+    """The job's schedule over this rank's stages; ``loss_fn`` returns a micro-batch's share of the global-batch
+    loss (summed, not averaged: the schedule does not scale the gradients)."""
+    if parallel.schedule is PipelineSchedule.INTERLEAVED_1F1B:
+        return ScheduleInterleaved1F1B(stages, n_microbatches, loss_fn=loss_fn, scale_grads=False)
+    kind = Schedule1F1B if parallel.schedule is PipelineSchedule.ONE_F_ONE_B else ScheduleGPipe
+    (stage,) = stages
+    return kind(stage, n_microbatches, loss_fn=loss_fn, scale_grads=False)
 
-    def train_step(
-        self, engine: GradientSync, batches: list[tuple[torch.Tensor, torch.Tensor]], global_batch: int,
-        device: torch.device,
-    ) -> torch.Tensor:
-        """Forward and backward of every micro-batch; returns this stage's loss share (0 off the last stage)."""
-        m = len(batches)
-        warmup = m if self.schedule is PipelineSchedule.GPIPE else min(self.pp - self.stage_index - 1, m)
-        pending: list[_InFlight] = []
-        loss = torch.zeros((), device=device)
-        done_f = done_b = 0
 
-        def forward() -> None:
-            nonlocal done_f, loss
-            x, y = batches[done_f]
-            f = self._forward(x, y, global_batch, device)
-            if self.next is None:
-                loss = loss + f.out.detach()
-            pending.append(f)
-            done_f += 1
-
-        def backward() -> None:
-            nonlocal done_b
-            self._backward(pending.pop(0), engine, last=done_b == m - 1)
-            done_b += 1
-
-        for _ in range(warmup):
-            forward()
-        while done_f < m:  # steady state: one forward, one backward
-            forward()
-            backward()
-        while done_b < m:
-            backward()
-        self._flush()
-        return loss
-
-    @torch.no_grad()
-    def forward_only(self, x: torch.Tensor, y: torch.Tensor, device: torch.device) -> torch.Tensor:
-        """Mean loss of one batch on the last stage (0 elsewhere): evaluation."""
-        b, t = x.shape
-        inp = x.to(device) if self.prev is None else self._recv((b, t, self.d_model), self.prev, device)
-        with self.autocast():
-            out = self.stage(inp)
-        if self.next is not None:
-            self._send(out.float(), self.next)
-            self._flush()
-            return torch.zeros((), device=device)
-        return per_sample_loss(out, y.to(device)).mean()
+@torch.no_grad()
+def forward_only(
+    model: StageModel, x: torch.Tensor, *, n_stages: int, pp: int, pp_rank: int, group: dist.ProcessGroup,
+    hidden: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+) -> torch.Tensor | None:
+    """One micro-batch through every stage, forward only, stage after stage (an evaluation's: rare, so the
+    pipeline does not overlap micro-batches). ``hidden``: the shape of the hidden states a stage passes on (of
+    ``dtype``). Returns the logits on the rank holding the last stage, else ``None``."""
+    chunks = dict(zip(model.stage_ids, model.chunks, strict=True))
+    carry: torch.Tensor | None = None
+    for g in range(n_stages):
+        owner, nxt = g % pp, (g + 1) % pp
+        if owner != pp_rank:
+            if g + 1 < n_stages and nxt == pp_rank:  # the next stage is this rank's: receive its input
+                carry = torch.empty(hidden, dtype=dtype, device=device)
+                dist.recv(carry, group_src=owner, group=group)
+            continue
+        out = chunks[g](x.to(device) if g == 0 else carry)
+        if g == n_stages - 1:
+            return out
+        if nxt != pp_rank:
+            dist.send(out.to(dtype).contiguous(), group_dst=nxt, group=group)
+        carry = out
+    return None

@@ -1,8 +1,7 @@
 """Single-file checkpoints: the whole state in one ``state.pt``, written by one rank.
 
 Jobs write sharded checkpoints instead (:mod:`meridian.workers.state.sharded_checkpoint`: every rank its own
-shard, nothing gathered; a tensor/pipeline-parallel job's final weights too,
-:mod:`meridian.workers.state.model_parallel_weights`). This format remains so that checkpoints written by
+shard, nothing gathered). This format remains so that checkpoints written by
 earlier versions still resume and export. It holds the *full* model and optimizer
 state, the step and a fingerprint, so it loads into any layout. ``<dir>`` is a local folder or an fsspec URL;
 a save commits as :mod:`meridian.workers.state.storage` describes, so a crash mid-write never leaves a

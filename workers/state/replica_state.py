@@ -297,3 +297,15 @@ def _pool(
         "master": params,  # the fp32 values are the truth, also for a model held in lower precision
     }
     return params, optimizer
+
+
+def feedback_of_full_state(state: dict[str, Any]) -> tuple[FeedbackShard, ...]:
+    """The residuals a full (layout-free) state holds (:func:`~meridian.workers.state.replica_state.assemble`
+    pools them from a checkpoint), as whole-parameter pieces; ``()`` where it holds none."""
+    saved = state.get(FEEDBACK_KEY)
+    if not saved:
+        return ()
+    return tuple(
+        FeedbackShard(dc, saved["compression"], tuple(StatePiece(n, 0, t.numel(), t.reshape(-1)) for n, t in by_name.items()))
+        for dc, by_name in saved["residuals"].items()
+    )

@@ -12,14 +12,17 @@ The interface and call order are in :mod:`meridian.workers.sync.engine`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from meridian.workers.contracts.config import OptimConfig, SyncConfig, SyncStrategy
 from meridian.workers.distributed.layout import DCGroups
-from meridian.workers.optim.adamw import build_adamw
 from meridian.workers.sync.diloco import DiLoCoSync
-from meridian.workers.sync.engine import GradientSync, StepStats, broadcast_parameters
+from meridian.workers.sync.engine import GradientSync
 from meridian.workers.sync.flat import FlatSync
+from meridian.workers.sync.fsdp_har import FSDPHierarchicalSync
 from meridian.workers.sync.hierarchical import HierarchicalSync
 from meridian.workers.wan.emulator import WanEmulator
 
@@ -32,26 +35,29 @@ def build_sync(
     *,
     emulator: WanEmulator | None = None,
     broadcast_params: bool = True,
+    shard: Callable[[nn.Module], list[FSDPModule]] | None = None,
 ) -> GradientSync:
     """The engine ``sync`` asks for. Build it after the model is on its device: it takes the device from there.
 
     ``emulator`` (:mod:`meridian.workers.wan.collectives`) delays every inter-DC collective to the emulated link's pace.
     ``broadcast_params=False``: the caller sets every rank's weights itself (a re-formed epoch's restore), so the
-    hierarchical engine skips its broadcast of rank 0's (the other engines rely on the seeded build alone)."""
+    hierarchical engine skips its broadcast of rank 0's (the other engines rely on the seeded build alone).
+    ``shard``: applies FSDP2 (and what comes before it) for the engine on FSDP2
+    (:class:`~meridian.workers.parallel.parallelize.Parallelize`); the others ignore it."""
     if sync.strategy is SyncStrategy.FLAT:
         return FlatSync(model, groups, sync, optim, emulator=emulator)
     if sync.strategy.is_diloco:
         return DiLoCoSync(model, groups, sync, optim, emulator=emulator)
+    if runs_on_fsdp(sync, groups):
+        return FSDPHierarchicalSync(model, groups, sync, optim, emulator=emulator, broadcast_params=broadcast_params,
+                                    shard=shard)
     return HierarchicalSync(model, groups, sync, optim, emulator=emulator, broadcast_params=broadcast_params)
 
 
-__all__ = [
-    "DiLoCoSync",
-    "FlatSync",
-    "GradientSync",
-    "HierarchicalSync",
-    "StepStats",
-    "broadcast_parameters",
-    "build_adamw",
-    "build_sync",
-]
+def runs_on_fsdp(sync: SyncConfig, groups: DCGroups | None = None) -> bool:
+    """Whether ``sync`` trains on FSDP2 (:class:`FSDPHierarchicalSync`): hierarchical sync of a data-parallel replica
+    (exact, one step late, the look-ahead). A replicated optimizer still runs on the flat-bucket engine, as do
+    tensor/pipeline-parallel replicas (``groups.mp_norm``)."""
+    return (sync.strategy is SyncStrategy.HIERARCHICAL and sync.shard_optimizer
+            and (groups is None or groups.mp_norm is None))
+

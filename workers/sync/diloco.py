@@ -65,11 +65,12 @@ from meridian.workers.state.replica_state import (
     OuterShard,
     StatePiece,
     cut,
+    feedback_of_full_state,
     replicated_shard,
 )
 from meridian.workers.sync.diloco_schedule import FragmentSchedule, split_fragments
 from meridian.workers.sync.engine import GradientSync, StepStats
-from meridian.workers.sync.feedback_state import feedback_of_full_state, feedback_shard, load_feedback
+from meridian.workers.sync.feedback_state import feedback_shard, load_feedback
 from meridian.workers.sync.har import (
     all_gather_in_dc,
     chunks_across_dcs,

@@ -161,6 +161,13 @@ class GradientSync(ABC):
         model's weights first. Only engines with :meth:`owned_ranges` implement it."""
         raise TypeError(f"{type(self).__name__} holds the whole optimizer state: load it with load_optimizer_state")
 
+    def load_weights(self, model: nn.Module, params: dict[str, torch.Tensor]) -> None:
+        """Copy whole parameters (``params``: every parameter of ``model``, the unwrapped model this engine
+        trains, by name) into it: what this rank holds of each. Call :meth:`synchronize` first."""
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.copy_(params[name].reshape(p.shape))
+
     @abstractmethod
     def optimizer_state_nbytes(self) -> int:
         """Bytes of optimizer state held on this rank."""

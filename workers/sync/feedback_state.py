@@ -19,12 +19,11 @@ restarts them at zero. This module never communicates.
 from __future__ import annotations
 
 from collections.abc import Hashable, Mapping
-from typing import Any
 
 import torch
 
 from meridian.workers.distributed.layout import DCGroups, Segment
-from meridian.workers.state.replica_state import FEEDBACK_KEY, FeedbackShard, StatePiece, cut, host_copy
+from meridian.workers.state.replica_state import FeedbackShard, StatePiece, cut, host_copy
 from meridian.workers.sync.grad_buffer import Bucket
 from meridian.workers.sync.har import chunks_across_dcs, shard_range
 from meridian.workers.sync.inter_dc import InterDCComm
@@ -87,15 +86,3 @@ def load_feedback(
                 shard[start - lo : stop - lo] = piece.value
         for seg, c, at, n in _chunks(buf, groups, chunk_bytes):
             comm.set_residual(seg, (b, c), shard[at : at + n].clone())
-
-
-def feedback_of_full_state(state: dict[str, Any]) -> tuple[FeedbackShard, ...]:
-    """The residuals a full (layout-free) state holds (:func:`~meridian.workers.state.replica_state.assemble`
-    pools them from a checkpoint), as whole-parameter pieces; ``()`` where it holds none."""
-    saved = state.get(FEEDBACK_KEY)
-    if not saved:
-        return ()
-    return tuple(
-        FeedbackShard(dc, saved["compression"], tuple(StatePiece(n, 0, t.numel(), t.reshape(-1)) for n, t in by_name.items()))
-        for dc, by_name in saved["residuals"].items()
-    )

@@ -68,9 +68,14 @@ from meridian.workers.distributed.layout import DCGroups
 from meridian.workers.distributed.mp_norm import clip_grad_norm
 from meridian.workers.optim.adamw import build_adamw, full_state_of, load_full_state, set_lr, state_nbytes
 from meridian.workers.optim.sharded_adamw import ShardedAdamW
-from meridian.workers.state.replica_state import FeedbackShard, LocalShard, replicated_shard
+from meridian.workers.state.replica_state import (
+    FeedbackShard,
+    LocalShard,
+    feedback_of_full_state,
+    replicated_shard,
+)
 from meridian.workers.sync.engine import GradientSync, StepStats, broadcast_parameters
-from meridian.workers.sync.feedback_state import feedback_of_full_state, feedback_shard, load_feedback
+from meridian.workers.sync.feedback_state import feedback_shard, load_feedback
 from meridian.workers.sync.grad_buffer import Bucket, GradBuffer
 from meridian.workers.sync.har import (
     all_gather_in_dc,
