@@ -427,6 +427,10 @@ class FSDPHierarchicalSync(GradientSync):
                       for n, ms in state["params"].items())  # fmt: skip
         self.load_local_shard(LocalShard(0, int(state["step"]), whole, feedback=feedback_of_full_state(state)))
 
+    def exchange_buffer_nbytes(self) -> int:
+        """Bytes the inter-DC exchanges hold between steps: the receives posted ahead for the next step's sums."""
+        return self.comm.posted_nbytes
+
     def optimizer_state_nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for st in self.optimizer.state.values()
                    for t in st.values() if isinstance(t, torch.Tensor))  # fmt: skip

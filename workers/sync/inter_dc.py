@@ -126,6 +126,11 @@ class InterDCComm:
         )  # fmt: skip
 
     @property
+    def posted_nbytes(self) -> int:
+        """Bytes of the receive buffers posted ahead for the next exchanges (two datacenters only)."""
+        return self._receives.nbytes
+
+    @property
     def feedback_encoding(self) -> str | None:
         """The name saved error-feedback state carries (a ``Compression`` value, or the sparse codec's); ``None``
         where nothing is encoded, so nothing is fed back."""

@@ -90,6 +90,11 @@ class PostedReceives:
     def __len__(self) -> int:
         return len(self._posted)
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the buffers posted now (memory the exchanges hold between syncs)."""
+        return sum(b.numel() * b.element_size() for b, _ in self._posted.values())
+
 
 def add_theirs(mine: torch.Tensor, theirs: torch.Tensor) -> None:
     mine.add_(theirs)
