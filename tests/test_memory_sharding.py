@@ -4,8 +4,7 @@ FSDP2 shards parameters, gradients and optimizer state inside each datacenter an
 datacenters (:mod:`meridian.workers.sync.fsdp_har`). Counted from the tensors each rank holds after a few steps:
 4 ranks in one datacenter hold at most 0.35 of the 1-rank job's bytes each, 2 + 2 ranks in two datacenters at most
 0.6. The processes' peak RSS must show the same saving as the tensors a rank holds (these and the exchange's posted
-receives), within 25%: the sharding is real memory, not only smaller
-views of whole tensors. Each rank fixes glibc's mmap threshold at 64 KiB, so a freed tensor's pages go back to the
+receives), within 25%: the sharding is real memory, not only smaller views of whole tensors. Each rank fixes glibc's mmap threshold at 64 KiB, so a freed tensor's pages go back to the
 system (by default glibc raises the threshold after the first large free and keeps later blocks in its heap, and
 RSS then shows what the allocator retains, not what the tensors hold)."""
 
