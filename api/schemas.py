@@ -306,7 +306,10 @@ class TrainingSpec(Strict):
     seed: int = config_field(TrainConfig, "seed")
     precision: Precision = config_field(JobRequest, "precision")
     compile: bool = config_field(TrainConfig, "compile")
-    activation_checkpointing: ActivationCheckpointing = config_field(TrainConfig, "activation_checkpointing")
+    activation_checkpointing: ActivationCheckpointing | Literal["auto"] = Field(
+        AUTO, description="Per transformer block: 'none', 'selective' (matmul and attention outputs kept), 'full' "
+        "(the block recomputed in backward), or 'auto': none where the layout fits in device memory, else the "
+        "planner's choice.")
 
     def optim(self) -> OptimConfig:
         return OptimConfig(lr=self.lr, min_lr_ratio=self.min_lr_ratio, warmup_steps=self.warmup_steps,
@@ -359,15 +362,20 @@ class ParallelismSpec(Strict):
         AUTO, description="Pipeline stages: consecutive groups of layers, micro-batches flowing between them; "
         "'auto': the planner chooses.")
     schedule: PipelineSchedule = config_field(ParallelismRequest, "schedule")
-    virtual_stages: int = config_field(ParallelConfig, "virtual_stages")
-    sequence_parallel: bool = config_field(ParallelConfig, "sequence_parallel")
+    virtual_stages: bounded(ParallelConfig, "virtual_stages") | Literal["auto"] = Field(  # type: ignore[valid-type]
+        AUTO, description="Model chunks per pipeline rank (the 'interleaved-1f1b' schedule when > 1); 'auto': the "
+        "planner chooses (1 with the 'gpipe' schedule).")
+    sequence_parallel: bool | Literal["auto"] = Field(
+        AUTO, description="With tensor parallelism: norms and the residual stream sharded along the sequence; "
+        "'auto': on wherever tp > 1.")
     stages_span_datacenters: bool | Literal["auto"] = Field(
         AUTO, description="true: pipeline stages may sit in different datacenters; false: each replica stays "
         "inside one; 'auto': the planner decides.")
 
     def to_request(self) -> ParallelismRequest:
         return ParallelismRequest(tp=_or_auto(self.tp), pp=_or_auto(self.pp), schedule=self.schedule,
-                                  virtual_stages=self.virtual_stages, sequence_parallel=self.sequence_parallel,
+                                  virtual_stages=_or_auto(self.virtual_stages),
+                                  sequence_parallel=_or_auto(self.sequence_parallel),
                                   stages_span_dcs=_or_auto(self.stages_span_datacenters))
 
 
@@ -483,7 +491,7 @@ class JobSpec(Strict):
         return JobRequest(
             name=self.name, model=model, data=self.data.to_config(), optim=t.optim(),
             steps=t.steps, global_batch=t.global_batch, micro_batch=t.micro_batch, seed=t.seed, precision=t.precision,
-            compile=t.compile, activation_checkpointing=t.activation_checkpointing,
+            compile=t.compile, activation_checkpointing=_or_auto(t.activation_checkpointing),
             topology=self.topology.to_request(), parallelism=parallelism,
             links=tuple(link.to_request() for link in self.topology.links), sync=self.sync.to_config(),
             wan=None if self.wan is None else self.wan.to_config(),

@@ -130,10 +130,11 @@ class ParallelismRequest:
     """Pipeline stages (groups of layers, may span datacenters)."""
     schedule: PipelineSchedule = like(ParallelConfig, "schedule")
     """Pipeline schedule: ``1f1b``, ``gpipe`` or ``interleaved-1f1b``."""
-    virtual_stages: int = like(ParallelConfig, "virtual_stages")
-    """Model chunks per pipeline rank (``interleaved-1f1b``)."""
-    sequence_parallel: bool = like(ParallelConfig, "sequence_parallel")
-    """With tensor parallelism: norms and the residual stream sharded along the sequence."""
+    virtual_stages: int | None = None
+    """Model chunks per pipeline rank (``interleaved-1f1b``); ``None``: the planner chooses."""
+    sequence_parallel: bool | None = None
+    """With tensor parallelism: norms and the residual stream sharded along the sequence; ``None``: on wherever
+    tensor parallelism is."""
     stages_span_dcs: bool | None = None
     """Put pipeline stages in different datacenters (``True``), keep whole replicas inside one (``False``),
     or let the planner decide (``None``)."""
@@ -182,7 +183,8 @@ class JobRequest:
     precision: Precision = Precision.AUTO
     """``auto`` (bf16 where the device supports it, else fp32), ``fp32`` or ``bf16``."""
     compile: bool = like(TrainConfig, "compile")
-    activation_checkpointing: ActivationCheckpointing = like(TrainConfig, "activation_checkpointing")
+    activation_checkpointing: ActivationCheckpointing | None = None
+    """Recomputation per block; ``None``: none where the layout fits in device memory, else the planner's."""
     topology: TopologyRequest = field(default_factory=TopologyRequest)
     parallelism: ParallelismRequest = field(default_factory=ParallelismRequest)
     links: tuple[DeclaredLink, ...] = ()
@@ -211,8 +213,9 @@ class JobRequest:
         par = self.parallelism
         # "auto" sizes (None) are checked as 1, and what only a larger size allows is left to the plan
         fixed = ParallelConfig(tp=par.tp or 1, pp=par.pp or 1, schedule=par.schedule,
-                               virtual_stages=par.virtual_stages if par.pp is not None else 1,
-                               sequence_parallel=par.sequence_parallel and par.tp is not None)  # fmt: skip
+                               virtual_stages=(par.virtual_stages or (2 if PipelineSchedule(par.schedule).is_interleaved else 1))
+                               if par.pp is not None else 1,
+                               sequence_parallel=bool(par.sequence_parallel) and par.tp is not None)  # fmt: skip
         fixed.check_model(self.model)
         check_model_parallel_sync(fixed, self.sync)
 

@@ -109,8 +109,16 @@ def test_job_spec_blocks_are_valid(block):
         assert cluster_from_dict(data).datacenters
         return
     if block.directive("spec-part") is not None:
-        data = {"name": "docs-part", "training": {"steps": 1, "global_batch": 8, "micro_batch": 2}, **data}
+        data = _merged({"name": "docs-part", "training": {"steps": 1, "global_batch": 8, "micro_batch": 2}}, data)
     JobSpec.model_validate(data)
+
+
+def _merged(base: dict, part: dict) -> dict:
+    """``base`` with ``part``'s sections laid over it, section by section."""
+    out = dict(base)
+    for key, value in part.items():
+        out[key] = _merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
 
 
 @pytest.mark.parametrize("block", SKIPPED, ids=lambda b: b.id)

@@ -177,4 +177,4 @@ def test_the_example_cluster_files_plan(capsys):
                         str(EXAMPLES / "clusters" / "workstation-8gpu.yaml"), "--json")
     assert rc == 0, err
     data = json.loads(out)
-    assert data["plan_only"] and data["plan"]["parallelism"]["sharding"] == "fsdp" and data["offered"] is not None
+    assert not data["plan_only"] and data["plan"]["parallelism"]["sharding"] == "fsdp" and data["offered"] is not None

@@ -32,8 +32,17 @@ def test_auto_uses_every_datacenter_with_contiguous_ranks_and_hierarchical_sync(
     assert "Sync 'hierarchical' (chosen" in plan.explanation
 
 
-def test_single_datacenter_defaults_to_flat_and_respects_an_explicit_strategy():
-    assert plan_job(req(["dc-a"]), topology(dc_a=2, dc_b=2)).sync_strategy is SyncStrategy.FLAT
+def test_single_datacenter_defaults_to_fsdp_and_respects_an_explicit_strategy():
+    # FSDP2 inside the datacenter shards the whole state and its optimizer step: it estimates faster than DDP,
+    # which is what one datacenter gets where the runtime has no FSDP.
+    from meridian.service.planning.runtime_support import RUNTIME
+
+    plan = plan_job(req(["dc-a"]), topology(dc_a=2, dc_b=2))
+    assert plan.sync_strategy is SyncStrategy.HIERARCHICAL and plan.sharding == "fsdp"
+    no_fsdp = plan_job(req(["dc-a"]), topology(dc_a=2, dc_b=2), runtime=replace(RUNTIME, fsdp=False))
+    assert no_fsdp.sync_strategy is SyncStrategy.FLAT
+    flat = plan_job(req(["dc-a"], strategy=SyncStrategy.FLAT), topology(dc_a=2))
+    assert flat.sync_strategy is SyncStrategy.FLAT and "as requested" in flat.explanation
     forced = plan_job(req(["dc-a"], strategy=SyncStrategy.HIERARCHICAL), topology(dc_a=2))
     assert forced.sync_strategy is SyncStrategy.HIERARCHICAL and "as requested" in forced.explanation
 
@@ -285,19 +294,23 @@ def test_a_train_config_never_leaves_the_bucket_size_to_the_workers():
     (SyncConfig(strategy=None, bucket_mb=None, compression=Compression.BF16), {"dc_a": 2, "dc_b": 2}),
 ])  # fmt: skip
 def test_an_auto_option_the_chosen_strategy_does_not_use_never_makes_its_config_invalid(sync, dcs):
-    from meridian.service.planning.train_config import build_train_config
-
     # Planning and submit succeeded, then the launch's TrainConfig raised: lookahead_after without the look-ahead,
     # or compression on the flat sync 'auto' picked for one datacenter.
+    from meridian.service.planning.runtime_support import RUNTIME
+    from meridian.service.planning.train_config import build_train_config
+
     request = replace(req(), steps=200, sync=sync)
     plan = plan_job(request, topology(**dcs))
     config = build_train_config("j", request, plan, "")
+    if sync.compression is not Compression.NONE and len(dcs) == 1:
+        # where flat sync would win (no FSDP), the encoding is why the plan is hierarchical, and it says so
+        no_fsdp = plan_job(request, topology(**dcs), runtime=replace(RUNTIME, fsdp=False))
+        assert no_fsdp.sync_strategy is SyncStrategy.HIERARCHICAL
+        assert "sync.compression applies to hierarchical sync only" in no_fsdp.explanation
     assert config.sync.strategy is plan.sync_strategy
     assert config.sync.compression is sync.compression  # the job's encoding is kept, on a strategy that has it
     if sync.compression is not Compression.NONE:
         assert plan.sync_strategy is SyncStrategy.HIERARCHICAL
-        if len(dcs) == 1:
-            assert "sync.compression applies to hierarchical sync only" in plan.explanation
     if not (plan.local_lookahead or plan.lookahead_when_exposed is not None):
         assert config.sync.lookahead_after is None
     # An explicit contradiction is still the job's own error, refused when the request is read.

@@ -27,6 +27,7 @@ from meridian.service.planning.runtime_support import RuntimeSupport, current_ru
 from meridian.workers.contracts.config import (
     Compression,
     ParallelConfig,
+    PipelineSchedule,
     Precision,
     SyncStrategy,
     check_model_parallel_sync,
@@ -179,9 +180,11 @@ def _layout(request: PlanRequest, figures: Figures, runtime: RuntimeSupport, *, 
         tp=tp, pp=pp, dp=dp, num_dcs=len(dcs), dp_per_dc=0 if across else min(replicas), pp_spans_dcs=across,
         micro_batch=micro_batch, micro_batches=_micro_batches(request, dp, micro_batch), hierarchical=hierarchical,
         shard_optimizer=request.sync.shard_optimizer, overlap=request.sync.overlap,
-        schedule=request.parallelism.schedule, bucket_bytes=bucket_mb(request, tp=tp, pp=pp) * 2**20,
+        schedule="1f1b" if PipelineSchedule(request.parallelism.schedule) is PipelineSchedule.INTERLEAVED_1F1B
+        else PipelineSchedule(request.parallelism.schedule).value, bucket_bytes=bucket_mb(request, tp=tp, pp=pp) * 2**20,
         fp32=fp32, encoded=request.sync.strategy is None and request.sync.compression is not Compression.NONE,
-        sequence_parallel=runtime.sequence_parallel and tp > 1, bf16_weights=runtime.bf16_weights and not fp32,
+        sequence_parallel=tp > 1 and (runtime.sequence_parallel if request.parallelism.sequence_parallel is None
+                                      else request.parallelism.sequence_parallel), bf16_weights=runtime.bf16_weights and not fp32,
         dp_in_node=dp_in_node,
     )
 
@@ -191,21 +194,27 @@ def _micro_batches(request: PlanRequest, dp: int, micro_batch: int) -> int:
 
 
 def _variants(request: PlanRequest, runtime: RuntimeSupport, base: Layout) -> list[Layout]:
-    """``base`` with each micro-batch size (where the request leaves it), each number of virtual stages and with or
-    without FSDP, as far as ``runtime`` runs them. Sequence parallelism is on wherever the runtime has it: it costs
-    what tensor parallelism's all-reduces cost and saves memory."""
+    """``base`` with each micro-batch size (where the request leaves it) and each number of virtual stages (where the
+    request leaves it and the runtime interleaves), sharded the way the runtime shards it: with FSDP wherever the
+    runtime has it and the hierarchical engine shards the optimizer (FSDP2 is then how it runs), else the optimizer
+    state alone."""
     per_replica = -(-request.global_batch // base.dp)
     sizes = [request.micro_batch] if request.micro_batch else [b for b in MICRO_BATCHES if b <= per_replica] or [1]
+    fsdp = runtime.fsdp and base.hierarchical and base.shard_optimizer and base.shards > 1
+    asked = request.parallelism.virtual_stages
+    interleaved = PipelineSchedule(request.parallelism.schedule) is PipelineSchedule.INTERLEAVED_1F1B
     out = []
     for b in sizes:
         m = _micro_batches(request, base.dp, b)
         virtual = [1]
-        if runtime.interleaved_pipeline and base.pp > 1 and base.schedule == "1f1b" and m % base.pp == 0:
+        if base.pp > 1 and base.schedule == "1f1b" and runtime.interleaved_pipeline:
             layers = request.shape.n_layers // base.pp if request.shape.n_layers % base.pp == 0 else 1
-            virtual += [v for v in range(2, min(layers, MAX_VIRTUAL_STAGES) + 1) if layers % v == 0]
-        fsdp = [False, True] if runtime.fsdp and base.hierarchical and base.shards > 1 else [False]
-        for v, shard in itertools.product(virtual, fsdp):
-            out.append(replace(base, micro_batch=b, micro_batches=m, virtual_stages=v, fsdp=shard))
+            fitting = [v for v in range(2, min(layers, MAX_VIRTUAL_STAGES) + 1) if layers % v == 0 and m % base.pp == 0]
+            virtual = ([] if interleaved else [1]) + fitting
+        if asked is not None:
+            virtual = [v for v in virtual if v == asked]
+        for v in virtual:  # the cost model's 1F1B with virtual stages > 1 is interleaved 1F1B
+            out.append(replace(base, micro_batch=b, micro_batches=m, virtual_stages=v, fsdp=fsdp))
     return out
 
 
@@ -224,7 +233,7 @@ def _candidate(request: PlanRequest, figures: Figures, runtime: RuntimeSupport, 
     if est.memory_bytes > figures.device_memory_bytes:
         rejected = (f"needs {est.memory_bytes / 2**30:.1f} GB per device, "
                     f"devices have {figures.device_memory_bytes / 2**30:.1f} GB")
-    return Candidate(lay, dcs, replicas, est, rejected, missing(lay, tied_embeddings=request.shape.tie_embeddings))
+    return Candidate(lay, dcs, replicas, est, rejected, missing(lay, runtime, tied_embeddings=request.shape.tie_embeddings))
 
 
 def _shrink(counts: dict[str, int], limit: int) -> dict[str, int]:

@@ -24,8 +24,11 @@ Time per optimizer step
     dp comm    = hierarchical: reduce-scatter + all-gather of the gradients inside the DC, plus each DC's copy of
                  the whole model's gradients over the shared inter-DC link (1 latency round for two DCs); flat: a
                  ring over every replica, paced by the slowest link it crosses
-    fsdp comm  = per micro-batch, the stage's parameters all-gathered (twice when they reshard after forward) and
-                 its gradients reduce-scattered inside the DC, hidden behind the compute they overlap
+    fsdp comm  = as the runtime runs FSDP2: under pipelining the stage's parameters all-gathered and its gradients
+                 reduce-scattered once a step (the schedule defers resharding and the reduction to the last
+                 micro-batch); without, the parameters gathered twice a micro-batch (they reshard after forward)
+                 and the gradients reduce-scattered once a step, after the last micro-batch; hidden behind the
+                 compute they overlap
     exposed    = dp comm not hidden behind the last micro-batch's backward and the pipeline's drain (earlier
                  micro-batches only accumulate) when overlap is on, and at least the last bucket's share
 
@@ -282,15 +285,17 @@ def _in_flight_layers(lay: Layout, layers: int, *, last: bool) -> float:
 
 
 def state_bytes(params: float, lay: Layout, layer_params: float) -> float:
-    """Weights, gradients and AdamW state of ``params`` parameters on one device, with what FSDP gathers while
-    a block computes: the sharded fp32 state plus two blocks' weights (the one computing, the one prefetched)
-    and one block's fp32 gradients, or the whole stage's weights under pipelining (they do not reshard after
-    forward there, so a micro-batch's backward needs no second all-gather)."""
+    """Weights, gradients and AdamW state of ``params`` parameters on one device, with what FSDP holds unsharded as
+    the runtime runs it: the sharded fp32 state, plus two blocks' weights (the one computing, the one prefetched),
+    or the whole stage's weights under pipelining (the schedule reshards them after the last micro-batch only);
+    and the fp32 gradients the micro-batches accumulate before the step's one reduce-scatter: the whole stage's
+    when a step has more than one micro-batch or a pipeline, else one block's at a time."""
     n = lay.shards
     weight = BYTES_16 if lay.bf16_weights else BYTES_FP32
     if lay.fsdp:
         gathered = params if lay.pp > 1 else 2 * layer_params
-        return (2 * BYTES_FP32 + ADAMW_STATE_BYTES) * params / n + weight * gathered + BYTES_FP32 * layer_params
+        unsharded_grads = params if lay.pp > 1 or lay.micro_batches > 1 else layer_params
+        return (2 * BYTES_FP32 + ADAMW_STATE_BYTES) * params / n + weight * gathered + BYTES_FP32 * unsharded_grads
     optimizer = ADAMW_STATE_BYTES + (FP32_MASTER_BYTES if lay.bf16_weights else 0)
     return (weight + BYTES_FP32) * params + optimizer * params / (n if lay.optimizer_sharded else 1)
 
@@ -438,23 +443,24 @@ def runs_hierarchical(lay: Layout) -> bool:
 
 
 def _fsdp_exposed(shape: ModelShape, lay: Layout, fig: Figures, busy_s: float, m: int) -> float:
-    """FSDP's collectives inside the DC that compute does not hide: per micro-batch the stage's weights gathered
-    (twice when they reshard after forward, as without pipelining) and its gradients reduce-scattered. FSDP2
-    prefetches the next block's gather during the current block and reduce-scatters a block's gradients during
-    the next block's backward, so only what exceeds ``busy_s`` is exposed, and at least one block's gather per
-    micro-batch (the first, with nothing before it to hide behind)."""
+    """FSDP's collectives inside the DC that compute does not hide, as the runtime runs them: under pipelining the
+    stage's weights gathered and its gradients reduce-scattered once a step; without, the weights gathered twice a
+    micro-batch (they reshard after forward) and the gradients reduce-scattered once, after the last micro-batch.
+    FSDP2 prefetches the next block's gather during the current block and reduce-scatters a block's gradients
+    during the next block's backward, so only what exceeds ``busy_s`` is exposed, and at least one block's gather
+    (the first, with nothing before it to hide behind) per gathering pass."""
     if not lay.fsdp or lay.shards < 2:
         return 0.0
     n = lay.shards
     link = fig.intra_node if lay.dp_in_node else fig.intra_dc
     params = max(stage_params(shape, lay.pp)) / lay.tp
     weight = BYTES_16 if lay.bf16_weights else BYTES_FP32
-    gathers = 1 if lay.pp > 1 else 2
+    gathers = 1 if lay.pp > 1 else 2 * m
     gather = link.time(weight * params * (n - 1) / n, rounds=n - 1)
     scatter = link.time(BYTES_FP32 * params * (n - 1) / n, rounds=n - 1)
-    total = m * (gathers * gather + scatter)
+    total = gathers * gather + scatter
     first_block = gather * shape.layer_params / (lay.tp * params)
-    return max(total - busy_s, m * first_block)
+    return max(total - busy_s, gathers * first_block)
 
 
 def _dp_comm(lay: Layout, fig: Figures, grads: float) -> tuple[float, float, float]:

@@ -63,7 +63,13 @@ from meridian.service.planning.placement import (
 )
 from meridian.service.planning.plan import Plan
 from meridian.service.planning.request import PlanRequest, plan_request
-from meridian.service.planning.runtime_support import EVERYTHING, RuntimeSupport, missing_words
+from meridian.service.planning.runtime_support import (
+    EVERYTHING,
+    RuntimeSupport,
+    current_runtime,
+    missing,
+    missing_words,
+)
 from meridian.service.planning.sync_choice import MAX_SLOWDOWN, SyncChoice
 from meridian.workers.contracts.config import (
     LOOKAHEAD_DECISION_STEPS,
@@ -135,7 +141,8 @@ def plan_with_layout(request: JobRequest | PlanRequest, topo: ClusterTopology, f
         + (empty_datacenters_reason(empty, topo, worker_resources(use_gpu), named=False) if empty else "") + reason,
         diloco=diloco, compression=compression, local_lookahead=lookahead, lookahead_when_exposed=armed,
         bucket_mb=bucket_mb, resources_per_worker=worker_resources(use_gpu),
-        tp=best.layout.tp, pp=best.layout.pp, schedule=request.parallelism.schedule,
+        tp=best.layout.tp, pp=best.layout.pp,
+        schedule="interleaved-1f1b" if best.layout.virtual_stages > 1 else best.layout.schedule,
         stages_span_dcs=best.layout.pp_spans_dcs, micro_batches=best.layout.micro_batches, rank_nodes=rank_nodes,
         micro_batch=best.layout.micro_batch, virtual_stages=best.layout.virtual_stages,
         sequence_parallel=best.layout.sequence_parallel, activation_checkpointing=best.layout.recompute.value,
@@ -180,8 +187,9 @@ def _plan_only_fit(request: PlanRequest, dcs: tuple[str, ...], devices: dict[str
     if not fits:
         return ""
     best = min(fits, key=lambda c: c.estimate.step_s)
+    lacks = missing(best.layout, runtime or current_runtime(), tied_embeddings=request.shape.tie_embeddings)
     return (f". Plan-only, {best.name} would fit at {best.estimate.memory_bytes / 2**30:.1f} GB per device once the "
-            f"runtime runs {missing_words(best.plan_only)} (`meridian plan --cluster` shows such plans)")
+            f"runtime runs {missing_words(lacks)} (`meridian plan --cluster` shows such plans)")
 
 
 def _diloco_override(request: PlanRequest, feasible: list[Candidate],

@@ -49,7 +49,8 @@ class PlanRequest:
     def of(cls, job: JobRequest) -> PlanRequest:
         return cls(shape=ModelShape.of(job.model), global_batch=job.global_batch, micro_batch=job.micro_batch,
                    steps=job.steps, precision=job.precision, topology=job.topology, parallelism=job.parallelism,
-                   sync=job.sync, warmup_steps=job.optim.warmup_steps, checkpoint_every=job.checkpoint_every)
+                   sync=job.sync, warmup_steps=job.optim.warmup_steps, checkpoint_every=job.checkpoint_every,
+                   recompute=None if job.activation_checkpointing is None else Recompute(job.activation_checkpointing.value))
 
 
 def plan_request(request: JobRequest | PlanRequest) -> PlanRequest:

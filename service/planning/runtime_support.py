@@ -34,10 +34,12 @@ class RuntimeSupport:
     """A tied output head on a pipeline's last stage (its weight kept in step with the first stage's embedding)."""
 
 
-RUNTIME = RuntimeSupport()
-"""Today's training core: data parallelism with the optimizer state sharded inside a datacenter, hand-written
-tensor and pipeline parallelism (1F1B and GPipe), fp32 weights under bf16 autocast, no activation checkpointing,
-no sequence parallelism, no FSDP, no interleaving."""
+RUNTIME = RuntimeSupport(fsdp=True, sequence_parallel=True, activation_checkpointing=True, interleaved_pipeline=True,
+                         bf16_weights=True)
+"""Today's training core (:mod:`meridian.workers.parallel`): FSDP2 per block inside each datacenter under the
+hierarchical engine, DTensor tensor and sequence parallelism, ``torch.distributed.pipelining`` (GPipe, 1F1B,
+interleaved 1F1B), activation checkpointing per block, bf16 compute weights through FSDP2's policy. A tied head
+on a pipeline's last stage is not run (``ParallelConfig`` refuses tied embeddings with pp > 1)."""
 
 def current_runtime() -> RuntimeSupport:
     """:data:`RUNTIME` as it is now (read at each call, so a test may set the module's ``RUNTIME``)."""

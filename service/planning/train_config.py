@@ -6,13 +6,19 @@ from dataclasses import replace
 
 from meridian.service.jobs import JobRequest
 from meridian.service.planning.plan import Plan
-from meridian.workers.contracts.config import ParallelConfig, PipelineSchedule, TrainConfig
+from meridian.workers.contracts.config import (
+    ActivationCheckpointing,
+    ParallelConfig,
+    PipelineSchedule,
+    TrainConfig,
+)
 
 
 def build_train_config(job_id: str, request: JobRequest, plan: Plan, checkpoint_dir: str) -> TrainConfig:
     """The service → workers boundary: a frozen config with everything a rank needs. The request's own
     knobs pass through as they are; the plan supplies what the planner decided (placement, tp/pp, and the
-    sync strategy with its DiLoCo knobs, its look-ahead, and the gradient bucket size, which resolve a request's
+    sync strategy with its DiLoCo knobs, its look-ahead, the gradient bucket size, the activation checkpointing, the
+    virtual stages and sequence parallelism, which resolve a request's
     ``sync.strategy=None`` and ``sync.bucket_mb=None``). A knob of ``auto`` that only some strategies use is
     dropped where the plan did not pick one of them: ``sync.lookahead_after`` says when a look-ahead starts, and
     a plan without the look-ahead has none to start (the config would refuse it)."""
@@ -27,11 +33,11 @@ def build_train_config(job_id: str, request: JobRequest, plan: Plan, checkpoint_
                      lookahead_when_exposed=armed if lookahead else None), wan=request.wan,
         steps=request.steps, global_batch=request.global_batch, micro_batch=request.micro_batch,
         seed=request.seed, precision=request.precision, compile=request.compile,
-        activation_checkpointing=request.activation_checkpointing, checkpoint_every=request.checkpoint_every,
+        activation_checkpointing=ActivationCheckpointing(plan.activation_checkpointing), checkpoint_every=request.checkpoint_every,
         snapshot_every=request.snapshot_every or 1, snapshot_adaptive=request.snapshot_every is None,
         checkpoint_dir=checkpoint_dir, datacenters=plan.rank_datacenters,
         parallel=ParallelConfig(tp=plan.tp, pp=plan.pp, schedule=PipelineSchedule(plan.schedule),
-                                virtual_stages=request.parallelism.virtual_stages if plan.pp > 1 else 1,
-                                sequence_parallel=request.parallelism.sequence_parallel and plan.tp > 1),
+                                virtual_stages=plan.virtual_stages if plan.pp > 1 else 1,
+                                sequence_parallel=plan.sequence_parallel and plan.tp > 1),
         validation=request.validation,
     )
