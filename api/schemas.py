@@ -149,8 +149,8 @@ class ModelSpec(Strict):
                                        "model.config and model.factory build); omitted: the preset's family (a family "
                                        "without a preset picks '<family>-tiny', or 'tiny' for gpt). With init_from: "
                                        "omitted or 'hf' builds the checkpoint's own transformers family; 'llama' "
-                                       "loads a Llama checkpoint into Meridian's llama (whose tensor and pipeline "
-                                       "parallelism is hand-written)")
+                                       "loads a Llama checkpoint into Meridian's llama (which pipeline stages can "
+                                       "also cut)")
     init_from: str | None = Field(None, min_length=1, max_length=4096, description="A local Hugging Face checkpoint "
                                   "directory (config.json + *.safetensors, sharded with an index or not) under the "
                                   "service's data roots, whose model and weights the job starts from")

@@ -64,3 +64,22 @@ def test_a_factory_module_trains_across_two_datacenters_like_one_process(tmp_pat
     ref = _like_one_process(cfg, str(tmp_path))
     assert set(ref.final_params) == {n for n, _ in build(d=32, seq_len=32).named_parameters()}
     assert all(torch.isfinite(p).all() for p in ref.final_params.values())
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama3"])
+def test_a_checkpoint_trains_tensor_parallel_by_its_own_plan_like_one_process(tmp_path, family):
+    # transformers' tensor-parallel plan for the family (base_model_tp_plan), tp 2 inside each of two datacenters,
+    # one replica each: the losses and final weights of one process.
+    from dataclasses import replace
+
+    from meridian.workers.contracts.config import ParallelConfig
+
+    save_random(tmp_path, family)
+    cfg = _cfg(hf_model_config(str(tmp_path), weights=True, seq_len=32), ("a",))
+    (ref, ref_losses), = run_processes(_train, 1, cfg, timeout_s=240)
+    tp = replace(cfg, datacenters=("a", "a", "b", "b"), parallel=ParallelConfig(tp=2))
+    out = run_processes(_train, 4, tp, timeout_s=300)
+    assert out[0][1] == pytest.approx(ref_losses, rel=1e-4)
+    for result, _ in out:
+        worst = max((p - ref.final_params[n]).abs().max().item() for n, p in result.final_params.items())
+        assert worst < 1e-4, worst

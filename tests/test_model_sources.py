@@ -191,27 +191,34 @@ def _hf_dir(root, name="qwen", weights=False):
     return root / name
 
 
-def test_a_config_json_alone_is_admitted_under_the_data_roots_and_trains_data_parallel_only(api, tmp_path):
+def test_a_config_json_alone_is_admitted_under_the_data_roots_with_tensor_but_no_pipeline_parallelism(api, tmp_path):
     directory = _hf_dir(api.root)
     r = _post(api, {"config": str(directory), "seq_len": 32})
     assert r.status_code == 201, r.text
-    model = api.store.get_job(r.json()["id"]).request.model
+    r0_id = r.json()["id"]
+    model = api.store.get_job(r0_id).request.model
     assert model.family.value == "hf" and model.init_from == "" and json.loads(model.hf_config)["model_type"] == "qwen2"
     assert api.store.get_job(r.json()["id"]).request.parallelism.tp == 1  # 'auto' is 1 for an hf model
     outside = _hf_dir(tmp_path, "outside")
     refused = _post(api, {"config": str(outside)})
     assert refused.status_code == 422 and "is not a directory under this service's data roots" in refused.json()["detail"]
-    for parallelism, field in (({"tp": 2}, "parallelism.tp=2"), ({"pp": 2}, "parallelism.pp=2")):
-        r = _post(api, {"config": str(directory), "seq_len": 32}, parallelism=parallelism)
-        detail = r.json()["detail"]
-        assert r.status_code == 422 and detail.startswith(f"{field}: a hf model trains data-parallel only"), detail
-        assert "transformers declares a tensor-parallel plan for Qwen2ForCausalLM" in detail
-        assert "set parallelism.tp and parallelism.pp to 1" in detail
+    r = _post(api, {"config": str(directory), "seq_len": 32}, parallelism={"pp": 2})
+    detail = r.json()["detail"]
+    assert r.status_code == 422 and detail.startswith("parallelism.pp=2: pipeline stages cut Meridian's builtin"), detail
+    # tensor parallelism follows transformers' plan for the family, where tp divides what the plan splits
+    from meridian.workers.contracts.config import ParallelConfig
+
+    model = api.store.get_job(r0_id).request.model
+    ParallelConfig(tp=2).check_model(model)
+    with pytest.raises(ValueError, match=r"parallelism.tp=3 must divide its 4 attention heads"):
+        ParallelConfig(tp=3).check_model(model)
+    with pytest.raises(ValueError, match="parallelism.sequence_parallel: a Hugging Face model"):
+        ParallelConfig(tp=2, sequence_parallel=True).check_model(model)
     plan = api.post("/v1/plans", json={"name": "m", "model": {"config": str(directory), "seq_len": 32},
                                        "training": TRAINING})
     assert plan.status_code == 200 and plan.json()["parallelism"]["tp"] == 1, plan.text
     factory_tp = _post(api, {"factory": "tiny-lm", "seq_len": 32}, parallelism={"tp": 2})
-    assert factory_tp.status_code == 422 and "a factory model trains data-parallel only" in factory_tp.json()["detail"]
+    assert factory_tp.status_code == 422 and "a factory's module is split only by the plan" in factory_tp.json()["detail"]
     for model, words in (({"config": str(directory), "init_from": str(directory)}, "exclude each other"),
                          ({"config": str(directory), "family": "llama"}, "model.family is 'llama'"),
                          ({"config": str(directory), "n_layers": 3}, "only model.seq_len may be given")):
@@ -230,7 +237,7 @@ def test_a_checkpoint_is_an_hf_model_by_default_and_meridian_s_llama_on_request(
                     data={"dataset": data})
     assert hf.status_code == 201 and builtin.status_code == 201, (hf.text, builtin.text)
     assert api.store.get_job(hf.json()["id"]).request.model.family.value == "hf"
-    assert api.store.get_job(builtin.json()["id"]).request.model.family.value == "llama"  # TP/PP hand-written
+    assert api.store.get_job(builtin.json()["id"]).request.model.family.value == "llama"  # pipeline stages too
 
 
 def _dataset(root) -> str:

@@ -483,10 +483,19 @@ class ParallelConfig:
                 f"{world} workers cannot be split into replicas of tp × pp = {self.tp} × {self.pp} ranks"
             )
 
+    def _check_model_of_its_own(self, model: ModelConfig) -> None:
+        refusal = model_parallel_refusal(model, self.tp, self.pp)
+        if refusal:
+            raise ValueError(refusal)
+        if self.sequence_parallel:
+            raise ValueError("parallelism.sequence_parallel: a Hugging Face model's tensor-parallel plan keeps the "
+                             "sequence whole; set it to false (or 'auto')")
+
     def check_model(self, model: ModelConfig) -> None:
         """Raise ``ValueError`` naming the field when ``model`` cannot be split into these slices and stages."""
-        if not model.family.is_builtin and self.model_parallel > 1:
-            raise ValueError(model_parallel_refusal(model, self.tp, self.pp))
+        if not model.family.is_builtin:
+            self._check_model_of_its_own(model)
+            return
         if model.n_heads % self.tp:
             raise ValueError(f"parallelism.tp ({self.tp}) must divide model.n_heads ({model.n_heads})")
         if model.kv_heads % self.tp:
@@ -527,19 +536,28 @@ class ParallelConfig:
                              "rounds; change training.micro_batch or training.global_batch")
 
 
-def model_parallel_refusal(model: ModelConfig, tp: int, pp: int) -> str:
-    """Why a Hugging Face or factory model cannot be split ``tp`` × ``pp`` ways (yet), naming the fields."""
-    if model.family is ModelFamily.HF:
-        shape = shape_of_json(model.hf_config)
-        plan = (f"transformers declares a tensor-parallel plan for {shape.architecture} (base_model_tp_plan)"
-                if FAMILIES[shape.model_type].declares_tp_plan else
-                f"transformers declares no tensor-parallel plan for {shape.architecture}, so tp > 1 is refused anyway")
-    else:
-        plan = "a factory's module declares its tensor-parallel plan as a tp_plan attribute"
-    fields = [f"parallelism.tp={tp}"] * (tp > 1) + [f"parallelism.pp={pp}"] * (pp > 1)
-    return (f"{' and '.join(fields)}: a {model.family.value} model trains data-parallel only here: Meridian's "
-            f"tensor and pipeline parallelism are hand-written for its builtin gpt and llama families ({plan}; "
-            "applying it waits on the DTensor core); set parallelism.tp and parallelism.pp to 1 (or 'auto')")
+def model_parallel_refusal(model: ModelConfig, tp: int, pp: int) -> str | None:
+    """Why a Hugging Face or factory model cannot be split ``tp`` × ``pp`` ways, naming the fields; ``None`` where
+    it can. Tensor parallelism follows the model's own plan (transformers' ``base_model_tp_plan``); pipeline stages
+    cut Meridian's builtin families only."""
+    if pp > 1:
+        return (f"parallelism.pp={pp}: pipeline stages cut Meridian's builtin gpt and llama families only, not a "
+                f"{model.family.value} model; set parallelism.pp to 1 (tensor and data parallelism still apply)")
+    if tp == 1:
+        return None
+    if model.family is not ModelFamily.HF:
+        return (f"parallelism.tp={tp}: a factory's module is split only by the plan it declares, which the service "
+                "cannot check before it runs; set parallelism.tp to 1")
+    shape = shape_of_json(model.hf_config)
+    if not FAMILIES[shape.model_type].declares_tp_plan:
+        return (f"parallelism.tp={tp}: transformers declares no tensor-parallel plan for {shape.architecture} "
+                "(base_model_tp_plan), so it cannot be split across ranks; set parallelism.tp to 1")
+    widths = {"attention heads": shape.n_heads, "key/value heads": shape.n_kv_heads, "MLP width": shape.ffn_hidden,
+              "vocabulary": shape.vocab_size}
+    odd = [f"its {n} {what}" for what, n in widths.items() if n % tp]
+    if odd:
+        return f"parallelism.tp={tp} must divide {' and '.join(odd)} ({shape.architecture})"
+    return None
 
 
 @dataclass(frozen=True, kw_only=True)

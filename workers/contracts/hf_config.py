@@ -6,7 +6,7 @@ Two ways in. :func:`hf_model_config`: any family of :data:`~meridian.workers.con
 checkpoint's tensors are counted from the safetensors headers at admission, so weights that are not of the model
 the config describes (a Qwen2 config renamed to Llama: its q/k/v biases) are refused before any worker starts.
 :func:`model_config_from_hf`: a ``LlamaForCausalLM`` with the default RoPE as Meridian's own ``llama`` family
-(whose hand-written tensor/pipeline parallelism splits it). Out: :func:`hf_config_of` (``LlamaForCausalLM`` and
+(which pipeline stages can cut). Out: :func:`hf_config_of` (``LlamaForCausalLM`` and
 ``GPT2LMHeadModel``; Meridian's gpt has an untied head and exact GELU, real GPT-2 checkpoints tie the head and use
 the tanh approximation, so they are refused on the way in rather than loaded subtly wrong). Weights:
 :mod:`meridian.workers.model.weights`.

@@ -30,7 +30,7 @@ class ModelFamily(str, enum.Enum):
 
     @property
     def is_builtin(self) -> bool:
-        """Meridian's own modules (gpt, llama), the ones its hand-written tensor/pipeline parallelism splits."""
+        """Meridian's own modules (gpt, llama), the ones Meridian's pipeline stages can cut."""
         return self in (ModelFamily.GPT, ModelFamily.LLAMA)
 
 

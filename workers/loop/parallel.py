@@ -5,7 +5,9 @@ from data parallelism, who holds what::
 
     ranks          (stage, replica, tp_rank), tp fastest; groups and (dp, tp) meshes  (:mod:`meridian.workers.parallel.dims`)
     model          this rank's pipeline chunks of the seeded model, the whole model's names
-                                                                         (:mod:`meridian.workers.parallel.pipeline`)
+                                                                         (:mod:`meridian.workers.parallel.pipeline`);
+                   a Hugging Face or factory model whole (no pipeline), split by its own tensor-parallel plan
+                                                                         (:mod:`meridian.workers.model.tp_plan`)
     parallelised   TP → activation checkpointing → compile → FSDP2 over the datacenter's replicas of this
                    (stage, TP rank)                                      (:mod:`meridian.workers.parallel.parallelize`)
     forward/back   pp = 1: the micro-batches one after another; pp > 1: torch.distributed.pipelining's schedule
@@ -30,6 +32,7 @@ from meridian.workers.loop.precision import mixed_precision
 from meridian.workers.loop.replica import Batches, Replica, evaluate, validation_batches
 from meridian.workers.model.build import build_model
 from meridian.workers.model.causal_lm import per_sample_loss
+from meridian.workers.model.tp_plan import check_tp_plan, parallel_styles, untied
 from meridian.workers.parallel.dims import ParallelDims, ParallelGroups
 from meridian.workers.parallel.parallelize import Parallelize
 from meridian.workers.parallel.pipeline import (
@@ -62,16 +65,29 @@ class ModelParallelReplica(Replica):
         full = build_model(cfg.model)  # the single-process initial weights, on every rank
         self._shapes = {n: p.shape for n, p in full.named_parameters()}
         self.stage_ids = rank_stages(par, c.stage)
-        self.model = model = StageModel(full, self.stage_ids, par.stages).to(device)
+        if cfg.model.family.is_builtin:
+            model = StageModel(full, self.stage_ids, par.stages).to(device)
+            roots = model.chunks
+            styles = tp_plan(cfg.model.family, TPOptions(sequence_parallel=par.sequence_parallel,
+                                                         tied_embeddings=cfg.model.tie_embeddings))
+        else:  # a Hugging Face or factory model: tensor parallelism by its own plan, no pipeline (refused at submit)
+            if par.pp > 1:
+                raise ValueError(f"parallelism.pp={par.pp}: a {cfg.model.family.value} model has no pipeline stages "
+                                 "here; set parallelism.pp to 1")
+            model, roots = full.to(device), None
+            styles, replicated = parallel_styles(untied(model, check_tp_plan(model, par.tp))) if par.tp > 1 \
+                else ({}, [])  # fmt: skip
+            if replicated:
+                raise ValueError(f"parallelism.tp={par.tp}: the model's tensor-parallel plan leaves {replicated} "
+                                 "replicated with summed gradients, which this runtime does not run; set parallelism.tp "
+                                 "to 1")
+        self.model = model
         del full
-        self.reports_loss = model.has_last and c.tp_rank == 0
+        self.reports_loss = (roots is None or model.has_last) and c.tp_rank == 0
         self._reports_eval = self.reports_loss and c.replica == 0
         self.mp_policy = mixed_precision(cfg.precision, device)
         plan = Parallelize(
-            dp_mesh=groups.dp_mesh, tp_mesh=groups.tp_mesh,
-            tp_plan=tp_plan(cfg.model.family, TPOptions(sequence_parallel=par.sequence_parallel,
-                                                        tied_embeddings=cfg.model.tie_embeddings))
-            if par.tp > 1 else {},
+            dp_mesh=groups.dp_mesh, tp_mesh=groups.tp_mesh, tp_plan=styles if par.tp > 1 else {},
             activation_checkpointing=cfg.activation_checkpointing, compile=cfg.compile, mp_policy=self.mp_policy,
             reshard_after_forward=par.pp == 1,  # under pipelining: gathered once per step, not per micro-batch
         )  # fmt: skip
@@ -83,7 +99,7 @@ class ModelParallelReplica(Replica):
                 self.emulators.append(emulator)
         self.engine = FSDPHierarchicalSync(
             model, dp_groups, cfg.sync, cfg.optim, emulator=emulator, broadcast_params=m.epoch <= 1,
-            shard=lambda module, reduce_scatter: plan(module, roots=model.chunks, reduce_scatter=reduce_scatter),
+            shard=lambda module, reduce_scatter: plan(module, roots=roots, reduce_scatter=reduce_scatter),
         )  # fmt: skip
         self.stages: list[CountingStage] = []
         self.schedule = None
@@ -91,7 +107,7 @@ class ModelParallelReplica(Replica):
             assert groups.pp_group is not None
             self.stages = [CountingStage(chunk, g, par.stages, device, group=groups.pp_group,
                                          datacenters=dims.datacenters)
-                           for g, chunk in zip(self.stage_ids, model.chunks, strict=True)]  # fmt: skip
+                           for g, chunk in zip(self.stage_ids, roots or (), strict=True)]  # fmt: skip
             n_micro = cfg.global_batch // dims.dp // cfg.micro_batch
             self.schedule = build_schedule(self.stages, par, n_micro, self._loss_share)
 
@@ -125,9 +141,9 @@ class ModelParallelReplica(Replica):
         return sent
 
     def parameters(self) -> dict[str, torch.Tensor]:
-        assert isinstance(self.model, StageModel)
-        for chunk in self.model.chunks:  # the FSDP2 roots, not submodules of the model: their own reshard
-            chunk.reshard()
+        if isinstance(self.model, StageModel):
+            for chunk in self.model.chunks:  # the FSDP2 roots, not submodules of the model: their own reshard
+                chunk.reshard()
         return super().parameters()
 
     def full_shapes(self) -> dict[str, torch.Size]:

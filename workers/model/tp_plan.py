@@ -73,6 +73,19 @@ def check_tp_plan(model: CausalLM, tp: int) -> dict[str, str]:
     return dict(plan)
 
 
+def untied(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
+    """``plan`` without the entries of modules whose weight another module shares (a tied head and embedding):
+    those stay whole on every tensor-parallel rank, as Meridian's own plans keep them. Splitting one of the two
+    would give it a weight of its own and untie them."""
+    owners: dict[int, list[str]] = {}
+    for name, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        if isinstance(weight, nn.Parameter):
+            owners.setdefault(id(weight), []).append(name)
+    shared = {n for names in owners.values() if len(names) > 1 for n in names}
+    return {k: v for k, v in plan.items() if not any(_pattern(k).match(n) for n in shared)}
+
+
 def parallel_styles(plan: dict[str, str]) -> tuple[dict[str, Any], list[str]]:
     """torch's DTensor styles of ``plan`` for ``parallelize_module`` (Megatron's split: column-wise layers keep their
     outputs sharded, row-wise ones all-reduce theirs), and the patterns left replicated (whose gradients the caller
@@ -98,4 +111,4 @@ def parallel_styles(plan: dict[str, str]) -> tuple[dict[str, Any], list[str]]:
     return styles, replicated
 
 
-__all__ = ["STYLES", "check_tp_plan", "heads_of", "parallel_styles"]
+__all__ = ["STYLES", "check_tp_plan", "heads_of", "parallel_styles", "untied"]
