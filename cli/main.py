@@ -217,7 +217,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     try:
         with serve_in_thread(service, host="127.0.0.1", port=args.port) as url:
             client = Client(url)
-            say(f"Cluster up in {time.monotonic() - t0:.0f} s. Ray dashboard: http://127.0.0.1:8265  API: {url}/docs")
+            dashboard = service.local_cluster.dashboard_url if service.local_cluster is not None else ""
+            say(f"Cluster up in {time.monotonic() - t0:.0f} s. Ray dashboard: {dashboard or 'off'}  API: {url}/docs")
             say(render.cluster_view(client.cluster()))
             if service.local_cluster is not None and service.local_cluster.gpu_note:
                 say(f"Note: {service.local_cluster.gpu_note}")

@@ -22,11 +22,13 @@ from __future__ import annotations
 import logging
 import os
 import re
+import socket
 from dataclasses import dataclass
 
 import ray
 
 from meridian.service.cluster import watchdog
+from meridian.workers.distributed.ports import free_port
 from meridian.workers.state.snapshot_paths import OWNER_FILE, every_snapshot_pattern
 
 log = logging.getLogger(__name__)
@@ -81,6 +83,19 @@ def gpu_shares(gpu_ids: list[str], nodes: int) -> list[list[str]]:
     return [gpu_ids[k * share:(k + 1) * share] for k in range(nodes)]
 
 
+DASHBOARD_PORT = 8265
+"""Ray's default dashboard port."""
+
+
+def _port_is_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
 @dataclass
 class LocalCluster:
     """A multi-node Ray cluster on this host; nodes are labelled with their simulated datacenter."""
@@ -94,6 +109,12 @@ class LocalCluster:
         self._watchdog = None
         self.gpu_note = ""
         """Why the nodes got no GPU although the host has some (empty otherwise)."""
+        self.dashboard_port = 0
+        """The Ray dashboard's port once started (Ray's default, or a free one where another Ray holds it)."""
+
+    @property
+    def dashboard_url(self) -> str:
+        return f"http://127.0.0.1:{self.dashboard_port}" if self.dashboard and self.dashboard_port else ""
 
     def start(self) -> str:
         from ray.cluster_utils import Cluster
@@ -110,11 +131,13 @@ class LocalCluster:
             from ray._common.utils import get_default_ray_temp_dir
 
             self._watchdog = watchdog.start(get_default_ray_temp_dir(), every_snapshot_pattern(), OWNER_FILE)
+        self.dashboard_port = DASHBOARD_PORT if _port_is_free(DASHBOARD_PORT) else free_port()
         self._cluster = Cluster(
             initialize_head=True,
             head_node_args={
                 "num_cpus": 0, "num_gpus": 0, "include_dashboard": self.dashboard,
                 "_system_config": FAST_FAILURE_DETECTION,
+                **({"dashboard_port": self.dashboard_port} if self.dashboard else {}),
             },
         )
         for dc, count in self.datacenters.items():
