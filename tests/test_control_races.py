@@ -217,22 +217,21 @@ def test_a_job_stored_before_submits_resolved_it_whose_config_cannot_be_built_fa
     from fakes import step_record
 
     from meridian.service.jobs import ParallelismRequest
-    from meridian.workers.contracts.config import SyncConfig, SyncStrategy
 
     running, _ = supervisor.submit(req("running", workers=1), {})
     supervisor.tick()
     runner = supervisor.launcher.runners[running.id]
     runner.state = "running"
     supervisor.tick()  # running: the next job may be admitted
-    looking_ahead = SyncConfig(strategy=SyncStrategy.HIERARCHICAL, delay_one_step=True, local_lookahead=True)
-    old = replace(req("bad", workers=1), sync=looking_ahead, parallelism=ParallelismRequest(pp=2))
+    # a pipeline's replicas must cut their samples into equal micro-batches: only the plan knows the replicas
+    old = replace(req("bad", workers=1), global_batch=3, micro_batch=2, parallelism=ParallelismRequest(pp=2))
     bad, _ = store.create_job(old, {}, status=JobStatus(JobState.QUEUED, "Admitting"))
     assert bad.resolved is None
     runner.push("record", step_record(1, 3, 5.0))
     supervisor.tick()
     job = store.get_job(bad.id)
     assert (job.status.state, job.status.reason) == (JobState.FAILED, "InvalidConfig")
-    assert "sync.local_lookahead" in job.status.message and "submit again" in job.status.message
+    assert "training.micro_batch (2) must divide" in job.status.message and "submit again" in job.status.message
     assert [m["step"] for m in store.list_metrics(running.id)] == [1]
     assert [j for j, _, _ in supervisor.launcher.launched] == [running.id]
 

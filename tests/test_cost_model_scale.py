@@ -73,11 +73,16 @@ def test_weights_gradients_and_optimizer_state_by_sharding():
     # bf16 compute weights (2) + fp32 gradients (4) + fp32 master (4) and AdamW (8), the last two sharded (ZeRO-1)
     assert state_bytes(params, replicated, layer) == pytest.approx(18 * params)
     assert state_bytes(params, zero1, layer) == pytest.approx(6 * params + 12 * params / n)
-    # FSDP shards all 16 bytes; under pipelining the stage's bf16 weights stay gathered, plus a block's gradients
-    assert state_bytes(params, fsdp, layer) == pytest.approx(16 * params / n + 2 * params + BYTES_FP32 * layer)
-    no_pp = layout(fsdp=True, pp=1)  # resharded after forward: two blocks gathered at a time
-    assert state_bytes(params, no_pp, layer) == pytest.approx(16 * params / n + 2 * 2 * layer + BYTES_FP32 * layer)
-    # today's runtime keeps fp32 weights under autocast, and only the AdamW state is sharded
+    # FSDP shards all 16 bytes; under pipelining the stage's bf16 weights stay gathered and its fp32 gradients
+    # accumulate unsharded until the schedule's last micro-batch reduce-scatters them
+    assert state_bytes(params, fsdp, layer) == pytest.approx(16 * params / n + 2 * params + BYTES_FP32 * params)
+    # without pipelining: resharded after forward (two blocks gathered at a time); the micro-batches' gradients
+    # accumulate unsharded until the last one's reduce-scatter, one block's at a time with a single micro-batch
+    no_pp = layout(fsdp=True, pp=1)
+    assert state_bytes(params, no_pp, layer) == pytest.approx(16 * params / n + 2 * 2 * layer + BYTES_FP32 * params)
+    one_micro = layout(fsdp=True, pp=1, micro_batches=1)
+    assert state_bytes(params, one_micro, layer) == pytest.approx(16 * params / n + 2 * 2 * layer + BYTES_FP32 * layer)
+    # fp32 weights under autocast, only the AdamW state sharded (the flat-bucket engine's ZeRO-1)
     fp32 = layout(bf16_weights=False)
     assert state_bytes(params, fp32, layer) == pytest.approx(8 * params + ADAMW_STATE_BYTES * params / n)
 
