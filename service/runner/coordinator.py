@@ -114,7 +114,7 @@ class Coordinator:
         with self._cond:
             rejoining = self.state.epoch is not None and any(m.worker_id == wid for m in self.state.epoch.members)
         # Outside the lock: a probe of an unreachable host takes its timeout.
-        self._judge(also=wid if rejoining else "", only_with_suspects=True)
+        self._judge(also=wid if rejoining else "", only_news=True)
         with self._cond:
             if self.job_finished or self.closed:
                 return Finished()  # a late worker (a replacement, one left out) has nothing to do
@@ -153,7 +153,7 @@ class Coordinator:
                 self._cond.wait(min(left, REPROBE_S))
                 self._cond.release()  # a probe waits on the network: never under the lock
                 try:
-                    self._judge()
+                    self._judge(only_news=True)
                 finally:
                     self._cond.acquire()
 
@@ -261,17 +261,18 @@ class Coordinator:
         return {v.worker_id for v in verdicts if v.worker_id in ids and v.liveness is Liveness.DEAD}
 
     # -- liveness: gather what is known, judge it in one place, carry out what the controller decides ----------
-    def _judge(self, also: str = "", everyone: bool = False, only_with_suspects: bool = False) -> tuple[Verdict, ...]:
+    def _judge(self, also: str = "", everyone: bool = False, only_news: bool = False) -> tuple[Verdict, ...]:
         """Probe the workers worth a look now, judge every worker (:func:`~meridian.service.runner.liveness.judge.judge`)
         and hand the verdicts not acted on before to ``on_verdicts``; every verdict. ``also``: a member rejoining
         now (it calls: it is back). Probes and the hand-over run outside the lock: a probe of an unreachable host
-        takes its timeout, and acting takes the lock. ``only_with_suspects``: judge only if someone is worth a probe
-        (a worker's join: judging every rank at every join of a large job is quadratic)."""
+        takes its timeout, and acting takes the lock. ``only_news``: judge only if a probe's answer is news (a
+        worker's join: what changes with time alone, the tick judges; judging every rank at every join of a large
+        job is quadratic)."""
         with self._cond:
             suspects = self._suspects_locked(also, everyone)
-            if only_with_suspects and not suspects and not also:
-                return self.watch.current
-        self.probes.probe_each(suspects)
+        news = self.probes.probe_each(suspects)
+        if only_news and not news:
+            return self.watch.current
         with self._cond:
             verdicts = judge(self._seen_locked(also), self.policy)
             fresh = self.watch.new(verdicts)

@@ -55,13 +55,14 @@ class Probes:
     _probing: set[str] = field(default_factory=set)
     _claims: threading.Lock = field(default_factory=threading.Lock)
 
-    def probe_each(self, suspects: Iterable[tuple[str, str, int]]) -> None:
+    def probe_each(self, suspects: Iterable[tuple[str, str, int]]) -> set[str]:
         """Probe each ``(worker_id, address, port)`` (a port of 0: the worker has none, it is never probed) and
-        record the answers.
+        record the answers; the worker ids whose answer is news (another answer, or one more miss).
 
         One probe of a worker at a time: every rejoining survivor's thread probes the silent member at the same
         moment, and two of their probes timing out together on one slow second counted as "twice in a row", so a
         live member was taken for gone. A worker whose probe is in flight is skipped; its result counts once."""
+        news: set[str] = set()
         for wid, address, port in suspects:
             with self._claims:
                 if not port or wid in self._probing:
@@ -73,8 +74,11 @@ class Probes:
                 with self._claims:
                     self._probing.discard(wid)
             with self._claims:
+                if self.last.get(wid) is not result or result is Probe.UNREACHABLE:
+                    news.add(wid)
                 self.last[wid] = result
                 self.misses[wid] = self.misses.get(wid, 0) + 1 if result is Probe.UNREACHABLE else 0
+        return news
 
     def seen(self, worker_id: str) -> tuple[Probe | None, int]:
         """Its last answer (``None``: not probed since it last called) and its misses in a row."""
