@@ -24,7 +24,9 @@ from meridian.workers.contracts.records import StepRecord
 
 ALL_DCS = "all"
 RECENT_STEPS = 50
-"""Heartbeats kept per rank for the per-datacenter means and the stall detector's median."""
+"""Heartbeats kept per rank for the per-datacenter means and the liveness judge's median step time."""
+SLOW_WINDOW = 16
+"""A rank's last steps whose compute times the liveness judge compares (a median: one slow step is not a slow rank)."""
 
 
 @dataclass(frozen=True)
@@ -125,6 +127,7 @@ class JobMetricsState:
                 self.rank_dc = {s.rank: s.datacenter for s in p.placement}
                 self.last_beat.clear()
                 self.computed.clear()
+                self.recent.clear()  # a rank number may now name another worker: its step times are not this one's
             if p.epoch > 1:
                 self._count("meridian_job_recoveries_total", 1, **self.tags())
 
@@ -152,7 +155,7 @@ class JobMetricsState:
             done = self.last_beat.get(rank, {})
             computed, at = self.computed.get(rank, (int(done.get("step", 0)), float(done.get("time", 0.0))))
             view[rank] = Beat(step=int(done.get("step", 0)), computed=computed, at=max(at, float(done.get("time", 0.0))),
-                              compute_s=tuple(float(b["compute_s"]) for b in self.recent.get(rank, ())
+                              compute_s=tuple(float(b["compute_s"]) for b in list(self.recent.get(rank, ()))[-SLOW_WINDOW:]
                                               if "compute_s" in b))  # fmt: skip
         return view
 
