@@ -65,7 +65,9 @@ def test_a_frozen_rank_is_named_once_and_a_killed_node_is_left_behind_once(tmp_p
             thawed_at = _step(api.get(f"/v1/jobs/{job_id}").json())
             until(api, job_id, lambda j, ev: _step(j) > thawed_at + 5 and j, 180, "steps after the thaw")
 
-            # 2) A dead node: killed with no grace.
+            # 2) A dead node: killed with no grace. (The job's placement names nodes; its epochs name the workers.)
+            now = epochs(api.get(f"/v1/jobs/{job_id}/events").json()["events"])[-1]
+            victim["worker_id"] = next(p["worker_id"] for p in now["placement"] if p["node_id"] == victim["node_id"])
             cluster.remove_node(node_of(cluster.nodes_by_dc, victim["node_id"]), allow_graceful=False)
             after = until(api, job_id, lambda j, ev: next((e for e in epochs(ev) if victim["worker_id"] in e["lost"]),
                                                           None), 120, "an epoch without the killed worker")  # fmt: skip

@@ -265,13 +265,14 @@ class Coordinator:
         """Probe the workers worth a look now, judge every worker (:func:`~meridian.service.runner.liveness.judge.judge`)
         and hand the verdicts not acted on before to ``on_verdicts``; every verdict. ``also``: a member rejoining
         now (it calls: it is back). Probes and the hand-over run outside the lock: a probe of an unreachable host
-        takes its timeout, and acting takes the lock. ``only_news``: judge only if a probe's answer is news (a
-        worker's join: what changes with time alone, the tick judges; judging every rank at every join of a large
-        job is quadratic)."""
+        takes its timeout, and acting takes the lock. ``only_news``: judge only if a probe's answer is news or a
+        member may be stuck by now (a worker's join: judging every rank at every join of a large job is quadratic;
+        what else changes with time alone, the tick judges)."""
         with self._cond:
             suspects = self._suspects_locked(also, everyone)
+            due = self._stuck_due_locked()
         news = self.probes.probe_each(suspects)
-        if only_news and not news:
+        if only_news and not news and not due:
             return self.watch.current
         with self._cond:
             verdicts = judge(self._seen_locked(also), self.policy)
@@ -296,6 +297,12 @@ class Coordinator:
                     if everyone or (m.worker_id not in self.state.waiting and m.worker_id != also
                                     and m.worker_id not in self.left_behind)]  # fmt: skip
         return out
+
+    def _stuck_due_locked(self) -> bool:
+        """A re-formation, or newcomers, have waited long enough for a member to be judged stuck."""
+        now, since = self.clock(), self._newcomers_since_locked()
+        return ((self.state.first_rejoin_at is not None and now - self.state.first_rejoin_at >= self.policy.abort_after_s)
+                or (since is not None and now - since >= self.policy.newcomers_abort_after_s))
 
     def _newcomers_since_locked(self) -> float | None:
         ids = {m.worker_id for m in self.state.epoch.members} if self.state.epoch is not None else set()
