@@ -12,6 +12,7 @@ Every metric carries ``job_id`` and ``datacenter``; job-wide figures (loss, lr, 
 
 from __future__ import annotations
 
+import itertools
 import statistics
 from collections import deque
 from collections.abc import Iterable
@@ -155,9 +156,15 @@ class JobMetricsState:
             done = self.last_beat.get(rank, {})
             computed, at = self.computed.get(rank, (int(done.get("step", 0)), float(done.get("time", 0.0))))
             view[rank] = Beat(step=int(done.get("step", 0)), computed=computed, at=max(at, float(done.get("time", 0.0))),
-                              compute_s=tuple(float(b["compute_s"]) for b in list(self.recent.get(rank, ()))[-SLOW_WINDOW:]
-                                              if "compute_s" in b))  # fmt: skip
+                              compute_s=self._last_compute_s(rank))
         return view
+
+    def _last_compute_s(self, rank: int) -> tuple[float, ...]:
+        recent = self.recent.get(rank)
+        if not recent:
+            return ()
+        last = [b["compute_s"] for b in itertools.islice(reversed(recent), SLOW_WINDOW) if "compute_s" in b]
+        return tuple(reversed(last))
 
     def recent_step_s(self) -> list[float]:
         return [b["step_s"] for beats in self.recent.values() for b in beats]

@@ -33,6 +33,7 @@ ranks are idle by design then.
 
 from __future__ import annotations
 
+import bisect
 import enum
 import statistics
 from collections.abc import Sequence
@@ -272,17 +273,28 @@ def _heartbeat_verdicts(seen: Seen, policy: LivenessPolicy) -> dict[int, tuple]:
         out[k] = (Liveness.STUCK, Cause.SILENT, stall_reason(stall), {"step": b.step, "stall": stall})
     medians = {k: statistics.median(b.compute_s) for k, (_, b) in beats.items()
                if len(b.compute_s) >= policy.slow_min_beats}  # fmt: skip
+    ordered = sorted(medians.values())
     for k, mine in medians.items():
-        others = [m for j, m in medians.items() if j != k]
-        if k in out or not others:
+        if k in out or len(ordered) < 2:
             continue
-        peers = statistics.median(others)
+        peers = _median_without(ordered, bisect.bisect_left(ordered, mine))
         if mine > policy.slow_factor * peers and mine - peers >= policy.slow_min_s:
             out[k] = (Liveness.SLOW, Cause.SLOW_STEPS,
                       f"computes a step in {mine:.2f} s, {mine / max(peers, 1e-9):.1f}x the other ranks' median "
                       f"({peers:.2f} s): they wait for it in every sync",
                       {"step": beats[k][1].step, "compute_s": mine, "peers_compute_s": peers})
     return out
+
+
+def _median_without(ordered: list[float], i: int) -> float:
+    """The median of sorted ``ordered`` without its element ``i`` (every rank against the others: linear, not
+    quadratic, in the ranks of a large job)."""
+    n = len(ordered) - 1
+
+    def at(j: int) -> float:
+        return ordered[j if j < i else j + 1]
+
+    return at(n // 2) if n % 2 else (at(n // 2 - 1) + at(n // 2)) / 2
 
 
 def stall_reason(s: StallSeen) -> str:
