@@ -334,18 +334,17 @@ def test_a_different_body_with_the_same_key_is_refused_with_a_clear_message(supe
 
 
 def test_a_stall_named_before_a_restart_is_not_recorded_again(supervisor, store, cluster_view, tmp_path):
-    # The runner names a stall once (its StallWatch lives as long as the job) and the poll's cursor stores it once:
-    # a restarted service reads nothing back to avoid naming it again.
-    from meridian.service.runner.stall import stall_event
+    # The runner names a stall once (its LivenessWatch lives as long as the job) and the poll's cursor stores it
+    # once: a restarted service reads nothing back to avoid naming it again.
     from meridian.service.supervision.supervisor import Supervisor
-    from meridian.workers.contracts.events import StallSeen
+    from meridian.workers.contracts.events import EventKind, JobEvent, StallSeen
 
     job, _ = supervisor.submit(req(), {})
     supervisor.tick()
     runner = supervisor.launcher.runners[job.id]
     runner.state = "running"
     stall = StallSeen(rank=1, step=4, silent_s=11.0, threshold_s=3.0, median_step_s=1.0, node_id="n1", datacenter="dc-b")
-    runner.push("event", stall_event(stall, 101.0))
+    runner.push("event", JobEvent(kind=EventKind.STALL, message="rank 1 in dc-b is quiet", payload=stall, time=101.0))
     runner.stalls = (stall,)
     supervisor.tick()
     supervisor.tick()

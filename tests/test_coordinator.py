@@ -221,10 +221,10 @@ def test_a_worker_joining_after_the_last_step_is_told_the_job_finished():
         rdzv.join(last_step=0, timeout_s=5)
 
 
-def _two_members_formed(now, liveness, on_event):
+def _two_members_formed(now, probes, on_event):
     """A coordinator on the clock ``now[0]`` whose first epoch holds w0 and w1 (liveness ports 39500, 39501)."""
     c = Coordinator(planned_workers=2, min_workers=1, dc_order=("dc-a",), on_event=on_event, clock=lambda: now[0],
-                    liveness=liveness)
+                    probes=probes)
     old = [JoinRequest(worker_id=f"w{i}", datacenter="dc-a", node_id=f"n{i}", address="127.0.0.1", port=29500 + i,
                        probe_port=39500 + i) for i in range(2)]  # fmt: skip
     threads, _ = join_concurrently(c, old)
@@ -237,35 +237,37 @@ def test_newcomers_waiting_for_members_that_are_all_gone_probe_them_and_re_form_
     # A Train run ended with all its workers while their nodes lived: no member will rejoin or reach a step
     # boundary, so after NEWCOMERS_PROBE_AFTER_S of waiting the ticks probe the members and find them gone.
     from meridian.service.runner.coordinator import NEWCOMERS_PROBE_AFTER_S
-    from meridian.service.runner.liveness import LivenessTracker, Probe
+    from meridian.service.runner.liveness.judge import Probe
+    from meridian.service.runner.liveness.probes import Probes
 
     now, dead = [0.0], set()
-    liveness = LivenessTracker(probe_fn=lambda address, port: Probe.GONE if port in dead else Probe.ALIVE)
-    c = _two_members_formed(now, liveness, on_event=lambda *e: None)
+    probes = Probes(probe_fn=lambda address, port: Probe.GONE if port in dead else Probe.ALIVE)
+    c = _two_members_formed(now, probes, on_event=lambda *e: None)
     dead.update({39500, 39501})  # both members' agents died with their run
     new = [JoinRequest(worker_id=f"w{i}", datacenter="dc-a", node_id=f"n{i - 3}", address="127.0.0.1",
                        port=29500 + i, probe_port=39500 + i, last_step=7) for i in (3, 4)]  # fmt: skip
     for r in new:
         assert isinstance(c.join(r, poll_s=0.0), Waiting)
     c.tick({"n0", "n1"})
-    assert c.epoch.number == 1 and not liveness.gone  # not yet: members normally reach a boundary within a step
+    assert c.epoch.number == 1 and not c.left_behind  # not yet: members normally reach a boundary within a step
     now[0] = NEWCOMERS_PROBE_AFTER_S
     c.tick({"n0", "n1"})
-    assert liveness.gone == {"w0", "w1"} and c.epoch.number == 2
+    assert c.left_behind == {"w0", "w1"} and c.epoch.number == 2
     assert c.epoch.resume_step == 7 and {m.worker_id for m in c.epoch.members} == {"w3", "w4"}
 
 
 def test_newcomers_waiting_a_minute_on_members_that_answer_stop_them():
     # Members that answer their probes but reach no step boundary for NEWCOMERS_ABORT_AFTER_S are stuck: they
     # are told to stop (once per epoch), so their next processes rejoin with the newcomers.
-    from meridian.service.runner.coordinator import NEWCOMERS_ABORT_AFTER_S
-    from meridian.service.runner.liveness import LivenessTracker, Probe
+    from meridian.service.runner.liveness.judge import LivenessPolicy, Probe
+    from meridian.service.runner.liveness.probes import Probes
 
+    NEWCOMERS_ABORT_AFTER_S = LivenessPolicy().newcomers_abort_after_s
     now, told = [0.0], []
-    liveness = LivenessTracker(probe_fn=lambda address, port: Probe.ALIVE,
-                               abort_fn=lambda address, port, epoch: told.append((port, epoch)) or True)
+    probes = Probes(probe_fn=lambda address, port: Probe.ALIVE,
+                    abort_fn=lambda address, port, epoch: told.append((port, epoch)) or True)
     events = []
-    c = _two_members_formed(now, liveness, on_event=lambda *e: events.append(e))
+    c = _two_members_formed(now, probes, on_event=lambda *e: events.append(e))
     assert isinstance(c.join(JoinRequest(worker_id="w5", datacenter="dc-a", node_id="n5", address="127.0.0.1",
                                          port=29505, probe_port=39505), poll_s=0.0), Waiting)  # fmt: skip
     now[0] = NEWCOMERS_ABORT_AFTER_S - 1

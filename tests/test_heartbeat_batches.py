@@ -149,8 +149,8 @@ def test_the_runner_takes_a_rank_s_batch_and_stamps_it_with_its_own_clock():
     r.push_heartbeats([{"rank": 1, "phase": "computed", "step": 7, "time": 5.0},
                        {"rank": 1, "phase": "done", "step": 7, "step_s": 0.05, "data_s": 0.0, "compute_s": 0.04,
                         "sync_wait_s": 0.01, "time": 5.1}])  # fmt: skip
-    view = r._reports.metrics.stall_view()[1]
-    assert view["step"] == 7 and view["computed"] == 7 and view["time"] >= before
+    view = r._reports.metrics.beats()[1]
+    assert view.step == 7 and view.computed == 7 and view.at >= before and view.compute_s == (0.04,)
     assert r._reports.metrics.recent_step_s() == [0.05]
 
 

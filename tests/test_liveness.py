@@ -10,8 +10,9 @@ import time
 
 from fakes import join_concurrently
 
-from meridian.service.runner.coordinator import STRANDED_AFTER_S, Coordinator
-from meridian.service.runner.liveness import LivenessTracker, Probe, probe, send_abort
+from meridian.service.runner.coordinator import Coordinator
+from meridian.service.runner.liveness.judge import Liveness, LivenessPolicy, Probe, RankSeen, Seen, judge
+from meridian.service.runner.liveness.probes import Probes, probe, send_abort
 from meridian.service.runner.membership import Epoch, Member, MembershipState, decide
 from meridian.workers.contracts.rendezvous import Assignment, JoinRequest, Waiting
 from meridian.workers.elastic.agent import Agent
@@ -28,6 +29,17 @@ def test_the_port_answers_while_the_listener_lives_and_refuses_after():
     assert probe("127.0.0.1", listener.port) is Probe.GONE
 
 
+def _dead_after(probes: Probes, suspects) -> set[str]:
+    """Probe ``suspects`` once, then judge them as members that have not rejoined: the ids judged dead."""
+    probes.probe_each(suspects)
+    ranks = []
+    for i, (wid, _, port) in enumerate(suspects):
+        last, misses = probes.seen(wid)
+        ranks.append(RankSeen(worker_id=wid, rank=i, node_id=f"n{i}", datacenter="dc-a", probe_port=port,
+                              probe=last, misses=misses))
+    return {v.worker_id for v in judge(Seen(now=0.0, epoch=1, ranks=tuple(ranks))) if v.liveness is Liveness.DEAD}
+
+
 def test_refused_is_gone_at_once_unreachable_only_when_repeated_and_an_answer_resets_it():
     answers = {"a": [Probe.GONE], "b": [Probe.UNREACHABLE, Probe.ALIVE, Probe.UNREACHABLE, Probe.UNREACHABLE],
                "c": [Probe.ALIVE] * 4}
@@ -37,15 +49,13 @@ def test_refused_is_gone_at_once_unreachable_only_when_repeated_and_an_answer_re
         asked.append(address)
         return answers[address].pop(0)
 
-    t = LivenessTracker(probe_fn=fake)
-    suspects = [("wa", "a", 1), ("wb", "b", 2), ("wc", "c", 3), ("wz", "z", 0)]
-    assert t.check(suspects) == {"wa"}
-    assert t.check(suspects) == set()  # b answered this time
-    assert t.check(suspects) == set()  # one miss
-    assert t.check(suspects) == {"wb"}  # two in a row
-    assert t.gone == {"wa", "wb"}
+    t = Probes(probe_fn=fake)
+    live = [("wb", "b", 2), ("wc", "c", 3), ("wz", "z", 0)]
+    assert _dead_after(t, [("wa", "a", 1), *live]) == {"wa"}
+    assert _dead_after(t, live) == set()  # b answered this time
+    assert _dead_after(t, live) == set()  # one miss
+    assert _dead_after(t, live) == {"wb"}  # two in a row
     assert "z" not in asked  # a worker without a port is never probed
-    assert asked.count("a") == 1  # nor one already known gone
 
 
 def _m(i, dc, port=0):
@@ -87,7 +97,7 @@ def _formed_coordinator(answer):
         return answer(address)
 
     c = Coordinator(planned_workers=4, min_workers=1, dc_order=("dc-a", "dc-b"), on_event=lambda *e: events.append(e),
-                    grace_s=30, liveness=LivenessTracker(probe_fn=fake))
+                    grace_s=30, probes=Probes(probe_fn=fake))
     dcs = ["dc-a", "dc-a", "dc-b", "dc-b"]
     _join(c, [_request(i, dc) for i, dc in enumerate(dcs)], 0)
     assert c.epoch.number == 1 and not probed  # nobody is probed while no re-formation is pending
@@ -172,11 +182,11 @@ class _Clock:
 def _coordinator(clock, told: list, events: list | None = None) -> Coordinator:
     """Four members over two datacenters, formed; probes find every agent alive and aborts are recorded in
     ``told``; abort_after_s is grace_s / 3 (10 s)."""
-    tracker = LivenessTracker(probe_fn=lambda address, port: Probe.ALIVE,
-                              abort_fn=lambda address, port, epoch: told.append((address, port, epoch)) or True)
+    tracker = Probes(probe_fn=lambda address, port: Probe.ALIVE,
+                     abort_fn=lambda address, port, epoch: told.append((address, port, epoch)) or True)
     c = Coordinator(planned_workers=4, min_workers=1, dc_order=("dc-a", "dc-b"),
                     on_event=lambda *e: events.append(e) if events is not None else None,
-                    grace_s=30, liveness=tracker, clock=clock)
+                    grace_s=30, probes=tracker, clock=clock)
     for i, dc in enumerate(["dc-a", "dc-a", "dc-b", "dc-b"]):
         c.join(_request(i, dc), known_epoch=0, poll_s=0)
     return c
@@ -239,7 +249,7 @@ def test_waiting_workers_whose_processes_are_gone_are_not_formed_with(monkeypatc
     dead = {"10.0.0.0", "10.0.0.1"}
     events: list[tuple] = []
     c = Coordinator(planned_workers=3, min_workers=3, dc_order=("dc-a", "dc-b"), on_event=lambda *e: events.append(e),
-                    liveness=LivenessTracker(probe_fn=lambda address, port: Probe.GONE if address in dead else Probe.ALIVE))
+                    probes=Probes(probe_fn=lambda address, port: Probe.GONE if address in dead else Probe.ALIVE))
     for i, dc in ((0, "dc-b"), (1, "dc-b")):  # they join, wait, then their processes die: no more calls
         assert isinstance(c.join(_request(i, dc), poll_s=0.05), Waiting)
     time.sleep(0.4)
@@ -255,7 +265,7 @@ def test_a_waiting_worker_that_stopped_calling_but_answers_is_kept(monkeypatch):
 
     monkeypatch.setattr(coordinator, "STALE_POLL_S", 0.3)
     c = Coordinator(planned_workers=3, min_workers=3, dc_order=("dc-a", "dc-b"), on_event=lambda *e: None,
-                    liveness=LivenessTracker(probe_fn=lambda address, port: Probe.ALIVE))
+                    probes=Probes(probe_fn=lambda address, port: Probe.ALIVE))
     for i, dc in ((0, "dc-b"), (1, "dc-b")):
         c.join(_request(i, dc), poll_s=0.05)
     time.sleep(0.4)  # slow, not gone: its agent answers
@@ -273,7 +283,7 @@ def test_members_stranded_with_a_member_whose_node_died_silently_are_told_to_sto
     c.tick({"n0", "n1", "n2", "n3"})
     c.tick({"n0", "n1", "n2"})  # Ray: n3 is dead; its peers may still be failing on their own
     assert told == []
-    clock.t += STRANDED_AFTER_S
+    clock.t += LivenessPolicy().stranded_after_s
     c.tick({"n0", "n1", "n2"})
     c.tick({"n0", "n1", "n2"})
     assert sorted(told) == [("10.0.0.0", 40000, 1), ("10.0.0.1", 40001, 1), ("10.0.0.2", 40002, 1)]  # once each
@@ -290,7 +300,7 @@ def test_members_that_rejoined_on_their_own_are_not_told_to_stop_when_ray_report
     c.join(_request(0, "dc-a", 7), known_epoch=1, poll_s=0)  # a collective failed: w0 rejoins at once
     for _ in range(3):
         c.tick({"n0", "n1", "n2"})
-        clock.t += STRANDED_AFTER_S
+        clock.t += LivenessPolicy().stranded_after_s
     assert told == []  # the re-formation is under way; the usual rules (probe, grace, abort_after_s) apply
 
 
@@ -305,18 +315,18 @@ def test_concurrent_probes_of_one_member_count_one_miss_and_a_worker_that_calls_
         time.sleep(0.2)
         return Probe.UNREACHABLE
 
-    t = LivenessTracker(probe_fn=slow_miss)
+    t = Probes(probe_fn=slow_miss)
 
     def check():
         started.wait()
-        t.check([("w3", "h3", 9003)])
+        t.probe_each([("w3", "h3", 9003)])
 
     threads = [threading.Thread(target=check) for _ in range(3)]
     for th in threads:
         th.start()
     for th in threads:
         th.join(5)
-    assert t.gone == set() and len(calls) == 1  # one probe in flight at a time; its miss counts once
-    assert t.check([("w3", "h3", 9003)]) == {"w3"}  # a second miss, after the first: twice in a row
+    assert t.seen("w3") == (Probe.UNREACHABLE, 1) and len(calls) == 1  # one probe in flight at a time: one miss
+    assert _dead_after(t, [("w3", "h3", 9003)]) == {"w3"}  # a second miss, after the first: twice in a row
     t.revive("w3")  # it called the coordinator: alive after all
-    assert t.gone == set() and t.check([("w3", "h3", 9003)]) == set()  # and its count starts again
+    assert t.seen("w3") == (None, 0) and _dead_after(t, [("w3", "h3", 9003)]) == set()  # its count starts again

@@ -1,5 +1,6 @@
-"""Metrics and diagnostics without Ray: the runner's metric fold, the stall detector, the supervisor's stall
-events, the service's Prometheus /metrics, and the data/compute split in step records."""
+"""Metrics and diagnostics without Ray: the runner's metric fold, the runner naming a silent rank (the liveness
+judge's own rules are tabled in test_liveness_judge.py), the supervisor's stall events, the service's Prometheus
+/metrics, and the data/compute split in step records."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ from fastapi.testclient import TestClient
 
 from meridian.api.app import create_app
 from meridian.service.jobs import JobState
+from meridian.service.runner.liveness.judge import Beat, Cause, Liveness, Verdict
 from meridian.service.runner.metrics import JobMetricsState, _key
-from meridian.service.runner.stall import StallPolicy, find_stalls, stall_message
 from meridian.workers.contracts.events import EventKind, JobEvent
 from meridian.workers.contracts.model_config import model_preset
 from meridian.workers.loop.observe import DevicePeak, StepTimes, measure_peak_flops, mfu
@@ -22,42 +23,7 @@ def beat(rank, step, t, step_s=1.0, data_s=0.1, sync=0.2):
             "sync_wait_s": sync, "time": t}
 
 
-# -- stall detector (pure) --------------------------------------------------------------------------------
-PLACE = {0: {"node_id": "n-dc-a-0" + "0" * 40, "datacenter": "dc-a"}, 1: {"node_id": "n-dc-b-0" + "1" * 40, "datacenter": "dc-b"}}
-
-
-def test_a_rank_silent_for_more_than_n_medians_is_named_with_node_and_dc():
-    beats = {0: {"step": 10, "time": 100.0}, 1: {"step": 7, "time": 94.0}}
-    stalls = find_stalls(beats, [1.0, 1.2, 0.8], now=101.0, placement=PLACE, policy=StallPolicy(factor=5, floor_s=2))
-    assert [s.rank for s in stalls] == [1]
-    s = stalls[0]
-    assert (s.step, s.silent_s, s.threshold_s, s.median_step_s, s.datacenter) == (7, 7.0, 5.0, 1.0, "dc-b")
-    assert "rank 1 in dc-b on node n-dc-b-01111" in stall_message(s) and "step 7" in stall_message(s)
-
-
-def test_the_rank_behind_is_named_not_the_ranks_waiting_for_it_in_the_sync():
-    # Rank 1 stopped in step 8's forward; ranks 0 and 2 computed step 8 and wait in its gradient sync.
-    beats = {0: {"step": 7, "computed": 8, "time": 90.0}, 1: {"step": 7, "computed": 7, "time": 89.5},
-             2: {"step": 7, "computed": 8, "time": 90.1}}
-    stalls = find_stalls(beats, [1.0] * 5, now=100.0, placement=PLACE, policy=StallPolicy(factor=5, floor_s=1))
-    assert [(s.rank, s.step, s.silent_s) for s in stalls] == [(1, 7, 10.5)]
-    # Every rank equally far and silent: the collective itself hangs, all are named.
-    beats[1] = {"step": 7, "computed": 8, "time": 89.5}
-    assert [s.rank for s in find_stalls(beats, [1.0], now=100.0, placement=PLACE)] == [0, 1, 2]
-
-
-def test_no_stall_below_threshold_floor_or_before_any_step():
-    beats = {0: {"step": 3, "time": 100.0}}
-    assert find_stalls(beats, [0.1], now=104.0, placement=PLACE, policy=StallPolicy(factor=5, floor_s=5)) == []
-    assert find_stalls(beats, [0.1], now=105.5, placement=PLACE, policy=StallPolicy(factor=5, floor_s=5))[0].rank == 0
-    assert find_stalls(beats, [], now=1e9, placement=PLACE) == []
-
-
-def test_stall_policy_rejects_nonsense():
-    with pytest.raises(ValueError, match="factor"):
-        StallPolicy(factor=1)
-
-
+# -- the runner names a silent rank once ----------------------------------------------------------------
 class _Clock:
     """``time`` for the runner module: a wall clock the test moves."""
 
@@ -74,19 +40,26 @@ class _Clock:
 def _runner_with_two_ranks(monkeypatch, clock):
     from fakes import job_runner
 
+    import meridian.service.runner.actor as actor_module
     import meridian.service.runner.reports as reports_module
-    from meridian.service.runner.stall import StallWatch
+    from meridian.workers.contracts.rendezvous import JoinRequest
 
     class NoExport:
         def export(self, _state):
             pass
 
     monkeypatch.setattr(reports_module, "time", clock)
+    monkeypatch.setattr(actor_module, "time", clock)
     r = job_runner(NoExport())
-    r._reports.stalls = StallWatch(StallPolicy(factor=5, floor_s=2.0))
-    for rank, dc in ((0, "dc-a"), (1, "dc-b")):
+    for rank, dc in ((0, "dc-a"), (1, "dc-b")):  # the two members form the first epoch: ranks 0 and 1
         r.push_event("worker_started", "", {"rank": rank, "node_id": f"node-{dc}", "datacenter": dc})
+        r.coordinator.join(JoinRequest(worker_id=f"w{rank}", datacenter=dc, node_id=f"node-{dc}", address="10.0.0.1",
+                                       port=29500 + rank), poll_s=0)  # fmt: skip
+    assert r.coordinator.epoch is not None and len(r.coordinator.epoch.members) == 2
     return r
+
+
+NODES = {"node-dc-a", "node-dc-b"}
 
 
 def test_the_runner_names_one_stall_per_rank_and_step_and_the_supervisor_stores_it(store, supervisor, monkeypatch):
@@ -96,13 +69,15 @@ def test_the_runner_names_one_stall_per_rank_and_step_and_the_supervisor_stores_
     clock.now = 100.0
     r.push_heartbeats([beat(0, 5, 0.0)])  # rank 0 goes on; rank 1 last finished step 2 at 80.0
     clock.now = 100.5
+    r._judge_ranks(NODES)  # the runner's tick
     first = r.poll(0)
     stalls = [e for e in first.events if e.kind is EventKind.STALL]
     assert [(e.payload.rank, e.payload.step, e.payload.node_id, e.payload.datacenter) for e in stalls] == [
         (1, 2, "node-dc-b", "dc-b")]
-    assert stalls[0].payload.silent_s == pytest.approx(20.5) and stalls[0].time == 100.5
+    assert stalls[0].payload.silent_s == pytest.approx(20.5) and "rank 1 in dc-b on node node-dc-b" in stalls[0].message
     assert [s.rank for s in first.stalls] == [1]
     clock.now = 101.0
+    r._judge_ranks(NODES)
     again = r.poll(first.cursor)
     assert not [e for e in again.events if e.kind is EventKind.STALL] and [s.rank for s in again.stalls] == [1]
 
@@ -127,7 +102,7 @@ def _request():
 
 # -- the runner's metric fold -----------------------------------------------------------------------------
 def test_metric_state_tags_job_and_datacenter_and_splits_step_time():
-    m = JobMetricsState("j1", policy=StallPolicy(factor=3, floor_s=0.5))
+    m = JobMetricsState("j1")
     for rank, dc in ((0, "dc-a"), (1, "dc-a"), (2, "dc-b")):
         m.on_event(JobEvent.of("worker_started", "", {"rank": rank, "datacenter": dc, "node_id": f"n{rank}"}))
     rec = step_record(1, 10, 2.5, step_s=0.5, inter_dc_bytes=1000, data_s=0.05, compute_s=0.3, comm_s=0.2,
@@ -139,7 +114,8 @@ def test_metric_state_tags_job_and_datacenter_and_splits_step_time():
     m.on_heartbeat(beat(1, 1, 10.0, step_s=2.0, data_s=0.3))
     m.on_heartbeat(beat(2, 1, 10.0, step_s=4.0, data_s=0.5, sync=0.5))
     m.on_event(JobEvent.of("worker_lost", "", {"worker_id": "w2", "datacenter": "dc-b", "node_id": "n2"}))
-    m.refresh_live(now=10.0 + 3 * 2.0 + 0.1)  # median step 2 s → 6 s threshold; all silent 6.1 s
+    m.refresh_live([_verdict(0, "dc-a", Liveness.STUCK), _verdict(1, "dc-a", Liveness.DEAD),
+                    _verdict(2, "dc-b", Liveness.ALIVE)])  # fmt: skip
     gauges, counts, obs = m.drain()
     assert gauges[_key("meridian_job_loss", job_id="j1", datacenter="all")] == 2.5
     assert gauges[_key("meridian_job_inter_dc_bytes_per_second", job_id="j1", datacenter="all")] == 2000
@@ -149,16 +125,24 @@ def test_metric_state_tags_job_and_datacenter_and_splits_step_time():
     assert gauges[_key("meridian_job_step_phase_seconds", job_id="j1", datacenter="dc-a", phase="data")] == pytest.approx(0.2)
     assert gauges[_key("meridian_job_step_phase_seconds", job_id="j1", datacenter="dc-b", phase="compute")] == pytest.approx(3.0)
     assert gauges[_key("meridian_job_live_workers", job_id="j1", datacenter="dc-a")] == 0
+    assert gauges[_key("meridian_job_live_workers", job_id="j1", datacenter="dc-b")] == 1
     assert counts == {_key("meridian_job_steps_total", job_id="j1", datacenter="all"): 1,
                       _key("meridian_job_recoveries_total", job_id="j1", datacenter="dc-b"): 1}
     assert obs == [(_key("meridian_job_step_duration_seconds", job_id="j1", datacenter="all"), 0.5)]
-    m.refresh_live(now=10.0 + 5.0)
+    m.refresh_live([_verdict(0, "dc-a", Liveness.ALIVE), _verdict(1, "dc-a", Liveness.SLOW),
+                    _verdict(2, "dc-b", Liveness.ALIVE), _verdict(None, "dc-b", Liveness.ALIVE)])  # a newcomer: no member
     gauges, counts, obs = m.drain()
     assert gauges[_key("meridian_job_live_workers", job_id="j1", datacenter="dc-a")] == 2
     assert gauges[_key("meridian_job_live_workers", job_id="j1", datacenter="all")] == 3
     assert counts == {} and obs == []  # increments are handed over once
-    assert m.stall_view()[2] == {"step": 1, "computed": 2, "time": 11.0}
-    assert m.stall_view()[0] == {"step": 1, "computed": 1, "time": 10.0}
+    assert m.beats()[2] == Beat(step=1, computed=2, at=11.0, compute_s=(3.0,))
+    b0 = m.beats()[0]
+    assert (b0.step, b0.computed, b0.at) == (1, 1, 10.0) and b0.compute_s == pytest.approx((0.7,))
+
+
+def _verdict(rank, dc, liveness):
+    return Verdict(worker_id=f"w{rank}", rank=rank, node_id="n", datacenter=dc, epoch=1, liveness=liveness,
+                   cause=Cause.TRAINING, reason="")
 
 
 # -- worker-side figures ----------------------------------------------------------------------------------
@@ -285,12 +269,11 @@ def test_no_stall_is_named_while_the_job_waits_or_after_its_last_step(monkeypatc
     clock = _Clock(80.0)
     r = _runner_with_two_ranks(monkeypatch, clock)
     r.push_heartbeats([beat(0, 5, 0.0)])
-    status = {"waiting": [], "wait_reason": "", "finished": False}
     if idle == "waiting":
-        status["wait_reason"] = "2 worker(s) left after losing 1; the job needs at least 3 (topology.min_workers)"
+        r.coordinator.wait_reason = "2 worker(s) left after losing 1; the job needs at least 3 (topology.min_workers)"
     else:
-        status["finished"] = True
-    monkeypatch.setattr(r.coordinator, "status", lambda: status)
+        r.coordinator.finished.add("w0")
     clock.now = 100.5
+    r._judge_ranks(NODES)
     poll = r.poll(0)
     assert not [e for e in poll.events if e.kind is EventKind.STALL] and poll.stalls == ()

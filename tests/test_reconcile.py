@@ -9,7 +9,6 @@ from fakes import step_record
 from meridian.service.jobs import JobState, JobStatus
 from meridian.service.runner.placement import PlacedRank, PlacementTracker
 from meridian.service.runner.poll import RunnerLost, RunnerPoll, RunnerState
-from meridian.service.runner.stall import StallPolicy, StallWatch
 from meridian.service.store import JobRecord
 from meridian.service.supervision.reconcile import reconcile
 from meridian.workers.contracts.events import EventKind, JobEvent
@@ -127,17 +126,6 @@ def test_an_epoch_names_the_ranks_with_what_each_worker_said_when_it_started():
     assert [(p["rank"], p["pid"], p["datacenter"]) for p in d.fields["placement"]] == [(0, 10, "dc-a"), (1, 11, "dc-b")]
     stored = job(placement=d.fields["placement"])
     assert "placement" not in reconcile(stored, poll(placement=tracker.ranks)).fields  # unchanged: not stored again
-
-
-def test_the_runner_names_each_stall_once_and_not_while_the_membership_waits():
-    where = {0: {"node_id": "n0", "datacenter": "dc-a"}, 1: {"node_id": "n1", "datacenter": "dc-b"}}
-    beats = {0: {"step": 5, "computed": 5, "time": 100.0}, 1: {"step": 4, "computed": 4, "time": 90.0}}
-    watch = StallWatch(StallPolicy(factor=3, floor_s=1.0))
-    new = watch.check(beats, (1.0, 1.0, 1.0), 101.0, where, idle=False)
-    assert [(s.rank, s.step, s.datacenter) for s in new] == [(1, 4, "dc-b")] and watch.current == tuple(new)
-    assert watch.check(beats, (1.0, 1.0, 1.0), 102.0, where, idle=False) == []  # named already
-    assert watch.current and watch.current[0].silent_s == 12.0  # still stalled, now for longer
-    assert watch.check(beats, (1.0,), 103.0, where, idle=True) == [] and watch.current == ()
 
 
 def test_the_result_s_losses_are_the_job_s_first_and_last_steps_not_its_last_epoch_s():

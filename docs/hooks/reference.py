@@ -402,14 +402,19 @@ EVENTS: dict[str, str] = {
     "gap": "The runner had to drop records the service had not yet read; `data` says which.",
     "supervisor_error": "The service failed to follow this job once (a poll or a store write); the message says "
                         "what failed. The job itself may be fine; `/healthz` says `degraded` meanwhile.",
-    "stall": "A rank sent no heartbeat for 5× the median step time (at least 5 s); names its node and datacenter.",
+    "stall": "A training rank sent no heartbeat for 5× the median step time (at least 5 s) and is behind the others "
+             "(the liveness judge's `stuck`, cause `silent`); names its node and datacenter, once per step it went "
+             "quiet at.",
+    "rank_slow": "A rank's median compute time per step is over twice the other ranks' (the liveness judge's "
+                 "`slow`): they wait for it in every sync. Once per rank and epoch.",
     "watch_error": "The runner's watch of the cluster's nodes failed; it retries, less often while it fails.",
     "node_lost": "A node the job ran on is no longer alive in Ray.",
     "node_joined": "A node came (back) into the cluster.",
     "worker_started": "A Ray Train worker started, with its datacenter, node, host, pid and device.",
     "worker_replacing": "Capacity returned in a datacenter that runs short of its plan: the runner starts a worker "
                         "there.",
-    "worker_gone": "A member's liveness port refused or did not answer twice: its process is gone.",
+    "worker_gone": "The liveness judge found a worker dead (`cause`: its node is dead in Ray, its liveness port "
+                   "refused, or its host did not answer twice): it is not waited for.",
     "worker_lost": "A member left the job's group (dead node or process); the group re-forms without it.",
     "worker_stranded": "Ray reports a member's node dead and no member rejoined for a second: the others' training "
                        "processes are stopped so that the group can re-form.",

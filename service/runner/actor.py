@@ -6,9 +6,12 @@ with a cursor, so a restarted service picks up exactly where the stored cursor s
 twice. Because the actor is detached and named ``meridian-job-<id>``, training outlives the service process.
 
 It also hosts the job's :class:`~meridian.service.runner.coordinator.Coordinator` (workers call ``rdzv_*``) and
-watches the cluster every ``TICK_S``: a node that dies is reported on the job and its workers are not waited
-for; when a datacenter has capacity again and the job runs short there, a replacement worker starts on it
-(:mod:`~meridian.service.runner.replacements`), which joins at the next step boundary.
+watches the cluster every ``TICK_S``: Ray's node states (a node that dies or joins is reported on the job) and the
+ranks' heartbeats go to the coordinator, which judges every rank in the job's one liveness path
+(:mod:`~meridian.service.runner.liveness`); the verdicts come back here as an observation for the controller,
+and the coordinator carries out what it decides. When a datacenter has capacity again and the job runs short
+there, a replacement worker starts on it (:mod:`~meridian.service.runner.replacements`), which joins at the next
+step boundary.
 
 Ray Train's own reaction to a dead worker would restart the whole worker group (34–85 s measured here, from the
 last disk checkpoint). The job's backend declares *replica groups* of one worker each
@@ -38,10 +41,14 @@ from meridian.service.runner.controller.decide import (
     ControllerStarted,
     Finish,
     LastStepSeen,
+    LeaveBehind,
+    NameRanks,
     Observation,
+    RanksJudged,
     RunEnded,
     StartRun,
     Stepped,
+    StopStuck,
     StopTraining,
     Suspend,
     SuspendAsked,
@@ -112,7 +119,7 @@ class JobRunner:
         self.coordinator = Coordinator(
             planned_workers=len(rank_dcs), min_workers=min(min_workers, len(rank_dcs)),
             dc_order=tuple(planned_per_dc), on_event=self.push_event, grace_s=GRACE_S,
-            start_timeout_s=START_TIMEOUT_S,
+            start_timeout_s=START_TIMEOUT_S, on_verdicts=lambda verdicts: self._observe(RanksJudged(verdicts)),
         )  # fmt: skip
         self._stopper = RunStopper(self.push_event, lambda: self._members_gone())
         self._replacements = Replacements(self.name, train_config, plan, self.push_event)
@@ -131,6 +138,8 @@ class JobRunner:
                 self.coordinator.suspend()
             elif isinstance(action, Finish):
                 self._finish(action)
+            elif isinstance(action, (LeaveBehind, StopStuck, NameRanks)):
+                self.coordinator.carry_out((action,))
         return actions
 
     def _finish(self, action: Finish) -> None:
@@ -171,16 +180,17 @@ class JobRunner:
         service stored with what it committed: the acknowledgement, so what it covers is trimmed here."""
         # Outside the lock: the coordinator reports events (taking the lock) while holding its own.
         membership = self.coordinator.status()
+        verdicts = self.coordinator.watch.current
         with self._lock:
             r = self._reports
-            r.observe(idle=bool(membership.get("wait_reason")) or bool(membership.get("finished")))
+            r.observe(verdicts)
             records, events = r.outbox.since(after)
             told = self._done.is_set()
             return RunnerPoll(
                 state=runner_state(self._state, told=told), error=error_of(self._state, told=told), result=r.result,
                 records=records, events=events,
                 cursor=r.outbox.seq, wait_reason=membership.get("wait_reason", ""),
-                finished=bool(membership.get("finished")), placement=r.placement.ranks, stalls=r.stalls.current,
+                finished=bool(membership.get("finished")), placement=r.placement.ranks, stalls=self.coordinator.watch.stalls(),
                 suspended_step=suspended_step(self._state, told=told),
             )
 
@@ -277,7 +287,7 @@ class JobRunner:
                 self.push_event(EventKind.NODE_JOINED, f"node {node[:12]} joined {dc or 'no datacenter'}",
                                 {"node_id": node, "datacenter": dc})
         self._nodes = nodes
-        self.coordinator.tick(set(nodes))
+        self._judge_ranks(set(nodes))
         suspended_at = self.coordinator.suspended_at
         if suspended_at is not None:
             self._observe(SuspendWritten(step=suspended_at))
@@ -292,6 +302,13 @@ class JobRunner:
             return
         if isinstance(self._state, Training):
             self._replacements.replace_lost(topo, self.coordinator)
+
+    def _judge_ranks(self, alive_nodes: set[str]) -> None:
+        """Hand Ray's live nodes and the ranks' heartbeats to the coordinator, which judges every rank; its new
+        verdicts come back through the controller (:class:`RanksJudged`)."""
+        with self._lock:
+            beats, recent = self._reports.metrics.beats(), tuple(self._reports.metrics.recent_step_s())
+        self.coordinator.tick(alive_nodes, beats=beats, beats_at=time.time(), recent_step_s=recent)
 
     # -- the fit thread ------------------------------------------------------------------------------------------
     def _run(self) -> None:

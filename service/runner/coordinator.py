@@ -3,31 +3,47 @@
 Hosted by the job's runner actor (thread-safe; workers call it concurrently). A worker calls
 :meth:`Coordinator.join` at start and again whenever its epoch breaks (a peer failed) or must grow (a
 newcomer waits); each call returns within ``poll_s`` either an assignment for a newer epoch or "wait, because
-…", so no actor call blocks for long. Decisions come from :func:`meridian.service.runner.membership.decide`; the
-runner's ticker calls :meth:`tick` with Ray's view of live nodes so a member on a dead node is not waited
-for. Every formation and loss is reported through ``on_event``.
+…", so no actor call blocks for long. Decisions come from :func:`meridian.service.runner.membership.decide`.
+Every formation and loss is reported through ``on_event``.
+
+It is also where the job's one liveness path gathers its evidence: the runner's ticker calls :meth:`tick` with
+Ray's view of live nodes and the ranks' heartbeats; the coordinator adds what it knows (who rejoined, since
+when, what each silent member's liveness port answered: :mod:`meridian.service.runner.liveness.probes`) and
+judges every worker in one place (:func:`meridian.service.runner.liveness.judge.judge`). New verdicts go to
+``on_verdicts`` (the runner's controller, which decides what to do about them); :meth:`carry_out` does it:
+a dead worker is not waited for, a stuck member's agent is told to stop that epoch's training process (the
+next one rejoins within seconds instead of after gloo's collective timeout), a silent or slow rank is named.
 
 Ray's view of a node is slow to change (3 s with the fast health checks of a cluster Meridian starts, 13 s
 with a ``ray start`` cluster's defaults). The evidence is often there sooner: when a member dies, its peers'
 collectives fail and they rejoin while it does not. From that moment (a re-formation is pending), the
-coordinator probes each member that has not rejoined (:mod:`meridian.service.runner.liveness`): whenever a
-worker rejoins and on every tick. A member whose process is gone is not waited for. One that still answers
-``abort_after_s`` after the first rejoin is stuck (a collective or a group formation with a peer that left):
-its agent is told to stop that epoch's training process, and the next one rejoins within seconds instead of
-after gloo's collective timeout, while the grace period still runs.
+coordinator probes each member that has not rejoined, whenever a worker rejoins and on every tick, and judges.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
 from typing import Any
 
-from meridian.service.runner.liveness import LivenessTracker
+from meridian.service.runner.controller.decide import LeaveBehind, LivenessAction, StopStuck, liveness_actions
+from meridian.service.runner.liveness.judge import (
+    Beat,
+    Cause,
+    Liveness,
+    LivenessPolicy,
+    RankSeen,
+    Seen,
+    Verdict,
+    judge,
+)
+from meridian.service.runner.liveness.probes import Probes
+from meridian.service.runner.liveness.watch import LivenessWatch
 from meridian.service.runner.membership import Epoch, Form, Member, MembershipState, Wait, decide
 from meridian.workers.contracts.events import EventKind
+from meridian.workers.contracts.fields import to_plain
 from meridian.workers.contracts.rendezvous import Assignment, Finished, JoinReply, JoinRequest, Waiting
 
 REPROBE_S = 0.02
@@ -44,16 +60,9 @@ long is probed before an epoch may form with it, and dropped if its process is g
 ``test_recovery_ray``: after Ray Train's controller failed, the ended run's two workers, which had joined while the
 job waited below ``min_workers``, were still listed as waiting when a new worker joined; the epoch formed with
 them and the new worker sat in forming its group with the dead until the newcomers' 60 s limit stopped it."""
-STRANDED_AFTER_S = 1.0
-"""Ray reports a member's node dead and no member has rejoined for this long: the others are stranded in a
-collective with it. A killed process's sockets close and its peers' collectives fail within milliseconds, long
-before Ray's health check (3 s at the fastest); a host that lost its power or its network closes nothing, and its
-peers would wait out the collective timeout (gloo), or NCCL's. So they are told to stop (:meth:`Coordinator.tick`)."""
 NEWCOMERS_PROBE_AFTER_S = 5.0
-"""Newcomers that have waited this long for the members' next step boundary make every tick probe the members."""
-NEWCOMERS_ABORT_AFTER_S = 60.0
-"""Newcomers that have waited this long while the members answer: the members are stuck (no step boundary for a
-minute) and are told to stop; their next processes rejoin from the snapshots, with the newcomers."""
+"""Newcomers that have waited this long for the members' next step boundary make every tick probe the members
+(they may all be gone with an ended Train run, which only a probe tells)."""
 
 EventSink = Callable[[str, str, dict[str, Any]], None]
 
@@ -61,7 +70,9 @@ EventSink = Callable[[str, str, dict[str, Any]], None]
 class Coordinator:
     def __init__(self, *, planned_workers: int, min_workers: int, dc_order: tuple[str, ...], on_event: EventSink,
                  grace_s: float = 5.0, start_timeout_s: float = 300.0, clock: Callable[[], float] = time.monotonic,
-                 liveness: LivenessTracker | None = None, abort_after_s: float | None = None) -> None:
+                 probes: Probes | None = None, abort_after_s: float | None = None,
+                 policy: LivenessPolicy | None = None,
+                 on_verdicts: Callable[[tuple[Verdict, ...]], None] | None = None) -> None:
         self.state = MembershipState(planned_workers=planned_workers, min_workers=min_workers, dc_order=dc_order)
         self.on_event = on_event
         self.grace_s = grace_s
@@ -73,12 +84,21 @@ class Coordinator:
         self._last_call: dict[str, float] = {}
         self._alive_nodes: set[str] | None = None
         self._node_dead_at: dict[int, float] = {}
-        """Epoch number → when the runner first reported one of its members' node dead (:data:`STRANDED_AFTER_S`)."""
+        """Epoch number → when the runner first reported one of its members' node dead (stranded members)."""
         self.wait_reason = ""
         self.finished: set[str] = set()
-        self.liveness = liveness or LivenessTracker()
-        self.abort_after_s = grace_s / 3 if abort_after_s is None else abort_after_s
-        """How long after the first rejoin a member that answers but has not rejoined is told to stop."""
+        self.probes = probes or Probes()
+        self.policy = policy or LivenessPolicy(abort_after_s=grace_s / 3 if abort_after_s is None else abort_after_s)
+        """The judge's thresholds; a member that answers but has not rejoined is stuck ``grace_s / 3`` after its
+        peers first rejoined, unless ``abort_after_s`` says otherwise."""
+        self.watch = LivenessWatch()
+        self.on_verdicts = on_verdicts or (lambda verdicts: self.carry_out(liveness_actions(verdicts)))
+        """Where new verdicts go: the runner's controller; alone, straight to :meth:`carry_out`."""
+        self.left_behind: set[str] = set()
+        """Workers judged dead and left behind: the membership does not wait for them (until one calls again)."""
+        self._beats: dict[int, Beat] = {}
+        self._beats_at = 0.0
+        self._recent_step_s: tuple[float, ...] = ()
         self.closed = False
         """The job is ending (cancelled, failed, or its run stopped): no epoch forms, and joins are told to end."""
         self.suspending = False
@@ -93,14 +113,15 @@ class Coordinator:
         wid = request.worker_id
         with self._cond:
             rejoining = self.state.epoch is not None and any(m.worker_id == wid for m in self.state.epoch.members)
-        if rejoining:
-            self._probe_silent(also=wid)  # outside the lock: a probe of an unreachable host takes its timeout
-        self._probe_stale_waiting(besides=wid)
+        # Outside the lock: a probe of an unreachable host takes its timeout.
+        self._judge(also=wid if rejoining else "", only_news=True)
         with self._cond:
             if self.job_finished or self.closed:
                 return Finished()  # a late worker (a replacement, one left out) has nothing to do
             now = self.clock()
-            self.liveness.revive(wid)  # it calls: whatever a probe concluded before, its process is alive
+            self.probes.revive(wid)  # it calls: whatever a probe found before, its process is alive
+            self.watch.forget(wid)
+            self.left_behind.discard(wid)
             a = self._assignment_locked(wid, known_epoch)
             if a is not None:
                 # The epoch formed between two of its calls (it was told to wait, then the others arrived):
@@ -132,7 +153,7 @@ class Coordinator:
                 self._cond.wait(min(left, REPROBE_S))
                 self._cond.release()  # a probe waits on the network: never under the lock
                 try:
-                    self._probe_silent()
+                    self._judge(only_news=True)
                 finally:
                     self._cond.acquire()
 
@@ -192,13 +213,18 @@ class Coordinator:
             self.closed = True
             self._cond.notify_all()
 
-    def tick(self, alive_nodes: set[str]) -> None:
-        self._probe_silent()
-        self._probe_stale_waiting()
+    def tick(self, alive_nodes: set[str], beats: Mapping[int, Beat] | None = None, beats_at: float = 0.0,
+             recent_step_s: tuple[float, ...] = ()) -> tuple[Verdict, ...]:
+        """Ray's view of live nodes and, when given, the ranks' heartbeats (``beats`` by rank of the current epoch,
+        read at ``beats_at`` on the runner's wall clock): judge every worker with them; every verdict."""
         with self._cond:
             self._alive_nodes = alive_nodes
+            if beats is not None:
+                self._beats, self._beats_at, self._recent_step_s = dict(beats), beats_at, tuple(recent_step_s)
+        verdicts = self._judge()
+        with self._cond:
             self._decide_locked()
-        self._stop_stranded()
+        return verdicts
 
     def status(self) -> dict[str, Any]:
         with self._cond:
@@ -228,37 +254,140 @@ class Coordinator:
             return tuple(self.state.epoch.members) if self.state.epoch is not None else ()
 
     def probe_members(self) -> set[str]:
-        """Probe every member of the current epoch now (a Train run ended and took its workers with it); those
-        found gone are not waited for. The worker ids found gone."""
+        """Probe every member of the current epoch now (a Train run ended and took its workers with it) and judge
+        them; the worker ids of the members judged dead (not waited for)."""
+        verdicts = self._judge(everyone=True)
+        ids = {m.worker_id for m in self.members()}
+        return {v.worker_id for v in verdicts if v.worker_id in ids and v.liveness is Liveness.DEAD}
+
+    # -- liveness: gather what is known, judge it in one place, carry out what the controller decides ----------
+    def _judge(self, also: str = "", everyone: bool = False, only_news: bool = False) -> tuple[Verdict, ...]:
+        """Probe the workers worth a look now, judge every worker (:func:`~meridian.service.runner.liveness.judge.judge`)
+        and hand the verdicts not acted on before to ``on_verdicts``; every verdict. ``also``: a member rejoining
+        now (it calls: it is back). Probes and the hand-over run outside the lock: a probe of an unreachable host
+        takes its timeout, and acting takes the lock. ``only_news``: judge only if a probe's answer is news or a
+        member may be stuck by now (a worker's join: judging every rank at every join of a large job is quadratic;
+        what else changes with time alone, the tick judges)."""
+        with self._cond:
+            suspects = self._suspects_locked(also, everyone)
+            due = self._stuck_due_locked()
+        news = self.probes.probe_each(suspects)
+        if only_news and not news and not due:
+            return self.watch.current
+        with self._cond:
+            verdicts = judge(self._seen_locked(also), self.policy)
+            fresh = self.watch.new(verdicts)
+        if fresh:
+            self.on_verdicts(fresh)
+        return verdicts
+
+    def _suspects_locked(self, also: str, everyone: bool) -> list[tuple[str, str, int]]:
+        """Who to probe: while a re-formation is pending (a member rejoined), or newcomers have waited
+        :data:`NEWCOMERS_PROBE_AFTER_S` for a step boundary, the members that have not rejoined; the waiting
+        workers that have not called for :data:`STALE_POLL_S`; every member when ``everyone``."""
+        now, e = self.clock(), self.state.epoch
+        out = [(w, m.address, m.probe_port) for w, m in self.state.waiting.items()
+               if w != also and now - self._last_call.get(w, now) >= STALE_POLL_S]  # fmt: skip
+        if e is None:
+            return out
+        since = self._newcomers_since_locked()
+        if everyone or self.state.first_rejoin_at is not None or also or (
+                since is not None and now - since >= NEWCOMERS_PROBE_AFTER_S):
+            out += [(m.worker_id, m.address, m.probe_port) for m in e.members
+                    if everyone or (m.worker_id not in self.state.waiting and m.worker_id != also
+                                    and m.worker_id not in self.left_behind)]  # fmt: skip
+        return out
+
+    def _stuck_due_locked(self) -> bool:
+        """A re-formation, or newcomers, have waited long enough for a member to be judged stuck."""
+        now, since = self.clock(), self._newcomers_since_locked()
+        return ((self.state.first_rejoin_at is not None and now - self.state.first_rejoin_at >= self.policy.abort_after_s)
+                or (since is not None and now - since >= self.policy.newcomers_abort_after_s))
+
+    def _newcomers_since_locked(self) -> float | None:
+        ids = {m.worker_id for m in self.state.epoch.members} if self.state.epoch is not None else set()
+        return min((m.joined_at for w, m in self.state.waiting.items() if w not in ids), default=None)
+
+    def _seen_locked(self, also: str) -> Seen:
+        now, e, alive = self.clock(), self.state.epoch, self._alive_nodes
+        ranks = []
+        for rank, m in enumerate(e.members if e is not None else ()):
+            probed, misses = self.probes.seen(m.worker_id)
+            ranks.append(RankSeen(worker_id=m.worker_id, rank=rank, node_id=m.node_id, datacenter=m.datacenter,
+                                  node_alive=alive is None or m.node_id in alive, probe_port=m.probe_port,
+                                  probe=probed, misses=misses, rejoined=m.worker_id in self.state.waiting
+                                  or m.worker_id == also, beat=self._beats.get(rank)))  # fmt: skip
+        ids = {r.worker_id for r in ranks}
+        for w, m in self.state.waiting.items():
+            if w not in ids:  # a newcomer; one on a node Ray does not report yet may be too new for the report
+                probed, misses = self.probes.seen(w)
+                ranks.append(RankSeen(worker_id=w, rank=None, node_id=m.node_id, datacenter=m.datacenter,
+                                      probe_port=m.probe_port, probe=probed, misses=misses))
+        dead_since = None
+        if e is not None and alive is not None and any(m.node_id not in alive for m in e.members):
+            dead_since = self._node_dead_at.setdefault(e.number, now)
+        reform = self.state.first_rejoin_at if self.state.first_rejoin_at is not None else (now if also else None)
+        return Seen(now=now, epoch=e.number if e is not None else 0, ranks=tuple(ranks), reform_since=reform,
+                    node_dead_since=dead_since, newcomers_since=self._newcomers_since_locked(),
+                    idle=bool(self.wait_reason) or self.job_finished, finished=self.job_finished,
+                    beats_at=self._beats_at, recent_step_s=self._recent_step_s)
+
+    def carry_out(self, actions: Iterable[LivenessAction]) -> None:
+        """Do what the controller decided about verdicts: leave the dead behind, stop the stuck, name the rest."""
+        for a in actions:
+            if isinstance(a, LeaveBehind):
+                self._leave_behind(a.verdicts)
+            elif isinstance(a, StopStuck):
+                self._stop(a.verdicts)
+            else:
+                for v in a.verdicts:
+                    self._name(v)
+
+    def _leave_behind(self, verdicts: tuple[Verdict, ...]) -> None:
+        with self._cond:
+            for v in verdicts:
+                self.left_behind.add(v.worker_id)
+                if v.rank is None:
+                    m = self.state.waiting.pop(v.worker_id, None)
+                    if m is not None:
+                        self.on_event(EventKind.WORKER_GONE, f"the waiting worker in {m.datacenter} on node "
+                                      f"{m.node_id[:12]} is gone (it stopped calling and {v.reason}): not waited "
+                                      "for", {"worker_id": v.worker_id, "cause": v.cause.value})  # fmt: skip
+                else:
+                    self.on_event(EventKind.WORKER_GONE, f"the worker in {v.datacenter} on node {v.node_id[:12]} is "
+                                  f"gone ({v.reason}): re-forming without it",
+                                  {"worker_id": v.worker_id, "cause": v.cause.value})  # fmt: skip
+            self._decide_locked()
+
+    def _stop(self, verdicts: tuple[Verdict, ...]) -> None:
+        """Tell stuck members to stop their training process of the verdicts' epoch (each once); each one whose
+        agent did gets an event saying why, and the grace period starts afresh: their next processes are on their
+        way back, rejoining from their snapshots."""
         with self._cond:
             e = self.state.epoch
-            suspects = [(m.worker_id, m.address, m.probe_port) for m in e.members] if e is not None else []
-        found = self.liveness.check(suspects)
-        if found:
-            with self._cond:
-                self._decide_locked()
-        return found
+            where = {m.worker_id: m for m in e.members} if e is not None else {}
+            mine = [v for v in verdicts if e is not None and v.epoch == e.number and v.worker_id in where]
+        if not mine:
+            return
+        stopped = self.probes.abort([(v.worker_id, where[v.worker_id].address, v.probe_port) for v in mine], e.number)
+        with self._cond:
+            if stopped and self.state.epoch is e:
+                self.state.first_rejoin_at = self.clock()
+            for v in mine:
+                if v.worker_id in stopped:
+                    kind = EventKind.WORKER_STRANDED if v.cause is Cause.STRANDED else EventKind.WORKER_STUCK
+                    self.on_event(kind, f"the worker in {v.datacenter} on node {v.node_id[:12]} {v.reason}: its "
+                                  "training process was stopped, and the next one rejoins from its snapshots",
+                                  {"worker_id": v.worker_id, "epoch": v.epoch})  # fmt: skip
 
-    def _probe_stale_waiting(self, besides: str = "") -> None:
-        """Probe the waiting workers that have not called for :data:`STALE_POLL_S`; drop those whose process is
-        gone, so no epoch forms with them."""
-        with self._cond:
-            now = self.clock()
-            stale = [(w, m.address, m.probe_port) for w, m in self.state.waiting.items()
-                     if w != besides and now - self._last_call.get(w, now) >= STALE_POLL_S]  # fmt: skip
-        if not stale:
-            return
-        found = self.liveness.check(stale)
-        if not found:
-            return
-        with self._cond:
-            for w in found:
-                m = self.state.waiting.pop(w, None)
-                if m is not None:
-                    self.on_event(EventKind.WORKER_GONE, f"the waiting worker in {m.datacenter} on node {m.node_id[:12]} is gone "
-                                  "(it stopped calling and its process no longer answers): not waited for",
-                                  {"worker_id": w})  # fmt: skip
-            self._decide_locked()
+    def _name(self, v: Verdict) -> None:
+        if v.stall is not None:
+            self.on_event(EventKind.STALL, f"{v.where} {v.reason}", to_plain(v.stall))
+        elif v.liveness is Liveness.SLOW:
+            self.on_event(EventKind.RANK_SLOW, f"{v.where} {v.reason}",
+                          {"rank": v.rank, "worker_id": v.worker_id, "epoch": v.epoch, "step": v.step,
+                           "node_id": v.node_id, "datacenter": v.datacenter, "compute_s": v.compute_s,
+                           "peers_compute_s": v.peers_compute_s})
 
     def _reprobe_due_locked(self) -> bool:
         """A re-formation is pending (for under :data:`REPROBE_FOR_S`) and a member that has not rejoined is not
@@ -266,72 +395,8 @@ class Coordinator:
         e, since = self.state.epoch, self.state.first_rejoin_at
         if e is None or since is None or self.clock() - since >= REPROBE_FOR_S:
             return False
-        return any(m.probe_port and m.worker_id not in self.state.waiting and m.worker_id not in self.liveness.gone
+        return any(m.probe_port and m.worker_id not in self.state.waiting and m.worker_id not in self.left_behind
                    for m in e.members)  # fmt: skip
-
-    def _probe_silent(self, also: str = "") -> None:
-        """While a re-formation is pending (a member rejoined: ``also`` is one doing so now), probe the
-        members that have not rejoined; those found gone are not waited for."""
-        with self._cond:
-            e = self.state.epoch
-            ids = {m.worker_id for m in e.members} if e is not None else set()
-            new_since = min((m.joined_at for w, m in self.state.waiting.items() if w not in ids), default=None)
-            # Newcomers wait for the members' next step boundary; when none has come for a while, the members may
-            # all be gone (a Train run ended with its workers), which only a probe tells.
-            waited = self.clock() - new_since if new_since is not None else 0.0
-            stalled = waited >= NEWCOMERS_PROBE_AFTER_S
-            if e is None or (self.state.first_rejoin_at is None and not also and not stalled):
-                return
-            suspects = [(m.worker_id, m.address, m.probe_port) for m in e.members
-                        if m.worker_id not in self.state.waiting and m.worker_id != also]  # fmt: skip
-            since = self.clock() - (self.state.first_rejoin_at or self.clock())
-        found = self.liveness.check(suspects)
-        if found:
-            with self._cond:
-                for m in self.state.epoch.members if self.state.epoch else ():
-                    if m.worker_id in found:
-                        self.on_event(EventKind.WORKER_GONE, f"the worker in {m.datacenter} on node {m.node_id[:12]} is gone "
-                                      "(its process no longer answers): re-forming without it", {"worker_id": m.worker_id})
-                self._decide_locked()
-        if since >= self.abort_after_s or waited >= NEWCOMERS_ABORT_AFTER_S:
-            why = (f"had not rejoined {since:.0f} s after its peers (stuck in a collective with a peer that left)"
-                   if since >= self.abort_after_s else
-                   f"had reached no step boundary while new workers waited {waited:.0f} s (stuck)")
-            self._stop(e, suspects, EventKind.WORKER_STUCK, f"answers but {why}")
-
-    def _stop(self, e: Epoch, members: list[tuple[str, str, int]], kind: str, why: str) -> None:
-        """Tell ``members`` (worker id, address, probe port) to stop their training process of epoch ``e`` (each
-        once); each one whose agent did gets a ``kind`` event saying ``why``, and the grace period starts afresh:
-        their next processes are on their way back, rejoining from their snapshots."""
-        stopped = self.liveness.abort(members, e.number)
-        with self._cond:
-            if stopped and self.state.epoch is e:
-                self.state.first_rejoin_at = self.clock()
-            for m in e.members:
-                if m.worker_id in stopped:
-                    self.on_event(kind, f"the worker in {m.datacenter} on node {m.node_id[:12]} {why}: its training "
-                                  "process was stopped, and the next one rejoins from its snapshots",
-                                  {"worker_id": m.worker_id, "epoch": e.number})  # fmt: skip
-
-    def _stop_stranded(self) -> None:
-        """A member's node is dead (Ray says so) and no member has rejoined: tell the others to stop their training
-        processes (:data:`STRANDED_AFTER_S`). Their next ones rejoin from their snapshots, and the epoch re-forms
-        without the member on the dead node, which is not waited for."""
-        with self._cond:
-            e, alive = self.state.epoch, self._alive_nodes
-            if e is None or alive is None or self.state.first_rejoin_at is not None or self.job_finished:
-                return
-            dead = [m for m in e.members if m.node_id not in alive]
-            if not dead:
-                return
-            now = self.clock()
-            if now - self._node_dead_at.setdefault(e.number, now) < STRANDED_AFTER_S:
-                return
-            stranded = [(m.worker_id, m.address, m.probe_port) for m in e.members if m.node_id in alive]
-            where = ", ".join(sorted({f"node {m.node_id[:12]} in {m.datacenter}" for m in dead}))
-        self._stop(e, stranded, EventKind.WORKER_STRANDED,
-                   f"had not left epoch {e.number} {STRANDED_AFTER_S:.0f} s after Ray reported {where} dead (its "
-                   "collectives wait on a host that closes nothing: power or network lost)")
 
     def _assignment_locked(self, wid: str, known_epoch: int) -> Assignment | None:
         e = self.state.epoch
@@ -354,7 +419,7 @@ class Coordinator:
         alive = self._alive_nodes if self._alive_nodes is not None else {m.node_id for m in self.state.waiting.values()} | (
             {m.node_id for m in self.state.epoch.members} if self.state.epoch else set())
         decision = decide(self.state, self.clock(), alive_nodes=alive, grace_s=self.grace_s,
-                          start_timeout_s=self.start_timeout_s, gone=self.liveness.gone)
+                          start_timeout_s=self.start_timeout_s, gone=self.left_behind)
         if isinstance(decision, Wait):
             if decision.reason != self.wait_reason:
                 self.wait_reason = decision.reason

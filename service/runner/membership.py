@@ -8,8 +8,8 @@ why everyone must keep waiting. Pure functions: tested without Ray.
 Rules:
 - A new epoch forms when every live member of the current epoch has rejoined, or when the grace period
   since the first rejoin has passed (a member that does not come back by then is treated as lost). A member
-  is not live when Ray reports its node dead or when its process is known gone (``gone``: its liveness port
-  refused a connection), whichever comes first.
+  is not live when Ray reports its node dead or when the liveness judge found it dead and the controller left it
+  behind (``gone``: :mod:`meridian.service.runner.liveness.judge`), whichever comes first.
 - Ranks are ordered by datacenter (the plan's datacenter order, then any new one), then by node (in the
   order nodes first had a member join), then by join order, so each datacenter's ranks are contiguous and so
   are each node's: a tensor-parallel group, pinned to one node, gets consecutive ranks. A datacenter with no
@@ -37,7 +37,7 @@ class Member:
     last_step: int = 0
     """Optimizer steps this worker has completed (its newest in-memory snapshot)."""
     probe_port: int = 0
-    """Its agent's liveness port (:mod:`meridian.service.runner.liveness`); 0: it has none."""
+    """Its agent's liveness port (:mod:`meridian.service.runner.liveness.probes`); 0: it has none."""
     snapshot_every: int = 1
     """The widest snapshot cadence its epochs agreed so far."""
 
@@ -137,7 +137,7 @@ def decide(state: MembershipState, now: float, *, alive_nodes: set[str], grace_s
     """``Form`` a new epoch, ``Wait`` (with why), or ``None`` when there is nothing to decide.
 
     ``alive_nodes``: nodes Ray currently reports alive; a member on a dead node is not waited for, nor is one
-    in ``gone`` (worker ids whose process is known to have ended).
+    in ``gone`` (worker ids the liveness judge found dead and the controller left behind).
     """
     if not state.waiting:
         return None

@@ -12,18 +12,22 @@ Every metric carries ``job_id`` and ``datacenter``; job-wide figures (loss, lr, 
 
 from __future__ import annotations
 
+import itertools
 import statistics
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from meridian.service.runner.stall import StallPolicy
+from meridian.service.runner.liveness.judge import Beat, Liveness, LivenessPolicy, Verdict
 from meridian.workers.contracts.events import EventKind, JobEvent
 from meridian.workers.contracts.records import StepRecord
 
 ALL_DCS = "all"
 RECENT_STEPS = 50
-"""Heartbeats kept per rank for the per-datacenter means and the stall detector's median."""
+"""Heartbeats kept per rank for the per-datacenter means and the liveness judge's median step time."""
+SLOW_WINDOW = 16
+"""A rank's last steps whose compute times the liveness judge compares (a median: one slow step is not a slow rank)."""
 
 
 @dataclass(frozen=True)
@@ -57,7 +61,7 @@ JOB_METRICS: tuple[MetricDef, ...] = (
               "Tensor bytes put into inter-datacenter collectives per second, all ranks"),
     MetricDef("meridian_job_overlap_fraction", "gauge", "Share of the gradient sync hidden behind backward"),
     MetricDef("meridian_job_live_workers", "gauge",
-              "Workers that finished a step recently (within the stall threshold), per datacenter"),
+              "Members the liveness judge finds alive or slow (neither dead nor stuck), per datacenter"),
     MetricDef("meridian_job_steps_total", "counter", "Optimizer steps completed"),
     MetricDef("meridian_job_recoveries_total", "counter",
               "Recoveries: groups re-formed after losing workers (per DC: workers lost there)"),
@@ -78,7 +82,7 @@ class JobMetricsState:
     """Folds one job's pushes into current gauge values and counter/histogram increments."""
 
     job_id: str
-    policy: StallPolicy = field(default_factory=StallPolicy)
+    policy: LivenessPolicy = field(default_factory=LivenessPolicy)
     rank_dc: dict[int, str] = field(default_factory=dict)
     last_beat: dict[int, dict[str, Any]] = field(default_factory=dict)
     computed: dict[int, tuple[int, float]] = field(default_factory=dict)  # rank → (step computed, when)
@@ -124,6 +128,7 @@ class JobMetricsState:
                 self.rank_dc = {s.rank: s.datacenter for s in p.placement}
                 self.last_beat.clear()
                 self.computed.clear()
+                self.recent.clear()  # a rank number may now name another worker: its step times are not this one's
             if p.epoch > 1:
                 self._count("meridian_job_recoveries_total", 1, **self.tags())
 
@@ -143,37 +148,33 @@ class JobMetricsState:
             self.gauges[_key("meridian_job_step_phase_seconds", **self.tags(dc, phase=phase))] = statistics.fmean(
                 b[f"{phase}_s"] for b in mine)
 
-    def stall_view(self) -> dict[int, dict[str, Any]]:
-        """Per rank: last step finished, last step computed, and when it last said anything."""
+    def beats(self) -> dict[int, Beat]:
+        """Per rank: last step finished, last step computed, when it last said anything, its recent compute times
+        (what the liveness judge reads)."""
         view = {}
         for rank in set(self.last_beat) | set(self.computed):
             done = self.last_beat.get(rank, {})
             computed, at = self.computed.get(rank, (int(done.get("step", 0)), float(done.get("time", 0.0))))
-            view[rank] = {"step": int(done.get("step", 0)), "computed": computed,
-                          "time": max(at, float(done.get("time", 0.0)))}
+            view[rank] = Beat(step=int(done.get("step", 0)), computed=computed, at=max(at, float(done.get("time", 0.0))),
+                              compute_s=self._last_compute_s(rank))
         return view
+
+    def _last_compute_s(self, rank: int) -> tuple[float, ...]:
+        recent = self.recent.get(rank)
+        if not recent:
+            return ()
+        last = [b["compute_s"] for b in itertools.islice(reversed(recent), SLOW_WINDOW) if "compute_s" in b]
+        return tuple(reversed(last))
 
     def recent_step_s(self) -> list[float]:
         return [b["step_s"] for beats in self.recent.values() for b in beats]
 
-    def median_step_s(self) -> float | None:
-        times = self.recent_step_s()
-        return statistics.median(times) if times else None
-
-    def stall_after_s(self) -> float:
-        median = self.median_step_s()
-        return max(self.policy.floor_s, self.policy.factor * median) if median is not None else float("inf")
-
-    def refresh_live(self, now: float) -> None:
-        """Live workers per DC: started ranks whose last step finished within the stall threshold (a
-        rank that has not reported a first step yet counts as live: it may still be building its model)."""
-        limit = self.stall_after_s()
-        view = self.stall_view()
-        live: dict[str, int] = {}
-        for rank, dc in self.rank_dc.items():
-            beat = view.get(rank)
-            alive = beat is None or now - beat["time"] <= limit
-            live[dc] = live.get(dc, 0) + int(alive)
+    def refresh_live(self, verdicts: Iterable[Verdict]) -> None:
+        """Live workers per DC: the members the liveness judge found alive or slow (neither dead nor stuck)."""
+        live = dict.fromkeys(self.rank_dc.values(), 0)
+        for v in verdicts:
+            if v.rank is not None:
+                live[v.datacenter] = live.get(v.datacenter, 0) + int(v.liveness in (Liveness.ALIVE, Liveness.SLOW))
         for dc, n in live.items():
             self.gauges[_key("meridian_job_live_workers", **self.tags(dc))] = float(n)
         self.gauges[_key("meridian_job_live_workers", **self.tags())] = float(sum(live.values()))

@@ -1,6 +1,6 @@
 """What a job's workers and its runner report, kept until the service acknowledges it: step records and typed
 events under one sequence (:class:`~meridian.service.runner.buffer.AckedBuffer`), folded on the way into the job's
-Ray metrics, its ranks' placement and the stall watch. The runner's poll is built here, under the runner's lock.
+Ray metrics and its ranks' placement. The runner's poll is built here, under the runner's lock.
 Must never decide a job's status.
 """
 
@@ -9,12 +9,13 @@ from __future__ import annotations
 import threading
 import time
 import traceback
+from collections.abc import Iterable
 from typing import Any
 
 from meridian.service.runner.buffer import AckedBuffer
+from meridian.service.runner.liveness.judge import Verdict
 from meridian.service.runner.metrics import JobMetricsState, RayJobMetrics
 from meridian.service.runner.placement import PlacementTracker
-from meridian.service.runner.stall import StallWatch, stall_event
 from meridian.workers.contracts.events import EventKind, JobEvent
 from meridian.workers.contracts.records import StepRecord
 
@@ -29,7 +30,6 @@ class Reports:
         self.outbox = AckedBuffer()  # records and events until the service acknowledges them
         self.metrics = JobMetricsState(job_id)
         self.placement = PlacementTracker()
-        self.stalls = StallWatch(self.metrics.policy)
         self.result: dict[str, Any] | None = None
         self._records_epoch = 0
         """The epoch of the newest step record (0: none yet)."""
@@ -59,7 +59,7 @@ class Reports:
         self.placement.observe(event)
 
     def add_heartbeats(self, beats: list[dict[str, Any]]) -> None:
-        """Stamped with this actor's clock on arrival, the one stall detection compares with."""
+        """Stamped with this actor's clock on arrival, the one the liveness judge compares with."""
         now = time.time()
         for beat in beats:
             self.metrics.on_heartbeat({**beat, "finished_at": beat.get("time"), "time": now})
@@ -82,15 +82,10 @@ class Reports:
         self._last_recorded_step = max(self._last_recorded_step, r.step)
 
     # -- what the service collects (call with the lock held) ------------------------------------------------
-    def observe(self, *, idle: bool) -> None:
-        """Refresh the gauges, export them, and name the stalls found now (``idle``: ranks are idle by design:
-        the membership waits, or the last step is done)."""
-        now = time.time()
-        self.metrics.refresh_live(now)
+    def observe(self, verdicts: Iterable[Verdict]) -> None:
+        """Refresh the gauges (the live workers from the liveness judge's latest ``verdicts``) and export them."""
+        self.metrics.refresh_live(verdicts)
         self.export()
-        where = {p.rank: {"node_id": p.node_id, "datacenter": p.datacenter} for p in self.placement.ranks}
-        for stall in self.stalls.check(self.metrics.stall_view(), self.metrics.recent_step_s(), now, where, idle=idle):
-            self.add(stall_event(stall, now))
 
     def export(self) -> None:
         self._exported_at = time.monotonic()

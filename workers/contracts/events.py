@@ -96,6 +96,9 @@ class WorkerLost:
 @dataclass(frozen=True, kw_only=True)
 class WorkerRef:
     worker_id: str
+    cause: str = ""
+    """Why it was judged gone (:class:`~meridian.service.runner.liveness.judge.Cause`: ``node_dead``,
+    ``process_gone``, ``host_unreachable``)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -154,7 +157,7 @@ class StepsUnrecorded:
 
 @dataclass(frozen=True, kw_only=True)
 class StallSeen:
-    """A rank stopped finishing steps (see :mod:`meridian.service.runner.liveness`)."""
+    """A rank stopped finishing steps (see :mod:`meridian.service.runner.liveness.judge`)."""
 
     rank: int
     step: int
@@ -164,6 +167,24 @@ class StallSeen:
     median_step_s: float
     node_id: str
     datacenter: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankSlow:
+    """A rank computes its steps much slower than the others, who wait for it in every sync (see
+    :mod:`meridian.service.runner.liveness.judge`)."""
+
+    rank: int
+    worker_id: str
+    epoch: int
+    step: int
+    """Steps it had finished when judged slow."""
+    node_id: str
+    datacenter: str
+    compute_s: float
+    """Its median compute time per step over its recent steps."""
+    peers_compute_s: float
+    """The median of the other ranks' medians."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -296,6 +317,7 @@ class EventKind(str, enum.Enum):
     STEPS_UNRECORDED = "steps_unrecorded", StepsUnrecorded, "steps trained before a re-formation have no record"
     WATCH_ERROR = "watch_error", NoDetails, "the runner's watch of the cluster failed (it retries)"
     STALL = "stall", StallSeen, "a rank stopped finishing steps"
+    RANK_SLOW = "rank_slow", RankSlow, "a rank computes its steps much slower than the others"
     REATTACHED = "reattached", Reattached, "a restarted service found the job's runner again"
     GAP = "gap", Gap, "records or events were dropped before the service collected them"
     SUPERVISOR_ERROR = "supervisor_error", ErrorText, "the service could not follow the job on a tick"

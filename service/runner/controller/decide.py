@@ -13,10 +13,15 @@ Rules:
 - The outcome is told only after the job's in-memory snapshots were swept (the service kills the runner then).
 - A suspension (preemption) ends the job's run once every member wrote its part of the checkpoint; a cancel or a
   failure before that wins as usual, and a job that finishes meanwhile succeeds.
+- The liveness verdicts (:mod:`meridian.service.runner.liveness.judge`) are acted on while the job trains: a dead
+  worker is left behind (the epoch re-forms without it), a stuck member's training process is stopped (its next
+  one rejoins from the snapshots), a rank that went silent is named as a stall, a slow one as ``rank_slow``. Once
+  the job is ending nothing is stopped or re-formed for them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from meridian.service.runner.controller.state import (
@@ -30,6 +35,7 @@ from meridian.service.runner.controller.state import (
     Suspended,
     Training,
 )
+from meridian.service.runner.liveness.judge import Liveness, Verdict
 
 MAX_TRAIN_RUNS = 3
 """Ray Train runs one job may go through: a run whose controller failed (not the training) is followed by a
@@ -96,8 +102,15 @@ class ControllerStarted:
     """A Train run's controller handed the runner its handle."""
 
 
+@dataclass(frozen=True)
+class RanksJudged:
+    """The liveness judge's verdicts that were not acted on before (:class:`~meridian.service.runner.liveness.watch.LivenessWatch`)."""
+
+    verdicts: tuple[Verdict, ...]
+
+
 Observation = (Stepped | CancelAsked | WorkerFailed | RunEnded | LastStepSeen | ControllerStarted | SuspendAsked
-               | SuspendWritten)
+               | SuspendWritten | RanksJudged)
 
 
 # -- actions ----------------------------------------------------------------------------------------------------
@@ -126,7 +139,39 @@ class Finish:
     outcome: Outcome
 
 
-Action = StopTraining | StartRun | Finish | Suspend
+@dataclass(frozen=True)
+class LeaveBehind:
+    """Dead workers: not waited for; the epoch re-forms without them (a waiting one is dropped)."""
+
+    verdicts: tuple[Verdict, ...]
+
+
+@dataclass(frozen=True)
+class StopStuck:
+    """Stuck members: their agents stop the training process of the verdicts' epoch."""
+
+    verdicts: tuple[Verdict, ...]
+
+
+@dataclass(frozen=True)
+class NameRanks:
+    """Name ranks in the job's events: a silent one as a ``stall``, a slow one as ``rank_slow``."""
+
+    verdicts: tuple[Verdict, ...]
+
+
+Action = StopTraining | StartRun | Finish | Suspend | LeaveBehind | StopStuck | NameRanks
+LivenessAction = LeaveBehind | StopStuck | NameRanks
+
+
+def liveness_actions(verdicts: Sequence[Verdict]) -> tuple[LivenessAction, ...]:
+    """What to do about ``verdicts`` while the job trains: the dead first (not waiting for them may form the
+    epoch at once), then the stuck, then what is only named."""
+    dead = tuple(v for v in verdicts if v.liveness is Liveness.DEAD)
+    stuck = tuple(v for v in verdicts if v.liveness is Liveness.STUCK and v.cause.stops_the_process)
+    named = tuple(v for v in verdicts if v.liveness is Liveness.SLOW
+                  or (v.liveness is Liveness.STUCK and not v.cause.stops_the_process))
+    return tuple(a for a in (LeaveBehind(dead), StopStuck(stuck), NameRanks(named)) if a.verdicts)
 
 
 def decide(state: ControllerState, obs: Observation) -> tuple[ControllerState, tuple[Action, ...]]:
@@ -151,6 +196,8 @@ def _training(state: Training, obs: Observation) -> tuple[ControllerState, tuple
         return Ended(outcome=outcome, stepped=state.stepped), (StopTraining(), Finish(outcome))
     if isinstance(obs, ControllerStarted):
         return state, ()
+    if isinstance(obs, RanksJudged):
+        return state, liveness_actions(obs.verdicts)
     if isinstance(obs, SuspendAsked):
         return (replace(state, suspending=True), (Suspend(),)) if not state.suspending else (state, ())
     if isinstance(obs, SuspendWritten):
