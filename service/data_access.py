@@ -31,9 +31,10 @@ from meridian.service.locations import NotUnderRoots, UrlRoot, admit_url
 from meridian.service.tracking import TrackingAccess, admit_tracking
 from meridian.workers.contracts.config import DataConfig, DataPin
 from meridian.workers.contracts.model_config import ModelConfig
+from meridian.workers.contracts.regular_files import NotRegularFile, open_regular
 from meridian.workers.data.manifest import check_dataset_files, is_url, read_manifest, tokenizer_sha256
 from meridian.workers.data.remote import check_remote_files, manifest_of
-from meridian.workers.data.source import NotRegularFile, open_regular, read_source, source_sha256, split_bytes
+from meridian.workers.data.source import read_source, source_sha256, split_bytes
 
 BUILTIN_SOURCES = ("builtin:python-reference",)
 DEFAULT_MAX_BYTES = 128 * 2**20

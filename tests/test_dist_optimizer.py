@@ -25,9 +25,9 @@ from meridian.workers.contracts.model_config import model_preset
 from meridian.workers.distributed.layout import DCGroups, DCLayout
 from meridian.workers.distributed.multiproc import run_processes
 from meridian.workers.model.gpt import GPT
-from meridian.workers.optim.sharded_adamw import check_ownership, shard_pieces
 from meridian.workers.sync.grad_buffer import GradBuffer
 from meridian.workers.sync.hierarchical import HierarchicalSync
+from meridian.workers.sync.sharded_adamw import check_ownership, shard_pieces
 
 # Clipping is active on every step of the toy run (gradient norms 4–8 against 0.5; clipping moves the
 # final parameters by 27% of their size, so the tolerances below are far from vacuous).

@@ -26,7 +26,7 @@ from typing import Any
 from meridian.workers.contracts.fields import bounds_of
 from meridian.workers.contracts.hf_shape import FAMILIES, shape_of, supported_families
 from meridian.workers.contracts.model_config import ModelConfig, ModelFamily
-from meridian.workers.data.source import NotRegularFile, open_regular
+from meridian.workers.contracts.regular_files import NotRegularFile, open_regular
 
 CONFIG_MAX_BYTES = 1 << 20
 """A Hugging Face ``config.json`` is a few KB; a bigger one is not read (it is not one, and reading it costs)."""

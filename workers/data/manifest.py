@@ -27,7 +27,7 @@ from typing import Any
 
 from meridian.workers.contracts.config import DataPin
 from meridian.workers.contracts.fields import from_plain, to_plain
-from meridian.workers.data.source import NotRegularFile, open_regular
+from meridian.workers.contracts.regular_files import NotRegularFile, open_regular
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1

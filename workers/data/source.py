@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import hashlib
 import os
-import stat
+
+from meridian.workers.contracts.regular_files import NotRegularFile, open_regular
 
 HELD_OUT_FRACTION = 0.05
 """The last 5 % of a text's bytes are held out for the evaluation loss."""
@@ -21,22 +22,6 @@ def split_bytes(size: int, split: str) -> tuple[int, int]:
     95 %; any other, the held-out rest."""
     cut = int(size * (1 - HELD_OUT_FRACTION))
     return (0, cut) if split == "train" else (cut, size)
-
-
-class NotRegularFile(Exception):
-    """What :func:`open_regular` opened is not a regular file (a directory, a pipe, a device)."""
-
-
-def open_regular(path: str) -> int:
-    """A read-only descriptor of the regular file ``path``, opened non-blocking and not through a symlink as its
-    last part (a named pipe cannot hang the reader; a path swapped for a link after it was checked is refused).
-    ``OSError`` when it cannot be opened (a symlink among the reasons), :class:`NotRegularFile` when it is not a
-    regular file; each caller says which in its own words."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0))
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise NotRegularFile(path)
-    return fd
 
 
 def read_source(path: str, max_bytes: int, *, where: str = "on this node") -> bytes:

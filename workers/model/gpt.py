@@ -108,9 +108,4 @@ class GPT(CausalLM):
         return hf_name(self.cfg, name)
 
 
-__all__ = ["GPT", "decay_mask", "per_sample_loss"]
-
-
-def decay_mask(model: nn.Module) -> dict[str, bool]:
-    """Which parameters get weight decay: matrices yes; biases, norms and embeddings' positions no."""
-    return {name: p.dim() >= 2 and "pos_emb" not in name for name, p in model.named_parameters()}
+__all__ = ["GPT", "per_sample_loss"]

@@ -1,7 +1,7 @@
 """AdamW as every engine builds it, and its optimizer state in one layout-free form for checkpoints.
 
 :func:`build_adamw` makes the two parameter groups every engine uses (weight decay on matrices; none on
-biases, norms and position embeddings, see :func:`meridian.workers.model.gpt.decay_mask`).
+biases, norms and position embeddings, see :func:`decay_mask`).
 
 The *full state* is keyed by parameter name, not by optimizer index, holds whole (unsharded) fp32
 tensors, and names its format, so a checkpoint written by one engine and layout loads into another::
@@ -21,10 +21,14 @@ import torch
 from torch import nn
 
 from meridian.workers.contracts.config import OptimConfig
-from meridian.workers.model.gpt import decay_mask
 
 FULL_STATE_FORMAT = "meridian.adamw.full/1"
 MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def decay_mask(model: nn.Module) -> dict[str, bool]:
+    """Which parameters get weight decay: matrices yes; biases, norms and embeddings' positions no."""
+    return {name: p.dim() >= 2 and "pos_emb" not in name for name, p in model.named_parameters()}
 
 
 def param_groups(named: list[tuple[str, Any]], model: nn.Module, cfg: OptimConfig) -> list[dict[str, Any]]:

@@ -11,7 +11,7 @@ a flat all-reduce (SUM) up to floating-point summation order. Works for any data
 their owners come from :class:`meridian.workers.distributed.layout.DCLayout`, and every rank issues its step-2
 collectives in global segment order, so uneven layouts cannot deadlock.
 
-The sharded optimizer (:mod:`meridian.workers.optim.sharded_adamw`) runs steps 1–2 on gradients and replaces
+The sharded optimizer (:mod:`meridian.workers.sync.sharded_adamw`) runs steps 1–2 on gradients and replaces
 step 3 by an all-gather of updated parameters.
 
 Steps 1 and 3 on a CPU rank are direct point-to-point transfers (:mod:`meridian.workers.distributed.direct_collectives`):

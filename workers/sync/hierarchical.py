@@ -67,7 +67,6 @@ from meridian.workers.contracts.config import Compression, OptimConfig, SyncConf
 from meridian.workers.distributed.layout import DCGroups
 from meridian.workers.distributed.mp_norm import clip_grad_norm
 from meridian.workers.optim.adamw import build_adamw, full_state_of, load_full_state, set_lr, state_nbytes
-from meridian.workers.optim.sharded_adamw import ShardedAdamW
 from meridian.workers.state.replica_state import (
     FeedbackShard,
     LocalShard,
@@ -86,6 +85,7 @@ from meridian.workers.sync.har import (
 from meridian.workers.sync.inter_dc import InterDCComm
 from meridian.workers.sync.lookahead_decision import LookaheadChooser, LookaheadDecision
 from meridian.workers.sync.overlap import BucketPipeline, InFlight, finish_all
+from meridian.workers.sync.sharded_adamw import ShardedAdamW
 from meridian.workers.wan.emulator import WanEmulator
 
 
