@@ -55,16 +55,21 @@ def test_the_planner_counts_fp32_logits_for_an_fp32_job_and_for_auto_on_cpus(gpu
     from fakes import node
 
     from meridian.service.cluster.topology import ClusterTopology
-    from meridian.service.jobs import JobRequest
+    from meridian.service.jobs import JobRequest, ParallelismRequest
     from meridian.service.planning.planner import plan_job
     from meridian.workers.contracts.config import Precision
 
     topo = ClusterTopology((replace(node("a", "dc-a", cpus=16, gpus=gpus), memory_bytes=512 * 2**30),))
     model = model_preset("gpt2-124m")
 
+    from meridian.service.planning.runtime_support import RUNTIME
+
     def planned(precision: Precision) -> float:
-        request = JobRequest(name="m", model=model, steps=2, global_batch=8, micro_batch=8, precision=precision)
-        return plan_job(request, topo).estimate["memory_bytes"]
+        # fp32 weights under both precisions (no bf16 compute weights), so the logits are the one difference
+        # and one tensor-parallel rank: sequence parallelism would cut the logits over the ranks
+        request = JobRequest(name="m", model=model, steps=2, global_batch=8, micro_batch=8, precision=precision,
+                             parallelism=ParallelismRequest(tp=1, pp=1))
+        return plan_job(request, topo, runtime=replace(RUNTIME, bf16_weights=False)).estimate["memory_bytes"]
 
     one_fp32_logits = 8 * 4 * model.seq_len * model.vocab_size
     assert planned(Precision.FP32) - planned(Precision.BF16) == pytest.approx(one_fp32_logits)

@@ -654,6 +654,13 @@ def check_model_parallel_sync(parallel: ParallelConfig, sync: SyncConfig) -> Non
     if not sync.shard_optimizer:
         raise ValueError("sync.shard_optimizer=false cannot run with parallelism.tp or pp > 1: FSDP2 shards the "
                          "optimizer state of a tensor/pipeline-parallel job inside each datacenter; set it to true")
+    if sync.local_lookahead:
+        # The look-ahead steers a whole replica's parameters from its DC's gradients; with its state cut across
+        # stages and tensor-parallel ranks it is not tested, so it is refused here rather than once workers run.
+        raise ValueError(
+            f"sync.local_lookahead applies to data parallelism only, not parallelism.tp={parallel.tp}, "
+            f"pp={parallel.pp}; set sync.local_lookahead=false or parallelism.tp and pp to 1"
+        )
     if sync.lookahead_when_exposed is not None and sync.strategy is not None:
         raise ValueError("sync.lookahead_when_exposed cannot run with parallelism.tp or pp > 1 yet: each stage and "
                          "tensor-parallel rank would decide on its own group's figures; set sync.local_lookahead "
