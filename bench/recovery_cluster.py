@@ -34,11 +34,12 @@ class EmbeddedCluster:
     def __init__(self, args: argparse.Namespace) -> None:
         from ray.cluster_utils import Cluster
 
-        from meridian.service.cluster.connect import FAST_FAILURE_DETECTION
+        from meridian.service.cluster.connect import FAST_FAILURE_DETECTION, dashboard_port
 
         # The dashboard is on: the Ray Train side finds a worker's node through the state API.
         self._cluster = Cluster(initialize_head=True, head_node_args={
-            "num_cpus": 0, "include_dashboard": True, "_system_config": FAST_FAILURE_DETECTION})
+            "num_cpus": 0, "include_dashboard": True, "dashboard_port": dashboard_port(),
+            "_system_config": FAST_FAILURE_DETECTION})
         self._nodes: dict[str, list[Any]] = {}
         for d in range(args.dcs):
             for _ in range(args.nodes_per_dc):

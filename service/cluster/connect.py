@@ -87,6 +87,11 @@ DASHBOARD_PORT = 8265
 """Ray's default dashboard port."""
 
 
+def dashboard_port() -> int:
+    """Ray's default dashboard port where it is free, else a free one (another Ray on this host holds it)."""
+    return DASHBOARD_PORT if _port_is_free(DASHBOARD_PORT) else free_port()
+
+
 def _port_is_free(port: int) -> bool:
     with socket.socket() as s:
         try:
@@ -131,7 +136,7 @@ class LocalCluster:
             from ray._common.utils import get_default_ray_temp_dir
 
             self._watchdog = watchdog.start(get_default_ray_temp_dir(), every_snapshot_pattern(), OWNER_FILE)
-        self.dashboard_port = DASHBOARD_PORT if _port_is_free(DASHBOARD_PORT) else free_port()
+        self.dashboard_port = dashboard_port()
         self._cluster = Cluster(
             initialize_head=True,
             head_node_args={
