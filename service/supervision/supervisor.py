@@ -30,6 +30,7 @@ from meridian.service.planning.plan import Plan
 from meridian.service.planning.planner import plan_job
 from meridian.service.quotas import Held, Quota, over_quota
 from meridian.service.resolved import ResolvedJob, resolve
+from meridian.service.resume_source import find_checkpoint
 from meridian.service.runner.poll import RunnerLost, RunnerPoll
 from meridian.service.store import JobRecord, JobStore, new_job_id, request_hash
 from meridian.service.supervision.preemption import Running, victims
@@ -108,7 +109,9 @@ class Supervisor:
         """What ``request`` would run as job ``job_id`` on the cluster now: its plan and training config (raises
         :class:`Unschedulable` if the cluster can never hold it, :class:`InvalidJob` if the plan makes an option
         invalid)."""
-        return resolve(job_id, request, self.plan(request, topo), checkpoint_root=self.checkpoint_root)
+        resume = None if request.resume_from is None else find_checkpoint(
+            request.resume_from, owner=request.owner, get_job=self.store.get_job, access=self.data_access)
+        return resolve(job_id, request, self.plan(request, topo), checkpoint_root=self.checkpoint_root, resume=resume)
 
     def submit(self, request: JobRequest, spec: dict[str, Any], *, idempotency_key: str | None = None) -> tuple[JobRecord, bool]:
         """Admit the data, plan the job and build its training config, then store it queued: the one time a job
