@@ -36,6 +36,7 @@ from meridian.service.store import JobRecord, JobStore, new_job_id, request_hash
 from meridian.service.supervision.preemption import Running, victims
 from meridian.service.supervision.reconcile import (
     DEFAULT_DEADLINES,
+    DEFAULT_MAX_RELAUNCHES,
     PREEMPTED,
     Deadlines,
     Decision,
@@ -73,8 +74,11 @@ class Supervisor:
         data_access: DataAccess = BUILTIN_DATA_ONLY, lease: Lease | None = None,
         gpu_memory: Callable[[ClusterTopology], dict[str, int]] = lambda topo: {},
         storage_check: Callable[[tuple[str, ...], ClusterTopology], None] = lambda dcs, topo: None,
+        max_relaunches: int = DEFAULT_MAX_RELAUNCHES,
     ) -> None:
         self.store = store
+        self.max_relaunches = max_relaunches
+        """Times a job whose runner actor is lost is queued again (from its checkpoint) before it fails."""
         self.probe_report = probe_report
         self.gpu_memory = gpu_memory
         """node id → its GPUs' memory read on the node (:class:`~meridian.service.cluster.gpu_memory.NodeGpuMemory`)."""
@@ -365,7 +369,7 @@ class Supervisor:
         decision = reconcile(
             job, poll, now=time.time(), first_sight=job.id not in self._followed,
             progress_due=time.monotonic() - self._last_progress_event.get(job.id, -1e9) >= PROGRESS_EVENT_EVERY_S,
-            deadlines=self.deadlines,
+            deadlines=self.deadlines, max_relaunches=self.max_relaunches,
         )
         self._carry_out(job, decision)
 
