@@ -87,7 +87,7 @@ def test_runner_lost_without_relaunches_left_fails_the_job_with_what_ray_said():
     assert d.outcome is not None and (d.outcome.state, d.outcome.reason) == (JobState.FAILED, "RunnerLost")
     assert "resubmit" in d.outcome.message and "its node died" in d.outcome.message
     assert '"resume_from": {"job": "j1"}' in d.outcome.message
-    assert not d.store and d.forget and d.sweep_snapshots
+    assert not d.store and d.forget and d.sweep_snapshots and d.release
     spent = reconcile(replace(job(), relaunches=3), RunnerLost("actor died"), max_relaunches=3)
     assert spent.outcome.state is JobState.FAILED and "after 3 relaunch(es), the most this service allows" in \
         spent.outcome.message and "--max-relaunches" in spent.outcome.message
@@ -98,7 +98,8 @@ def test_runner_lost_queues_the_job_again_from_its_checkpoint_a_bounded_number_o
     d = reconcile(running, RunnerLost("The actor died unexpectedly"), now=7.0, max_relaunches=3)
     assert d.outcome == JobStatus(JobState.QUEUED, "Relaunching", d.outcome.message)
     assert "relaunch 1 of at most 3" in d.outcome.message
-    assert d.store and d.forget and not d.release and not d.sweep_snapshots  # its folders: the next runner's
+    assert d.store and d.forget and not d.sweep_snapshots  # its folders: the next runner's
+    assert d.release  # what its dead runner's controllers hold (their placement groups) is freed
     assert d.fields["relaunches"] == 1 and d.fields["placement"] == []
     assert d.fields["progress"] == {"cursor": 0, "step": 20}  # the next runner reports from 0
     (event,) = d.events

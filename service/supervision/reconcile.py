@@ -204,12 +204,13 @@ def _lost(job: JobRecord, lost: RunnerLost, *, now: float, max_relaunches: int) 
         # workers restore the job's newest durable checkpoint (or its resume_from's, or step 0 if it has none).
         # Its snapshot folders are left to that runner (a sweep now could remove the new workers' folders), which
         # removes them at the job's end; its next runner numbers what it reports from 0 and places its ranks anew.
+        # Released: the placement groups its Train controllers made would hold its CPUs (the launcher removes them).
         attempt = job.relaunches + 1
         event = JobEvent(kind=EventKind.RUNNER_RELAUNCHED, time=now,
                          payload=RunnerRelaunched(attempt=attempt, max_relaunches=max_relaunches, reason=said),
                          message=f"the job's runner actor is gone; relaunching the job from its newest checkpoint "
                                  f"(relaunch {attempt} of at most {max_relaunches}). Ray said: {said}")
-        return Decision(events=(event,), forget=True,
+        return Decision(events=(event,), forget=True, release=True,
                         fields={"progress": {**(job.progress or {}), "cursor": 0}, "placement": [],
                                 "relaunches": attempt},
                         outcome=JobStatus(JobState.QUEUED, RELAUNCHING,
@@ -218,7 +219,7 @@ def _lost(job: JobRecord, lost: RunnerLost, *, now: float, max_relaunches: int) 
                                           f"at most {max_relaunches})"))
     tried = (f" after {job.relaunches} relaunch(es), the most this service allows (meridian serve "
              "--max-relaunches)") if max_relaunches else ""
-    return Decision(store=False, forget=True, sweep_snapshots=True, outcome=JobStatus(
+    return Decision(store=False, forget=True, sweep_snapshots=True, release=True, outcome=JobStatus(
         JobState.FAILED, "RunnerLost", f"the job's runner actor is gone (its node died or the Ray cluster "
         f"restarted){tried}; resubmit the job (with \"resume_from\": {{\"job\": \"{job.id}\"}} it starts from "
         f"its newest checkpoint). Ray said: {said}"))
