@@ -59,9 +59,10 @@ def remove_placement_groups_left_by(runner: str) -> list[str]:
     from ray.core.generated import gcs_pb2
 
     actors = [gcs_pb2.ActorTableData.FromString(raw) for raw in state._connect_and_get_accessor().get_actor_table(None, None)]
-    dead = [a for a in actors if a.name == runner and a.state == gcs_pb2.ActorTableData.DEAD]
-    workers = {a.address.worker_id for a in dead}
-    owned = [a.actor_id.hex() for a in actors if a.owner_address.worker_id in workers] + [a.actor_id.hex() for a in dead]
+    # (by name in any state: the GCS may free a dead actor's name before it marks the actor dead)
+    lost = [a for a in actors if a.name == runner]
+    workers = {a.address.worker_id for a in lost}
+    owned = [a.actor_id.hex() for a in actors if a.owner_address.worker_id in workers] + [a.actor_id.hex() for a in lost]
     return [pg for actor_id in owned for pg in remove_placement_groups_of(actor_id)]
 
 
