@@ -30,6 +30,7 @@ from meridian.service.jobs import (
     DeclaredLink,
     JobRequest,
     ParallelismRequest,
+    ResumeRequest,
     TopologyRequest,
 )
 from meridian.service.store import Event, JobRecord
@@ -43,6 +44,7 @@ from meridian.workers.contracts.config import (
     ParallelConfig,
     PipelineSchedule,
     Precision,
+    ResetPart,
     SyncConfig,
     SyncStrategy,
     TrainConfig,
@@ -447,6 +449,29 @@ class TrackingSpec(Strict):
                               wandb=None if self.wandb is None else self.wandb.to_config())
 
 
+class ResumeSpec(Strict):
+    """Start from another job's checkpoint: its weights, optimizer state, schedule position and data position, in
+    whatever layout this job is given; the model, the tokenizer and the data must match it unless reset."""
+
+    job: str | None = Field(None, min_length=1, max_length=32, pattern=r"^[A-Za-z0-9_-]+$",
+                            description="The id of an ended job of yours whose newest checkpoint this job starts from")
+    checkpoint: str | None = Field(None, min_length=1, max_length=4096,
+                                   description="A checkpoint folder (step-N) or a job's checkpoint directory (its "
+                                   "newest step): a path under the service's data roots or a URL under its URL roots")
+    reset: list[ResetPart] = Field(default_factory=list, max_length=len(ResetPart),
+                                   description="Start these afresh, a new phase: 'optimizer' (AdamW from zero), "
+                                   "'schedule' (steps and learning rate from step 0), 'data' (the sample order from "
+                                   "its start; the data, tokenizer, seed and global batch may then differ)")
+
+    @model_validator(mode="after")
+    def _check(self) -> ResumeSpec:
+        self.to_request()
+        return self
+
+    def to_request(self) -> ResumeRequest:
+        return ResumeRequest(job=self.job or "", checkpoint=self.checkpoint or "", reset=tuple(self.reset))
+
+
 class JobSpec(Strict):
     """A training job: what to train (model, data), how (training, sync, parallelism) and where (topology)."""
 
@@ -466,6 +491,8 @@ class JobSpec(Strict):
     tracking: TrackingSpec | None = Field(None, description="Experiment trackers rank 0 logs to (TensorBoard, "
                                           "MLflow, W&B); null: none.")
     priority: int = config_field(JobRequest, "priority")
+    resume_from: ResumeSpec | None = Field(None, description="Start from another job's checkpoint instead of step 0 "
+                                           "(weights, optimizer, schedule and data position); null: from scratch.")
 
     @model_validator(mode="after")
     def _check(self) -> JobSpec:
@@ -500,6 +527,7 @@ class JobSpec(Strict):
             priority=self.priority, owner=owner,
             validation=None if self.validation is None else self.validation.to_config(),
             tracking=None if self.tracking is None else self.tracking.to_config(),
+            resume_from=None if self.resume_from is None else self.resume_from.to_request(),
         )
 
 

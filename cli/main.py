@@ -168,7 +168,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                local_datacenters=local, cpus_per_node=args.cpus_per_node,
                                data_roots=tuple(args.data_root or ()), storage=args.storage,
                                tracking_roots=tuple(args.tracking_root or ()),
-                               model_modules=tuple(args.model_module or ()))
+                               model_modules=tuple(args.model_module or ()),
+                               **({} if args.max_relaunches is None else {"max_relaunches": args.max_relaunches}))
         if args.max_streams_per_owner is not None and args.max_streams_per_owner < 1:
             raise ValueError(f"--max-streams-per-owner must be at least 1, got {args.max_streams_per_owner}")
     except (UnsafeDeployment, ValueError) as e:
@@ -371,6 +372,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "write (a shared filesystem), or an fsspec URL such as s3://bucket/prefix, credentials "
                         "from the environment (AWS_ACCESS_KEY_ID, AWS_ENDPOINT_URL, ...) (default: "
                         "DATA_DIR/checkpoints)")
+    s.add_argument("--max-relaunches", type=int, default=None, metavar="N",
+                   help="times a job whose runner actor is lost (its node died, the Ray cluster restarted) is "
+                        "queued again to run from its newest checkpoint before it fails (default: 3; 0: it fails "
+                        "at once)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     s.add_argument("--auth", action="store_true", help="require bearer tokens (always on for a non-loopback --host)")
     s.add_argument("--max-streams-per-owner", type=int, default=None, metavar="N",

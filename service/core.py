@@ -24,6 +24,7 @@ from meridian.service.lease import DatabaseOwned, Lease
 from meridian.service.model_access import ModelAccess
 from meridian.service.planning.placement import worker_slots
 from meridian.service.store import JobStore
+from meridian.service.supervision.reconcile import DEFAULT_MAX_RELAUNCHES
 from meridian.service.supervision.supervisor import Supervisor
 from meridian.workers.contracts.fields import to_plain
 from meridian.workers.state import storage
@@ -63,6 +64,9 @@ class ServiceConfig:
     shares."""
     model_modules: tuple[str, ...] = ()
     """Modules whose factories jobs may name as ``model.factory`` (``--model-module``; :mod:`.model_access`)."""
+    max_relaunches: int = DEFAULT_MAX_RELAUNCHES
+    """Times a job whose runner actor is lost (its node died, the Ray cluster restarted) is queued again to run
+    from its newest checkpoint before it fails (``--max-relaunches``; 0: it fails at once)."""
 
     def __post_init__(self) -> None:
         ModelAccess(self.model_modules)  # a module name that is not one is refused at start
@@ -70,6 +74,8 @@ class ServiceConfig:
             raise ValueError(f"poll_interval_s must be > 0, got {self.poll_interval_s}")
         if self.cpus_per_node < 1:
             raise ValueError(f"cpus_per_node must be >= 1, got {self.cpus_per_node}")
+        if not 0 <= self.max_relaunches <= 1000:
+            raise ValueError(f"max_relaunches (--max-relaunches) must be between 0 and 1000, got {self.max_relaunches}")
         if storage.is_url(self.storage):
             storage.check_url(self.storage)  # a ValueError naming the scheme or the package to install
         elif self.storage and not os.path.isabs(os.path.expanduser(self.storage)):
@@ -164,6 +170,7 @@ class MeridianService:
             checkpoint_root=cfg.checkpoint_root, poll_interval_s=cfg.poll_interval_s,
             probe_report=self.probe_cache.latest, data_access=cfg.data_access(), lease=self.lease,
             gpu_memory=NodeGpuMemory(), storage_check=self.shared_storage.require_for,
+            max_relaunches=cfg.max_relaunches,
         )
         self.worker_logs = WorkerLogs()
         self.supervisor.start()
@@ -212,7 +219,7 @@ class MeridianService:
             self.local_cluster.shutdown()
             # Their workers were this cluster's processes, killed with it: their snapshots in RAM (a shard per
             # worker, weights and AdamW state) would stay until the host reboots. Nothing can resume from them:
-            # a job whose cluster went is failed ("RunnerLost") when the service starts again.
+            # a job whose cluster went is relaunched from its durable checkpoint when the service starts again.
             for job_id in unfinished:
                 remove_snapshot_dirs(job_id)
 

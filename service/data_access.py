@@ -95,11 +95,16 @@ class DataAccess:
         """``model.init_from``: the real path of a directory under the data roots, checked before anything in it
         is read; :class:`InvalidJob` (a 422) naming the path and the roots otherwise, in the same words whether
         or not it exists."""
-        path = _realpath(directory)
+        return self.admit_directory(directory, "model.init_from", "the Hugging Face checkpoint")
+
+    def admit_directory(self, directory: str, field: str, what: str) -> str:
+        """The real path of ``directory`` if it is a directory under the data roots (``file://`` or not); else
+        :class:`InvalidJob` naming ``field`` and the fix (copy ``what`` there), whether or not it exists."""
+        path = _realpath(directory.removeprefix("file://"))
         if not path or not any(_under(path, root) for root in self.roots) or not os.path.isdir(path):
             raise InvalidJob(
-                f"model.init_from {directory!r} is not a directory under this service's data roots "
-                f"({', '.join(self.roots) or 'none configured'}); copy the Hugging Face checkpoint there, or start "
+                f"{field} {directory!r} is not a directory under this service's data roots "
+                f"({', '.join(self.roots) or 'none configured'}); copy {what} there, or start "
                 "the service with `meridian serve --data-root PATH`")
         return path
 

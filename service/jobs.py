@@ -24,6 +24,7 @@ from meridian.workers.contracts.config import (
     ParallelConfig,
     PipelineSchedule,
     Precision,
+    ResetPart,
     SyncConfig,
     TrainConfig,
     ValidationConfig,
@@ -163,6 +164,25 @@ class DeclaredLink:
             raise ValueError(f"topology.links: a link joins two different datacenters, got {[self.a, self.b]}")
 
 
+@dataclass(frozen=True, kw_only=True)
+class ResumeRequest:
+    """The checkpoint a new job starts from: the newest of a finished job, or one named by its location."""
+
+    job: str = ""
+    """The id of an ended job (succeeded, failed or cancelled) of the same owner, whose newest checkpoint is read."""
+    checkpoint: str = ""
+    """A checkpoint folder (``<dir>/step-N``) or a job's checkpoint directory (its newest step is read): a path
+    under the service's data roots, or a URL under its declared URL roots."""
+    reset: tuple[ResetPart, ...] = ()
+    """What this job starts afresh instead of continuing (a new phase)."""
+
+    def __post_init__(self) -> None:
+        if bool(self.job) == bool(self.checkpoint):
+            raise ValueError("resume_from: name exactly one of resume_from.job and resume_from.checkpoint")
+        if len(set(self.reset)) != len(self.reset):
+            raise ValueError(f"resume_from.reset names a part twice: {[r.value for r in self.reset]}")
+
+
 def _auto_sync() -> SyncConfig:
     return SyncConfig(strategy=None, bucket_mb=None)
 
@@ -207,6 +227,8 @@ class JobRequest:
     priority: int = knob(0, ge=-100, le=100, name="priority")
     """Higher runs first; FIFO within a priority."""
     owner: str = ""
+    resume_from: ResumeRequest | None = None
+    """Start from another job's checkpoint (weights, optimizer, schedule and data position) instead of step 0."""
 
     def __post_init__(self) -> None:
         check_batches(self)

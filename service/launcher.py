@@ -8,6 +8,7 @@ and never decides: what a poll means is :mod:`meridian.service.supervision.recon
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 from typing import Any
@@ -19,7 +20,10 @@ from meridian.service.cluster.connect import NAMESPACE
 from meridian.service.planning.plan import Plan
 from meridian.service.runner.actor import JobRunner, runner_name, sweep_snapshots
 from meridian.service.runner.poll import RunnerLost, RunnerPoll
+from meridian.service.runner.train_controller import remove_placement_groups_left_by
 from meridian.workers.contracts.config import TrainConfig
+
+log = logging.getLogger(__name__)
 
 CALL_TIMEOUT_S = 10.0
 LAUNCH_TIMEOUT_S = 60.0
@@ -109,9 +113,15 @@ class Launcher:
             self._actor(job_id).suspend.remote()
 
     def release(self, job_id: str) -> None:
-        """Kill the runner (and with it anything it still owns) once its job is over."""
-        with contextlib.suppress(RunnerLost):
+        """Kill the runner (and with it anything it still owns) once its job is over. A runner already gone (its
+        process died) leaves its Train controllers' placement groups holding the job's CPUs: they are removed, so
+        the job relaunched (or the next one) can be placed."""
+        try:
             ray.kill(self._actor(job_id), no_restart=True)
+        except RunnerLost:
+            removed = remove_placement_groups_left_by(runner_name(job_id))
+            if removed:
+                log.info("job %s: removed %d placement group(s) its lost runner's controllers left", job_id, len(removed))
 
     def sweep_snapshots(self, job_id: str, after_s: float = 0.0) -> threading.Thread:
         """Remove the job's in-memory snapshot folders on every live node, ``after_s`` from now, on a thread of its

@@ -55,6 +55,8 @@ jobs_table = sa.Table(
     # A suspension (preemption) was asked for and the runner has not written its checkpoint yet.
     sa.Column("suspend_requested", sa.Boolean, nullable=False, default=False, server_default=sa.false()),
     sa.Column("suspend_requested_at", sa.Float),  # its deadline counts from here
+    # Times the job went back to the queue because its runner actor was lost (bounded by the service's option).
+    sa.Column("relaunches", sa.Integer, nullable=False, default=0, server_default="0"),
     sa.Column("state_since", sa.Float),  # when ``state`` last changed (the placing deadline counts from here)
     sa.Column("idempotency_key", sa.String(200)),
     sa.Column("request_hash", sa.String(64)),  # of the submitted body, so a reused key with another body is refused
@@ -134,6 +136,8 @@ class JobRecord:
     suspend_requested: bool = False
     """The job is being preempted: the supervisor asks its runner to checkpoint and stop until it has."""
     suspend_requested_at: float | None = None
+    relaunches: int = 0
+    """Times the job was queued again after its runner actor was lost (``meridian serve --max-relaunches``)."""
 
     @cached_property
     def request(self) -> JobRequest:
@@ -191,7 +195,7 @@ def _record(row: sa.Row) -> JobRecord:
         started_at=m["started_at"], finished_at=m["finished_at"], cancel_requested=bool(m["cancel_requested"]),
         cancel_requested_at=m["cancel_requested_at"], state_since=m["state_since"] or m["created_at"],
         request_hash=m["request_hash"], resolved_json=m["resolved"], suspend_requested=bool(m["suspend_requested"]),
-        suspend_requested_at=m["suspend_requested_at"],
+        suspend_requested_at=m["suspend_requested_at"], relaunches=m["relaunches"] or 0,
     )
 
 
@@ -224,7 +228,8 @@ class JobStore:
         have = {c["name"] for c in sa.inspect(self.engine).get_columns("jobs")}
         added = {"cancel_requested": "BOOLEAN NOT NULL DEFAULT FALSE", "cancel_requested_at": "FLOAT",
                  "state_since": "FLOAT", "request_hash": "VARCHAR(64)", "resolved": "TEXT",
-                 "suspend_requested": "BOOLEAN NOT NULL DEFAULT FALSE", "suspend_requested_at": "FLOAT"}
+                 "suspend_requested": "BOOLEAN NOT NULL DEFAULT FALSE", "suspend_requested_at": "FLOAT",
+                 "relaunches": "INTEGER NOT NULL DEFAULT 0"}
         for name, ddl in added.items():
             if name not in have:
                 with self.engine.begin() as conn:
@@ -430,7 +435,7 @@ class JobStore:
         raise InvalidTransition(f"job {job_id} kept changing while being set to {status.state.value}; try again")
 
     def update_fields(self, job_id: str, **fields: Any) -> None:
-        """Set JSON fields (plan, placement, progress, result), plain ones (runner) and ``resolved``."""
+        """Set JSON fields (plan, placement, progress, result), plain ones (runner, relaunches) and ``resolved``."""
         values = self._field_values(fields, time.time())
         with self.engine.begin() as conn:
             if conn.execute(jobs_table.update().where(jobs_table.c.id == job_id).values(**values)).rowcount == 0:
@@ -462,7 +467,7 @@ class JobStore:
         for key, value in fields.items():
             if key in ("plan", "placement", "progress", "result"):
                 values[key] = json.dumps(value) if value is not None else None
-            elif key == "runner":
+            elif key in ("runner", "relaunches"):
                 values[key] = value
             elif key == "resolved":
                 values[key] = value.to_json() if value is not None else None

@@ -314,9 +314,9 @@ def test_restarted_service_reattaches_running_jobs_and_fails_lost_ones(tmp_path)
     db = f"sqlite:///{tmp_path / 'jobs.db'}"
     view, launcher = TopologyBox(topology(dc_a=2, dc_b=2)), FakeLauncher()
 
-    def service(launcher):
+    def service(launcher, **options):
         store = JobStore(db)
-        return FakeService(store, Supervisor(store, launcher, view, checkpoint_root=str(tmp_path)), view)
+        return FakeService(store, Supervisor(store, launcher, view, checkpoint_root=str(tmp_path), **options), view)
 
     first = service(launcher)
     with TestClient(app_for(first), base_url="http://127.0.0.1") as c:
@@ -362,12 +362,25 @@ def test_restarted_service_reattaches_running_jobs_and_fails_lost_ones(tmp_path)
         assert launcher.resumed == [queued_id]
     fourth.store.close()
 
-    third = service(FakeLauncher())  # e.g. the Ray cluster was restarted: no runner survived
+    # e.g. the Ray cluster was restarted: no runner survived. With relaunches left the job runs again from its
+    # checkpoint (admission launches it anew); with none, it fails saying how to resubmit it.
+    relaunching = FakeLauncher()
+    third = service(relaunching)
     with TestClient(app_for(third), base_url="http://127.0.0.1") as c:
         third.supervisor.tick()
         job = c.get(f"/v1/jobs/{queued_id}").json()
-        assert job["state"] == "failed" and job["reason"] == "RunnerLost" and "resubmit" in job["message"]
+        assert (job["state"], job["reason"]) == ("queued", "Relaunching") and "relaunch 1 of at most 3" in job["message"]
+        third.supervisor.tick()
+        assert [j for j, *_ in relaunching.launched] == [queued_id]
+        assert c.get(f"/v1/jobs/{queued_id}").json()["state"] == "placing"
     third.store.close()
+    fifth = service(FakeLauncher(), max_relaunches=1)  # lost again, and one relaunch is all this service allows
+    with TestClient(app_for(fifth), base_url="http://127.0.0.1") as c:
+        fifth.supervisor.tick()
+        job = c.get(f"/v1/jobs/{queued_id}").json()
+        assert job["state"] == "failed" and job["reason"] == "RunnerLost" and "resubmit" in job["message"]
+        assert "after 1 relaunch(es)" in job["message"]
+    fifth.store.close()
 
 
 # -- limits --------------------------------------------------------------------------------------------------------

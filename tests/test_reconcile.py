@@ -4,6 +4,8 @@ No Ray, no store, no clock: :func:`reconcile` is pure, so each rule of following
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from fakes import step_record
 
 from meridian.service.jobs import JobState, JobStatus
@@ -79,11 +81,35 @@ def test_cancel_requested_and_runner_lost_is_the_cancel_done():
     assert d.sweep_snapshots  # the runner that would have removed its workers' RAM snapshots is gone
 
 
-def test_runner_lost_without_a_cancel_fails_the_job_with_what_ray_said():
-    d = reconcile(job(), RunnerLost("The actor died because its node died"))
+def test_runner_lost_without_relaunches_left_fails_the_job_with_what_ray_said():
+    d = reconcile(job(), RunnerLost("The actor died because its node died"), max_relaunches=0)
     assert d.outcome is not None and (d.outcome.state, d.outcome.reason) == (JobState.FAILED, "RunnerLost")
     assert "resubmit" in d.outcome.message and "its node died" in d.outcome.message
-    assert not d.store and d.forget and d.sweep_snapshots
+    assert '"resume_from": {"job": "j1"}' in d.outcome.message
+    assert not d.store and d.forget and d.sweep_snapshots and d.release
+    spent = reconcile(replace(job(), relaunches=3), RunnerLost("actor died"), max_relaunches=3)
+    assert spent.outcome.state is JobState.FAILED and "after 3 relaunch(es), the most this service allows" in \
+        spent.outcome.message and "--max-relaunches" in spent.outcome.message
+
+
+def test_runner_lost_queues_the_job_again_from_its_checkpoint_a_bounded_number_of_times():
+    running = job(progress={"cursor": 41, "step": 20}, placement=[{"rank": 0}])
+    d = reconcile(running, RunnerLost("The actor died unexpectedly"), now=7.0, max_relaunches=3)
+    assert d.outcome == JobStatus(JobState.QUEUED, "Relaunching", d.outcome.message)
+    assert "relaunch 1 of at most 3" in d.outcome.message
+    assert d.store and d.forget and not d.sweep_snapshots  # its folders: the next runner's
+    assert d.release  # what its dead runner's controllers hold (their placement groups) is freed
+    assert d.fields["relaunches"] == 1 and d.fields["placement"] == []
+    assert d.fields["progress"] == {"cursor": 0, "step": 20}  # the next runner reports from 0
+    (event,) = d.events
+    assert event.kind is EventKind.RUNNER_RELAUNCHED and event.time == 7.0
+    assert event.data == {"attempt": 1, "max_relaunches": 3, "reason": "The actor died unexpectedly"}
+    third = reconcile(replace(running, relaunches=2), RunnerLost("gone"), max_relaunches=3)
+    assert third.outcome.state is JobState.QUEUED and third.fields["relaunches"] == 3
+    assert third.events[0].data["attempt"] == 3
+    # A job being cancelled is not relaunched: its runner's end is the cancel done.
+    assert reconcile(job(reason="Cancelling", cancel_requested=True), RunnerLost("x")).outcome.state is \
+        JobState.CANCELLED
 
 
 def test_records_fold_into_progress_with_a_progress_event_only_when_due():

@@ -105,13 +105,25 @@ def test_cancel_queued_is_immediate_and_cancel_running_waits_for_the_runner(supe
     assert store.get_job(a.id).status.state is JobState.CANCELLED
 
 
-def test_runner_lost_fails_the_job_with_an_actionable_message(supervisor, store):
+def test_a_lost_runner_is_relaunched_a_bounded_number_of_times_then_the_job_fails_saying_why(supervisor, store):
     job, _ = supervisor.submit(req(), {})
     supervisor.tick()
+    for attempt in (1, 2, 3):  # the service's default bound
+        del supervisor.launcher.runners[job.id]
+        supervisor.tick()  # lost → queued again, then admitted and launched anew on the same tick's next one
+        lost = store.get_job(job.id)
+        assert (lost.status.state, lost.status.reason, lost.relaunches) == (JobState.QUEUED, "Relaunching", attempt)
+        supervisor.tick()
+        assert store.get_job(job.id).status.state is JobState.PLACING
+        assert [j for j, *_ in supervisor.launcher.launched].count(job.id) == attempt + 1
+    events = [e for e in store.list_events(job.id) if e.kind == "runner_relaunched"]
+    assert [e.data["attempt"] for e in events] == [1, 2, 3] and all(e.data["max_relaunches"] == 3 for e in events)
+    assert supervisor.launcher.swept == []  # the relaunched runner's workers own the job's snapshot folders now
     del supervisor.launcher.runners[job.id]
     supervisor.tick()
     job = store.get_job(job.id)
-    assert job.status.state is JobState.FAILED and "resubmit" in job.status.message
+    assert job.status.state is JobState.FAILED and job.status.reason == "RunnerLost"
+    assert "resubmit" in job.status.message and "after 3 relaunch(es)" in job.status.message
     # Its workers went with the runner, which would have removed their snapshots in RAM at the job's end.
     assert supervisor.launcher.swept == [job.id]
 

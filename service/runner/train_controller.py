@@ -51,6 +51,21 @@ def placement_groups_of(actor_id: str) -> list[str]:
     return found
 
 
+def remove_placement_groups_left_by(runner: str) -> list[str]:
+    """Remove the placement groups of every actor that the dead runner actor named ``runner`` owned (its Ray Train
+    controllers, which die with it, leaving their workers' groups to hold the job's CPUs while the service's Ray
+    job lives) and of the runner itself; their ids. Found through the GCS's actor table, by the owner's worker."""
+    from ray._private.state import state
+    from ray.core.generated import gcs_pb2
+
+    actors = [gcs_pb2.ActorTableData.FromString(raw) for raw in state._connect_and_get_accessor().get_actor_table(None, None)]
+    # (by name in any state: the GCS may free a dead actor's name before it marks the actor dead)
+    lost = [a for a in actors if a.name == runner]
+    workers = {a.address.worker_id for a in lost}
+    owned = [a.actor_id.hex() for a in actors if a.owner_address.worker_id in workers] + [a.actor_id.hex() for a in lost]
+    return [pg for actor_id in owned for pg in remove_placement_groups_of(actor_id)]
+
+
 def remove_placement_groups_of(actor_id: str) -> list[str]:
     """Remove every placement group the (dead) actor ``actor_id`` created; their ids. A group removed meanwhile
     (by Ray Train's cleaner) is skipped."""

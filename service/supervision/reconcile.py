@@ -22,7 +22,13 @@ from typing import Any
 from meridian.service.jobs import JobState, JobStatus
 from meridian.service.runner.poll import RunnerLost, RunnerPoll, RunnerState
 from meridian.service.store import JobRecord
-from meridian.workers.contracts.events import EventKind, JobEvent, ProgressReport, Reattached
+from meridian.workers.contracts.events import (
+    EventKind,
+    JobEvent,
+    ProgressReport,
+    Reattached,
+    RunnerRelaunched,
+)
 from meridian.workers.contracts.fields import to_plain
 from meridian.workers.contracts.records import StepRecord
 
@@ -35,6 +41,10 @@ RUNNER_OUTCOME = {
 }
 TRAINING = JobStatus(JobState.RUNNING, "Training", "training steps are running")
 WAITING_FOR_WORKERS = "WaitingForWorkers"
+RELAUNCHING = "Relaunching"
+DEFAULT_MAX_RELAUNCHES = 3
+"""How many times a job whose runner actor was lost goes back to the queue, to run again from its newest
+checkpoint, before it fails (``meridian serve --max-relaunches``)."""
 
 
 @dataclass(frozen=True)
@@ -90,16 +100,17 @@ class Decision:
 
 def reconcile(
     job: JobRecord, poll: RunnerPoll | RunnerLost, *, now: float = 0.0, first_sight: bool = False,
-    progress_due: bool = True, deadlines: Deadlines = DEFAULT_DEADLINES,
+    progress_due: bool = True, deadlines: Deadlines = DEFAULT_DEADLINES, max_relaunches: int = DEFAULT_MAX_RELAUNCHES,
 ) -> Decision:
     """The decision for ``job`` after its runner answered ``poll``.
 
     ``first_sight``: this supervisor has not followed the job before (the service restarted while it was
     active). ``progress_due``: a ``progress`` event may be added (they are rate-limited by the caller).
-    ``now``: wall-clock time, for the events this decision adds and the ``deadlines``.
+    ``now``: wall-clock time, for the events this decision adds and the ``deadlines``. ``max_relaunches``: how
+    many times a job whose runner is lost is queued again before it fails.
     """
     if isinstance(poll, RunnerLost):
-        return _lost(job, poll)
+        return _lost(job, poll, now=now, max_relaunches=max_relaunches)
     overdue = _overdue(job, poll.state, now, deadlines)
     if overdue is not None:
         return _ended_overdue(job, overdue)
@@ -184,12 +195,34 @@ def preempted(how: str) -> JobStatus:
                      "its newest checkpoint when capacity returns")
 
 
-def _lost(job: JobRecord, lost: RunnerLost) -> Decision:
+def _lost(job: JobRecord, lost: RunnerLost, *, now: float, max_relaunches: int) -> Decision:
     if job.cancel_requested:  # the runner went away while stopping: that is the cancel done
         return Decision(store=False, outcome=RUNNER_OUTCOME[RunnerState.CANCELLED], forget=True, sweep_snapshots=True)
-    return Decision(store=False, forget=True, sweep_snapshots=True, outcome=JobStatus(
-        JobState.FAILED, "RunnerLost", "the job's runner actor is gone (its node died or the Ray cluster "
-        f"restarted); resubmit the job. Ray said: {str(lost)[:300]}"))
+    said = str(lost)[:300]
+    if job.relaunches < max_relaunches:
+        # Back to the queue, as a preempted job goes: admission places it again when it fits, and its new runner's
+        # workers restore the job's newest durable checkpoint (or its resume_from's, or step 0 if it has none).
+        # Its snapshot folders are left to that runner (a sweep now could remove the new workers' folders), which
+        # removes them at the job's end; its next runner numbers what it reports from 0 and places its ranks anew.
+        # Released: the placement groups its Train controllers made would hold its CPUs (the launcher removes them).
+        attempt = job.relaunches + 1
+        event = JobEvent(kind=EventKind.RUNNER_RELAUNCHED, time=now,
+                         payload=RunnerRelaunched(attempt=attempt, max_relaunches=max_relaunches, reason=said),
+                         message=f"the job's runner actor is gone; relaunching the job from its newest checkpoint "
+                                 f"(relaunch {attempt} of at most {max_relaunches}). Ray said: {said}")
+        return Decision(events=(event,), forget=True, release=True,
+                        fields={"progress": {**(job.progress or {}), "cursor": 0}, "placement": [],
+                                "relaunches": attempt},
+                        outcome=JobStatus(JobState.QUEUED, RELAUNCHING,
+                                          f"its runner actor was lost (its node died or the Ray cluster restarted): "
+                                          f"queued to run again from its newest checkpoint (relaunch {attempt} of "
+                                          f"at most {max_relaunches})"))
+    tried = (f" after {job.relaunches} relaunch(es), the most this service allows (meridian serve "
+             "--max-relaunches)") if max_relaunches else ""
+    return Decision(store=False, forget=True, sweep_snapshots=True, release=True, outcome=JobStatus(
+        JobState.FAILED, "RunnerLost", f"the job's runner actor is gone (its node died or the Ray cluster "
+        f"restarted){tried}; resubmit the job (with \"resume_from\": {{\"job\": \"{job.id}\"}} it starts from "
+        f"its newest checkpoint). Ray said: {said}"))
 
 
 def unanswered(job: JobRecord, *, now: float, deadlines: Deadlines = DEFAULT_DEADLINES) -> Decision | None:

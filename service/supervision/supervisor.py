@@ -30,11 +30,13 @@ from meridian.service.planning.plan import Plan
 from meridian.service.planning.planner import plan_job
 from meridian.service.quotas import Held, Quota, over_quota
 from meridian.service.resolved import ResolvedJob, resolve
+from meridian.service.resume_source import find_checkpoint
 from meridian.service.runner.poll import RunnerLost, RunnerPoll
 from meridian.service.store import JobRecord, JobStore, new_job_id, request_hash
 from meridian.service.supervision.preemption import Running, victims
 from meridian.service.supervision.reconcile import (
     DEFAULT_DEADLINES,
+    DEFAULT_MAX_RELAUNCHES,
     PREEMPTED,
     Deadlines,
     Decision,
@@ -72,8 +74,11 @@ class Supervisor:
         data_access: DataAccess = BUILTIN_DATA_ONLY, lease: Lease | None = None,
         gpu_memory: Callable[[ClusterTopology], dict[str, int]] = lambda topo: {},
         storage_check: Callable[[tuple[str, ...], ClusterTopology], None] = lambda dcs, topo: None,
+        max_relaunches: int = DEFAULT_MAX_RELAUNCHES,
     ) -> None:
         self.store = store
+        self.max_relaunches = max_relaunches
+        """Times a job whose runner actor is lost is queued again (from its checkpoint) before it fails."""
         self.probe_report = probe_report
         self.gpu_memory = gpu_memory
         """node id → its GPUs' memory read on the node (:class:`~meridian.service.cluster.gpu_memory.NodeGpuMemory`)."""
@@ -108,7 +113,9 @@ class Supervisor:
         """What ``request`` would run as job ``job_id`` on the cluster now: its plan and training config (raises
         :class:`Unschedulable` if the cluster can never hold it, :class:`InvalidJob` if the plan makes an option
         invalid)."""
-        return resolve(job_id, request, self.plan(request, topo), checkpoint_root=self.checkpoint_root)
+        resume = None if request.resume_from is None else find_checkpoint(
+            request.resume_from, owner=request.owner, get_job=self.store.get_job, access=self.data_access)
+        return resolve(job_id, request, self.plan(request, topo), checkpoint_root=self.checkpoint_root, resume=resume)
 
     def submit(self, request: JobRequest, spec: dict[str, Any], *, idempotency_key: str | None = None) -> tuple[JobRecord, bool]:
         """Admit the data, plan the job and build its training config, then store it queued: the one time a job
@@ -362,7 +369,7 @@ class Supervisor:
         decision = reconcile(
             job, poll, now=time.time(), first_sight=job.id not in self._followed,
             progress_due=time.monotonic() - self._last_progress_event.get(job.id, -1e9) >= PROGRESS_EVENT_EVERY_S,
-            deadlines=self.deadlines,
+            deadlines=self.deadlines, max_relaunches=self.max_relaunches,
         )
         self._carry_out(job, decision)
 

@@ -560,6 +560,53 @@ def model_parallel_refusal(model: ModelConfig, tp: int, pp: int) -> str | None:
     return None
 
 
+class ResetPart(str, enum.Enum):
+    """What a job resumed from another's checkpoint starts afresh instead of continuing (a new phase)."""
+
+    OPTIMIZER = "optimizer"
+    """AdamW's moments and step count (and DiLoCo's outer state) start at zero; the weights still load."""
+    SCHEDULE = "schedule"
+    """The job's steps count from 0 again: warm-up and decay over its own ``steps``."""
+    DATA = "data"
+    """The sample order starts at its first batch (the data, seed, global batch and tokenizer may differ)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ResumeFrom:
+    """The checkpoint of another job (or one named by its location) that a new job starts from, fixed at submit."""
+
+    checkpoint: str
+    """The checkpoint's step folder (a path or URL), read by every rank when the job has none of its own yet."""
+    step: int = knob(ge=0, le=10_000_000, name="resume_from.step")
+    """The steps that checkpoint holds."""
+    fingerprint: str = ""
+    """The checkpoint's fingerprint as admitted (JSON): a folder that holds another since is refused."""
+    reset: tuple[ResetPart, ...] = ()
+    """What starts afresh (:class:`ResetPart`); empty: the job continues as if never interrupted."""
+    source: str = ""
+    """What the job named (``job <id>`` or the location), for its events."""
+
+    def __post_init__(self) -> None:
+        check_bounds(self, "")
+        if len(set(self.reset)) != len(self.reset):
+            raise ValueError(f"resume_from.reset names a part twice: {[r.value for r in self.reset]}")
+
+    @property
+    def start_step(self) -> int:
+        """The step the new job trains first: the checkpoint's, or 0 with the schedule reset."""
+        return 0 if ResetPart.SCHEDULE in self.reset else self.step
+
+    @property
+    def data_offset(self) -> int:
+        """Added to a step to give its batch's position in the sample order: the data continues where the
+        checkpoint left it (unless reset) whichever step the schedule starts at."""
+        return (0 if ResetPart.DATA in self.reset else self.step) - self.start_step
+
+    @property
+    def loads_optimizer(self) -> bool:
+        return ResetPart.OPTIMIZER not in self.reset
+
+
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     """Everything a worker needs to train one job. Built by the service, read by every rank."""
@@ -613,9 +660,16 @@ class TrainConfig:
                                                              name="training.activation_checkpointing")
     """Per transformer block: ``none``, ``selective`` (matmul and attention outputs kept) or ``full``
     (the block recomputed in backward)."""
+    resume: ResumeFrom | None = None
+    """Another job's checkpoint this job starts from while it has none of its own; ``None``: step 0."""
 
     def __post_init__(self) -> None:
         check_batches(self)
+        if self.resume is not None and self.resume.start_step >= self.steps:
+            raise ValueError(f"training.steps ({self.steps}) must be above the step of the checkpoint it resumes "
+                             f"from ({self.resume.step}): steps counts the whole run, the steps before the resume "
+                             "included; give more, or reset the schedule (resume_from.reset: [\"schedule\"]) to "
+                             "count this job's steps from 0")
         if self.sync.strategy is None:
             raise ValueError("sync.strategy is 'auto' (None): build a TrainConfig from a plan, whose "
                              "sync_strategy resolves it")
@@ -636,6 +690,12 @@ class TrainConfig:
     @property
     def tokens_per_step(self) -> int:
         return self.global_batch * self.model.seq_len
+
+    @property
+    def data_offset(self) -> int:
+        """Step ``s`` trains the batch at position ``s + data_offset`` of the sample order (non-zero only for a
+        resume that resets the schedule or the data but not both: :attr:`ResumeFrom.data_offset`)."""
+        return 0 if self.resume is None else self.resume.data_offset
 
 
 def check_model_parallel_sync(parallel: ParallelConfig, sync: SyncConfig) -> None:

@@ -230,6 +230,34 @@ class CheckpointLoaded:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ResumedFrom:
+    """A new job started from another job's checkpoint (``resume_from``)."""
+
+    source: str
+    """What the job named: ``job <id>`` or the checkpoint's location."""
+    checkpoint: str
+    """The step folder read."""
+    step: int
+    """The steps that checkpoint holds."""
+    start_step: int
+    """The steps this job counts as done: the checkpoint's, or 0 with the schedule reset."""
+    reset: tuple[str, ...] = ()
+    bytes_read: int = 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunnerRelaunched:
+    """The job's runner actor was lost and the job went back to the queue to run again from its checkpoint."""
+
+    attempt: int
+    """This relaunch's number (1 for the first)."""
+    max_relaunches: int
+    """How many the service allows a job (``meridian serve --max-relaunches``)."""
+    reason: str
+    """What Ray said about the lost runner."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class SnapshotsAdopted:
     folder: str
 
@@ -327,6 +355,8 @@ class EventKind(str, enum.Enum):
     STATE_INCOMPLETE = "state_incomplete", NoDetails, "no full copy of the state in memory: from the checkpoint"
     RESTARTED = "restarted", NoDetails, "no state survived and no checkpoint exists: training restarts at step 0"
     CHECKPOINT_LOADED = "checkpoint_loaded", CheckpointLoaded, "the job resumed from its durable checkpoint"
+    RESUMED_FROM = "resumed_from", ResumedFrom, "a new job started from another job's checkpoint (resume_from)"
+    RUNNER_RELAUNCHED = "runner_relaunched", RunnerRelaunched, "the runner was lost: the job runs again from its checkpoint"
     SNAPSHOTS_ADOPTED = "snapshots_adopted", SnapshotsAdopted, "a worker took over a gone worker's snapshots"
     TRAINING_PROCESS_KILLED = "training_process_killed", ProcessKilled, "a training process was killed; restarting"
     PREEMPTED = "preempted", Preempted, "being suspended for a job of higher priority (it checkpoints and requeues)"

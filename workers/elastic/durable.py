@@ -14,6 +14,7 @@ one (each rank reading the weights and only its own optimizer state), or a singl
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import sys
@@ -145,37 +146,46 @@ class Restored:
 
 def restore_latest(directory: str, expected: dict[str, Any], model: nn.Module, engine: GradientSync) -> Restored | None:
     """Load the newest checkpoint in ``directory`` (either format) into ``model`` and ``engine``; ``None`` if
-    there is none. A checkpoint of another job (``expected`` fingerprint differs) is a ``ValueError``.
+    there is none. A checkpoint of another job (``expected`` fingerprint differs) is a ``ValueError``."""
+    name = storage.latest(directory)  # a folder or a URL
+    if name is None:
+        return None
+    return restore_from(storage.join(directory, name), expected, model, engine)
+
+
+def restore_from(path: str, expected: dict[str, Any], model: nn.Module, engine: GradientSync, *,
+                 optimizer: bool = True) -> Restored:
+    """Load the checkpoint folder ``path`` (either format) into ``model`` and ``engine``; a ``ValueError`` if its
+    fingerprint is not ``expected``. Without ``optimizer`` only the weights load and the engine's optimizer
+    state starts afresh (AdamW's step 0, no moments, no outer state): a new phase from another job's weights.
 
     From a sharded checkpoint every rank reads the whole weights, but of the optimizer state only the ranges
     its engine holds (:meth:`~meridian.workers.sync.engine.GradientSync.owned_ranges`): with AdamW sharded
     N ways in a DC, a rank reads (1 + 2/N)/3 of the checkpoint. No collective; any layout reads any other's."""
-    name = storage.latest(directory)  # a folder or a URL
-    if name is None:
-        return None
-    path = storage.join(directory, name)
     if not is_sharded(path):
-        single = single_file.load_latest(directory)
-        assert single is not None
-        single_file.check_fingerprint(single.fingerprint, expected, directory)
-        load_weights(model, engine, single.model)
-        engine.load_optimizer_state(single.optimizer)
+        data = single_file.read_state(path)
+        single_file.check_fingerprint(data["fingerprint"], expected, path)
+        load_weights(model, engine, data["model"])
+        if optimizer:
+            engine.load_optimizer_state(data["optimizer"])
         size = storage.size(storage.join(path, single_file.STATE_FILE))
-        return Restored(single.step, size, size)
+        return Restored(data["step"], size, size)
     ck = open_checkpoint(path)
     # (stored as JSON: tuples become lists)
-    single_file.check_fingerprint(ck.fingerprint, json.loads(json.dumps(expected)), directory)
+    single_file.check_fingerprint(ck.fingerprint, json.loads(json.dumps(expected)), path)
     owned = engine.owned_ranges()
     if owned is None:  # the engine holds the whole state
-        shard = read_ranges(ck, [(n, 0, s.numel()) for n, s in ck.shapes.items()])
-        params, optimizer = assemble([shard], ck.shapes)
+        shard = read_ranges(ck, [(n, 0, s.numel()) for n, s in ck.shapes.items()], state=optimizer)
+        params, state = assemble([shard], ck.shapes)
         load_weights(model, engine, params)
-        engine.load_optimizer_state(optimizer)
+        if optimizer:
+            engine.load_optimizer_state(state)
         return Restored(ck.step, shard.nbytes, stored_nbytes(ck))
     weights = read_weights(ck)
     load_weights(model, engine, weights)
-    shard = read_ranges(ck, owned, weights=weights)  # the moments and outer state; values are views of weights
-    engine.load_local_shard(shard)
+    # the moments and outer state (values are views of weights); without them AdamW starts at step 0
+    shard = read_ranges(ck, owned, weights=weights, state=optimizer)
+    engine.load_local_shard(shard if optimizer else dataclasses.replace(shard, adam_step=0))
     values = sum(t.numel() * t.element_size() for t in weights.values())
     return Restored(ck.step, values + shard.nbytes - sum(p.value.numel() * 4 for p in shard.pieces),
                     stored_nbytes(ck))

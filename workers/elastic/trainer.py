@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import enum
 import gc
+import json
 import os
 import threading
 import time
@@ -35,9 +36,9 @@ from typing import Any
 import torch
 
 from meridian.workers.contracts.config import TrainConfig
-from meridian.workers.contracts.model_config import ModelFamily
+from meridian.workers.contracts.fingerprint import fingerprint
 from meridian.workers.contracts.rendezvous import Assignment
-from meridian.workers.elastic.durable import Checkpointer, restore_latest
+from meridian.workers.elastic.durable import Checkpointer, restore_from, restore_latest
 from meridian.workers.elastic.failures import FailureJudge, FailureKind, OwnFailure, is_peer_failure
 from meridian.workers.elastic.protocol import KEEP_SNAPSHOTS, RESTART_EXIT_CODE
 from meridian.workers.elastic.rendezvous import JobFinished, Rendezvous
@@ -49,7 +50,7 @@ from meridian.workers.loop.train import EpochOutcome, ProgressSink, TrainingLoop
 from meridian.workers.state.replica_state import IncompleteState, LocalShard
 from meridian.workers.state.snapshots import SnapshotStore
 
-__all__ = ["ElasticTrainer", "is_peer_failure"]  # is_peer_failure: the type-based test, re-exported
+__all__ = ["ElasticTrainer", "fingerprint", "is_peer_failure"]  # fingerprint, is_peer_failure: re-exported
 
 EventFn = Callable[[str, str, dict[str, Any]], None]
 
@@ -74,21 +75,6 @@ class PendingChangeWatch:
 
     def close(self) -> None:
         self._stop.set()
-
-
-def fingerprint(cfg: TrainConfig) -> dict[str, Any]:
-    """What a checkpoint must share with the job to resume it."""
-    m = cfg.model
-    shape = [m.n_layers, m.d_model, m.n_heads, m.seq_len, m.vocab_size]
-    if m.family is not ModelFamily.GPT:  # (gpt's fingerprint stays as before: older checkpoints still load)
-        shape += [m.family.value, m.kv_heads, m.mlp_width, m.tie_embeddings]
-    if m.architecture_key:  # an hf model's config.json, a factory and its arguments
-        shape.append(m.architecture_key)
-    fp = {"model": shape, "global_batch": cfg.global_batch,
-          "seed": cfg.seed, "data": [list(d) for d in cfg.data.datasets] or cfg.data.source}  # fmt: skip
-    if cfg.data.pins:  # (a job admitted before pins existed keeps its fingerprint: its checkpoints still load)
-        fp["data_pins"] = [[p.path, p.manifest_key, p.tokenizer_sha256, p.sha256] for p in cfg.data.pins]
-    return fp
 
 
 class Suspended(Exception):  # noqa: N818 - not an error: the epoch's way out when the job is suspended
@@ -372,6 +358,8 @@ class ElasticState:
                 return a.resume_step
         done = (restore_latest(self.cfg.checkpoint_dir, fingerprint(self.cfg), model, engine)
                 if self.cfg.checkpoint_dir else None)  # fmt: skip
+        if done is None and self.cfg.resume is not None:
+            return self._resume_from(replica)
         if done is None:
             if a.epoch > 1 and a.rank == 0:
                 self.on_event("restarted", "no copy of the state survived and there is no checkpoint: "
@@ -381,5 +369,21 @@ class ElasticState:
             self.on_event("checkpoint_loaded", f"resumed from the durable checkpoint of step {done.step}",
                           {"step": done.step, "bytes_read": done.bytes_read, "bytes_stored": done.bytes_stored})
         return done.step
+
+    def _resume_from(self, replica: Replica) -> int:
+        """A job without a checkpoint of its own starts from the one it names (``resume_from``), checked at submit
+        and again here against the fingerprint admitted then; returns the step it trains first."""
+        resume = self.cfg.resume
+        assert resume is not None and replica.model is not None and replica.engine is not None
+        done = restore_from(resume.checkpoint, json.loads(resume.fingerprint), replica.model, replica.engine,
+                            optimizer=resume.loads_optimizer)
+        if self.a.rank == 0:
+            reset = f" ({', '.join(r.value for r in resume.reset)} reset)" if resume.reset else ""
+            self.on_event("resumed_from", f"started from {resume.source}'s checkpoint of step {done.step}{reset}; "
+                          f"training step {resume.start_step + 1} next",
+                          {"source": resume.source, "checkpoint": resume.checkpoint, "step": done.step,
+                           "start_step": resume.start_step, "reset": [r.value for r in resume.reset],
+                           "bytes_read": done.bytes_read})  # fmt: skip
+        return resume.start_step
 
 

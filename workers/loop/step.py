@@ -48,8 +48,8 @@ class BatchPrefetch:
 
     def _host(self, step: int) -> Batches:
         r = self.replica
-        return self.data.step_batches(step, self.cfg.global_batch, self.cfg.micro_batch, r.data_rank, r.data_world,
-                                      uniform=r.uniform_micro_batches)
+        return self.data.step_batches(step + self.cfg.data_offset, self.cfg.global_batch, self.cfg.micro_batch,
+                                      r.data_rank, r.data_world, uniform=r.uniform_micro_batches)
 
     def start(self, step: int) -> None:
         """Read step ``step``'s batches, pin them and queue their copies to the device (no host sync)."""
@@ -91,8 +91,9 @@ def timed_step(
     if prefetch is not None:
         batches = prefetch.take(step)
     else:
-        batches = data.step_batches(step, cfg.global_batch, cfg.micro_batch, replica.data_rank, replica.data_world,
-                                    uniform=replica.uniform_micro_batches)
+        # (a job resumed with its schedule or its data reset trains the batch of another position than its step)
+        batches = data.step_batches(step + cfg.data_offset, cfg.global_batch, cfg.micro_batch, replica.data_rank,
+                                    replica.data_world, uniform=replica.uniform_micro_batches)
     data_s = time.perf_counter() - t0
     loss = replica.forward_backward(batches)
     if prefetch is not None:  # the GPU runs this step's kernels while the host reads and pins the next batch
