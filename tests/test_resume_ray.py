@@ -66,11 +66,11 @@ def test_a_job_whose_runner_process_is_killed_is_relaunched_from_its_checkpoint_
 
 @pytest.mark.timeout(1500)
 def test_a_job_cancelled_at_step_40_of_80_is_continued_by_a_new_job_on_three_workers_to_the_same_loss(api):
-    # An emulated 100 ms link paces the steps, so that the cancel (which takes effect seconds later, tens of steps
+    # An emulated 300 ms link paces the steps, so that the cancel (which takes effect seconds later, tens of steps
     # of this small model on a LAN: measured, it landed after the last step) stops the job halfway.
     first_spec = spec(name="phase-1", training={"steps": 80, "global_batch": 12, "micro_batch": 2, "lr": 3e-3},
                       sync=EXACT, checkpoint=CHECKPOINTS, parallelism={"tp": 1, "pp": 1},
-                      wan={"rtt_ms": 100, "gbps": 1})
+                      wan={"rtt_ms": 300, "gbps": 1})
     ref = trained_in_one_process(first_spec)
     first = api.post("/v1/jobs", json=first_spec).json()
     wait(api, first["id"], lambda j: j["state"] == "running" and j["progress"]["step"] >= 35, 500, "step 35")
