@@ -248,20 +248,20 @@ def _tp_logits(rank, world, directory, builtin, x):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
 
-    from meridian.workers.model.tp_plan import check_tp_plan, parallel_styles
+    from meridian.workers.parallel.tp_plan import tp_styles
 
-    model = _tp_model(directory, builtin).eval()
-    styles, _ = parallel_styles(check_tp_plan(model, world))
+    cfg = _tp_config(directory, builtin)
+    model = build_model(cfg).eval()
+    styles = tp_styles(model, cfg.family, world)
     parallelize_module(model, init_device_mesh("cpu", (world,)), styles)
     with torch.no_grad():
         return model(x)
 
 
-def _tp_model(directory, builtin):
+def _tp_config(directory, builtin):
     from meridian.workers.contracts.hf_config import model_config_from_hf
 
-    cfg = model_config_from_hf(directory) if builtin else hf_model_config(directory, weights=True)
-    return build_model(cfg)
+    return model_config_from_hf(directory) if builtin else hf_model_config(directory, weights=True)
 
 
 @pytest.mark.parametrize("builtin", [False, True], ids=["transformers-llama", "meridian-llama"])
@@ -283,7 +283,7 @@ def test_the_tp_plan_splits_the_model_over_two_gloo_ranks_with_the_same_logits(t
 
 def test_a_tp_plan_is_checked_against_the_module_and_a_model_without_one_is_refused(tmp_path):
     from meridian.workers.contracts.model_config import model_preset
-    from meridian.workers.model.tp_plan import check_tp_plan
+    from meridian.workers.parallel.tp_plan import check_tp_plan
 
     save_random(tmp_path, "qwen2", shard=None)
     lm = build_hf(hf_model_config(str(tmp_path), weights=False), meta=True)

@@ -17,7 +17,7 @@ from meridian.workers.loop.train import ListSink, train
 from meridian.workers.model.build import build_model
 from meridian.workers.model.export import save_hf
 from meridian.workers.parallel.parallelize import present
-from meridian.workers.parallel.tp_plan import TPOptions, tp_plan
+from meridian.workers.parallel.tp_plan import tp_styles
 
 transformers = pytest.importorskip("transformers")
 
@@ -86,7 +86,7 @@ def _tp_logits(rank, world, cfg, x):
 
     model = build_model(cfg).eval()
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
-    parallelize_module(model, mesh, present(model, tp_plan(cfg.family, TPOptions(tied_embeddings=cfg.tie_embeddings))))
+    parallelize_module(model, mesh, present(model, tp_styles(model, cfg.family, world, tied_embeddings=cfg.tie_embeddings)))
     with torch.no_grad():
         return model(x)
 

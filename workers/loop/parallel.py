@@ -7,7 +7,7 @@ from data parallelism, who holds what::
     model          this rank's pipeline chunks of the seeded model, the whole model's names
                                                                          (:mod:`meridian.workers.parallel.pipeline`);
                    a Hugging Face or factory model whole (no pipeline), split by its own tensor-parallel plan
-                                                                         (:mod:`meridian.workers.model.tp_plan`)
+                                                                         (:mod:`meridian.workers.parallel.tp_plan`)
     parallelised   TP → activation checkpointing → compile → FSDP2 over the datacenter's replicas of this
                    (stage, TP rank)                                      (:mod:`meridian.workers.parallel.parallelize`)
     forward/back   pp = 1: the micro-batches one after another; pp > 1: torch.distributed.pipelining's schedule
@@ -32,7 +32,6 @@ from meridian.workers.loop.precision import mixed_precision
 from meridian.workers.loop.replica import Batches, Replica, evaluate, validation_batches
 from meridian.workers.model.build import build_model
 from meridian.workers.model.causal_lm import per_sample_loss
-from meridian.workers.model.tp_plan import check_tp_plan, parallel_styles, untied
 from meridian.workers.parallel.dims import ParallelDims, ParallelGroups
 from meridian.workers.parallel.parallelize import Parallelize
 from meridian.workers.parallel.pipeline import (
@@ -42,7 +41,7 @@ from meridian.workers.parallel.pipeline import (
     forward_only,
     rank_stages,
 )
-from meridian.workers.parallel.tp_plan import TPOptions, tp_plan
+from meridian.workers.parallel.tp_plan import tp_styles
 from meridian.workers.sync.fsdp_har import FSDPHierarchicalSync
 from meridian.workers.wan.collectives import WanEmulator, agree_key
 
@@ -68,26 +67,20 @@ class ModelParallelReplica(Replica):
         if cfg.model.family.is_builtin:
             model = StageModel(full, self.stage_ids, par.stages).to(device)
             roots = model.chunks
-            styles = tp_plan(cfg.model.family, TPOptions(sequence_parallel=par.sequence_parallel,
-                                                         tied_embeddings=cfg.model.tie_embeddings))
         else:  # a Hugging Face or factory model: tensor parallelism by its own plan, no pipeline (refused at submit)
             if par.pp > 1:
                 raise ValueError(f"parallelism.pp={par.pp}: a {cfg.model.family.value} model has no pipeline stages "
                                  "here; set parallelism.pp to 1")
             model, roots = full.to(device), None
-            styles, replicated = parallel_styles(untied(model, check_tp_plan(model, par.tp))) if par.tp > 1 \
-                else ({}, [])  # fmt: skip
-            if replicated:
-                raise ValueError(f"parallelism.tp={par.tp}: the model's tensor-parallel plan leaves {replicated} "
-                                 "replicated with summed gradients, which this runtime does not run; set parallelism.tp "
-                                 "to 1")
+        styles = tp_styles(full, cfg.model.family, par.tp, sequence_parallel=par.sequence_parallel,
+                           tied_embeddings=cfg.model.tie_embeddings) if par.tp > 1 else {}  # fmt: skip
         self.model = model
         del full
         self.reports_loss = (roots is None or model.has_last) and c.tp_rank == 0
         self._reports_eval = self.reports_loss and c.replica == 0
         self.mp_policy = mixed_precision(cfg.precision, device)
         plan = Parallelize(
-            dp_mesh=groups.dp_mesh, tp_mesh=groups.tp_mesh, tp_plan=styles if par.tp > 1 else {},
+            dp_mesh=groups.dp_mesh, tp_mesh=groups.tp_mesh, tp_plan=styles,
             activation_checkpointing=cfg.activation_checkpointing, compile=cfg.compile, mp_policy=self.mp_policy,
             reshard_after_forward=par.pp == 1,  # under pipelining: gathered once per step, not per micro-batch
         )  # fmt: skip

@@ -10,7 +10,7 @@ the parallelism code what it wraps and the loop what it calls:
                           axis so no fp32 logits of the whole micro-batch exist at once (:func:`chunked_loss`)
     forward(idx, hidden=True) → (batch, time, d_model) final hidden states (after the final norm), and
     output_head()         the module that makes logits of them: a caller can compute the loss its own way
-    tp_plan               module-name pattern → tensor-parallel style, or ``None`` (:mod:`.tp_plan`)
+    tp_plan               module-name pattern → tensor-parallel style, or ``None`` (:mod:`meridian.workers.parallel.tp_plan`)
     export_name(name)     the name a parameter has in the family's own Hugging Face checkpoint
 
 Every call goes through ``forward`` (the root module's ``__call__``), so wrappers that hook the root (DDP,

@@ -76,8 +76,8 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q, k, v = self.q(x), self.k(x), self.v(x)
-        # Heads from the projections' widths, not the config: under a tensor-parallel plan (:attr:`Llama.tp_plan`)
-        # q/k/v hold this rank's heads only.
+        # Heads from the projections' widths, not the config: under tensor parallelism
+        # (:mod:`meridian.workers.parallel.tp_plan`) q/k/v hold this rank's heads only.
         heads, kv_heads = q.shape[-1] // self.head_dim, k.shape[-1] // self.head_dim
         return self.proj(attend(q, k, v, heads, kv_heads, self.theta))
 
@@ -104,15 +104,6 @@ class LlamaBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
         return x + self.mlp(self.ln2(x))
-
-
-TP_PLAN = {
-    "blocks.*.attn.q": "colwise", "blocks.*.attn.k": "colwise", "blocks.*.attn.v": "colwise",
-    "blocks.*.attn.proj": "rowwise", "blocks.*.mlp.gate": "colwise", "blocks.*.mlp.up": "colwise",
-    "blocks.*.mlp.proj": "rowwise",
-}
-"""Megatron's split of a Llama block (heads and MLP width column-wise, their output projections row-wise), as
-transformers declares it for ``LlamaForCausalLM``."""
 
 
 class Llama(CausalLM):
@@ -149,10 +140,6 @@ class Llama(CausalLM):
 
     def transformer_blocks(self) -> nn.ModuleList:
         return self.blocks
-
-    @property
-    def tp_plan(self) -> dict[str, str]:
-        return dict(TP_PLAN)
 
     def export_name(self, name: str) -> str:
         from meridian.workers.model.hf import hf_name

@@ -1,24 +1,30 @@
-"""Tensor-parallel plans: which module of a model family is cut how across the ranks of one node (DTensor's
-``parallelize_module`` applies them, :mod:`meridian.workers.parallel.parallelize`).
+"""Tensor-parallel plans: which module of a model is cut how across the ranks of one node, as torch's DTensor
+styles for ``parallelize_module`` (applied by :mod:`meridian.workers.parallel.parallelize`). :func:`tp_styles` is
+the one place a job's plan comes from.
 
-The plans are Megatron's, written as torchtitan writes Llama's and as transformers' ``base_model_tp_plan`` declares
-them: the attention's q/k/v and the MLP's input projections column-parallel (output features cut, whole heads per
-rank), the attention's and the MLP's output projections row-parallel (input features cut, partial sums reduced),
-the token embedding row-parallel over the vocabulary and the head column-parallel over it (its logits gathered, so
-the loss is the one-process loss). With ``sequence_parallel`` the norms and the residual stream between them are cut
-along the sequence instead of replicated: the row-parallel outputs reduce-scatter and the column-parallel inputs
-all-gather, activations between layers are ``tp`` times smaller.
-
-A model whose head shares the embedding's weight keeps both replicated (one parameter cannot take two layouts).
-GPT's fused q/k/v weight holds q, k and v one after another: each rank takes its heads of each
-(:class:`FusedColwiseParallel`). Plans are keyed by model family in :data:`TP_PLANS`; another family registers
-its own with :func:`register_tp_plan`. Module names are relative to a pipeline stage (a stage keeps the whole
-model's names: ``blocks.<i>`` of its own blocks, ``tok_emb`` on the first, ``ln_f`` and ``head`` on the last), so
-a plan names what exists in any stage and ``parallelize_module`` skips what a stage lacks.
+- **Meridian's families** (GPT, Llama) have plans written here, as torchtitan writes Llama's: Megatron's split, the
+  attention's q/k/v and the MLP's input projections column-parallel (output features cut, whole heads per rank),
+  the attention's and the MLP's output projections row-parallel (input features cut, partial sums reduced), the
+  token embedding row-parallel over the vocabulary and the head column-parallel over it (its logits gathered, so the
+  loss is the one-process loss). With ``sequence_parallel`` the norms and the residual stream between them are cut
+  along the sequence instead of replicated: the row-parallel outputs reduce-scatter and the column-parallel inputs
+  all-gather, activations between layers are ``tp`` times smaller. A model whose head shares the embedding's
+  weight keeps both replicated (one parameter cannot take two layouts). GPT's fused q/k/v weight holds q, k and v
+  one after another: each rank takes its heads of each (:class:`FusedColwiseParallel`). Module names are relative
+  to a pipeline stage (a stage keeps the whole model's names: ``blocks.<i>`` of its own blocks, ``tok_emb`` on the
+  first, ``ln_f`` and ``head`` on the last), so a plan names what exists in any stage and ``parallelize_module``
+  skips what a stage lacks.
+- **Other models** declare theirs (:attr:`~meridian.workers.model.causal_lm.CausalLM.tp_plan`) in transformers'
+  format: a module-name pattern (``*`` stands for one name, a block's index) → a style name. Hugging Face models
+  carry the plan transformers declares for their family (``base_model_tp_plan``, with the head's), a factory's
+  module its ``tp_plan`` attribute. :func:`check_tp_plan` refuses a plan with a style it does not know, a pattern
+  that matches no module, a module of the wrong kind, or a width (heads included) that ``tp`` does not divide,
+  each named; :func:`parallel_styles` turns it into DTensor styles.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -35,6 +41,7 @@ from torch.distributed.tensor.parallel import (
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from meridian.workers.contracts.model_config import ModelFamily
+from meridian.workers.model.causal_lm import CausalLM
 
 
 class FusedColwiseParallel(ColwiseParallel):
@@ -131,16 +138,113 @@ TP_PLANS: dict[ModelFamily, Callable[[TPOptions], dict[str, ParallelStyle]]] = {
     ModelFamily.GPT: gpt_plan,
     ModelFamily.LLAMA: llama_plan,
 }
-"""The tensor-parallel plan of each model family."""
+"""The tensor-parallel plan of each of Meridian's model families."""
 
 
-def register_tp_plan(family: ModelFamily, plan: Callable[[TPOptions], dict[str, ParallelStyle]]) -> None:
-    """Make ``plan`` the tensor-parallel plan of ``family`` (a family without one cannot run with ``tp > 1``)."""
-    TP_PLANS[family] = plan
+
+# -- plans a model declares (transformers' format) ---------------------------------------------------------
+COLUMN = ("colwise", "colwise_gather_output", "colwise_rep")
+ROW = ("rowwise", "rowwise_rep")
+EMBEDDING = ("embedding_rowwise",)
+REPLICATED = ("replicated_with_grad_allreduce",)
+"""Parameters that stay whole on every tensor-parallel rank; their gradients are summed over the group."""
+STYLES = (*COLUMN, *ROW, *EMBEDDING, *REPLICATED)
 
 
-def tp_plan(family: ModelFamily, opts: TPOptions) -> dict[str, ParallelStyle]:
-    """The plan of ``family``; a ``ValueError`` naming the field if it has none."""
-    if family not in TP_PLANS:
-        raise ValueError(f"parallelism.tp > 1: model family {family.value!r} has no tensor-parallel plan")
-    return TP_PLANS[family](opts)
+def _pattern(key: str) -> re.Pattern[str]:
+    return re.compile("^" + r"[^.]+".join(re.escape(part) for part in key.split("*")) + "$")
+
+
+def heads_of(model: CausalLM) -> tuple[int, int] | None:
+    """(query heads, key/value heads) of ``model``, where it says (``None``: a factory's module)."""
+    cfg = getattr(model, "config", None) or getattr(model, "cfg", None)
+    heads = getattr(cfg, "num_attention_heads", None) or getattr(cfg, "n_heads", None)
+    kv = getattr(cfg, "num_key_value_heads", None) or getattr(cfg, "kv_heads", None) or heads
+    return (heads, kv) if heads else None
+
+
+def check_tp_plan(model: CausalLM, tp: int) -> dict[str, str]:
+    """``model``'s plan, checked for ``tp`` ranks; ``ValueError`` naming the reason otherwise (a model without one
+    says so: tensor parallelism needs a plan)."""
+    name = getattr(model, "architecture", type(model).__name__)
+    plan = model.tp_plan
+    if plan is None:
+        raise ValueError(f"parallelism.tp={tp}: {name} declares no tensor-parallel plan (transformers' "
+                         "base_model_tp_plan, or a factory module's tp_plan), so it cannot be split across ranks")
+    modules = dict(model.named_modules())
+    problems = []
+    heads = heads_of(model)
+    if heads and (heads[0] % tp or heads[1] % tp):
+        problems.append(f"tp={tp} does not divide its {heads[0]} attention heads and {heads[1]} key/value heads")
+    for key, style in plan.items():
+        if style not in STYLES:
+            problems.append(f"{key!r}: style {style!r} is none of {', '.join(STYLES)}")
+            continue
+        hits = [(n, m) for n, m in modules.items() if _pattern(key).match(n)]
+        if not hits:
+            problems.append(f"{key!r} matches no module")
+        for n, m in hits:
+            if style in REPLICATED:
+                continue
+            kind = nn.Embedding if style in EMBEDDING else nn.Linear
+            if not isinstance(m, kind):
+                problems.append(f"{n} is a {type(m).__name__}, not the {kind.__name__} style {style!r} splits")
+                continue
+            width = (m.num_embeddings if style in EMBEDDING else m.out_features if style in COLUMN
+                     else m.in_features)
+            if width % tp:
+                problems.append(f"tp={tp} does not divide {n}'s {width} {'rows' if style in EMBEDDING else 'features'}")
+    if problems:
+        raise ValueError(f"parallelism.tp={tp}: {name}'s tensor-parallel plan cannot split it: " + "; ".join(problems))
+    return dict(plan)
+
+
+def untied(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
+    """``plan`` without the entries of modules whose weight another module shares (a tied head and embedding):
+    those stay whole on every tensor-parallel rank, as Meridian's own plans keep them. Splitting one of the two
+    would give it a weight of its own and untie them."""
+    owners: dict[int, list[str]] = {}
+    for name, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        if isinstance(weight, nn.Parameter):
+            owners.setdefault(id(weight), []).append(name)
+    shared = {n for names in owners.values() if len(names) > 1 for n in names}
+    return {k: v for k, v in plan.items() if not any(_pattern(k).match(n) for n in shared)}
+
+
+def parallel_styles(plan: dict[str, str]) -> tuple[dict[str, ParallelStyle], list[str]]:
+    """torch's DTensor styles of ``plan`` for ``parallelize_module`` (Megatron's split: column-wise layers keep their
+    outputs sharded, row-wise ones all-reduce theirs), and the patterns left replicated (whose gradients the caller
+    sums over the tensor-parallel group)."""
+    styles: dict[str, ParallelStyle] = {}
+    replicated = []
+    for key, style in plan.items():
+        if style == "colwise":
+            styles[key] = ColwiseParallel()
+        elif style in ("colwise_gather_output", "colwise_rep"):
+            styles[key] = ColwiseParallel(output_layouts=Replicate())
+        elif style == "rowwise":
+            styles[key] = RowwiseParallel()
+        elif style in ("rowwise_rep", "embedding_rowwise"):
+            styles[key] = RowwiseParallel(input_layouts=Replicate())
+        elif style in REPLICATED:
+            replicated.append(key)
+        else:
+            raise ValueError(f"tensor-parallel style {style!r} of {key!r} is none of {', '.join(STYLES)}")
+    return styles, replicated
+
+
+
+def tp_styles(model: nn.Module, family: ModelFamily, tp: int, *, sequence_parallel: bool = False,
+              tied_embeddings: bool = False) -> dict[str, ParallelStyle]:
+    """``model``'s tensor-parallel plan over ``tp`` ranks as DTensor styles: its family's plan (Meridian's
+    families), or the plan it declares, checked against it, a tied head and embedding left whole. A
+    ``ValueError`` naming the field where it cannot be split."""
+    if family in TP_PLANS:
+        return TP_PLANS[family](TPOptions(sequence_parallel=sequence_parallel, tied_embeddings=tied_embeddings))
+    assert isinstance(model, CausalLM), type(model)
+    styles, replicated = parallel_styles(untied(model, check_tp_plan(model, tp)))
+    if replicated:
+        raise ValueError(f"parallelism.tp={tp}: the model's tensor-parallel plan leaves {replicated} replicated "
+                         "with summed gradients, which this runtime does not run; set parallelism.tp to 1")
+    return styles
