@@ -3,6 +3,7 @@ sample order (pure in (seed, step, global batch), unchanged by a resize), blend 
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 
@@ -110,6 +111,7 @@ def test_a_given_tokenizer_and_json_lines(dataset, tmp_path):
     ("blank.txt", b"\n \n\t\n", {}, "empty file"),
     ("nofield.jsonl", b'{"body": "hello"}\n', {}, "no 'text' field"),
     ("broken.jsonl", b'{"text": "hello"\n', {}, "not a JSON line"),
+    ("changelog.gz", gzip.compress(b"some text\n"), {}, r"a compressed file \(gzip\); decompress it first"),
 ])
 def test_bad_input_is_an_error_naming_the_file(tmp_path, name, content, extra, message):
     path = tmp_path / name
@@ -117,6 +119,16 @@ def test_bad_input_is_an_error_naming_the_file(tmp_path, name, content, extra, m
     with pytest.raises(PrepareError, match=message) as e:
         prepare([str(path)], str(tmp_path / "out"), BPE, progress=False)
     assert name in str(e.value)
+    assert not (tmp_path / "out" / "manifest.json").exists()
+
+
+def test_a_directory_is_an_error_saying_to_name_its_files(tmp_path):
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    (folder / "a.txt").write_text("some text\n", encoding="utf-8")
+    with pytest.raises(PrepareError) as e:
+        prepare([str(folder) + "/"], str(tmp_path / "out"), BPE, progress=False)
+    assert str(e.value) == f"{folder}/: a directory; name its files instead ({folder}/*)"
     assert not (tmp_path / "out" / "manifest.json").exists()
 
 

@@ -102,17 +102,32 @@ class PrepareResult:
 
 
 # -- inputs ----------------------------------------------------------------------------------------------
+# The first bytes of gzip, xz and zstd files (a packaged doc folder is mostly gzip); none can start UTF-8 text.
+COMPRESSED_MAGIC = (b"\x1f\x8b", b"\xfd7zXZ\x00", b"\x28\xb5\x2f\xfd")
+
+
+def _compressed_kind(head: bytes) -> str:
+    names = ("gzip", "xz", "zstd")
+    return next(n for n, magic in zip(names, COMPRESSED_MAGIC, strict=True) if head.startswith(magic))
+
+
 def _is_jsonl(path: str) -> bool:
     return path.lower().endswith(JSONL_SUFFIXES)
 
 
 def _hash_and_check(path: str) -> InputFile:
-    """Content hash of one input; a missing, empty or binary file is a :class:`PrepareError` naming it."""
+    """Content hash of one input; a directory, a missing, empty, compressed or binary file is a
+    :class:`PrepareError` naming it and saying what to give instead."""
+    if os.path.isdir(path):
+        raise PrepareError(f"{path}: a directory; name its files instead ({path.rstrip(os.sep)}{os.sep}*)", path)
     h = hashlib.sha256()
     size, blank = 0, True
     try:
         with open(path, "rb") as f:
             while chunk := f.read(1 << 22):
+                if size == 0 and chunk.startswith(COMPRESSED_MAGIC):
+                    raise PrepareError(f"{path}: a compressed file ({_compressed_kind(chunk)}); decompress it "
+                                       "first and give the text", path)
                 if size == 0 and b"\x00" in chunk[:8192]:
                     raise PrepareError(f"{path}: binary file (NUL bytes); give UTF-8 text or JSON lines", path)
                 blank = blank and not chunk.strip()
