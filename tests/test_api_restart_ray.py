@@ -14,6 +14,7 @@ import time
 import httpx
 import pytest
 from fakes import spec
+from processes import process_group
 from ray_env import local_cluster
 
 from meridian.workers.distributed.ports import free_port
@@ -22,15 +23,27 @@ pytestmark = pytest.mark.slow
 
 
 class ServiceProcess:
+    """``meridian serve --address`` as a process in a group of its own (:func:`processes.process_group`), healthy
+    when constructed; the group ends when ``kill`` or ``stop`` is called, when start-up fails, and, through the
+    group's guard, when the test process dies first."""
+
     def __init__(self, address: str, data_dir: str, log_path: str) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(log_path, "a")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(
+        self._group = process_group(
             [sys.executable, "-m", "meridian.cli.main", "serve", "--address", address, "--port", str(self.port),
              "--data-dir", data_dir, "--log-level", "warning"],
             stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"},
-        )
+        )  # fmt: skip
+        self.proc = self._group.__enter__()
+        try:
+            self._wait_healthy(log_path)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_healthy(self, log_path: str) -> None:
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline:
             try:
@@ -44,18 +57,19 @@ class ServiceProcess:
         raise RuntimeError(f"meridian serve did not become healthy in 90 s; see {log_path}")
 
     def kill(self) -> None:
+        """SIGKILL, as a crash ends it: no clean shutdown."""
         self.proc.send_signal(signal.SIGKILL)
         self.proc.wait(30)
-        self.log.close()
+        self.stop()
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-        self.log.close()
+        """SIGTERM, then SIGKILL after 30 s; the group and what was below the service end either way."""
+        if self.log.closed:
+            return
+        try:
+            self._group.__exit__(None, None, None)
+        finally:
+            self.log.close()
 
 
 @pytest.fixture(scope="module")

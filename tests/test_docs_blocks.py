@@ -17,15 +17,14 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from processes import process_group
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -159,24 +158,6 @@ def runnable(page: Path) -> tuple[list[Block], str | None]:
 RUN_PAGES = [p for p in PAGES if runnable(p)[0]]
 
 
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
-def _end_group(pgid: int, grace_s: float) -> None:
-    """Let the page's background processes (a service stopping its cluster) end, then make them."""
-    for sig, wait_s in ((None, grace_s), (signal.SIGTERM, 30.0), (signal.SIGKILL, 10.0)):
-        if sig is not None and _group_alive(pgid):
-            os.killpg(pgid, sig)
-        deadline = time.monotonic() + wait_s
-        while _group_alive(pgid) and time.monotonic() < deadline:
-            time.sleep(0.5)
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(PAGE_TIMEOUT_S + 300)
 @pytest.mark.parametrize("page", RUN_PAGES, ids=lambda p: str(p.relative_to(DOCS)))
@@ -205,11 +186,12 @@ def test_page_commands_run_as_written(page, tmp_path):
         env["RAY_ADDRESS"] = f"{get_node_ip_address()}:{ray_port}"
     log_path = tmp_path / "page.log"
     before = _worktree_changes()
-    proc = None
     try:
-        with open(log_path, "w") as log:
-            proc = subprocess.Popen(["bash", "-c", script], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                    start_new_session=True)  # fmt: skip
+        # The page's background processes (a service and its embedded cluster) are in the script's process
+        # group: it ends after the page, given 60 s to stop by itself, and ends too if this process dies.
+        with open(log_path, "w") as log, process_group(
+            ["bash", "-c", script], grace_s=60.0, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
+        ) as proc:
             try:
                 code = proc.wait(timeout=PAGE_TIMEOUT_S)
             except subprocess.TimeoutExpired:
@@ -218,8 +200,6 @@ def test_page_commands_run_as_written(page, tmp_path):
                 subprocess.run(["bash", "-c", PRELUDE + command], cwd=ROOT, env=env, stdout=log,
                                stderr=subprocess.STDOUT, timeout=300)  # fmt: skip
     finally:
-        if proc is not None:
-            _end_group(proc.pid, grace_s=60.0)
         _kill(descendants(lab_processes(ray_tmp)))
         shutil.rmtree(ray_tmp, ignore_errors=True)
     output = log_path.read_text(errors="replace")

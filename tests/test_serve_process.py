@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 from fakes import spec
-from processes import descendants, is_gone
+from processes import descendants, is_gone, process_group
 
 from meridian.workers.distributed.ports import free_port
 from meridian.workers.state.snapshot_paths import snapshot_dirs
@@ -30,16 +30,15 @@ pytestmark = pytest.mark.slow
 @contextlib.contextmanager
 def serving(tmp_path: Path, *extra: str, datacenters: str = "dc-a:1,dc-b:1"):
     """``meridian serve --local-datacenters …`` as a process; yields (process, base URL, the /v1/cluster
-    answer) once both datacenters show, and kills what it started whatever the test did."""
+    answer) once both datacenters show. Its process group and everything below it end with the block, whatever
+    the test did (:func:`processes.process_group`)."""
     port = free_port()
-    log = open(tmp_path / "serve.log", "w")  # noqa: SIM115
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "meridian.cli.main", "serve", "--local-datacenters", datacenters,
-         "--port", str(port), "--data-dir", str(tmp_path / "data"), *extra],
-        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"},
-    )  # fmt: skip
+    argv = [sys.executable, "-m", "meridian.cli.main", "serve", "--local-datacenters", datacenters,
+            "--port", str(port), "--data-dir", str(tmp_path / "data"), *extra]  # fmt: skip
     base = f"http://127.0.0.1:{port}"
-    try:
+    with open(tmp_path / "serve.log", "w") as log, process_group(
+        argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    ) as proc:
         deadline = time.monotonic() + 180
         cluster = None
         while time.monotonic() < deadline and proc.poll() is None:
@@ -54,14 +53,12 @@ def serving(tmp_path: Path, *extra: str, datacenters: str = "dc-a:1,dc-b:1"):
         assert proc.poll() is None, "serve exited at start-up:\n" + (tmp_path / "serve.log").read_text()[-3000:]
         assert cluster is not None, "no /v1/cluster answer within 180 s"
         proc.ray_processes = descendants(proc.pid)
-        yield proc, base, cluster
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=30)
-        for pid in getattr(proc, "ray_processes", ()):  # never leave a cluster behind, whatever failed
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        try:
+            yield proc, base, cluster
+        finally:
+            for pid in proc.ray_processes:  # never leave a cluster behind, whatever failed
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
 
 
 def test_serve_with_local_datacenters_answers_and_stops_cleanly(tmp_path):
@@ -128,9 +125,10 @@ def test_serve_on_postgresql_runs_a_job_to_the_end(tmp_path, postgres_server):
         assert artifacts["storage"] == str(storage / job["id"]) and artifacts["artifacts"][-1]["final"]
         assert artifacts["latest"].startswith(str(storage))
 
-        second = subprocess.run(
+        with process_group(
             [sys.executable, "-m", "meridian.cli.main", "serve", "--database-url", url, "--port", "1",
              "--data-dir", str(tmp_path / "other"), "--local-datacenters", "dc-a:1"],
-            capture_output=True, text=True, timeout=120, env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"},
-        )  # fmt: skip
-        assert second.returncode == 2 and "owns this database" in second.stderr, second.stderr[-2000:]
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"},
+        ) as second:  # fmt: skip
+            _, err = second.communicate(timeout=120)
+        assert second.returncode == 2 and "owns this database" in err, err[-2000:]
