@@ -145,3 +145,20 @@ def test_a_factory_model_exports_its_weights_under_its_own_names_with_what_rebui
     described = json.loads((tmp_path / "out" / "meridian_model.json").read_text())
     assert described["model"]["factory"] == "mymodels.tiny:build" and described["weights"] == ["model.safetensors"]
 
+
+
+@pytest.mark.parametrize("max_shard_bytes", [2**40, 4096], ids=["one-file", "sharded"])
+def test_exported_weight_files_are_as_readable_as_the_umask_allows(tmp_path, max_shard_bytes):
+    import os
+
+    from meridian.workers.model.weights import save_sharded
+
+    tensors = {f"w{i}": torch.ones(1024) for i in range(3)}
+    old = os.umask(0o022)
+    try:
+        names = save_sharded(tensors, tmp_path, max_shard_bytes=max_shard_bytes)
+    finally:
+        os.umask(old)
+    assert [n for n in names if n.endswith(".safetensors")]
+    for name in names:
+        assert (tmp_path / name).stat().st_mode & 0o777 == 0o644, name

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -198,15 +199,24 @@ def save_sharded(tensors: dict[str, torch.Tensor], directory: str | Path, *, max
         shards[-1][name] = t.contiguous()
         size += n
     if len(shards) == 1:
-        save_file(shards[0], str(out / "model.safetensors"), metadata={"format": "pt"})
+        _save(shards[0], out / "model.safetensors")
         return ["model.safetensors"]
     names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     for name, shard in zip(names, shards, strict=True):
-        save_file(shard, str(out / name), metadata={"format": "pt"})
+        _save(shard, out / name)
     index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
              "weight_map": {k: name for name, shard in zip(names, shards, strict=True) for k in shard}}
     (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
     return [*names, INDEX_FILE]
+
+
+def _save(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """One safetensors file, readable as the process's umask allows like the export's other files (safetensors
+    itself creates it 0600, which hides the weights from the other users of a shared folder)."""
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    umask = os.umask(0)
+    os.umask(umask)
+    path.chmod(0o666 & ~umask)
 
 
 __all__ = ["LoadReport", "load_checkpoint", "materialize", "parameters_on_meta", "save_sharded"]
