@@ -9,6 +9,11 @@ peak (``torch.cuda.max_memory_allocated``). Beside it, the planner's figure for 
 activations of one micro-batch) and the ratio estimate ÷ measured. A ratio under 1 means the planner would
 place a layout that does not fit. ``tests/data/h100_step_memory.json`` holds an H100's rows, which the tests
 hold the estimate to.
+
+    meridian bench memory --cpu-layouts [NAMES] --json
+
+instead runs multi-rank layouts on this host's CPUs (gloo) and compares each rank's peak live tensor bytes in one
+FSDP2 step with the planner's per-rank figure (:mod:`meridian.bench.memory_cpu`).
 """
 
 from __future__ import annotations
