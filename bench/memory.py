@@ -30,7 +30,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--micro-batches", default="2,8", help="comma-separated micro-batch sizes (default 2,8)")
     p.add_argument("--precisions", default="bf16,fp32", help="comma-separated: bf16 (autocast) and/or fp32")
     p.add_argument("--cpu-layouts", nargs="?", const="all", default=None, metavar="NAMES",
-                   help="instead: multi-rank layouts on CPU (gloo), each rank's peak from the CPU allocator vs the "
+                   help="instead: multi-rank layouts on CPU (gloo), each rank's peak live tensor bytes vs the "
                         "planner (all, or comma-separated: fsdp-4, hsdp-2x2, fsdp-4-full-ckpt)")
     p.add_argument("--cpu-micro-batch", type=int, default=4, help="--cpu-layouts: samples per rank (default 4)")
     p.add_argument("--cpu-seq-len", type=int, default=256, help="--cpu-layouts: tokens per sample (default 256)")
