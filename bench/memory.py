@@ -9,6 +9,11 @@ peak (``torch.cuda.max_memory_allocated``). Beside it, the planner's figure for 
 activations of one micro-batch) and the ratio estimate ÷ measured. A ratio under 1 means the planner would
 place a layout that does not fit. ``tests/data/h100_step_memory.json`` holds an H100's rows, which the tests
 hold the estimate to.
+
+    meridian bench memory --cpu-layouts [NAMES] --json
+
+instead runs multi-rank layouts on this host's CPUs (gloo) and compares each rank's peak live tensor bytes in one
+FSDP2 step with the planner's per-rank figure (:mod:`meridian.bench.memory_cpu`).
 """
 
 from __future__ import annotations
@@ -24,6 +29,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--models", default="gpt2-124m,llama-160m", help="comma-separated presets")
     p.add_argument("--micro-batches", default="2,8", help="comma-separated micro-batch sizes (default 2,8)")
     p.add_argument("--precisions", default="bf16,fp32", help="comma-separated: bf16 (autocast) and/or fp32")
+    p.add_argument("--cpu-layouts", nargs="?", const="all", default=None, metavar="NAMES",
+                   help="instead: multi-rank layouts on CPU (gloo), each rank's peak live tensor bytes vs the "
+                        "planner (all, or comma-separated: fsdp-4, hsdp-2x2, fsdp-4-full-ckpt)")
+    p.add_argument("--cpu-micro-batch", type=int, default=4, help="--cpu-layouts: samples per rank (default 4)")
+    p.add_argument("--cpu-seq-len", type=int, default=256, help="--cpu-layouts: tokens per sample (default 256)")
 
 
 def measure_step(model_name: str, precision: str, micro_batch: int, device) -> dict[str, Any]:
@@ -76,6 +86,11 @@ def planner_estimate(model_name: str, micro_batch: int, precision: str = "bf16")
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
+    if args.cpu_layouts is not None:
+        from meridian.bench import memory_cpu
+
+        names = None if args.cpu_layouts == "all" else args.cpu_layouts.split(",")
+        return memory_cpu.run(args.cpu_micro_batch, args.cpu_seq_len, names)
     if not torch.cuda.is_available():
         raise RuntimeError("bench memory measures a GPU's allocator; this host has no CUDA device")
     device = torch.device("cuda", 0)
@@ -94,6 +109,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def render(r: dict[str, Any]) -> str:
+    if "gpu" not in r:
+        lines = [f"{r['host']} ({r['cpus']} CPUs) · torch {r['torch']} · {r['precision']}",
+                 f"{'layout':18s} {'b':>3s} {'s':>5s} {'measured MB':>12s} {'estimate MB':>12s} {'ratio':>6s} "
+                 f"{'rss/peak':>8s}"]
+        for row in r["rows"]:
+            lines.append(f"{row['layout']:18s} {row['micro_batch']:>3d} {row['seq_len']:>5d} "
+                         f"{row['measured_peak_bytes'] / 1e6:>12.1f} {row['estimate_bytes'] / 1e6:>12.1f} "
+                         f"{row['estimate_over_measured']:>6.3f} {row['rss_growth_over_peak']:>8.3f}")
+        return "\n".join(lines)
     lines = [f"{r['gpu']} · torch {r['torch']}", f"{'model':12s} {'prec':5s} {'b':>3s} {'measured GB':>12s} "
                                                  f"{'estimate GB':>12s} {'ratio':>6s}"]
     for row in r["rows"]:

@@ -289,13 +289,17 @@ def state_bytes(params: float, lay: Layout, layer_params: float) -> float:
     the runtime runs it: the sharded fp32 state, plus two blocks' weights (the one computing, the one prefetched),
     or the whole stage's weights under pipelining (the schedule reshards them after the last micro-batch only);
     and the fp32 gradients the micro-batches accumulate before the step's one reduce-scatter: the whole stage's
-    when a step has more than one micro-batch or a pipeline, else one block's at a time."""
+    when a step has more than one micro-batch or a pipeline, else one block's at a time. Across datacenters
+    (replicas in several DCs) one more fp32 gradient shard: the receives the inter-DC exchange posts a step ahead
+    (:class:`~meridian.workers.wan.exchange.PostedReceives`)."""
     n = lay.shards
     weight = BYTES_16 if lay.bf16_weights else BYTES_FP32
     if lay.fsdp:
         gathered = params if lay.pp > 1 else 2 * layer_params
         unsharded_grads = params if lay.pp > 1 or lay.micro_batches > 1 else layer_params
-        return (2 * BYTES_FP32 + ADAMW_STATE_BYTES) * params / n + weight * gathered + BYTES_FP32 * unsharded_grads
+        posted = 1 if lay.num_dcs > 1 and not lay.pp_spans_dcs and lay.dp > 1 else 0
+        return ((2 * BYTES_FP32 + ADAMW_STATE_BYTES + posted * BYTES_FP32) * params / n + weight * gathered
+                + BYTES_FP32 * unsharded_grads)
     optimizer = ADAMW_STATE_BYTES + (FP32_MASTER_BYTES if lay.bf16_weights else 0)
     return (weight + BYTES_FP32) * params + optimizer * params / (n if lay.optimizer_sharded else 1)
 
@@ -319,8 +323,9 @@ def memory_per_device(model: ModelShape | ModelConfig, lay: Layout, dc_shards: i
     first_params, last_params = stage_params(shape, lay.pp)
     layer = shape.layer_params / lay.tp
     last_flight = _in_flight_layers(lay, last_layers, last=True)
-    last = (state_bytes(last_params / lay.tp, lay, layer) + per_layer * last_flight + working
-            + logits * max(1, last_flight // max(1, last_layers)))
+    # the re-run block's activations come after the loss's backward has freed the logits: one or the other at once
+    last = (state_bytes(last_params / lay.tp, lay, layer) + per_layer * last_flight
+            + max(working, logits * max(1, last_flight // max(1, last_layers))))
     if lay.pp == 1:
         return last
     first = state_bytes(first_params / lay.tp, lay, layer) + per_layer * _in_flight_layers(lay, first_layers, last=False) + working
