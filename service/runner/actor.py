@@ -31,7 +31,7 @@ import traceback
 import uuid
 from typing import TYPE_CHECKING, Any
 
-from meridian.service.cluster.topology import read_topology
+from meridian.service.cluster.topology import ClusterTopology, read_topology
 from meridian.service.planning.plan import Plan
 from meridian.service.runner.backoff import Backoff
 from meridian.service.runner.controller.decide import (
@@ -275,8 +275,12 @@ class JobRunner:
                 self._asking.changed("watch")
                 said = ""
 
+    def _read_topology(self) -> ClusterTopology:
+        """The cluster as Ray reports it now (its live nodes and their datacenters)."""
+        return read_topology()
+
     def _tick(self) -> None:
-        topo = read_topology()
+        topo = self._read_topology()
         nodes = {n.node_id: n.datacenter or "" for n in topo.alive_nodes}
         for node, dc in self._nodes.items():
             if node not in nodes:
