@@ -28,6 +28,8 @@ import http.client
 import json
 import os
 import queue
+import shutil
+import signal
 import sqlite3
 import subprocess
 import sys
@@ -55,6 +57,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-rps", type=float, default=10.0, help="API GETs per second while it runs (default 10)")
     p.add_argument("--timeout-s", type=float, default=120.0, help="bound of each phase (default 120)")
     p.add_argument("--no-loss", action="store_true", help="skip losing a node")
+    p.add_argument("--profile-runner", default="",
+                   help="write py-spy's raw samples of the runner actor's process (from the first join to the end) here")
 
 
 class Api:
@@ -202,7 +206,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     tmp = tempfile.mkdtemp(prefix="meridian-bench-scale-")
     ray.init(num_cpus=2, include_dashboard=False, namespace=NAMESPACE, log_to_driver=False,
              _temp_dir=os.path.join(tmp, "ray"))
-    server = procs = prober = None
+    server = procs = prober = spying = None
     try:
         address = ray.get_runtime_context().gcs_address
         server = subprocess.Popen([sys.executable, "-m", "meridian.bench.scale_server", "--ray-address", address,
@@ -229,6 +233,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
         actor = _wait_until("the runner actor", runner, args.timeout_s)
         pid = ray.get(actor.sim_pid.remote(), timeout=30)
+        if args.profile_runner:
+            spy = shutil.which("py-spy", path=os.path.dirname(sys.executable)) or shutil.which("py-spy")
+            if spy is None:
+                raise RuntimeError("--profile-runner needs py-spy (pip install py-spy)")
+            spying = subprocess.Popen([spy, "record", "-p", str(pid), "-f", "raw", "-r", "50", "--nonblocking",
+                                       "-o", args.profile_runner], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         prober = Prober(api, job_id, args.api_rps)
         prober.start()
         per_proc = [nodes[i::args.processes] for i in range(args.processes)]
@@ -273,6 +283,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             s = sorted(prober.ms)
             out["api_get"] = {"requests": len(s), "failed": prober.failed, "p50_ms": round(percentile(s, 0.5), 2),
                               "p99_ms": round(percentile(s, 0.99), 2), "max_ms": round(s[-1], 2) if s else None}
+        if spying is not None:
+            spying.send_signal(signal.SIGINT)  # py-spy writes what it sampled
+            try:
+                spying.wait(30)
+            except subprocess.TimeoutExpired:
+                spying.kill()
         if procs is not None:
             procs.close()
         if server is not None:

@@ -112,7 +112,7 @@ class Coordinator:
         or :class:`Waiting` with the reason after ``poll_s`` (the worker calls again)."""
         wid = request.worker_id
         with self._cond:
-            rejoining = self.state.epoch is not None and any(m.worker_id == wid for m in self.state.epoch.members)
+            rejoining = self.state.epoch is not None and self.state.epoch.has(wid)
         # Outside the lock: a probe of an unreachable host takes its timeout.
         self._judge(also=wid if rejoining else "", only_news=True)
         with self._cond:
@@ -132,7 +132,7 @@ class Coordinator:
             self.state.waiting[wid] = Member.from_request(request, joined_at=self._first_seen.setdefault(wid, now))
             if self.state.epoch is None and self.state.first_join_at is None:
                 self.state.first_join_at = now
-            is_member = self.state.epoch is not None and any(x.worker_id == wid for x in self.state.epoch.members)
+            is_member = self.state.epoch is not None and self.state.epoch.has(wid)
             if is_member and self.state.first_rejoin_at is None:
                 self.state.first_rejoin_at = now
             self._decide_locked()
@@ -402,15 +402,15 @@ class Coordinator:
         e = self.state.epoch
         if e is None or e.number <= known_epoch or wid in self.state.waiting:
             return None
-        if not any(m.worker_id == wid for m in e.members):
+        if not e.has(wid):
             return None
         rank = e.rank_of(wid)
         master = e.members[0]
         return Assignment(
             epoch=e.number, rank=rank, world_size=len(e.members), datacenters=e.datacenters,
             master_addr=master.address, master_port=self._ports[master.worker_id], resume_step=e.resume_step,
-            from_checkpoint=e.from_checkpoint, newcomer_ranks=tuple(e.rank_of(w) for w in e.newcomers),
-            snapshot_every=max(m.snapshot_every for m in e.members), suspend=e.suspend,
+            from_checkpoint=e.from_checkpoint, newcomer_ranks=e.newcomer_ranks,
+            snapshot_every=e.snapshot_every, suspend=e.suspend,
         )
 
     def _decide_locked(self) -> None:
@@ -447,7 +447,7 @@ class Coordinator:
                 {"epoch": e.number, "datacenters": list(e.datacenters), "resume_step": e.resume_step,
                  "lost": [m.worker_id for m in decision.lost], "newcomers": list(e.newcomers),
                  "from_checkpoint": e.from_checkpoint, "time": time.time(),
-                 "snapshot_every": max(m.snapshot_every for m in e.members),
+                 "snapshot_every": e.snapshot_every,
                  "placement": [{"rank": r, "worker_id": m.worker_id, "node_id": m.node_id, "datacenter": m.datacenter}
                                for r, m in enumerate(e.members)]},
             )
