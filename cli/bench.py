@@ -35,6 +35,7 @@ BENCHMARKS: dict[str, str] = {
     "gloo-release": "meridian.bench.gloo_release",
     "memory": "meridian.bench.memory",
     "state-exchange": "meridian.bench.state_exchange",
+    "scale": "meridian.bench.control_scale",
 }
 
 

@@ -328,3 +328,24 @@ def test_an_epoch_formed_between_two_calls_of_a_worker_is_its_answer_not_a_rejoi
     # Before: w0 was registered as rejoining epoch 1 and told to wait, so its peer could never form the group.
     assert isinstance(again, Assignment) and again.epoch == 1 and c.state.first_rejoin_at is None
     assert [e[0] for e in events].count("epoch_formed") == 1 and not c.state.waiting
+
+
+def test_joins_beyond_the_calls_it_holds_are_registered_answered_at_once_and_assigned_on_their_next_call():
+    c = Coordinator(planned_workers=3, min_workers=1, dc_order=("dc-a",), on_event=lambda *e: None, max_waiters=1)
+    out = {}
+    held = threading.Thread(target=lambda: out.setdefault("w0", c.join(member(0, "dc-a"), poll_s=30)))
+    held.start()
+    deadline = time.monotonic() + 10
+    while c._waiters < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    started = time.monotonic()
+    reply = c.join(member(1, "dc-a"), poll_s=30)
+    assert isinstance(reply, Waiting) and reply.retry_after_s > 0 and "2 of 3" in reply.reason
+    assert time.monotonic() - started < 10  # answered without waiting its 30 s poll
+    assert "w1" in c.state.waiting  # but registered: the epoch can form with it
+    third = c.join(member(2, "dc-a"), poll_s=30)  # the last one forms the epoch
+    held.join(10)
+    assert isinstance(third, Assignment) and isinstance(out["w0"], Assignment)
+    again = c.join(member(1, "dc-a"), poll_s=30)
+    assert isinstance(again, Assignment) and again.epoch == 1
+    assert sorted(a.rank for a in (out["w0"], again, third)) == [0, 1, 2]

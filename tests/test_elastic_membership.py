@@ -172,3 +172,15 @@ def test_a_newcomer_on_a_node_ray_reports_dead_is_not_formed_with_nor_asked_for(
     s.epoch, s.waiting = d.epoch, {"w5": s.waiting["w5"]}
     # and the members of the new epoch are not asked to re-form for it at every step boundary
     assert not s.newcomers_waiting(alive) and s.newcomers_waiting(ALL)
+
+
+def test_an_epochs_ranks_newcomer_ranks_and_cadence_follow_its_member_order():
+    members = tuple(Member(worker_id=f"w{i}", datacenter=f"dc-{i % 2}", node_id=f"n{i // 8}", address="a",
+                           joined_at=float(i), snapshot_every=1 + i % 3) for i in range(40))
+    e = Epoch(3, members, resume_step=7, newcomers=("w5", "w0", "w39"))
+    assert [e.rank_of(m.worker_id) for m in members] == list(range(40))
+    assert e.newcomer_ranks == (5, 0, 39)
+    assert e.datacenters == tuple(m.datacenter for m in members)
+    assert e.snapshot_every == 3
+    assert e.has("w12") and not e.has("w40")
+    assert e == Epoch(3, members, resume_step=7, newcomers=("w5", "w0", "w39"))  # the cached views are not fields

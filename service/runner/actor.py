@@ -31,7 +31,7 @@ import traceback
 import uuid
 from typing import TYPE_CHECKING, Any
 
-from meridian.service.cluster.topology import read_topology
+from meridian.service.cluster.topology import ClusterTopology, read_topology
 from meridian.service.planning.plan import Plan
 from meridian.service.runner.backoff import Backoff
 from meridian.service.runner.controller.decide import (
@@ -89,6 +89,9 @@ GRACE_S = 30.0
 """How long re-forming waits for a member whose node is alive but which has not rejoined. Survivors restart
 their training process to rejoin (2 s on an idle machine, over 10 s on a loaded one); a member that is
 known dead (its node is gone) is never waited for."""
+RDZV_WAITERS = 48
+"""Join calls the coordinator holds open at once: under the actor's ``max_concurrency`` (the launcher's 64
+threads), so polls, heartbeats and step records always find a thread; further joins are told to call back."""
 START_TIMEOUT_S = 300.0
 """The first epoch waits this long for every planned worker before starting with those present."""
 __all__ = ["MAX_TRAIN_RUNS", "JobRunner", "runner_name", "sweep_snapshots"]
@@ -120,6 +123,7 @@ class JobRunner:
             planned_workers=len(rank_dcs), min_workers=min(min_workers, len(rank_dcs)),
             dc_order=tuple(planned_per_dc), on_event=self.push_event, grace_s=GRACE_S,
             start_timeout_s=START_TIMEOUT_S, on_verdicts=lambda verdicts: self._observe(RanksJudged(verdicts)),
+            max_waiters=RDZV_WAITERS,
         )  # fmt: skip
         self._stopper = RunStopper(self.push_event, lambda: self._members_gone())
         self._replacements = Replacements(self.name, train_config, plan, self.push_event)
@@ -275,8 +279,12 @@ class JobRunner:
                 self._asking.changed("watch")
                 said = ""
 
+    def _read_topology(self) -> ClusterTopology:
+        """The cluster as Ray reports it now (its live nodes and their datacenters)."""
+        return read_topology()
+
     def _tick(self) -> None:
-        topo = read_topology()
+        topo = self._read_topology()
         nodes = {n.node_id: n.datacenter or "" for n in topo.alive_nodes}
         for node, dc in self._nodes.items():
             if node not in nodes:

@@ -64,6 +64,10 @@ NEWCOMERS_PROBE_AFTER_S = 5.0
 """Newcomers that have waited this long for the members' next step boundary make every tick probe the members
 (they may all be gone with an ended Train run, which only a probe tells)."""
 
+RETRY_AFTER_S = 0.5
+"""A join that finds :attr:`Coordinator.max_waiters` calls already held open is registered, answered at once and
+told to call again after this long (well under :data:`STALE_POLL_S`, so it is not taken for gone)."""
+
 EventSink = Callable[[str, str, dict[str, Any]], None]
 
 
@@ -72,7 +76,8 @@ class Coordinator:
                  grace_s: float = 5.0, start_timeout_s: float = 300.0, clock: Callable[[], float] = time.monotonic,
                  probes: Probes | None = None, abort_after_s: float | None = None,
                  policy: LivenessPolicy | None = None,
-                 on_verdicts: Callable[[tuple[Verdict, ...]], None] | None = None) -> None:
+                 on_verdicts: Callable[[tuple[Verdict, ...]], None] | None = None,
+                 max_waiters: int | None = None) -> None:
         self.state = MembershipState(planned_workers=planned_workers, min_workers=min_workers, dc_order=dc_order)
         self.on_event = on_event
         self.grace_s = grace_s
@@ -105,6 +110,11 @@ class Coordinator:
         """The job is being suspended: its members leave at the next step boundary, and the epoch they form then
         writes a durable checkpoint and stops (:attr:`~meridian.workers.contracts.rendezvous.Assignment.suspend`)."""
         self._suspended: dict[str, int] = {}  # member of the suspend epoch → the step its checkpoint part holds
+        self.max_waiters = max_waiters
+        """Join calls held open at most (``None``: every one). The host runs each call on one of a fixed number
+        of threads: with more ranks than threads, held calls would queue the other ranks' joins (and every other
+        call) behind their polls, so a first epoch of N ranks took N / threads polls to register everyone."""
+        self._waiters = 0
 
     # -- called by workers ------------------------------------------------------------------------------
     def join(self, request: JoinRequest, known_epoch: int = 0, poll_s: float = 2.0) -> JoinReply:
@@ -112,7 +122,7 @@ class Coordinator:
         or :class:`Waiting` with the reason after ``poll_s`` (the worker calls again)."""
         wid = request.worker_id
         with self._cond:
-            rejoining = self.state.epoch is not None and any(m.worker_id == wid for m in self.state.epoch.members)
+            rejoining = self.state.epoch is not None and self.state.epoch.has(wid)
         # Outside the lock: a probe of an unreachable host takes its timeout.
         self._judge(also=wid if rejoining else "", only_news=True)
         with self._cond:
@@ -132,30 +142,43 @@ class Coordinator:
             self.state.waiting[wid] = Member.from_request(request, joined_at=self._first_seen.setdefault(wid, now))
             if self.state.epoch is None and self.state.first_join_at is None:
                 self.state.first_join_at = now
-            is_member = self.state.epoch is not None and any(x.worker_id == wid for x in self.state.epoch.members)
+            is_member = self.state.epoch is not None and self.state.epoch.has(wid)
             if is_member and self.state.first_rejoin_at is None:
                 self.state.first_rejoin_at = now
             self._decide_locked()
-            deadline = now + poll_s
-            while True:
-                self._last_call[wid] = self.clock()  # waiting in a call counts as calling
+            if self.max_waiters is not None and self._waiters >= self.max_waiters:
+                self._last_call[wid] = now
                 a = self._assignment_locked(wid, known_epoch)
                 if a is not None:
                     return a
-                if self.job_finished or self.closed:
-                    return Finished()
-                left = deadline - self.clock()
-                if left <= 0:
-                    return Waiting(self.wait_reason)
-                if not self._reprobe_due_locked():
-                    self._cond.wait(left)
-                    continue
-                self._cond.wait(min(left, REPROBE_S))
-                self._cond.release()  # a probe waits on the network: never under the lock
-                try:
-                    self._judge(only_news=True)
-                finally:
-                    self._cond.acquire()
+                return Waiting(self.wait_reason, retry_after_s=RETRY_AFTER_S)
+            self._waiters += 1
+            try:
+                return self._wait_locked(wid, known_epoch, now + poll_s)
+            finally:
+                self._waiters -= 1
+
+    def _wait_locked(self, wid: str, known_epoch: int, deadline: float) -> JoinReply:
+        """Hold a join call open until its worker has an assignment, the job ends, or ``deadline``."""
+        while True:
+            self._last_call[wid] = self.clock()  # waiting in a call counts as calling
+            a = self._assignment_locked(wid, known_epoch)
+            if a is not None:
+                return a
+            if self.job_finished or self.closed:
+                return Finished()
+            left = deadline - self.clock()
+            if left <= 0:
+                return Waiting(self.wait_reason)
+            if not self._reprobe_due_locked():
+                self._cond.wait(left)
+                continue
+            self._cond.wait(min(left, REPROBE_S))
+            self._cond.release()  # a probe waits on the network: never under the lock
+            try:
+                self._judge(only_news=True)
+            finally:
+                self._cond.acquire()
 
     def pending_change(self, epoch: int) -> bool:
         """Should the members of ``epoch`` re-form at their next step boundary (a newcomer waits, or the job is
@@ -300,7 +323,8 @@ class Coordinator:
 
     def _stuck_due_locked(self) -> bool:
         """A re-formation, or newcomers, have waited long enough for a member to be judged stuck."""
-        now, since = self.clock(), self._newcomers_since_locked()
+        # Newcomers are those of a formed epoch: before the first one, everyone waits for the others to start.
+        now, since = self.clock(), self._newcomers_since_locked() if self.state.epoch is not None else None
         return ((self.state.first_rejoin_at is not None and now - self.state.first_rejoin_at >= self.policy.abort_after_s)
                 or (since is not None and now - since >= self.policy.newcomers_abort_after_s))
 
@@ -402,15 +426,15 @@ class Coordinator:
         e = self.state.epoch
         if e is None or e.number <= known_epoch or wid in self.state.waiting:
             return None
-        if not any(m.worker_id == wid for m in e.members):
+        if not e.has(wid):
             return None
         rank = e.rank_of(wid)
         master = e.members[0]
         return Assignment(
             epoch=e.number, rank=rank, world_size=len(e.members), datacenters=e.datacenters,
             master_addr=master.address, master_port=self._ports[master.worker_id], resume_step=e.resume_step,
-            from_checkpoint=e.from_checkpoint, newcomer_ranks=tuple(e.rank_of(w) for w in e.newcomers),
-            snapshot_every=max(m.snapshot_every for m in e.members), suspend=e.suspend,
+            from_checkpoint=e.from_checkpoint, newcomer_ranks=e.newcomer_ranks,
+            snapshot_every=e.snapshot_every, suspend=e.suspend,
         )
 
     def _decide_locked(self) -> None:
@@ -447,7 +471,7 @@ class Coordinator:
                 {"epoch": e.number, "datacenters": list(e.datacenters), "resume_step": e.resume_step,
                  "lost": [m.worker_id for m in decision.lost], "newcomers": list(e.newcomers),
                  "from_checkpoint": e.from_checkpoint, "time": time.time(),
-                 "snapshot_every": max(m.snapshot_every for m in e.members),
+                 "snapshot_every": e.snapshot_every,
                  "placement": [{"rank": r, "worker_id": m.worker_id, "node_id": m.node_id, "datacenter": m.datacenter}
                                for r, m in enumerate(e.members)]},
             )

@@ -21,6 +21,7 @@ Rules:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from meridian.workers.contracts.rendezvous import JoinRequest
 from meridian.workers.elastic.protocol import KEEP_SNAPSHOTS
@@ -63,12 +64,34 @@ class Epoch:
     suspend: bool = False
     """The job is being suspended: members restore, write a durable checkpoint and stop."""
 
-    @property
+    # Read at every member's assignment: each is computed once per epoch (an epoch of N members answers N joins,
+    # and a scan of the members per join, or per newcomer of each join, grew as N² or N³).
+    @cached_property
     def datacenters(self) -> tuple[str, ...]:
+        """Each rank's datacenter, in rank order."""
         return tuple(m.datacenter for m in self.members)
 
+    @cached_property
+    def ranks(self) -> dict[str, int]:
+        """Worker id → its rank."""
+        return {m.worker_id: i for i, m in enumerate(self.members)}
+
+    @cached_property
+    def newcomer_ranks(self) -> tuple[int, ...]:
+        """The ranks of :attr:`newcomers`."""
+        return tuple(self.ranks[w] for w in self.newcomers)
+
+    @cached_property
+    def snapshot_every(self) -> int:
+        """The widest snapshot cadence any member had agreed."""
+        return max(m.snapshot_every for m in self.members)
+
+    def has(self, worker_id: str) -> bool:
+        """Whether ``worker_id`` is a member."""
+        return worker_id in self.ranks
+
     def rank_of(self, worker_id: str) -> int:
-        return next(i for i, m in enumerate(self.members) if m.worker_id == worker_id)
+        return self.ranks[worker_id]
 
 
 @dataclass(frozen=True)

@@ -90,6 +90,9 @@ class JobMetricsState:
     gauges: dict[Key, float] = field(default_factory=dict)
     pending_counts: dict[Key, float] = field(default_factory=dict)
     pending_observations: list[tuple[Key, float]] = field(default_factory=list)
+    stale_dcs: set[str] = field(default_factory=set)
+    """Datacenters with heartbeats since their means were last computed: they are computed at :meth:`drain`, once,
+    not at every beat (each mean reads every rank of its datacenter: per beat, a job's beats cost N² a step)."""
 
     def tags(self, dc: str = ALL_DCS, **extra: str) -> dict[str, str]:
         return {"job_id": self.job_id, "datacenter": dc, **extra}
@@ -140,13 +143,20 @@ class JobMetricsState:
         self.last_beat[rank] = beat
         self.recent.setdefault(rank, deque(maxlen=RECENT_STEPS)).append(beat)
         dc = self.rank_dc.get(rank)
-        if dc is None:
-            return
-        mine = [self.last_beat[r] for r, d in self.rank_dc.items() if d == dc and r in self.last_beat]
-        self.gauges[_key("meridian_job_step_seconds", **self.tags(dc))] = statistics.fmean(b["step_s"] for b in mine)
-        for phase in ("data", "compute", "sync_wait"):
-            self.gauges[_key("meridian_job_step_phase_seconds", **self.tags(dc, phase=phase))] = statistics.fmean(
-                b[f"{phase}_s"] for b in mine)
+        if dc is not None:
+            self.stale_dcs.add(dc)
+
+    def _refresh_dc_means(self) -> None:
+        """Each stale datacenter's step and phase times: the mean over its ranks' last heartbeats."""
+        for dc in self.stale_dcs:
+            mine = [self.last_beat[r] for r, d in self.rank_dc.items() if d == dc and r in self.last_beat]
+            if not mine:
+                continue
+            self.gauges[_key("meridian_job_step_seconds", **self.tags(dc))] = statistics.fmean(b["step_s"] for b in mine)
+            for phase in ("data", "compute", "sync_wait"):
+                self.gauges[_key("meridian_job_step_phase_seconds", **self.tags(dc, phase=phase))] = statistics.fmean(
+                    b[f"{phase}_s"] for b in mine)
+        self.stale_dcs.clear()
 
     def beats(self) -> dict[int, Beat]:
         """Per rank: last step finished, last step computed, when it last said anything, its recent compute times
@@ -181,6 +191,7 @@ class JobMetricsState:
 
     def drain(self) -> tuple[dict[Key, float], dict[Key, float], list[tuple[Key, float]]]:
         """Current gauges, counter increments and histogram observations since the last drain."""
+        self._refresh_dc_means()
         counts, obs = self.pending_counts, self.pending_observations
         self.pending_counts, self.pending_observations = {}, []
         return dict(self.gauges), counts, obs

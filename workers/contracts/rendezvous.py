@@ -64,9 +64,12 @@ class Assignment:
 
 @dataclass(frozen=True)
 class Waiting:
-    """No epoch for this worker yet; it calls again."""
+    """No epoch for this worker yet; it calls again, after ``retry_after_s``."""
 
     reason: str
+    retry_after_s: float = 0.0
+    """The coordinator did not hold this call open (as many calls as it holds already wait): pause this long
+    before calling again, instead of calling back at once."""
 
 
 @dataclass(frozen=True)

@@ -116,6 +116,8 @@ class Rendezvous:
             reason = reply.reason
             if time.monotonic() > deadline:
                 raise RendezvousTimeout(f"no epoch formed within {timeout_s:.0f} s: {reason}")
+            if reply.retry_after_s > 0:
+                time.sleep(reply.retry_after_s)
 
     @property
     def _timeout(self) -> timedelta:
