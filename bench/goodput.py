@@ -14,7 +14,9 @@ datacenter dies with no grace (Meridian: its Ray node, every process of it; torc
 as in ``bench recovery``. It comes back ``--back-after-s`` after the kill, and no sooner than the survivors'
 first step without it. A kill falls due only once every worker trains again (the report says by how long a kill
 was late). Per kill, from the step records the workers stamp (:func:`kill_metrics`): the survivors' stall, the
-newcomer's time to rejoin (its state transfer included), and the steps lost.
+newcomer's time to rejoin (its state transfer included), and the steps lost. A run trains on past its window
+until its last kill is over (re-formed, node back, every worker training), for up to ``--settle-timeout-s``: those
+steps give that kill's figures and no tokens.
 """
 
 from __future__ import annotations
@@ -54,6 +56,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the torchft lighthouse's heartbeat timeout (default: torchft's own, 5,000 ms)")
     p.add_argument("--start-timeout-s", type=float, default=600.0,
                    help="give up on a run whose first step has not come this long after it started")
+    p.add_argument("--settle-timeout-s", type=float, default=120.0,
+                   help="after the window, wait up to this long for the last kill's survivors to re-form and its "
+                        "node to rejoin (its figures; the tokens count only inside the window)")
 
 
 # -- what is reported (pure) -----------------------------------------------------------------------------------
@@ -79,7 +84,9 @@ def kill_metrics(records: list[dict[str, Any]], *, kill_time: float, back_time: 
     - ``steps_lost``: the highest step completed before that first step − the step it resumed from
       (``resume_step``; by default the step before it);
     - ``rejoin_s``: the node's return → the first step trained by all ``full`` workers again (the newcomer's
-      start, its state transfer, the re-formation); ``None`` if none came before the records end."""
+      start, its state transfer, the re-formation); ``None`` if none came before the records end;
+    - ``rejoin_stall_s``: what that re-formation cost the survivors: their last step before it → that first
+      step of every worker (only when it came)."""
     records = sorted(records, key=lambda r: r["time"])
     before = [r for r in records if r["time"] <= kill_time]
     reformed = [r for r in records if r["time"] > kill_time and r["workers"] < full]
@@ -94,6 +101,9 @@ def kill_metrics(records: list[dict[str, Any]], *, kill_time: float, back_time: 
     if back_time is not None:
         again = [r for r in records if r["time"] > max(back_time, first["time"]) and r["workers"] == full]
         out["rejoin_s"] = round(again[0]["time"] - back_time, 2) if again else None
+        if again:
+            last_small = [r for r in records if r["time"] < again[0]["time"]][-1]
+            out["rejoin_stall_s"] = round(again[0]["time"] - last_small["time"], 2)
     return out
 
 
@@ -193,6 +203,7 @@ def one_run(side: str, args: argparse.Namespace, kills: bool) -> dict[str, Any]:
     """Train ``side``'s job for ``--wall-s`` from its first step; with ``kills``, kill and bring back a node on
     the schedule. Returns the window's tokens and, with kills, each kill's figures."""
     full = args.dcs * args.nodes_per_dc
+    load_at_start = loadavg()
     run = _Meridian(args) if side == "meridian" else _Torchft(args)
     try:
         deadline = time.monotonic() + args.start_timeout_s
@@ -205,11 +216,12 @@ def one_run(side: str, args: argparse.Namespace, kills: bool) -> dict[str, Any]:
         end, due = t0 + args.wall_s, t0 + args.kill_every_s
         done: list[dict[str, Any]] = []
         pending: dict[str, Any] | None = None  # the kill whose node is not back yet
-        while time.time() < end:
+        settle_until = end + getattr(args, "settle_timeout_s", 120.0)
+        while (now := time.time()) < end or (kills and now < settle_until and not _settled(records, done, pending, full)):
             records = run.records()
             run.check()
             now = time.time()
-            if kills and pending is None and now >= due and _all_train(records, done, full):
+            if kills and pending is None and now >= due and now < end and _all_train(records, done, full):
                 pending = {"due": due}
                 run.kill(pending)
                 pending["late_s"] = round(pending["kill_time"] - due, 2)
@@ -225,6 +237,7 @@ def one_run(side: str, args: argparse.Namespace, kills: bool) -> dict[str, Any]:
             done.append(pending)
         records = run.records()
         out: dict[str, Any] = tokens_in_window(records, args.wall_s, args.tokens_per_step)
+        out["loadavg"] = {"at_start": load_at_start, "at_end": loadavg()}
         if kills:
             out["kills"] = []
             for k in done:
@@ -240,6 +253,12 @@ def one_run(side: str, args: argparse.Namespace, kills: bool) -> dict[str, Any]:
         return out
     finally:
         run.close()
+
+
+def _settled(records: list[dict[str, Any]], done: list[dict[str, Any]], pending: dict[str, Any] | None,
+             full: int) -> bool:
+    """Whether the last kill is over: its node came back and every worker trains again."""
+    return pending is None and _all_train(records, done, full)
 
 
 def _all_train(records: list[dict[str, Any]], done: list[dict[str, Any]], full: int) -> bool:
@@ -295,7 +314,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "steps_lost": "per kill: steps completed before the re-formation − the step it resumed from (summed)",
         "late_s": "per kill: how long after its due time it came (a kill waits until every worker trains again)",
     }
-    timeout_s = args.start_timeout_s + args.wall_s + 300
+    timeout_s = args.start_timeout_s + args.wall_s + args.settle_timeout_s + 300
     for side in args.sides:
         clean = isolated(f"goodput bench, {side} uninterrupted", one_run, side, args, False, timeout_s=timeout_s)
         broken = isolated(f"goodput bench, {side} with kills", one_run, side, args, True, timeout_s=timeout_s)

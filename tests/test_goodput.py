@@ -27,7 +27,7 @@ def test_a_kill_gives_the_stall_the_steps_lost_and_the_rejoin():
                + _steps(9, 115.0, 10, 1.0, 3)        # re-formed at 115 s from step 8: steps 9 and 10 again
                + _steps(19, 130.0, 5, 1.0, 4))       # every worker again from 130 s
     got = kill_metrics(records, kill_time=109.5, back_time=120.0, full=4, resume_step=8)
-    assert got == {"stall_s": 6.0, "steps_lost": 2, "rejoin_s": 10.0}
+    assert got == {"stall_s": 6.0, "steps_lost": 2, "rejoin_s": 10.0, "rejoin_stall_s": 6.0}
     # torchft's: it resumes right after its last committed step
     assert kill_metrics(records, kill_time=109.5, back_time=120.0, full=4)["steps_lost"] == 2
 
