@@ -46,6 +46,7 @@ def test_a_schedule_with_no_kill_in_the_window_is_refused(capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # four runs, each starting a cluster or torchft's processes: ~11 min on a loaded 2-core host
 def test_one_kill_on_both_sides_is_counted_and_its_figures_agree(capsys):
     from meridian.bench.goodput import render
     from meridian.cli.bench import main
