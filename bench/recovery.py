@@ -25,12 +25,14 @@ measures). On a loaded 2-core machine the absolute seconds move; compare sides w
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import statistics
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from meridian.bench.recovery_cluster import CLUSTERS, dc_name, make_cluster
@@ -113,7 +115,11 @@ def job_spec(args: argparse.Namespace) -> dict[str, Any]:
 
 
 # -- Meridian -------------------------------------------------------------------------------------------------
-def _meridian(args: argparse.Namespace) -> dict[str, Any]:
+@contextlib.contextmanager
+def meridian_job(args: argparse.Namespace, spec: dict[str, Any]) -> Iterator[tuple[Any, Any, str, MeridianLog]]:
+    """A Ray cluster (:func:`make_cluster`), a service with its REST API, and ``spec`` submitted to it: yields
+    ``(cluster, api, job_id, log)``. On leaving, the job is cancelled (its runner removes its snapshots), then
+    service, cluster and every file they wrote are gone."""
     import httpx
 
     from meridian.api.server import serve_in_thread
@@ -127,46 +133,11 @@ def _meridian(args: argparse.Namespace) -> dict[str, Any]:
     job_id = ""
     try:
         with serve_in_thread(service) as url, httpx.Client(base_url=url, timeout=30) as api:
-            r = api.post("/v1/jobs", json=job_spec(args))
+            r = api.post("/v1/jobs", json=spec)
             if r.status_code != 201:
                 raise RuntimeError(f"the job was refused: {r.text}")
             job_id = r.json()["id"]
-            log = _MeridianLog(api, job_id, full)
-            phases, deadline = Phases(args, full), time.monotonic() + args.timeout_s
-            victim_dc = dc_name(args.dcs - 1)
-            while (action := phases.next_action(log.records())) != "done":
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"the Meridian side did not finish within {args.timeout_s:.0f} s")
-                job = api.get(f"/v1/jobs/{job_id}").json()
-                if job["state"] in ("failed", "cancelled", "succeeded"):
-                    if job["state"] != "succeeded":
-                        raise RuntimeError(f"the Meridian job ended {job['state']}: {job['message']}")
-                    break
-                if action == "kill":
-                    victim = next(p for p in job["placement"] if p["rank"] != 0 and p["datacenter"] == victim_dc)
-                    cluster.kill(victim["node_id"], at_kill=phases.killed, at_dead=phases.dead)
-                elif action == "back":
-                    phases.came_back()
-                    cluster.add(victim_dc)
-                time.sleep(0.5)
-            cancel_s = _cancel(api, job_id)
-            formed = [e for e in log.epochs if e["epoch"] == 2]
-            if phases.kill_time is None or not formed:
-                raise RuntimeError("the Meridian job never re-formed after the kill")
-            out = recovery_metrics(log.records(), kill_time=phases.kill_time, full_workers=full,
-                                   survivors=full - 1, tokens_per_step=_tokens_per_step(args),
-                                   resume_step=formed[0]["resume_step"], back_time=phases.back_time)  # fmt: skip
-            out["victim_exited_s"] = phases.victim_exited_s()
-            out["after_kill_s"] = log.timeline(phases.kill_time, phases.back_time)
-            out["cpu_from_kill_to_return"] = phases.cpu_report()
-            out["cancel_to_ended_s"] = cancel_s
-            # Each re-formation's rank 0: group and model set up (s), state restored (s), and the bytes its
-            # exchange sent, measured by its plan's buffers
-            out["state_exchanged"] = [{k: r[k] for k in ("epoch", "setup_s", "restore_s", "state_bytes_sent",
-                                                         "state_bytes_cross_dc") if k in r} for r in log.restored]
-            if phases.back_time is not None:
-                out["after_back_s"] = log.timeline(phases.back_time, None)
-            return out
+            yield cluster, api, job_id, MeridianLog(api, job_id, full)
     finally:
         service.stop()
         cluster.shutdown()
@@ -175,7 +146,59 @@ def _meridian(args: argparse.Namespace) -> dict[str, Any]:
         shutil.rmtree(data_dir, ignore_errors=True)  # the service's store and the Train runs' files
 
 
-def _cancel(api: Any, job_id: str, timeout_s: float = 60.0) -> float | None:
+def meridian_victim(job: dict[str, Any], dc: str) -> str:
+    """The node id of a worker of ``dc`` that is not rank 0, from the job's placement."""
+    slots = [p for p in job["placement"] if p["rank"] != 0 and p["datacenter"] == dc]
+    if not slots:
+        raise RuntimeError(f"the Meridian job has no worker in {dc} other than rank 0 to kill")
+    return slots[0]["node_id"]
+
+
+def ended(job: dict[str, Any]) -> bool:
+    """Whether the job has ended; raises if it ended in any way but success."""
+    if job["state"] in ("failed", "cancelled"):
+        raise RuntimeError(f"the Meridian job ended {job['state']}: {job['message']}")
+    return job["state"] == "succeeded"
+
+
+def _meridian(args: argparse.Namespace) -> dict[str, Any]:
+    full = args.dcs * args.nodes_per_dc
+    with meridian_job(args, job_spec(args)) as (cluster, api, job_id, log):
+        phases, deadline = Phases(args, full), time.monotonic() + args.timeout_s
+        victim_dc = dc_name(args.dcs - 1)
+        while (action := phases.next_action(log.records())) != "done":
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the Meridian side did not finish within {args.timeout_s:.0f} s")
+            job = api.get(f"/v1/jobs/{job_id}").json()
+            if ended(job):
+                break
+            if action == "kill":
+                cluster.kill(meridian_victim(job, victim_dc), at_kill=phases.killed, at_dead=phases.dead)
+            elif action == "back":
+                phases.came_back()
+                cluster.add(victim_dc)
+            time.sleep(0.5)
+        cancel_s = cancel(api, job_id)
+        formed = [e for e in log.epochs if e["epoch"] == 2]
+        if phases.kill_time is None or not formed:
+            raise RuntimeError("the Meridian job never re-formed after the kill")
+        out = recovery_metrics(log.records(), kill_time=phases.kill_time, full_workers=full,
+                               survivors=full - 1, tokens_per_step=_tokens_per_step(args),
+                               resume_step=formed[0]["resume_step"], back_time=phases.back_time)  # fmt: skip
+        out["victim_exited_s"] = phases.victim_exited_s()
+        out["after_kill_s"] = log.timeline(phases.kill_time, phases.back_time)
+        out["cpu_from_kill_to_return"] = phases.cpu_report()
+        out["cancel_to_ended_s"] = cancel_s
+        # Each re-formation's rank 0: group and model set up (s), state restored (s), and the bytes its
+        # exchange sent, measured by its plan's buffers
+        out["state_exchanged"] = [{k: r[k] for k in ("epoch", "setup_s", "restore_s", "state_bytes_sent",
+                                                     "state_bytes_cross_dc") if k in r} for r in log.restored]
+        if phases.back_time is not None:
+            out["after_back_s"] = log.timeline(phases.back_time, None)
+        return out
+
+
+def cancel(api: Any, job_id: str, timeout_s: float = 60.0) -> float | None:
     """Cancel the job and wait until it has ended: its runner then removes its workers' snapshots from RAM. (Stopped
     at once, the cluster's shutdown killed runner and workers first, and every round left its folders behind.)
     Returns the seconds from the cancel to the job's end (what a user's ``DELETE`` waits for), ``None`` if it had
@@ -189,7 +212,7 @@ def _cancel(api: Any, job_id: str, timeout_s: float = 60.0) -> float | None:
     return None
 
 
-class _MeridianLog:
+class MeridianLog:
     """The job's step records (from the API, fetched incrementally), each with its epoch's worker count."""
 
     def __init__(self, api: Any, job_id: str, full: int) -> None:
@@ -209,7 +232,7 @@ class _MeridianLog:
             self._event_cursor = max(self._event_cursor, e["id"])
             self.events.append((e["kind"], e["time"]))
             if e["kind"] == EventKind.EPOCH_FORMED:
-                self.epochs.append(e["data"])
+                self.epochs.append({**e["data"], "formed_at": e["time"]})
             if e["kind"] == EventKind.EPOCH_RESTORED:
                 self.restored.append(e["data"])
         size = {e["epoch"]: len(e["datacenters"]) for e in self.epochs}
@@ -373,7 +396,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError(f"--kill-at-step must be between 1 and --steps - 1 (got {args.kill_at_step})")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     args.tokens_per_step = _tokens_per_step(args)
-    load_at_start = _loadavg()
+    load_at_start = loadavg()
     sides: dict[str, list[dict[str, Any]]] = {side: [] for side in SIDES if side in args.sides}
     for _ in range(args.rounds):
         for side in sides:
@@ -412,7 +435,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         ("kill_to_next_step_s", "post_recovery_throughput_ratio", "scale_up_s")}
         report[side]["steps_lost"] = max(r["steps_lost"] for r in runs)
         report[side]["runs"] = runs
-    report["setup"]["loadavg_at_end"] = _loadavg()
+    report["setup"]["loadavg_at_end"] = loadavg()
     return report
 
 
@@ -432,9 +455,13 @@ def _side(side: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _isolated(side: str, args: argparse.Namespace) -> dict[str, Any]:
-    """One side in a fresh process: a Ray driver that crashes (measured once here: a segfault after the
-    baseline's kill) or torchft's native runtime cannot take the other sides' results with it. Each side's
-    result also goes to stderr as soon as it is known."""
+    return isolated(f"recovery bench, {side}", _side, side, args, timeout_s=args.timeout_s + 120)
+
+
+def isolated(label: str, fn: Any, *fn_args: Any, timeout_s: float) -> dict[str, Any]:
+    """``fn(*fn_args)`` in a fresh process: a Ray driver that crashes (measured once here: a segfault after the
+    baseline's kill) or torchft's native runtime cannot take the other sides' results with it. A failure comes
+    back as ``{"error": ...}``; the result also goes to stderr, after ``label``, as soon as it is known."""
     import json
     import sys
     from concurrent.futures import ProcessPoolExecutor
@@ -443,12 +470,12 @@ def _isolated(side: str, args: argparse.Namespace) -> dict[str, Any]:
 
     try:
         with ProcessPoolExecutor(max_workers=1, mp_context=get_context("spawn")) as pool:
-            result = pool.submit(_side, side, args).result(timeout=args.timeout_s + 120)
+            result = pool.submit(fn, *fn_args).result(timeout=timeout_s)
     except BrokenProcessPool as e:
         result = {"error": f"the process running this side died ({e})"}
     except Exception as e:  # noqa: BLE001 - one side failing must not lose the others' numbers
         result = {"error": f"{type(e).__name__}: {e}"}
-    print(f"recovery bench, {side}: {json.dumps(result)}", file=sys.stderr, flush=True)
+    print(f"{label}: {json.dumps(result)}", file=sys.stderr, flush=True)
     return result
 
 
@@ -457,7 +484,7 @@ def _median(values: list[Any]) -> Any:
     return statistics.median(present) if present else None
 
 
-def _loadavg() -> str:
+def loadavg() -> str:
     try:
         with open("/proc/loadavg") as f:
             return f.read().strip()

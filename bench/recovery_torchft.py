@@ -33,6 +33,7 @@ went wrong.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -41,6 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +51,7 @@ from meridian.bench.recovery_measure import Phases, recovery_metrics
 from meridian.bench.torchft_lighthouse import reformed_quorum
 
 
-def _records(path: Path) -> list[dict[str, Any]]:
+def records(path: Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip().endswith("}")]
@@ -155,7 +157,10 @@ class _Workers:
                 p.wait(10)
 
 
-def run_torchft(args: argparse.Namespace) -> dict[str, Any]:
+@contextlib.contextmanager
+def torchft_groups(args: argparse.Namespace) -> Iterator[tuple[_Workers, _Lighthouse, Path, Any]]:
+    """torchft's lighthouse and one replica group per worker, started together (every group's first quorum has
+    them all): yields ``(workers, lighthouse, folder, lab_state)``; stops and removes all of it on leaving."""
     folder = Path(tempfile.mkdtemp(prefix="meridian-bench-torchft-"))
     # torchft's defaults for the quorum (join timeout, tick) and, unless asked otherwise, the heartbeat timeout.
     lighthouse = _Lighthouse(folder, args.torchft_heartbeat_timeout_ms)
@@ -171,10 +176,7 @@ def run_torchft(args: argparse.Namespace) -> dict[str, Any]:
         address = f"http://{HEAD_IP}:{address.rsplit(':', 1)[1]}"
     n = args.dcs * args.nodes_per_dc
     workers = _Workers(args, address, folder, lab_state)
-    watched = folder / "replica-0.jsonl"  # a group that is never killed: the job's step log
-    victim = n - 1  # a worker of the last datacenter
     deadline = time.monotonic() + args.timeout_s
-
     try:
         for r in range(n):
             workers.start(r)
@@ -183,26 +185,49 @@ def run_torchft(args: argparse.Namespace) -> dict[str, Any]:
                 raise RuntimeError(why or "torchft side: the workers did not start in time")
             time.sleep(0.1)
         (folder / "go").touch()
+        yield workers, lighthouse, folder, lab_state
+    finally:
+        workers.stop()
+        lighthouse.stop()
+        if lab_state is not None:
+            from meridian.lab import lab
+
+            lab.down(LAB_NAME)
+        if not os.environ.get("MERIDIAN_BENCH_KEEP"):
+            shutil.rmtree(folder, ignore_errors=True)  # the replicas' step logs and checkpoints (~20 MB a run)
+
+
+def kill_victim(args: argparse.Namespace, workers: _Workers, victim: int, phases: Phases) -> None:
+    """Kill replica group ``victim`` as ``--torchft-kill-phase`` says, stamping ``phases``' kill and death."""
+    if args.torchft_kill_phase == "between-steps":
+        phases.killed(at=workers.kill_between_steps(victim))
+    else:
+        phases.killed()
+        workers.kill(victim)  # returns once the process has exited
+    phases.dead()
+
+
+def run_torchft(args: argparse.Namespace) -> dict[str, Any]:
+    n = args.dcs * args.nodes_per_dc
+    victim = n - 1  # a worker of the last datacenter
+    deadline = time.monotonic() + args.timeout_s
+    with torchft_groups(args) as (workers, lighthouse, folder, lab_state):
+        watched = folder / "replica-0.jsonl"  # a group that is never killed: the job's step log
         phases = Phases(args, n)
-        while (action := phases.next_action(_records(watched))) != "done":
+        while (action := phases.next_action(records(watched))) != "done":
             if (why := workers.failed()) is not None:
                 raise RuntimeError(why)
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the torchft side did not finish within {args.timeout_s:.0f} s")
             if action == "kill":
-                if args.torchft_kill_phase == "between-steps":
-                    phases.killed(at=workers.kill_between_steps(victim))
-                else:
-                    phases.killed()
-                    workers.kill(victim)  # returns once the process has exited
-                phases.dead()
+                kill_victim(args, workers, victim, phases)
             elif action == "back":
                 phases.came_back()
                 workers.start(victim)
             time.sleep(0.2)
         if phases.kill_time is None:
             raise RuntimeError("the torchft side finished before the kill")
-        out = recovery_metrics(_records(watched), kill_time=phases.kill_time, full_workers=n, survivors=n - 1,
+        out = recovery_metrics(records(watched), kill_time=phases.kill_time, full_workers=n, survivors=n - 1,
                                tokens_per_step=args.tokens_per_step, back_time=phases.back_time)  # fmt: skip
         out["victim_exited_s"] = phases.victim_exited_s()
         out["lighthouse"] = reformed_quorum(lighthouse.log(), kill_time=phases.kill_time, full=n)
@@ -215,15 +240,6 @@ def run_torchft(args: argparse.Namespace) -> dict[str, Any]:
             ", by itself right after a committed step, before it asked for the next quorum"
             if args.torchft_kill_phase == "between-steps" else ", at whatever point of a step it was")  # fmt: skip
         return out
-    finally:
-        workers.stop()
-        lighthouse.stop()
-        if lab_state is not None:
-            from meridian.lab import lab
-
-            lab.down(LAB_NAME)
-        if not os.environ.get("MERIDIAN_BENCH_KEEP"):
-            shutil.rmtree(folder, ignore_errors=True)  # the replicas' step logs and checkpoints (~20 MB a run)
 
 
 LAB_NAME = "bench-recovery-torchft"

@@ -26,6 +26,7 @@ BENCHMARKS: dict[str, str] = {
     "plan": "meridian.bench.plan",
     "plan-tables": "meridian.bench.plan_tables",
     "recovery": "meridian.bench.recovery",
+    "goodput": "meridian.bench.goodput",
     "data": "meridian.bench.data",
     "checkpoint": "meridian.bench.checkpoint",
     "lab": "meridian.bench.lab",

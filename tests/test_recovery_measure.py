@@ -98,7 +98,7 @@ def test_the_meridian_side_keeps_every_steps_state_unless_told_auto():
 
 
 def test_the_meridian_log_keeps_each_re_formation_s_restore_data_and_times():
-    from meridian.bench.recovery import _MeridianLog
+    from meridian.bench.recovery import MeridianLog
 
     events = [{"id": 1, "kind": "epoch_formed", "time": 10.0, "data": {"epoch": 2, "datacenters": ["a", "b", "b"]}},
               {"id": 2, "kind": "epoch_restored", "time": 10.1,
@@ -109,8 +109,9 @@ def test_the_meridian_log_keeps_each_re_formation_s_restore_data_and_times():
             body = {"points": []} if path.endswith("/metrics") else {"events": [e for e in events if e["id"] > params["after"]]}
             return SimpleNamespace(json=lambda: body)
 
-    log = _MeridianLog(Api(), "job", 4)
+    log = MeridianLog(Api(), "job", 4)
     log.records()
     log.records()  # the cursor moved on: nothing twice
-    assert log.restored == [events[1]["data"]] and log.epochs == [events[0]["data"]]
+    assert log.restored == [events[1]["data"]]
+    assert log.epochs == [{**events[0]["data"], "formed_at": 10.0}]  # with when the service recorded it
     assert log.timeline(9.9, None) == {"epoch_formed": 0.1, "epoch_restored": 0.2}
