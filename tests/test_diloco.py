@@ -6,7 +6,7 @@ durable checkpoint."""
 from __future__ import annotations
 
 import dataclasses
-import threading
+import math
 
 import pytest
 import torch
@@ -24,21 +24,20 @@ from meridian.workers.state.replica_state import assemble
 from meridian.workers.state.sharded_checkpoint import save_shard
 from meridian.workers.sync.diloco import DiLoCoSync
 from meridian.workers.sync.diloco_schedule import FragmentSchedule, split_fragments
-from meridian.workers.sync.grad_buffer import GradBuffer
 
 OPTIM = OptimConfig(lr=0.05, weight_decay=0.1, grad_clip=0.5, warmup_steps=0)
-SMALL_BUCKETS = 64 / 2**20  # 16 fp32 elements: the toy model spreads over 5 buckets
 
 
 def _sync(strategy: SyncStrategy, **diloco) -> SyncConfig:
-    return SyncConfig(
-        strategy=strategy, bucket_mb=SMALL_BUCKETS, inter_dc_chunk_mb=40 / 2**20, diloco=DiLoCoConfig(**diloco)
-    )
+    return SyncConfig(strategy=strategy, inter_dc_chunk_mb=40 / 2**20, diloco=DiLoCoConfig(**diloco))
 
 
-def _engine(rank, dcs, sync, *, shard=True):
-    sync = dataclasses.replace(sync, shard_optimizer=shard)
+def _engine(rank, dcs, sync):
     return DiLoCoSync(toy_model(0), DCGroups(DCLayout(dcs), rank), sync, OPTIM)
+
+
+def _numel(params) -> int:
+    return sum(math.prod(p.param.shape) for p in params)
 
 
 def _close(engine):
@@ -52,10 +51,10 @@ def _close(engine):
 # -- H = 1, outer SGD lr 1, no momentum: per-step averaging -------------------------------------------------
 
 
-def _h1_run(rank, world, dcs, shard):
-    e = _engine(rank, dcs, _sync(SyncStrategy.DILOCO, inner_steps=1, outer_lr=1.0, outer_momentum=0.0), shard=shard)
+def _h1_run(rank, world, dcs):
+    e = _engine(rank, dcs, _sync(SyncStrategy.DILOCO, inner_steps=1, outer_lr=1.0, outer_momentum=0.0))
     stats = train_steps(e, rank, world, steps=4, micro=2)
-    return _close(e), [s.inter_dc_bytes for s in stats], [b.padded_numel for b in e.buffer.buckets]
+    return _close(e), [s.inter_dc_bytes for s in stats], _numel(e.params)
 
 
 def _inner_steps(layout: DCLayout, replicas, opts, step: int) -> None:
@@ -89,15 +88,15 @@ def _per_step_averaging(dcs: tuple[str, ...], steps: int) -> dict[str, torch.Ten
     return params_of(replicas[layout.dcs[0]])
 
 
-@pytest.mark.parametrize("dcs,shard", [(("a", "a", "b", "b"), True), (("a", "a", "b"), False)])
-def test_h1_diloco_with_plain_outer_sgd_equals_per_step_averaging(dcs, shard):
-    out = run_processes(_h1_run, len(dcs), dcs, shard)
+@pytest.mark.parametrize("dcs", [("a", "a", "b", "b"), ("a", "a", "b")])
+def test_h1_diloco_with_plain_outer_sgd_equals_per_step_averaging(dcs):
+    out = run_processes(_h1_run, len(dcs), dcs)
     ref = _per_step_averaging(dcs, 4)
     for params, _, _ in out:
         for name in ref:
             torch.testing.assert_close(params[name], ref[name], rtol=1e-5, atol=1e-6)
-    # Each step every DC sends one full fp32 copy of the model (padded), split over its ranks.
-    padded = sum(out[0][2]) * 4
+    # Each step every DC sends one full fp32 copy of the model (its rows, not FSDP2's padding), split over its ranks.
+    padded = out[0][2] * 4
     layout = DCLayout(dcs)
     for dc in layout.dcs:
         per_step = [sum(out[r][1][s] for r in layout.ranks_in(dc)) for s in range(4)]
@@ -122,18 +121,17 @@ def test_diloco_crosses_the_wan_only_every_h_steps_and_replicas_agree_after_a_sy
 
 
 def test_fragments_partition_the_parameters_and_each_syncs_once_per_cycle():
-    buffer = GradBuffer(toy_model(0), bucket_mb=SMALL_BUCKETS, pad_to=2)
-    frags = split_fragments([b.padded_numel for b in buffer.buckets], 3)
-    assert sorted(b for f in frags for b in f) == list(range(len(buffer.buckets)))
-    names = [s.name for f in frags for b in f for s in buffer.buckets[b].slots]
-    assert sorted(names) == sorted(n for n, _ in toy_model(0).named_parameters())  # each exactly once
+    named = list(toy_model(0).named_parameters())
+    frags = split_fragments([p.numel() for _, p in named], 3)
+    assert [i for f in frags for i in f] == list(range(len(named)))  # contiguous runs, each parameter once
+    assert all(frags)
     sched = FragmentSchedule(inner_steps=6, fragments=3, overlap_steps=1)
     for start in (1, 4, 7):
         cycle = sched.cycle(start)
         assert sorted(p for _, p in cycle) == [0, 1, 2]
     assert [sched.starting(t) for t in range(1, 7)] == [[], [0], [], [1], [], [2]]
     assert [sched.landing(t) for t in range(1, 8)] == [[], [], [0], [], [1], [], [2]]
-    with pytest.raises(ValueError, match="need at least as many gradient buckets"):
+    with pytest.raises(ValueError, match="need at least as many parameters"):
         split_fragments([10, 10], 3)
     DiLoCoConfig(inner_steps=4, fragments=2, overlap_steps=3)  # fragments may be in flight together ...
     with pytest.raises(ValueError, match="overlap_steps"):  # ... each landing before its own next sync
@@ -167,8 +165,8 @@ def _streaming(rank, world):
         e.synchronize()
         per_step.append(params_of(e.model))
         sent.append(stats[0].inter_dc_bytes)
-    frags = [[s.name for b in f for s in e.buffer.buckets[b].slots] for f in e.fragments]
-    sizes = [sum(e.buffer.buckets[b].padded_numel for b in f) for f in e.fragments]
+    frags = [[p.name for p in f] for f in e.fragments]
+    sizes = [_numel(f) for f in e.fragments]
     _close(e)
     return per_step, sent, frags, sizes
 
@@ -193,12 +191,11 @@ OVERLAP = dict(inner_steps=4, fragments=2, outer_lr=0.7, outer_momentum=0.9)
 OVERLAP_STEPS = 10  # fragment 0 syncs after inner steps 2, 6, 10 and lands tau steps later; fragment 1 after 4, 8
 
 
-def _overlap_run(rank, world, dcs, merge, shard, tau):
-    e = _engine(rank, dcs, _sync(SyncStrategy.STREAMING_DILOCO, merge=merge, overlap_steps=tau, **OVERLAP), shard=shard)
+def _overlap_run(rank, world, dcs, merge, tau):
+    e = _engine(rank, dcs, _sync(SyncStrategy.STREAMING_DILOCO, merge=merge, overlap_steps=tau, **OVERLAP))
     train_steps(e, rank, world, steps=OVERLAP_STEPS, micro=2)
-    frags = [[s.name for b in f for s in e.buffer.buckets[b].slots] for f in e.fragments]
-    comm_thread = any(t.name.startswith("meridian-comm") for t in threading.enumerate())
-    return _close(e), frags, comm_thread
+    frags = [[p.name for p in f] for f in e.fragments]
+    return _close(e), frags
 
 
 def _streaming_reference(dcs, fragments, merge: OuterMerge, tau: int, alpha: float = 0.5) -> dict[str, dict[str, torch.Tensor]]:
@@ -233,19 +230,16 @@ def _streaming_reference(dcs, fragments, merge: OuterMerge, tau: int, alpha: flo
     return {dc: params_of(m) for dc, m in replicas.items()}
 
 
-@pytest.mark.parametrize("dcs,merge,shard,tau", [(("a", "a", "b", "b"), OuterMerge.KEEP_PROGRESS, True, 1),
-                                                 (("a", "b"), OuterMerge.KEEP_PROGRESS, False, 3),
-                                                 (("a", "b"), OuterMerge.MIX, False, 1)])  # fmt: skip
-def test_a_fragment_landing_late_merges_as_the_single_process_reference(dcs, merge, shard, tau):
+@pytest.mark.parametrize("dcs,merge,tau", [(("a", "a", "b", "b"), OuterMerge.KEEP_PROGRESS, 1),
+                                           (("a", "a", "b"), OuterMerge.KEEP_PROGRESS, 3),
+                                           (("a", "b"), OuterMerge.MIX, 1)])  # fmt: skip
+def test_a_fragment_landing_late_merges_as_the_single_process_reference(dcs, merge, tau):
     # tau 3 of H 4 with 2 fragments: the second fragment starts while the first is still in flight
-    out = run_processes(_overlap_run, len(dcs), dcs, merge, shard, tau)
+    out = run_processes(_overlap_run, len(dcs), dcs, merge, tau)
     fragments = out[0][1]
-    # the inner sync overlaps its intra-DC collectives with backward on a comm thread; a rank alone in its DC has
-    # none to overlap, and no thread hands its buckets over every step
-    assert all(comm_thread == (len(dcs) > 2) for _, _, comm_thread in out)
     ref = _streaming_reference(dcs, fragments, merge, tau)
     other = _streaming_reference(dcs, fragments, next(m for m in OuterMerge if m is not merge), tau)
-    for rank, (params, _, _) in enumerate(out):
+    for rank, (params, _) in enumerate(out):
         for name in params:
             torch.testing.assert_close(params[name], ref[dcs[rank]][name], rtol=1e-5, atol=1e-6)
     # the two merges train differently here, so the comparison above tells them apart
@@ -264,8 +258,8 @@ def _before(rank, world, directory):
     shard = e.local_shard(6)
     full = e.optimizer_state()
     e.synchronize()
+    model = params_of(e.model)  # whole (FSDP2 shards them: every rank gathers)
     if rank == 0:
-        model = {n: p.detach().clone() for n, p in e.model.state_dict().items()}
         ckpt_io.save(directory, ckpt_io.Checkpoint(step=6, model=model, optimizer=full, fingerprint={}))
     shapes = {n: p.shape for n, p in e.model.named_parameters()}
     save_shard(f"{directory}/sharded", shard, rank=rank, datacenter=e.groups.dc, shapes=shapes, fingerprint={})
@@ -275,9 +269,7 @@ def _before(rank, world, directory):
 def _after(rank, world, params, optimizer):
     e = _engine(rank, ("a", "a", "b"), RESIZE)
     e.synchronize()
-    with torch.no_grad():
-        for name, p in e.model.named_parameters():
-            p.copy_(params[name])
+    e.load_weights(e.model, params)
     e.load_optimizer_state(optimizer)
     restored = e.optimizer_state()
     stats = train_steps(e, rank, world, steps=4, micro=2, first_step=6)

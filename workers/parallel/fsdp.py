@@ -73,14 +73,20 @@ def apply_fsdp(
     chunks), instead of ``model`` itself. Returns the FSDP units in backward order's reverse (blocks first, the
     roots last)."""
     policy = mp_policy or MixedPrecisionPolicy()
+    # Parameters of no elements stay plain tensors on every rank (FSDP2's reduce-scatter takes no empty gradient)
+    empty = {p for p in model.parameters() if p.numel() == 0} or None
     units: list[FSDPModule] = []
     for block in transformer_blocks(model):
-        units.append(fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy))
+        units.append(fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy,
+                                 ignored_params=empty))
     # The root's parameters are used first in forward and last in backward: kept unsharded after forward
     # (FSDP2's own default for the root), they are not gathered twice.
     for root in roots or [model]:
-        units.append(fully_shard(root, mesh=mesh, reshard_after_forward=False, mp_policy=policy))
+        units.append(fully_shard(root, mesh=mesh, reshard_after_forward=False, mp_policy=policy, ignored_params=empty))
     for unit in units:
+        # a trainable parameter that took no part in a step's forward gets a zero gradient, so every step's
+        # reduce-scatter output has the same layout (the engines' row offsets)
+        unit.set_reduce_scatter_unused_params(True, recurse=False)
         unit.set_force_sum_reduction_for_comms(True)  # SUM, not AVG: gloo has no PREMUL_SUM, and we sum
         unit.set_gradient_divide_factor(1.0)
         if reduce_scatter is not None:

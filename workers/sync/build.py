@@ -4,8 +4,8 @@
 - ``hierarchical``: :class:`HierarchicalSync` (:mod:`meridian.workers.sync.hierarchical`): bucketed
   hierarchical all-reduce, overlapped with backward (``overlap``), with a replicated or DC-sharded AdamW
   (``shard_optimizer``) and an optionally compressed inter-DC step (``compression``).
-- ``diloco`` / ``streaming-diloco``: :class:`DiLoCoSync` (:mod:`meridian.workers.sync.diloco`): that HAR inside
-  each DC every step, and an outer Nesterov step on parameter deltas across DCs every H steps (per fragment).
+- ``diloco`` / ``streaming-diloco``: :class:`DiLoCoSync` (:mod:`meridian.workers.sync.diloco`): FSDP2 inside each
+  DC every step, and an outer Nesterov step on parameter deltas across DCs every H steps (per fragment).
 
 The interface and call order are in :mod:`meridian.workers.sync.engine`.
 """
@@ -47,7 +47,7 @@ def build_sync(
     if sync.strategy is SyncStrategy.FLAT:
         return FlatSync(model, groups, sync, optim, emulator=emulator)
     if sync.strategy.is_diloco:
-        return DiLoCoSync(model, groups, sync, optim, emulator=emulator)
+        return DiLoCoSync(model, groups, sync, optim, emulator=emulator, broadcast_params=broadcast_params, shard=shard)
     if runs_on_fsdp(sync, groups):
         return FSDPHierarchicalSync(model, groups, sync, optim, emulator=emulator, broadcast_params=broadcast_params,
                                     shard=shard)
@@ -55,9 +55,10 @@ def build_sync(
 
 
 def runs_on_fsdp(sync: SyncConfig, groups: DCGroups | None = None) -> bool:
-    """Whether ``sync`` trains on FSDP2 (:class:`FSDPHierarchicalSync`): hierarchical sync of a data-parallel replica
-    (exact, one step late, the look-ahead). A replicated optimizer still runs on the flat-bucket engine, as do
-    tensor/pipeline-parallel replicas (``groups.mp_norm``)."""
-    return (sync.strategy is SyncStrategy.HIERARCHICAL and sync.shard_optimizer
-            and (groups is None or groups.mp_norm is None))
+    """Whether ``sync`` trains on FSDP2 (:class:`FSDPHierarchicalSync`, or :class:`DiLoCoSync` on it): hierarchical
+    sync of a data-parallel replica (exact, one step late, the look-ahead) and DiLoCo. A replicated optimizer still
+    runs on the flat-bucket engine, as do tensor/pipeline-parallel replicas (``groups.mp_norm``)."""
+    if groups is not None and groups.mp_norm is not None:
+        return False
+    return sync.strategy.is_diloco or (sync.strategy is SyncStrategy.HIERARCHICAL and sync.shard_optimizer)
 

@@ -6,8 +6,7 @@ cycle, so the WAN carries 1/P of the model every H/P steps instead of all of it 
 (arXiv:2311.08105) is P = 1, offset 0. A fragment's all-reduce is issued after inner step ``t`` and applied
 ``overlap_steps`` (tau) steps later, so it runs behind tau steps of compute.
 
-Fragments are groups of whole gradient buckets (buckets are cut at parameter boundaries, so a fragment
-holds whole parameters), balanced by element count in bucket order. Every rank computes the same schedule
+Fragments are contiguous groups of whole parameters, balanced by element count in the engine's order. Every rank computes the same schedule
 from the same numbers, which is what keeps their inter-DC collectives in the same order.
 
 Warm-up: the first ``warmup_steps`` inner steps run the same schedule with a short cycle,
@@ -21,25 +20,26 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
-def split_fragments(bucket_numels: list[int], fragments: int) -> tuple[tuple[int, ...], ...]:
-    """Contiguous groups of bucket indices, as even in elements as whole buckets allow, none empty."""
+def split_fragments(numels: list[int], fragments: int, *, what: str = "parameters") -> tuple[tuple[int, ...], ...]:
+    """Contiguous groups of indices of ``numels`` (the elements of each of the model's ``what``, in order), as even
+    in elements as whole ones allow, none empty."""
     if fragments < 1:
         raise ValueError(f"fragments must be >= 1, got {fragments}")
-    if fragments > len(bucket_numels):
+    if fragments > len(numels):
         raise ValueError(
-            f"{fragments} fragments need at least as many gradient buckets, the model has "
-            f"{len(bucket_numels)}; lower sync.diloco.fragments or sync.bucket_mb"
+            f"{fragments} fragments need at least as many {what}, the model has {len(numels)}; "
+            "lower sync.diloco.fragments"
         )
-    total = sum(bucket_numels)
+    total = sum(numels)
     out: list[tuple[int, ...]] = []
     current: list[int] = []
     done = 0
-    for i, n in enumerate(bucket_numels):
+    for i, n in enumerate(numels):
         current.append(i)
         done += n
-        left_buckets, left_frags = len(bucket_numels) - i - 1, fragments - len(out) - 1
-        # close the fragment once it reached its share, or when every later bucket must start its own
-        if left_frags and (done >= total * (len(out) + 1) / fragments or left_buckets == left_frags):
+        left_items, left_frags = len(numels) - i - 1, fragments - len(out) - 1
+        # close the fragment once it reached its share, or when every later one must start its own
+        if left_frags and (done >= total * (len(out) + 1) / fragments or left_items == left_frags):
             out.append(tuple(current))
             current = []
     out.append(tuple(current))

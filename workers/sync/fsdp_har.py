@@ -116,7 +116,9 @@ class FSDPHierarchicalSync(GradientSync):
         grad_scale: float = 1.0,
         reshard_after_forward: bool = True,
         shard: Callable[..., list[FSDPModule]] | None = None,
+        across_dcs: bool = True,
     ) -> None:
+        """``across_dcs=False``: sum inside the datacenter only (DiLoCo's inner step; no inter-DC exchange)."""
         self.groups, self.optim_cfg = groups, optim
         self.grad_scale = grad_scale
         self.overlap = sync.overlap
@@ -137,7 +139,7 @@ class FSDPHierarchicalSync(GradientSync):
         self.root = fsdp_units[-1]
         self.comm = InterDCComm(sync.compression, emulator=emulator)
         self.units: list[Unit] = describe_units(model, fsdp_units, groups)
-        if groups.num_dcs > 1 or groups.has_siblings:  # (siblings make their groups together: collective)
+        if across_dcs and (groups.num_dcs > 1 or groups.has_siblings):  # (siblings make their groups together: collective)
             plan_exchanges(self.units, groups)
         self.norms = NormPlan(self.units, groups)
         for unit in self.units:

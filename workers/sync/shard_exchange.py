@@ -157,6 +157,8 @@ def describe_units(model: nn.Module, fsdp_units: list[FSDPModule], groups: DCGro
     for i, module in enumerate(fsdp_units):
         params, offset = [], 0
         for fp in _fsdp_params(module):
+            if not fp.sharded_param.requires_grad:  # frozen: never reduced, never stepped
+                continue
             size = fp._orig_size
             n0, row_numel = (size[0], math.prod(size[1:])) if len(size) else (1, 1)
             param = fp.sharded_param
