@@ -151,6 +151,8 @@ class Coordinator:
                 a = self._assignment_locked(wid, known_epoch)
                 if a is not None:
                     return a
+                if self.job_finished or self.closed:
+                    return Finished()
                 return Waiting(self.wait_reason, retry_after_s=RETRY_AFTER_S)
             self._waiters += 1
             try:
