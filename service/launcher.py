@@ -20,7 +20,7 @@ from meridian.service.cluster.connect import NAMESPACE
 from meridian.service.planning.plan import Plan
 from meridian.service.runner.actor import JobRunner, runner_name, sweep_snapshots
 from meridian.service.runner.poll import RunnerLost, RunnerPoll
-from meridian.service.runner.train_controller import remove_placement_groups_left_by
+from meridian.service.runner.train_controller import lost_runner, sweep_placement_groups_left_by
 from meridian.workers.contracts.config import TrainConfig
 
 log = logging.getLogger(__name__)
@@ -112,16 +112,28 @@ class Launcher:
         with contextlib.suppress(RunnerLost):
             self._actor(job_id).suspend.remote()
 
-    def release(self, job_id: str) -> None:
-        """Kill the runner (and with it anything it still owns) once its job is over. A runner already gone (its
-        process died) leaves its Train controllers' placement groups holding the job's CPUs: they are removed, so
-        the job relaunched (or the next one) can be placed."""
-        try:
+    def release(self, job_id: str) -> threading.Thread:
+        """Kill the runner (and with it anything it still owns) once its job is over, and remove the placement
+        groups its Train controllers leave, on a thread of its own (returned) that ends once those controllers
+        have (:func:`~meridian.service.runner.train_controller.sweep_placement_groups_left_by`): a runner whose
+        process died leaves them holding the job's CPUs, and the job relaunched (or the next one) could not be
+        placed. The runner is looked up first, so a relaunch that reuses its name is not swept."""
+        lost = lost_runner(runner_name(job_id))
+        with contextlib.suppress(RunnerLost):
             ray.kill(self._actor(job_id), no_restart=True)
-        except RunnerLost:
-            removed = remove_placement_groups_left_by(runner_name(job_id))
+
+        def sweep() -> None:
+            try:
+                removed = sweep_placement_groups_left_by(lost)
+            except Exception:  # noqa: BLE001 - the GCS busy or gone: Ray Train's own cleaner may still do it
+                log.exception("job %s: removing the placement groups its runner left failed", job_id)
+                return
             if removed:
-                log.info("job %s: removed %d placement group(s) its lost runner's controllers left", job_id, len(removed))
+                log.info("job %s: removed the placement group(s) its runner's controllers left: %s", job_id, removed)
+
+        thread = threading.Thread(target=sweep, name=f"meridian-release-{job_id}", daemon=True)
+        thread.start()
+        return thread
 
     def sweep_snapshots(self, job_id: str, after_s: float = 0.0) -> threading.Thread:
         """Remove the job's in-memory snapshot folders on every live node, ``after_s`` from now, on a thread of its

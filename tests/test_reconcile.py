@@ -112,6 +112,22 @@ def test_runner_lost_queues_the_job_again_from_its_checkpoint_a_bounded_number_o
         JobState.CANCELLED
 
 
+def test_a_new_runner_that_loads_a_checkpoint_past_the_last_stored_record_names_the_steps_without_one():
+    # The lost runner had steps 29 and 30 trained (the checkpoint of step 30 holds them) but not yet read.
+    stored_progress = {"cursor": 0, "step": 28, "total_steps": 60, "step_s_ema": 0.3}
+    relaunched = job(JobState.PLACING, "Placing", progress=stored_progress)
+    loaded = JobEvent.parsed_or_malformed("checkpoint_loaded", "resumed from the durable checkpoint of step 30",
+                                          {"step": 30, "bytes_read": 1, "bytes_stored": 1})
+    d = reconcile(relaunched, poll(events=(loaded,)), now=5.0, progress_due=False)
+    (named,) = [e for e in d.events if e.kind is EventKind.STEPS_UNRECORDED]
+    assert (named.data["from_step"], named.data["to_step"], named.time) == (29, 30, 5.0)
+    assert named.message.startswith("steps 29–30 trained and kept in the checkpoint of step 30 have no record")
+    # Every record up to the checkpoint's step stored, or an older checkpoint loaded: nothing is missing.
+    for stored in (30, 35):
+        d = reconcile(job(progress={**stored_progress, "step": stored}), poll(events=(loaded,)), progress_due=False)
+        assert not [e for e in d.events if e.kind is EventKind.STEPS_UNRECORDED]
+
+
 def test_records_fold_into_progress_with_a_progress_event_only_when_due():
     recs = (step_record(1, 3, 5.0), step_record(2, 3, 4.0))
     d = reconcile(job(progress={"cursor": 0}), poll(records=recs, cursor=2))

@@ -441,8 +441,8 @@ EVENTS: dict[str, str] = {
     "train_controller_killed": "Ray Train's controller did not stop within 10 s of an abort and was killed.",
     "sync_decided": "An armed look-ahead decided, on its measured steps, whether to keep the look-ahead or exact "
                     "sync (the CLI prints it under the job's summary).",
-    "steps_unrecorded": "Steps trained before a break whose losses were still being summed have no record; names "
-                        "them.",
+    "steps_unrecorded": "Steps trained before a break whose losses were still being summed, or whose records a lost "
+                        "runner held, have no record; names them.",
     "final_eval_skipped": "The held-out split holds no sample: the job kept its final checkpoint without the final "
                           "evaluation (`eval_loss` is null, the result's `eval_skipped` says why).",
 }

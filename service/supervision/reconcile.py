@@ -28,6 +28,7 @@ from meridian.workers.contracts.events import (
     ProgressReport,
     Reattached,
     RunnerRelaunched,
+    StepsUnrecorded,
 )
 from meridian.workers.contracts.fields import to_plain
 from meridian.workers.contracts.records import StepRecord
@@ -123,6 +124,7 @@ def reconcile(
                                   payload=Reattached(cursor=cursor, runner_state=poll.state.value),
                                   message=f"service restarted; reattached to {job.runner or 'the runner'} "
                                           f"({poll.state.value}), resuming after record {cursor}"))
+    events += _unrecorded_before_checkpoint(job, poll.events, now)
     progress = fold_progress(job.progress, poll.records, poll.cursor)
     if poll.records and progress_due:
         # Live progress for event streams (rate-limited by the caller so a long job does not fill the event table).
@@ -153,6 +155,23 @@ def reconcile(
         status=_running_status(job, poll), records=poll.records, events=tuple(events), fields=fields,
         outcome=outcome, release=outcome is not None, forget=outcome is not None,
     )
+
+
+def _unrecorded_before_checkpoint(job: JobRecord, events: Sequence[JobEvent], now: float) -> list[JobEvent]:
+    """A ``steps_unrecorded`` event for the steps the checkpoint a job's new runner loaded holds beyond the job's
+    last stored record. A runner keeps the newest records until the service's next poll (and rank 0 sends a step's
+    record a few steps late, once its loss is summed over the ranks): a runner that is lost, or whose workers stop
+    for a preemption, takes those with it. The steps were trained and kept, but their records will never come."""
+    stored = int((job.progress or {}).get("step") or 0)
+    loaded = [e.payload.step for e in events if e.kind is EventKind.CHECKPOINT_LOADED and hasattr(e.payload, "step")]
+    if not loaded or max(loaded) <= stored:
+        return []
+    first, last = stored + 1, max(loaded)
+    steps = f"step {first}" if first == last else f"steps {first}–{last}"
+    return [JobEvent(kind=EventKind.STEPS_UNRECORDED, time=now, payload=StepsUnrecorded(from_step=first, to_step=last),
+                     message=f"{steps} trained and kept in the checkpoint of step {last} "
+                             f"{'has' if first == last else 'have'} no record: the job's previous runner ended "
+                             "before the service had read it")]
 
 
 def job_losses(result: dict[str, Any], progress: Mapping[str, Any]) -> dict[str, Any]:

@@ -152,7 +152,9 @@ class SyncDecided:
 class StepsUnrecorded:
     from_step: int
     to_step: int
-    epoch: int
+    epoch: int = 0
+    """The epoch that formed after the break; 0 where the break was the loss of the job's runner (the steps are
+    in the durable checkpoint the relaunched job loaded, their records were lost with the runner)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -342,7 +344,7 @@ class EventKind(str, enum.Enum):
     TRAIN_CONTROLLER_KILLED = "train_controller_killed", ControllerKilled, "Ray Train's controller was killed"
     TRAIN_RUN_RESTARTED = "train_run_restarted", TrainRunRestarted, "a new Ray Train run replaced a failed one"
     SYNC_DECIDED = "sync_decided", SyncDecided, "an armed look-ahead decided exact or look-ahead sync"
-    STEPS_UNRECORDED = "steps_unrecorded", StepsUnrecorded, "steps trained before a re-formation have no record"
+    STEPS_UNRECORDED = "steps_unrecorded", StepsUnrecorded, "steps trained before a re-formation or a lost runner have no record"
     WATCH_ERROR = "watch_error", NoDetails, "the runner's watch of the cluster failed (it retries)"
     STALL = "stall", StallSeen, "a rank stopped finishing steps"
     RANK_SLOW = "rank_slow", RankSlow, "a rank computes its steps much slower than the others"
