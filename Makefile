@@ -38,7 +38,7 @@ $(POSTGRES):
 	else echo "postgresql missing and not root: the PostgreSQL store tests will be skipped"; fi
 
 test: $(STAMP) $(CHROMIUM) $(POSTGRES)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=30
 
 lint: $(STAMP)
 	$(BIN)/ruff check api service workers bench cli lab tests

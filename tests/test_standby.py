@@ -92,6 +92,42 @@ def test_a_standby_that_could_not_start_says_so_when_told_to_go():
     standby.discard()  # nothing to stop: returns
 
 
+def test_a_standby_whose_fork_server_died_under_its_start_starts_on_a_new_one():
+    class DyingForkServer:  # the first start finds the fork server's connection closed; multiprocessing starts anew
+        def __init__(self):
+            self.ctx, self.starts = mp.get_context("forkserver"), 0
+
+        def Pipe(self):  # noqa: N802 - multiprocessing's name
+            return self.ctx.Pipe()
+
+        def Process(self, **kw):  # noqa: N802
+            proc, outer = self.ctx.Process(**kw), self
+
+            class FirstStartFails:
+                pid = property(lambda self: proc.pid)
+
+                def start(self):
+                    outer.starts += 1
+                    if outer.starts == 1:
+                        raise EOFError("unexpected EOF")
+                    proc.start()
+
+                def join(self, timeout=None):
+                    proc.join(timeout)
+
+                def is_alive(self):
+                    return proc.is_alive()
+
+            return FirstStartFails()
+
+    ctx = DyingForkServer()
+    standby = Standby(ctx, "w-test")
+    standby.started()  # no error: the second start worked
+    assert ctx.starts == 2 and standby.proc.pid is not None
+    standby.discard()  # it reads EOF and exits
+    assert not standby.proc.is_alive()
+
+
 JOINER_START = """
 import os
 import sys

@@ -102,8 +102,9 @@ class Standby:
 
     def __init__(self, ctx: Any, worker_id: str, cfg: Any = None) -> None:
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_standby_main, args=(child, os.getpid()), name=f"meridian-trainer-{worker_id}",
-                                daemon=True)  # fmt: skip
+        self._process = lambda: ctx.Process(target=_standby_main, args=(child, os.getpid()),
+                                            name=f"meridian-trainer-{worker_id}", daemon=True)  # fmt: skip
+        self.proc = self._process()
         self._start_error: BaseException | None = None
         self._starting = threading.Thread(target=self._start, args=(child, cfg), name="meridian-standby-start",
                                           daemon=True)  # fmt: skip
@@ -111,7 +112,13 @@ class Standby:
 
     def _start(self, child: Any, cfg: Any) -> None:
         try:
-            self.proc.start()
+            try:
+                self.proc.start()
+            except (EOFError, ConnectionError):
+                # The fork server's end of the connection closed (it died): multiprocessing starts a new one for
+                # the next process, so one more try, before the worker gives up on training here.
+                self.proc = self._process()
+                self.proc.start()
         except BaseException as e:  # noqa: BLE001 - go() raises it
             self._start_error = e
             return
