@@ -140,8 +140,10 @@ class Coordinator:
         wid = request.worker_id
         with self._cond:
             rejoining = self.state.epoch is not None and self.state.epoch.has(wid)
-        # Outside the lock: a probe of an unreachable host takes its timeout.
-        self._judge(also=wid if rejoining else "", only_news=True)
+            polled = self._polls_again_locked(request)
+        if not polled:
+            # Outside the lock: a probe of an unreachable host takes its timeout.
+            self._judge(also=wid if rejoining else "", only_news=True)
         with self._cond:
             if self.job_finished or self.closed:
                 return Finished()  # a late worker (a replacement, one left out) has nothing to do
@@ -155,6 +157,7 @@ class Coordinator:
                 # registering it again as waiting would break that epoch before it formed its group.
                 self._track_silent_locked(wid)
                 return a
+            polled = self._polls_again_locked(request)
             self._ports[wid] = request.port
             self.state.waiting[wid] = Member.from_request(request, joined_at=self._first_seen.setdefault(wid, now))
             self._called_locked(wid, now)
@@ -164,7 +167,8 @@ class Coordinator:
             is_member = self.state.epoch is not None and self.state.epoch.has(wid)
             if is_member and self.state.first_rejoin_at is None:
                 self.state.first_rejoin_at = now
-            self._decide_locked()
+            if not polled:
+                self._decide_locked()
             if self.max_waiters is not None and self._waiters >= self.max_waiters:
                 # Not held: no thread waits for this worker; it calls back, after a delay sized to the job.
                 a = self._assignment_locked(wid, known_epoch)
@@ -362,6 +366,13 @@ class Coordinator:
             out += [(w, members[e.ranks[w]].address, members[e.ranks[w]].probe_port) for w in self._silent
                     if w != also]  # fmt: skip
         return out
+
+    def _polls_again_locked(self, request: JoinRequest) -> bool:
+        """``request`` is the same as the one its worker waits with: nothing it says changes what is decided or
+        judged (what changes with time alone, the runner's tick decides and judges twice a second). A large job's
+        waiting workers call back every few seconds; deciding at each call cost each call a pass over the members."""
+        m = self.state.waiting.get(request.worker_id)
+        return m is not None and m == Member.from_request(request, joined_at=m.joined_at)
 
     def _called_locked(self, wid: str, now: float) -> None:
         """A waiting worker calls (or waits in a call) at ``now``: it moves to the end of :attr:`_last_call`."""
