@@ -149,6 +149,8 @@ def test_a_re_formation_forms_when_the_last_reachable_member_is_back_and_not_bef
     for i in survivors[:-1]:
         r = c.join(request(i, "dc-a" if i < 16 else "dc-b", step=5), known_epoch=1, poll_s=0.0)
         assert isinstance(r, Waiting) and c.epoch.number == 1
+    # The rejoined, kept as they came, are what a scan would find.
+    assert c._back == set(c.state.waiting) & c.epoch.ids and len(c._back) == len(survivors) - 1 and not c._new
     a = c.join(request(survivors[-1], "dc-b", step=5), known_epoch=1, poll_s=0.0)
     assert isinstance(a, Assignment) and a.epoch == 2 and a.world_size == len(survivors) and a.resume_step == 5
 

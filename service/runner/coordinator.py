@@ -129,6 +129,10 @@ class Coordinator:
         self._silent: dict[str, None] = {}
         """Members of the current epoch with a liveness port that have not rejoined and are not left behind, in rank
         order: whom a pending re-formation probes (kept as joins come, not found by a scan of the members)."""
+        self._back: set[str] = set()
+        """The waiting workers that are members of the current epoch (rejoined), kept as joins come."""
+        self._new: dict[str, None] = {}
+        """The waiting workers that are not (newcomers), kept as joins come."""
         self._judging = threading.Lock()
         """Held by the one join (or waiting call) judging: the others do not judge the same evidence again."""
         self._said: tuple[str, float] = ("", float("-inf"))  # the last wait reason reported, and when
@@ -160,6 +164,10 @@ class Coordinator:
             polled = self._polls_again_locked(request)
             self._ports[wid] = request.port
             self.state.waiting[wid] = Member.from_request(request, joined_at=self._first_seen.setdefault(wid, now))
+            if self.state.epoch is not None and self.state.epoch.has(wid):
+                self._back.add(wid)
+            else:
+                self._new[wid] = None
             self._called_locked(wid, now)
             self._silent.pop(wid, None)
             if self.state.epoch is None and self.state.first_join_at is None:
@@ -398,9 +406,8 @@ class Coordinator:
 
     def _newcomers_since_locked(self) -> float | None:
         """When the longest-waiting worker that is not a member first joined (a set difference, not a scan)."""
-        e, waiting = self.state.epoch, self.state.waiting
-        new = waiting.keys() - e.ids if e is not None else waiting.keys()
-        return min((waiting[w].joined_at for w in new), default=None)
+        waiting = self.state.waiting
+        return min((waiting[w].joined_at for w in self._new), default=None)
 
     def _seen_locked(self, also: str) -> Seen:
         now, e, alive = self.clock(), self.state.epoch, self._alive_nodes
@@ -445,6 +452,8 @@ class Coordinator:
                 if v.rank is None:
                     self._last_call.pop(v.worker_id, None)
                     m = self.state.waiting.pop(v.worker_id, None)
+                    self._new.pop(v.worker_id, None)
+                    self._back.discard(v.worker_id)
                     if m is not None:
                         self.on_event(EventKind.WORKER_GONE, f"the waiting worker in {m.datacenter} on node "
                                       f"{m.node_id[:12]} is gone (it stopped calling and {v.reason}): not waited "
@@ -526,7 +535,7 @@ class Coordinator:
         alive = self._alive_nodes if self._alive_nodes is not None else {m.node_id for m in self.state.waiting.values()} | (
             {m.node_id for m in self.state.epoch.members} if self.state.epoch else set())
         decision = decide(self.state, self.clock(), alive_nodes=alive, grace_s=self.grace_s,
-                          start_timeout_s=self.start_timeout_s, gone=self.left_behind)
+                          start_timeout_s=self.start_timeout_s, gone=self.left_behind, back=self._back)
         if isinstance(decision, Wait):
             self.wait_reason = decision.reason
             self._say_waiting_locked()
@@ -537,6 +546,7 @@ class Coordinator:
             for m in e.members:
                 self.state.waiting.pop(m.worker_id, None)
                 self._last_call.pop(m.worker_id, None)
+            self._back, self._new = set(), dict.fromkeys(self.state.waiting)  # who waits now waits to join it
             self._silent = {m.worker_id: None for m in e.members if m.probe_port and m.worker_id not in self.left_behind}
             self.state.first_rejoin_at = None
             self.wait_reason = ""

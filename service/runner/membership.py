@@ -186,11 +186,13 @@ def _adopted_resume_step(new: list[Member]) -> int:
 
 
 def decide(state: MembershipState, now: float, *, alive_nodes: set[str], grace_s: float,
-           start_timeout_s: float, gone: frozenset[str] | set[str] = frozenset()) -> Form | Wait | None:
+           start_timeout_s: float, gone: frozenset[str] | set[str] = frozenset(),
+           back: set[str] | None = None) -> Form | Wait | None:
     """``Form`` a new epoch, ``Wait`` (with why), or ``None`` when there is nothing to decide.
 
     ``alive_nodes``: nodes Ray currently reports alive; a member on a dead node is not waited for, nor is one
-    in ``gone`` (worker ids the liveness judge found dead and the controller left behind).
+    in ``gone`` (worker ids the liveness judge found dead and the controller left behind). ``back``: the waiting
+    workers that are members of the current epoch, when the caller keeps them (else found here).
     """
     if not state.waiting:
         return None
@@ -208,7 +210,7 @@ def decide(state: MembershipState, now: float, *, alive_nodes: set[str], grace_s
 
     # Every rejoin of a re-formation asks: the waiting case is set operations (C loops) and the members that
     # cannot be reached (a lost node's), never a Python scan of every member.
-    back_ids = state.waiting.keys() & current.ids
+    back_ids = back if back is not None else state.waiting.keys() & current.ids
     n_new = len(state.waiting) - len(back_ids)
     unreachable = current.unreachable(alive_nodes, gone)
     if not back_ids:
@@ -242,12 +244,12 @@ def decide(state: MembershipState, now: float, *, alive_nodes: set[str], grace_s
     if not everyone_back and not grace_over:
         return Wait(f"{len(back_ids)} of {n_expected} reachable workers are back; waiting up to {grace_s:.0f} s for the rest")
     waiting = list(state.waiting.values())
-    back = [m for m in waiting if m.worker_id in back_ids]
+    returned = [m for m in waiting if m.worker_id in back_ids]
     lost = tuple(m for m in current.members if m.worker_id not in back_ids)
     # A new worker on a node Ray reports dead, or known gone, is not taken in with the members (they would wait on
     # it to form the group, until the abort); one on a node too new for the last report is taken in at the next.
     new = [m for m in waiting if m.worker_id not in back_ids and m.node_id in alive_nodes and m.worker_id not in gone]
-    survivors = back + new
+    survivors = returned + new
     if len(survivors) < state.min_workers:
         return Wait(
             f"{len(survivors)} worker(s) left after losing {len(lost)}; the job needs at least "
@@ -256,9 +258,9 @@ def decide(state: MembershipState, now: float, *, alive_nodes: set[str], grace_s
     # A member that holds no state at the current epoch's step (a newcomer of it whose epoch broke before it
     # restored, so before it kept a snapshot; or one whose folder is stale) is a newcomer again: it receives the
     # state. Taking its step as everyone's sent the whole job back to step 0 and discarded the others' snapshots.
-    holders = [m for m in back if m.last_step >= current.resume_step]
-    resume = min(m.last_step for m in holders or back)
-    empty = [m for m in back if m.last_step < current.resume_step] if holders else []
+    holders = [m for m in returned if m.last_step >= current.resume_step]
+    resume = min(m.last_step for m in holders or returned)
+    empty = [m for m in returned if m.last_step < current.resume_step] if holders else []
     members = _ordered(survivors, state.dc_order)
     newcomers = tuple(m.worker_id for m in new + empty)
     return Form(Epoch(current.number + 1, members, resume_step=resume, newcomers=newcomers), lost)
