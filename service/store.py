@@ -150,7 +150,14 @@ class JobRecord:
     @cached_property
     def resolved(self) -> ResolvedJob | None:
         """The plan and training config fixed at submit; ``None`` for a job stored by a service older than them."""
-        return ResolvedJob.from_json(self.resolved_json) if self.resolved_json else None
+        return _resolved(self.resolved_json) if self.resolved_json else None
+
+
+@functools.lru_cache(maxsize=64)
+def _resolved(text: str) -> ResolvedJob:
+    """A stored resolved job, parsed once per distinct text: the supervisor reads every active job's at every tick
+    (its plan lists every rank). Frozen, so shared between reads."""
+    return ResolvedJob.from_json(text)
 
 
 @dataclass(frozen=True)
