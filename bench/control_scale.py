@@ -357,5 +357,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 server.kill()
                 server.wait(5)
         ray.shutdown()
+        shutil.rmtree(tmp, ignore_errors=True)  # the service's store and Ray's session files: read above
         out["load_avg_1m"] = round(os.getloadavg()[0], 2)
     return out
