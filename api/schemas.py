@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import MISSING, fields, replace
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, create_model, field_validator, model_validator
 
 from meridian.service.errors import InvalidJob
 from meridian.service.jobs import (
@@ -571,6 +571,16 @@ class WorkerPlacement(BaseModel):
     device: str = ""
 
 
+_PLACEMENT = TypeAdapter(list[WorkerPlacement])
+
+
+@functools.lru_cache(maxsize=64)
+def _stored_placement(text: str) -> tuple[WorkerPlacement, ...]:
+    """A job's stored placement, validated once per distinct text: every GET of a job of N ranks built N models
+    (most of such a GET's time at 3,072 ranks). The models are shared between responses, which only read them."""
+    return tuple(_PLACEMENT.validate_json(text))
+
+
 class JobPublic(BaseModel):
     id: str
     name: str
@@ -592,11 +602,15 @@ class JobPublic(BaseModel):
     @classmethod
     def from_record(cls, job: JobRecord) -> JobPublic:
         progress = {k: v for k, v in (job.progress or {}).items() if k in Progress.model_fields}
+        if job.placement_json is not None and job.placement:
+            placement = list(_stored_placement(job.placement_json))
+        else:
+            keep = WorkerPlacement.model_fields.keys()
+            placement = [WorkerPlacement(**{k: v for k, v in p.items() if k in keep}) for p in job.placement or []]
         return cls(
             id=job.id, name=job.name, owner=job.owner, priority=job.priority, state=job.status.state.value,
             reason=job.status.reason, message=job.status.message, progress=Progress(**progress),
-            placement=[WorkerPlacement(**{k: v for k, v in p.items() if k in WorkerPlacement.model_fields})
-                       for p in job.placement or []],
+            placement=placement,
             plan=job.plan, result=job.result, spec=job.spec, created_at=job.created_at,
             updated_at=job.updated_at, started_at=job.started_at, finished_at=job.finished_at,
         )

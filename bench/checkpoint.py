@@ -41,7 +41,7 @@ class _Formed:
     def __init__(self, rank: int, world: int, cfg: Any) -> None:
         from meridian.workers.contracts.rendezvous import Assignment
 
-        self.a = Assignment(epoch=1, rank=rank, world_size=world, datacenters=cfg.datacenters, master_addr="",
+        self.a = Assignment.of(epoch=1, rank=rank, world_size=world, datacenters=cfg.datacenters, master_addr="",
                             master_port=0, resume_step=0, from_checkpoint=False, newcomer_ranks=tuple(range(world)))
 
     def join(self, *, last_step: int, timeout_s: float) -> Any:

@@ -14,7 +14,10 @@ speak the workers' rendezvous, heartbeat and step-record protocol to the runner.
 - ``store_rows_per_s``: rows the service wrote to the job's records and events over that window (SQLite);
 - ``reform_s``: from one node's ranks stopping (its peers' epoch breaks, and Ray's view loses the node at once:
   Ray's own detection delay is not in the figure) to the last survivor's assignment in the new epoch;
-- ``api_get``: latency of ``GET /v1/jobs/{id}`` and ``GET /v1/jobs`` at ``--api-rps`` while all of it runs.
+- ``api_get``: latency of ``GET /v1/jobs/{id}`` and ``GET /v1/jobs`` at ``--api-rps`` while all of it runs;
+- ``phases``: for the first epoch and the re-formation, when the coordinator formed the epoch (``formed_s``, from its
+  ``epoch_formed`` event: the rest of the phase is the ranks collecting their assignments) and the CPU-seconds the
+  runner's process and the simulated ranks' processes spent in it (they share this machine's cores).
 
 Every wait is bounded by ``--timeout-s``; a phase that does not finish in time is reported as ``null`` with the
 reason in ``errors``.
@@ -53,7 +56,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steady-s", type=float, default=10.0, help="window of steps the CPU and store rates are read over")
     p.add_argument("--beats-per", choices=("rank", "node"), default="rank",
                    help="one heartbeat call per rank (what workers do) or per node, every --beats-every-s")
-    p.add_argument("--beats-every-s", type=float, default=0.25, help="heartbeat batch period (default 0.25, the workers')")
+    p.add_argument("--beats-every-s", type=float, default=0.0,
+                   help="heartbeat batch period (default 0: the workers', sized to the epoch: 0.25 s, 2 s at 3,072 ranks)")
     p.add_argument("--api-rps", type=float, default=10.0, help="API GETs per second while it runs (default 10)")
     p.add_argument("--timeout-s", type=float, default=120.0, help="bound of each phase (default 120)")
     p.add_argument("--no-loss", action="store_true", help="skip losing a node")
@@ -163,6 +167,49 @@ def _rows(db: str, job_id: str) -> int:
         con.close()
 
 
+def _formed_at(db: str, job_id: str, epoch: int, timeout_s: float) -> float | None:
+    """The wall time of epoch ``epoch``'s ``epoch_formed`` event, once the service has stored it."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if os.path.exists(db):
+            con = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=10)
+            try:
+                for (data,) in con.execute("SELECT data FROM events WHERE job_id=? AND kind='epoch_formed'", (job_id,)):
+                    d = json.loads(data)
+                    if d.get("epoch") == epoch and "time" in d:
+                        return float(d["time"])
+            except sqlite3.Error:
+                pass
+            finally:
+                con.close()
+        time.sleep(0.5)
+    return None
+
+
+class PhaseCpu:
+    """CPU-seconds of the runner's process and of the rank processes between :meth:`start` and :meth:`stop`."""
+
+    def __init__(self, runner_pid: int, rank_pids: list[int]) -> None:
+        self.pids = [runner_pid, *rank_pids]
+        self.at: list[float] = []
+
+    def _now(self) -> list[float]:
+        out = []
+        for pid in self.pids:
+            try:
+                out.append(_cpu_s(pid))
+            except OSError:
+                out.append(0.0)
+        return out
+
+    def start(self) -> None:
+        self.at = self._now()
+
+    def stop(self) -> dict[str, float]:
+        d = [b - a for a, b in zip(self.at, self._now(), strict=True)]
+        return {"runner_cpu_s": round(d[0], 2), "ranks_cpu_s": round(sum(d[1:]), 2)}
+
+
 def _await_epoch(procs: RankProcs, min_epoch: int, ranks: int, timeout_s: float, errors: list[str]) -> float:
     """The wall time the last of ``ranks`` ranks got an assignment in an epoch ≥ ``min_epoch``."""
     got: dict[int, tuple[int, int, float]] = {}  # process → (epoch, ranks, last_at)
@@ -252,12 +299,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         while seen < len(procs.procs):
             _, msg = procs.lines.get(timeout=max(0.1, deadline - time.monotonic()))
             seen += "ready" in msg
+        phase = PhaseCpu(pid, [p.pid for p in procs.procs])
+        phases: dict[str, Any] = {}
+        out["phases"] = phases
+        phase.start()
         t0 = time.time()
         procs.send("go")
         out["first_epoch_s"] = round(_await_epoch(procs, 1, args.ranks, args.timeout_s, errors) - t0, 3)
+        phases["first_epoch"] = phase.stop()
+        db = os.path.join(tmp, "meridian.db")
 
         time.sleep(min(args.steady_s, 3 * args.step_s))  # the first steps' records and beats arrive
-        db = os.path.join(tmp, "meridian.db")
         rows0, cpu0, w0 = (_rows(db, job_id) if os.path.exists(db) else 0), _cpu_s(pid), time.monotonic()
         time.sleep(args.steady_s)
         rows1, cpu1, w1 = (_rows(db, job_id) if os.path.exists(db) else 0), _cpu_s(pid), time.monotonic()
@@ -267,11 +319,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
         if not args.no_loss:
             lost = nodes[-1][0]  # the last node of the last datacenter
+            phase.start()
             t1 = time.time()
             procs.send(f"lose {lost}")
             actor.sim_lose_node.remote(lost)
             out["lost_node"] = lost
             out["reform_s"] = round(_await_epoch(procs, 2, args.ranks - RANKS_PER_NODE, args.timeout_s, errors) - t1, 3)
+            phases["reform"] = phase.stop()
+            formed = _formed_at(db, job_id, 2, 15.0)
+            phases["reform"]["formed_s"] = round(formed - t1, 3) if formed is not None else None
+        formed = _formed_at(db, job_id, 1, 15.0)
+        phases["first_epoch"]["formed_s"] = round(formed - t0, 3) if formed is not None else None
         status, job, _ = api.call("GET", f"/v1/jobs/{job_id}")
         out["job_state"] = job.get("state") if isinstance(job, dict) else None
     except (TimeoutError, RuntimeError, queue.Empty) as e:
@@ -299,5 +357,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 server.kill()
                 server.wait(5)
         ray.shutdown()
+        shutil.rmtree(tmp, ignore_errors=True)  # the service's store and Ray's session files: read above
         out["load_avg_1m"] = round(os.getloadavg()[0], 2)
     return out

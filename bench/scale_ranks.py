@@ -6,8 +6,9 @@ every :class:`Waiting`), and once assigned it "trains" one step every ``--step-s
 heartbeat per step (the fields of :func:`meridian.workers.loop.observe.heartbeat`), rank 0's
 :class:`~meridian.workers.contracts.records.StepRecord` through ``push_progress`` and its ``rdzv_pending_change``
 question every 0.5 s, as :class:`~meridian.workers.elastic.trainer.PendingChangeWatch` asks. Heartbeats leave in
-batches every ``--beats-every-s``: one ``push_heartbeats`` call per rank (``--beats-per rank``, what a worker's
-agent does) or one per node with its ranks' beats (``--beats-per node``). No model, no collectives.
+batches every ``--beats-every-s`` (``0``: as often as the workers batch in an epoch of that size,
+:func:`~meridian.workers.elastic.protocol.beats_every_s`): one ``push_heartbeats`` call per rank (``--beats-per rank``,
+what a worker's agent does) or one per node with its ranks' beats (``--beats-per node``). No model, no collectives.
 
 Commands on stdin, one a line: ``go`` (start joining), ``lose NODE`` (NODE's ranks stop calling; every other rank's
 epoch breaks, as its collectives would, and it rejoins), ``quit``. On stdout, JSON lines: ``{"ready": ...}`` once
@@ -38,6 +39,7 @@ class Ranks:
         self.reported: set[int] = set()
         self.beats: dict[str, list[dict[str, Any]]] = {}  # batch key (rank's worker id or node) → beats
         self.tasks: dict[str, asyncio.Task] = {}
+        self.every_s = args.beats_every_s or 0.25  # until an epoch's size is known
 
     def say(self, **fields: Any) -> None:
         print(json.dumps(fields), flush=True)
@@ -68,6 +70,10 @@ class Ranks:
             epoch, step, rank = reply.epoch, reply.resume_step, reply.rank
             broken = self.broken
             self.assigned[worker_id] = (epoch, time.time(), reply.world_size)
+            if not self.args.beats_every_s:
+                from meridian.workers.elastic.protocol import beats_every_s
+
+                self.every_s = beats_every_s(reply.world_size)
             self._check_epoch()
             key = node if self.args.beats_per == "node" else worker_id
             asked_at = time.monotonic()
@@ -94,7 +100,7 @@ class Ranks:
 
     async def send_beats(self) -> None:
         while True:
-            await asyncio.sleep(self.args.beats_every_s)
+            await asyncio.sleep(self.every_s)
             batches, self.beats = self.beats, {}
             for beats in batches.values():
                 self.runner.push_heartbeats.remote(beats)
@@ -154,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nodes", required=True, help="NODE@DC,... the simulated nodes this process hosts")
     p.add_argument("--ranks-per-node", type=int, default=8)
     p.add_argument("--step-s", type=float, default=1.0)
-    p.add_argument("--beats-every-s", type=float, default=0.25)
+    p.add_argument("--beats-every-s", type=float, default=0.0)
     p.add_argument("--beats-per", choices=("rank", "node"), default="rank")
     asyncio.run(amain(p.parse_args(argv)))
     return 0

@@ -7,6 +7,7 @@ skip a state. A restart of the service loses nothing that was committed here.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import threading
@@ -138,6 +139,8 @@ class JobRecord:
     suspend_requested_at: float | None = None
     relaunches: int = 0
     """Times the job was queued again after its runner actor was lost (``meridian serve --max-relaunches``)."""
+    placement_json: str | None = field(default=None, repr=False, compare=False)
+    """:attr:`placement` as stored: the API validates a stored placement once per distinct text."""
 
     @cached_property
     def request(self) -> JobRequest:
@@ -147,7 +150,14 @@ class JobRecord:
     @cached_property
     def resolved(self) -> ResolvedJob | None:
         """The plan and training config fixed at submit; ``None`` for a job stored by a service older than them."""
-        return ResolvedJob.from_json(self.resolved_json) if self.resolved_json else None
+        return _resolved(self.resolved_json) if self.resolved_json else None
+
+
+@functools.lru_cache(maxsize=64)
+def _resolved(text: str) -> ResolvedJob:
+    """A stored resolved job, parsed once per distinct text: the supervisor reads every active job's at every tick
+    (its plan lists every rank). Frozen, so shared between reads."""
+    return ResolvedJob.from_json(text)
 
 
 @dataclass(frozen=True)
@@ -183,19 +193,31 @@ def _loads(text: str | None) -> Any:
     return json.loads(text) if text else None
 
 
+@functools.lru_cache(maxsize=64)
+def _decoded_placement(text: str) -> tuple[dict[str, Any], ...]:
+    return tuple(json.loads(text))
+
+
+def _placement(text: str | None) -> list[dict[str, Any]] | None:
+    """A stored placement, decoded once per distinct text (one entry per rank, read at every GET and poll: a job of
+    3,072 ranks decoded 3,072 entries each time); the entries are shared between reads, which never change them."""
+    return list(_decoded_placement(text)) if text else None
+
+
 def _record(row: sa.Row) -> JobRecord:
     m = row._mapping
     return JobRecord(
         id=m["id"], seq=m["seq"], name=m["name"], owner=m["owner"], priority=m["priority"],
         status=JobStatus(JobState(m["state"]), m["reason"], m["message"]),
         request_json=m["request"], spec=json.loads(m["spec"]),
-        plan=_loads(m["plan"]), placement=_loads(m["placement"]), progress=_loads(m["progress"]),
+        plan=_loads(m["plan"]), placement=_placement(m["placement"]), progress=_loads(m["progress"]),
         result=_loads(m["result"]), runner=m["runner"],
         created_at=m["created_at"], updated_at=m["updated_at"],
         started_at=m["started_at"], finished_at=m["finished_at"], cancel_requested=bool(m["cancel_requested"]),
         cancel_requested_at=m["cancel_requested_at"], state_since=m["state_since"] or m["created_at"],
         request_hash=m["request_hash"], resolved_json=m["resolved"], suspend_requested=bool(m["suspend_requested"]),
         suspend_requested_at=m["suspend_requested_at"], relaunches=m["relaunches"] or 0,
+        placement_json=m["placement"],
     )
 
 

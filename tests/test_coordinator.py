@@ -101,7 +101,7 @@ def test_every_poll_of_one_join_offers_the_same_store_port():
         ports.append(request.port)
         if len(ports) < 3:
             return Waiting("2 of 3 workers have started")
-        return Assignment(epoch=1, rank=0, world_size=3, datacenters=("a", "a", "b"), master_addr="127.0.0.1",
+        return Assignment.of(epoch=1, rank=0, world_size=3, datacenters=("a", "a", "b"), master_addr="127.0.0.1",
                           master_port=ports[-1], resume_step=0, from_checkpoint=False, newcomer_ranks=(0, 1, 2))
 
     rdzv = Rendezvous(call, worker_id="w0", datacenter="a", node_id="n0", address="127.0.0.1")
@@ -125,7 +125,7 @@ def test_a_joiner_hosts_its_store_while_it_waits_so_peers_never_race_it():
         peer = dist.TCPStore("127.0.0.1", request.port, is_master=False, timeout=timedelta(seconds=2))
         peer.set("hello", "there")
         seen.append(request.port)
-        return Assignment(epoch=1, rank=0, world_size=2, datacenters=("a", "b"), master_addr="127.0.0.1",
+        return Assignment.of(epoch=1, rank=0, world_size=2, datacenters=("a", "b"), master_addr="127.0.0.1",
                           master_port=request.port, resume_step=0, from_checkpoint=False, newcomer_ranks=(0, 1))
 
     rdzv = Rendezvous(call, worker_id="w0", datacenter="a", node_id="n0", address="127.0.0.1")
@@ -149,7 +149,7 @@ def test_a_standby_s_store_serves_its_first_join_with_the_job_s_timeout_and_form
 
     def call(method, request, epoch):
         offered.append(request.port)
-        return Assignment(epoch=epoch + 1, rank=0, world_size=1, datacenters=("a",), master_addr="127.0.0.1",
+        return Assignment.of(epoch=epoch + 1, rank=0, world_size=1, datacenters=("a",), master_addr="127.0.0.1",
                           master_port=request.port, resume_step=0, from_checkpoint=False, newcomer_ranks=(0,))
 
     rdzv = Rendezvous(call, worker_id="w0", datacenter="a", node_id="n0", address="127.0.0.1",
@@ -193,7 +193,7 @@ def test_rank_0_told_a_store_port_it_does_not_host_leaves_to_join_again():
     from meridian.workers.elastic.trainer import is_peer_failure
 
     def call(method, request, epoch):
-        return Assignment(epoch=1, rank=0, world_size=2, datacenters=("a", "b"), master_addr="127.0.0.1",
+        return Assignment.of(epoch=1, rank=0, world_size=2, datacenters=("a", "b"), master_addr="127.0.0.1",
                           master_port=request.port + 1, resume_step=0, from_checkpoint=False, newcomer_ranks=(0, 1))
 
     rdzv = Rendezvous(call, worker_id="w0", datacenter="a", node_id="n0", address="127.0.0.1",

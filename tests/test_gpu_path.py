@@ -24,7 +24,7 @@ def test_backend_is_chosen_per_device_never_hard_coded():
 
 
 def _assignment() -> Assignment:
-    return Assignment(epoch=1, rank=1, world_size=2, master_addr="127.0.0.1", master_port=1234,
+    return Assignment.of(epoch=1, rank=1, world_size=2, master_addr="127.0.0.1", master_port=1234,
                       datacenters=("a", "a"), resume_step=0, from_checkpoint=False, newcomer_ranks=())  # fmt: skip
 
 

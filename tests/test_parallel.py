@@ -219,7 +219,7 @@ class _FormedRendezvous:
 
     def __init__(self, rank, world, cfg, epoch=1, resume_step=0):
         self.epoch = 0
-        self.a = Assignment(epoch=epoch, rank=rank, world_size=world, datacenters=cfg.datacenters, master_addr="",
+        self.a = Assignment.of(epoch=epoch, rank=rank, world_size=world, datacenters=cfg.datacenters, master_addr="",
                             master_port=0, resume_step=resume_step, from_checkpoint=False,
                             newcomer_ranks=tuple(range(world)))  # fmt: skip
 

@@ -42,12 +42,12 @@ class _Rendezvous:
         self.epoch += 1
         if self.epoch == 1:
             world = len(self.cfg.datacenters)
-            return Assignment(epoch=1, rank=self.rank, world_size=world, datacenters=self.cfg.datacenters,
+            return Assignment.of(epoch=1, rank=self.rank, world_size=world, datacenters=self.cfg.datacenters,
                               master_addr="", master_port=0, resume_step=0, from_checkpoint=False,
                               newcomer_ranks=tuple(range(world)))  # fmt: skip
         if self.epoch > 2 or self.rank not in self.survivors:
             raise JobFinished()
-        return Assignment(epoch=2, rank=self.survivors.index(self.rank), world_size=len(self.survivors),
+        return Assignment.of(epoch=2, rank=self.survivors.index(self.rank), world_size=len(self.survivors),
                           datacenters=self.datacenters, master_addr="", master_port=0, resume_step=last_step,
                           from_checkpoint=False, newcomer_ranks=())  # fmt: skip
 

@@ -183,7 +183,7 @@ class JobRunner:
         """Everything pushed after cursor ``after``, plus the runner's state. ``after`` is the cursor the
         service stored with what it committed: the acknowledgement, so what it covers is trimmed here."""
         # Outside the lock: the coordinator reports events (taking the lock) while holding its own.
-        membership = self.coordinator.status()
+        wait_reason, finished = self.coordinator.waiting_view()
         verdicts = self.coordinator.watch.current
         with self._lock:
             r = self._reports
@@ -193,8 +193,8 @@ class JobRunner:
             return RunnerPoll(
                 state=runner_state(self._state, told=told), error=error_of(self._state, told=told), result=r.result,
                 records=records, events=events,
-                cursor=r.outbox.seq, wait_reason=membership.get("wait_reason", ""),
-                finished=bool(membership.get("finished")), placement=r.placement.ranks, stalls=self.coordinator.watch.stalls(),
+                cursor=r.outbox.seq, wait_reason=wait_reason, finished=finished, placement=r.placement_since(after),
+                stalls=self.coordinator.watch.stalls(),
                 suspended_step=suspended_step(self._state, told=told),
             )
 

@@ -22,6 +22,7 @@ coordinator probes each member that has not rejoined, whenever a worker rejoins 
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -66,7 +67,14 @@ NEWCOMERS_PROBE_AFTER_S = 5.0
 
 RETRY_AFTER_S = 0.5
 """A join that finds :attr:`Coordinator.max_waiters` calls already held open is registered, answered at once and
-told to call again after this long (well under :data:`STALE_POLL_S`, so it is not taken for gone)."""
+told to call again after at least this long."""
+JOIN_CALLS_PER_S = 1000.0
+"""Join calls per second that the workers not held open make together: a large job's call-back delay is sized so
+(:attr:`Coordinator.retry_after_s`), and a worker that calls back is not taken for gone before
+:data:`STALE_POLL_S` past that delay."""
+WAITING_EVENT_EVERY_S = 1.0
+"""A wait reason that changes only in its counts ("12 of 3072 workers have started") is reported as an event at
+most this often (the runner's tick reports the latest); one that changes in kind is reported at once."""
 
 EventSink = Callable[[str, str, dict[str, Any]], None]
 
@@ -115,6 +123,19 @@ class Coordinator:
         of threads: with more ranks than threads, held calls would queue the other ranks' joins (and every other
         call) behind their polls, so a first epoch of N ranks took N / threads polls to register everyone."""
         self._waiters = 0
+        self.retry_after_s = max(RETRY_AFTER_S, (planned_workers - (max_waiters or 0)) / JOIN_CALLS_PER_S)
+        """How long a join not held open is told to wait before calling again: sized to the job, so the calls of
+        its waiting workers stay near :data:`JOIN_CALLS_PER_S` whatever its size."""
+        self._silent: dict[str, None] = {}
+        """Members of the current epoch with a liveness port that have not rejoined and are not left behind, in rank
+        order: whom a pending re-formation probes (kept as joins come, not found by a scan of the members)."""
+        self._back: set[str] = set()
+        """The waiting workers that are members of the current epoch (rejoined), kept as joins come."""
+        self._new: dict[str, None] = {}
+        """The waiting workers that are not (newcomers), kept as joins come."""
+        self._judging = threading.Lock()
+        """Held by the one join (or waiting call) judging: the others do not judge the same evidence again."""
+        self._said: tuple[str, float] = ("", float("-inf"))  # the last wait reason reported, and when
 
     # -- called by workers ------------------------------------------------------------------------------
     def join(self, request: JoinRequest, known_epoch: int = 0, poll_s: float = 2.0) -> JoinReply:
@@ -123,8 +144,10 @@ class Coordinator:
         wid = request.worker_id
         with self._cond:
             rejoining = self.state.epoch is not None and self.state.epoch.has(wid)
-        # Outside the lock: a probe of an unreachable host takes its timeout.
-        self._judge(also=wid if rejoining else "", only_news=True)
+            polled = self._polls_again_locked(request)
+        if not polled:
+            # Outside the lock: a probe of an unreachable host takes its timeout.
+            self._judge(also=wid if rejoining else "", only_news=True)
         with self._cond:
             if self.job_finished or self.closed:
                 return Finished()  # a late worker (a replacement, one left out) has nothing to do
@@ -136,24 +159,32 @@ class Coordinator:
             if a is not None:
                 # The epoch formed between two of its calls (it was told to wait, then the others arrived):
                 # registering it again as waiting would break that epoch before it formed its group.
-                self._last_call[wid] = now
+                self._track_silent_locked(wid)
                 return a
+            polled = self._polls_again_locked(request)
             self._ports[wid] = request.port
             self.state.waiting[wid] = Member.from_request(request, joined_at=self._first_seen.setdefault(wid, now))
+            if self.state.epoch is not None and self.state.epoch.has(wid):
+                self._back.add(wid)
+            else:
+                self._new[wid] = None
+            self._called_locked(wid, now)
+            self._silent.pop(wid, None)
             if self.state.epoch is None and self.state.first_join_at is None:
                 self.state.first_join_at = now
             is_member = self.state.epoch is not None and self.state.epoch.has(wid)
             if is_member and self.state.first_rejoin_at is None:
                 self.state.first_rejoin_at = now
-            self._decide_locked()
+            if not polled:
+                self._decide_locked()
             if self.max_waiters is not None and self._waiters >= self.max_waiters:
-                self._last_call[wid] = now
+                # Not held: no thread waits for this worker; it calls back, after a delay sized to the job.
                 a = self._assignment_locked(wid, known_epoch)
                 if a is not None:
                     return a
                 if self.job_finished or self.closed:
                     return Finished()
-                return Waiting(self.wait_reason, retry_after_s=RETRY_AFTER_S)
+                return Waiting(self.wait_reason, retry_after_s=self.retry_after_s)
             self._waiters += 1
             try:
                 return self._wait_locked(wid, known_epoch, now + poll_s)
@@ -163,7 +194,8 @@ class Coordinator:
     def _wait_locked(self, wid: str, known_epoch: int, deadline: float) -> JoinReply:
         """Hold a join call open until its worker has an assignment, the job ends, or ``deadline``."""
         while True:
-            self._last_call[wid] = self.clock()  # waiting in a call counts as calling
+            if wid in self.state.waiting:
+                self._called_locked(wid, self.clock())  # waiting in a call counts as calling
             a = self._assignment_locked(wid, known_epoch)
             if a is not None:
                 return a
@@ -225,7 +257,7 @@ class Coordinator:
         before its own finish arrived, has nothing left to do: its next process is told so. (Before, it re-formed
         an epoch alone, and holding a part of the state it trained the job again from step 0.)"""
         e = self.state.epoch
-        return e is not None and any(m.worker_id in self.finished for m in e.members)
+        return e is not None and not self.finished.isdisjoint(e.ids)  # asked at every join: no scan of the members
 
     # -- called by the runner ---------------------------------------------------------------------------
     def close(self) -> None:
@@ -263,6 +295,12 @@ class Coordinator:
                 "finished": self.job_finished,
             }
 
+    def waiting_view(self) -> tuple[str, bool]:
+        """:attr:`wait_reason` and :attr:`job_finished`, what the runner's every poll reads (:meth:`status` lists
+        every waiting worker and rank)."""
+        with self._cond:
+            return self.wait_reason, self.job_finished
+
     @property
     def epoch(self) -> Epoch | None:
         return self.state.epoch
@@ -293,15 +331,21 @@ class Coordinator:
         takes its timeout, and acting takes the lock. ``only_news``: judge only if a probe's answer is news or a
         member may be stuck by now (a worker's join: judging every rank at every join of a large job is quadratic;
         what else changes with time alone, the tick judges)."""
-        with self._cond:
-            suspects = self._suspects_locked(also, everyone)
-            due = self._stuck_due_locked()
-        news = self.probes.probe_each(suspects)
-        if only_news and not news and not due:
-            return self.watch.current
-        with self._cond:
-            verdicts = judge(self._seen_locked(also), self.policy)
-            fresh = self.watch.new(verdicts)
+        if only_news and not self._judging.acquire(blocking=False):
+            return self.watch.current  # another join judges now: what it finds is this join's news too
+        try:
+            with self._cond:
+                suspects = self._suspects_locked(also, everyone)
+                due = self._stuck_due_locked()
+            news = self.probes.probe_each(suspects)
+            if only_news and not news and not due:
+                return self.watch.current
+            with self._cond:
+                verdicts = judge(self._seen_locked(also), self.policy)
+                fresh = self.watch.new(verdicts)
+        finally:
+            if only_news:
+                self._judging.release()
         if fresh:
             self.on_verdicts(fresh)
         return verdicts
@@ -311,17 +355,47 @@ class Coordinator:
         :data:`NEWCOMERS_PROBE_AFTER_S` for a step boundary, the members that have not rejoined; the waiting
         workers that have not called for :data:`STALE_POLL_S`; every member when ``everyone``."""
         now, e = self.clock(), self.state.epoch
-        out = [(w, m.address, m.probe_port) for w, m in self.state.waiting.items()
-               if w != also and now - self._last_call.get(w, now) >= STALE_POLL_S]  # fmt: skip
+        # _last_call is in call order: the stale are its first entries, and the scan stops at the first that is not.
+        limit = STALE_POLL_S + (self.retry_after_s if self.max_waiters is not None else 0.0)
+        out = []
+        for w, at in self._last_call.items():
+            if now - at < limit:
+                break
+            if w != also and (m := self.state.waiting.get(w)) is not None:
+                out.append((w, m.address, m.probe_port))
         if e is None:
             return out
+        if everyone:
+            return out + [(m.worker_id, m.address, m.probe_port) for m in e.members]
         since = self._newcomers_since_locked()
-        if everyone or self.state.first_rejoin_at is not None or also or (
+        if self.state.first_rejoin_at is not None or also or (
                 since is not None and now - since >= NEWCOMERS_PROBE_AFTER_S):
-            out += [(m.worker_id, m.address, m.probe_port) for m in e.members
-                    if everyone or (m.worker_id not in self.state.waiting and m.worker_id != also
-                                    and m.worker_id not in self.left_behind)]  # fmt: skip
+            members = e.members
+            out += [(w, members[e.ranks[w]].address, members[e.ranks[w]].probe_port) for w in self._silent
+                    if w != also]  # fmt: skip
         return out
+
+    def _polls_again_locked(self, request: JoinRequest) -> bool:
+        """``request`` is the same as the one its worker waits with: nothing it says changes what is decided or
+        judged (what changes with time alone, the runner's tick decides and judges twice a second). A large job's
+        waiting workers call back every few seconds; deciding at each call cost each call a pass over the members."""
+        m = self.state.waiting.get(request.worker_id)
+        return m is not None and m == Member.from_request(request, joined_at=m.joined_at)
+
+    def _called_locked(self, wid: str, now: float) -> None:
+        """A waiting worker calls (or waits in a call) at ``now``: it moves to the end of :attr:`_last_call`."""
+        self._last_call.pop(wid, None)
+        self._last_call[wid] = now
+
+    def _track_silent_locked(self, wid: str) -> None:
+        """Put ``wid`` in :attr:`_silent` or take it out, as it now is (a member with a liveness port, not waiting,
+        not left behind) or not."""
+        e = self.state.epoch
+        if (e is not None and e.has(wid) and e.members[e.rank_of(wid)].probe_port and wid not in self.state.waiting
+                and wid not in self.left_behind):
+            self._silent.setdefault(wid, None)
+        else:
+            self._silent.pop(wid, None)
 
     def _stuck_due_locked(self) -> bool:
         """A re-formation, or newcomers, have waited long enough for a member to be judged stuck."""
@@ -331,8 +405,9 @@ class Coordinator:
                 or (since is not None and now - since >= self.policy.newcomers_abort_after_s))
 
     def _newcomers_since_locked(self) -> float | None:
-        ids = {m.worker_id for m in self.state.epoch.members} if self.state.epoch is not None else set()
-        return min((m.joined_at for w, m in self.state.waiting.items() if w not in ids), default=None)
+        """When the longest-waiting worker that is not a member first joined (a set difference, not a scan)."""
+        waiting = self.state.waiting
+        return min((waiting[w].joined_at for w in self._new), default=None)
 
     def _seen_locked(self, also: str) -> Seen:
         now, e, alive = self.clock(), self.state.epoch, self._alive_nodes
@@ -373,8 +448,12 @@ class Coordinator:
         with self._cond:
             for v in verdicts:
                 self.left_behind.add(v.worker_id)
+                self._silent.pop(v.worker_id, None)
                 if v.rank is None:
+                    self._last_call.pop(v.worker_id, None)
                     m = self.state.waiting.pop(v.worker_id, None)
+                    self._new.pop(v.worker_id, None)
+                    self._back.discard(v.worker_id)
                     if m is not None:
                         self.on_event(EventKind.WORKER_GONE, f"the waiting worker in {m.datacenter} on node "
                                       f"{m.node_id[:12]} is gone (it stopped calling and {v.reason}): not waited "
@@ -421,8 +500,7 @@ class Coordinator:
         e, since = self.state.epoch, self.state.first_rejoin_at
         if e is None or since is None or self.clock() - since >= REPROBE_FOR_S:
             return False
-        return any(m.probe_port and m.worker_id not in self.state.waiting and m.worker_id not in self.left_behind
-                   for m in e.members)  # fmt: skip
+        return bool(self._silent)
 
     def _assignment_locked(self, wid: str, known_epoch: int) -> Assignment | None:
         e = self.state.epoch
@@ -432,12 +510,24 @@ class Coordinator:
             return None
         rank = e.rank_of(wid)
         master = e.members[0]
-        return Assignment(
-            epoch=e.number, rank=rank, world_size=len(e.members), datacenters=e.datacenters,
+        return Assignment(  # the layout's runs are the epoch's, shared by every member's assignment
+            epoch=e.number, rank=rank, world_size=len(e.members), dc_runs=e.dc_runs,
             master_addr=master.address, master_port=self._ports[master.worker_id], resume_step=e.resume_step,
-            from_checkpoint=e.from_checkpoint, newcomer_ranks=e.newcomer_ranks,
+            from_checkpoint=e.from_checkpoint, newcomer_spans=e.newcomer_spans,
             snapshot_every=e.snapshot_every, suspend=e.suspend,
         )
+
+    def _say_waiting_locked(self) -> None:
+        """Report :attr:`wait_reason` as an event if it changed in kind, or in its counts only
+        :data:`WAITING_EVENT_EVERY_S` after the last report (N joins of a first epoch made N events)."""
+        said, at = self._said
+        reason, now = self.wait_reason, self.clock()
+        if not reason or reason == said:
+            return
+        if _kind(reason) == _kind(said) and now - at < WAITING_EVENT_EVERY_S:
+            return
+        self._said = (reason, now)
+        self.on_event(EventKind.WAITING, reason, {})
 
     def _decide_locked(self) -> None:
         if self.closed:
@@ -445,19 +535,22 @@ class Coordinator:
         alive = self._alive_nodes if self._alive_nodes is not None else {m.node_id for m in self.state.waiting.values()} | (
             {m.node_id for m in self.state.epoch.members} if self.state.epoch else set())
         decision = decide(self.state, self.clock(), alive_nodes=alive, grace_s=self.grace_s,
-                          start_timeout_s=self.start_timeout_s, gone=self.left_behind)
+                          start_timeout_s=self.start_timeout_s, gone=self.left_behind, back=self._back)
         if isinstance(decision, Wait):
-            if decision.reason != self.wait_reason:
-                self.wait_reason = decision.reason
-                self.on_event(EventKind.WAITING, decision.reason, {})
+            self.wait_reason = decision.reason
+            self._say_waiting_locked()
             return
         if isinstance(decision, Form):
             e = replace(decision.epoch, suspend=True) if self.suspending else decision.epoch
             self.state.epoch = e
             for m in e.members:
                 self.state.waiting.pop(m.worker_id, None)
+                self._last_call.pop(m.worker_id, None)
+            self._back, self._new = set(), dict.fromkeys(self.state.waiting)  # who waits now waits to join it
+            self._silent = {m.worker_id: None for m in e.members if m.probe_port and m.worker_id not in self.left_behind}
             self.state.first_rejoin_at = None
             self.wait_reason = ""
+            self._said = ("", float("-inf"))
             for m in decision.lost:
                 self.on_event(EventKind.WORKER_LOST, f"lost the worker in {m.datacenter} on node {m.node_id[:12]}",
                               {"worker_id": m.worker_id, "datacenter": m.datacenter, "node_id": m.node_id})
@@ -478,3 +571,8 @@ class Coordinator:
                                for r, m in enumerate(e.members)]},
             )
             self._cond.notify_all()
+
+
+def _kind(reason: str) -> str:
+    """A wait reason without its numbers: what it says, not how far along it is."""
+    return re.sub(r"\d+", "#", reason)

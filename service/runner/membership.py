@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from meridian.workers.contracts.rendezvous import JoinRequest
+from meridian.workers.contracts.rendezvous import JoinRequest, runs, spans
 from meridian.workers.elastic.protocol import KEEP_SNAPSHOTS
 
 
@@ -82,6 +82,36 @@ class Epoch:
         return tuple(self.ranks[w] for w in self.newcomers)
 
     @cached_property
+    def dc_runs(self) -> tuple[tuple[str, int], ...]:
+        """:attr:`datacenters` as runs of consecutive ranks (what an assignment carries)."""
+        return runs(self.datacenters)
+
+    @cached_property
+    def newcomer_spans(self) -> tuple[tuple[int, int], ...]:
+        """:attr:`newcomer_ranks` as ranges of consecutive ranks (what an assignment carries)."""
+        return spans(self.newcomer_ranks)
+
+    @cached_property
+    def ids(self) -> frozenset[str]:
+        """The members' worker ids."""
+        return frozenset(self.ranks)
+
+    @cached_property
+    def on_node(self) -> dict[str, tuple[str, ...]]:
+        """Node id → the worker ids of the members on it."""
+        out: dict[str, list[str]] = {}
+        for m in self.members:
+            out.setdefault(m.node_id, []).append(m.worker_id)
+        return {n: tuple(ws) for n, ws in out.items()}
+
+    def unreachable(self, alive_nodes: set[str] | frozenset[str], gone: set[str] | frozenset[str]) -> set[str]:
+        """The members on a node not in ``alive_nodes`` or in ``gone``: set operations over the nodes and the gone,
+        not a scan of the members (called at every join of a re-formation)."""
+        out = {w for n in self.on_node.keys() - alive_nodes for w in self.on_node[n]}
+        out.update(w for w in gone if w in self.ranks)
+        return out
+
+    @cached_property
     def snapshot_every(self) -> int:
         """The widest snapshot cadence any member had agreed."""
         return max(m.snapshot_every for m in self.members)
@@ -127,8 +157,8 @@ class MembershipState:
     def newcomers_waiting(self, alive_nodes: set[str] | None = None) -> bool:
         """A worker waits to join (on a node in ``alive_nodes``, when given): members should re-form at their next
         step boundary."""
-        ids = {m.worker_id for m in self.epoch.members} if self.epoch else set()
-        return any(w not in ids and (alive_nodes is None or m.node_id in alive_nodes) for w, m in self.waiting.items())
+        new = self.waiting.keys() - self.epoch.ids if self.epoch else self.waiting.keys()  # asked every 0.5 s: no scan
+        return any(alive_nodes is None or self.waiting[w].node_id in alive_nodes for w in new)
 
 
 def _ordered(members: list[Member], dc_order: tuple[str, ...]) -> tuple[Member, ...]:
@@ -156,36 +186,41 @@ def _adopted_resume_step(new: list[Member]) -> int:
 
 
 def decide(state: MembershipState, now: float, *, alive_nodes: set[str], grace_s: float,
-           start_timeout_s: float, gone: frozenset[str] | set[str] = frozenset()) -> Form | Wait | None:
+           start_timeout_s: float, gone: frozenset[str] | set[str] = frozenset(),
+           back: set[str] | None = None) -> Form | Wait | None:
     """``Form`` a new epoch, ``Wait`` (with why), or ``None`` when there is nothing to decide.
 
     ``alive_nodes``: nodes Ray currently reports alive; a member on a dead node is not waited for, nor is one
-    in ``gone`` (worker ids the liveness judge found dead and the controller left behind).
+    in ``gone`` (worker ids the liveness judge found dead and the controller left behind). ``back``: the waiting
+    workers that are members of the current epoch, when the caller keeps them (else found here).
     """
     if not state.waiting:
         return None
-    waiting = list(state.waiting.values())
     current = state.epoch
     if current is None:
+        # Counted before anything is listed: the first epoch's every join asks, and only the last one forms.
+        n = len(state.waiting)
         started = now - (state.first_join_at or now)
-        if len(waiting) < state.planned_workers and started < start_timeout_s:
-            return Wait(f"{len(waiting)} of {state.planned_workers} workers have started")
-        if len(waiting) < state.min_workers:
-            return Wait(f"only {len(waiting)} worker(s) started; the job needs at least {state.min_workers}")
-        members = _ordered(waiting, state.dc_order)
+        if n < state.planned_workers and started < start_timeout_s:
+            return Wait(f"{n} of {state.planned_workers} workers have started")
+        if n < state.min_workers:
+            return Wait(f"only {n} worker(s) started; the job needs at least {state.min_workers}")
+        members = _ordered(list(state.waiting.values()), state.dc_order)
         return Form(Epoch(1, members, resume_step=0, newcomers=tuple(m.worker_id for m in members)))
 
-    old = {m.worker_id: m for m in current.members}
-    back = [m for m in waiting if m.worker_id in old]
-    new = [m for m in waiting if m.worker_id not in old]
-    reachable = [m for m in current.members if m.node_id in alive_nodes and m.worker_id not in gone]
-    if not back:
-        if reachable:
+    # Every rejoin of a re-formation asks: the waiting case is set operations (C loops) and the members that
+    # cannot be reached (a lost node's), never a Python scan of every member.
+    back_ids = back if back is not None else state.waiting.keys() & current.ids
+    n_new = len(state.waiting) - len(back_ids)
+    unreachable = current.unreachable(alive_nodes, gone)
+    if not back_ids:
+        if len(unreachable) < len(current.ids):
             # Members are training: they re-form at their next step boundary (newcomers_waiting()).
-            return Wait(f"{len(new)} new worker(s) wait for the next step boundary")
+            return Wait(f"{n_new} new worker(s) wait for the next step boundary")
         # Every member is gone. The state survives only where new workers took over dead members' snapshot folders
         # on their hosts (a Train run restarted on live nodes): resume from the newest step they all hold; the
         # training processes pool those shards and fall back to the durable checkpoint if they do not cover it.
+        new = list(state.waiting.values())
         if len(new) < state.min_workers:
             return Wait(
                 f"every worker of the job was lost and {len(new)} new worker(s) started; the job needs at least "
@@ -201,16 +236,20 @@ def decide(state: MembershipState, now: float, *, alive_nodes: set[str], grace_s
                           newcomers=tuple(m.worker_id for m in members),
                           from_checkpoint=not any(m.last_step for m in new)),
                     lost=current.members)
-    expected = {m.worker_id for m in reachable} | {m.worker_id for m in back}
-    everyone_back = {m.worker_id for m in back} >= expected
+    # Expected: the reachable members and whoever came back; everyone is back when no reachable member is missing.
+    back_unreachable = len(unreachable & back_ids)
+    n_expected = len(current.ids) - len(unreachable) + back_unreachable
+    everyone_back = len(back_ids) >= n_expected
     grace_over = now - (state.first_rejoin_at or now) >= grace_s
     if not everyone_back and not grace_over:
-        return Wait(f"{len(back)} of {len(expected)} reachable workers are back; waiting up to {grace_s:.0f} s for the rest")
-    lost = tuple(m for m in current.members if m.worker_id not in {b.worker_id for b in back})
+        return Wait(f"{len(back_ids)} of {n_expected} reachable workers are back; waiting up to {grace_s:.0f} s for the rest")
+    waiting = list(state.waiting.values())
+    returned = [m for m in waiting if m.worker_id in back_ids]
+    lost = tuple(m for m in current.members if m.worker_id not in back_ids)
     # A new worker on a node Ray reports dead, or known gone, is not taken in with the members (they would wait on
     # it to form the group, until the abort); one on a node too new for the last report is taken in at the next.
-    new = [m for m in new if m.node_id in alive_nodes and m.worker_id not in gone]
-    survivors = back + new
+    new = [m for m in waiting if m.worker_id not in back_ids and m.node_id in alive_nodes and m.worker_id not in gone]
+    survivors = returned + new
     if len(survivors) < state.min_workers:
         return Wait(
             f"{len(survivors)} worker(s) left after losing {len(lost)}; the job needs at least "
@@ -219,9 +258,9 @@ def decide(state: MembershipState, now: float, *, alive_nodes: set[str], grace_s
     # A member that holds no state at the current epoch's step (a newcomer of it whose epoch broke before it
     # restored, so before it kept a snapshot; or one whose folder is stale) is a newcomer again: it receives the
     # state. Taking its step as everyone's sent the whole job back to step 0 and discarded the others' snapshots.
-    holders = [m for m in back if m.last_step >= current.resume_step]
-    resume = min(m.last_step for m in holders or back)
-    empty = [m for m in back if m not in holders] if holders else []
+    holders = [m for m in returned if m.last_step >= current.resume_step]
+    resume = min(m.last_step for m in holders or returned)
+    empty = [m for m in returned if m.last_step < current.resume_step] if holders else []
     members = _ordered(survivors, state.dc_order)
     newcomers = tuple(m.worker_id for m in new + empty)
     return Form(Epoch(current.number + 1, members, resume_step=resume, newcomers=newcomers), lost)

@@ -31,7 +31,9 @@ class PlacementTracker:
         self.started: dict[str, WorkerStarted] = {}
         self.ranks: tuple[PlacedRank, ...] = ()
 
-    def observe(self, event: JobEvent) -> None:
+    def observe(self, event: JobEvent) -> bool:
+        """Follow ``event``; whether it changed the ranks."""
+        before = self.ranks
         if event.kind is EventKind.WORKER_STARTED:
             w: WorkerStarted = event.payload
             self.started[w.worker_id] = w
@@ -43,6 +45,7 @@ class PlacementTracker:
             e: EpochFormed = event.payload
             self.ranks = tuple(_placed(s.rank, s.worker_id, s.node_id, s.datacenter, self.started.get(s.worker_id))
                                for s in e.placement)
+        return self.ranks is not before
 
 
 def _placed(rank: int, worker_id: str, node_id: str, dc: str, started: WorkerStarted | None) -> PlacedRank:

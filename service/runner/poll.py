@@ -57,8 +57,9 @@ class RunnerPoll:
     """Why the elastic membership waits (for workers, for a re-formation); empty while it trains."""
     finished: bool = False
     """The membership saw the last step: ranks are idle by design from here on."""
-    placement: tuple[PlacedRank, ...] = ()
-    """Where each rank of the current membership runs, in rank order."""
+    placement: tuple[PlacedRank, ...] | None = ()
+    """Where each rank of the current membership runs, in rank order; ``None``: unchanged since the cursor asked
+    after (stored with it)."""
     stalls: tuple[StallSeen, ...] = ()
     """Ranks that have stopped finishing steps, as the runner judges them now."""
     suspended_step: int | None = None

@@ -15,7 +15,7 @@ from typing import Any
 from meridian.service.runner.buffer import AckedBuffer
 from meridian.service.runner.liveness.judge import Verdict
 from meridian.service.runner.metrics import JobMetricsState, RayJobMetrics
-from meridian.service.runner.placement import PlacementTracker
+from meridian.service.runner.placement import PlacedRank, PlacementTracker
 from meridian.workers.contracts.events import EventKind, JobEvent
 from meridian.workers.contracts.records import StepRecord
 
@@ -30,6 +30,8 @@ class Reports:
         self.outbox = AckedBuffer()  # records and events until the service acknowledges them
         self.metrics = JobMetricsState(job_id)
         self.placement = PlacementTracker()
+        self.placement_seq = 0
+        """The outbox sequence number of the event that last changed :attr:`placement`."""
         self.result: dict[str, Any] | None = None
         self._records_epoch = 0
         """The epoch of the newest step record (0: none yet)."""
@@ -56,7 +58,14 @@ class Reports:
     def add(self, event: JobEvent) -> None:
         self.outbox.add_event(event)
         self.metrics.on_event(event)
-        self.placement.observe(event)
+        if self.placement.observe(event):
+            self.placement_seq = self.outbox.seq
+
+    def placement_since(self, after: int) -> tuple[PlacedRank, ...] | None:
+        """The ranks' placement if it changed after cursor ``after`` (the event that changed it is after the cursor),
+        else ``None``: the service stored it with that cursor already (N ranks in every poll cost the runner and
+        the service an N-entry copy each second)."""
+        return self.placement.ranks if self.placement_seq > after else None
 
     def add_heartbeats(self, beats: list[dict[str, Any]]) -> None:
         """Stamped with this actor's clock on arrival, the one the liveness judge compares with."""

@@ -135,7 +135,7 @@ def reconcile(
             message=f"step {progress['step']}/{progress['total_steps']} loss {loss_text}",
             payload=ProgressReport(**{k: progress[k] for k in PROGRESS_FIELDS if k in progress})))
     fields: dict[str, Any] = {"progress": progress}
-    placement = [to_plain(p) for p in poll.placement]
+    placement = [to_plain(p) for p in poll.placement] if poll.placement is not None else []
     if placement and placement != (job.placement or []):
         fields["placement"] = placement
     if poll.result is not None:

@@ -10,7 +10,10 @@ back.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, fields
+from functools import cached_property
+from typing import Any
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -33,23 +36,49 @@ class JoinRequest:
     connects there to learn, without waiting for Ray, that a silent member is gone."""
 
 
+def runs(values: Sequence[str]) -> tuple[tuple[str, int], ...]:
+    """``values`` run-length encoded: each value and how many times it repeats in a row, in order."""
+    out: list[tuple[str, int]] = []
+    for v in values:
+        if out and out[-1][0] == v:
+            out[-1] = (v, out[-1][1] + 1)
+        else:
+            out.append((v, 1))
+    return tuple(out)
+
+
+def spans(ranks: Iterable[int]) -> tuple[tuple[int, int], ...]:
+    """Sorted distinct ``ranks`` as half-open ``(start, stop)`` ranges of consecutive ranks."""
+    out: list[tuple[int, int]] = []
+    for r in sorted(set(ranks)):
+        if out and out[-1][1] == r:
+            out[-1] = (out[-1][0], r + 1)
+        else:
+            out.append((r, r + 1))
+    return tuple(out)
+
+
 @dataclass(frozen=True, kw_only=True)
 class Assignment:
-    """This worker's place in an epoch: its rank, the layout, where the store is, where training resumes."""
+    """This worker's place in an epoch: its rank, the layout, where the store is, where training resumes.
+
+    Its size does not grow with the world: the layout travels as runs of ranks (ranks are contiguous per
+    datacenter, and a first epoch's newcomers are every rank), and :attr:`datacenters` and :attr:`newcomer_ranks`
+    expand them where they are read. Every member's assignment of one epoch shares the same runs."""
 
     epoch: int
     rank: int
     world_size: int
-    datacenters: tuple[str, ...]
-    """Each rank's datacenter, in rank order."""
+    dc_runs: tuple[tuple[str, int], ...]
+    """Each datacenter and how many consecutive ranks it holds, in rank order (:func:`runs` of the ranks' ones)."""
     master_addr: str
     master_port: int
     resume_step: int
     """Every member restores its snapshot of this step and trains from here."""
     from_checkpoint: bool
     """No member holds the state in memory: everyone loads the latest durable checkpoint."""
-    newcomer_ranks: tuple[int, ...]
-    """Ranks without state: they receive it from the others."""
+    newcomer_spans: tuple[tuple[int, int], ...]
+    """Ranks without state, which receive it from the others, as ``(start, stop)`` ranges (:func:`spans`)."""
     snapshot_every: int = 1
     """The snapshot cadence every rank starts this epoch with: the widest any member had agreed (a re-formed
     epoch's snapshots cost about what the last one's did; an adaptive job widens it further as measured)."""
@@ -57,9 +86,28 @@ class Assignment:
     """The job is being suspended (preempted): restore this epoch's state, write it as a durable checkpoint, tell
     the coordinator, and stop; the job resumes from that checkpoint when it is admitted again."""
 
+    @classmethod
+    def of(cls, *, datacenters: Sequence[str], newcomer_ranks: Iterable[int], **rest: Any) -> Assignment:
+        """An assignment from each rank's datacenter and the newcomers' ranks, listed in full."""
+        return cls(dc_runs=runs(datacenters), newcomer_spans=spans(newcomer_ranks), **rest)
+
+    @cached_property
+    def datacenters(self) -> tuple[str, ...]:
+        """Each rank's datacenter, in rank order."""
+        return tuple(dc for dc, n in self.dc_runs for _ in range(n))
+
+    @cached_property
+    def newcomer_ranks(self) -> tuple[int, ...]:
+        """Ranks without state: they receive it from the others."""
+        return tuple(r for start, stop in self.newcomer_spans for r in range(start, stop))
+
     @property
     def is_newcomer(self) -> bool:
-        return self.rank in self.newcomer_ranks
+        return any(start <= self.rank < stop for start, stop in self.newcomer_spans)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # What travels is the fields: an expanded layout read on one side stays there.
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,13 @@ from meridian.workers.contracts.config import TrainConfig
 from meridian.workers.contracts.records import StepRecord
 from meridian.workers.elastic.pipe import recv, send
 from meridian.workers.elastic.profiling import StepProfiler
-from meridian.workers.elastic.protocol import LEAVING, RECOVERED, re_forms_in_process
+from meridian.workers.elastic.protocol import (
+    BEATS_EVERY_S,
+    LEAVING,
+    RECOVERED,
+    beats_every_s,
+    re_forms_in_process,
+)
 from meridian.workers.state.snapshots import SnapshotStore
 
 
@@ -52,13 +58,6 @@ class PipeClient:
             self._lock.release()
 
 
-BEATS_EVERY_S = 0.25
-"""A rank's heartbeats leave its training process in one message this often. Sent one by one (two per rank
-per step, each a pipe message and then a Ray call to the job's runner), they cost the runner and the agents
-~19% of the CPU of a job of 50 ms steps on two cores (``bench recovery``: 22 of 116 CPU-seconds); stall
-detection waits 5 s at the least, so a quarter of a second changes nothing it sees."""
-
-
 class PipeSink:
     """Rank 0's step records, one message each; every rank's heartbeats in batches (:data:`BEATS_EVERY_S`)."""
 
@@ -76,6 +75,10 @@ class PipeSink:
 
     def step(self, record: StepRecord) -> None:
         self.client.tell("progress", record)  # the record itself: the pipe pickles the dataclass
+
+    def pace(self, world_size: int) -> None:
+        """Batch for as long as an epoch of ``world_size`` ranks does (:func:`beats_every_s`), from the next batch."""
+        self._every_s = beats_every_s(world_size)
 
     def rank_step(self, beat: dict[str, Any]) -> None:
         if self.on_beat is not None:

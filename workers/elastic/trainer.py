@@ -114,6 +114,7 @@ class ElasticTrainer:
     ) -> None:  # fmt: skip
         self.cfg = cfg
         self.rdzv = rendezvous
+        self.sink = sink
         self.on_event = on_event
         self.join_timeout_s = join_timeout_s
         self.snapshots = snapshots or SnapshotStore(KEEP_SNAPSHOTS)
@@ -146,6 +147,8 @@ class ElasticTrainer:
                 a = self.rdzv.join(last_step=last, timeout_s=self.join_timeout_s, snapshot_every=self.snapshot_every)
             except JobFinished:
                 return None
+            if (pace := getattr(self.sink, "pace", None)) is not None:
+                pace(a.world_size)  # a large epoch's ranks batch their heartbeats for longer
             self.on_epoch(a.epoch)
             try:
                 outcome = self._run_epoch(a)
