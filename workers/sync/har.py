@@ -11,8 +11,8 @@ a flat all-reduce (SUM) up to floating-point summation order. Works for any data
 their owners come from :class:`meridian.workers.distributed.layout.DCLayout`, and every rank issues its step-2
 collectives in global segment order, so uneven layouts cannot deadlock.
 
-The sharded optimizer (:mod:`meridian.workers.sync.sharded_adamw`) runs steps 1–2 on gradients and replaces
-step 3 by an all-gather of updated parameters.
+The training engines do not call it: on FSDP2 (:mod:`meridian.workers.sync.fsdp_har`) steps 1 and 3 are FSDP2's,
+and step 2 is :mod:`meridian.workers.sync.shard_exchange` (which takes :func:`chunk_views` from here).
 
 Steps 1 and 3 on a CPU rank are direct point-to-point transfers (:mod:`meridian.workers.distributed.direct_collectives`):
 gloo's reduce-scatter alone cost more than an all-reduce of the whole buffer. On CUDA they are NCCL's collectives.
