@@ -394,7 +394,8 @@ class SyncSpec(Strict):
         "between outer steps; 'auto': the planner chooses and the plan's explanation says why.")
     bucket_mb: float | None = config_field(
         SyncConfig, "bucket_mb", default=_REQUEST_SYNC.bucket_mb,
-        description="Gradients are reduced in buckets of about this many MiB (fp32); omitted or null: the planner "
+        description="Flat sync's (DDP's) gradient buckets, about this many MiB (fp32); the hierarchical engine syncs "
+                    "per FSDP2 unit (a transformer block) instead, and DiLoCo refuses it. Omitted or null: the planner "
                     "sizes them so backward has several to overlap (the plan's bucket_mb says what it chose)",
     )
     shard_optimizer: bool = Field(

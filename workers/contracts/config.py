@@ -318,11 +318,13 @@ class SyncConfig:
     strategy (and the DiLoCo knobs), its choice is the plan's ``sync_strategy``, and the :class:`TrainConfig`
     built from request and plan always carries the resolved strategy."""
     bucket_mb: float | None = knob(4.0, gt=0, le=1024)
-    """Gradients are reduced in buckets of about this many MiB (fp32). ``None`` exists only in a job request
+    """Flat sync's (DDP's) gradient buckets, about this many MiB (fp32); the hierarchical engine syncs per FSDP2
+    unit (a transformer block) instead, and DiLoCo does not use it. ``None`` exists only in a job request
     (its default): the planner sizes the buckets (:func:`meridian.service.planning.buckets.bucket_mb_for`), and
     the :class:`TrainConfig` built from request and plan carries the plan's size."""
     overlap: bool = True
-    """Start each bucket's sync from autograd hooks while backward still runs."""
+    """Hierarchical sync: start each FSDP2 unit's sum across datacenters from FSDP2's all-reduce hook while backward
+    still runs (off: in the optimizer step). DDP always overlaps; DiLoCo does not use it."""
     inter_dc_chunk_mb: float = knob(1.0, gt=0, le=1024)
     """The inter-DC all-reduce of a shard is split in chunks of this size, all in flight together."""
     compression: Compression = Compression.NONE
