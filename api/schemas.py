@@ -394,10 +394,14 @@ class SyncSpec(Strict):
         "between outer steps; 'auto': the planner chooses and the plan's explanation says why.")
     bucket_mb: float | None = config_field(
         SyncConfig, "bucket_mb", default=_REQUEST_SYNC.bucket_mb,
-        description="Gradients are reduced in buckets of about this many MiB (fp32); omitted or null: the planner "
+        description="Flat sync's (DDP's) gradient buckets, about this many MiB (fp32); the hierarchical engine syncs "
+                    "per FSDP2 unit (a transformer block) instead, and DiLoCo refuses it. Omitted or null: the planner "
                     "sizes them so backward has several to overlap (the plan's bucket_mb says what it chose)",
     )
-    shard_optimizer: bool = config_field(SyncConfig, "shard_optimizer")
+    shard_optimizer: bool = Field(
+        True, description="Optional, and only true: the optimizer state is always sharded inside each datacenter by "
+        "FSDP2 and replicated across datacenters. false (a replicated optimizer) is refused: it would send the "
+        "same inter-DC bytes and hold more memory.")
     overlap: bool = config_field(SyncConfig, "overlap")
     inter_dc_chunk_mb: float = config_field(SyncConfig, "inter_dc_chunk_mb")
     compression: Compression = config_field(SyncConfig, "compression")
@@ -408,12 +412,36 @@ class SyncSpec(Strict):
     diloco: DiLoCoSpec | None = Field(None, description="Knobs of the diloco and streaming-diloco strategies; "  # type: ignore[valid-type]
                                       "null: their defaults (with 'auto', the planner's choice).")
 
+    @field_validator("shard_optimizer")
+    @classmethod
+    def _sharded_only(cls, value: bool) -> bool:
+        if not value:
+            raise ValueError("sync.shard_optimizer=false (a replicated optimizer) is no longer offered: the optimizer "
+                             "state is sharded inside each datacenter by FSDP2 and replicated across datacenters, "
+                             "which sends the same inter-DC bytes with less memory; remove the field")
+        return value
+
+    @model_validator(mode="after")
+    def _per_step_knobs(self) -> SyncSpec:
+        """A job that asks for DiLoCo cannot set what only per-step sync uses (an ``auto`` job that the planner puts
+        on DiLoCo reads why they go unused in the plan's explanation)."""
+        if self.strategy not in (SyncStrategy.DILOCO.value, SyncStrategy.STREAMING_DILOCO.value):
+            return self
+        why = (f"with sync.strategy {self.strategy!r}: DiLoCo syncs each block inside the datacenter with FSDP2 and "
+               "exchanges parameter deltas across datacenters every H steps, in sync.inter_dc_chunk_mb chunks")
+        if self.bucket_mb is not None:
+            raise ValueError(f"sync.bucket_mb does not apply {why}; remove sync.bucket_mb")
+        if not self.overlap:
+            raise ValueError(f"sync.overlap=false does not apply {why} (streaming DiLoCo overlaps its outer sync "
+                             "with sync.diloco.overlap_steps); remove sync.overlap")
+        return self
+
     def to_config(self) -> SyncConfig:
         """``auto`` is ``strategy=None``: the planner chooses (and picks the DiLoCo knobs itself)."""
         strategy = _or_auto(self.strategy)
         return SyncConfig(
             strategy=None if strategy is None else SyncStrategy(strategy), bucket_mb=self.bucket_mb,
-            shard_optimizer=self.shard_optimizer, overlap=self.overlap, inter_dc_chunk_mb=self.inter_dc_chunk_mb,
+            overlap=self.overlap, inter_dc_chunk_mb=self.inter_dc_chunk_mb,
             compression=self.compression, delay_one_step=self.delay_one_step, local_lookahead=self.local_lookahead,
             lookahead_after=self.lookahead_after, lookahead_when_exposed=self.lookahead_when_exposed,
             diloco=None if self.diloco is None else self.diloco.to_config(),

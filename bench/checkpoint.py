@@ -108,7 +108,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     dcs = tuple(args.layout.split(","))
     cfg = TrainConfig(job_id=f"bench-ckpt-{os.getpid()}", model=replace(model_preset(args.model), seq_len=args.seq_len),
                       steps=args.steps, global_batch=2 * len(dcs), micro_batch=2, datacenters=dcs,
-                      optim=OptimConfig(warmup_steps=1), sync=SyncConfig(shard_optimizer=True))
+                      optim=OptimConfig(warmup_steps=1), sync=SyncConfig())
     out: dict[str, Any] = {"model": args.model, "params": cfg.model.num_params, "layout": list(dcs),
                            "steps": args.steps, "every": args.every, "load_avg": os.getloadavg()[0]}
     with tempfile.TemporaryDirectory(prefix="meridian-bench-ckpt-") as tmp:

@@ -7,17 +7,16 @@ round: ``flat`` with every rank in one datacenter (what a scaling efficiency div
 and ``lookahead`` (one step late at the local look-ahead, what ``auto`` picks when the link would be exposed)
 with the ranks split over two datacenters that talk over loopback. No link delays anything, so
 ``step_ratio_vs_flat`` (flat's step time ÷ this engine's) is the most any scaling efficiency of that engine can
-reach on this machine: what is below 1 is the engine's own work (more collectives, the sharded optimizer, the
-look-ahead's second pass), not the network. On a machine whose ranks share cores that work competes with
+reach on this machine: what is below 1 is the engine's own work (FSDP2's gathers and reduce-scatters, the sum
+across datacenters, the look-ahead's second pass), not the network. On a machine whose ranks share cores that work competes with
 compute.
 
 - ``step_ms``: rank 0's mean step time over steps ``--from-step``.. (past the look-ahead's exact first steps).
 - ``cpu_ms_per_step``: each rank's process CPU (every thread: training, communication, gloo's) per step over
   the same steps, read when the rank reported each step done; the mean over ranks.
-- ``bucket_mb``: the gradient buckets of every engine (``--bucket-mb``; tiny's 3.5 MB in four of 1 MB).
+- ``bucket_mb``: flat sync's DDP buckets (``--bucket-mb``; tiny's 3.5 MB in four of 1 MB); the hierarchical
+  engine syncs per FSDP2 unit.
 - ``final_loss``: rank 0's last training loss (flat and exact agree; the look-ahead differs slightly).
-- ``--in-dc both``: the two HAR engines also run with their in-datacenter steps as gloo's collectives, in the same
-  rounds: what the direct transfers of :mod:`meridian.workers.distributed.direct_collectives` save.
 
 Timings are this machine's, not assertions.
 """
@@ -47,21 +46,9 @@ class _CpuSink(ListSink):
             self.cpu_at[beat["step"]] = time.process_time()
 
 
-def use_in_dc(kind: str) -> None:
-    """In this rank's process, run HAR's in-datacenter steps as ``direct`` transfers (what a CPU rank does) or as
-    gloo's ``collectives`` (as before 480f110): the A/B of ``--in-dc both``."""
-    from meridian.workers.distributed import direct_collectives
-
-    if kind == "collectives":
-        direct_collectives.serves = lambda buf: False
-    elif kind != "direct":
-        raise ValueError(f"in-DC steps are 'direct' or 'collectives', not {kind!r}")
-
-
-def _run(rank: int, world: int, cfg: TrainConfig, from_step: int, in_dc: str = "direct") -> dict:
+def _run(rank: int, world: int, cfg: TrainConfig, from_step: int) -> dict:
     import torch
 
-    use_in_dc(in_dc)
     torch.set_num_threads(1)
     sink = _CpuSink()
     train(cfg, sink=sink)
@@ -100,21 +87,15 @@ def main() -> None:
     ap.add_argument("--micro-batch", type=int, default=4)
     ap.add_argument("--bucket-mb", type=float, default=1.0, help="gradient buckets (flat's DDP cap too)")
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--in-dc", choices=("direct", "both"), default="direct",
-                    help="both: also run the two HAR engines with their in-DC steps as gloo's collectives "
-                         "(rows '<engine> (gloo collectives)'), in the same rounds")
     args = ap.parse_args()
     if not 0 < args.from_step < args.steps:
         ap.error("--from-step must lie between 0 and --steps")
-    runs = {name: (cfg, "direct") for name, cfg in configs(args.model, args.ranks_per_dc, args.steps,
-                                                           args.global_batch, args.micro_batch, args.bucket_mb).items()}
-    if args.in_dc == "both":
-        runs.update({f"{name} (gloo collectives)": (runs[name][0], "collectives") for name in ("hierarchical", "lookahead")})
+    runs = configs(args.model, args.ranks_per_dc, args.steps, args.global_batch, args.micro_batch, args.bucket_mb)
     rounds = []
     for _ in range(args.rounds):
         row = {}
-        for name, (cfg, in_dc) in runs.items():
-            per_rank = run_processes(_run, len(cfg.datacenters), cfg, args.from_step, in_dc, timeout_s=1800)
+        for name, cfg in runs.items():
+            per_rank = run_processes(_run, len(cfg.datacenters), cfg, args.from_step, timeout_s=1800)
             row[name] = {
                 "step_ms": round(per_rank[0]["step_ms"], 1),
                 "cpu_ms_per_step": round(statistics.mean(r["cpu_ms_per_step"] for r in per_rank), 1),

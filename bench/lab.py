@@ -98,12 +98,12 @@ def sync_of(strategy: str, args: argparse.Namespace) -> SyncConfig:
     if strategy == "flat":
         return SyncConfig(strategy=SyncStrategy.FLAT, bucket_mb=args.bucket_mb)
     if strategy in ("hierarchical", "hierarchical-no-overlap"):
-        return SyncConfig(overlap=strategy == "hierarchical", shard_optimizer=True, **common)
+        return SyncConfig(overlap=strategy == "hierarchical", **common)
     if strategy == "hierarchical-delayed":  # the same sync, applied one step late
-        return SyncConfig(shard_optimizer=True, delay_one_step=True, **common)
+        return SyncConfig(delay_one_step=True, **common)
     if strategy == "hierarchical-lookahead":  # one step late, each step computed at the DC's own look-ahead;
         # its exact first steps are the untimed warm-up, so every timed step looks ahead
-        return SyncConfig(shard_optimizer=True, delay_one_step=True, local_lookahead=True, lookahead_after=args.warmup,
+        return SyncConfig(delay_one_step=True, local_lookahead=True, lookahead_after=args.warmup,
                           **common)
     if strategy == "diloco":
         return SyncConfig(strategy=SyncStrategy.DILOCO, diloco=DiLoCoConfig(inner_steps=args.diloco_h), **common)

@@ -79,7 +79,7 @@ def planner_estimate(model_name: str, micro_batch: int, precision: str = "bf16")
     from meridian.workers.contracts.model_config import model_preset
 
     lay = Layout(tp=1, pp=1, dp=1, num_dcs=1, dp_per_dc=1, pp_spans_dcs=False, micro_batch=micro_batch,
-                 micro_batches=1, hierarchical=False, shard_optimizer=False, overlap=False, fp32=precision == "fp32")
+                 micro_batches=1, hierarchical=False, overlap=False, fp32=precision == "fp32")
     return memory_per_device(model_preset(model_name), lay, 1)
 
 

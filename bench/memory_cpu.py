@@ -157,7 +157,7 @@ def planner_estimate(layout: CpuLayout, micro_batch: int, seq_len: int) -> float
 
     world, num_dcs = len(layout.dcs), len(set(layout.dcs))
     lay = Layout(tp=1, pp=1, dp=world, num_dcs=num_dcs, dp_per_dc=world // num_dcs, pp_spans_dcs=False,
-                 micro_batch=micro_batch, micro_batches=1, hierarchical=True, shard_optimizer=True, overlap=True,
+                 micro_batch=micro_batch, micro_batches=1, hierarchical=True, overlap=True,
                  fp32=True, fsdp=True, bf16_weights=False, recompute=Recompute(layout.checkpointing))
     return memory_per_device(model_config(seq_len), lay)
 

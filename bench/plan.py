@@ -130,8 +130,7 @@ def job_config(args: argparse.Namespace, request: JobRequest, cand: Candidate, r
     return TrainConfig(
         job_id=f"bench-plan-{lay.tp}-{lay.pp}-{lay.dp}", model=request.model, steps=args.steps,
         global_batch=args.global_batch, micro_batch=args.micro_batch, datacenters=rank_dcs,
-        sync=SyncConfig(strategy=strategy_for(lay), shard_optimizer=request.sync.shard_optimizer,
-                        overlap=request.sync.overlap),
+        sync=SyncConfig(strategy=strategy_for(lay), overlap=request.sync.overlap),
         optim=OptimConfig(warmup_steps=2), wan=request.wan, seed=args.seed,
         parallel=ParallelConfig(tp=lay.tp, pp=lay.pp, schedule=PipelineSchedule(args.schedule)),
     )

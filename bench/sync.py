@@ -62,15 +62,15 @@ class Strategy:
 
 
 def strategies(args: argparse.Namespace, compressions: list[Compression]) -> list[Strategy]:
-    """``flat`` (DDP, as Ray Train's ``prepare_model`` builds it), ``hierarchical`` (HAR with the sharded
-    optimizer, sync after backward) and ``hierarchical+overlap`` (buckets synced from autograd hooks, chunked
-    inter-DC all-reduce), the last two also with each inter-DC compression asked for."""
+    """``flat`` (DDP, as Ray Train's ``prepare_model`` builds it), ``hierarchical`` (FSDP2 inside each DC, each
+    rank's rows summed across DCs after backward) and ``hierarchical+overlap`` (each block's rows summed across DCs
+    from FSDP2's hook while backward runs, in chunks), the last two also with each inter-DC compression asked for."""
     common = {"bucket_mb": args.bucket_mb, "inter_dc_chunk_mb": args.chunk_mb}
     out = [Strategy("flat", SyncConfig(strategy=SyncStrategy.FLAT, bucket_mb=args.bucket_mb))]
     for overlap, base in ((False, "hierarchical"), (True, "hierarchical+overlap")):
         for c in [Compression.NONE, *compressions]:
             name = base if c is Compression.NONE else f"{base}+{c.value}"
-            out.append(Strategy(name, SyncConfig(overlap=overlap, shard_optimizer=True, compression=c, **common)))
+            out.append(Strategy(name, SyncConfig(overlap=overlap, compression=c, **common)))
     outer = {"inner_steps": args.diloco_h, "outer_lr": args.outer_lr, "outer_momentum": args.outer_momentum}
     out.append(Strategy("diloco", SyncConfig(strategy=SyncStrategy.DILOCO, diloco=DiLoCoConfig(**outer), **common)))
     streaming = DiLoCoConfig(fragments=args.fragments, overlap_steps=args.overlap_steps, **outer)

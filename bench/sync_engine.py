@@ -3,7 +3,8 @@
     .venv/bin/python -m meridian.bench.sync_engine [--model tiny] [--steps 12] [--layout a,a,b] \
         [--wan-rtt-ms 40 --wan-gbps 1]
 
-- ``optimizer_bytes_per_rank``: sharded vs replicated AdamW state on every rank (ratio ≈ 1/N).
+- ``optimizer_bytes_per_rank``: the hierarchical engine's AdamW state (sharded inside each DC by FSDP2) against
+  flat sync's (DDP: the whole state on every rank) on every rank (ratio ≈ 1/N for N ranks in a DC).
 - ``overlap``: mean ``overlap_fraction`` / ``comm_s`` / ``exposed_s`` of the overlapped sharded engine
   (steps after the first): on loopback communication is cheap and there is little to hide; with
   ``--wan-rtt-ms`` every inter-DC collective waits for the emulated link (:mod:`meridian.workers.wan.collectives`).
@@ -17,7 +18,14 @@ import argparse
 import json
 import statistics
 
-from meridian.workers.contracts.config import Compression, OptimConfig, SyncConfig, TrainConfig, WanConfig
+from meridian.workers.contracts.config import (
+    Compression,
+    OptimConfig,
+    SyncConfig,
+    SyncStrategy,
+    TrainConfig,
+    WanConfig,
+)
 from meridian.workers.contracts.model_config import model_preset
 from meridian.workers.distributed.multiproc import run_processes
 from meridian.workers.loop.train import ListSink, train
@@ -50,11 +58,11 @@ def main() -> None:
         )  # fmt: skip
 
     configs = {
-        "replicated": cfg(shard_optimizer=False, overlap=False),
-        "sharded": cfg(shard_optimizer=True, overlap=False),
-        "sharded_overlap": cfg(shard_optimizer=True, overlap=True, bucket_mb=0.25, inter_dc_chunk_mb=0.0625),
+        "flat": cfg(strategy=SyncStrategy.FLAT),
+        "sharded": cfg(overlap=False),
+        "sharded_overlap": cfg(overlap=True, inter_dc_chunk_mb=0.0625),
         **{
-            f"compression_{c.value}": cfg(compression=c, bucket_mb=0.25, inter_dc_chunk_mb=0.0625)
+            f"compression_{c.value}": cfg(compression=c, inter_dc_chunk_mb=0.0625)
             for c in Compression
         },
     }
@@ -69,7 +77,7 @@ def main() -> None:
         "model": args.model, "params": model_preset(args.model).num_params, "layout": ",".join(dcs),
         "steps": args.steps, "wan": None if wan is None else {"rtt_ms": wan.rtt_ms, "gbps": wan.gbps},
         "optimizer_bytes_per_rank": {
-            "replicated": [r["replicated"]["result"].optimizer_state_bytes for r in per_rank],
+            "flat": [r["flat"]["result"].optimizer_state_bytes for r in per_rank],
             "sharded": [r["sharded"]["result"].optimizer_state_bytes for r in per_rank],
         },
         "overlap": {

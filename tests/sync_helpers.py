@@ -224,10 +224,14 @@ def max_rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> floa
 def reference_bf16_master(
     steps: int, cfg: OptimConfig, micro: int = 3, seed: int = 0
 ) -> dict[str, torch.Tensor]:
-    """Single-process mixed precision by hand: bf16 model and gradients, AdamW on fp32 master copies."""
+    """Single-process mixed precision by hand, as FSDP2's policy runs it: fp32 parameters (the masters, from the fp32
+    build), a bf16 copy of them for forward and backward, AdamW on the masters with the bf16 gradients."""
+    masters = [(n, p.detach().clone()) for n, p in toy_model(seed).named_parameters()]
     model = toy_model(seed, torch.bfloat16)
     named = list(model.named_parameters())
-    masters = [(n, p.detach().float().clone()) for n, p in named]
+    with torch.no_grad():
+        for (_, p), (_, m) in zip(named, masters, strict=True):
+            p.copy_(m)
     opt = make_adamw(param_groups(masters, model, cfg), cfg)
     for step in range(steps):
         for a in range(0, GLOBAL_BATCH, micro):

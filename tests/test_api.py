@@ -79,12 +79,26 @@ def test_submit_read_list_and_plan(client):
     (spec(parallelism={"pp": 2, "virtual_stages": 2}), "parallelism.virtual_stages"),
     (spec(parallelism={"tp": 2}, sync={"strategy": "diloco"}), "sync.strategy"),
     (spec(training={"activation_checkpointing": "some"}), "training.activation_checkpointing"),
+    (spec(sync={"shard_optimizer": False}), "sync.shard_optimizer"),
+    (spec(sync={"strategy": "hierarchical", "shard_optimizer": False}), "sync.shard_optimizer"),
+    (spec(sync={"strategy": "diloco", "bucket_mb": 4.0}), "sync.bucket_mb"),
+    (spec(sync={"strategy": "streaming-diloco", "overlap": False}), "sync.overlap"),
 ])
 def test_bad_specs_are_422_naming_the_field(client, body, field):
     r = client.post("/v1/jobs", json=body)
     assert r.status_code == 422, r.text
     assert field in r.json()["detail"]
     assert client.get("/v1/jobs").json()["count"] == 0  # nothing stored
+
+
+def test_a_replicated_optimizer_is_refused_saying_why_and_the_sharded_one_still_accepted(client):
+    r = client.post("/v1/jobs", json=spec(sync={"shard_optimizer": False}))
+    assert r.status_code == 422 and "sharded inside each datacenter by FSDP2" in r.json()["detail"], r.text
+    assert "remove the field" in r.json()["detail"]
+    assert client.post("/v1/plans", json=spec(sync={"shard_optimizer": True})).status_code == 200
+    # DiLoCo with per-step sync's knobs left at what it runs with anyway: accepted
+    r = client.post("/v1/plans", json=spec(sync={"strategy": "diloco", "overlap": True, "bucket_mb": None}))
+    assert r.status_code == 200 and r.json()["sync_strategy"] == "diloco", r.text
 
 
 def test_job_the_cluster_can_never_hold_is_409_with_reason(client):

@@ -2,8 +2,8 @@
 (what int8/bf16 rounding has not yet sent) are saved with each rank's state and put back.
 
 End to end, hierarchical sync with int8 (and bf16) compression: a run resumed from its step-6 checkpoint
-must give the uninterrupted run's losses and final parameters bit for bit, with the sharded optimizer in a
-two-rank DC, and with the replicated one (which loads the full, pooled state). A resume that restarted the
+must give the uninterrupted run's losses and final parameters bit for bit, with a two-rank DC and with one rank
+per DC (the full, pooled state's load path: ``tests/test_feedback_across_layouts.py``). A resume that restarted the
 residuals at zero changes the step after it. DiLoCo's compressed outer deltas cannot be checked that way (its
 checkpoint keeps one DC's inner state, so even an uncompressed DiLoCo resume differs), so there the residuals
 themselves must come back from the checkpoint exactly, in both load paths.
@@ -55,16 +55,16 @@ def _drop_latest_checkpoint(directory: str) -> int:
     return int(steps[-2].removeprefix("step-"))
 
 
-@pytest.mark.parametrize("dcs, compression, shard", [
-    (("a", "a", "b"), Compression.INT8, True),    # sharded optimizer, two ranks in DC a
-    (("a", "b"), Compression.INT8, False),        # replicated optimizer: loads the pooled full state
-    (("a", "b", "b"), Compression.BF16, True),
+@pytest.mark.parametrize("dcs, compression", [
+    (("a", "a", "b"), Compression.INT8),    # two ranks in DC a, one in b
+    (("a", "b"), Compression.INT8),         # one rank per DC: each holds its DC's whole state
+    (("a", "b", "b"), Compression.BF16),
 ])
-def test_a_compressed_run_resumed_from_a_checkpoint_matches_the_uninterrupted_run(tmp_path, dcs, compression, shard):
+def test_a_compressed_run_resumed_from_a_checkpoint_matches_the_uninterrupted_run(tmp_path, dcs, compression):
     cfg = TrainConfig(
         job_id="t", model=model_preset("nano"), steps=STEPS, global_batch=4, micro_batch=2, datacenters=dcs, seed=1,
         checkpoint_dir=str(tmp_path), checkpoint_every=3, optim=OptimConfig(warmup_steps=2, lr=3e-3),
-        sync=SyncConfig(strategy=SyncStrategy.HIERARCHICAL, compression=compression, shard_optimizer=shard),
+        sync=SyncConfig(strategy=SyncStrategy.HIERARCHICAL, compression=compression),
     )
     full = run_processes(_train, len(dcs), cfg, timeout_s=180)
     resumed_at = _drop_latest_checkpoint(str(tmp_path))

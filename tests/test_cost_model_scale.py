@@ -30,7 +30,7 @@ FIG = Figures(device_flops=100e12, device_memory_bytes=80 * 2**30, intra_node=Li
 
 def layout(**kw) -> Layout:
     base = dict(tp=8, pp=4, dp=8, num_dcs=1, dp_per_dc=8, pp_spans_dcs=False, micro_batch=B, micro_batches=16,
-                hierarchical=True, shard_optimizer=True, overlap=True, bf16_weights=True)
+                hierarchical=True, overlap=True, bf16_weights=True)
     return Layout(**{**base, **kw})
 
 

@@ -2,12 +2,8 @@
 
 from __future__ import annotations
 
-import pytest
-import torch
-
-from meridian.bench.engine_ceiling import configs, use_in_dc
+from meridian.bench.engine_ceiling import configs
 from meridian.workers.contracts.config import SyncStrategy
-from meridian.workers.distributed import direct_collectives
 
 
 def test_the_three_engines_train_the_same_job_on_the_same_ranks():
@@ -20,13 +16,3 @@ def test_the_three_engines_train_the_same_job_on_the_same_ranks():
     for cfg in runs.values():
         assert (cfg.model, cfg.steps, cfg.global_batch, cfg.micro_batch, cfg.sync.bucket_mb, cfg.optim) == (
             flat.model, 60, 16, 4, 0.5, flat.optim)
-
-
-def test_the_in_dc_a_b_switches_a_cpu_rank_to_gloos_collectives(monkeypatch):
-    monkeypatch.setattr(direct_collectives, "serves", direct_collectives.serves)  # restored after the test
-    use_in_dc("direct")
-    assert direct_collectives.serves(torch.zeros(1))
-    use_in_dc("collectives")
-    assert not direct_collectives.serves(torch.zeros(1))
-    with pytest.raises(ValueError, match="'direct' or 'collectives'"):
-        use_in_dc("nccl")

@@ -212,3 +212,14 @@ def test_the_combine_waits_on_the_transfers_from_its_own_thread(monkeypatch):
     work.wait()
     assert len(works) == 2 and combined_on == [threading.current_thread().name]
     assert all(combined_on[0] in w.waited_on for w in works), [w.waited_on for w in works]
+
+
+def test_chunk_views_cover_the_view_in_order():
+    from meridian.workers.sync.shard_exchange import chunk_views
+
+    v = torch.arange(10.0)
+    assert [c.tolist() for c in chunk_views(v, 12)] == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9]]
+    assert len(chunk_views(v, None)) == 1 and len(chunk_views(v, 1)) == 10  # never an empty chunk
+    assert all(
+        c.data_ptr() == v[i * 3 :].data_ptr() for i, c in enumerate(chunk_views(v, 12))
+    )  # views, no copy

@@ -194,11 +194,8 @@ def test_a_snapshot_with_copies_in_flight_is_written_off_the_training_thread(tmp
     assert torch.equal(store.get(2).pieces[0].value, torch.full((2,), 2.0))
 
 
-def test_the_cpu_path_has_no_streams_and_no_prefetch():
+def test_the_cpu_path_has_no_prefetch():
     from meridian.workers.loop.step import BatchPrefetch
-    from meridian.workers.sync.overlap import CommStream
-
-    assert CommStream.for_device(torch.device("cpu"), 4) is None
 
     class _Replica:
         device = torch.device("cpu")

@@ -316,24 +316,23 @@ def _figures(topo, kind):
 
 
 def _sync_requests():
-    for comp, overlap, shard, asked, after in itertools.product(
-            (Compression.NONE, Compression.BF16, Compression.INT8), (True, False), (True, False), (None, 0.2),
-            (None, 0)):
+    for comp, overlap, asked, after in itertools.product(
+            (Compression.NONE, Compression.BF16, Compression.INT8), (True, False), (None, 0.2), (None, 0)):
         for strategy, delay, ahead in ((None, False, False), (SyncStrategy.HIERARCHICAL, False, False),
                                        (SyncStrategy.HIERARCHICAL, True, True), (SyncStrategy.DILOCO, False, False)):
             try:
                 yield SyncConfig(strategy=strategy, bucket_mb=None, compression=comp, overlap=overlap,
-                                 shard_optimizer=shard, lookahead_when_exposed=asked, lookahead_after=after,
+                                 lookahead_when_exposed=asked, lookahead_after=after,
                                  delay_one_step=delay, local_lookahead=ahead)
             except ValueError:
                 continue  # refused when the request is read: never planned
 
 
 def test_no_request_the_planner_arms_makes_an_invalid_train_config_or_one_the_engine_refuses():
-    # PINS: over request sync options (auto or explicit, compression, overlap, shard_optimizer, an
+    # PINS: over request sync options (auto or explicit, compression, overlap, an
     # asked threshold, lookahead_after, the look-ahead set, DiLoCo) × figures × topologies × parallelism, the
     # TrainConfig built from an auto job's plan is always valid, and wherever it arms the look-ahead the engine can
-    # run it (hierarchical, two or more datacenters, tp = pp = 1, the sharded optimizer).
+    # run it (hierarchical, two or more datacenters, tp = pp = 1).
     topos = {"2+2": topology(dc_a=2, dc_b=2), "1+1": topology(dc_a=1, dc_b=1), "4": topology(dc_a=4),
              "2+1+1": topology(dc_a=2, dc_b=1, dc_c=1)}
     armed = 0
@@ -354,7 +353,7 @@ def test_no_request_the_planner_arms_makes_an_invalid_train_config_or_one_the_en
         s = config.sync
         if s.lookahead_when_exposed is not None and sync.strategy is None:
             armed += 1
-            assert s.strategy is SyncStrategy.HIERARCHICAL and s.shard_optimizer and s.local_lookahead
+            assert s.strategy is SyncStrategy.HIERARCHICAL and s.local_lookahead
             assert len(set(config.datacenters)) > 1 and config.parallel.tp == config.parallel.pp == 1, name
     assert armed > 50
 

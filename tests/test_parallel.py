@@ -173,16 +173,15 @@ def test_bf16_trains_through_fsdp2_mixed_precision_within_bf16_rounding(one_proc
     ({"tp": 3}, r"parallelism.tp \(3\) must divide model.n_heads"),
     ({"tp": 2, "_strategy": "flat"}, "sync.strategy 'flat' cannot run with parallelism.tp = 2"),
     ({"pp": 2, "_strategy": "diloco"}, "sync.strategy 'diloco' cannot run with parallelism.tp = 1, pp = 2"),
-    ({"tp": 2, "_shard": False}, "sync.shard_optimizer=false cannot run with parallelism.tp or pp > 1"),
 ])
 def test_a_layout_that_cannot_run_is_refused_naming_the_field(kw, match):
     kw = dict(kw)
     layers, micro, dcs = kw.pop("_layers", 2), kw.pop("_micro", 2), kw.pop("_dcs", 2)
-    strategy, shard = kw.pop("_strategy", "hierarchical"), kw.pop("_shard", True)
+    strategy = kw.pop("_strategy", "hierarchical")
     with pytest.raises(ValueError, match=match):
         TrainConfig(job_id="t", model=dataclasses.replace(NANO, n_layers=layers), steps=1, global_batch=8,
                     micro_batch=micro, datacenters=("a",) * dcs, parallel=ParallelConfig(**kw),
-                    sync=SyncConfig(strategy=SyncStrategy(strategy), shard_optimizer=shard))  # fmt: skip
+                    sync=SyncConfig(strategy=SyncStrategy(strategy)))  # fmt: skip
 
 
 def test_dims_place_ranks_and_refuse_tp_across_datacenters():

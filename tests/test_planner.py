@@ -216,7 +216,7 @@ def _layout(**kw):
     from meridian.service.planning.cost_model import Layout
 
     base = dict(tp=1, pp=1, dp=2, num_dcs=2, dp_per_dc=1, pp_spans_dcs=False, micro_batch=2, micro_batches=1,
-                hierarchical=True, shard_optimizer=True, overlap=True)
+                hierarchical=True, overlap=True)
     return Layout(**{**base, **kw})
 
 
@@ -379,7 +379,6 @@ def test_the_look_ahead_is_neither_set_nor_armed_where_a_device_cannot_hold_its_
 @pytest.mark.parametrize("change, dcs", [
     ({"steps": 20}, {"dc_a": 2, "dc_b": 2}),  # no longer than the exact steps the look-ahead starts with
     ({"steps": 200}, {"dc_a": 4}),  # one datacenter: no link to hide
-    ({"steps": 200, "sync": SyncConfig(strategy=None, shard_optimizer=False)}, {"dc_a": 2, "dc_b": 2}),
     ({"steps": 200, "sync": SyncConfig(strategy=SyncStrategy.HIERARCHICAL)}, {"dc_a": 2, "dc_b": 2}),  # asked
     ({"steps": 200, "parallelism": ParallelismRequest(tp=1, pp=2)}, {"dc_a": 2, "dc_b": 2}),
 ])  # fmt: skip

@@ -235,3 +235,47 @@ def test_requests_stored_by_the_previous_version_still_load():
     )
     # and today's shape round-trips through JSON
     assert JobRequest.from_dict(json.loads(json.dumps(forced.to_dict()))) == forced
+
+
+def _with_shard_optimizer(text: str, value: bool) -> str:
+    """``text`` (a stored request or resolved job's JSON) with ``shard_optimizer`` in every ``sync`` section, as
+    the versions that had the field stored it."""
+    import json
+
+    def put(node):
+        if isinstance(node, dict):
+            if "sync" in node and isinstance(node["sync"], dict):
+                node["sync"]["shard_optimizer"] = value
+            for v in node.values():
+                put(v)
+        return node
+
+    return json.dumps(put(json.loads(text)))
+
+
+def test_jobs_stored_with_a_replicated_optimizer_still_load_after_a_restart(database_url):
+    # sync.shard_optimizer is gone (the optimizer state is always sharded by FSDP2 inside each datacenter): a job
+    # stored with false or true reads back as the same job on the one engine, request and resolved config alike.
+    import sqlalchemy as sa
+    from fakes import topology
+
+    from meridian.service.planning.planner import plan_job
+    from meridian.service.resolved import resolve
+    from meridian.service.store import jobs_table
+
+    req = request("replicated")
+    plan = plan_job(req, topology(dc_a=2, dc_b=1))
+    s = JobStore(database_url)
+    job, _ = s.create_job(req, {"name": "replicated"}, status=QUEUED,
+                          resolved=resolve("j", req, plan, checkpoint_root=""))
+    old = s.get_job(job.id)
+    for value in (False, True):
+        with s.engine.begin() as conn:
+            conn.execute(sa.update(jobs_table).where(jobs_table.c.id == job.id).values(
+                request=_with_shard_optimizer(old.request_json, value),
+                resolved=_with_shard_optimizer(old.resolved_json, value)))
+        again = JobStore(database_url).get_job(job.id)  # a restarted service
+        assert f'"shard_optimizer": {str(value).lower()}' in again.request_json  # the old form really is stored
+        assert again.request == req
+        assert again.resolved == old.resolved and again.resolved.config.sync == old.resolved.config.sync
+    s.close()

@@ -202,6 +202,21 @@ def test_planner_picks_diloco_on_a_measured_slow_link_and_hierarchical_on_a_fast
     assert plan_job(_req(), topo, replace(slow, inter_dc_known=False)).sync_strategy is SyncStrategy.HIERARCHICAL
 
 
+def test_an_auto_job_put_on_diloco_is_told_its_per_step_sync_knobs_go_unused():
+    topo = topology(dc_a=2, dc_b=2)
+    slow = replace(default_figures(topo, ("dc-a", "dc-b"), False), inter_dc=Link(0.05, 0.1e9 / 8), inter_dc_known=True)
+    assert "apply to per-step sync only" not in plan_job(_req(), topo, slow).explanation  # none set: nothing to say
+    for sync, named in ((SyncConfig(strategy=None, bucket_mb=2.0), "sync.bucket_mb apply"),
+                        (SyncConfig(strategy=None, bucket_mb=None, overlap=False), "sync.overlap=false apply"),
+                        (SyncConfig(strategy=None, bucket_mb=2.0, overlap=False), "sync.bucket_mb and sync.overlap=false")):
+        plan = plan_job(_req(sync=sync), topo, slow)
+        assert plan.sync_strategy.is_diloco and named in plan.explanation, plan.explanation
+        assert "apply to per-step sync only" in plan.explanation
+    per_step = plan_job(_req(sync=SyncConfig(strategy=None, bucket_mb=2.0)), topo,
+                        replace(slow, inter_dc=Link(0.0001, 100e9 / 8)))
+    assert not per_step.sync_strategy.is_diloco and "apply to per-step sync only" not in per_step.explanation
+
+
 def test_a_job_can_force_a_strategy_and_its_knobs():
     topo = topology(dc_a=2, dc_b=2)
     slow = figures_for(_req(wan=WanConfig(rtt_ms=100, gbps=0.1)), topo, None)[0]
@@ -269,18 +284,23 @@ def test_planner_runs_the_demo_one_step_late_at_a_look_ahead_where_exact_sync_wo
     assert "one step late" in plan.explanation and plan.to_dict()["local_lookahead"] is True
     assert plan.estimate["exposed_dp_s"] == 0.0 and plan.estimate["step_s"] < plan.estimate["compute_s"] * 1.05
     sync = build_train_config("j", demo, plan, "").sync
-    assert sync.delay_one_step and sync.local_lookahead and sync.shard_optimizer
+    assert sync.delay_one_step and sync.local_lookahead
     assert not plan_job(demo, topo, replace(link, inter_dc_known=False)).local_lookahead  # never on guesses
 
 
 def test_planner_sends_per_step_sync_in_bf16_on_a_measured_link_where_fp32_would_show():
-    # The demo job (tiny, one 4 MB bucket) on a measured 21 ms / 1 Gbit/s link, replicated optimizer (no look-ahead)
+    # The demo job (tiny, one 4 MB bucket) on a measured 21 ms / 1 Gbit/s link, on devices that hold the layout but
+    # not the look-ahead's buffers (so no look-ahead)
     topo = topology(dc_a=2, dc_b=2)
     base = default_figures(topo, ("dc-a", "dc-b"), False)
     link = replace(base, inter_dc=Link(0.0105, 1e9 / 8), inter_dc_known=True)
     demo = JobRequest(name="demo", model=model_preset("tiny"), steps=60, global_batch=16, micro_batch=4,
-                      topology=TopologyRequest(), sync=SyncConfig(strategy=None, bucket_mb=4.0, shard_optimizer=False))
+                      topology=TopologyRequest(), sync=SyncConfig(strategy=None, bucket_mb=4.0))
+    roomy = plan_job(demo, topo, link)
+    assert roomy.local_lookahead  # where the look-ahead fits it is the choice
+    link = replace(link, device_memory_bytes=roomy.estimate["memory_bytes"] + 1)
     plan = plan_job(demo, topo, link)
+    assert not plan.local_lookahead
     assert plan.sync_strategy is SyncStrategy.HIERARCHICAL and plan.compression is Compression.BF16
     assert "in bf16" in plan.explanation and plan.to_dict()["compression"] == "bf16"
     assert build_train_config("j", demo, plan, "").sync.compression is Compression.BF16

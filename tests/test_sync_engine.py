@@ -185,10 +185,11 @@ def test_lookahead_waits_for_the_learning_rate_warm_up_and_at_least_twenty_steps
     assert run_processes(_exact_first, 3) == [[20, 50, 3]] * 3
 
 
-def test_lookahead_needs_the_delayed_sharded_engine():
-    for bad in ({"local_lookahead": True}, {"local_lookahead": True, "delay_one_step": True, "shard_optimizer": False}):
-        with pytest.raises(ValueError, match="local_lookahead needs sync.delay_one_step=true"):
-            SyncConfig(**bad)
+def test_lookahead_needs_the_delayed_engine():
+    with pytest.raises(ValueError, match="local_lookahead needs sync.delay_one_step=true"):
+        SyncConfig(local_lookahead=True)
+    with pytest.raises(TypeError, match="shard_optimizer"):  # the field is gone: one engine, its state sharded
+        SyncConfig(delay_one_step=True, local_lookahead=True, shard_optimizer=False)
 
 
 # -- accumulation communicates once per step ---------------------------------------------------------------
@@ -339,10 +340,8 @@ def test_overlap_fraction_under_the_wan_emulator():
 
 ENGINES = {
     "flat": SyncConfig(strategy=SyncStrategy.FLAT),
-    "har sharded": SyncConfig(shard_optimizer=True, overlap=False),
-    "har sharded overlap": SyncConfig(
-        shard_optimizer=True, overlap=True, bucket_mb=0.05, inter_dc_chunk_mb=0.01
-    ),
+    "har sharded": SyncConfig(overlap=False),
+    "har sharded overlap": SyncConfig(overlap=True, inter_dc_chunk_mb=0.01),
 }
 
 

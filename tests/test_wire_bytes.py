@@ -2,8 +2,9 @@
 
 Every rank is a process; the "datacenters" are a layout. ``ss -tinp`` gives each TCP socket's owner and
 ``bytes_sent`` (payload bytes, from the kernel's ``tcp_info``), so the bytes that crossed between processes
-of different datacenters are counted without any formula. Each engine's count (HAR's ``InterDCComm``, the
-flat engine's DDP hook) must match that within 2 % (gloo's message headers, the barriers around the window).
+of different datacenters are counted without any formula. Each engine's count (the hierarchical engine's
+``InterDCComm`` under FSDP2, the flat engine's DDP hook) must match that within 2 % (gloo's message headers, the
+barriers around the window).
 """
 
 from __future__ import annotations
@@ -20,11 +21,10 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from wan_helpers import AABB, ABC, MB
 
-from meridian.workers.contracts.config import Compression
+from meridian.workers.contracts.config import Compression, OptimConfig, SyncConfig
 from meridian.workers.distributed.layout import DCGroups, DCLayout
 from meridian.workers.distributed.multiproc import run_processes
-from meridian.workers.sync.har import hierarchical_all_reduce
-from meridian.workers.sync.inter_dc import InterDCComm
+from meridian.workers.sync.build import build_sync
 from meridian.workers.wan.collectives import FlatHookState, flat_ddp_comm_hook
 
 SOCKET = re.compile(r"\S+\s+\S+\s+(\S+)\s+(\S+)\s+users:\(\(.*?pid=(\d+)")
@@ -88,18 +88,34 @@ def _measured(layout: DCLayout, rank: int, op) -> tuple[int, float]:
     return (_crossing(before, after, dc_of_pid) if rank == 0 else 0), float(reported.item())
 
 
+class _Blocks(torch.nn.Module):
+    """Four FSDP2 units of 1 MiB of fp32 gradients each (and a small root)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(512, 512) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        return x
+
+
 def _har(rank: int, world: int, dcs: tuple[str, ...], compression: Compression) -> tuple[int, float]:
     layout = DCLayout(dcs)
-    groups = DCGroups(layout, rank)
-    buf = torch.randn(-(-4 * MB // 4 // layout.units) * layout.units, generator=torch.Generator().manual_seed(rank))
-    comm = InterDCComm(compression)
+    groups = DCGroups(layout, rank, segment_groups=False)
+    torch.manual_seed(0)
+    sync = SyncConfig(compression=compression, inter_dc_chunk_mb=0.25)
+    engine = build_sync(_Blocks(), groups, sync, OptimConfig(warmup_steps=0))
+    x = torch.randn(8, 512, generator=torch.Generator().manual_seed(rank))
 
     def op() -> int:
-        hierarchical_all_reduce(buf.clone(), groups, comm, chunk_bytes=MB)
-        return comm.take_bytes()
+        engine.backward(engine.model(x).square().mean(), last_micro_batch=True)
+        return engine.step(1e-3).inter_dc_bytes
 
     op()  # every pair's connection is set up before the window
     out = _measured(layout, rank, op)
+    engine.close()
     groups.destroy()
     return out
 

@@ -1,7 +1,9 @@
 """How big the gradient buckets are when a job leaves it to the planner.
 
 Backward produces gradients from the last layer to the first, and each bucket's sync starts once its
-gradients are complete (:mod:`meridian.workers.sync.overlap`). A model that fits in one bucket syncs only after
+gradients are complete (DDP's ``bucket_cap_mb`` under flat sync, :mod:`meridian.workers.sync.flat`; the
+hierarchical engine syncs per FSDP2 unit, a transformer block, and the cost model takes the bucket size as the
+size of what is synced last). A model that fits in one bucket syncs only after
 backward, all of it exposed; that was the demo job's case with the old fixed 4 MiB bucket (a 3.5 MB model,
 overlap fraction 0.01 through the API). Cutting the gradients into several buckets lets the first ones sync
 while backward still runs, so only the last bucket's sync is necessarily exposed. Each bucket is a collective

@@ -179,7 +179,7 @@ def _layout(request: PlanRequest, figures: Figures, runtime: RuntimeSupport, *, 
     return Layout(
         tp=tp, pp=pp, dp=dp, num_dcs=len(dcs), dp_per_dc=0 if across else min(replicas), pp_spans_dcs=across,
         micro_batch=micro_batch, micro_batches=_micro_batches(request, dp, micro_batch), hierarchical=hierarchical,
-        shard_optimizer=request.sync.shard_optimizer, overlap=request.sync.overlap,
+        overlap=request.sync.overlap,
         schedule="1f1b" if PipelineSchedule(request.parallelism.schedule) is PipelineSchedule.INTERLEAVED_1F1B
         else PipelineSchedule(request.parallelism.schedule).value, bucket_bytes=bucket_mb(request, tp=tp, pp=pp) * 2**20,
         fp32=fp32, encoded=request.sync.strategy is None and request.sync.compression is not Compression.NONE,
@@ -195,12 +195,12 @@ def _micro_batches(request: PlanRequest, dp: int, micro_batch: int) -> int:
 
 def _variants(request: PlanRequest, runtime: RuntimeSupport, base: Layout) -> list[Layout]:
     """``base`` with each micro-batch size (where the request leaves it) and each number of virtual stages (where the
-    request leaves it and the runtime interleaves), sharded the way the runtime shards it: with FSDP wherever the
-    runtime has it and the hierarchical engine shards the optimizer (FSDP2 is then how it runs), else the optimizer
-    state alone."""
+    request leaves it and the runtime interleaves), sharded the way the runtime shards it: a hierarchical layout
+    with FSDP wherever the runtime has it (FSDP2 is how the hierarchical engine runs), else the optimizer state
+    alone."""
     per_replica = -(-request.global_batch // base.dp)
     sizes = [request.micro_batch] if request.micro_batch else [b for b in MICRO_BATCHES if b <= per_replica] or [1]
-    fsdp = runtime.fsdp and base.hierarchical and base.shard_optimizer and base.shards > 1
+    fsdp = runtime.fsdp and base.hierarchical and base.shards > 1
     asked = request.parallelism.virtual_stages
     interleaved = PipelineSchedule(request.parallelism.schedule) is PipelineSchedule.INTERLEAVED_1F1B
     out = []

@@ -113,7 +113,6 @@ class Layout:
     micro_batches: int
     """Micro-batches per replica per step (gradient accumulation / pipeline depth)."""
     hierarchical: bool
-    shard_optimizer: bool
     overlap: bool
     schedule: str = "1f1b"
     """Pipeline schedule, ``1f1b`` or ``gpipe`` (when ``pp`` > 1)."""
@@ -149,9 +148,9 @@ class Layout:
 
     @property
     def optimizer_sharded(self) -> bool:
-        """The AdamW state is sharded: FSDP, or the hierarchical engine with ``sync.shard_optimizer``. Flat sync
-        (DDP) keeps the whole AdamW state on every rank."""
-        return self.fsdp or (self.shard_optimizer and self.dp > 1 and runs_hierarchical(self))
+        """The AdamW state is sharded: FSDP, or any layout the hierarchical engine runs (it shards the optimizer
+        state inside each datacenter). Flat sync (DDP) keeps the whole AdamW state on every rank."""
+        return self.fsdp or (self.dp > 1 and runs_hierarchical(self))
 
 
 @dataclass(frozen=True)

@@ -58,7 +58,8 @@ class Plan:
     """Recomputation per block: ``none``, ``selective`` or ``full``."""
     sharding: str = "none"
     """What each datacenter's ranks shard: ``fsdp`` (parameters, gradients and optimizer state), ``optimizer``
-    (the optimizer state: the hierarchical engine with ``sync.shard_optimizer``) or ``none``."""
+    (the optimizer state alone: a hierarchical layout the planner models without FSDP, on a runtime that lacks it)
+    or ``none``."""
     plan_only: tuple[str, ...] = ()
     """The features the layout needs that the runtime lacks (:mod:`meridian.service.planning.runtime_support`):
     such a plan is shown, never run."""

@@ -131,6 +131,8 @@ def plan_with_layout(request: JobRequest | PlanRequest, topo: ClusterTopology, f
     bucket_mb = best.layout.bucket_bytes / 2**20
     if request.sync.bucket_mb is None and best.layout.dp > 1 and not strategy.is_diloco:
         reason += " " + bucket_reason(request, best.layout)
+    if strategy.is_diloco:
+        reason += diloco_ignores(request)
     why = sync_why(strategy, requested=request.sync.strategy is not None, lay=best.layout, choice=choice)
     plan = Plan(
         datacenters=best.datacenters, rank_datacenters=rank_dcs, use_gpu=use_gpu, sync_strategy=strategy,
@@ -206,7 +208,7 @@ def _diloco_override(request: PlanRequest, feasible: list[Candidate],
     choice = choose_lowcomm(rtt_ms=figures.inter_dc.latency_s * 2000, gbps=figures.inter_dc.bytes_per_s * 8 / 1e9,
                          num_params=request.shape.num_params, compute_s=dp.estimate.compute_s,
                          num_dcs=dp.layout.num_dcs, overlap=request.sync.overlap, bucket_mb=dp.layout.bucket_bytes / 2**20,
-                         steps=request.steps, lookahead=request.sync.shard_optimizer and room,
+                         steps=request.steps, lookahead=room,
                          lookahead_after=lookahead_start(request.sync.lookahead_after, request.warmup_steps),
                          optimizer_step_s=figures.step_overhead_s * optimizer_share(dp.layout),
                          micro_batches=dp.layout.micro_batches,
@@ -236,8 +238,8 @@ def armed_lookahead(request: PlanRequest, cand: Candidate, strategy: SyncStrateg
     (or the job's own ``sync.lookahead_when_exposed``), so its exact steps measure whether the sync is exposed,
     and if it is the look-ahead is tried and kept only if it steps faster
     (:mod:`meridian.workers.sync.lookahead_decision`). A look-ahead the planner chose stays armed only if the job
-    asked for that. Never for a job too short for every check to be done (a trial included), without the sharded
-    optimizer, with model parallelism, or where a device cannot hold its buffers."""
+    asked for that. Never for a job too short for every check to be done (a trial included), with model
+    parallelism, or where a device cannot hold its buffers."""
     asked = request.sync.lookahead_when_exposed
     if request.sync.strategy is not None:
         return None  # the job's own sync knobs pass through as they are
@@ -247,7 +249,7 @@ def armed_lookahead(request: PlanRequest, cand: Candidate, strategy: SyncStrateg
     first = lookahead_start(request.sync.lookahead_after, request.warmup_steps)
     lay = cand.layout
     fits = (strategy is SyncStrategy.HIERARCHICAL and lay.num_dcs > 1 and lay.tp == 1 and lay.pp == 1
-            and request.sync.shard_optimizer and request.steps >= lookahead_decided_by(first)
+            and request.steps >= lookahead_decided_by(first)
             and lookahead_fits(request, cand, figures))
     if not (fits and (guessed or asked is not None)):
         return None
@@ -272,6 +274,17 @@ def bucket_reason(request: PlanRequest, lay: Layout) -> str:
                 f"backward; smaller buckets would cost more than overlapping them saves {limits}.")
     return (f"{size}: about {n} for the {grads / 2**20:.2f} MiB of gradients each device holds, so the sync of all "
             f"but the last can overlap backward {limits}.")
+
+
+def diloco_ignores(request: PlanRequest) -> str:
+    """For a plan that picked DiLoCo: the sentence naming the job's per-step sync knobs it does not use (empty
+    when the job set none). A job that asks for DiLoCo itself gets a 422 for them instead (the API's ``sync``)."""
+    unused = [name for name, set_ in (("sync.bucket_mb", request.sync.bucket_mb is not None),
+                                      ("sync.overlap=false", not request.sync.overlap)) if set_]
+    if not unused:
+        return ""
+    return (f" {' and '.join(unused)} apply to per-step sync only: DiLoCo syncs each block inside the datacenter "
+            "with FSDP2 and exchanges parameter deltas across datacenters every H steps, so it does not use them.")
 
 
 def _sync_for(request: PlanRequest, best: Candidate,

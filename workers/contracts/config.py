@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from meridian.workers.contracts.fields import check_bounds, default_of, knob
 from meridian.workers.contracts.hf_shape import FAMILIES, shape_of_json
@@ -318,13 +318,13 @@ class SyncConfig:
     strategy (and the DiLoCo knobs), its choice is the plan's ``sync_strategy``, and the :class:`TrainConfig`
     built from request and plan always carries the resolved strategy."""
     bucket_mb: float | None = knob(4.0, gt=0, le=1024)
-    """Gradients are reduced in buckets of about this many MiB (fp32). ``None`` exists only in a job request
+    """Flat sync's (DDP's) gradient buckets, about this many MiB (fp32); the hierarchical engine syncs per FSDP2
+    unit (a transformer block) instead, and DiLoCo does not use it. ``None`` exists only in a job request
     (its default): the planner sizes the buckets (:func:`meridian.service.planning.buckets.bucket_mb_for`), and
     the :class:`TrainConfig` built from request and plan carries the plan's size."""
-    shard_optimizer: bool = True
-    """Partial distributed optimizer: AdamW state sharded inside a DC, replicated across DCs."""
     overlap: bool = True
-    """Start each bucket's sync from autograd hooks while backward still runs."""
+    """Hierarchical sync: start each FSDP2 unit's sum across datacenters from FSDP2's all-reduce hook while backward
+    still runs (off: in the optimizer step). DDP always overlaps; DiLoCo does not use it."""
     inter_dc_chunk_mb: float = knob(1.0, gt=0, le=1024)
     """The inter-DC all-reduce of a shard is split in chunks of this size, all in flight together."""
     compression: Compression = Compression.NONE
@@ -336,7 +336,7 @@ class SyncConfig:
     first step applies none, and the gradient in flight at a checkpoint or re-formation is not kept). Staleness
     costs loss (``docs/benchmarks/sync.md``), so ``auto`` sets it only together with ``local_lookahead``."""
     local_lookahead: bool = False
-    """With ``delay_one_step`` (and ``shard_optimizer``): while step t's exact sync is in flight, step t+1
+    """With ``delay_one_step``: while step t's exact sync is in flight, step t+1
     computes at parameters that already took step t's update from *this datacenter's* gradients (scaled to the
     global batch); when the exact sync lands, the committed parameters take the exact update instead. Every
     datacenter commits the same exact global-batch updates in the same order (optimizer state included); only
@@ -360,6 +360,12 @@ class SyncConfig:
     """Knobs of the ``diloco`` / ``streaming-diloco`` strategies; ``None`` takes :class:`DiLoCoConfig`'s
     defaults for them and is required for the others."""
 
+    RETIRED_FIELDS: ClassVar[frozenset[str]] = frozenset({"shard_optimizer"})
+    """Keys that configs stored by earlier versions may carry and that mean nothing now; reading such a config
+    (:func:`~meridian.workers.contracts.fields.from_plain`) drops them. ``shard_optimizer``: the optimizer state is
+    always sharded inside each datacenter by FSDP2 and replicated across datacenters, so a stored ``false``
+    (a replicated optimizer) and ``true`` read the same, with the same inter-DC bytes."""
+
     def __post_init__(self) -> None:
         check_bounds(self, "sync.")
         if self.strategy is SyncStrategy.FLAT and self.compression is not Compression.NONE:
@@ -375,11 +381,10 @@ class SyncConfig:
         if self.lookahead_when_exposed is not None and not self.local_lookahead and self.strategy is not None:
             raise ValueError("sync.lookahead_when_exposed applies with sync.local_lookahead=true (or 'auto', which "
                              "may arm the look-ahead) only")
-        if self.local_lookahead and not (self.delay_one_step and self.shard_optimizer):
+        if self.local_lookahead and not self.delay_one_step:
             raise ValueError(
                 "sync.local_lookahead needs sync.delay_one_step=true (it steers the step that runs while the "
-                "delayed sync is in flight) and sync.shard_optimizer=true (the committed parameters live in the "
-                "sharded optimizer's fp32 copy)"
+                "delayed sync is in flight)"
             )
         if self.strategy is SyncStrategy.DILOCO and self.diloco is not None and (
             self.diloco.fragments != 1 or self.diloco.overlap_steps
@@ -711,9 +716,6 @@ def check_model_parallel_sync(parallel: ParallelConfig, sync: SyncConfig) -> Non
             "tensor and pipeline parallelism train on FSDP2 under 'hierarchical' sync only (DDP cannot follow a "
             "pipeline schedule, and DiLoCo's engine flattens plain parameters, not DTensor shards); use "
             "'hierarchical', or tp = pp = 1")
-    if not sync.shard_optimizer:
-        raise ValueError("sync.shard_optimizer=false cannot run with parallelism.tp or pp > 1: FSDP2 shards the "
-                         "optimizer state of a tensor/pipeline-parallel job inside each datacenter; set it to true")
     if sync.local_lookahead:
         # The look-ahead steers a whole replica's parameters from its DC's gradients; with its state cut across
         # stages and tensor-parallel ranks it is not tested, so it is refused here rather than once workers run.

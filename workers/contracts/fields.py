@@ -100,7 +100,10 @@ def to_plain(obj: Any) -> Any:
 
 def from_plain(cls: type[T], data: dict[str, Any]) -> T:
     """Rebuild dataclass ``cls`` from :func:`to_plain`'s output; absent fields take their defaults, an
-    unknown field is a ``TypeError``."""
+    unknown field is a ``TypeError``, except one the class lists in ``RETIRED_FIELDS`` (a field earlier versions
+    stored), which is dropped."""
+    retired = getattr(cls, "RETIRED_FIELDS", frozenset())
+    data = {name: value for name, value in data.items() if name not in retired}
     hints = typing.get_type_hints(cls)
     kwargs = {name: _convert(hints[name], value) for name, value in data.items() if name in hints}
     unknown = set(data) - set(hints)

@@ -165,7 +165,7 @@ class DataParallelReplica(Replica):
         # FSDP2's inter-DC pieces are its own (per parameter row): it makes the groups for them
         fsdp = runs_on_fsdp(cfg.sync)
         self.uniform_micro_batches = fsdp
-        self.groups = groups = DCGroups(layout, m.rank, segment_groups=not fsdp)
+        self.groups = groups = DCGroups(layout, m.rank, segment_groups=False)
         self.model = initial_model(cfg.model, cfg.seed).to(self.device)  # built ahead by a standby, or now
         emulator = None
         if cfg.wan is not None and layout.num_dcs > 1:  # every inter-DC collective waits for the emulated link
@@ -178,7 +178,7 @@ class DataParallelReplica(Replica):
         # Activation checkpointing and compile per block, then FSDP2 with the job's mixed precision
         # (:mod:`meridian.workers.parallel.parallelize`); the engines not on FSDP2 take the blocks as prepared here
         shard = None
-        if runs_on_fsdp(cfg.sync, groups):
+        if fsdp:
             shard = Parallelize(dp_mesh=dc_mesh(groups.intra_dc, self.device), compile=cfg.compile,
                                 activation_checkpointing=cfg.activation_checkpointing,
                                 mp_policy=mixed_precision(cfg.precision, self.device))  # fmt: skip

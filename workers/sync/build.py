@@ -1,13 +1,15 @@
 """Gradient-sync engines: how the data-parallel replicas agree on one update per step.
 
 - ``flat``: :class:`FlatSync`, PyTorch DDP over all ranks (:mod:`meridian.workers.sync.flat`).
-- ``hierarchical``: :class:`HierarchicalSync` (:mod:`meridian.workers.sync.hierarchical`): bucketed
-  hierarchical all-reduce, overlapped with backward (``overlap``), with a replicated or DC-sharded AdamW
-  (``shard_optimizer``) and an optionally compressed inter-DC step (``compression``).
+- ``hierarchical``: :class:`FSDPHierarchicalSync` (:mod:`meridian.workers.sync.fsdp_har`): FSDP2 inside each DC
+  (parameters, gradients and AdamW state sharded there, replicated across DCs), each rank's gradient rows summed
+  across DCs, overlapped with backward (``overlap``), optionally compressed (``compression``), one step late
+  (``delay_one_step``) and at a local look-ahead (``local_lookahead``).
 - ``diloco`` / ``streaming-diloco``: :class:`DiLoCoSync` (:mod:`meridian.workers.sync.diloco`): FSDP2 inside each
   DC every step, and an outer Nesterov step on parameter deltas across DCs every H steps (per fragment).
 
-The interface and call order are in :mod:`meridian.workers.sync.engine`.
+Tensor- and pipeline-parallel replicas build :class:`FSDPHierarchicalSync` themselves
+(:mod:`meridian.workers.loop.parallel`). The interface and call order are in :mod:`meridian.workers.sync.engine`.
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ from meridian.workers.sync.diloco import DiLoCoSync
 from meridian.workers.sync.engine import GradientSync
 from meridian.workers.sync.flat import FlatSync
 from meridian.workers.sync.fsdp_har import FSDPHierarchicalSync
-from meridian.workers.sync.hierarchical import HierarchicalSync
 from meridian.workers.wan.emulator import WanEmulator
 
 
@@ -41,24 +42,20 @@ def build_sync(
 
     ``emulator`` (:mod:`meridian.workers.wan.collectives`) delays every inter-DC collective to the emulated link's pace.
     ``broadcast_params=False``: the caller sets every rank's weights itself (a re-formed epoch's restore), so the
-    hierarchical engine skips its broadcast of rank 0's (the other engines rely on the seeded build alone).
-    ``shard``: applies FSDP2 (and what comes before it) for the engine on FSDP2
-    (:class:`~meridian.workers.parallel.parallelize.Parallelize`); the others ignore it."""
+    engines on FSDP2 skip their broadcast of rank 0's (flat sync relies on the seeded build alone).
+    ``shard``: applies FSDP2 (and what comes before it) for the engines on FSDP2
+    (:class:`~meridian.workers.parallel.parallelize.Parallelize`); flat sync ignores it."""
     if sync.strategy is SyncStrategy.FLAT:
         return FlatSync(model, groups, sync, optim, emulator=emulator)
     if sync.strategy.is_diloco:
         return DiLoCoSync(model, groups, sync, optim, emulator=emulator, broadcast_params=broadcast_params, shard=shard)
-    if runs_on_fsdp(sync, groups):
-        return FSDPHierarchicalSync(model, groups, sync, optim, emulator=emulator, broadcast_params=broadcast_params,
-                                    shard=shard)
-    return HierarchicalSync(model, groups, sync, optim, emulator=emulator, broadcast_params=broadcast_params)
+    if groups.mp_norm is not None:
+        raise ValueError("build_sync builds the engine of a data-parallel replica; a tensor/pipeline-parallel one "
+                         "builds FSDPHierarchicalSync over its data-parallel group (meridian.workers.loop.parallel)")
+    return FSDPHierarchicalSync(model, groups, sync, optim, emulator=emulator, broadcast_params=broadcast_params,
+                                shard=shard)
 
 
-def runs_on_fsdp(sync: SyncConfig, groups: DCGroups | None = None) -> bool:
-    """Whether ``sync`` trains on FSDP2 (:class:`FSDPHierarchicalSync`, or :class:`DiLoCoSync` on it): hierarchical
-    sync of a data-parallel replica (exact, one step late, the look-ahead) and DiLoCo. A replicated optimizer still
-    runs on the flat-bucket engine, as do tensor/pipeline-parallel replicas (``groups.mp_norm``)."""
-    if groups is not None and groups.mp_norm is not None:
-        return False
-    return sync.strategy.is_diloco or (sync.strategy is SyncStrategy.HIERARCHICAL and sync.shard_optimizer)
-
+def runs_on_fsdp(sync: SyncConfig) -> bool:
+    """Whether ``sync`` trains on FSDP2: every strategy but ``flat`` (DDP) does."""
+    return sync.strategy is not SyncStrategy.FLAT

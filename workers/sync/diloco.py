@@ -157,7 +157,7 @@ class DiLoCoSync(GradientSync):
         self.cfg, self.groups = cfg, groups
         inner_sync = dataclasses.replace(
             sync, strategy=SyncStrategy.HIERARCHICAL, compression=Compression.NONE, diloco=None,
-            delay_one_step=False, local_lookahead=False, shard_optimizer=True,
+            delay_one_step=False, local_lookahead=False,
         )
         # Inner gradients: the DC's sum of its ranks' global-batch shares, times (data-parallel ranks / DC
         # ranks), once, on the synced gradients (not on the loss).

@@ -14,7 +14,7 @@ exactly the single-process gradient however the samples are split (uneven shares
 last micro-batch communicates. ``micro_batch`` exists for DDP, which decides in *forward* whether the
 next backward all-reduces (a forward outside ``no_sync`` makes the backward sync, whatever ``no_sync``
 says around the backward). Engines live in :mod:`meridian.workers.sync.flat`,
-:mod:`meridian.workers.sync.hierarchical` and :mod:`meridian.workers.sync.diloco`; :func:`meridian.workers.sync.build.build_sync`
+:mod:`meridian.workers.sync.fsdp_har` and :mod:`meridian.workers.sync.diloco`; :func:`meridian.workers.sync.build.build_sync`
 picks one.
 """
 

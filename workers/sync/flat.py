@@ -1,8 +1,8 @@
 """The ``flat`` strategy: PyTorch DDP over every rank, as Ray Train's ``prepare_model`` sets it up.
 
 One all-reduce per gradient bucket over all ranks, overlapped with backward by DDP itself. The baseline the
-hierarchical engine is measured against; it ignores ``shard_optimizer`` and ``overlap`` (DDP always
-overlaps and never shards) and has no compression. Across datacenters its all-reduce goes through
+hierarchical engine is measured against; it ignores ``overlap`` (DDP always overlaps; it never shards) and has
+no compression. Across datacenters its all-reduce goes through
 :func:`meridian.workers.wan.collectives.flat_ddp_comm_hook`, which counts the bytes each bucket's ring puts
 across a DC boundary (and, under an emulated WAN, delays the result to the emulated link's pace).
 """

@@ -26,7 +26,8 @@ Encodings (``SyncConfig.compression``):
 
 Error-feedback state (the residuals, per rank and per chunk) is part of the rank's saved state: a durable
 checkpoint stores it by parameter element, per datacenter, and a resume puts it back
-(:mod:`meridian.workers.sync.feedback_state`), so a compressed run resumed from a checkpoint with the layout
+(the engines' ``local_shard`` and ``load_local_shard``: :mod:`meridian.workers.sync.fsdp_har`,
+:mod:`meridian.workers.sync.diloco`), so a compressed run resumed from a checkpoint with the layout
 unchanged matches the uninterrupted run exactly (int8 hierarchical, nano, step 8: 4.417744 both ways; without
 the residuals the resumed run gave 4.418003). A re-formation from the survivors' in-memory snapshots keeps
 DiLoCo's residuals of every datacenter whose ranks all survived (its snapshots carry them) and restarts the
@@ -235,7 +236,7 @@ class InterDCComm:
         return round(sent)
 
     # Error-feedback state, by the (segment, key) every all_reduce_async of that chunk names: what a durable
-    # checkpoint saves and a resume puts back (:mod:`meridian.workers.sync.feedback_state`).
+    # checkpoint saves and a resume puts back (the engines' ``local_shard`` / ``load_local_shard``).
 
     def residual(self, segment: Segment, key: Hashable) -> torch.Tensor | None:
         """The residual the next encoding of chunk ``key`` of ``segment`` adds; ``None`` without one."""

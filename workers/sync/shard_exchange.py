@@ -25,8 +25,15 @@ from torch.distributed.fsdp import FSDPModule
 from meridian.workers.distributed.layout import DCGroups, Segment
 from meridian.workers.distributed.shard_rows import chunk_rows, pieces, rows_of
 from meridian.workers.parallel.placement import TPPlacement, full_ranges, placement_of
-from meridian.workers.sync.har import chunk_views
 from meridian.workers.sync.inter_dc import CommHandle, InterDCComm
+
+
+def chunk_views(view: torch.Tensor, chunk_bytes: float | None) -> list[torch.Tensor]:
+    """``view`` cut in consecutive pieces of at most ``chunk_bytes`` (at least one element each)."""
+    if chunk_bytes is None or view.numel() == 0:
+        return [view]
+    step = max(1, int(chunk_bytes) // view.element_size())
+    return list(view.split(step))
 
 
 @dataclass

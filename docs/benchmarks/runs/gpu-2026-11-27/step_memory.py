@@ -31,7 +31,7 @@ for name, cases in (("gpt2-124m", [("bf16", 4), ("bf16", 16), ("fp32", 4)]),
         step(); torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated(dev)
         lay = Layout(tp=1, pp=1, dp=1, num_dcs=1, dp_per_dc=1, pp_spans_dcs=False, micro_batch=b, micro_batches=1,
-                     hierarchical=False, shard_optimizer=False, overlap=False)
+                     hierarchical=False, overlap=False)
         rows.append({"model": name, "precision": prec, "micro_batch": b, "params": P, "base_bytes": base,
                      "peak_bytes": peak, "above_base_minus_grads": peak - base - 4 * P,
                      "estimate_activation_bytes": activation_bytes(cfg, b, cfg.n_layers, 1),
