@@ -394,9 +394,10 @@ class SyncSpec(Strict):
         "between outer steps; 'auto': the planner chooses and the plan's explanation says why.")
     bucket_mb: float | None = config_field(
         SyncConfig, "bucket_mb", default=_REQUEST_SYNC.bucket_mb,
-        description="Flat sync's (DDP's) gradient buckets, about this many MiB (fp32); the hierarchical engine syncs "
-                    "per FSDP2 unit (a transformer block) instead, and DiLoCo refuses it. Omitted or null: the planner "
-                    "sizes them so backward has several to overlap (the plan's bucket_mb says what it chose)",
+        description="Flat sync's (DDP's) gradient buckets, about this many MiB (fp32). The hierarchical engine syncs "
+                    "per FSDP2 unit (a transformer block) and DiLoCo per fragment, so a job naming either refuses it. "
+                    "Omitted or null: for a flat plan the planner sizes them so backward has several to overlap (the "
+                    "plan's bucket_mb says what it chose; null for every other strategy)",
     )
     shard_optimizer: bool = Field(
         True, description="Optional, and only true: the optimizer state is always sharded inside each datacenter by "
@@ -423,8 +424,13 @@ class SyncSpec(Strict):
 
     @model_validator(mode="after")
     def _per_step_knobs(self) -> SyncSpec:
-        """A job that asks for DiLoCo cannot set what only per-step sync uses (an ``auto`` job that the planner puts
-        on DiLoCo reads why they go unused in the plan's explanation)."""
+        """A job that names its strategy cannot set what only another uses: DDP's bucket size with hierarchical sync
+        or DiLoCo, per-step sync's overlap switch with DiLoCo (an ``auto`` job reads in the plan's explanation why
+        they go unused)."""
+        if self.strategy == SyncStrategy.HIERARCHICAL.value and self.bucket_mb is not None:
+            raise ValueError("sync.bucket_mb does not apply with sync.strategy 'hierarchical': it syncs each FSDP2 unit "
+                             "(a transformer block) as backward completes it, in sync.inter_dc_chunk_mb chunks across "
+                             "datacenters; remove sync.bucket_mb (it sizes flat sync's DDP buckets)")
         if self.strategy not in (SyncStrategy.DILOCO.value, SyncStrategy.STREAMING_DILOCO.value):
             return self
         why = (f"with sync.strategy {self.strategy!r}: DiLoCo syncs each block inside the datacenter with FSDP2 and "

@@ -7,7 +7,7 @@ batches after its last step (for DiLoCo: rank 0's datacenter replica). Strategie
 the same processes, so machine load hits them alike only in expectation: the report carries the load
 average before and after.
 
-- ``har``: per-step hierarchical sync (``hierarchical``, gradient buckets synced behind backward, fp32);
+- ``har``: per-step hierarchical sync (``hierarchical``, each FSDP2 unit synced behind backward, fp32);
 - ``har-delayed``: the same sync applied one step late (``sync.delay_one_step``), behind the whole next step;
 - ``har-lookahead``: the same, each step computed at the datacenter's own look-ahead (``sync.local_lookahead``),
   what ``auto`` picks when the sync fits behind a step (:mod:`meridian.service.planning.sync_choice`);
@@ -109,7 +109,7 @@ def sparse_name(kind: str, bits: int, density: float, h: int) -> str:
 
 
 def strategies(args: argparse.Namespace) -> list[Strategy]:
-    common = {"bucket_mb": args.bucket_mb, "inter_dc_chunk_mb": args.chunk_mb}
+    common = {"inter_dc_chunk_mb": args.chunk_mb}
     out = [Strategy("har", SyncConfig(strategy=SyncStrategy.HIERARCHICAL, overlap=True, **common)),
            Strategy("har-delayed", SyncConfig(strategy=SyncStrategy.HIERARCHICAL, delay_one_step=True, **common),
                     by_default=False),
@@ -171,7 +171,7 @@ def overlap_rule(args: argparse.Namespace, params: int) -> dict[str, Any]:
     from meridian.workers.distributed.multiproc import run_processes
 
     sync = SyncConfig(strategy=SyncStrategy.DILOCO, diloco=DiLoCoConfig(inner_steps=args.inner_steps[0]),
-                      bucket_mb=args.bucket_mb, inter_dc_chunk_mb=args.chunk_mb)  # fmt: skip
+                      inter_dc_chunk_mb=args.chunk_mb)  # fmt: skip
     probe = dataclasses.replace(job_config(args, sync, emulated=False), steps=PROBE_STEPS, validation=None)
     ranks = run_processes(_meridian, args.dcs, probe, timeout_s=args.timeout_s)
     compute_s = statistics.median(a - b for r in ranks for a, b in zip(r["step_s"][8:], r["blocked_s"][8:], strict=True))
@@ -370,13 +370,14 @@ def auto_choice(args: argparse.Namespace, params: int, per_rank: dict[str, Any],
     """The planner's pick for the link and the compute time of a step measured here (the median over the
     first DiLoCo run's steps of step time minus blocked time: pure compute, data and optimizer)."""
     from meridian.bench.sync import micro_batches_per_rank
+    from meridian.service.planning.cost_model import hierarchical_last_sync_mb
     from meridian.service.planning.lowcomm_choice import choose_lowcomm
 
     ref = next((s.name for s in chosen if s.sync is not None and s.sync.strategy.is_diloco), "har")
     got = per_rank[ref]
     compute_s = statistics.median(a - b for a, b in zip(got["step_s"], got["blocked_s"], strict=True))
     c = choose_lowcomm(rtt_ms=args.rtt_ms, gbps=args.inter_dc_gbps, num_params=params, compute_s=compute_s,
-                    num_dcs=args.dcs, bucket_mb=args.bucket_mb, steps=args.steps,
+                    num_dcs=args.dcs, last_sync_mb=hierarchical_last_sync_mb(model_preset(args.model)), steps=args.steps,
                     micro_batches=micro_batches_per_rank(args.global_batch, args.dcs, args.micro_batch))  # fmt: skip
     d = c.diloco
     return {
@@ -491,7 +492,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--outer-momentum", type=float, default=0.9, help="outer Nesterov momentum (default 0.9)")
     p.add_argument("--diloco-warmup-steps", type=int, default=400,
                    help="Meridian's streaming DiLoCo: first inner steps on the short sync cycle, whole cycles (default 400)")
-    p.add_argument("--bucket-mb", type=float, default=0.1, help="gradient bucket size (default 0.1: fragments)")
     p.add_argument("--chunk-mb", type=float, default=1.0, help="inter-DC chunk size (default 1)")
     p.add_argument("--strategies", nargs="*", default=[],
                    help="run only these (har always runs; har-delayed, har-lookahead and har+bf16 run only when named)")

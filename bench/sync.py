@@ -65,7 +65,7 @@ def strategies(args: argparse.Namespace, compressions: list[Compression]) -> lis
     """``flat`` (DDP, as Ray Train's ``prepare_model`` builds it), ``hierarchical`` (FSDP2 inside each DC, each
     rank's rows summed across DCs after backward) and ``hierarchical+overlap`` (each block's rows summed across DCs
     from FSDP2's hook while backward runs, in chunks), the last two also with each inter-DC compression asked for."""
-    common = {"bucket_mb": args.bucket_mb, "inter_dc_chunk_mb": args.chunk_mb}
+    common = {"inter_dc_chunk_mb": args.chunk_mb}
     out = [Strategy("flat", SyncConfig(strategy=SyncStrategy.FLAT, bucket_mb=args.bucket_mb))]
     for overlap, base in ((False, "hierarchical"), (True, "hierarchical+overlap")):
         for c in [Compression.NONE, *compressions]:
@@ -206,7 +206,7 @@ def run(args: argparse.Namespace) -> dict:
         "diloco": {"inner_steps": args.diloco_h, "fragments": args.fragments, "overlap_steps": args.overlap_steps,
                    "outer_lr": args.outer_lr, "outer_momentum": args.outer_momentum},
         "quality": quality(report),
-        "auto_choice": auto_choice(wan, params, len(dcs) // num_dcs, num_dcs, per_rank[0], args.bucket_mb,
+        "auto_choice": auto_choice(wan, params, len(dcs) // num_dcs, num_dcs, per_rank[0], args.model,
                                    micro_batches_per_rank(args.global_batch or 8 * len(dcs), len(dcs), args.micro_batch)),
     }
 
@@ -217,17 +217,18 @@ def micro_batches_per_rank(global_batch: int, ranks: int, micro_batch: int) -> i
     return math.ceil(most / micro_batch)
 
 
-def auto_choice(wan: WanConfig | None, params: int, per_dc: int, num_dcs: int, r0: dict, bucket_mb: float,
+def auto_choice(wan: WanConfig | None, params: int, per_dc: int, num_dcs: int, r0: dict, model: str,
                 micro_batches: int = 1) -> dict | None:
     """What the planner's ``auto`` picks for this link and the compute time of a step measured here (median
     over every strategy's timed steps of step time minus time waiting for the sync)."""
     if wan is None or num_dcs < 2:
         return None
+    from meridian.service.planning.cost_model import hierarchical_last_sync_mb
     from meridian.service.planning.sync_choice import choose_sync
 
     compute_s = statistics.median(x for r in r0.values() for x in r["compute_s"])
     c = choose_sync(rtt_ms=wan.rtt_ms, gbps=wan.gbps, num_params=params, compute_s=compute_s, num_dcs=num_dcs,
-                    bucket_mb=bucket_mb, micro_batches=micro_batches)  # fmt: skip
+                    last_sync_mb=hierarchical_last_sync_mb(model_preset(model)), micro_batches=micro_batches)  # fmt: skip
     d = c.diloco
     return {"strategy": c.strategy.value, "compression": c.compression.value, "compute_s_measured": round(compute_s, 5),
             "inner_steps": d.inner_steps if d else None, "fragments": d.fragments if d else None,
@@ -265,7 +266,7 @@ def add_job_shape_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny", help="model preset (default tiny)")
     p.add_argument("--global-batch", type=int, default=0, help="samples per step (default 8 per worker)")
     p.add_argument("--micro-batch", type=int, default=4, help="samples per forward/backward (default 4)")
-    p.add_argument("--bucket-mb", type=float, default=1.0, help="gradient bucket size (default 1)")
+    p.add_argument("--bucket-mb", type=float, default=1.0, help="flat sync's DDP bucket size (default 1)")
     p.add_argument("--chunk-mb", type=float, default=0.25, help="inter-DC chunk size (default 0.25)")
     p.add_argument("--seed", type=int, default=0)
 

@@ -38,10 +38,12 @@ def test_submit_read_list_and_plan(client):
     assert client.get("/v1/jobs", params={"state": "running"}).json()["count"] == 0
     plan = client.post("/v1/plans", json=spec()).json()
     assert plan["num_workers"] == 4 and plan["sync_strategy"] == "hierarchical"
-    # the gradient buckets: sized by the planner when the spec leaves them out (or null), else the spec's
-    assert plan["bucket_mb"] == 1.0 and "Gradient buckets of 1.00 MiB: one holds" in plan["explanation"]
-    assert client.post("/v1/plans", json=spec(sync={"bucket_mb": None})).json()["bucket_mb"] == 1.0
-    mine = client.post("/v1/plans", json=spec(sync={"bucket_mb": 0.25})).json()
+    # the hierarchical engine syncs per FSDP2 unit: no DDP buckets; flat sync's are sized by the planner when the
+    # spec leaves them out (or null), else the spec's
+    assert plan["bucket_mb"] is None and "Gradients sync per FSDP2 unit" in plan["explanation"]
+    flat = client.post("/v1/plans", json=spec(sync={"strategy": "flat", "bucket_mb": None})).json()
+    assert flat["bucket_mb"] == 1.0 and "Gradient buckets of 1.00 MiB: one holds" in flat["explanation"]
+    mine = client.post("/v1/plans", json=spec(sync={"strategy": "flat", "bucket_mb": 0.25})).json()
     assert mine["bucket_mb"] == 0.25 and "Gradient buckets of" not in mine["explanation"]
     # streaming DiLoCo's merge: the paper's unless the spec asks to keep what trained meanwhile
     knobs = {"inner_steps": 8, "fragments": 2, "overlap_steps": 1}
@@ -82,6 +84,7 @@ def test_submit_read_list_and_plan(client):
     (spec(sync={"shard_optimizer": False}), "sync.shard_optimizer"),
     (spec(sync={"strategy": "hierarchical", "shard_optimizer": False}), "sync.shard_optimizer"),
     (spec(sync={"strategy": "diloco", "bucket_mb": 4.0}), "sync.bucket_mb"),
+    (spec(sync={"strategy": "hierarchical", "bucket_mb": 4.0}), "sync.bucket_mb does not apply with sync.strategy 'hierarchical'"),
     (spec(sync={"strategy": "streaming-diloco", "overlap": False}), "sync.overlap"),
 ])
 def test_bad_specs_are_422_naming_the_field(client, body, field):

@@ -24,7 +24,7 @@ from meridian.workers.contracts.config import Compression, DiLoCoConfig, SyncCon
 from meridian.workers.contracts.model_config import model_preset
 from meridian.workers.contracts.wire_format import sparse_payload_bytes
 
-SLOW = dict(rtt_ms=100, gbps=0.1, compute_s=0.5, bucket_mb=64)
+SLOW = dict(rtt_ms=100, gbps=0.1, compute_s=0.5, last_sync_mb=64)
 
 
 def test_utilisation_counts_fragments_outlasting_their_overlap_and_the_links_backlog():
@@ -87,12 +87,11 @@ def _req(**kw) -> JobRequest:
 def test_the_planner_hands_the_sparse_update_to_the_workers_on_a_measured_link_too_slow_for_int4():
     topo = topology(dc_a=2, dc_b=2)
     base = default_figures(topo, ("dc-a", "dc-b"), False)
-    # 100 kB/s: nano fills one gradient bucket here, so plain DiLoCo; its int4 sync (778 ms) every 500 steps of
-    # ~20 ms would still take 7% of the wall, over the 5% plain DiLoCo may spend
-    crawl = replace(base, inter_dc=Link(0.05, 1e5), inter_dc_known=True)
+    # 7 kB/s: nano's int4 fragments (2.6 s each) would keep streaming DiLoCo under 97% computing even at H=500
+    crawl = replace(base, inter_dc=Link(0.05, 7e3), inter_dc_known=True)
     plan = plan_job(_req(), topo, crawl)
-    assert plan.sync_strategy is SyncStrategy.DILOCO and plan.diloco.sparse_density == 0.02
-    assert "Sync 'diloco' sparse" in plan.explanation and "under the 95% it must keep" in plan.explanation
+    assert plan.sync_strategy is SyncStrategy.STREAMING_DILOCO and plan.diloco.sparse_density == 0.02
+    assert "Sync 'streaming-diloco' sparse" in plan.explanation and "under the 97% it must keep" in plan.explanation
     config = build_train_config("j", _req(), plan, "")
     assert config.sync.outer == plan.diloco and config.sync.compression is Compression.NONE
     # a job that set its own encoding keeps it: no sparse update for it
@@ -100,12 +99,13 @@ def test_the_planner_hands_the_sparse_update_to_the_workers_on_a_measured_link_t
     other = plan_job(asked, topo, crawl)
     assert other.diloco is not None and other.diloco.sparse_density is None
     assert build_train_config("j", asked, other, "").sync.compression is Compression.INT8
-    # where int4 keeps up (0.1 Gbit/s) nothing changes
-    slow = replace(base, inter_dc=Link(0.05, 0.1e9 / 8), inter_dc_known=True)
-    assert plan_job(_req(), topo, slow).diloco.sparse_density is None
+    # where int4 keeps up (100 kB/s, 0.1 Gbit/s) nothing changes
+    for bytes_per_s in (1e5, 0.1e9 / 8):
+        slow = replace(base, inter_dc=Link(0.05, bytes_per_s), inter_dc_known=True)
+        assert plan_job(_req(), topo, slow).diloco.sparse_density is None
 
 
 def test_nano_on_the_labs_link_keeps_int4_streaming():
     params = model_preset("nano").num_params
-    c = choose_lowcomm(rtt_ms=100, gbps=0.1, num_params=params, compute_s=0.031, bucket_mb=0.1, steps=2048)
+    c = choose_lowcomm(rtt_ms=100, gbps=0.1, num_params=params, compute_s=0.031, last_sync_mb=0.1, steps=2048)
     assert c.compression is Compression.INT4 and c.diloco.sparse_density is None

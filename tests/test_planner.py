@@ -10,6 +10,7 @@ from fakes import node, topology
 from meridian.service.cluster.topology import ClusterTopology
 from meridian.service.errors import InvalidJob, Unschedulable
 from meridian.service.jobs import JobRequest, ParallelismRequest, TopologyRequest
+from meridian.service.planning.cost_model import shape_of
 from meridian.service.planning.placement import admission
 from meridian.service.planning.planner import plan_job
 from meridian.workers.contracts.config import Compression, SyncConfig, SyncStrategy
@@ -220,14 +221,31 @@ def _layout(**kw):
     return Layout(**{**base, **kw})
 
 
-def test_a_model_smaller_than_one_bucket_cannot_hide_its_sync():
+def test_under_flat_sync_a_model_smaller_than_one_bucket_cannot_hide_its_sync():
     from meridian.service.planning.cost_model import estimate
 
     tiny = model_preset("tiny")  # 3.5 MB of fp32 gradients
-    whole = estimate(tiny, _layout(bucket_bytes=4 * 2**20), _figures(), 8)
+    whole = estimate(tiny, _layout(hierarchical=False, bucket_bytes=4 * 2**20), _figures(), 8)
     assert whole.exposed_dp_s == pytest.approx(whole.dp_comm_s)  # one bucket: ready when backward ends
-    split = estimate(tiny, _layout(bucket_bytes=2**19), _figures(), 8)
+    split = estimate(tiny, _layout(hierarchical=False, bucket_bytes=2**19), _figures(), 8)
     assert split.exposed_dp_s < whole.exposed_dp_s
+
+
+def test_the_hierarchical_engine_syncs_per_fsdp_unit_so_only_the_root_follows_backward():
+    from meridian.service.planning.cost_model import estimate, last_synced_bytes
+
+    tiny = model_preset("tiny")
+    shape = shape_of(tiny)
+    lay = _layout()
+    # the blocks sync as backward completes each; the root (embedding, final norm, head) completes last
+    assert last_synced_bytes(tiny, lay) == 4 * (shape.num_params - shape.n_layers * shape.layer_params)
+    est = estimate(tiny, lay, _figures(), 8)
+    assert est.exposed_dp_s < est.dp_comm_s
+    # DDP's bucket size is not the hierarchical engine's: it changes nothing there
+    assert estimate(tiny, _layout(bucket_bytes=2**19), _figures(), 8) == est
+    # a pipeline's first stage finishes backward last: its root is the embedding alone
+    staged = _layout(pp=2)
+    assert last_synced_bytes(tiny, staged) == 4 * shape.embedding_params
 
 
 def test_only_the_last_micro_batch_s_backward_hides_the_sync():
@@ -260,31 +278,55 @@ def test_bucket_size_aims_at_four_buckets_within_its_limits():
         bucket_mb_for(0)
 
 
-def test_a_job_that_leaves_the_bucket_size_out_gets_the_planner_s_and_says_why():
+def test_a_flat_job_that_leaves_the_bucket_size_out_gets_the_planner_s_and_says_why():
     from meridian.service.planning.buckets import bucket_mb_for
     from meridian.service.planning.train_config import build_train_config
 
     tiny = model_preset("tiny")  # 3.5 MB of fp32 gradients: one 4 MiB bucket would hold it all
-    auto = replace(req(), model=tiny, sync=SyncConfig(strategy=None, bucket_mb=None))
+    auto = replace(req(), model=tiny, sync=SyncConfig(strategy=SyncStrategy.FLAT, bucket_mb=None))
     plan = plan_job(auto, topology(dc_a=2, dc_b=2))
+    assert plan.sync_strategy is SyncStrategy.FLAT
     assert plan.bucket_mb == bucket_mb_for(4 * tiny.num_params) < 4.0
     assert "Gradient buckets of 1.00 MiB: about 4 for the 3.34 MiB" in plan.explanation
     assert plan.to_dict()["bucket_mb"] == plan.bucket_mb
     assert build_train_config("j", auto, plan, "").sync.bucket_mb == plan.bucket_mb
     # the estimate is the one of those buckets: less of the sync exposed than behind one bucket
-    whole = plan_job(replace(auto, sync=SyncConfig(strategy=None, bucket_mb=4.0)), topology(dc_a=2, dc_b=2))
+    whole = plan_job(replace(auto, sync=SyncConfig(strategy=SyncStrategy.FLAT, bucket_mb=4.0)), topology(dc_a=2, dc_b=2))
     assert plan.estimate["exposed_dp_s"] < whole.estimate["exposed_dp_s"]
     # an explicit size is the job's: kept, and not explained as the planner's
     assert whole.bucket_mb == 4.0 and "Gradient buckets of" not in whole.explanation
     assert build_train_config("j", auto, whole, "").sync.bucket_mb == 4.0
 
 
+def test_a_hierarchical_plan_has_no_buckets_it_syncs_per_fsdp_unit_and_says_so():
+    from meridian.service.planning.train_config import build_train_config
+
+    tiny = model_preset("tiny")
+    auto = replace(req(), model=tiny, sync=SyncConfig(strategy=None, bucket_mb=None))
+    plan = plan_job(auto, topology(dc_a=2, dc_b=2))
+    assert plan.sync_strategy is SyncStrategy.HIERARCHICAL and plan.bucket_mb is None
+    assert plan.to_dict()["bucket_mb"] is None and "Gradient buckets" not in plan.explanation
+    # tiny: 4 blocks, then the root (embedding 49,152 + head 33,024 parameters: 0.31 MiB of fp32 gradients)
+    assert ("Gradients sync per FSDP2 unit (4 transformer blocks, then the embeddings and head), each as soon as "
+            "backward completes it, so only the last unit's sync (0.31 of the 3.34 MiB") in plan.explanation
+    assert build_train_config("j", auto, plan, "").sync.bucket_mb is None
+    # an auto job's own bucket size, where the plan is hierarchical: unused, and the plan says so
+    sized = replace(auto, sync=SyncConfig(strategy=None, bucket_mb=4.0))
+    other = plan_job(sized, topology(dc_a=2, dc_b=2))
+    assert other.sync_strategy is SyncStrategy.HIERARCHICAL and other.bucket_mb is None
+    assert "sync.bucket_mb sizes flat sync's DDP buckets only" in other.explanation
+    assert other.estimate == plan.estimate
+
+
 def test_a_train_config_never_leaves_the_bucket_size_to_the_workers():
     from meridian.workers.contracts.config import TrainConfig
 
-    with pytest.raises(ValueError, match=r"sync.bucket_mb is 'auto' \(None\)"):
+    with pytest.raises(ValueError, match=r"sync.bucket_mb is 'auto' \(None\) for flat sync"):
         TrainConfig(job_id="j", model=model_preset("nano"), steps=1, global_batch=2, micro_batch=1,
-                    sync=SyncConfig(bucket_mb=None))  # fmt: skip
+                    sync=SyncConfig(strategy=SyncStrategy.FLAT, bucket_mb=None))  # fmt: skip
+    # the hierarchical engine has no buckets to size
+    TrainConfig(job_id="j", model=model_preset("nano"), steps=1, global_batch=2, micro_batch=1,
+                sync=SyncConfig(bucket_mb=None))  # fmt: skip
 
 
 @pytest.mark.parametrize("sync, dcs", [

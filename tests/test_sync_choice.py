@@ -36,7 +36,7 @@ def test_fast_link_keeps_per_step_hierarchical_sync():
     assert c.har_exposed_s == pytest.approx(cross_dc_time(4 * TINY, rtt_ms=1, gbps=100, num_dcs=2))
     assert "identical to one process" in c.explanation and "1 ms RTT / 100 Gbit/s" in c.explanation
     # with 8 buckets behind 133 ms of backward, only the last one's latency and eighth of the transfer show
-    c = choose_sync(rtt_ms=1, gbps=100, num_params=TINY, compute_s=0.2, bucket_mb=4 * TINY / 2**20 / 8)
+    c = choose_sync(rtt_ms=1, gbps=100, num_params=TINY, compute_s=0.2, last_sync_mb=4 * TINY / 2**20 / 8)
     assert c.har_exposed_s == pytest.approx(0.0005 + (c.outer_sync_s - 0.0005) / 8)
 
 
@@ -92,7 +92,7 @@ def test_slow_link_one_bucket_picks_diloco_with_4bit_deltas_and_h_that_amortises
 
 
 def test_very_slow_link_picks_streaming_diloco_whose_overlap_covers_each_fragment_sync():
-    c = choose_sync(rtt_ms=100, gbps=0.1, num_params=TINY, compute_s=0.05, bucket_mb=0.5)
+    c = choose_sync(rtt_ms=100, gbps=0.1, num_params=TINY, compute_s=0.05, last_sync_mb=0.5)
     assert c.strategy is SyncStrategy.STREAMING_DILOCO and c.compression is Compression.INT4
     cfg = c.diloco
     assert cfg.fragments == FRAGMENTS and cfg.inner_steps % cfg.fragments == 0
@@ -103,7 +103,7 @@ def test_very_slow_link_picks_streaming_diloco_whose_overlap_covers_each_fragmen
     assert "evidence floor" in c.explanation and "x fewer inter-DC bytes" in c.explanation
     DiLoCoConfig(**{f: getattr(cfg, f) for f in ("inner_steps", "fragments", "overlap_steps")})  # valid
     assert cfg.warmup_steps == 0  # the job's length unknown: no warm-up
-    warm = choose_sync(rtt_ms=100, gbps=0.1, num_params=TINY, compute_s=0.05, bucket_mb=0.5, steps=1200).diloco
+    warm = choose_sync(rtt_ms=100, gbps=0.1, num_params=TINY, compute_s=0.05, last_sync_mb=0.5, steps=1200).diloco
     cycle = max(cfg.fragments * (cfg.overlap_steps + 1), cfg.inner_steps // 4)
     assert warm.warmup_steps % cycle == 0 and 0.4 * 1200 - cycle < warm.warmup_steps <= 0.4 * 1200
 
@@ -115,7 +115,7 @@ def test_the_explanation_counts_the_warm_up_in_the_job_s_bytes():
 
     # the bench's nano model at 64 samples a step (~31 ms) on 100 ms / 0.1 Gbit/s, a 2,048-step job
     nano, steps = 136_960, 2048
-    c = choose_sync(rtt_ms=100, gbps=0.1, num_params=nano, compute_s=0.031, bucket_mb=0.1, steps=steps)
+    c = choose_sync(rtt_ms=100, gbps=0.1, num_params=nano, compute_s=0.031, last_sync_mb=0.1, steps=steps)
     cfg = c.diloco
     assert cfg.warmup_steps > 0
     after, whole = (float(x) for x in re.search(r"(\d+)x fewer inter-DC bytes .* so (\d+)x fewer over the whole",
@@ -133,7 +133,7 @@ def test_no_warm_up_when_its_cycle_would_not_be_shorter_than_h():
     # 11 steps of each of 4 fragments make a 48-step warm-up cycle, longer than H, so a "warm-up" would sync less
     # often than H does; several fragments are in flight at once instead
     nano = 136_960
-    c = choose_sync(rtt_ms=100, gbps=0.1, num_params=nano, compute_s=0.0076, bucket_mb=0.1, steps=4096)
+    c = choose_sync(rtt_ms=100, gbps=0.1, num_params=nano, compute_s=0.0076, last_sync_mb=0.1, steps=4096)
     cfg = c.diloco
     assert cfg.overlap_steps == 11 and cfg.inner_steps == 36 and "room for the overlap" in c.explanation
     assert cfg.overlap_steps <= cfg.inner_steps * MAX_OVERLAP_FRACTION
@@ -143,7 +143,7 @@ def test_no_warm_up_when_its_cycle_would_not_be_shorter_than_h():
 
 @pytest.mark.parametrize("params, bound", [(10**9, "link at most 50% busy"), (2 * 10**10, "largest H")])
 def test_a_huge_model_on_a_slow_link_raises_h_until_the_link_keeps_up_then_caps_it(params, bound):
-    c = choose_sync(rtt_ms=100, gbps=0.1, num_params=params, compute_s=0.5, bucket_mb=64)
+    c = choose_sync(rtt_ms=100, gbps=0.1, num_params=params, compute_s=0.5, last_sync_mb=64)
     cfg = c.diloco
     assert c.strategy is SyncStrategy.STREAMING_DILOCO and cfg.inner_steps % cfg.fragments == 0
     if "busy" in bound:
@@ -156,7 +156,7 @@ def test_a_huge_model_on_a_slow_link_raises_h_until_the_link_keeps_up_then_caps_
 
 def test_a_job_shorter_than_diloco_s_evidence_keeps_the_cheapest_per_step_sync():
     # the demo (tiny, 60 steps) on the lab's 21 ms link, as this machine probed it: ~120 ms steps, 0.5 Gbit/s
-    link = dict(rtt_ms=21, gbps=0.5, num_params=TINY, compute_s=0.12, bucket_mb=1)
+    link = dict(rtt_ms=21, gbps=0.5, num_params=TINY, compute_s=0.12, last_sync_mb=1)
     assert choose_sync(**link, steps=DILOCO_MIN_STEPS, optimizer_step_s=0.008).strategy is SyncStrategy.STREAMING_DILOCO
     short = choose_sync(**link, steps=60, optimizer_step_s=0.008)
     assert short.strategy is SyncStrategy.HIERARCHICAL and short.diloco is None and short.local_lookahead
@@ -273,12 +273,12 @@ def test_auto_strategy_is_resolved_by_the_plan_never_by_the_config():
 
 
 def test_planner_runs_the_demo_one_step_late_at_a_look_ahead_where_exact_sync_would_show():
-    # The demo job (tiny, one 4 MB bucket) on a measured 21 ms / 1 Gbit/s link: fp32 sync all after backward
+    # The demo job (tiny) on a measured 21 ms / 1 Gbit/s link, its sync after backward (overlap off): all exposed
     topo = topology(dc_a=2, dc_b=2)
     base = default_figures(topo, ("dc-a", "dc-b"), False)
     link = replace(base, inter_dc=Link(0.0105, 1e9 / 8), inter_dc_known=True)
     demo = JobRequest(name="demo", model=model_preset("tiny"), steps=60, global_batch=16, micro_batch=4,
-                      topology=TopologyRequest(), sync=SyncConfig(strategy=None, bucket_mb=4.0))
+                      topology=TopologyRequest(), sync=SyncConfig(strategy=None, overlap=False))
     plan = plan_job(demo, topo, link)
     assert plan.sync_strategy is SyncStrategy.HIERARCHICAL and plan.local_lookahead and plan.compression is None
     assert "one step late" in plan.explanation and plan.to_dict()["local_lookahead"] is True
@@ -289,13 +289,13 @@ def test_planner_runs_the_demo_one_step_late_at_a_look_ahead_where_exact_sync_wo
 
 
 def test_planner_sends_per_step_sync_in_bf16_on_a_measured_link_where_fp32_would_show():
-    # The demo job (tiny, one 4 MB bucket) on a measured 21 ms / 1 Gbit/s link, on devices that hold the layout but
-    # not the look-ahead's buffers (so no look-ahead)
+    # The demo job (tiny) on a measured 21 ms / 1 Gbit/s link, its sync after backward (overlap off), on devices
+    # that hold the layout but not the look-ahead's buffers (so no look-ahead)
     topo = topology(dc_a=2, dc_b=2)
     base = default_figures(topo, ("dc-a", "dc-b"), False)
     link = replace(base, inter_dc=Link(0.0105, 1e9 / 8), inter_dc_known=True)
     demo = JobRequest(name="demo", model=model_preset("tiny"), steps=60, global_batch=16, micro_batch=4,
-                      topology=TopologyRequest(), sync=SyncConfig(strategy=None, bucket_mb=4.0))
+                      topology=TopologyRequest(), sync=SyncConfig(strategy=None, overlap=False))
     roomy = plan_job(demo, topo, link)
     assert roomy.local_lookahead  # where the look-ahead fits it is the choice
     link = replace(link, device_memory_bytes=roomy.estimate["memory_bytes"] + 1)
@@ -310,9 +310,10 @@ def test_planner_sends_per_step_sync_in_bf16_on_a_measured_link_where_fp32_would
     assert plan_job(demo, topo, replace(link, inter_dc_known=False)).compression is None
     fast = replace(base, inter_dc=Link(0.0001, 100e9 / 8), inter_dc_known=True)
     assert plan_job(demo, topo, fast).compression is None
-    # with the planner's buckets (four of 1 MiB) backward hides all but the last one's sync: exact fp32 again
-    sized = plan_job(replace(demo, sync=replace(demo.sync, bucket_mb=None)), topo, link)
-    assert sized.bucket_mb == 1.0 and sized.compression is None and "limit 5%" in sized.explanation
+    # syncing each FSDP2 unit as backward completes it hides all but the last unit's sync: exact fp32 again
+    sized = plan_job(replace(demo, sync=replace(demo.sync, overlap=True)), topo, link)
+    assert sized.bucket_mb is None and sized.compression is None and "limit 5%" in sized.explanation
+    assert "Gradients sync per FSDP2 unit (4 transformer blocks" in sized.explanation
 
 
 def test_the_planners_int4_bytes_are_what_the_codec_puts_on_the_wire():
@@ -327,7 +328,7 @@ def test_the_planners_int4_bytes_are_what_the_codec_puts_on_the_wire():
 def test_with_gradient_accumulation_exact_sync_hides_only_behind_the_last_micro_batch_s_backward():
     # 8 buckets on 1 ms / 1 Gbit/s: behind one micro-batch's 67 ms of backward only the last bucket shows; the
     # same step's compute in 16 micro-batches syncs behind the last one's 4 ms (cost_model.estimate's window).
-    kw = dict(rtt_ms=1, gbps=1, num_params=TINY, compute_s=0.1, bucket_mb=4 * TINY / 2**20 / 8, lookahead=False)
+    kw = dict(rtt_ms=1, gbps=1, num_params=TINY, compute_s=0.1, last_sync_mb=4 * TINY / 2**20 / 8, lookahead=False)
     whole = cross_dc_time(4 * TINY, rtt_ms=1, gbps=1, num_dcs=2)
     one = choose_sync(**kw)
     assert one.compression is Compression.NONE and one.har_exposed_s == pytest.approx(0.0005 + (whole - 0.0005) / 8)

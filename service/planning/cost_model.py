@@ -30,7 +30,8 @@ Time per optimizer step
                  and the gradients reduce-scattered once a step, after the last micro-batch; hidden behind the
                  compute they overlap
     exposed    = dp comm not hidden behind the last micro-batch's backward and the pipeline's drain (earlier
-                 micro-batches only accumulate) when overlap is on, and at least the last bucket's share
+                 micro-batches only accumulate) when overlap is on, and at least the share of what syncs last
+                 (a DDP bucket, or the hierarchical engine's last FSDP2 unit: :func:`last_synced_bytes`)
 
 The estimates are checked against measured step times by ``meridian bench plan`` and against published tables
 by ``tests/test_published_tables.py``.
@@ -117,7 +118,8 @@ class Layout:
     schedule: str = "1f1b"
     """Pipeline schedule, ``1f1b`` or ``gpipe`` (when ``pp`` > 1)."""
     bucket_bytes: float = 4 * 2**20
-    """Gradient bucket size (``sync.bucket_mb``): a model smaller than one bucket syncs only after backward."""
+    """Flat sync's DDP bucket size (``sync.bucket_mb``): a model smaller than one bucket syncs only after backward.
+    The hierarchical engine has no buckets: it syncs per FSDP2 unit (:func:`last_synced_bytes`)."""
     fp32: bool = False
     """The job trains in fp32, not in bf16 autocast: its logits are one more fp32 tensor (:func:`activation_bytes`)."""
     encoded: bool = False
@@ -408,7 +410,7 @@ def estimate(model: ModelShape | ModelConfig, lay: Layout, fig: Figures, global_
 
     # 4) data-parallel sync and FSDP
     grads = BYTES_FP32 * max(stage_params(shape, lay.pp)) / lay.tp
-    dp_comm, last_bucket, cross = _dp_comm(lay, fig, grads)
+    dp_comm, last_piece, cross = _dp_comm(lay, fig, grads, last_synced_bytes(shape, lay))
     model_grads = BYTES_FP32 * shape.num_params
     if lay.dp > 1 and not lay.pp_spans_dcs and lay.num_dcs > 1:
         # HAR (and HSDP): each DC sends one copy of the gradients (split over its ranks); flat: every rank sends all
@@ -424,7 +426,7 @@ def estimate(model: ModelShape | ModelConfig, lay: Layout, fig: Figures, global_
     intra = dp_comm - cross
     hidden_cross = cross - max(0.0, backward - intra) - backward * bubble_slots
     exposed = max(intra - backward, 0.0) + max(hidden_cross, 0.0)
-    exposed = max(exposed, last_bucket) if lay.overlap else dp_comm
+    exposed = max(exposed, last_piece) if lay.overlap else dp_comm
     optimizer = fig.step_overhead_s * optimizer_share(lay)
     step = compute + tp_comm + pp_comm + exposed + fsdp + optimizer
     tokens = global_batch * shape.seq_len
@@ -467,13 +469,37 @@ def _fsdp_exposed(shape: ModelShape, lay: Layout, fig: Figures, busy_s: float, m
     return max(total - busy_s, gathers * first_block)
 
 
-def _dp_comm(lay: Layout, fig: Figures, grads: float) -> tuple[float, float, float]:
-    """(total data-parallel sync time, the part that is always exposed: the last bucket's sync, the part on the
-    inter-DC link). ``grads``: one device's gradient bytes; every model-parallel rank's sync shares the inter-DC
-    link."""
+def last_synced_bytes(model: ModelShape | ModelConfig, lay: Layout) -> float:
+    """The fp32 gradient bytes on one device that sync last, once backward has ended, so their sync is never
+    hidden. Under flat sync DDP's last bucket (``lay.bucket_bytes``, or the whole slice if smaller). The
+    hierarchical engine syncs per FSDP2 unit (:func:`meridian.workers.parallel.fsdp.apply_fsdp`: each transformer
+    block, then the root); the root's gradients are complete last, when backward reaches the embedding. The root
+    holds what the blocks do not: the embedding and, in one stage, the final norm and the head; under pipelining
+    the first stage, the last to finish backward, holds the embedding."""
+    shape = shape_of(model)
+    grads = BYTES_FP32 * max(stage_params(shape, lay.pp)) / lay.tp
+    if not runs_hierarchical(lay):
+        return min(lay.bucket_bytes, grads)
+    first_layers, _ = stage_layers(shape, lay.pp)
+    root = stage_params(shape, lay.pp)[0] - first_layers * shape.layer_params
+    return min(BYTES_FP32 * root / lay.tp, grads)
+
+
+def hierarchical_last_sync_mb(model: ModelShape | ModelConfig) -> float:
+    """:func:`last_synced_bytes` in MiB for a data-parallel replica of ``model`` across datacenters under the
+    hierarchical engine (the sync choice's ``last_sync_mb``)."""
+    lay = Layout(tp=1, pp=1, dp=2, num_dcs=2, dp_per_dc=1, pp_spans_dcs=False, micro_batch=1, micro_batches=1,
+                 hierarchical=True, overlap=True)
+    return last_synced_bytes(model, lay) / 2**20
+
+
+def _dp_comm(lay: Layout, fig: Figures, grads: float, last_bytes: float) -> tuple[float, float, float]:
+    """(total data-parallel sync time, the part that is always exposed: the sync of what completes last
+    (``last_bytes``, :func:`last_synced_bytes`), the part on the inter-DC link). ``grads``: one device's gradient
+    bytes; every model-parallel rank's sync shares the inter-DC link."""
     if lay.dp <= 1:
         return 0.0, 0.0, 0.0
-    last_fraction = min(1.0, lay.bucket_bytes / grads)  # the last bucket's share of the gradients
+    last_fraction = min(1.0, last_bytes / grads)  # the share of the gradients synced last
     intra_link = fig.intra_node if lay.dp_in_node else fig.intra_dc
     if lay.pp_spans_dcs or lay.num_dcs == 1:
         if lay.fsdp:
@@ -490,7 +516,7 @@ def _dp_comm(lay: Layout, fig: Figures, grads: float) -> tuple[float, float, flo
         cross = fig.inter_dc.time(on_link * (lay.num_dcs - 1) if lay.num_dcs == 2
                                   else 2 * (lay.num_dcs - 1) / lay.num_dcs * on_link, rounds=rounds)
         total = intra + cross
-        # The last bucket pays the inter-DC latency rounds whole and its share of the transfer.
+        # What syncs last pays the inter-DC latency rounds whole and its share of the transfer.
         latency = rounds * fig.inter_dc.latency_s
         return total, intra * last_fraction + latency + (cross - latency) * last_fraction, cross
     w = lay.dp

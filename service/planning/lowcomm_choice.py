@@ -10,7 +10,7 @@ its overlap steps and the link's backlog (the whole model's sync beyond H steps)
 
     u = H c / (H c + max(fragments × max(0, fragment_s - overlap c), outer_s - H c))
 
-(Plain DiLoCo, for a model of one gradient bucket, is the case of one fragment and no overlap: its sync blocks.)
+(Plain DiLoCo, for a model that syncs in one piece, is the case of one fragment and no overlap: its sync blocks.)
 Below :data:`MIN_UTILISATION` (plain DiLoCo: below the share of a step ``choose_sync`` lets its sync take) the
 sparse outer update takes over (SparseLoCo, Sarfi et al. 2025, arXiv:2508.15706:
 top-k of each block of the outer delta, 2-bit values, error feedback in each rank's shard), with the same fragments
@@ -86,7 +86,7 @@ def streaming_utilisation(cfg: DiLoCoConfig, *, wire_bytes: float, compute_s: fl
 def sparse_instead(dense: DiLoCoConfig, *, rtt_ms: float, gbps: float, num_params: int, compute_s: float,
                    num_dcs: int, steps: int | None, head: str,
                    target: float = MIN_UTILISATION) -> SparseChoice | None:  # fmt: skip
-    """The sparse setting where ``dense`` (streaming DiLoCo, or plain DiLoCo for a model of one bucket, with int4
+    """The sparse setting where ``dense`` (streaming DiLoCo, or plain DiLoCo for a model that syncs in one piece, with int4
     outer deltas) is estimated to compute less than ``target`` of the time; ``None`` where it keeps up. ``target``:
     :data:`MIN_UTILISATION` for streaming; plain DiLoCo's own, the share of a step its blocking sync may take
     (:func:`~meridian.service.planning.sync_choice.choose_sync`), so the sparse update replaces it only where H cannot

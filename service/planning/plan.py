@@ -38,9 +38,10 @@ class Plan:
     lookahead_when_exposed: float | None = None
     """The look-ahead is armed (``sync.lookahead_when_exposed``): the job's own steps decide whether it takes
     over. ``auto`` arms it on exact per-step sync it chose on figures nobody measured, or where the job asked."""
-    bucket_mb: float = 4.0
-    """The gradient bucket size every rank uses: the job's ``sync.bucket_mb``, or the planner's
-    (:mod:`meridian.service.planning.buckets`) when the job left it out."""
+    bucket_mb: float | None = 4.0
+    """Flat sync's DDP bucket size: the job's ``sync.bucket_mb``, or the planner's
+    (:mod:`meridian.service.planning.buckets`) when the job left it out. ``None`` for every other strategy: the
+    hierarchical engine syncs per FSDP2 unit, DiLoCo per fragment."""
     resources_per_worker: dict[str, float] = field(default_factory=dict)
     tp: int = 1
     pp: int = 1

@@ -37,6 +37,7 @@ from meridian.service.planning.cost_model import (
     Figures,
     Layout,
     grad_bytes_per_device,
+    last_synced_bytes,
     lookahead_bytes,
     optimizer_share,
     runs_hierarchical,
@@ -128,11 +129,15 @@ def plan_with_layout(request: JobRequest | PlanRequest, topo: ClusterTopology, f
         e = best.estimate
         best = replace(best, estimate=replace(e, exposed_dp_s=choice.har_exposed_s,
                                               step_s=e.step_s - e.exposed_dp_s + choice.har_exposed_s))
-    bucket_mb = best.layout.bucket_bytes / 2**20
-    if request.sync.bucket_mb is None and best.layout.dp > 1 and not strategy.is_diloco:
-        reason += " " + bucket_reason(request, best.layout)
-    if strategy.is_diloco:
-        reason += diloco_ignores(request)
+    # DDP's buckets are flat sync's alone: the hierarchical engine syncs per FSDP2 unit, DiLoCo per fragment
+    flat = strategy is SyncStrategy.FLAT
+    bucket_mb = best.layout.bucket_bytes / 2**20 if flat else None
+    if best.layout.dp > 1 and not strategy.is_diloco:
+        if not flat:
+            reason += " " + unit_reason(request, best.layout)
+        elif request.sync.bucket_mb is None:
+            reason += " " + bucket_reason(request, best.layout)
+    reason += unused_sync_knobs(request, strategy)
     why = sync_why(strategy, requested=request.sync.strategy is not None, lay=best.layout, choice=choice)
     plan = Plan(
         datacenters=best.datacenters, rank_datacenters=rank_dcs, use_gpu=use_gpu, sync_strategy=strategy,
@@ -207,7 +212,8 @@ def _diloco_override(request: PlanRequest, feasible: list[Candidate],
     room = lookahead_fits(request, dp, figures)
     choice = choose_lowcomm(rtt_ms=figures.inter_dc.latency_s * 2000, gbps=figures.inter_dc.bytes_per_s * 8 / 1e9,
                          num_params=request.shape.num_params, compute_s=dp.estimate.compute_s,
-                         num_dcs=dp.layout.num_dcs, overlap=request.sync.overlap, bucket_mb=dp.layout.bucket_bytes / 2**20,
+                         num_dcs=dp.layout.num_dcs, overlap=request.sync.overlap,
+                         last_sync_mb=last_synced_bytes(request.shape, replace(dp.layout, hierarchical=True)) / 2**20,
                          steps=request.steps, lookahead=room,
                          lookahead_after=lookahead_start(request.sync.lookahead_after, request.warmup_steps),
                          optimizer_step_s=figures.step_overhead_s * optimizer_share(dp.layout),
@@ -276,15 +282,33 @@ def bucket_reason(request: PlanRequest, lay: Layout) -> str:
             f"but the last can overlap backward {limits}.")
 
 
-def diloco_ignores(request: PlanRequest) -> str:
-    """For a plan that picked DiLoCo: the sentence naming the job's per-step sync knobs it does not use (empty
-    when the job set none). A job that asks for DiLoCo itself gets a 422 for them instead (the API's ``sync``)."""
-    unused = [name for name, set_ in (("sync.bucket_mb", request.sync.bucket_mb is not None),
-                                      ("sync.overlap=false", not request.sync.overlap)) if set_]
+def unit_reason(request: PlanRequest, lay: Layout) -> str:
+    """The sentence that says how the hierarchical engine cuts the sync so that backward hides it, and what it
+    cannot hide."""
+    grads = grad_bytes_per_device(request.shape, lay.tp, lay.pp)
+    last = last_synced_bytes(request.shape, lay)
+    blocks = -(-request.shape.n_layers // lay.pp)
+    return (f"Gradients sync per FSDP2 unit ({blocks} transformer block{'s' if blocks != 1 else ''}, then the "
+            f"embeddings and head), each as soon as backward completes it, so only the last unit's sync "
+            f"({last / 2**20:.2f} of the {grads / 2**20:.2f} MiB each device holds) necessarily follows backward.")
+
+
+def unused_sync_knobs(request: PlanRequest, strategy: SyncStrategy) -> str:
+    """For an ``auto`` job: the sentence naming the job's sync knobs the planned strategy does not use (empty when
+    none). A job that names the strategy itself gets a 422 for them instead (the API's ``sync``)."""
+    if strategy.is_diloco:
+        unused = [name for name, set_ in (("sync.bucket_mb", request.sync.bucket_mb is not None),
+                                          ("sync.overlap=false", not request.sync.overlap)) if set_]
+        why = ("apply to per-step sync only: DiLoCo syncs each block inside the datacenter with FSDP2 and exchanges "
+               "parameter deltas across datacenters every H steps, so it does not use them")
+    elif strategy is SyncStrategy.HIERARCHICAL:
+        unused = ["sync.bucket_mb"] if request.sync.bucket_mb is not None else []
+        why = "sizes flat sync's DDP buckets only: the hierarchical engine syncs per FSDP2 unit, so it is not used"
+    else:
+        unused = []
     if not unused:
         return ""
-    return (f" {' and '.join(unused)} apply to per-step sync only: DiLoCo syncs each block inside the datacenter "
-            "with FSDP2 and exchanges parameter deltas across datacenters every H steps, so it does not use them.")
+    return f" {' and '.join(unused)} {why}."
 
 
 def _sync_for(request: PlanRequest, best: Candidate,

@@ -6,8 +6,9 @@ the same link arithmetic as :mod:`meridian.service.planning.cost_model`:
 - ``hierarchical`` while its inter-DC all-reduce hides behind the last micro-batch's backward (about 2/3 of
   that micro-batch's compute; earlier micro-batches only accumulate, as the cost model counts it) well enough
   that the step slows by at most ``max_slowdown``: it keeps training identical to one process.
-  What hides is bounded by the buckets: the last gradient bucket's exchange (its latency whole, its share of
-  the transfer) always follows backward, so a model that fits one bucket hides nothing.
+  What hides is bounded by what syncs last (``last_sync_mb``: the hierarchical engine's last FSDP2 unit, the
+  embedding and head, :func:`~meridian.service.planning.cost_model.last_synced_bytes`): its exchange (its latency
+  whole, its share of the transfer) always follows backward, so a model that syncs in one piece hides nothing.
 - Otherwise ``hierarchical`` one step late at a local look-ahead (``sync.delay_one_step`` with
   ``sync.local_lookahead``), when the whole sync fits behind one step's compute well enough that the step,
   counting the look-ahead's extra AdamW pass (``optimizer_step_s``), slows by at most ``max_slowdown`` and by
@@ -20,13 +21,13 @@ the same link arithmetic as :mod:`meridian.service.planning.cost_model`:
   next (``meridian bench lowcomm --strategies har+bf16 --rtt-ms 21 --inter-dc-gbps 1``, nano, 1,024 steps:
   held-out loss at equal tokens -1.0% and +0.2% of fp32's with seeds 0 and 1, i.e. within the noise).
 - Otherwise ``streaming-diloco`` (Douillard et al. 2025, arXiv:2501.18512) with 4-bit outer deltas and
-  error feedback, whenever the model fills at least two gradient buckets: ``fragments`` fragments, each
+  error feedback, whenever the model syncs in at least two such pieces: ``fragments`` fragments, each
   sync in flight behind ``overlap_steps`` inner steps, enough to cover 1.5× the link's latency plus the
   fragment's transfer (:data:`OVERLAP_MARGIN`), so compute never waits for the WAN. H is the largest of: the evidence floor
   ``min_inner_steps`` (what ``meridian bench lowcomm`` measured to stay near per-step sync's loss while
   cutting bytes 100×+), room for the overlap (a third of H, :data:`MAX_OVERLAP_FRACTION`), and the link's capacity (one
   compressed model per H steps keeps the link at most half busy).
-- Plain ``diloco`` (Douillard et al. 2023, arXiv:2311.08105) when the model is one bucket (nothing to
+- Plain ``diloco`` (Douillard et al. 2023, arXiv:2311.08105) when the model syncs in one piece (nothing to
   stream): its blocking outer sync is amortised over H steps to under half of ``per_step_limit``.
 - Neither DiLoCo for a job shorter than :data:`DILOCO_MIN_STEPS`, where no measurement says its loss stays
   near per-step sync's: such a job gets the per-step sync (exact, the look-ahead, or bf16) that costs its step
@@ -141,7 +142,7 @@ def choose_sync(
     compute_s: float,
     num_dcs: int = 2,
     overlap: bool = True,
-    bucket_mb: float = 4.0,
+    last_sync_mb: float = 4.0,
     max_slowdown: float = MAX_SLOWDOWN,
     per_step_limit: float = 0.10,
     min_inner_steps: int = MIN_INNER_STEPS,
@@ -152,6 +153,8 @@ def choose_sync(
     micro_batches: int = 1,
 ) -> SyncChoice:
     """Pick the data-parallel sync across DCs. ``compute_s``: one optimizer step's forward+backward time;
+    ``last_sync_mb``: the MiB of fp32 gradients that sync last, after backward (the hierarchical engine's root
+    FSDP2 unit: :func:`~meridian.service.planning.cost_model.last_synced_bytes`);
     ``max_slowdown``: the most exact fp32 sync (or its one-step-late look-ahead) may slow a step;
     ``per_step_limit``: the most per-step sync in bf16 may, before DiLoCo takes over; ``steps``: the job's
     length, for the DiLoCo warm-up (none when unknown); ``lookahead``: whether the job's engine can run the
@@ -161,7 +164,7 @@ def choose_sync(
     ``micro_batches``: a replica's micro-batches per step, of which only the last one's backward can hide exact
     sync (gradients sync while it runs; the earlier ones only accumulate); one step late the sync has the whole
     next step."""
-    for name, value in (("gbps", gbps), ("num_params", num_params), ("compute_s", compute_s),
+    for name, value in (("gbps", gbps), ("num_params", num_params), ("compute_s", compute_s), ("last_sync_mb", last_sync_mb),
                         ("max_slowdown", max_slowdown), ("per_step_limit", per_step_limit),
                         ("micro_batches", micro_batches)):
         if not value > 0:
@@ -169,7 +172,7 @@ def choose_sync(
     if rtt_ms < 0:
         raise ValueError(f"rtt_ms must be >= 0, got {rtt_ms!r}")
     model_bytes = BYTES_FP32 * num_params
-    buckets = max(1, math.ceil(model_bytes / (bucket_mb * 2**20)))
+    pieces = max(1, math.ceil(model_bytes / (last_sync_mb * 2**20)))  # the sync, in pieces of what syncs last
     backward_s = compute_s * 2 / 3 / micro_batches  # the last micro-batch's backward: cost_model.estimate's window
 
     def exposed_s(wire_bytes: float) -> tuple[float, float]:
@@ -179,8 +182,8 @@ def choose_sync(
         total = cross_dc_time(wire_bytes, rtt_ms=rtt_ms, gbps=gbps, num_dcs=num_dcs)
         if not overlap:
             return total, total
-        one_way = rtt_ms / 2000.0  # the last bucket pays its latency whole and its share of the transfer
-        last = one_way + (total - one_way) / buckets
+        one_way = rtt_ms / 2000.0  # what syncs last pays its latency whole and its share of the transfer
+        last = one_way + (total - one_way) / pieces
         return max(total - backward_s, last), total
 
     exposed, sync_s = exposed_s(model_bytes)
@@ -223,13 +226,13 @@ def choose_sync(
                                   (exposed_bf16, sync_bf16_s))  # fmt: skip
     wire = OUTER_BYTES_PER_PARAM * num_params
     outer_s = cross_dc_time(wire, rtt_ms=rtt_ms, gbps=gbps, num_dcs=num_dcs)
-    fragments = min(FRAGMENTS, buckets)
+    fragments = min(FRAGMENTS, pieces)
     if fragments < 2:
         budget = per_step_limit / 2 * compute_s
         h = min(MAX_H, max(min_inner_steps, math.ceil(outer_s / budget)))
         capped = " (capped at the papers' largest H; the link stays the bottleneck)" if outer_s / budget > MAX_H else ""
         cfg = DiLoCoConfig(inner_steps=h)
-        why = (f"{head}; the model fills one gradient bucket, so nothing can stream: DiLoCo syncs 4-bit outer "
+        why = (f"{head}; the model syncs in one piece, so nothing can stream: DiLoCo syncs 4-bit outer "
                f"deltas ({wire / 1e6:.2f} MB, {outer_s * 1e3:.0f} ms) once every H={h} steps, "
                f"{outer_s / h / compute_s:.1%} of a step on average{capped}")
         return SyncChoice(SyncStrategy.DILOCO, cfg, f"Sync 'diloco' (chosen: {why}).", exposed, outer_s,

@@ -319,9 +319,9 @@ class SyncConfig:
     built from request and plan always carries the resolved strategy."""
     bucket_mb: float | None = knob(4.0, gt=0, le=1024)
     """Flat sync's (DDP's) gradient buckets, about this many MiB (fp32); the hierarchical engine syncs per FSDP2
-    unit (a transformer block) instead, and DiLoCo does not use it. ``None`` exists only in a job request
-    (its default): the planner sizes the buckets (:func:`meridian.service.planning.buckets.bucket_mb_for`), and
-    the :class:`TrainConfig` built from request and plan carries the plan's size."""
+    unit (a transformer block) instead, and DiLoCo does not use it. ``None`` in a job request (its default): the
+    planner sizes the buckets (:func:`meridian.service.planning.buckets.bucket_mb_for`), and the
+    :class:`TrainConfig` built from request and plan carries the plan's size, or ``None`` for another strategy."""
     overlap: bool = True
     """Hierarchical sync: start each FSDP2 unit's sum across datacenters from FSDP2's all-reduce hook while backward
     still runs (off: in the optimizer step). DDP always overlaps; DiLoCo does not use it."""
@@ -678,9 +678,9 @@ class TrainConfig:
         if self.sync.strategy is None:
             raise ValueError("sync.strategy is 'auto' (None): build a TrainConfig from a plan, whose "
                              "sync_strategy resolves it")
-        if self.sync.bucket_mb is None:
-            raise ValueError("sync.bucket_mb is 'auto' (None): build a TrainConfig from a plan, whose bucket_mb "
-                             "resolves it")
+        if self.sync.bucket_mb is None and self.sync.strategy is SyncStrategy.FLAT:
+            raise ValueError("sync.bucket_mb is 'auto' (None) for flat sync: build a TrainConfig from a plan, whose "
+                             "bucket_mb resolves it")
         replicas = len(self.datacenters) // self.parallel.model_parallel
         if self.datacenters and replicas > self.global_batch:
             raise ValueError(
