@@ -38,7 +38,9 @@ import torch
 from meridian.workers.contracts.config import (
     Compression,
     DiLoCoConfig,
+    FsdpUnits,
     OptimConfig,
+    ParallelConfig,
     SyncConfig,
     SyncStrategy,
     TrainConfig,
@@ -59,6 +61,8 @@ WIRE_BYTES = {Compression.NONE: 4, Compression.BF16: 2, Compression.INT8: 1, Com
 class Strategy:
     name: str
     sync: SyncConfig
+    parallel: ParallelConfig = ParallelConfig()
+    """FSDP2's settings (its units, resharding after forward), which the planner chooses for a job."""
 
 
 def strategies(args: argparse.Namespace, compressions: list[Compression]) -> list[Strategy]:
@@ -71,6 +75,10 @@ def strategies(args: argparse.Namespace, compressions: list[Compression]) -> lis
         for c in [Compression.NONE, *compressions]:
             name = base if c is Compression.NONE else f"{base}+{c.value}"
             out.append(Strategy(name, SyncConfig(overlap=overlap, compression=c, **common)))
+    # the FSDP2 settings the planner chooses among: blocks kept gathered through the step, the model one unit
+    for suffix, units in (("kept", FsdpUnits.BLOCK), ("one-unit", FsdpUnits.MODEL)):
+        out.append(Strategy(f"hierarchical+overlap+{suffix}", SyncConfig(overlap=True, **common),
+                            ParallelConfig(fsdp_units=units, reshard_after_forward=False)))
     outer = {"inner_steps": args.diloco_h, "outer_lr": args.outer_lr, "outer_momentum": args.outer_momentum}
     out.append(Strategy("diloco", SyncConfig(strategy=SyncStrategy.DILOCO, diloco=DiLoCoConfig(**outer), **common)))
     streaming = DiLoCoConfig(fragments=args.fragments, overlap_steps=args.overlap_steps, **outer)
@@ -86,7 +94,8 @@ def strategies(args: argparse.Namespace, compressions: list[Compression]) -> lis
     return out
 
 
-def job_config(args: argparse.Namespace, sync: SyncConfig, datacenters: tuple[str, ...], wan: WanConfig | None):
+def job_config(args: argparse.Namespace, sync: SyncConfig, datacenters: tuple[str, ...], wan: WanConfig | None,
+               parallel: ParallelConfig | None = None):
     world = len(datacenters)
     return TrainConfig(
         job_id=f"bench-sync-{args.dcs}x{args.workers_per_dc}",
@@ -99,6 +108,7 @@ def job_config(args: argparse.Namespace, sync: SyncConfig, datacenters: tuple[st
         optim=OptimConfig(warmup_steps=2),
         wan=wan,
         seed=args.seed,
+        parallel=parallel or ParallelConfig(),
     )
 
 
@@ -111,7 +121,7 @@ def _run_rank(rank: int, world: int, rounds: int, configs: dict[str, TrainConfig
     for r in range(rounds):
         for name, cfg in configs.items():
             sink = ListSink()
-            result = train(cfg, sink=sink, keep_params=(r == 0 and rank == 0))
+            result = train(cfg, sink=sink, keep_params=r == 0)  # collective: FSDP2 gathers the weights
             timed = sink.records[WARMUP_STEPS:]
             o = out[name]
             o["step_s"] += [x.step_s for x in timed]
@@ -125,9 +135,11 @@ def _run_rank(rank: int, world: int, rounds: int, configs: dict[str, TrainConfig
 
 
 def run_strategies(
-    args: argparse.Namespace, named: dict[str, SyncConfig], datacenters: tuple[str, ...], wan: WanConfig | None
+    args: argparse.Namespace, named: dict[str, SyncConfig], datacenters: tuple[str, ...], wan: WanConfig | None,
+    parallel: dict[str, ParallelConfig] | None = None,
 ) -> list[dict]:
-    configs = {name: job_config(args, sync, datacenters, wan) for name, sync in named.items()}
+    configs = {name: job_config(args, sync, datacenters, wan, (parallel or {}).get(name))
+               for name, sync in named.items()}
     return run_processes(_run_rank, len(datacenters), args.rounds, configs, timeout_s=args.timeout_s)
 
 
@@ -168,7 +180,7 @@ def run(args: argparse.Namespace) -> dict:
     chosen = strategies(args, compressions)
     wan = wan_of(args)
     dcs = layout(args, one_dc=args.no_wan)
-    per_rank = run_strategies(args, {s.name: s.sync for s in chosen}, dcs, wan)
+    per_rank = run_strategies(args, {s.name: s.sync for s in chosen}, dcs, wan, {s.name: s.parallel for s in chosen})
     params = count_params(args.model)
     num_dcs = len(set(dcs))
     flat = per_rank[0].get("flat")

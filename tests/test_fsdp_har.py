@@ -14,6 +14,7 @@ from meridian.workers.contracts.config import Compression, OptimConfig, SyncConf
 from meridian.workers.distributed.layout import DCGroups, DCLayout
 from meridian.workers.distributed.multiproc import run_processes
 from meridian.workers.optim.adamw import build_adamw, set_lr
+from meridian.workers.parallel.fsdp import apply_fsdp, dc_mesh
 from meridian.workers.sync.fsdp_har import FSDPHierarchicalSync
 
 BATCH = 12
@@ -116,6 +117,75 @@ def test_layouts_train_like_one_process(dcs, micro, reference):
             assert sum(o[2][0] for o, d in zip(out, dcs, strict=True) if d == dc) == 4 * params
     else:
         assert all(o[2] == [0] * STEPS for o in out)
+
+
+def _train_counting_gathers(rank, world, dcs, reshard_after_forward, per_block=True):
+    """``_train`` with two micro-batches a step, counting FSDP2's all-gathers (what keeping units gathered saves)."""
+    gathers = 0
+    all_gather = dist.all_gather_single
+
+    def counted(*args, **kwargs):
+        nonlocal gathers
+        gathers += 1
+        return all_gather(*args, **kwargs)
+
+    dist.all_gather_single = counted
+    try:
+        groups = DCGroups(DCLayout(dcs), rank, segment_groups=False)
+        torch.manual_seed(0)
+        mesh = dc_mesh(groups.intra_dc, torch.device("cpu"))
+        engine = FSDPHierarchicalSync(
+            Blocks(), groups, SyncConfig(), OPTIM, reshard_after_forward=reshard_after_forward,
+            shard=lambda model, reduce_scatter: apply_fsdp(model, mesh, reshard_after_forward=reshard_after_forward,
+                                                           reduce_scatter=reduce_scatter, per_block=per_block))
+        lo, hi = rank * BATCH // world, (rank + 1) * BATCH // world
+        micro = -(-(hi - lo) // 2)
+        losses = []
+        for step in range(STEPS):
+            x, y = batch(step)
+            total = torch.zeros(())
+            for a in range(lo, hi, micro):
+                b = min(a + micro, hi)
+                loss = ((engine.model(x[a:b]) - y[a:b]) ** 2).sum() / BATCH
+                engine.backward(loss, last_micro_batch=b == hi)
+                total += loss.detach()
+            dist.all_reduce(total)
+            losses.append(total.item())
+            engine.step(OPTIM.lr)
+        weights = {n: p.full_tensor().detach().clone() for n, p in engine.model.named_parameters()}
+        units = len(engine.units)
+        groups.destroy()
+        return losses, weights, gathers, units
+    finally:
+        dist.all_gather_single = all_gather
+
+
+def test_units_kept_gathered_across_micro_batches_train_the_same_and_gather_once_a_step(reference):
+    ref_losses, ref_weights = reference
+    dcs = ("a", "a", "b", "b")
+    kept = run_processes(_train_counting_gathers, 4, dcs, False, timeout_s=240)
+    resharded = run_processes(_train_counting_gathers, 4, dcs, True, timeout_s=240)
+    for losses, weights, _, _ in (kept[0], resharded[0]):
+        assert losses == pytest.approx(ref_losses, rel=1e-5)
+        for name, w in ref_weights.items():
+            torch.testing.assert_close(weights[name], w, rtol=1e-5, atol=1e-6)
+    units = 4  # three blocks and the root
+    # kept: each unit once a step (plus full_tensor's gathers at the end); resharded: each block twice per
+    # micro-batch (forward, backward) and the root once per micro-batch, two micro-batches a step
+    final = kept[0][2] - units * STEPS
+    assert 0 <= final < units
+    assert resharded[0][2] - final == STEPS * 2 * (3 * 2 + 1)
+
+
+def test_the_whole_model_as_one_unit_trains_the_same_and_gathers_once_a_step(reference):
+    ref_losses, ref_weights = reference
+    out = run_processes(_train_counting_gathers, 4, ("a", "a", "b", "b"), False, False, timeout_s=240)
+    losses, weights, gathers, units = out[0]
+    assert units == 1
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    for name, w in ref_weights.items():
+        torch.testing.assert_close(weights[name], w, rtol=1e-5, atol=1e-6)
+    assert gathers == STEPS  # once a step (full_tensor gathers through DTensor, not FSDP2)
 
 
 def test_without_overlap_the_same_updates(reference):

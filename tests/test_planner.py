@@ -13,7 +13,7 @@ from meridian.service.jobs import JobRequest, ParallelismRequest, TopologyReques
 from meridian.service.planning.cost_model import shape_of
 from meridian.service.planning.placement import admission
 from meridian.service.planning.planner import plan_job
-from meridian.workers.contracts.config import Compression, SyncConfig, SyncStrategy
+from meridian.workers.contracts.config import Compression, FsdpUnits, SyncConfig, SyncStrategy
 from meridian.workers.contracts.model_config import model_preset
 
 
@@ -224,11 +224,17 @@ def _layout(**kw):
 def test_under_flat_sync_a_model_smaller_than_one_bucket_cannot_hide_its_sync():
     from meridian.service.planning.cost_model import estimate
 
+    from meridian.service.planning.cost_model import Link
+
     tiny = model_preset("tiny")  # 3.5 MB of fp32 gradients
-    whole = estimate(tiny, _layout(hierarchical=False, bucket_bytes=4 * 2**20), _figures(), 8)
+    near = replace(_figures(), inter_dc=Link(1e-4, 125e6))  # each bucket's ring pays the latency rounds again
+    whole = estimate(tiny, _layout(hierarchical=False, bucket_bytes=4 * 2**20), near, 8)
     assert whole.exposed_dp_s == pytest.approx(whole.dp_comm_s)  # one bucket: ready when backward ends
-    split = estimate(tiny, _layout(hierarchical=False, bucket_bytes=2**19), _figures(), 8)
+    split = estimate(tiny, _layout(hierarchical=False, bucket_bytes=2**19), near, 8)
     assert split.exposed_dp_s < whole.exposed_dp_s
+    # on a far link the rings' latency outweighs what overlapping them saves
+    far = estimate(tiny, _layout(hierarchical=False, bucket_bytes=2**19), _figures(), 8)
+    assert far.dp_comm_s > estimate(tiny, _layout(hierarchical=False, bucket_bytes=4 * 2**20), _figures(), 8).dp_comm_s
 
 
 def test_the_hierarchical_engine_syncs_per_fsdp_unit_so_only_the_root_follows_backward():
@@ -282,40 +288,99 @@ def test_a_flat_job_that_leaves_the_bucket_size_out_gets_the_planner_s_and_says_
     from meridian.service.planning.buckets import bucket_mb_for
     from meridian.service.planning.train_config import build_train_config
 
+    from meridian.service.planning.cost_model import Link
+    from meridian.service.planning.planner import default_figures
+
     tiny = model_preset("tiny")  # 3.5 MB of fp32 gradients: one 4 MiB bucket would hold it all
     auto = replace(req(), model=tiny, sync=SyncConfig(strategy=SyncStrategy.FLAT, bucket_mb=None))
-    plan = plan_job(auto, topology(dc_a=2, dc_b=2))
+    topo = topology(dc_a=2, dc_b=2)
+    near = replace(default_figures(topo, topo.datacenters, False), inter_dc=Link(1e-4, 10e9 / 8))
+    plan = plan_job(auto, topo, near)
     assert plan.sync_strategy is SyncStrategy.FLAT
     assert plan.bucket_mb == bucket_mb_for(4 * tiny.num_params) < 4.0
     assert "Gradient buckets of 1.00 MiB: about 4 for the 3.34 MiB" in plan.explanation
     assert plan.to_dict()["bucket_mb"] == plan.bucket_mb
     assert build_train_config("j", auto, plan, "").sync.bucket_mb == plan.bucket_mb
     # the estimate is the one of those buckets: less of the sync exposed than behind one bucket
-    whole = plan_job(replace(auto, sync=SyncConfig(strategy=SyncStrategy.FLAT, bucket_mb=4.0)), topology(dc_a=2, dc_b=2))
+    whole = plan_job(replace(auto, sync=SyncConfig(strategy=SyncStrategy.FLAT, bucket_mb=4.0)), topo, near)
     assert plan.estimate["exposed_dp_s"] < whole.estimate["exposed_dp_s"]
     # an explicit size is the job's: kept, and not explained as the planner's
     assert whole.bucket_mb == 4.0 and "Gradient buckets of" not in whole.explanation
     assert build_train_config("j", auto, whole, "").sync.bucket_mb == 4.0
 
 
+def _wan_21ms(topo):
+    from meridian.service.planning.cost_model import Link
+    from meridian.service.planning.planner import default_figures
+
+    return replace(default_figures(topo, topo.datacenters, False), inter_dc=Link(10.5e-3, 1e9 / 8), inter_dc_known=True)
+
+
 def test_a_hierarchical_plan_has_no_buckets_it_syncs_per_fsdp_unit_and_says_so():
     from meridian.service.planning.train_config import build_train_config
 
-    tiny = model_preset("tiny")
-    auto = replace(req(), model=tiny, sync=SyncConfig(strategy=None, bucket_mb=None))
-    plan = plan_job(auto, topology(dc_a=2, dc_b=2))
-    assert plan.sync_strategy is SyncStrategy.HIERARCHICAL and plan.bucket_mb is None
+    topo = topology(dc_a=2, dc_b=2)
+    auto = replace(req(global_batch=12), micro_batch=2, model=model_preset("tiny"), steps=200,
+                   sync=SyncConfig(strategy=None, bucket_mb=None))
+    plan = plan_job(auto, topo, _wan_21ms(topo))  # a WAN: overlapping each block's sync pays for its collectives
+    assert plan.sync_strategy is SyncStrategy.HIERARCHICAL and plan.bucket_mb is None and plan.fsdp_units == "block"
     assert plan.to_dict()["bucket_mb"] is None and "Gradient buckets" not in plan.explanation
     # tiny: 4 blocks, then the root (embedding 49,152 + head 33,024 parameters: 0.31 MiB of fp32 gradients)
     assert ("Gradients sync per FSDP2 unit (4 transformer blocks, then the embeddings and head), each as soon as "
             "backward completes it, so only the last unit's sync (0.31 of the 3.34 MiB") in plan.explanation
-    assert build_train_config("j", auto, plan, "").sync.bucket_mb is None
+    config = build_train_config("j", auto, plan, "")
+    assert config.sync.bucket_mb is None and config.parallel.fsdp_units is FsdpUnits.BLOCK
     # an auto job's own bucket size, where the plan is hierarchical: unused, and the plan says so
     sized = replace(auto, sync=SyncConfig(strategy=None, bucket_mb=4.0))
-    other = plan_job(sized, topology(dc_a=2, dc_b=2))
+    other = plan_job(sized, topo, _wan_21ms(topo))
     assert other.sync_strategy is SyncStrategy.HIERARCHICAL and other.bucket_mb is None
     assert "sync.bucket_mb sizes flat sync's DDP buckets only" in other.explanation
     assert other.estimate == plan.estimate
+
+
+def test_a_model_of_small_blocks_on_a_fast_link_is_one_fsdp_unit():
+    from meridian.service.planning.cost_model import collectives_per_step, estimate
+    from meridian.service.planning.train_config import build_train_config
+
+    topo = topology(dc_a=2, dc_b=2)
+    job = replace(req(global_batch=12), micro_batch=2, steps=200)  # nano: 2 blocks of 0.19 MiB of gradients
+    plan = plan_job(job, topo)  # the default link: 10 ms, 10 Gbit/s
+    assert plan.sync_strategy is SyncStrategy.HIERARCHICAL and plan.fsdp_units == "model"
+    assert "The whole model is one FSDP2 unit: 3 data-parallel collectives a step instead of 9" in plan.explanation
+    assert "FSDP gathers the model's weights once a step" in plan.explanation
+    assert build_train_config("j", job, plan, "").parallel.fsdp_units is FsdpUnits.MODEL
+    assert plan.to_dict()["parallelism"]["fsdp_units"] == "model"
+    # the cost model's reason: each collective's fixed cost, which a unit per block pays three times as often
+    lay = _layout(dp=4, dp_per_dc=2, micro_batches=2, fsdp=True, reshard_after_forward=False)
+    one = replace(lay, fsdp_units=FsdpUnits.MODEL)
+    assert (collectives_per_step(job.model, lay), collectives_per_step(job.model, one)) == (9, 3)
+    fig = _figures()
+    assert estimate(job.model, lay, fig, 12).collectives_s == pytest.approx(3 * estimate(job.model, one, fig, 12).collectives_s)
+
+
+def test_fsdp_keeps_the_blocks_gathered_through_the_step_and_reshards_where_memory_is_short():
+    from meridian.service.planning.cost_model import Layout, memory_per_device
+    from meridian.service.planning.train_config import build_train_config
+
+    topo = topology(dc_a=2, dc_b=2)
+    job = replace(req(global_batch=12), micro_batch=2, model=model_preset("tiny"), steps=200,
+                  parallelism=ParallelismRequest(tp=1, pp=1))  # 2 micro-batches per rank
+    plan = plan_job(job, topo, _wan_21ms(topo))
+    assert plan.sharding == "fsdp" and plan.fsdp_units == "block" and plan.reshard_after_forward is False
+    assert "so a step gathers each once rather than 4 times" in plan.explanation
+    assert build_train_config("j", job, plan, "").parallel.reshard_after_forward is False
+    # a device that holds the sharded layout but not the whole weights gathered: resharded after forward
+    lay = Layout(tp=1, pp=1, dp=4, num_dcs=2, dp_per_dc=2, pp_spans_dcs=False, micro_batch=2, micro_batches=2,
+                 hierarchical=True, overlap=True, fsdp=True)
+    kept = memory_per_device(job.model, replace(lay, reshard_after_forward=False))
+    freed = memory_per_device(job.model, lay)
+    assert freed < kept == memory_per_device(job.model, replace(lay, fsdp_units=FsdpUnits.MODEL))
+    short = plan_job(job, topo, replace(_wan_21ms(topo), device_memory_bytes=(freed + kept) / 2))
+    assert short.sharding == "fsdp" and short.fsdp_units == "block" and short.reshard_after_forward is True
+    assert "keeping them gathered would need" in short.explanation
+    assert build_train_config("j", job, short, "").parallel.reshard_after_forward is True
+    # and the estimate counts the extra gathers
+    assert short.estimate["collectives_s"] > plan.estimate["collectives_s"]
 
 
 def test_a_train_config_never_leaves_the_bucket_size_to_the_workers():
@@ -373,8 +438,8 @@ def _measured(topo, fast=True):
     from meridian.service.planning.planner import default_figures
 
     figures = replace(default_figures(topo, topo.datacenters, False), inter_dc_known=True, compute_known=True)
-    if fast:  # a link next door and slow devices: exact sync hides behind backward
-        return replace(figures, device_flops=5e8, inter_dc=Link(1e-4, 1e9 / 8))
+    if fast:  # a link 1 ms away and slow devices: exact sync hides behind backward
+        return replace(figures, device_flops=5e8, inter_dc=Link(1e-3, 1e9 / 8))
     return replace(figures, device_flops=5e9, inter_dc=Link(10.5e-3, 1e9 / 8))
 
 

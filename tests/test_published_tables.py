@@ -118,6 +118,10 @@ def test_llama3_8b_plans_data_parallel_with_fsdp_on_one_node():
     offered = plan_job(dp_only, topo, figures, runtime=RUNTIME)
     assert (offered.tp, offered.pp, offered.dp, offered.sharding, offered.plan_only) == (1, 1, 8, "fsdp", ())
     assert offered.estimate["memory_bytes"] <= GIB_80
+    # its 8 micro-batches accumulate whole fp32 gradients anyway; the whole bf16 weights fit beside them, so FSDP
+    # gathers each block once a step instead of 16 times
+    assert not offered.reshard_after_forward and "the device holds them" in offered.explanation
+    assert offered.to_dict()["parallelism"]["reshard_after_forward"] is False
     # without FSDP (only the optimizer state sharded) it does not fit, as the issue found
     with pytest.raises(Unschedulable, match=r"no layout fits in device memory.*tp=1 pp=1 dp=8 fsdp would fit at [0-9.]+ GB "
                                             r"per device once the runtime runs FSDP sharding"):

@@ -1,4 +1,4 @@
-"""How big the gradient buckets are when a job leaves it to the planner.
+"""How big the gradient buckets are when a job leaves it to the planner, and how FSDP2 cuts a model into units.
 
 Backward produces gradients from the last layer to the first, and each bucket's sync starts once its
 gradients are complete (DDP's ``bucket_cap_mb`` under flat sync, :mod:`meridian.workers.sync.flat`; the
@@ -10,6 +10,10 @@ while backward still runs, so only the last bucket's sync is necessarily exposed
 of its own with a fixed cost; on the lab, with four buckets of 1 MiB, overlapping saved 1–4% of a step at 21 ms
 RTT (``meridian bench lab``'s ``overlap_saving``). So the planner aims at :data:`TARGET_BUCKETS` buckets, none
 smaller than :data:`MIN_BUCKET_MB` nor larger than :data:`MAX_BUCKET_MB`.
+
+The hierarchical engine has no buckets: its pieces are FSDP2's units, one per transformer block or the whole
+model as one, which the planner chooses with the cost model (each collective's fixed cost against what
+overlapping it saves: :func:`meridian.service.planning.candidates._fastest_fsdp_setting`).
 """
 
 from __future__ import annotations
@@ -33,3 +37,4 @@ def bucket_mb_for(grad_bytes: float) -> float:
 def buckets_of(grad_bytes: float, bucket_mb: float) -> int:
     """How many buckets gradients of ``grad_bytes`` fill at ``bucket_mb`` (about: whole parameters per bucket)."""
     return max(1, -(-int(grad_bytes) // int(bucket_mb * 2**20)))
+

@@ -21,11 +21,13 @@ from meridian.service.planning.cost_model import (
     Recompute,
     estimate,
     grad_bytes_per_device,
+    runs_hierarchical,
 )
 from meridian.service.planning.request import PlanRequest
 from meridian.service.planning.runtime_support import RuntimeSupport, current_runtime, missing
 from meridian.workers.contracts.config import (
     Compression,
+    FsdpUnits,
     ParallelConfig,
     PipelineSchedule,
     Precision,
@@ -70,6 +72,7 @@ class Candidate:
         return {"layout": self.name, "tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "virtual_stages": lay.virtual_stages,
                 "micro_batch": lay.micro_batch, "stages_span_dcs": lay.pp_spans_dcs, "hierarchical": lay.hierarchical,
                 "sequence_parallel": lay.sequence_parallel, "fsdp": lay.fsdp,
+                "reshard_after_forward": lay.reshard_after_forward, "fsdp_units": lay.fsdp_units.value,
                 "activation_checkpointing": lay.recompute.value,
                 "est_step_s": round(e.step_s, 6), "memory_gb": round(e.memory_bytes / 2**30, 3),
                 "inter_dc_bytes_per_step": int(e.inter_dc_bytes), "rejected": self.rejected,
@@ -224,16 +227,32 @@ def _candidate(request: PlanRequest, figures: Figures, runtime: RuntimeSupport, 
     recomputes: with fused attention, selective recomputation saves no memory), or why it does not fit."""
     if request.recompute is not None:
         lay = replace(lay, recompute=request.recompute)
-    est = estimate(request.shape, lay, figures, request.global_batch)
+    lay, est = _fastest_fsdp_setting(request, figures, lay)
     if (est.memory_bytes > figures.device_memory_bytes and runtime.activation_checkpointing
             and request.recompute is None):
-        lay = replace(lay, recompute=Recompute.FULL)
-        est = estimate(request.shape, lay, figures, request.global_batch)
+        lay, est = _fastest_fsdp_setting(request, figures, replace(lay, recompute=Recompute.FULL))
     rejected = ""
     if est.memory_bytes > figures.device_memory_bytes:
         rejected = (f"needs {est.memory_bytes / 2**30:.1f} GB per device, "
                     f"devices have {figures.device_memory_bytes / 2**30:.1f} GB")
     return Candidate(lay, dcs, replicas, est, rejected, missing(lay, runtime, tied_embeddings=request.shape.tie_embeddings))
+
+
+def _fastest_fsdp_setting(request: PlanRequest, figures: Figures, lay: Layout) -> tuple[Layout, Estimate]:
+    """``lay`` with the fastest of the FSDP2 settings the planner chooses (its units, and whether blocks reshard
+    after forward) among those that fit, else the one that needs the least memory. The hierarchical engine
+    outside pipelines only: a unit per block kept gathered through the step, or resharded after forward (two
+    gathers a micro-batch), or the whole model one unit (each collective's fixed cost paid once, nothing
+    overlapped)."""
+    if lay.pp > 1 or not runs_hierarchical(lay):
+        return lay, estimate(request.shape, lay, figures, request.global_batch)
+    options = [replace(lay, fsdp_units=units, reshard_after_forward=reshard) for units, reshard in
+               ((FsdpUnits.BLOCK, False), (FsdpUnits.MODEL, False), (FsdpUnits.BLOCK, True))]
+    rated = [(o, estimate(request.shape, o, figures, request.global_batch)) for o in options]
+    fits = [r for r in rated if r[1].memory_bytes <= figures.device_memory_bytes]
+    if fits:
+        return min(fits, key=lambda r: r[1].step_s)
+    return min(rated, key=lambda r: r[1].memory_bytes)
 
 
 def _shrink(counts: dict[str, int], limit: int) -> dict[str, int]:

@@ -42,6 +42,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, replace
 
+from meridian.service.planning.buckets import buckets_of
+from meridian.workers.contracts.config import FsdpUnits
 from meridian.workers.contracts.model_config import ModelConfig
 from meridian.workers.contracts.model_shape import ModelShape
 
@@ -98,6 +100,10 @@ class Figures:
     peak_flops: float = 0.0
     """Dense peak FLOP/s of one device in the training precision (a datasheet figure), which MFU divides by;
     0 where unknown (no MFU is given then)."""
+    collective_s: float = 20e-6
+    """The fixed cost of one data-parallel collective on a rank's training thread beyond its link time (launch,
+    FSDP2's copies in and out, the ranks meeting): what makes many small collectives dearer than few large ones
+    (:func:`collectives_per_step`)."""
 
 
 @dataclass(frozen=True)
@@ -133,6 +139,12 @@ class Layout:
     """Activation recomputation per block."""
     fsdp: bool = False
     """Parameters, gradients and optimizer state sharded over the datacenter's replicas (FSDP; HSDP across DCs)."""
+    fsdp_units: FsdpUnits = FsdpUnits.BLOCK
+    """FSDP2's units (one per block, or the whole model as one): what the hierarchical engine syncs in pieces."""
+    reshard_after_forward: bool = True
+    """FSDP frees each block's gathered weights after its forward and gathers them again for backward, in every
+    micro-batch; ``False`` keeps them gathered from a step's first forward to its last backward (one gather per
+    step, the stage's whole weights held). Under pipelining the schedule gathers once a step either way."""
     bf16_weights: bool = False
     """Blocks compute with bf16 copies of the weights, so saved activations take 16 bits; ``False``: fp32
     weights under autocast, whose saved activations measured about twice the 16-bit count."""
@@ -175,6 +187,8 @@ class Estimate:
     """FSDP's all-gathers and reduce-scatters not hidden behind compute."""
     optimizer_s: float = 0.0
     """The optimizer step and the rest of the measured per-step overhead."""
+    collectives_s: float = 0.0
+    """The data-parallel collectives' fixed costs (:attr:`Figures.collective_s` each)."""
     tokens_per_s: float = 0.0
     mfu: float = 0.0
     """Model FLOPs (:attr:`ModelShape.flops_per_token`, no recomputation) per second over the devices' peak; 0
@@ -288,7 +302,8 @@ def _in_flight_layers(lay: Layout, layers: int, *, last: bool) -> float:
 def state_bytes(params: float, lay: Layout, layer_params: float) -> float:
     """Weights, gradients and AdamW state of ``params`` parameters on one device, with what FSDP holds unsharded as
     the runtime runs it: the sharded fp32 state, plus two blocks' weights (the one computing, the one prefetched),
-    or the whole stage's weights under pipelining (the schedule reshards them after the last micro-batch only);
+    or the whole stage's weights under pipelining (the schedule reshards them after the last micro-batch only) or
+    where they are kept gathered (:attr:`Layout.reshard_after_forward` off);
     and the fp32 gradients the micro-batches accumulate before the step's one reduce-scatter: the whole stage's
     when a step has more than one micro-batch or a pipeline, else one block's at a time. Across datacenters
     (replicas in several DCs) one more fp32 gradient shard: the receives the inter-DC exchange posts a step ahead
@@ -296,8 +311,9 @@ def state_bytes(params: float, lay: Layout, layer_params: float) -> float:
     n = lay.shards
     weight = BYTES_16 if lay.bf16_weights else BYTES_FP32
     if lay.fsdp:
-        gathered = params if lay.pp > 1 else 2 * layer_params
-        unsharded_grads = params if lay.pp > 1 or lay.micro_batches > 1 else layer_params
+        whole = lay.pp > 1 or lay.fsdp_units is FsdpUnits.MODEL  # the stage gathered, reduced at once
+        gathered = params if whole or not lay.reshard_after_forward else 2 * layer_params
+        unsharded_grads = params if whole or lay.micro_batches > 1 else layer_params
         posted = 1 if lay.num_dcs > 1 and not lay.pp_spans_dcs and lay.dp > 1 else 0
         return ((2 * BYTES_FP32 + ADAMW_STATE_BYTES + posted * BYTES_FP32) * params / n + weight * gathered
                 + BYTES_FP32 * unsharded_grads)
@@ -410,7 +426,7 @@ def estimate(model: ModelShape | ModelConfig, lay: Layout, fig: Figures, global_
 
     # 4) data-parallel sync and FSDP
     grads = BYTES_FP32 * max(stage_params(shape, lay.pp)) / lay.tp
-    dp_comm, last_piece, cross = _dp_comm(lay, fig, grads, last_synced_bytes(shape, lay))
+    dp_comm, last_piece, cross = _dp_comm(lay, fig, grads, last_synced_bytes(shape, lay), sync_pieces(shape, lay))
     model_grads = BYTES_FP32 * shape.num_params
     if lay.dp > 1 and not lay.pp_spans_dcs and lay.num_dcs > 1:
         # HAR (and HSDP): each DC sends one copy of the gradients (split over its ranks); flat: every rank sends all
@@ -428,15 +444,38 @@ def estimate(model: ModelShape | ModelConfig, lay: Layout, fig: Figures, global_
     exposed = max(intra - backward, 0.0) + max(hidden_cross, 0.0)
     exposed = max(exposed, last_piece) if lay.overlap else dp_comm
     optimizer = fig.step_overhead_s * optimizer_share(lay)
-    step = compute + tp_comm + pp_comm + exposed + fsdp + optimizer
+    collectives = fig.collective_s * collectives_per_step(shape, lay)
+    step = compute + tp_comm + pp_comm + exposed + fsdp + optimizer + collectives
     tokens = global_batch * shape.seq_len
     mfu = tokens * shape.flops_per_token / (step * lay.devices * fig.peak_flops) if fig.peak_flops else 0.0
     return Estimate(
         memory_bytes=memory_per_device(shape, lay), compute_s=compute, tp_comm_s=tp_comm, pp_comm_s=pp_comm,
         dp_comm_s=dp_comm, exposed_dp_s=exposed, step_s=step, inter_dc_bytes=inter_dc,
         bubble_s=per_slot * bubble_slots, recompute_s=recompute, fsdp_comm_s=fsdp, optimizer_s=optimizer,
+        collectives_s=collectives,
         tokens_per_s=tokens / step, mfu=mfu,
     )
+
+
+def collectives_per_step(model: ModelShape | ModelConfig, lay: Layout) -> int:
+    """The data-parallel collectives one rank runs a step. Flat sync: one all-reduce per DDP bucket. The
+    hierarchical engine, per FSDP2 unit (each block and the root, or the whole model as one): its all-gathers
+    (once a step where kept gathered or under pipelining, else in each micro-batch's forward and, for a block,
+    again in its backward) and one reduce-scatter, where a datacenter has several ranks to shard over, and its
+    exchange across datacenters."""
+    if not runs_hierarchical(lay):
+        return buckets_of(grad_bytes_per_device(model, lay.tp, lay.pp), lay.bucket_bytes / 2**20) if lay.dp > 1 else 0
+    shape = shape_of(model)
+    per_block = lay.fsdp_units is FsdpUnits.BLOCK or lay.pp > 1
+    blocks = stage_layers(shape, lay.pp)[0] if per_block else 0
+    once = lay.pp > 1 or not lay.reshard_after_forward
+    m = lay.micro_batches
+    count = 0
+    if lay.shards > 1:
+        count += blocks * ((1 if once else 2 * m) + 1) + (1 if once else m) + 1  # the blocks, then the root
+    if lay.dp > 1 and lay.num_dcs > 1 and not lay.pp_spans_dcs:
+        count += blocks + 1
+    return count
 
 
 def runs_hierarchical(lay: Layout) -> bool:
@@ -451,7 +490,8 @@ def runs_hierarchical(lay: Layout) -> bool:
 def _fsdp_exposed(shape: ModelShape, lay: Layout, fig: Figures, busy_s: float, m: int) -> float:
     """FSDP's collectives inside the DC that compute does not hide, as the runtime runs them: under pipelining the
     stage's weights gathered and its gradients reduce-scattered once a step; without, the weights gathered twice a
-    micro-batch (they reshard after forward) and the gradients reduce-scattered once, after the last micro-batch.
+    micro-batch (they reshard after forward), or once a step where they stay gathered, and the gradients
+    reduce-scattered once, after the last micro-batch.
     FSDP2 prefetches the next block's gather during the current block and reduce-scatters a block's gradients
     during the next block's backward, so only what exceeds ``busy_s`` is exposed, and at least one block's gather
     (the first, with nothing before it to hide behind) per gathering pass."""
@@ -461,10 +501,12 @@ def _fsdp_exposed(shape: ModelShape, lay: Layout, fig: Figures, busy_s: float, m
     link = fig.intra_node if lay.dp_in_node else fig.intra_dc
     params = max(stage_params(shape, lay.pp)) / lay.tp
     weight = BYTES_16 if lay.bf16_weights else BYTES_FP32
-    gathers = 1 if lay.pp > 1 else 2 * m
+    gathers = 1 if lay.pp > 1 or not lay.reshard_after_forward else m if lay.fsdp_units is FsdpUnits.MODEL else 2 * m
     gather = link.time(weight * params * (n - 1) / n, rounds=n - 1)
     scatter = link.time(BYTES_FP32 * params * (n - 1) / n, rounds=n - 1)
     total = gathers * gather + scatter
+    if lay.fsdp_units is FsdpUnits.MODEL:  # one unit: its gather precedes forward, its reduce-scatter follows backward
+        return total
     first_block = gather * shape.layer_params / (lay.tp * params)
     return max(total - busy_s, gathers * first_block)
 
@@ -473,13 +515,16 @@ def last_synced_bytes(model: ModelShape | ModelConfig, lay: Layout) -> float:
     """The fp32 gradient bytes on one device that sync last, once backward has ended, so their sync is never
     hidden. Under flat sync DDP's last bucket (``lay.bucket_bytes``, or the whole slice if smaller). The
     hierarchical engine syncs per FSDP2 unit (:func:`meridian.workers.parallel.fsdp.apply_fsdp`: each transformer
-    block, then the root); the root's gradients are complete last, when backward reaches the embedding. The root
+    block, then the root, or the whole model as one unit: :attr:`Layout.fsdp_units`); the root's gradients are
+    complete last, when backward reaches the embedding. The root
     holds what the blocks do not: the embedding and, in one stage, the final norm and the head; under pipelining
     the first stage, the last to finish backward, holds the embedding."""
     shape = shape_of(model)
     grads = BYTES_FP32 * max(stage_params(shape, lay.pp)) / lay.tp
     if not runs_hierarchical(lay):
         return min(lay.bucket_bytes, grads)
+    if lay.fsdp_units is FsdpUnits.MODEL and lay.pp == 1:  # one unit: the whole sync follows backward
+        return grads
     first_layers, _ = stage_layers(shape, lay.pp)
     root = stage_params(shape, lay.pp)[0] - first_layers * shape.layer_params
     return min(BYTES_FP32 * root / lay.tp, grads)
@@ -493,10 +538,22 @@ def hierarchical_last_sync_mb(model: ModelShape | ModelConfig) -> float:
     return last_synced_bytes(model, lay) / 2**20
 
 
-def _dp_comm(lay: Layout, fig: Figures, grads: float, last_bytes: float) -> tuple[float, float, float]:
+def sync_pieces(model: ModelShape | ModelConfig, lay: Layout) -> int:
+    """The separate collectives a step's data-parallel sync is cut in, each paying its link's latency rounds:
+    DDP's buckets under flat sync, the FSDP2 units under the hierarchical engine (each block and the root, or
+    the whole model as one)."""
+    if not runs_hierarchical(lay):
+        return buckets_of(grad_bytes_per_device(model, lay.tp, lay.pp), lay.bucket_bytes / 2**20)
+    if lay.fsdp_units is FsdpUnits.MODEL and lay.pp == 1:
+        return 1
+    return stage_layers(shape_of(model), lay.pp)[0] + 1
+
+
+def _dp_comm(lay: Layout, fig: Figures, grads: float, last_bytes: float, pieces: int) -> tuple[float, float, float]:
     """(total data-parallel sync time, the part that is always exposed: the sync of what completes last
     (``last_bytes``, :func:`last_synced_bytes`), the part on the inter-DC link). ``grads``: one device's gradient
-    bytes; every model-parallel rank's sync shares the inter-DC link."""
+    bytes; every model-parallel rank's sync shares the inter-DC link. ``pieces``: the collectives the sync is cut
+    in (:func:`sync_pieces`), each paying its latency rounds (the bytes share the link)."""
     if lay.dp <= 1:
         return 0.0, 0.0, 0.0
     last_fraction = min(1.0, last_bytes / grads)  # the share of the gradients synced last
@@ -505,21 +562,26 @@ def _dp_comm(lay: Layout, fig: Figures, grads: float, last_bytes: float) -> tupl
         if lay.fsdp:
             return 0.0, 0.0, 0.0  # FSDP's reduce-scatters run per micro-batch (_fsdp_exposed)
         n = lay.dp
-        ring = intra_link.time(2 * (n - 1) / n * grads, rounds=2 * (n - 1))
-        return ring, ring * last_fraction, 0.0
+        rounds = 2 * (n - 1)
+        ring = intra_link.time(2 * (n - 1) / n * grads, rounds=rounds * pieces)
+        last = intra_link.time(2 * (n - 1) / n * grads * last_fraction, rounds=rounds)
+        return ring, last, 0.0
     n = lay.dp_per_dc
     on_link = grads * lay.tp * lay.pp  # every model-parallel rank's gradients cross the one link
     if lay.hierarchical or lay.fsdp:
-        intra = 0.0 if lay.fsdp or n <= 1 else intra_link.time(2 * (n - 1) / n * grads, rounds=2 * (n - 1))
+        intra = 0.0 if lay.fsdp or n <= 1 else intra_link.time(2 * (n - 1) / n * grads, rounds=2 * (n - 1) * pieces)
         # every rank of the DC sends its 1/n shard over the one shared link: the link carries a model's gradients
         rounds = 1 if lay.num_dcs == 2 else 2 * (lay.num_dcs - 1)
-        cross = fig.inter_dc.time(on_link * (lay.num_dcs - 1) if lay.num_dcs == 2
-                                  else 2 * (lay.num_dcs - 1) / lay.num_dcs * on_link, rounds=rounds)
+        carried = on_link * (lay.num_dcs - 1) if lay.num_dcs == 2 else 2 * (lay.num_dcs - 1) / lay.num_dcs * on_link
+        cross = fig.inter_dc.time(carried, rounds=rounds * pieces)
         total = intra + cross
         # What syncs last pays the inter-DC latency rounds whole and its share of the transfer.
-        latency = rounds * fig.inter_dc.latency_s
-        return total, intra * last_fraction + latency + (cross - latency) * last_fraction, cross
+        last = intra * last_fraction + fig.inter_dc.time(carried * last_fraction, rounds=rounds)
+        return total, last, cross
     w = lay.dp
-    # a flat ring over all replicas crosses each DC boundary; every step of the ring waits for the slow link
-    ring = fig.inter_dc.time(2 * (w - 1) / w * on_link, rounds=2 * (w - 1))
-    return ring, ring * last_fraction, ring
+    # a flat ring over all replicas crosses each DC boundary; every step of every bucket's ring waits for the slow
+    # link (``meridian bench sync``: docs/benchmarks/sync.md)
+    rounds = 2 * (w - 1)
+    ring = fig.inter_dc.time(2 * (w - 1) / w * on_link, rounds=rounds * pieces)
+    last = fig.inter_dc.time(2 * (w - 1) / w * on_link * last_fraction, rounds=rounds)
+    return ring, last, ring

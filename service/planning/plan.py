@@ -57,6 +57,12 @@ class Plan:
     sequence_parallel: bool = False
     activation_checkpointing: str = "none"
     """Recomputation per block: ``none``, ``selective`` or ``full``."""
+    fsdp_units: str = "block"
+    """FSDP2's units: ``block`` (one per transformer block) or ``model`` (the whole model as one)."""
+    reshard_after_forward: bool = True
+    """FSDP frees each block's gathered weights after its forward (``False``: kept gathered through the step, one
+    gather a step, where the device holds them: :attr:`~meridian.service.planning.cost_model.Layout.
+    reshard_after_forward`)."""
     sharding: str = "none"
     """What each datacenter's ranks shard: ``fsdp`` (parameters, gradients and optimizer state), ``optimizer``
     (the optimizer state alone: a hierarchical layout the planner models without FSDP, on a runtime that lacks it)
@@ -92,7 +98,8 @@ class Plan:
                             "stages_span_dcs": self.stages_span_dcs, "micro_batches": self.micro_batches,
                             "micro_batch": self.micro_batch, "virtual_stages": self.virtual_stages,
                             "sequence_parallel": self.sequence_parallel,
-                            "activation_checkpointing": self.activation_checkpointing, "sharding": self.sharding},
+                            "activation_checkpointing": self.activation_checkpointing, "sharding": self.sharding,
+                            "fsdp_units": self.fsdp_units, "reshard_after_forward": self.reshard_after_forward},
             "plan_only": list(self.plan_only),
             "use_gpu": self.use_gpu,
             "resources_per_worker": self.resources_per_worker,

@@ -36,6 +36,8 @@ from meridian.service.planning.candidates import Candidate, enumerate_candidates
 from meridian.service.planning.cost_model import (
     Figures,
     Layout,
+    collectives_per_step,
+    estimate,
     grad_bytes_per_device,
     last_synced_bytes,
     lookahead_bytes,
@@ -76,6 +78,7 @@ from meridian.workers.contracts.config import (
     LOOKAHEAD_DECISION_STEPS,
     Compression,
     DiLoCoConfig,
+    FsdpUnits,
     SyncStrategy,
     lookahead_decided_by,
     lookahead_start,
@@ -134,10 +137,12 @@ def plan_with_layout(request: JobRequest | PlanRequest, topo: ClusterTopology, f
     bucket_mb = best.layout.bucket_bytes / 2**20 if flat else None
     if best.layout.dp > 1 and not strategy.is_diloco:
         if not flat:
-            reason += " " + unit_reason(request, best.layout)
+            reason += " " + unit_reason(request, best, figures)
         elif request.sync.bucket_mb is None:
             reason += " " + bucket_reason(request, best.layout)
     reason += unused_sync_knobs(request, strategy)
+    if best.layout.fsdp and best.layout.pp == 1:
+        reason += " " + gather_reason(request, best, figures)
     why = sync_why(strategy, requested=request.sync.strategy is not None, lay=best.layout, choice=choice)
     plan = Plan(
         datacenters=best.datacenters, rank_datacenters=rank_dcs, use_gpu=use_gpu, sync_strategy=strategy,
@@ -154,6 +159,7 @@ def plan_with_layout(request: JobRequest | PlanRequest, topo: ClusterTopology, f
         micro_batch=best.layout.micro_batch, virtual_stages=best.layout.virtual_stages,
         sequence_parallel=best.layout.sequence_parallel, activation_checkpointing=best.layout.recompute.value,
         sharding="fsdp" if best.layout.fsdp else "optimizer" if best.layout.optimizer_sharded else "none",
+        reshard_after_forward=best.layout.reshard_after_forward, fsdp_units=best.layout.fsdp_units.value,
         plan_only=best.plan_only,
         estimate={k: round(v, 6) for k, v in best.estimate.to_dict().items()},
         alternatives=tuple(c.summary() for c in sorted(cands, key=lambda c: (bool(c.rejected), c.estimate.step_s))[:8]),
@@ -213,7 +219,10 @@ def _diloco_override(request: PlanRequest, feasible: list[Candidate],
     choice = choose_lowcomm(rtt_ms=figures.inter_dc.latency_s * 2000, gbps=figures.inter_dc.bytes_per_s * 8 / 1e9,
                          num_params=request.shape.num_params, compute_s=dp.estimate.compute_s,
                          num_dcs=dp.layout.num_dcs, overlap=request.sync.overlap,
-                         last_sync_mb=last_synced_bytes(request.shape, replace(dp.layout, hierarchical=True)) / 2**20,
+                         # per-step sync as the engine overlaps it best (a unit per block); DiLoCo's fragments
+                         # split the parameters whichever units FSDP2 has
+                         last_sync_mb=last_synced_bytes(request.shape, replace(dp.layout, hierarchical=True,
+                                                                               fsdp_units=FsdpUnits.BLOCK)) / 2**20,
                          steps=request.steps, lookahead=room,
                          lookahead_after=lookahead_start(request.sync.lookahead_after, request.warmup_steps),
                          optimizer_step_s=figures.step_overhead_s * optimizer_share(dp.layout),
@@ -282,15 +291,47 @@ def bucket_reason(request: PlanRequest, lay: Layout) -> str:
             f"but the last can overlap backward {limits}.")
 
 
-def unit_reason(request: PlanRequest, lay: Layout) -> str:
+def unit_reason(request: PlanRequest, best: Candidate, figures: Figures) -> str:
     """The sentence that says how the hierarchical engine cuts the sync so that backward hides it, and what it
     cannot hide."""
+    lay = best.layout
     grads = grad_bytes_per_device(request.shape, lay.tp, lay.pp)
     last = last_synced_bytes(request.shape, lay)
     blocks = -(-request.shape.n_layers // lay.pp)
+    if lay.fsdp_units is FsdpUnits.MODEL:
+        per_block = replace(lay, fsdp_units=FsdpUnits.BLOCK)
+        est = estimate(request.shape, lay, figures, request.global_batch)  # per-step sync, as the choice compared
+        est_block = estimate(request.shape, per_block, figures, request.global_batch)
+        return (f"The whole model is one FSDP2 unit: {collectives_per_step(request.shape, lay)} data-parallel "
+                f"collectives a step instead of {collectives_per_step(request.shape, per_block)} with a unit per "
+                f"block, at about {figures.collective_s * 1e3:.2g} ms of fixed cost each here, which saves more than "
+                f"overlapping the blocks' sync with backward would (estimated {est.step_s * 1e3:.1f} against "
+                f"{est_block.step_s * 1e3:.1f} ms a step); the sync of the {grads / 2**20:.2f} MiB each device holds "
+                "follows backward whole.")
     return (f"Gradients sync per FSDP2 unit ({blocks} transformer block{'s' if blocks != 1 else ''}, then the "
             f"embeddings and head), each as soon as backward completes it, so only the last unit's sync "
             f"({last / 2**20:.2f} of the {grads / 2**20:.2f} MiB each device holds) necessarily follows backward.")
+
+
+def gather_reason(request: PlanRequest, best: Candidate, figures: Figures) -> str:
+    """The sentence that says how often FSDP gathers the weights a step, and why."""
+    lay = best.layout
+    m = lay.micro_batches
+    held = f"the device holds them ({_size(best.estimate.memory_bytes)} of {_size(figures.device_memory_bytes)})"
+    if lay.fsdp_units is FsdpUnits.MODEL:
+        return f"FSDP gathers the model's weights once a step and keeps them until the step's last backward: {held}."
+    if not lay.reshard_after_forward:
+        return (f"FSDP keeps each block's weights gathered from the step's first forward to its last backward, so a "
+                f"step gathers each once rather than {2 * m} times (in the forward and the backward of each of its "
+                f"{m} micro-batch{'es' if m > 1 else ''}): {held}.")
+    kept = estimate(request.shape, replace(lay, reshard_after_forward=False), figures, request.global_batch)
+    return (f"FSDP frees each block's weights after its forward and gathers them again for backward, {2 * m} "
+            f"gathers a step: keeping them gathered would need {_size(kept.memory_bytes)} per device, over the "
+            f"{_size(figures.device_memory_bytes)} there.")
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / 2**30:.1f} GB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
 
 
 def unused_sync_knobs(request: PlanRequest, strategy: SyncStrategy) -> str:
@@ -357,6 +398,11 @@ def fitting_layouts(request: JobRequest | PlanRequest, topo: ClusterTopology, fi
     return sorted(cands, key=lambda c: (c.estimate.step_s, -c.layout.devices))
 
 
+CPU_COLLECTIVE_S = 2e-3
+"""The fixed cost of one gloo collective on a CPU rank's training thread (:attr:`~meridian.service.planning.
+cost_model.Figures.collective_s`)."""
+
+
 def default_figures(topo: ClusterTopology, dcs: tuple[str, ...], use_gpu: bool) -> Figures:
     """Conservative figures when nothing was measured or declared (replaced by probe results when present)."""
     from meridian.service.planning.cost_model import Link
@@ -367,7 +413,9 @@ def default_figures(topo: ClusterTopology, dcs: tuple[str, ...], use_gpu: bool) 
     else:
         per_slot = [n.memory_bytes / max(1, worker_slots(n, use_gpu=False)) for n in nodes]
         memory, flops = (min(per_slot) if per_slot else 2**30), 5e9
+    # a CPU collective over gloo costs milliseconds on the training thread (``meridian bench sync``'s FSDP2 rows:
+    # the step time saved per collective dropped, docs/benchmarks/sync.md)
     return Figures(device_flops=flops, device_memory_bytes=memory, device_memory_known=not use_gpu,
-                   bf16_autocast=use_gpu,
+                   bf16_autocast=use_gpu, collective_s=20e-6 if use_gpu else CPU_COLLECTIVE_S,
                    intra_node=Link(20e-6, 100e9 / 8), intra_dc=Link(50e-6, 25e9 / 8), inter_dc=Link(10e-3, 10e9 / 8))
 

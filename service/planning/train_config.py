@@ -8,6 +8,7 @@ from meridian.service.jobs import JobRequest
 from meridian.service.planning.plan import Plan
 from meridian.workers.contracts.config import (
     ActivationCheckpointing,
+    FsdpUnits,
     ParallelConfig,
     PipelineSchedule,
     TrainConfig,
@@ -38,6 +39,8 @@ def build_train_config(job_id: str, request: JobRequest, plan: Plan, checkpoint_
         checkpoint_dir=checkpoint_dir, datacenters=plan.rank_datacenters,
         parallel=ParallelConfig(tp=plan.tp, pp=plan.pp, schedule=PipelineSchedule(plan.schedule),
                                 virtual_stages=plan.virtual_stages if plan.pp > 1 else 1,
-                                sequence_parallel=plan.sequence_parallel and plan.tp > 1),
+                                sequence_parallel=plan.sequence_parallel and plan.tp > 1,
+                                reshard_after_forward=plan.reshard_after_forward,
+                                fsdp_units=FsdpUnits(plan.fsdp_units)),
         validation=request.validation,
     )

@@ -436,6 +436,14 @@ class ActivationCheckpointing(str, enum.Enum):
     FULL = "full"  # only the block's input kept, the whole block recomputed in backward
 
 
+class FsdpUnits(str, enum.Enum):
+    """What FSDP2 shards as one unit: one all-gather and one reduce-scatter each (:func:`~meridian.workers.parallel.
+    fsdp.apply_fsdp`)."""
+
+    BLOCK = "block"  # each transformer block, then the root: the sync of each block overlaps the backward before it
+    MODEL = "model"  # the whole model: one gather and one reduce-scatter a step, none of it overlapped
+
+
 @dataclass(frozen=True, kw_only=True)
 class ParallelConfig:
     """Model parallelism of every replica (:mod:`meridian.workers.parallel.dims` turns it into process groups
@@ -454,9 +462,20 @@ class ParallelConfig:
     sequence_parallel: bool = False
     """With ``tp > 1``: norms and residual stream sharded along the sequence across the TP ranks (their
     all-reduces become reduce-scatter + all-gather, activations between layers ``tp`` times smaller)."""
+    reshard_after_forward: bool = True
+    """FSDP2 frees each block's gathered parameters after its forward and gathers them again for its backward, in
+    every micro-batch. ``False`` keeps them gathered from a step's first forward to its last backward: one
+    all-gather per unit and step, at the memory of the unsharded parameters (the planner's choice where that
+    fits). Under pipelining the schedule gathers once per step either way."""
+
+    fsdp_units: FsdpUnits = FsdpUnits.BLOCK
+    """FSDP2's units: each block (the default), or the whole model as one, for a model whose blocks are so small
+    that each collective's fixed cost outweighs what overlapping it with backward saves (the planner's choice).
+    Pipeline stages keep one unit per block."""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "schedule", PipelineSchedule(self.schedule))  # "1f1b" from a plain value too
+        object.__setattr__(self, "schedule", PipelineSchedule(self.schedule))
+        object.__setattr__(self, "fsdp_units", FsdpUnits(self.fsdp_units))  # "1f1b" from a plain value too
         check_bounds(self, "parallelism.")
         if self.virtual_stages > 1 and not self.schedule.is_interleaved:
             raise ValueError(f"parallelism.virtual_stages ({self.virtual_stages}) needs parallelism.schedule "

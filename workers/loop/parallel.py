@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from meridian.workers.contracts.config import FsdpUnits
 from meridian.workers.data.shards import Dataset
 from meridian.workers.loop.precision import mixed_precision
 from meridian.workers.loop.replica import Batches, Replica, evaluate, validation_batches
@@ -82,7 +83,9 @@ class ModelParallelReplica(Replica):
         plan = Parallelize(
             dp_mesh=groups.dp_mesh, tp_mesh=groups.tp_mesh, tp_plan=styles,
             activation_checkpointing=cfg.activation_checkpointing, compile=cfg.compile, mp_policy=self.mp_policy,
-            reshard_after_forward=par.pp == 1,  # under pipelining: gathered once per step, not per micro-batch
+            # under pipelining the schedule gathers once per step, not per micro-batch, and each block is a unit
+            reshard_after_forward=par.pp == 1 and par.reshard_after_forward,
+            fsdp_units=par.fsdp_units if par.pp == 1 else FsdpUnits.BLOCK,
         )  # fmt: skip
         emulator = None
         if cfg.wan is not None and len(set(dims.datacenters)) > 1:
@@ -93,6 +96,7 @@ class ModelParallelReplica(Replica):
         self.engine = FSDPHierarchicalSync(
             model, dp_groups, cfg.sync, cfg.optim, emulator=emulator, broadcast_params=m.epoch <= 1,
             shard=lambda module, reduce_scatter: plan(module, roots=roots, reduce_scatter=reduce_scatter),
+            reshard_after_forward=plan.reshard_after_forward or par.pp > 1,  # the schedule's own under pipelining
         )  # fmt: skip
         self.stages: list[CountingStage] = []
         self.schedule = None

@@ -181,11 +181,14 @@ class DataParallelReplica(Replica):
         if fsdp:
             shard = Parallelize(dp_mesh=dc_mesh(groups.intra_dc, self.device), compile=cfg.compile,
                                 activation_checkpointing=cfg.activation_checkpointing,
-                                mp_policy=mixed_precision(cfg.precision, self.device))  # fmt: skip
+                                mp_policy=mixed_precision(cfg.precision, self.device),
+                                reshard_after_forward=cfg.parallel.reshard_after_forward,
+                                fsdp_units=cfg.parallel.fsdp_units)  # fmt: skip
         else:
             prepare_blocks(self.model, cfg.activation_checkpointing, cfg.compile)
         self.engine = build_sync(self.model, groups, cfg.sync, cfg.optim, emulator=emulator,
-                                 broadcast_params=m.epoch <= 1, shard=shard)
+                                 broadcast_params=m.epoch <= 1, shard=shard,
+                                 reshard_after_forward=cfg.parallel.reshard_after_forward)
 
     def forward_backward(self, batches: Batches) -> torch.Tensor:
         cfg, device, engine = self.cfg, self.device, self.engine

@@ -66,17 +66,18 @@ class TimedReduceScatter(DefaultReduceScatter):
 def apply_fsdp(
     model: nn.Module, mesh: DeviceMesh, *, reshard_after_forward: bool = True,
     mp_policy: MixedPrecisionPolicy | None = None, reduce_scatter: TimedReduceScatter | None = None,
-    roots: Sequence[nn.Module] | None = None,
+    roots: Sequence[nn.Module] | None = None, per_block: bool = True,
 ) -> list[FSDPModule]:
     """Shard ``model`` in place over ``mesh``: each block, then the root (what is left: embeddings, final norm,
     head). ``roots``: the modules that hold the blocks and the rest, one FSDP root each (a pipeline rank's model
     chunks), instead of ``model`` itself. Returns the FSDP units in backward order's reverse (blocks first, the
-    roots last)."""
+    roots last). ``per_block=False``: no unit per block, the root holds the whole model (one gather and one
+    reduce-scatter a step)."""
     policy = mp_policy or MixedPrecisionPolicy()
     # Parameters of no elements stay plain tensors on every rank (FSDP2's reduce-scatter takes no empty gradient)
     empty = {p for p in model.parameters() if p.numel() == 0} or None
     units: list[FSDPModule] = []
-    for block in transformer_blocks(model):
+    for block in transformer_blocks(model) if per_block else ():
         units.append(fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy,
                                  ignored_params=empty))
     # The root's parameters are used first in forward and last in backward: kept unsharded after forward

@@ -23,7 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
-from meridian.workers.contracts.config import ActivationCheckpointing
+from meridian.workers.contracts.config import ActivationCheckpointing, FsdpUnits
 from meridian.workers.parallel.checkpointing import apply_activation_checkpointing
 from meridian.workers.parallel.fsdp import TimedReduceScatter, apply_fsdp, transformer_blocks
 
@@ -39,9 +39,12 @@ class Parallelize:
     activation_checkpointing: ActivationCheckpointing = ActivationCheckpointing.NONE
     compile: bool = False
     mp_policy: MixedPrecisionPolicy = field(default_factory=MixedPrecisionPolicy)
+    fsdp_units: FsdpUnits = FsdpUnits.BLOCK
+    """One FSDP2 unit per block, or the whole model as one (:class:`~meridian.workers.contracts.config.FsdpUnits`)."""
     reshard_after_forward: bool = True
-    """FSDP2 frees each block's gathered parameters after its forward (gathering them again for backward); off, a
-    pipeline's micro-batches do not gather them once per micro-batch."""
+    """FSDP2 frees each block's gathered parameters after its forward (gathering them again for backward); off
+    they stay gathered until the engine reshards them (:attr:`~meridian.workers.contracts.config.ParallelConfig.
+    reshard_after_forward`), and a pipeline's micro-batches do not gather them once per micro-batch."""
 
     def __call__(self, model: nn.Module, roots: Sequence[nn.Module] | None = None,
                  reduce_scatter: TimedReduceScatter | None = None) -> list[FSDPModule]:
@@ -51,7 +54,8 @@ class Parallelize:
             parallelize_module(model, self.tp_mesh, present(model, self.tp_plan))
         prepare_blocks(model, self.activation_checkpointing, self.compile)  # 2) and 3)
         return apply_fsdp(model, self.dp_mesh, reshard_after_forward=self.reshard_after_forward,  # 4)
-                          mp_policy=self.mp_policy, roots=roots, reduce_scatter=reduce_scatter)
+                          mp_policy=self.mp_policy, roots=roots, reduce_scatter=reduce_scatter,
+                          per_block=self.fsdp_units is FsdpUnits.BLOCK)
 
 
 def prepare_blocks(model: nn.Module, activation_checkpointing: ActivationCheckpointing, compile: bool) -> None:

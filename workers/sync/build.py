@@ -37,6 +37,7 @@ def build_sync(
     emulator: WanEmulator | None = None,
     broadcast_params: bool = True,
     shard: Callable[[nn.Module], list[FSDPModule]] | None = None,
+    reshard_after_forward: bool = True,
 ) -> GradientSync:
     """The engine ``sync`` asks for. Build it after the model is on its device: it takes the device from there.
 
@@ -44,16 +45,18 @@ def build_sync(
     ``broadcast_params=False``: the caller sets every rank's weights itself (a re-formed epoch's restore), so the
     engines on FSDP2 skip their broadcast of rank 0's (flat sync relies on the seeded build alone).
     ``shard``: applies FSDP2 (and what comes before it) for the engines on FSDP2
-    (:class:`~meridian.workers.parallel.parallelize.Parallelize`); flat sync ignores it."""
+    (:class:`~meridian.workers.parallel.parallelize.Parallelize`); flat sync ignores it. ``reshard_after_forward``:
+    the one ``shard`` applies (``False``: the engine keeps the units gathered across a step's micro-batches)."""
     if sync.strategy is SyncStrategy.FLAT:
         return FlatSync(model, groups, sync, optim, emulator=emulator)
     if sync.strategy.is_diloco:
-        return DiLoCoSync(model, groups, sync, optim, emulator=emulator, broadcast_params=broadcast_params, shard=shard)
+        return DiLoCoSync(model, groups, sync, optim, emulator=emulator, broadcast_params=broadcast_params, shard=shard,
+                          reshard_after_forward=reshard_after_forward)
     if groups.mp_norm is not None:
         raise ValueError("build_sync builds the engine of a data-parallel replica; a tensor/pipeline-parallel one "
                          "builds FSDPHierarchicalSync over its data-parallel group (meridian.workers.loop.parallel)")
     return FSDPHierarchicalSync(model, groups, sync, optim, emulator=emulator, broadcast_params=broadcast_params,
-                                shard=shard)
+                                shard=shard, reshard_after_forward=reshard_after_forward)
 
 
 def runs_on_fsdp(sync: SyncConfig) -> bool:

@@ -147,6 +147,7 @@ class DiLoCoSync(GradientSync):
         emulator: WanEmulator | None = None,
         broadcast_params: bool = True,
         shard: Callable[..., list[FSDPModule]] | None = None,
+        reshard_after_forward: bool = True,
     ) -> None:
         if not sync.strategy.is_diloco:
             raise ValueError(
@@ -163,7 +164,8 @@ class DiLoCoSync(GradientSync):
         # ranks), once, on the synced gradients (not on the loss).
         self.grad_scale = len(groups.world_ranks) / groups.dc_size
         self.inner = FSDPHierarchicalSync(model, intra_dc_view(groups), inner_sync, optim, grad_scale=self.grad_scale,
-                                          broadcast_params=broadcast_params, shard=shard, across_dcs=False)
+                                          broadcast_params=broadcast_params, shard=shard, across_dcs=False,
+                                          reshard_after_forward=reshard_after_forward)
         self.model = self.inner.model
         self.params: list[ShardParam] = self.inner.params
         self.units = [Unit(u.index, u.module, u.params) for u in self.inner.units]  # the outer step's exchanges

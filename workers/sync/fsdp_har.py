@@ -118,7 +118,9 @@ class FSDPHierarchicalSync(GradientSync):
         shard: Callable[..., list[FSDPModule]] | None = None,
         across_dcs: bool = True,
     ) -> None:
-        """``across_dcs=False``: sum inside the datacenter only (DiLoCo's inner step; no inter-DC exchange)."""
+        """``across_dcs=False``: sum inside the datacenter only (DiLoCo's inner step; no inter-DC exchange).
+        ``reshard_after_forward``: the units' own (``shard`` applies it; without ``shard`` this engine does); off, they
+        also stay gathered after each backward but the step's last, so a step gathers each unit once."""
         self.groups, self.optim_cfg = groups, optim
         self.grad_scale = grad_scale
         self.overlap = sync.overlap
@@ -137,6 +139,7 @@ class FSDPHierarchicalSync(GradientSync):
             reduce_scatter=self.reduce_scatter)
         self.model = model
         self.root = fsdp_units[-1]
+        self.keep_gathered = not reshard_after_forward
         self.comm = InterDCComm(sync.compression, emulator=emulator)
         self.units: list[Unit] = describe_units(model, fsdp_units, groups)
         if across_dcs and (groups.num_dcs > 1 or groups.has_siblings):  # (siblings make their groups together: collective)
@@ -181,6 +184,8 @@ class FSDPHierarchicalSync(GradientSync):
         # Earlier micro-batches accumulate unsharded gradients; the last reduce-scatters them (and, through the
         # hook, starts the inter-DC sum).
         self.root.set_requires_gradient_sync(last_micro_batch)
+        if self.keep_gathered:  # gathered until the step's last backward, which reshards them for the update
+            self.root.set_reshard_after_backward(last_micro_batch)
         loss.backward()
 
     def _reduced(self, unit: Unit, reduced: torch.Tensor) -> None:
