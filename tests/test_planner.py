@@ -222,9 +222,7 @@ def _layout(**kw):
 
 
 def test_under_flat_sync_a_model_smaller_than_one_bucket_cannot_hide_its_sync():
-    from meridian.service.planning.cost_model import estimate
-
-    from meridian.service.planning.cost_model import Link
+    from meridian.service.planning.cost_model import Link, estimate
 
     tiny = model_preset("tiny")  # 3.5 MB of fp32 gradients
     near = replace(_figures(), inter_dc=Link(1e-4, 125e6))  # each bucket's ring pays the latency rounds again
@@ -286,10 +284,9 @@ def test_bucket_size_aims_at_four_buckets_within_its_limits():
 
 def test_a_flat_job_that_leaves_the_bucket_size_out_gets_the_planner_s_and_says_why():
     from meridian.service.planning.buckets import bucket_mb_for
-    from meridian.service.planning.train_config import build_train_config
-
     from meridian.service.planning.cost_model import Link
     from meridian.service.planning.planner import default_figures
+    from meridian.service.planning.train_config import build_train_config
 
     tiny = model_preset("tiny")  # 3.5 MB of fp32 gradients: one 4 MiB bucket would hold it all
     auto = replace(req(), model=tiny, sync=SyncConfig(strategy=SyncStrategy.FLAT, bucket_mb=None))
