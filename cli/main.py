@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import json
 import os
+import socket
 import sys
 import time
 from pathlib import Path
@@ -145,6 +147,21 @@ def summary(client: Client, job: dict[str, Any], wall_s: float | None = None) ->
     return render.summary(job, wall_s=wall_s, sync_decisions=tuple(decided))
 
 
+def _port_taken(host: str, port: int) -> bool:
+    """Whether something already listens on ``host:port``. Checked before the service starts: uvicorn's own bind
+    error came only after an embedded cluster's ~20 s start, and after the line that says where the API listens.
+    Other bind errors (no such address, a privileged port) are left to uvicorn to report."""
+    if port == 0:
+        return False
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: a TIME_WAIT port is free
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            return e.errno == errno.EADDRINUSE
+    return False
+
+
 # -- verbs -----------------------------------------------------------------------------------------------
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
@@ -172,6 +189,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                **({} if args.max_relaunches is None else {"max_relaunches": args.max_relaunches}))
         if args.max_streams_per_owner is not None and args.max_streams_per_owner < 1:
             raise ValueError(f"--max-streams-per-owner must be at least 1, got {args.max_streams_per_owner}")
+        if _port_taken(args.host, args.port):
+            raise ValueError(f"port {args.port} on {args.host} is in use (another `meridian serve`, or any other "
+                             f"program); start this one with --port N and point the CLI at it with "
+                             f"MERIDIAN_URL=http://{args.host}:N")
     except (UnsafeDeployment, ValueError) as e:
         raise refused(e) from None
     who = f"auth on, {len(auth.hashes)} token(s) from {auth.token_file}" if auth.enabled else "auth off (loopback only)"

@@ -195,3 +195,21 @@ def test_watch_follows_the_job_over_its_event_stream_and_reads_the_job_only_at_i
     assert code == 0 and updates[-1]["state"] == "succeeded"
     assert [u["progress"]["step"] for u in updates if u["state"] == "running" and u["progress"].get("step")] == [1, 2, 3]
     assert len(reads) == 2, f"the watch read the job {len(reads)} times: at its start and its end only"
+
+
+def test_serve_on_a_port_in_use_is_refused_before_anything_starts(tmp_path, capsys):
+    """Refused at once, naming the port and what to do: uvicorn's own error came after an embedded cluster's start
+    and after the line saying where the API listens, so a tutorial's wait loop found some other service there."""
+    import socket
+
+    for listen_on in ("127.0.0.1", "0.0.0.0"):
+        with socket.socket() as other:
+            other.bind((listen_on, 0))
+            other.listen()
+            port = other.getsockname()[1]
+            started = time.monotonic()
+            code = main(["serve", "--data-dir", str(tmp_path), "--port", str(port), "--local-datacenters", "dc-a:1"])
+            err = capsys.readouterr().err
+        assert code == 2 and f"port {port} on 127.0.0.1 is in use" in err and "--port N" in err, err
+        assert "MERIDIAN_URL=http://127.0.0.1:N" in err and time.monotonic() - started < 10
+        assert not (tmp_path / "meridian.db").exists()  # the service did not start
