@@ -26,7 +26,7 @@ from meridian.workers.state.snapshot_paths import snapshot_dirs
 
 pytestmark = pytest.mark.slow
 
-STEPS = 90
+STEPS = 300  # long enough to outlast Ray declaring a killed node dead (~30 s) at this job's speed
 TRAINING = {"steps": STEPS, "global_batch": 12, "micro_batch": 2, "lr": 3e-3}
 
 
