@@ -71,10 +71,9 @@ def one_process() -> tuple[list[float], dict[str, torch.Tensor]]:
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _train(rank, world, dcs, sync, micro):
-    groups = DCGroups(DCLayout(dcs), rank, segment_groups=False)
-    torch.manual_seed(0)
-    engine = FSDPHierarchicalSync(Blocks(), groups, sync, OPTIM)
+def _steps(engine: FSDPHierarchicalSync, rank: int, world: int, micro: int) -> tuple[list[float], list[int]]:
+    """``STEPS`` steps of this rank's share of each batch in micro-batches of ``micro``: the global losses and the
+    inter-DC bytes each step sent."""
     losses, sent = [], []
     lo, hi = rank * BATCH // world, (rank + 1) * BATCH // world
     for step in range(STEPS):
@@ -88,6 +87,14 @@ def _train(rank, world, dcs, sync, micro):
         dist.all_reduce(total)
         losses.append(total.item())
         sent.append(engine.step(OPTIM.lr).inter_dc_bytes)
+    return losses, sent
+
+
+def _train(rank, world, dcs, sync, micro):
+    groups = DCGroups(DCLayout(dcs), rank, segment_groups=False)
+    torch.manual_seed(0)
+    engine = FSDPHierarchicalSync(Blocks(), groups, sync, OPTIM)
+    losses, sent = _steps(engine, rank, world, micro)
     weights = {n: p.full_tensor().detach().clone() for n, p in engine.model.named_parameters()}
     shard = engine.local_shard(STEPS)
     groups.destroy()
@@ -139,19 +146,7 @@ def _train_counting_gathers(rank, world, dcs, reshard_after_forward, per_block=T
             shard=lambda model, reduce_scatter: apply_fsdp(model, mesh, reshard_after_forward=reshard_after_forward,
                                                            reduce_scatter=reduce_scatter, per_block=per_block))
         lo, hi = rank * BATCH // world, (rank + 1) * BATCH // world
-        micro = -(-(hi - lo) // 2)
-        losses = []
-        for step in range(STEPS):
-            x, y = batch(step)
-            total = torch.zeros(())
-            for a in range(lo, hi, micro):
-                b = min(a + micro, hi)
-                loss = ((engine.model(x[a:b]) - y[a:b]) ** 2).sum() / BATCH
-                engine.backward(loss, last_micro_batch=b == hi)
-                total += loss.detach()
-            dist.all_reduce(total)
-            losses.append(total.item())
-            engine.step(OPTIM.lr)
+        losses, _ = _steps(engine, rank, world, micro=-(-(hi - lo) // 2))  # two micro-batches a step
         weights = {n: p.full_tensor().detach().clone() for n, p in engine.model.named_parameters()}
         units = len(engine.units)
         groups.destroy()

@@ -464,10 +464,8 @@ def collectives_per_step(model: ModelShape | ModelConfig, lay: Layout) -> int:
     again in its backward) and one reduce-scatter, where a datacenter has several ranks to shard over, and its
     exchange across datacenters."""
     if not runs_hierarchical(lay):
-        return buckets_of(grad_bytes_per_device(model, lay.tp, lay.pp), lay.bucket_bytes / 2**20) if lay.dp > 1 else 0
-    shape = shape_of(model)
-    per_block = lay.fsdp_units is FsdpUnits.BLOCK or lay.pp > 1
-    blocks = stage_layers(shape, lay.pp)[0] if per_block else 0
+        return sync_pieces(model, lay) if lay.dp > 1 else 0
+    blocks = sync_pieces(model, lay) - 1  # the units but the root
     once = lay.pp > 1 or not lay.reshard_after_forward
     m = lay.micro_batches
     count = 0

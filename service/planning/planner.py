@@ -39,10 +39,12 @@ from meridian.service.planning.cost_model import (
     collectives_per_step,
     estimate,
     grad_bytes_per_device,
+    hierarchical_last_sync_mb,
     last_synced_bytes,
     lookahead_bytes,
     optimizer_share,
     runs_hierarchical,
+    sync_pieces,
 )
 from meridian.service.planning.explain import (
     empty_datacenters_reason,
@@ -221,8 +223,7 @@ def _diloco_override(request: PlanRequest, feasible: list[Candidate],
                          num_dcs=dp.layout.num_dcs, overlap=request.sync.overlap,
                          # per-step sync as the engine overlaps it best (a unit per block); DiLoCo's fragments
                          # split the parameters whichever units FSDP2 has
-                         last_sync_mb=last_synced_bytes(request.shape, replace(dp.layout, hierarchical=True,
-                                                                               fsdp_units=FsdpUnits.BLOCK)) / 2**20,
+                         last_sync_mb=hierarchical_last_sync_mb(request.shape),
                          steps=request.steps, lookahead=room,
                          lookahead_after=lookahead_start(request.sync.lookahead_after, request.warmup_steps),
                          optimizer_step_s=figures.step_overhead_s * optimizer_share(dp.layout),
@@ -297,7 +298,6 @@ def unit_reason(request: PlanRequest, best: Candidate, figures: Figures) -> str:
     lay = best.layout
     grads = grad_bytes_per_device(request.shape, lay.tp, lay.pp)
     last = last_synced_bytes(request.shape, lay)
-    blocks = -(-request.shape.n_layers // lay.pp)
     if lay.fsdp_units is FsdpUnits.MODEL:
         per_block = replace(lay, fsdp_units=FsdpUnits.BLOCK)
         est = estimate(request.shape, lay, figures, request.global_batch)  # per-step sync, as the choice compared
@@ -308,6 +308,7 @@ def unit_reason(request: PlanRequest, best: Candidate, figures: Figures) -> str:
                 f"overlapping the blocks' sync with backward would (estimated {est.step_s * 1e3:.1f} against "
                 f"{est_block.step_s * 1e3:.1f} ms a step); the sync of the {grads / 2**20:.2f} MiB each device holds "
                 "follows backward whole.")
+    blocks = sync_pieces(request.shape, lay) - 1  # the units but the root
     return (f"Gradients sync per FSDP2 unit ({blocks} transformer block{'s' if blocks != 1 else ''}, then the "
             f"embeddings and head), each as soon as backward completes it, so only the last unit's sync "
             f"({last / 2**20:.2f} of the {grads / 2**20:.2f} MiB each device holds) necessarily follows backward.")

@@ -474,8 +474,8 @@ class ParallelConfig:
     Pipeline stages keep one unit per block."""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "schedule", PipelineSchedule(self.schedule))
-        object.__setattr__(self, "fsdp_units", FsdpUnits(self.fsdp_units))  # "1f1b" from a plain value too
+        object.__setattr__(self, "schedule", PipelineSchedule(self.schedule))  # "1f1b" from a plain value too
+        object.__setattr__(self, "fsdp_units", FsdpUnits(self.fsdp_units))
         check_bounds(self, "parallelism.")
         if self.virtual_stages > 1 and not self.schedule.is_interleaved:
             raise ValueError(f"parallelism.virtual_stages ({self.virtual_stages}) needs parallelism.schedule "
