@@ -31,13 +31,19 @@ class _LateWork:
         return self.work.wait()
 
 
-def _run(rank: int, world: int, steps: int, step_s: float, latency_s: float, leave_at: int | None) -> dict:
+def _run(rank: int, world: int, steps: int, step_s: float, latency_s: float, leave_at: int | None,
+         min_window_steps: int = 1) -> dict:  # fmt: skip
     import torch.distributed as dist
 
-    if latency_s:
-        all_reduce = dist.all_reduce
-        dist.all_reduce = lambda t, **kw: _LateWork(all_reduce(t, **kw), latency_s)
-    windows = ReportWindows(torch.device("cpu"), world)
+    all_reduce, sums = dist.all_reduce, []
+
+    def counted(t, **kw):
+        sums.append(t.numel())
+        work = all_reduce(t, **kw)
+        return _LateWork(work, latency_s) if latency_s else work
+
+    dist.all_reduce = counted
+    windows = ReportWindows(torch.device("cpu"), world, min_window_steps=min_window_steps)
     seen, sizes, left_after = [], [], None
     blocked_s, walls, began = 0.0, [], time.perf_counter()
     for step in range(steps):
@@ -57,7 +63,7 @@ def _run(rank: int, world: int, steps: int, step_s: float, latency_s: float, lea
             left_after = step
             break
     seen += [(r.step, r.loss, r.inter_dc_bytes, r.stats.grad_norm, r.val_loss) for r in windows.flush()]
-    return {"seen": seen, "sizes": sizes, "left_after": left_after, "blocked_s": blocked_s,
+    return {"seen": seen, "sizes": sizes, "left_after": left_after, "blocked_s": blocked_s, "sums": len(sums),
             "step_wall_s": sorted(walls)[len(walls) // 2]}
 
 
@@ -74,6 +80,27 @@ def test_every_step_is_reported_once_in_order_with_the_sum_over_ranks():
         assert res["left_after"] is None
     # The windows' widths are agreed: every rank closes its windows after the same steps.
     assert len({tuple(r["sizes"]) for r in results}) == 1
+
+
+def test_a_diloco_jobs_sums_cross_once_per_outer_cycle_past_the_time_cap():
+    # 2 ms steps would cap a window at 1,000 steps' worth of 2 s; 50 ms ones at 40. A window of the outer cycle
+    # (here 48 steps) holds from the first step, so 96 steps take two sums, however long a step is.
+    world, steps, cycle = 2, 96, 48
+    results = run_processes(_run, world, steps, 0.05, 0.0, None, cycle, timeout_s=120)
+    for res in results:
+        assert set(res["sizes"]) == {cycle}
+        assert res["sums"] == steps // cycle
+        assert [row[:4] for row in res["seen"]] == _expected(world, range(steps))
+
+
+def test_a_leave_is_read_within_two_outer_cycles_on_every_rank():
+    world, steps, cycle, asked_at = 2, 120, 16, 20
+    results = run_processes(_run, world, steps, 0.01, 0.0, asked_at, cycle, timeout_s=120)
+    left = {r["left_after"] for r in results}
+    assert len(left) == 1 and None not in left
+    (left_after,) = left
+    assert asked_at <= left_after < asked_at + 2 * cycle
+    assert (left_after + 1) % cycle == 0  # at a window's end
 
 
 @pytest.mark.parametrize("latency_s", [0.0, 0.12])
@@ -166,3 +193,23 @@ def test_every_rank_widens_its_snapshot_cadence_at_the_same_step_from_the_ranks_
 def test_a_fixed_snapshot_cadence_never_widens():
     results = run_processes(_snapshotting, 2, 30, 0.01, 0.04, False, timeout_s=120)
     assert all(r["snapped"] == list(range(30)) and set(r["cadence"]) == {1} for r in results)
+
+
+def test_only_a_diloco_job_across_datacenters_widens_its_windows_to_the_outer_cycle():
+    from meridian.workers.contracts.config import DiLoCoConfig, SyncConfig, SyncStrategy, TrainConfig
+    from meridian.workers.contracts.model_config import model_preset
+    from meridian.workers.loop.train import Membership, report_window_steps
+
+    def job(sync: SyncConfig) -> TrainConfig:
+        return TrainConfig(job_id="windows", model=model_preset("nano"), steps=2, global_batch=2, micro_batch=1,
+                           sync=sync)  # fmt: skip
+
+    two_dcs = Membership(epoch=0, rank=0, world_size=2, datacenters=("a", "b"))
+    one_dc = Membership(epoch=0, rank=0, world_size=2, datacenters=("a", "a"))
+    diloco = job(SyncConfig(strategy=SyncStrategy.DILOCO, diloco=DiLoCoConfig(inner_steps=24)))
+    streaming = job(SyncConfig(strategy=SyncStrategy.STREAMING_DILOCO,
+                               diloco=DiLoCoConfig(inner_steps=32, fragments=4, overlap_steps=1)))  # fmt: skip
+    assert report_window_steps(diloco, two_dcs) == 24
+    assert report_window_steps(streaming, two_dcs) == 32
+    assert report_window_steps(diloco, one_dc) == 1
+    assert report_window_steps(job(SyncConfig(strategy=SyncStrategy.HIERARCHICAL)), two_dcs) == 1

@@ -163,8 +163,8 @@ class TrainingLoop:
         # Every rank starts the epoch at the same cadence: the job's, or an adaptive job's widest so far (the
         # rendezvous hands it to survivors and newcomers alike), then widens it as measured
         first = max(cfg.snapshot_every, m.snapshot_every) if cfg.snapshot_adaptive else cfg.snapshot_every
-        reports = ReportWindows(replica.device, m.world_size, snapshot_every=first,
-                                adaptive_snapshots=cfg.snapshot_adaptive and state is not None)
+        reports = ReportWindows(replica.device, m.world_size, min_window_steps=report_window_steps(cfg, m),
+                                snapshot_every=first, adaptive_snapshots=cfg.snapshot_adaptive and state is not None)
         prefetch = BatchPrefetch.for_replica(data, cfg, replica)  # CUDA: pinned, one step ahead; CPU: None
 
         def publish(rows: list[StepReport]) -> None:
@@ -248,6 +248,15 @@ class TrainingLoop:
         except TooFewTokens as e:
             return None, f"final evaluation skipped: {e}"
         return replica.evaluate(data), ""
+
+
+def report_window_steps(cfg: TrainConfig, m: Membership) -> int:
+    """The fewest steps a window of the loop's sums spans: a DiLoCo job's outer cycle when it spans datacenters
+    (its sums then cross them as often as its weights do, :class:`ReportWindows`), else one."""
+    strategy = cfg.sync.strategy
+    if strategy is not None and strategy.is_diloco and len(set(m.datacenters)) > 1:
+        return cfg.sync.outer.inner_steps
+    return 1
 
 
 def train(
