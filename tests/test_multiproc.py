@@ -51,3 +51,54 @@ def test_ranks_write_where_the_caller_writes_now(capfd):
 def test_a_rank_that_raises_is_named_with_its_traceback():
     with pytest.raises(RankFailed, match=r"rank 1 failed:(.|\n)*rank 1 was told to fail"):
         run_processes(_fail_on_rank_1, 2, timeout_s=60)
+
+
+_CALLER = r"""
+import sys, time
+from meridian.workers.distributed.multiproc import run_processes
+
+def linger(rank, world, folder):
+    import os, pathlib
+    pathlib.Path(folder, f"rank{rank}.pid").write_text(str(os.getpid()))
+    time.sleep(120)
+
+if __name__ == "__main__":
+    run_processes(linger, 2, sys.argv[1], timeout_s=300)
+"""
+
+
+def test_ranks_exit_when_their_caller_is_killed(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = tmp_path / "caller.py"
+    script.write_text(_CALLER)
+    caller = subprocess.Popen([sys.executable, str(script), str(tmp_path)])
+    pids: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        while len(pids) < 2 and time.monotonic() < deadline and caller.poll() is None:
+            time.sleep(0.2)
+            pids = [int(p.read_text()) for p in tmp_path.glob("rank*.pid") if p.read_text()]
+        assert len(pids) == 2, "the ranks never started"
+        caller.send_signal(signal.SIGKILL)  # no clean-up of the caller's runs
+        caller.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and any(_alive(p) for p in pids):
+            time.sleep(0.2)
+        assert not any(_alive(p) for p in pids), "a rank outlived its caller"
+    finally:
+        caller.kill()
+        for p in pids:
+            if _alive(p):
+                os.kill(p, signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[-1][0] != "Z"
+    except FileNotFoundError:
+        return False

@@ -3,7 +3,8 @@
 Used by the math tests and the sync benchmarks: real multi-process collectives on one machine, without Ray.
 Each process gets ``(rank, world_size, *args)``; the return values come back in rank order. A rank that
 raises, dies or outlives ``timeout_s`` fails the whole run with a message that names it, and every other
-process is killed: a test never hangs on a peer stuck in a collective.
+process is killed: a test never hangs on a peer stuck in a collective. A rank whose caller is gone (killed by a
+signal, so its clean-up never ran) exits too, rather than training on for nobody.
 
 The ranks are forked from this process's zygote (:mod:`meridian.workers.distributed.zygote`: a fork server that
 imported torch and the training stack once, started by the first run), not spawned: a spawned rank spends
@@ -17,6 +18,8 @@ from __future__ import annotations
 import os
 import pickle
 import queue
+import select
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -30,9 +33,33 @@ class RankFailed(RuntimeError):
     """A rank raised, died or timed out."""
 
 
-def _entry(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: tuple, results: Any) -> None:
+def _exit_with(caller: int) -> None:
+    """End this rank as soon as process ``caller`` exits (a rank's parent is the zygote, not the caller)."""
+
+    def watch() -> None:
+        try:
+            fd = os.pidfd_open(caller)
+        except ProcessLookupError:
+            os._exit(1)
+        except OSError:  # no pidfd here: poll
+            while True:
+                time.sleep(1.0)
+                try:
+                    os.kill(caller, 0)
+                except ProcessLookupError:
+                    os._exit(1)
+        select.select([fd], [], [])
+        os._exit(1)
+
+    threading.Thread(target=watch, name="caller-watch", daemon=True).start()
+
+
+def _entry(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: tuple, results: Any,
+           caller: int) -> None:  # fmt: skip
     import torch
     import torch.distributed as dist
+
+    _exit_with(caller)
 
     # One intra-op thread per rank: N ranks share the machine's cores, and oversubscription makes
     # timings noisy without making anything faster.
@@ -60,7 +87,7 @@ def run_processes(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s
     ctx = zygote_context()
     results = ctx.Queue()
     port = free_port()
-    procs = [zygote_process(_entry, (fn, r, world_size, port, args, results)) for r in range(world_size)]
+    procs = [zygote_process(_entry, (fn, r, world_size, port, args, results, os.getpid())) for r in range(world_size)]
     for p in procs:
         p.start()
     out: dict[int, Any] = {}
