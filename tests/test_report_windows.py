@@ -83,14 +83,23 @@ def test_every_step_is_reported_once_in_order_with_the_sum_over_ranks():
 
 
 def test_a_diloco_jobs_sums_cross_once_per_outer_cycle_past_the_time_cap():
-    # 2 ms steps would cap a window at 1,000 steps' worth of 2 s; 50 ms ones at 40. A window of the outer cycle
-    # (here 48 steps) holds from the first step, so 96 steps take two sums, however long a step is.
+    # 50 ms steps cap a window at 40 steps (2 s). Once the first sum tells the ranks the step's time, a window
+    # spans the outer cycle (here 48 steps): 96 steps take two sums of one step each, then one a cycle.
     world, steps, cycle = 2, 96, 48
     results = run_processes(_run, world, steps, 0.05, 0.0, None, cycle, timeout_s=120)
     for res in results:
-        assert set(res["sizes"]) == {cycle}
-        assert res["sums"] == steps // cycle
+        assert res["sizes"][0] == 1 and set(res["sizes"][1:]) == {cycle}  # widened when step 0's sum is read
+        assert res["sums"] == 2 + math.ceil((steps - 2) / cycle)
         assert [row[:4] for row in res["seen"]] == _expected(world, range(steps))
+
+
+def test_a_long_outer_cycle_still_reports_every_max_cycle_window_s():
+    # A cycle of 500 steps of 1 s would report every 8 minutes; the window stops at 30 s of steps.
+    windows = ReportWindows(torch.device("cpu"), 1, min_window_steps=500)
+    windows._widen(0.0, 0.0, 1.0)
+    assert windows.window == 30
+    windows._widen(0.0, 0.0, 0.01)  # short steps: the whole cycle
+    assert windows.window == 500
 
 
 def test_a_leave_is_read_within_two_outer_cycles_on_every_rank():
@@ -100,7 +109,7 @@ def test_a_leave_is_read_within_two_outer_cycles_on_every_rank():
     assert len(left) == 1 and None not in left
     (left_after,) = left
     assert asked_at <= left_after < asked_at + 2 * cycle
-    assert (left_after + 1) % cycle == 0  # at a window's end
+    assert (left_after - 1) % cycle == 0  # at a window's end: windows of one step (0 and 1), then of the cycle
 
 
 @pytest.mark.parametrize("latency_s", [0.0, 0.12])

@@ -15,10 +15,11 @@ result), so every rank widens the window at the same step: to twice the steps th
 ``max_window_s`` of steps (the leave flag is read at most two windows late).
 
 A DiLoCo job's weights cross the datacenters once per outer cycle; its sums need not cross more often. Its
-windows span at least ``min_window_steps``, the outer cycle's inner steps, whatever the cap: every sum after a
-window per step would cost the far link a round of small packets (headers and ACKs many times a sync's sparse
-payload) and tie the datacenters' loops together at every step, which the outer cycle exists to avoid. A leave
-is then read at most two outer cycles late.
+windows span at least ``min_window_steps``, the outer cycle's inner steps, past ``max_window_s``, once the step's
+time is known: a sum every step would cost the far link a round of small packets (headers and ACKs many times a
+sync's sparse payload) and tie the datacenters' loops together at every step, which the outer cycle exists to
+avoid. A leave is then read at most two outer cycles late. Up to ``max_cycle_window_s`` of steps: the service
+still hears of the loss every half minute when a cycle is long (500 steps of a second).
 """
 
 from __future__ import annotations
@@ -106,7 +107,7 @@ class ReportWindows:
 
     def __init__(self, device: torch.device, world_size: int, *, max_window_s: float = 2.0,
                  min_window_s: float = 0.05, grow_above: float = 0.05, first_window: int = 1,
-                 min_window_steps: int = 1, snapshot_every: int = 1,
+                 min_window_steps: int = 1, max_cycle_window_s: float = 30.0, snapshot_every: int = 1,
                  adaptive_snapshots: bool = False) -> None:  # fmt: skip
         if min_window_steps < 1:
             raise ValueError(f"min_window_steps must be >= 1, not {min_window_steps}")
@@ -120,8 +121,10 @@ class ReportWindows:
         self.grow_above = grow_above
         """Widen the window when ranks waited, on average, more than this share of a window's busy time."""
         self.min_window_steps = min_window_steps
-        """Steps a window spans at least, past ``max_window_s``: a DiLoCo job's outer cycle."""
-        self.window = max(first_window, min_window_steps)
+        """Steps a window spans at least once the step's time is known, past ``max_window_s`` and up to
+        ``max_cycle_window_s``: a DiLoCo job's outer cycle."""
+        self.max_cycle_window_s = max_cycle_window_s
+        self.window = first_window
         """Steps per window, the same on every rank."""
         self.leave = False
         """Some rank asked to leave: every rank reads the same sum, so all see it after the same step."""
@@ -230,11 +233,13 @@ class ReportWindows:
     def _widen(self, wait_s: float, latency_s: float, step_s: float) -> None:
         """From the mean figures every rank read alike: a window of at least ``min_window_s``, and when the loop
         waited for its sums, one that spans twice the sums' latency; never narrower (a window only grows within
-        an epoch) nor past ``max_window_s`` unless ``min_window_steps`` asks for more."""
+        an epoch) nor past ``max_window_s``, unless ``min_window_steps`` asks for more (up to
+        ``max_cycle_window_s``)."""
         if step_s <= 0:
             return
         wanted = math.ceil(self.min_window_s / step_s)
         if wait_s > self.grow_above * step_s * self.window:
             wanted = max(wanted, math.ceil(2 * latency_s / step_s))
         cap = max(1, int(self.max_window_s / step_s))
-        self.window = max(self.window, min(cap, wanted), self.min_window_steps)
+        cycle = min(self.min_window_steps, max(1, int(self.max_cycle_window_s / step_s)))
+        self.window = max(self.window, min(cap, wanted), cycle)
