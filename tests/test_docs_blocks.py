@@ -4,7 +4,8 @@ Each page's shell blocks run in order as one bash script (``set -euo pipefail``)
 a scratch ``HOME`` (so ``~/.meridian``, ``~/.ray`` and the tutorials' folders are the test's own). Two wrappers keep
 a run from touching anyone else's: ``meridian serve`` gets a free ``--port`` (and ``MERIDIAN_URL`` points the CLI
 there), and ``ray start`` a free ``--port`` and a ``--temp-dir`` of its own, with ``ray stop`` stopping only the
-processes under it (never every Ray process of the host). Nothing else in a command is changed.
+processes under it (never every Ray process of the host). Nothing else in a command is changed. A page's
+``kill $SERVE`` stops the service it started in the background, as it does run directly.
 
 A comment before a block changes how it is treated (``docs/development/docs.md`` lists them): ``skip needs …``
 (not run, reported as skipped with that reason), ``needs-root``, ``needs-venv``, ``cleanup COMMAND`` (run after the
@@ -129,7 +130,11 @@ def test_blocks_that_cannot_run_here_say_why(block):
 PRELUDE = r"""
 set -euo pipefail
 meridian() {
-    if [ "${1:-}" = serve ]; then shift; command meridian serve "$@" --port "$DOCS_TEST_PORT"
+    if [ "${1:-}" = serve ]; then shift
+        # Sent to the background (`meridian serve ... &`), this function runs in a subshell, whose pid is the `$!`
+        # a page keeps: exec, so that the service is that pid and the page's `kill $SERVE` stops it, as run directly.
+        if [ "$BASHPID" != "$$" ]; then exec meridian serve "$@" --port "$DOCS_TEST_PORT"; fi
+        command meridian serve "$@" --port "$DOCS_TEST_PORT"
     else command meridian "$@"; fi
 }
 ray() {
