@@ -439,6 +439,16 @@ def lab_processes(text: str) -> list[int]:
     return [pid for pid, argv in _other_processes() if text.encode() in b"\0".join(argv)]
 
 
+def ray_cluster_processes(temp_dir: str, gcs_port: int) -> list[int]:
+    """Every process of the Ray cluster started here with ``--temp-dir temp_dir --port gcs_port``, and every process
+    below them: those that name the temp dir, and the Ray client server, which names only the GCS's address
+    (``--address=IP:PORT``) and, left behind, runs on for a minute waiting for the GCS to come back."""
+    suffix = f":{gcs_port}".encode()
+    client = [pid for pid, argv in _other_processes()
+              if any(a.startswith(b"--address=") and a.endswith(suffix) for a in argv)]  # fmt: skip
+    return descendants(list(dict.fromkeys(lab_processes(temp_dir) + client)))
+
+
 RAY_GRACE_S = 3.0
 """How long ``down`` lets the lab's Ray processes stop on SIGTERM before SIGKILL. All but two stop within ~2 s;
 ``gcs_server`` and the autoscaler's monitor outlast 10 s, and a lab's cluster has nothing worth their wait."""

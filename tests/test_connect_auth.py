@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from ray._private.services import get_node_ip_address
 
-from meridian.lab.lab import _kill, descendants, lab_processes
+from meridian.lab.lab import _kill, ray_cluster_processes
 from meridian.workers.distributed.ports import free_port
 
 pytestmark = pytest.mark.slow
@@ -51,7 +51,7 @@ def token_cluster(tmp_path):
         assert out.returncode == 0, out.stderr[-2000:]
         yield f"{ip}:{port}", env
     finally:  # only what this test started: never `ray stop`
-        _kill(descendants(lab_processes(temp_dir)))
+        _kill(ray_cluster_processes(temp_dir, port))
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 

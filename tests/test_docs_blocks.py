@@ -141,8 +141,8 @@ ray() {
     case "${1:-}" in
         start) shift; command ray start "$@" --port "$DOCS_TEST_RAY_PORT" --temp-dir "$DOCS_TEST_RAY_TMP" \
                    --include-dashboard false --disable-usage-stats ;;
-        stop) "$DOCS_TEST_PYTHON" -c "import sys; from meridian.lab.lab import _kill, descendants, lab_processes; \
-_kill(descendants(lab_processes(sys.argv[1])))" "$DOCS_TEST_RAY_TMP" ;;
+        stop) "$DOCS_TEST_PYTHON" -c "import sys; from meridian.lab.lab import _kill, ray_cluster_processes; \
+_kill(ray_cluster_processes(sys.argv[1], int(sys.argv[2])))" "$DOCS_TEST_RAY_TMP" "$DOCS_TEST_RAY_PORT" ;;
         *) command ray "$@" ;;
     esac
 }
@@ -167,7 +167,7 @@ RUN_PAGES = [p for p in PAGES if runnable(p)[0]]
 @pytest.mark.timeout(PAGE_TIMEOUT_S + 300)
 @pytest.mark.parametrize("page", RUN_PAGES, ids=lambda p: str(p.relative_to(DOCS)))
 def test_page_commands_run_as_written(page, tmp_path):
-    from meridian.lab.lab import _kill, descendants, lab_processes
+    from meridian.lab.lab import _kill, ray_cluster_processes
     from meridian.workers.distributed.ports import free_port
 
     run, why_not = runnable(page)
@@ -205,7 +205,7 @@ def test_page_commands_run_as_written(page, tmp_path):
                 subprocess.run(["bash", "-c", PRELUDE + command], cwd=ROOT, env=env, stdout=log,
                                stderr=subprocess.STDOUT, timeout=300)  # fmt: skip
     finally:
-        _kill(descendants(lab_processes(ray_tmp)))
+        _kill(ray_cluster_processes(ray_tmp, ray_port))
         shutil.rmtree(ray_tmp, ignore_errors=True)
     output = log_path.read_text(errors="replace")
     assert code is not None, f"{page.name} did not finish within {PAGE_TIMEOUT_S} s:\n{output[-6000:]}"
