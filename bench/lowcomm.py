@@ -65,6 +65,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from meridian.bench import corpus
 from meridian.bench.lowcomm_torchft import TorchftOuter, run_torchft
 from meridian.service.planning.sync_choice import (
     OVERLAP_MARGIN,
@@ -74,6 +75,7 @@ from meridian.service.planning.sync_choice import (
 )
 from meridian.workers.contracts.config import (
     Compression,
+    DataConfig,
     DiLoCoConfig,
     OptimConfig,
     OuterMerge,
@@ -199,6 +201,7 @@ def job_config(args: argparse.Namespace, sync: SyncConfig | None, *, emulated: b
     return TrainConfig(
         job_id="bench-lowcomm", model=model_preset(args.model), steps=args.steps, global_batch=args.global_batch,
         micro_batch=args.micro_batch, datacenters=datacenters(args), sync=sync or SyncConfig(),
+        data=DataConfig(source=args.corpus.source, max_bytes=args.data_max_bytes),
         optim=OptimConfig(lr=args.lr, warmup_steps=args.warmup_steps), seed=args.seed,
         wan=WanConfig(rtt_ms=args.rtt_ms, gbps=args.inter_dc_gbps) if emulated else None,
         validation=ValidationConfig(every_steps=args.steps, batches=args.val_batches),
@@ -395,12 +398,20 @@ def loadavg() -> list[float]:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from meridian.bench.sync import count_params, measure_link
-    from meridian.workers.distributed.multiproc import run_processes
+    from meridian.bench.sync import count_params
 
     if args.dcs < 2:
         raise ValueError("--dcs must be at least 2: the bench measures the link between datacenters")
     params = count_params(args.model)
+    with tempfile.TemporaryDirectory(prefix="meridian-bench-corpus-") as tmp:
+        args.corpus = corpus.prepare(args.data_source, args.data_max_bytes, tmp)
+        return _run(args, params)
+
+
+def _run(args: argparse.Namespace, params: int) -> dict:
+    from meridian.bench.sync import measure_link
+    from meridian.workers.distributed.multiproc import run_processes
+
     if args.overlap_steps is None:
         args.overlap_rule = overlap_rule(args, params)
     chosen = strategies(args)
@@ -416,13 +427,16 @@ def run(args: argparse.Namespace) -> dict:
     total_s = time.perf_counter() - t0
     report = {s.name: summarise(s.name, s, per_rank[s.name], args.steps) for s in chosen}
     compare(report)
+    tokens = args.steps * args.global_batch * model_preset(args.model).seq_len
     sweep = sweep_table(report) if args.sweep else None
     if sweep is not None and args.sweep_table:
         Path(args.sweep_table).write_text(markdown_table(sweep))
     return {
         "command": "meridian bench lowcomm " + " ".join(sys.argv[3:] if sys.argv[1:3] == ["bench", NAME] else sys.argv[1:]),
         "model": args.model, "params": params, "datacenters": args.dcs, "ranks_per_dc": 1, "steps": args.steps,
-        "global_batch": args.global_batch, "tokens_per_strategy": args.steps * args.global_batch * model_preset(args.model).seq_len,
+        "global_batch": args.global_batch, "tokens_per_strategy": tokens,
+        "data": {"source": args.corpus.name, "sha256": args.corpus.sha256, "train_tokens": args.corpus.train_bytes,
+                 "epochs": round(tokens / args.corpus.train_bytes, 2)},
         "lr": args.lr, "warmup_steps": args.warmup_steps, "val_batches": args.val_batches,
         "link": {"kind": "lab", "rtt_ms": args.rtt_ms, "gbps": args.inter_dc_gbps,
                  "note": "meridian lab's real TCP link (delay line + tbf), nothing emulated inside Meridian; "
@@ -496,6 +510,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--strategies", nargs="*", default=[],
                    help="run only these (har always runs; har-delayed, har-lookahead and har+bf16 run only when named)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--data-source", default=corpus.BUILTIN_PYTHON_REFERENCE,
+                   help=f"the text every strategy trains on: {corpus.CHOICES_HELP}")
+    p.add_argument("--data-max-bytes", type=int, default=DataConfig().max_bytes,
+                   help=f"read at most this much of it (default {DataConfig().max_bytes:,})")
     p.add_argument("--timeout-s", type=float, default=3600.0, help="give up after this long (default 3600)")
     p.add_argument("--lab", action="store_true",
                    help="run Meridian's strategies over meridian lab's real link (root; torchft's rows are skipped)")

@@ -24,6 +24,9 @@ def test_torchft_and_meridian_diloco_agree_and_bytes_are_what_was_sent():
          "--strategies", f"diloco+none/H{H}", f"diloco+int4/H{H}", f"torchft-diloco/H{H}"]
     )  # fmt: skip
     out = run(args)
+    # the built-in text, and how many times the strategies read its training part
+    assert out["data"]["source"] == "builtin:python-reference"
+    assert out["data"]["epochs"] == round(16 * 64 * 64 / out["data"]["train_tokens"], 2)
     rows = out["strategies"]
     assert list(rows) == ["har", f"diloco+none/H{H}", f"diloco+int4/H{H}", f"torchft-diloco/H{H}"]
     params = count_params("nano")
@@ -45,11 +48,13 @@ def test_torchft_and_meridian_diloco_agree_and_bytes_are_what_was_sent():
     assert out["auto_choice"]["reason"]
 
 
-def test_the_default_overlap_is_autos_rule_for_the_link_and_a_step_measured_here():
+def test_the_default_overlap_is_autos_rule_for_the_link_and_a_step_measured_here(tmp_path):
+    from meridian.bench import corpus
     from meridian.bench.lowcomm import overlap_rule, overlap_steps
     from meridian.service.planning.sync_choice import cross_dc_time, max_overlap_steps, overlap_steps_for
 
     args = build_parser().parse_args(["lowcomm", "--inner-steps", "8", "--compression", "int8", "int4"])
+    args.corpus = corpus.prepare(args.data_source, args.data_max_bytes, str(tmp_path))
     params = count_params("nano")
     rule = overlap_rule(args, params)
     assert 0 < rule["compute_s_probe"] < 1
