@@ -69,11 +69,69 @@ def service(store, supervisor, cluster_view):
     return FakeService(store, supervisor, cluster_view)
 
 
+# -- Ray clusters kept between modules -------------------------------------------------------------------------
+KEPT_CLUSTERS = ("four_nodes", "two_nodes")
+"""The fixtures of :class:`ray_env.KeptCluster`: the tests that ask for one run one after the other, on one cluster."""
+
+
+@pytest.fixture(scope="module")
+def four_nodes():
+    """A local Ray cluster of ``ray_env.FOUR_NODES``, shared with the next module that asks for it while idle."""
+    from ray_env import FOUR_NODES, kept_cluster
+
+    return kept_cluster.get(FOUR_NODES)
+
+
+@pytest.fixture(scope="module")
+def two_nodes():
+    """A local Ray cluster of ``ray_env.TWO_NODES``, shared with the next module that asks for it while idle."""
+    from ray_env import TWO_NODES, kept_cluster
+
+    return kept_cluster.get(TWO_NODES)
+
+
+def _kept(item) -> str | None:
+    return next((name for name in KEPT_CLUSTERS if name in getattr(item, "fixturenames", ())), None)
+
+
+def pytest_collection_modifyitems(items):
+    """The tests that ask for the same kept cluster run together, where the first of them would (the rest keep
+    their order), so that one start serves them all."""
+    groups: dict[str, list] = {}
+    for item in items:
+        if (name := _kept(item)) is not None:
+            groups.setdefault(name, []).append(item)
+    ordered = []
+    for item in items:
+        name = _kept(item)
+        if name is None:
+            ordered.append(item)
+        elif name in groups:
+            ordered += groups.pop(name)
+    items[:] = ordered
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """After the last test in a row that asks for a kept cluster (its module's fixtures torn down first), shut it
+    down: the tests after it start their own clusters."""
+    try:
+        return (yield)
+    finally:
+        if _kept(item) is not None and (nextitem is None or _kept(nextitem) != _kept(item)):
+            from ray_env import kept_cluster
+
+            kept_cluster.close()
+
+
 # -- the end of the run ------------------------------------------------------------------------------------------
 _EXIT_STATUS: list[int] = []
 
 
 def pytest_sessionfinish(session, exitstatus):
+    from ray_env import kept_cluster
+
+    kept_cluster.close()  # shut down already after its last test, unless the run was interrupted
     _EXIT_STATUS.append(int(exitstatus))
 
 

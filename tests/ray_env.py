@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import shutil
+import sys
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -63,3 +64,70 @@ def service_client(ray_address: str, data_dir: str, **config: Any) -> Iterator[h
             yield client
     finally:
         service.stop()
+
+
+FOUR_NODES = ("dc-a", "dc-a", "dc-b", "dc-b")
+"""Two datacenters of two one-CPU nodes: the cluster of the preemption, resume and service API tests."""
+TWO_NODES = ("dc-a", "dc-b")
+"""One one-CPU node in each of two datacenters: the cluster of most end-to-end tests."""
+
+
+def cluster_idle(cluster: Any, timeout_s: float = 30.0) -> str | None:
+    """``None`` once every node of ``cluster`` is alive with all its CPUs free, no placement group is left and no
+    actor but Ray's own is alive (a job a test left running, or its runner), within ``timeout_s``; else what was still there.
+    Connects to the cluster for the look and disconnects after."""
+    import ray
+    from ray._private.state import actors  # the GCS's actor table (this cluster has no dashboard)
+
+    nodes = sum(len(ns) for ns in cluster.nodes_by_dc.values())
+    ray.init(address=cluster.address, logging_level="warning", log_to_driver=False)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            alive = [n for n in ray.nodes() if n["Alive"] and n["Resources"].get("CPU")]
+            free = ray.available_resources().get("CPU", 0)
+            groups = [g for g in ray.util.placement_group_table().values() if g["state"] != "REMOVED"]
+            # Ray's own actors (``_AutoscalingCoordinatorActor``, started once by Ray Train and kept) start with _.
+            live = [a["ActorClassName"] for a in actors().values()
+                    if a["State"] != "DEAD" and not a["ActorClassName"].startswith("_")]
+            if len(alive) == nodes and free == nodes and not groups and not live:
+                return None
+            if time.monotonic() > deadline:
+                return f"{len(alive)}/{nodes} nodes, {free} CPUs free, placement groups {groups}, actors {live}"
+            time.sleep(0.5)
+    finally:
+        ray.shutdown()
+
+
+class KeptCluster:
+    """A :func:`local_cluster` kept from one test module to the next that asks for the same nodes, so that they
+    share its start (~20-30 s on a loaded 2-core host, the shutdown up to 10 s more). The next module gets it only
+    if it is idle (:func:`cluster_idle`): one that a test left busy or short of a node is shut down and a fresh one
+    started. ``tests/conftest.py`` runs the tests that ask for the same nodes one after the other and shuts the
+    cluster down after the last of them."""
+
+    def __init__(self) -> None:
+        self._stack: contextlib.ExitStack | None = None
+        self._nodes: tuple[str, ...] = ()
+        self._cluster: Any = None
+
+    def get(self, node_datacenters: Sequence[str]) -> Any:
+        nodes = tuple(node_datacenters)
+        if self._cluster is not None and nodes != self._nodes:
+            self.close()
+        if self._cluster is not None and (busy := cluster_idle(self._cluster, timeout_s=60)) is not None:
+            print(f"the kept cluster is not idle after 60 s ({busy}): a fresh one for this module", file=sys.stderr)
+            self.close()
+        if self._cluster is None:
+            stack = contextlib.ExitStack()
+            self._cluster = stack.enter_context(local_cluster(nodes))
+            self._stack, self._nodes = stack, nodes
+        return self._cluster
+
+    def close(self) -> None:
+        stack, self._stack, self._cluster = self._stack, None, None
+        if stack is not None:
+            stack.close()
+
+
+kept_cluster = KeptCluster()

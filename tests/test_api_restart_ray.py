@@ -15,7 +15,6 @@ import httpx
 import pytest
 from fakes import spec
 from processes import process_group
-from ray_env import local_cluster
 
 from meridian.workers.distributed.ports import free_port
 
@@ -73,9 +72,8 @@ class ServiceProcess:
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    with local_cluster(("dc-a", "dc-b")) as c:
-        yield c
+def cluster(two_nodes):  # shared with the next module that asks for it
+    return two_nodes
 
 
 def wait_job(url, job_id, until, timeout_s):

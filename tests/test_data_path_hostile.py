@@ -268,17 +268,16 @@ def _outcome(fn, *args):
 
 # -- on a real cluster ---------------------------------------------------------------------------------------
 @pytest.mark.slow
-def test_a_job_on_shards_past_their_vocabulary_fails_saying_so(tmp_path):
+def test_a_job_on_shards_past_their_vocabulary_fails_saying_so(tmp_path, two_nodes):
     """End to end on a real Ray cluster: the job's reason names the dataset and the id, where it was ``IndexError:
     index out of range in self`` from inside the model (a device-side assert on a GPU)."""
     import time
 
-    from ray_env import local_cluster, service_client
+    from ray_env import service_client
 
     root = tmp_path / "data"
     ds = _dataset(root / "ds", train=np.full(2000, 300, dtype=np.uint16))
-    with local_cluster(("dc-a", "dc-b")) as cluster, \
-            service_client(cluster.address, str(tmp_path / "svc"), data_roots=(str(root),)) as client:  # fmt: skip
+    with service_client(two_nodes.address, str(tmp_path / "svc"), data_roots=(str(root),)) as client:
         answer = client.post("/v1/jobs", json=spec(model=MODEL, data={"dataset": ds}))
         assert answer.status_code == 201, answer.text
         deadline = time.monotonic() + 240

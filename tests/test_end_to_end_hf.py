@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 from fakes import spec
-from ray_env import local_cluster, service_client
+from ray_env import service_client
 
 from meridian.cli.main import main
 from meridian.workers.contracts.config import DataConfig
@@ -38,7 +38,7 @@ def _wait_done(api, job_id: str, timeout_s: float) -> dict:
 
 
 def test_prepare_train_on_two_datacenters_export_and_transformers_agrees_on_validation_loss(
-    tmp_path, monkeypatch, capsys
+    tmp_path, monkeypatch, capsys, two_nodes
 ):
     import argparse
     import inspect
@@ -53,8 +53,7 @@ def test_prepare_train_on_two_datacenters_export_and_transformers_agrees_on_vali
     capsys.readouterr()
 
     storage = tmp_path / "shared"  # `meridian serve --storage PATH`: checkpoints and final weights go there
-    with local_cluster(("dc-a", "dc-b")) as cluster, \
-            service_client(cluster.address, str(data_dir), storage=str(storage)) as api:  # fmt: skip
+    with service_client(two_nodes.address, str(data_dir), storage=str(storage)) as api:
         body = spec(name="e2e", model={"preset": "llama-tiny", "n_layers": 2, "seq_len": SEQ_LEN, "vocab_size": VOCAB},
                     data={"dataset": str(dataset)},
                     training={"steps": 24, "global_batch": 8, "micro_batch": MICRO, "lr": 3e-3, "seed": SEED},

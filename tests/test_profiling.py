@@ -132,12 +132,12 @@ def test_bad_profile_requests_are_clear_4xx(supervisor, store, api):
 # -- through the service, on an embedded Ray cluster -------------------------------------------------------
 @pytest.mark.slow
 def test_a_profile_of_three_steps_on_rank_0_downloads_as_a_chrome_trace_with_the_steps_ops(tmp_path, monkeypatch,
-                                                                                          capsys):
-    from ray_env import local_cluster, service_client
+                                                                                          capsys, two_nodes):
+    from ray_env import service_client
 
     from meridian.cli.main import main as cli_main
 
-    with local_cluster(("dc-a", "dc-b")) as cluster, service_client(cluster.address, str(tmp_path / "data")) as api:
+    with service_client(two_nodes.address, str(tmp_path / "data")) as api:
         body = spec(name="profiled", training={"steps": 400, "global_batch": 4, "micro_batch": 2},
                     topology={"datacenters": ["dc-a", "dc-b"]})
         r = api.post("/v1/jobs", json=body)

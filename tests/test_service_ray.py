@@ -7,15 +7,14 @@ import time
 import pytest
 import ray
 from fakes import spec
-from ray_env import local_cluster, service_client
+from ray_env import service_client
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def api(tmp_path_factory):
-    with local_cluster(("dc-a", "dc-a", "dc-b", "dc-b")) as cluster, \
-            service_client(cluster.address, str(tmp_path_factory.mktemp("meridian"))) as client:  # fmt: skip
+def api(four_nodes, tmp_path_factory):  # the cluster is shared with the next module that asks for it
+    with service_client(four_nodes.address, str(tmp_path_factory.mktemp("meridian"))) as client:
         yield client
 
 

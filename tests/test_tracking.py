@@ -216,13 +216,12 @@ def test_the_launched_config_carries_the_jobs_tracking_its_folder_and_the_plan(s
 
 # -- through the service, on an embedded Ray cluster -------------------------------------------------------
 @pytest.mark.slow
-def test_a_finished_jobs_loss_reads_back_from_every_tracker_equal_to_its_metrics(tmp_path):
+def test_a_finished_jobs_loss_reads_back_from_every_tracker_equal_to_its_metrics(tmp_path, two_nodes):
     from fakes import spec
-    from ray_env import local_cluster, service_client
+    from ray_env import service_client
 
     mlruns = tmp_path / "tracking" / "mlruns"
-    with local_cluster(("dc-a", "dc-b")) as cluster, \
-            service_client(cluster.address, str(tmp_path / "data"), tracking_roots=(str(tmp_path / "tracking"),)) as api:
+    with service_client(two_nodes.address, str(tmp_path / "data"), tracking_roots=(str(tmp_path / "tracking"),)) as api:
         body = spec(name="tracked", training={"steps": 6, "global_batch": 4, "micro_batch": 2},
                     topology={"datacenters": ["dc-a", "dc-b"]}, validation={"every_steps": 3, "batches": 1},
                     tracking={"tensorboard": True, "mlflow": {"uri": f"file:{mlruns}", "experiment": "e2e"},
