@@ -129,9 +129,8 @@ _EXIT_STATUS: list[int] = []
 
 
 def pytest_sessionfinish(session, exitstatus):
-    from ray_env import kept_cluster
-
-    kept_cluster.close()  # shut down already after its last test, unless the run was interrupted
+    if (ray_env := sys.modules.get("ray_env")) is not None:
+        ray_env.kept_cluster.close()  # shut down already after its last test, unless the run was interrupted
     _EXIT_STATUS.append(int(exitstatus))
 
 

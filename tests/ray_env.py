@@ -8,7 +8,9 @@ only on the labelled nodes; failure detection is fast so a killed node is notice
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
+import signal
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -73,21 +75,27 @@ TWO_NODES = ("dc-a", "dc-b")
 
 
 def cluster_idle(cluster: Any, timeout_s: float = 30.0) -> str | None:
-    """``None`` once every node of ``cluster`` is alive with all its CPUs free, no placement group is left and no
-    actor but Ray's own is alive (a job a test left running, or its runner), within ``timeout_s``; else what was still there.
-    Connects to the cluster for the look and disconnects after."""
+    """``None`` once every node of ``cluster`` is alive with all its CPUs free and no placement group is left, within
+    ``timeout_s``; else what was still there. Connects to the cluster for the look and disconnects after.
+
+    The actors a module left alive go first, as its own cluster's shutdown would end them: a job's detached runner
+    (a job a test cancelled as it ended, or left running) and Ray Train's ``PlacementGroupCleaner``. Ray's own
+    (``_AutoscalingCoordinatorActor``, started once by Ray Train and kept; their names start with _) stay."""
     import ray
     from ray._private.state import actors  # the GCS's actor table (this cluster has no dashboard)
 
     nodes = sum(len(ns) for ns in cluster.nodes_by_dc.values())
     ray.init(address=cluster.address, logging_level="warning", log_to_driver=False)
     try:
+        for actor in actors().values():
+            if actor["State"] != "DEAD" and not actor["ActorClassName"].startswith("_") and actor.get("Pid"):
+                with contextlib.suppress(ProcessLookupError):  # every node of this cluster runs on this host
+                    os.kill(actor["Pid"], signal.SIGKILL)
         deadline = time.monotonic() + timeout_s
         while True:
             alive = [n for n in ray.nodes() if n["Alive"] and n["Resources"].get("CPU")]
             free = ray.available_resources().get("CPU", 0)
             groups = [g for g in ray.util.placement_group_table().values() if g["state"] != "REMOVED"]
-            # Ray's own actors (``_AutoscalingCoordinatorActor``, started once by Ray Train and kept) start with _.
             live = [a["ActorClassName"] for a in actors().values()
                     if a["State"] != "DEAD" and not a["ActorClassName"].startswith("_")]
             if len(alive) == nodes and free == nodes and not groups and not live:
@@ -101,9 +109,9 @@ def cluster_idle(cluster: Any, timeout_s: float = 30.0) -> str | None:
 
 class KeptCluster:
     """A :func:`local_cluster` kept from one test module to the next that asks for the same nodes, so that they
-    share its start (~20-30 s on a loaded 2-core host, the shutdown up to 10 s more). The next module gets it only
-    if it is idle (:func:`cluster_idle`): one that a test left busy or short of a node is shut down and a fresh one
-    started. ``tests/conftest.py`` runs the tests that ask for the same nodes one after the other and shuts the
+    share its start (~20-30 s on a loaded 2-core host, the shutdown up to 10 s more). The next module gets it once it
+    is idle (:func:`cluster_idle`, which first ends the actors a module left): one still busy or short of a node
+    after 60 s is shut down and a fresh one started. ``tests/conftest.py`` runs the tests that ask for the same nodes one after the other and shuts the
     cluster down after the last of them."""
 
     def __init__(self) -> None:
