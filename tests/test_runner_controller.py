@@ -17,6 +17,7 @@ from meridian.service.runner.controller.decide import (
     StopTraining,
     WorkerFailed,
     decide,
+    fit_grace_s,
 )
 from meridian.service.runner.controller.state import (
     Cancelled,
@@ -97,3 +98,16 @@ def test_after_the_last_step_the_run_gets_a_grace_to_end_unless_its_controller_i
     assert state == Ended(outcome=Succeeded(), stepped=True) and actions[0] == Finish(Succeeded())
     # The run returning by itself later changes nothing.
     assert steps(RunEnded(attempt=1, job_finished=True), state=state)[1] == []
+
+
+def test_a_job_with_trackers_gives_rank_0_the_time_to_close_them_before_its_run_is_ended():
+    from meridian.workers.contracts.tracking import CLOSE_TIMEOUT_S, TrackingConfig
+
+    assert fit_grace_s(None) == fit_grace_s(TrackingConfig()) == FIT_GRACE_S  # no tracker asked for
+    grace = fit_grace_s(TrackingConfig(tensorboard=True))
+    assert grace == FIT_GRACE_S + CLOSE_TIMEOUT_S
+    # another worker's result came first; rank 0 is still closing its trackers when FIT_GRACE_S is over
+    state, actions = steps(LastStepSeen(now=100.0, grace_s=grace), LastStepSeen(now=100.0 + FIT_GRACE_S + 1, grace_s=grace))
+    assert isinstance(state, Training) and actions == []
+    state, actions = steps(LastStepSeen(now=100.0 + grace + 0.1, grace_s=grace), state=state)
+    assert state == Ended(outcome=Succeeded()) and actions == [Finish(Succeeded()), StopTraining()]

@@ -55,6 +55,7 @@ from meridian.service.runner.controller.decide import (
     SuspendWritten,
     WorkerFailed,
     decide,
+    fit_grace_s,
 )
 from meridian.service.runner.controller.state import (
     ControllerState,
@@ -113,6 +114,7 @@ class JobRunner:
         """Ray Train's name of this runner's runs (a preempted job is launched again by a new runner)."""
         self._lock = threading.Lock()
         self._state: ControllerState = Training()
+        self._fit_grace_s = fit_grace_s(train_config.tracking)
         self._done = threading.Event()
         self._thread: threading.Thread | None = None
         self._ticker: threading.Thread | None = None
@@ -306,7 +308,7 @@ class JobRunner:
             first = isinstance(self._state, Training) and self._state.last_step_at is None
             controller = self._stopper.controller
             answers = not (first and controller is not None and loop_held(controller))
-            self._observe(LastStepSeen(now=time.monotonic(), run_answers=answers))
+            self._observe(LastStepSeen(now=time.monotonic(), run_answers=answers, grace_s=self._fit_grace_s))
             return
         if isinstance(self._state, Training):
             self._replacements.replace_lost(topo, self.coordinator)

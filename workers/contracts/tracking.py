@@ -11,6 +11,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+CLOSE_TIMEOUT_S = 60.0
+"""How long rank 0's end waits for its trackers to take the last records and close (opening W&B offline can take
+seconds on a loaded host); the job's runner gives a tracking job's run this much more to end by itself."""
+
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9 _.:-]{0,127}$")
 """An MLflow experiment's or a W&B project's name."""
 

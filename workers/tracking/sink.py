@@ -18,13 +18,12 @@ from typing import Any
 
 from meridian.workers.contracts.config import TrainConfig
 from meridian.workers.contracts.records import StepRecord
+from meridian.workers.contracts.tracking import CLOSE_TIMEOUT_S
 from meridian.workers.tracking.metrics import hyperparameters, step_metrics
 from meridian.workers.tracking.writers import MlflowWriter, TensorBoardWriter, WandbWriter, Writer, place
 
 FLUSH_EVERY_S = 5.0
 """The trackers' files are flushed (and mirrored to a URL storage) this often while records come."""
-CLOSE_TIMEOUT_S = 60.0
-"""How long the agent's end waits for the trackers to take the last records and close."""
 
 EventFn = Callable[[str, str, dict[str, Any]], None]
 

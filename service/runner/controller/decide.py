@@ -8,8 +8,8 @@ Rules:
   runner sees first; later ones change nothing.
 - A run that ends because Ray Train's controller failed (its own error, not the training's) is followed by a
   new run, up to :data:`MAX_TRAIN_RUNS`, unless the job finished meanwhile.
-- After the last step the run may take :data:`FIT_GRACE_S` to end by itself; a run whose controller does not
-  answer cannot, and is ended at once.
+- After the last step the run may take :data:`FIT_GRACE_S` to end by itself (a job with trackers, as long again as
+  rank 0 may take to close them); a run whose controller does not answer cannot, and is ended at once.
 - The outcome is told only after the job's in-memory snapshots were swept (the service kills the runner then).
 - A suspension (preemption) ends the job's run once every member wrote its part of the checkpoint; a cancel or a
   failure before that wins as usual, and a job that finishes meanwhile succeeds.
@@ -36,12 +36,20 @@ from meridian.service.runner.controller.state import (
     Training,
 )
 from meridian.service.runner.liveness.judge import Liveness, Verdict
+from meridian.workers.contracts.tracking import CLOSE_TIMEOUT_S, TrackingConfig
 
 MAX_TRAIN_RUNS = 3
 """Ray Train runs one job may go through: a run whose controller failed (not the training) is followed by a
 new one, whose workers take over the snapshots the ended ones left on their nodes."""
 FIT_GRACE_S = 10.0
 """After the last step, how long the Train run may take to return by itself before the runner ends it."""
+
+
+def fit_grace_s(tracking: TrackingConfig | None) -> float:
+    """:data:`FIT_GRACE_S`, and for a job with trackers as long again as rank 0 may wait for them to close
+    (:data:`~meridian.workers.contracts.tracking.CLOSE_TIMEOUT_S`): ending its run sooner can lose their last
+    records (seen: a TensorBoard file without its losses, the job's runner having ended rank 0 while W&B opened)."""
+    return FIT_GRACE_S + (CLOSE_TIMEOUT_S if tracking is not None and tracking.enabled else 0.0)
 
 
 # -- observations ---------------------------------------------------------------------------------------------
@@ -95,6 +103,9 @@ class LastStepSeen:
     now: float
     run_answers: bool = True
     """Ray Train's controller answered a cheap call (its event loop is not held)."""
+    grace_s: float = FIT_GRACE_S
+    """How long after the first of these the run may take to end by itself: :data:`FIT_GRACE_S`, plus the time
+    rank 0 may take to close the job's trackers (it sends its result after; another worker's can arrive first)."""
 
 
 @dataclass(frozen=True)
@@ -208,7 +219,7 @@ def _training(state: Training, obs: Observation) -> tuple[ControllerState, tuple
     if isinstance(obs, LastStepSeen):
         if state.last_step_at is None:
             state = replace(state, last_step_at=obs.now, run_cannot_end=not obs.run_answers)
-        if state.run_cannot_end or obs.now - state.last_step_at > FIT_GRACE_S:
+        if state.run_cannot_end or obs.now - state.last_step_at > obs.grace_s:
             return Ended(outcome=Succeeded(), stepped=state.stepped), (Finish(Succeeded()), StopTraining())
         return state, ()
     assert isinstance(obs, RunEnded)
