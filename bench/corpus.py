@@ -16,7 +16,7 @@ import sysconfig
 from dataclasses import dataclass
 
 from meridian.workers.contracts.config import DataConfig
-from meridian.workers.data.source import HELD_OUT_FRACTION
+from meridian.workers.data.source import split_bytes
 from meridian.workers.data.text import BUILTIN_PYTHON_REFERENCE, load_text
 
 PYTHON_STDLIB = "python-stdlib"
@@ -73,5 +73,5 @@ def prepare(source: str, max_bytes: int, directory: str) -> Corpus:
     elif source != BUILTIN_PYTHON_REFERENCE and not os.path.isabs(source):
         raise ValueError(f"--data-source must be {CHOICES_HELP}; got {source!r}")
     text = load_text(DataConfig(source=source, max_bytes=max_bytes))
-    return Corpus(source=source, name=name, train_bytes=int(len(text) * (1 - HELD_OUT_FRACTION)),
+    return Corpus(source=source, name=name, train_bytes=split_bytes(len(text), "train")[1],
                   sha256=hashlib.sha256(text).hexdigest())  # fmt: skip
