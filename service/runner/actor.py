@@ -114,7 +114,6 @@ class JobRunner:
         """Ray Train's name of this runner's runs (a preempted job is launched again by a new runner)."""
         self._lock = threading.Lock()
         self._state: ControllerState = Training()
-        self._fit_grace_s = fit_grace_s(train_config.tracking)
         self._done = threading.Event()
         self._thread: threading.Thread | None = None
         self._ticker: threading.Thread | None = None
@@ -308,7 +307,7 @@ class JobRunner:
             first = isinstance(self._state, Training) and self._state.last_step_at is None
             controller = self._stopper.controller
             answers = not (first and controller is not None and loop_held(controller))
-            self._observe(LastStepSeen(now=time.monotonic(), run_answers=answers, grace_s=self._fit_grace_s))
+            self._observe(LastStepSeen(now=time.monotonic(), run_answers=answers, grace_s=fit_grace_s(self.train_config.tracking)))
             return
         if isinstance(self._state, Training):
             self._replacements.replace_lost(topo, self.coordinator)
