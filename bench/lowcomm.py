@@ -77,6 +77,7 @@ from meridian.workers.contracts.config import (
     Compression,
     DataConfig,
     DiLoCoConfig,
+    FinalAverage,
     OptimConfig,
     OuterMerge,
     SyncConfig,
@@ -110,6 +111,11 @@ def sparse_name(kind: str, bits: int, density: float, h: int) -> str:
     return f"{kind}/{bits}bit/d{density:g}/H{h}"
 
 
+def averaged(final: str) -> str:
+    """A DiLoCo row's name suffix for its ``final_average`` (none when off)."""
+    return "" if final == FinalAverage.OFF.value else f"/avg-{final}"
+
+
 def strategies(args: argparse.Namespace) -> list[Strategy]:
     common = {"inter_dc_chunk_mb": args.chunk_mb}
     out = [Strategy("har", SyncConfig(strategy=SyncStrategy.HIERARCHICAL, overlap=True, **common)),
@@ -129,19 +135,21 @@ def strategies(args: argparse.Namespace) -> list[Strategy]:
                                  **outer)  # fmt: skip
         for kind, strategy, cfg in (("diloco", SyncStrategy.DILOCO, plain),
                                     ("streaming-diloco", SyncStrategy.STREAMING_DILOCO, streaming)):  # fmt: skip
-            for c in args.compression:
-                sync = SyncConfig(strategy=strategy, diloco=cfg, compression=Compression(c), **common)
-                out.append(Strategy(f"{kind}+{c}/H{h}", sync, by_default=not args.sweep))
-            for density, bits, unsent in itertools.product(args.sparse_density, args.sparse_value_bits,
-                                                           args.sparse_unsent):  # fmt: skip
+            for c, final in itertools.product(args.compression, args.final_average):
+                sync = SyncConfig(strategy=strategy, diloco=dataclasses.replace(cfg, final_average=FinalAverage(final)),
+                                  compression=Compression(c), **common)  # fmt: skip
+                out.append(Strategy(f"{kind}+{c}/H{h}" + averaged(final), sync, by_default=not args.sweep))
+            for density, bits, unsent, final in itertools.product(args.sparse_density, args.sparse_value_bits,
+                                                                  args.sparse_unsent, args.final_average):  # fmt: skip
                 sparse = dataclasses.replace(
                     cfg, outer_lr=args.sparse_outer_lr, outer_momentum=args.sparse_outer_momentum,
                     merge=OuterMerge(args.sparse_merge),
                     sparse_density=density, sparse_value_bits=bits, sparse_block=args.sparse_block,
-                    sparse_error_decay=args.sparse_error_decay, sparse_keep_unsent=unsent == "keep")  # fmt: skip
+                    sparse_error_decay=args.sparse_error_decay, sparse_keep_unsent=unsent == "keep",
+                    final_average=FinalAverage(final))  # fmt: skip
                 sync = SyncConfig(strategy=strategy, diloco=sparse, **common)
                 label = f"sparse-{kind}" + ("+keep" if unsent == "keep" else "")
-                out.append(Strategy(sparse_name(label, bits, density, h), sync))
+                out.append(Strategy(sparse_name(label, bits, density, h) + averaged(final), sync))
         ft = {"outer_lr": args.outer_lr, "outer_momentum": args.outer_momentum}
         out.append(Strategy(f"torchft-diloco/H{h}", torchft=TorchftOuter(h, **ft)))
         out.append(Strategy(f"torchft-streaming-diloco/H{h}", torchft=TorchftOuter(
@@ -310,7 +318,8 @@ def summarise(name: str, s: Strategy, got: dict[str, Any], steps: int) -> dict[s
         o = s.sync.outer
         row.update(inner_steps=o.inner_steps, fragments=o.fragments, overlap_steps=o.overlap_steps,
                    compression=s.sync.compression.value, outer_lr=o.outer_lr, outer_momentum=o.outer_momentum,
-                   warmup_steps=o.warmup_steps, merge=o.merge.value if o.overlap_steps else None)  # fmt: skip
+                   warmup_steps=o.warmup_steps, merge=o.merge.value if o.overlap_steps else None,
+                   final_average=o.final_average.value)  # fmt: skip
         if o.sparse_density is not None:
             row.update(compression="sparse", sparse_density=o.sparse_density, sparse_value_bits=o.sparse_value_bits,
                        sparse_block=o.sparse_block, sparse_error_decay=o.sparse_error_decay,
@@ -488,6 +497,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="sparse rows: outer Nesterov momentum (default 0)")
     p.add_argument("--sparse-merge", default=OuterMerge.KEEP_PROGRESS.value, choices=[m.value for m in OuterMerge],
                    help="sparse streaming rows: what a fragment becomes when its sync lands (default keep-progress)")
+    p.add_argument("--final-average", nargs="+", default=[FinalAverage.OFF.value],
+                   choices=[f.value for f in FinalAverage],
+                   help="Meridian's DiLoCo rows: the datacenters average their weights at the last step, in this "
+                        "encoding (its bytes counted in that step's), and the row's model is the average; one row per "
+                        "value (default off: the first datacenter's weights)")
     p.add_argument("--sweep", action="store_true",
                    help="run only the sparse rows of every --inner-steps x --sparse-density x --sparse-value-bits "
                         "(beside har and torchft's rows) and add their table (sweep)")

@@ -75,8 +75,10 @@ def train_steps(
     micro: int,
     first_step: int = 0,
     dtype=torch.float32,
+    job_ends: bool = False,
 ):
-    """Run ``steps`` engine steps on the toy data; returns the StepStats."""
+    """Run ``steps`` engine steps on the toy data; returns the StepStats. ``job_ends``: the final one is the job's
+    last."""
     stats = []
     for step in range(first_step, first_step + steps):
         batches = micro_batches(step, rank, world, micro, dtype)
@@ -84,7 +86,7 @@ def train_steps(
             last = i == len(batches) - 1
             with engine.micro_batch(last_micro_batch=last):
                 engine.backward(share_loss(engine.model, x, y), last_micro_batch=last)
-        stats.append(engine.step(lr_of(step)))
+        stats.append(engine.step(lr_of(step), last=job_ends and step == first_step + steps - 1))
     return stats
 
 

@@ -51,6 +51,11 @@ def test_submit_read_list_and_plan(client):
         diloco = knobs if merge is None else {**knobs, "merge": merge}
         r = client.post("/v1/plans", json=spec(sync={"strategy": "streaming-diloco", "diloco": diloco}))
         assert r.status_code == 200 and r.json()["diloco"]["merge"] == (merge or "mix"), r.text
+    # the datacenters average their weights at the last step only when the spec asks, in the encoding it names
+    for final in ("bf16", None):
+        diloco = knobs if final is None else {**knobs, "final_average": final}
+        r = client.post("/v1/plans", json=spec(sync={"strategy": "streaming-diloco", "diloco": diloco}))
+        assert r.status_code == 200 and r.json()["diloco"]["final_average"] == (final or "off"), r.text
     # one step late at a local look-ahead, asked for with its exact first steps
     late = {"strategy": "hierarchical", "delay_one_step": True, "local_lookahead": True, "lookahead_after": 5}
     r = client.post("/v1/plans", json=spec(sync=late))
@@ -73,6 +78,8 @@ def test_submit_read_list_and_plan(client):
     (spec(sync={"bucket_mb": 0}), "sync.bucket_mb"),
     (spec(sync={"strategy": "streaming-diloco", "diloco": {"inner_steps": 8, "fragments": 2, "overlap_steps": 1,
                                                            "merge": "average"}}), "sync.diloco.merge"),
+    (spec(sync={"strategy": "diloco", "diloco": {"inner_steps": 8, "final_average": "fp16"}}),
+     "sync.diloco.final_average"),
     (spec(sync={"strategy": "streaming-diloco", "diloco": {"inner_steps": 8, "fragments": 2, "overlap_steps": 5,
                                                            "warmup_steps": 12}}), "sync.diloco.warmup_steps"),
     (spec(topology={"datacenters": ["bad name!"]}), "topology.datacenters"),

@@ -13,7 +13,14 @@ import torch
 from sync_helpers import GLOBAL_BATCH, lr_of, params_of, share_loss, toy_batch, toy_model, train_steps
 from test_elastic_loop import elastic_run  # noqa: F401 - the fixture
 
-from meridian.workers.contracts.config import DiLoCoConfig, OptimConfig, OuterMerge, SyncConfig, SyncStrategy
+from meridian.workers.contracts.config import (
+    DiLoCoConfig,
+    FinalAverage,
+    OptimConfig,
+    OuterMerge,
+    SyncConfig,
+    SyncStrategy,
+)
 from meridian.workers.data.text import rank_slice
 from meridian.workers.distributed.layout import DCGroups, DCLayout
 from meridian.workers.distributed.multiproc import run_processes
@@ -198,9 +205,12 @@ def _overlap_run(rank, world, dcs, merge, tau):
     return _close(e), frags
 
 
-def _streaming_reference(dcs, fragments, merge: OuterMerge, tau: int, alpha: float = 0.5) -> dict[str, dict[str, torch.Tensor]]:
+def _streaming_reference(dcs, fragments, merge: OuterMerge, tau: int, alpha: float = 0.5, *,
+                         average_at_end: bool = False) -> dict[str, dict[str, torch.Tensor]]:
     """One AdamW replica per DC; each fragment's outer Nesterov step on the DCs' mean delta ``anchor - theta``
-    taken when its sync starts, applied ``tau`` steps later, merged into every replica's weights then."""
+    taken when its sync starts, applied ``tau`` steps later, merged into every replica's weights then.
+    ``average_at_end``: the last step starts no sync, lands those in flight, and every replica becomes
+    ``anchor - mean(anchor - theta)``, the mean of the replicas."""
     cfg = DiLoCoConfig(overlap_steps=tau, **OVERLAP)
     sched = FragmentSchedule(cfg.inner_steps, cfg.fragments, cfg.overlap_steps)
     layout = DCLayout(dcs)
@@ -213,12 +223,13 @@ def _streaming_reference(dcs, fragments, merge: OuterMerge, tau: int, alpha: flo
     for step in range(OVERLAP_STEPS):
         _inner_steps(layout, replicas, opts, step)
         done = step + 1
+        closing = average_at_end and done == OVERLAP_STEPS
         with torch.no_grad():
-            for f in sched.starting(done):
+            for f in [] if closing else sched.starting(done):
                 started[f] = {dc: {n: theta[dc][n].detach().clone() for n in fragments[f]} for dc in layout.dcs}
                 mean_delta[f] = {n: torch.stack([anchor[n] - theta[dc][n] for dc in layout.dcs]).mean(0)
                                  for n in fragments[f]}  # fmt: skip
-            for f in sched.landing(done):
+            for f in sorted(mean_delta) if closing else sched.landing(done):
                 for n in fragments[f]:
                     momentum[n].mul_(cfg.outer_momentum).add_(mean_delta[f][n])
                     anchor[n].sub_(mean_delta[f][n] + cfg.outer_momentum * momentum[n], alpha=cfg.outer_lr)
@@ -227,6 +238,12 @@ def _streaming_reference(dcs, fragments, merge: OuterMerge, tau: int, alpha: flo
                             theta[dc][n].copy_(theta[dc][n] - started[f][dc][n] + anchor[n])
                         else:
                             theta[dc][n].copy_(alpha * theta[dc][n] + (1 - alpha) * anchor[n])
+                del mean_delta[f]  # landed: what is left there is in flight
+            if closing:
+                for n, a in anchor.items():
+                    a.sub_(torch.stack([a - theta[dc][n] for dc in layout.dcs]).mean(0))
+                    for dc in layout.dcs:
+                        theta[dc][n].copy_(a)
     return {dc: params_of(m) for dc, m in replicas.items()}
 
 
@@ -244,6 +261,52 @@ def test_a_fragment_landing_late_merges_as_the_single_process_reference(dcs, mer
             torch.testing.assert_close(params[name], ref[dcs[rank]][name], rtol=1e-5, atol=1e-6)
     # the two merges train differently here, so the comparison above tells them apart
     assert any(not torch.allclose(ref[d][n], other[d][n], rtol=1e-3, atol=1e-4) for d in ref for n in ref[d])
+
+
+# -- the last step: the datacenters average their weights -------------------------------------------------------
+
+
+def _closing_run(rank, world, dcs, merge, tau, final):
+    sync = _sync(SyncStrategy.STREAMING_DILOCO, merge=merge, overlap_steps=tau, final_average=final, **OVERLAP)
+    e = _engine(rank, dcs, sync)
+    stats = train_steps(e, rank, world, steps=OVERLAP_STEPS - 1, micro=2)
+    in_flight = sorted(e.in_flight)
+    stats += train_steps(e, rank, world, steps=1, micro=2, first_step=OVERLAP_STEPS - 1, job_ends=True)
+    rows = sum(p.local.numel() for p in e.params)
+    frags = [[p.name for p in f] for f in e.fragments]
+    return _close(e), frags, in_flight, [s.inter_dc_bytes for s in stats], rows
+
+
+@pytest.mark.parametrize("dcs,merge,tau,in_flight", [
+    (("a", "a", "b"), OuterMerge.KEEP_PROGRESS, 3, [1]),  # fragment 1's sync, started after step 8, lands early
+    (("a", "b", "c", "c"), OuterMerge.MIX, 1, []),  # fragment 0's, due after step 10, is not started
+])  # fmt: skip
+def test_the_last_step_lands_what_is_in_flight_and_averages_the_datacenters(dcs, merge, tau, in_flight):
+    out = run_processes(_closing_run, len(dcs), dcs, merge, tau, FinalAverage.FP32)
+    fragments = out[0][1]
+    ref = _streaming_reference(dcs, fragments, merge, tau, average_at_end=True)
+    apart = _streaming_reference(dcs, fragments, merge, tau)
+    assert any(not torch.allclose(apart[dcs[0]][n], apart[dcs[-1]][n]) for n in apart[dcs[0]])  # they differ
+    assert out[0][2] == in_flight  # at the last step
+    for rank, (params, _, _, sent, rows) in enumerate(out):
+        for name in params:
+            torch.testing.assert_close(params[name], ref[dcs[rank]][name], rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(params[name], out[0][0][name], rtol=0, atol=0)  # one model everywhere
+        # the last step sends every row once (fp32), over a ring of the datacenters' holders when more than two
+        k = len(set(dcs))
+        assert sent[-1] == (4 * rows if k == 2 else round(2 * (k - 1) / k * 4 * rows))
+        assert sent[-2] == 0  # step 9 starts no sync
+
+
+def test_the_average_in_bf16_is_the_fp32_one_to_bf16_precision_of_the_deltas():
+    dcs = ("a", "b")
+    exact = run_processes(_closing_run, 2, dcs, OuterMerge.KEEP_PROGRESS, 1, FinalAverage.FP32)
+    bf16 = run_processes(_closing_run, 2, dcs, OuterMerge.KEEP_PROGRESS, 1, FinalAverage.BF16)
+    for (e, _, _, e_sent, rows), (b, _, _, b_sent, _) in zip(exact, bf16, strict=True):
+        for name in e:
+            torch.testing.assert_close(b[name], e[name], rtol=0, atol=2e-3)
+        assert e_sent[-1] == 4 * rows and b_sent[-1] == 2 * rows
+    assert any(not torch.equal(b[n], e[n]) for (e, *_), (b, *_) in zip(exact, bf16, strict=True) for n in e)
 
 
 # -- state survives a resize -----------------------------------------------------------------------------------

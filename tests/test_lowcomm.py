@@ -21,14 +21,16 @@ def test_torchft_and_meridian_diloco_agree_and_bytes_are_what_was_sent():
     args = build_parser().parse_args(
         ["lowcomm", "--steps", "16", "--inner-steps", str(H), "--compression", "none", "int4", "--rtt-ms", "10",
          "--inter-dc-gbps", "1", "--val-batches", "2", "--warmup-steps", "2", "--fragments", "2", "--overlap-steps", "1", "--diloco-warmup-steps", "0",
-         "--strategies", f"diloco+none/H{H}", f"diloco+int4/H{H}", f"torchft-diloco/H{H}"]
+         "--final-average", "off", "fp32",
+         "--strategies", f"diloco+none/H{H}", f"diloco+int4/H{H}", f"torchft-diloco/H{H}", f"diloco+none/H{H}/avg-fp32"]
     )  # fmt: skip
     out = run(args)
     # the built-in text, and how many times the strategies read its training part
     assert out["data"]["source"] == "builtin:python-reference"
     assert out["data"]["epochs"] == round(16 * 64 * 64 / out["data"]["train_tokens"], 2)
     rows = out["strategies"]
-    assert list(rows) == ["har", f"diloco+none/H{H}", f"diloco+int4/H{H}", f"torchft-diloco/H{H}"]
+    assert list(rows) == ["har", f"diloco+none/H{H}", f"diloco+none/H{H}/avg-fp32", f"diloco+int4/H{H}",
+                          f"torchft-diloco/H{H}"]
     params = count_params("nano")
     # per-step sync: both DCs send their whole fp32 gradient every step, as counted at the collective
     assert rows["har"]["inter_dc_bytes_per_step"] == 2 * 4 * params
@@ -36,6 +38,12 @@ def test_torchft_and_meridian_diloco_agree_and_bytes_are_what_was_sent():
     assert mine["inter_dc_bytes_per_step"] == ft["inter_dc_bytes_per_step"] == 2 * 4 * params / H
     assert mine["bytes_reduction_vs_har"] == H and ft["commits"] == 16 // H
     assert mine["final_val_loss"] == pytest.approx(ft["final_val_loss"], rel=5e-3)
+    # the last step's average replaces that step's outer sync: the same fp32 rows cross, once, and what lands differs
+    # (the mean of the datacenters, not an outer Nesterov step on it)
+    averaged = rows[f"diloco+none/H{H}/avg-fp32"]
+    assert averaged["final_average"] == "fp32" and mine["final_average"] == "off"
+    assert averaged["inter_dc_bytes_per_step"] == mine["inter_dc_bytes_per_step"]
+    assert averaged["final_val_loss"] != mine["final_val_loss"]
     int4 = rows[f"diloco+int4/H{H}"]
     assert 7 <= mine["inter_dc_bytes_per_step"] / int4["inter_dc_bytes_per_step"] <= 8  # 0.53 of 4 bytes
     for r in rows.values():

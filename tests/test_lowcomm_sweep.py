@@ -29,6 +29,16 @@ def test_default_rows_add_plain_and_streaming_sparse_beside_the_dense_ones():
     assert not any(n.startswith("sparse") for n in (s.name for s in strategies(_args("--sparse-density"))))
 
 
+def test_final_average_adds_a_row_per_encoding_to_every_meridian_diloco_row():
+    rows = {s.name: s for s in strategies(_args("--final-average", "off", "bf16"))}
+    for name in ("diloco+int4/H32", "streaming-diloco+int8/H32", "sparse-streaming-diloco+keep/2bit/d0.02/H32"):
+        assert rows[name].sync.outer.final_average.value == "off"
+        assert rows[f"{name}/avg-bf16"].sync.outer.final_average.value == "bf16"
+    assert not any(n.startswith("torchft") and "avg" in n for n in rows) and "har/avg-bf16" not in rows
+    only = [s.name for s in strategies(_args("--final-average", "int8"))]
+    assert "diloco+int4/H32/avg-int8" in only and "diloco+int4/H32" not in only
+
+
 def test_the_sweep_runs_every_combination_of_h_density_and_bits_and_no_dense_meridian_rows():
     args = _args("--sweep", "--inner-steps", "16", "32", "--sparse-density", "0.01", "0.03", "--sparse-value-bits",
                  "2", "4")  # fmt: skip

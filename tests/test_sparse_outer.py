@@ -38,6 +38,7 @@ from sync_helpers import (
 from meridian.workers.contracts.config import (
     Compression,
     DiLoCoConfig,
+    FinalAverage,
     OptimConfig,
     OuterMerge,
     SyncConfig,
@@ -274,16 +275,33 @@ class SparseReference:
                 with torch.no_grad():
                     params[n].copy_(merged.view(params[n].shape))
 
-    def run(self, steps: int) -> None:
+    def run(self, steps: int, *, average_at_end: bool = False) -> None:
+        """``average_at_end``: the last step starts no sync, lands those in flight, and every datacenter's weights
+        become the outer weights less the datacenters' mean of ``anchor - theta`` plus what error feedback would add
+        to the next delta (``decay × residual``; nothing where the weights keep the residual)."""
         for step in range(steps):
             self._inner_step(step)
             done = step + 1
-            for f in self.schedule.starting(done):
+            closing = average_at_end and done == steps
+            for f in [] if closing else self.schedule.starting(done):
                 self.before[f] = {k: r for k, r in self.residual.items() if k[1] in self.chunks[f]}
                 self.mean[f] = self._start(f)
-            for f in self.schedule.landing(done):
+            for f in sorted(self.mean) if closing else self.schedule.landing(done):
                 self.before.pop(f)
                 self._land(f, self.mean.pop(f))
+        if average_at_end:
+            decay = 0.0 if self.cfg.sparse_keep_unsent else self.cfg.sparse_error_decay
+            deltas = []
+            for dc in self.layout.dcs:
+                theta, held = self._flat(dc), self.residuals(dc)
+                deltas.append({n: self.anchor[n] - theta[n] + decay * held[n] for n in self.anchor})
+            for n, a in self.anchor.items():
+                a.sub_(torch.stack([d[n] for d in deltas]).mean(0))
+            for model in self.replicas.values():
+                with torch.no_grad():
+                    for n, p in model.named_parameters():
+                        p.copy_(self.anchor[n].view(p.shape))
+            self.residual.clear()
 
     def bytes_sent(self, rank: int, steps: int) -> list[int]:
         """Per step, the sparse payload bytes ``rank`` puts on inter-DC links: its chunks of the fragments whose
@@ -343,6 +361,34 @@ def test_sparse_diloco_matches_a_single_process_reference(dcs, strategy, knobs, 
         assert any(float(t.abs().max()) > 0 for t in expected.values())  # something was held back
         for name, t in held["residuals"][dc].items():
             torch.testing.assert_close(t, expected[name], rtol=1e-5, atol=1e-6)
+
+
+def _run_to_the_end(rank, world, dcs, sync, steps):
+    e = _engine(rank, dcs, sync)
+    stats = train_steps(e, rank, world, steps=steps, micro=2, job_ends=True)
+    e.synchronize()
+    out = params_of(e.model), e.local_shard(steps), [s.inter_dc_bytes for s in stats], e.chunk_layout()
+    e.close()
+    e.groups.destroy()
+    return out
+
+
+@pytest.mark.parametrize("dcs, strategy, knobs, steps", [
+    (("a", "a", "b"), SyncStrategy.DILOCO, PLAIN, 8),  # the residual, decayed, goes into the average
+    (("a", "b", "c", "c"), SyncStrategy.STREAMING_DILOCO, KEEP_UNSENT_STREAMING, 9),  # the weights hold it
+], ids=["2dc-uneven-plain", "3dc-uneven-keep-unsent-streaming"])  # fmt: skip
+def test_sparse_diloco_ends_with_the_reference_average_of_the_datacenters(dcs, strategy, knobs, steps):
+    sync = _sync(strategy, {**knobs, "final_average": FinalAverage.FP32})
+    out = run_processes(_run_to_the_end, len(dcs), dcs, sync, steps)
+    ref = SparseReference(dcs, sync.outer, [layout for *_, layout in out])
+    ref.run(steps, average_at_end=True)
+    for params, _, _, _ in out:
+        for name, t in params.items():
+            torch.testing.assert_close(t, dict(ref.replicas[dcs[0]].named_parameters())[name].detach(),
+                                       rtol=1e-5, atol=1e-6)  # fmt: skip
+    _, optimizer = assemble([shard for _, shard, _, _ in out], shapes={n: t.shape for n, t in out[0][0].items()})
+    if FEEDBACK_KEY in optimizer:  # what error feedback held went into the average
+        assert all(float(t.abs().max()) == 0 for r in optimizer[FEEDBACK_KEY]["residuals"].values() for t in r.values())
 
 
 # -- recovery: the residual of the datacenter that is still whole ---------------------------------------------

@@ -41,6 +41,22 @@ class Compression(str, enum.Enum):
     INT4 = "int4"  # per-128-element absmax, 4 bits, error feedback (meant for DiLoCo's outer deltas)
 
 
+class FinalAverage(str, enum.Enum):
+    """Whether a DiLoCo job's datacenters average their weights at its last step, and in which encoding."""
+
+    OFF = "off"
+    FP32 = "fp32"
+    BF16 = "bf16"
+    INT8 = "int8"
+    INT4 = "int4"
+
+    @property
+    def compression(self) -> Compression | None:
+        """The inter-DC encoding of the average's deltas; ``None`` when off."""
+        return None if self is FinalAverage.OFF else \
+            Compression.NONE if self is FinalAverage.FP32 else Compression(self.value)  # fmt: skip
+
+
 class OuterMerge(str, enum.Enum):
     """What a fragment's weights become when its outer sync lands ``overlap_steps`` inner steps after it started."""
 
@@ -247,6 +263,12 @@ class DiLoCoConfig:
     datacenter drops its own unsent progress; the next delta, measured from the outer weights, then carries the
     residual itself (CHOCO-SGD's consensus step at the outer level, Koloskova et al. 2019, arXiv:1902.00340). False:
     SparseLoCo's, every datacenter restarts from the outer weights and the residual waits in error feedback."""
+    final_average: FinalAverage = FinalAverage.OFF
+    """At the job's last step, after landing every sync in flight, the datacenters average their weights, each rank
+    sending its rows' delta from the outer weights (with what error feedback still holds) in this encoding, so the
+    job ends with one model: its evaluation, final checkpoint and weights are the average. The bytes count in the
+    last step's. "off": every datacenter ends with its own weights and the job's are the first datacenter's (they
+    differ from the others' where fragments were in flight, and with ``sparse_keep_unsent`` by what was not sent)."""
 
     def __post_init__(self) -> None:
         check_bounds(self, "sync.diloco.")

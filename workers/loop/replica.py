@@ -104,7 +104,9 @@ class Replica(ABC):
 
     @abstractmethod
     def evaluate(self, data: Dataset, batches: int = 4) -> float:
-        """The held-out loss of the current parameters (the same value on every rank)."""
+        """The held-out loss of this rank's current parameters: the same value on every rank of a datacenter, and on
+        every rank where the replicas are equal (per-step sync; DiLoCo right after a sync of every fragment, or its
+        ``final_average``). Rank 0 reports it."""
 
     def extra_inter_dc_bytes(self) -> int:
         """Inter-DC bytes of the last step that the engine's stats do not count (pipeline traffic)."""

@@ -102,7 +102,8 @@ def timed_step(
         data_s += time.perf_counter() - t1
     if rank_step is not None:
         rank_step(computed_beat(rank, step + 1))
-    stats = replica.engine.step(lr_at(step, cfg), snapshot_as=step + 1 if snapshot else None)
+    stats = replica.engine.step(lr_at(step, cfg), snapshot_as=step + 1 if snapshot else None,
+                                last=step + 1 == cfg.steps)
     step_s = time.perf_counter() - t0
     if rank_step is not None:
         rank_step(heartbeat(rank, step + 1, StepTimes(step_s, data_s, stats.sync_wait_s)))

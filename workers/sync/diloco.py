@@ -181,6 +181,9 @@ class DiLoCoSync(GradientSync):
         only until it lands, and never adds it to the next delta, which already holds it."""
         self.comm = InterDCComm(sync.compression, emulator=emulator, sparse=sparse_codec_of(cfg),
                                 feedback_decay=0.0 if self.keep_unsent else cfg.sparse_error_decay)  # the only inter-DC traffic
+        closing = cfg.final_average.compression
+        self.closing = InterDCComm(closing, emulator=emulator) if closing is not None and groups.num_dcs > 1 else None
+        """The last step's average of the datacenters' weights (``final_average``): its own encoding and count."""
         self.chunk_bytes = sync.inter_dc_chunk_mb * 2**20
         self.chunk_elems = max(1, int(self.chunk_bytes) // 4)  # deltas are fp32
         # Outer state of this rank's rows, fp32 (the papers keep the outer parameters in full precision).
@@ -241,18 +244,21 @@ class DiLoCoSync(GradientSync):
     def backward(self, loss: torch.Tensor, *, last_micro_batch: bool) -> None:
         self.inner.backward(loss, last_micro_batch=last_micro_batch)
 
-    def step(self, lr: float, *, snapshot_as: int | None = None) -> StepStats:
+    def step(self, lr: float, *, snapshot_as: int | None = None, last: bool = False) -> StepStats:
         inner = self.inner.step(lr)
         self.done += 1
         waited = 0.0
-        for f in self.schedule.starting(self.done):
-            self._start(f)
-        for f in self.schedule.landing(self.done):
-            waited += self._land(f)
+        if last and self.closing is not None:
+            waited += self._average()
+        else:
+            for f in self.schedule.starting(self.done):
+                self._start(f)
+            for f in self.schedule.landing(self.done):
+                waited += self._land(f)
         shard = self._local_shard(snapshot_as) if snapshot_as is not None else None
         return StepStats(
             grad_norm=inner.grad_norm,
-            inter_dc_bytes=self.comm.take_bytes(),
+            inter_dc_bytes=self.comm.take_bytes() + (self.closing.take_bytes() if self.closing is not None else 0),
             sync_wait_s=inner.sync_wait_s + waited,
             comm_s=inner.comm_s + waited,
             exposed_s=inner.exposed_s + waited,
@@ -311,6 +317,40 @@ class DiLoCoSync(GradientSync):
                     p.local.copy_(joined)
                 mean.zero_()
         return waited
+
+    def _average(self) -> float:
+        """The job's last step (``final_average``): land every sync in flight, then give every datacenter the mean of
+        their weights. Each rank sends its rows' delta from the outer weights, plus what its error feedback would add
+        to the next one (``decay × residual``: the progress it has not sent yet; none with ``sparse_keep_unsent``,
+        whose weights hold it), in the ``final_average`` encoding; the outer weights become the result. Returns the
+        seconds it waited."""
+        t0 = time.perf_counter()
+        for f in sorted(self.in_flight):
+            self._land(f)
+        decay = self.comm.feedback_decay
+        with torch.no_grad():
+            for f, params in enumerate(self.fragments):
+                unsent = self._unsent(f) if decay else {}
+                for p in params:
+                    i = self._index[id(p)]
+                    delta = torch.sub(self.anchor[i], p.local.float(), out=p.in_reduced(self.scratch[p.unit]))
+                    if decay:
+                        delta.add_(unsent[i], alpha=decay)
+            assert self.closing is not None
+            flights = [(u, x, x.start(self.scratch[u], self.closing, self.chunk_bytes))
+                       for f in range(len(self.fragments)) for u, x in self.exchanges[f]]  # fmt: skip
+            for u, x, flight in flights:
+                x.finish(flight, self.scratch[u])
+            k = self.groups.num_dcs
+            for p in self.params:
+                i = self._index[id(p)]
+                self.anchor[i].sub_(p.in_reduced(self.scratch[p.unit]).div_(k))
+                p.local.copy_(self.anchor[i])
+        self.comm.clear_residuals()  # what they held is in the average now
+        self._feedback_copy = None
+        for scratch in self.scratch.values():
+            scratch.zero_()
+        return time.perf_counter() - t0
 
     def _residual_parts(self, fragment: int, residual_of: Callable[[Segment, Hashable], torch.Tensor | None]):
         """``(parameter, first whole element, elements, values or None)`` of every chunk ``fragment`` sends, the

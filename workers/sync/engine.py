@@ -121,10 +121,11 @@ class GradientSync(ABC):
         """Accumulate this micro-batch's gradients; on the last one, start the sync."""
 
     @abstractmethod
-    def step(self, lr: float, *, snapshot_as: int | None = None) -> StepStats:
+    def step(self, lr: float, *, snapshot_as: int | None = None, last: bool = False) -> StepStats:
         """Sync, clip and update. With ``snapshot_as`` (the training steps done after this one) also copy what
         this rank owns of the new state into ``StepStats.shard`` — before any parameter all-gather, so the
-        copy never waits for communication."""
+        copy never waits for communication. ``last``: the job's last step, where an engine whose replicas may
+        differ between syncs (DiLoCo) can bring them together, the bytes counted in this step's stats."""
 
     @abstractmethod
     def local_shard(self, step: int) -> LocalShard:

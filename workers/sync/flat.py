@@ -64,7 +64,7 @@ class FlatSync(GradientSync):
         # DDP averages over ranks; our loss is this rank's share of the global mean, so undo the average.
         (loss * dist.get_world_size(self.groups.world)).backward()
 
-    def step(self, lr: float, *, snapshot_as: int | None = None) -> StepStats:
+    def step(self, lr: float, *, snapshot_as: int | None = None, last: bool = False) -> StepStats:
         norm = clip_grad_norm(self._named(), self.optim_cfg.grad_clip, self.groups.mp_norm)
         set_lr(self.optimizer, lr)
         self.optimizer.step()

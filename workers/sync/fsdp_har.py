@@ -203,7 +203,7 @@ class FSDPHierarchicalSync(GradientSync):
         sync.flights[unit.index] = [x.start(sync.reduced[unit.index], self.comm, self.chunk_bytes)
                                     for x in unit.exchanges]  # fmt: skip
 
-    def step(self, lr: float, *, snapshot_as: int | None = None) -> StepStats:
+    def step(self, lr: float, *, snapshot_as: int | None = None, last: bool = False) -> StepStats:
         t0 = time.perf_counter()
         current, self._current = self._current, _Sync()
         missing = [u.index for u in self.units if u.index not in current.reduced]

@@ -238,6 +238,12 @@ class InterDCComm:
     # Error-feedback state, by the (segment, key) every all_reduce_async of that chunk names: what a durable
     # checkpoint saves and a resume puts back (the engines' ``local_shard`` / ``load_local_shard``).
 
+    @property
+    def feedback_decay(self) -> float:
+        """The share of a chunk's residual its next encoding adds (0 without error feedback, or where the caller
+        carries the residual itself)."""
+        return self._feedback.decay if self._feedback is not None else 0.0
+
     def residual(self, segment: Segment, key: Hashable) -> torch.Tensor | None:
         """The residual the next encoding of chunk ``key`` of ``segment`` adds; ``None`` without one."""
         return None if self._feedback is None else self._feedback.residuals.get((segment, key))
